@@ -1,0 +1,41 @@
+# moetune developer tasks. `make setup` once, then `make quickstart` / `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: setup quickstart test test-slow lint format bench clean
+
+setup: $(BIN)/moetune
+
+$(BIN)/moetune: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# CPU build of torch first, so nothing pulls a multi-GB CUDA wheel.
+	$(BIN)/pip install "torch==2.13.0" || $(BIN)/pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/pip install -e ".[dev]"
+	touch $@
+
+quickstart: setup
+	$(BIN)/moetune quickstart
+
+test: setup
+	$(BIN)/pytest -q
+
+test-slow: setup
+	$(BIN)/pytest -q -m slow
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+bench: setup
+	$(BIN)/python benchmarks/planner_accuracy.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

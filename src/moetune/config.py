@@ -1,0 +1,182 @@
+"""The run config: typed sections grouped by concern, loaded from YAML with
+`--set section.field=value` overrides (CLI beats YAML beats defaults)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from moetune.errors import ConfigError
+
+Target = Literal["attention", "experts", "dense", "shared", "router"]
+DEFAULT_TARGETS: tuple[Target, ...] = ("attention", "experts", "dense", "shared")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelArgs(_Section):
+    """Which base model to fine-tune."""
+
+    id: str = Field(
+        "Qwen/Qwen3-30B-A3B",
+        description="Local dir/file with config.json, a bundled catalog id, or a hub id.",
+    )
+    format: Literal["hf", "gguf"] = Field(
+        "hf", description="Weight format of the base; gguf bases cannot be trained."
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Dtype the frozen base weights are held in."
+    )
+
+
+class LoraArgs(_Section):
+    """The LoRA adapter: where it goes and how big it is."""
+
+    rank: int = Field(16, description="LoRA rank r (per expert for expert stacks).")
+    alpha: float | None = Field(None, description="LoRA alpha; default 2 × rank.")
+    dropout: float = Field(
+        0.0, description="LoRA dropout; peft forbids != 0 when experts are targeted."
+    )
+    targets: list[Target] = Field(
+        default_factory=lambda: list(DEFAULT_TARGETS),
+        description="Parts that get LoRA: attention, experts, dense, shared, router.",
+    )
+    expert_mapping: Literal["explicit", "automap"] = Field(
+        "explicit",
+        description="explicit: target_parameters on fused experts (rank r); "
+        "automap: peft's gate/up/down name mapping (doubles gate_up rank, drops dense MLPs).",
+    )
+    stack: Literal["peft", "mlx"] = Field("peft", description="Training stack the recipe is for.")
+    train_router: bool = Field(
+        False, description="Train the router (turns on the aux loss); frozen by default."
+    )
+    mlx_keys: list[str] | None = Field(
+        None, description="mlx-lm lora_parameters.keys as written by the user (mlx stack)."
+    )
+
+    @field_validator("rank")
+    @classmethod
+    def _positive_rank(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("rank must be a positive integer (e.g. 8, 16, 64)")
+        return v
+
+    @field_validator("dropout")
+    @classmethod
+    def _dropout_range(cls, v: float) -> float:
+        if not 0.0 <= v < 1.0:
+            raise ValueError("dropout must be in [0, 1)")
+        return v
+
+    @property
+    def effective_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
+class TrainArgs(_Section):
+    """The training step that the planner traces and the trainer runs."""
+
+    method: Literal["lora", "full", "qlora"] = Field("lora", description="Fine-tuning method.")
+    seq_len: int = Field(2048, description="Tokens per sequence.")
+    batch_size: int = Field(1, description="Sequences per micro-batch.")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations per layer.")
+    quantization: Literal["none", "bnb-4bit", "bnb-8bit"] = Field(
+        "none", description="Quantisation of the frozen base (bnb leaves fused experts bf16)."
+    )
+
+    @field_validator("seq_len", "batch_size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("must be a positive integer")
+        return v
+
+
+class HardwareArgs(_Section):
+    """Where the run is meant to happen."""
+
+    card: str | None = Field(None, description="Card id from `moetune plan` (e.g. H100-80GB).")
+
+
+class LaneArgs(_Section):
+    """Remote-run infrastructure (the four walls)."""
+
+    provider: Literal["local", "ssh", "runpod"] = Field("local", description="Where to run.")
+    volume_gb: int | None = Field(None, description="Pod volume size in GB.")
+    watchdog_s: int | None = Field(None, description="In-pod watchdog deadline in seconds.")
+    env: dict[str, str] = Field(default_factory=dict, description="Env vars set in the pod.")
+    ci_job_timeout_minutes: int | None = Field(None, description="CI job timeout-minutes.")
+    ci_step_timeout_minutes: int | None = Field(
+        None, description="Step-level timeout-minutes on the launch step."
+    )
+    estimated_eval_s: int = Field(1800, description="Expected eval time on the pod, seconds.")
+
+
+class RunConfig(_Section):
+    """One run: model, LoRA, training, hardware and lane."""
+
+    model: ModelArgs = Field(default_factory=ModelArgs)  # type: ignore[arg-type]
+    lora: LoraArgs = Field(default_factory=LoraArgs)  # type: ignore[arg-type]
+    train: TrainArgs = Field(default_factory=TrainArgs)  # type: ignore[arg-type]
+    hardware: HardwareArgs = Field(default_factory=HardwareArgs)  # type: ignore[arg-type]
+    lane: LaneArgs = Field(default_factory=LaneArgs)  # type: ignore[arg-type]
+
+
+def _apply_override(data: dict[str, Any], assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"bad override {assignment!r}", "write --set section.field=value")
+    node = data
+    *parents, leaf = key.strip().split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r} goes through a non-section", "check the path")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"unknown key {where!r} in run config"
+    return f"invalid {where!r}: {first['msg']}"
+
+
+def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """Validate a config dict (plus overrides) into a RunConfig, or raise ConfigError."""
+    data = dict(data)
+    for assignment in overrides or []:
+        _apply_override(data, assignment)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        fix = "see `moetune config --schema` for every field and its meaning"
+        raise ConfigError(_describe(err), fix) from None
+
+
+def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConfig:
+    """Read a run.yaml; errors name the file and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"run config {path} not found", "pass the path of a run.yaml")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}".splitlines()[0], "fix the YAML")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections", "see configs/ for examples")
+    try:
+        return parse_config(data, overrides)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err.cause}", err.fix) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (written beside every run's outputs)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

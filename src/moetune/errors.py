@@ -1,0 +1,39 @@
+"""Errors a user can cause. Each carries a one-line cause and a fix; the CLI prints
+them without a traceback and exits non-zero."""
+
+from __future__ import annotations
+
+
+class MoetuneError(Exception):
+    """Base class: `cause` says what went wrong, `fix` what to do about it."""
+
+    exit_code = 2
+
+    def __init__(self, cause: str, fix: str = "") -> None:
+        self.cause = cause
+        self.fix = fix
+        super().__init__(f"{cause} Fix: {fix}" if fix else cause)
+
+
+class ConfigError(MoetuneError):
+    """A run config, option or model config.json is invalid."""
+
+
+class ModelSourceError(MoetuneError):
+    """A model id or path cannot be resolved to a config.json."""
+
+
+class UnknownFamilyError(MoetuneError):
+    """A model_type moetune does not know."""
+
+
+class UnknownCardError(MoetuneError):
+    """A hardware id that is not in the card catalog."""
+
+
+class RecipeError(MoetuneError):
+    """A LoRA recipe cannot be built as asked (e.g. expert targets on a dense model)."""
+
+
+class TraceError(MoetuneError):
+    """The fake-tensor trace of a training step failed."""

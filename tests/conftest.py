@@ -1,0 +1,8 @@
+"""Shared fixtures: tiny random MoE configs; never touches the network."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
