@@ -168,7 +168,8 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {err}".splitlines()[0], "fix the YAML")
+        first = f"{path} is not valid YAML: {err}".splitlines()[0]
+        raise ConfigError(first, "fix the YAML syntax") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of sections", "see configs/ for examples")
     try:
