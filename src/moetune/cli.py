@@ -6,7 +6,7 @@ import json
 import sys
 from collections.abc import Callable
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -55,3 +55,171 @@ def version() -> None:
 
 def main() -> None:  # pragma: no cover - console entry
     app()
+
+
+# ---------------------------------------------------------------- preflight commands
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a config field: section.field=value.")
+]
+
+
+@app.command()
+@friendly
+def inspect(
+    model: Annotated[str, typer.Argument(help="Local dir/config.json, catalog id or hub id.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """What a model is: MoE layout and exact parameters by component."""
+    from moetune.model import load_spec
+    from moetune.render import spec_summary, spec_table
+
+    spec = load_spec(model)
+    if as_json:
+        emit_json(spec.to_json())
+        return
+    console.print(spec_table(spec))
+    console.print(spec_summary(spec))
+
+
+@app.command()
+@friendly
+def plan(
+    target: Annotated[str, typer.Argument(help="Model (dir, catalog id, hub id) or a run.yaml.")],
+    card: Annotated[
+        list[str] | None, typer.Option("--card", help="Card id (repeatable; default: all).")
+    ] = None,
+    method: Annotated[str | None, typer.Option(help="lora | full | qlora (analytic).")] = None,
+    rank: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
+    seq: Annotated[int | None, typer.Option(help="Sequence length in tokens.")] = None,
+    batch: Annotated[int | None, typer.Option(help="Micro-batch size.")] = None,
+    targets: Annotated[
+        str | None, typer.Option(help="Comma list of attention,experts,dense,shared,router.")
+    ] = None,
+    no_gc: Annotated[bool, typer.Option("--no-gc", help="Gradient checkpointing off.")] = False,
+    mapping: Annotated[
+        str | None, typer.Option(help="explicit (moetune) | automap (vanilla peft names).")
+    ] = None,
+    estimator: Annotated[str, typer.Option(help="trace (reference) | analytic (instant).")] = (
+        "analytic"
+    ),
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Peak memory by component, fit per card, and what to change to fit."""
+    from moetune.model import load_spec
+    from moetune.plan import make_plan
+    from moetune.preflight import option_overrides, resolve_run
+    from moetune.recipe.rules import LintContext, lint
+    from moetune.render import fits_table, plan_components_table, print_findings
+
+    opts = option_overrides(
+        method=method,
+        rank=rank,
+        seq=seq,
+        batch=batch,
+        targets=targets,
+        mapping=mapping,
+        gc=False if no_gc else None,
+    )
+    cfg = resolve_run(target, [*(overrides or []), *opts])
+    spec = load_spec(cfg.model.id)
+    result = make_plan(spec, cfg, cards=card, estimator=estimator)  # type: ignore[arg-type]
+    findings = lint(LintContext(config=cfg, spec=spec, family=None))
+    if as_json:
+        emit_json({**result.to_json(), "findings": [f.rule_id for f in findings]})
+        return
+    console.print(plan_components_table(result))
+    console.print(fits_table(result))
+    for rec in result.recommendations:
+        console.print(f"  • {rec.describe()}")
+    print_findings(console, findings)
+
+
+@app.command(name="lint")
+@friendly
+def lint_cmd(
+    target: Annotated[str, typer.Argument(help="A run.yaml (or a model id with defaults).")],
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every known trap in a run config, with what happens and the fix. Exit 1 on errors."""
+    from moetune.preflight import lint_run, resolve_run
+    from moetune.render import print_findings
+
+    findings, _ = lint_run(resolve_run(target, overrides))
+    if as_json:
+        emit_json({"findings": [f.to_json() for f in findings]})
+    else:
+        print_findings(console, findings)
+    if any(f.severity == "error" for f in findings):
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def recipe(
+    model: Annotated[str, typer.Argument(help="Model (dir, catalog id, hub id) or a run.yaml.")],
+    stack: Annotated[str | None, typer.Option(help="peft | mlx.")] = None,
+    rank: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
+    targets: Annotated[
+        str | None, typer.Option(help="Comma list of attention,experts,dense,shared,router.")
+    ] = None,
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The exact LoRA configuration that reaches the experts, audited on a built model."""
+    from moetune.model import load_spec
+    from moetune.preflight import option_overrides, resolve_run
+    from moetune.recipe import recipe_for, render_recipe
+
+    opts = option_overrides(stack=stack, rank=rank, targets=targets)
+    cfg = resolve_run(model, [*(overrides or []), *opts])
+    result = recipe_for(load_spec(cfg.model.id), cfg.lora)
+    if as_json:
+        emit_json(result)
+    else:
+        render_recipe(console, result)
+
+
+@app.command()
+@friendly
+def doctor(as_json: JsonOpt = False) -> None:
+    """Installed versions, known-bad combinations, hub settings, disk and accelerators."""
+    from moetune.doctor import run_doctor
+    from moetune.units import gib
+
+    report = run_doctor()
+    if as_json:
+        emit_json(report.to_json())
+        return
+    for name, ver in report.versions.items():
+        console.print(f"{name:>14} {ver}")
+    xet = report.hf_hub_disable_xet
+    console.print(
+        f"HF_HUB_DISABLE_XET={xet!s:<6} {'ok' if xet == '1' else 'set it to 1 before big pulls'}"
+    )
+    console.print(f"free disk at {report.cache_dir}: {gib(report.free_disk_bytes)}")
+    accel = ", ".join(str(a["name"]) for a in report.accelerators) or "none (CPU only)"
+    console.print(f"accelerators: {accel}")
+    for p in report.problems:
+        console.print(f"[red]known bad:[/] {p['message']} – fix: {p['fix']}")
+
+
+@app.command()
+@friendly
+def schema(as_json: JsonOpt = False) -> None:
+    """Every run.yaml field with its default and meaning."""
+    from rich.table import Table
+
+    from moetune.config import schema_rows
+
+    rows = schema_rows()
+    if as_json:
+        emit_json([{"field": f, "default": d, "description": t} for f, d, t in rows])
+        return
+    table = Table("field", "default", "meaning", title="run.yaml", title_justify="left")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)

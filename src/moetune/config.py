@@ -156,7 +156,7 @@ def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> Ru
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        fix = "see `moetune config --schema` for every field and its meaning"
+        fix = "see `moetune schema` for every field and its meaning"
         raise ConfigError(_describe(err), fix) from None
 
 
@@ -181,3 +181,14 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as YAML (written beside every run's outputs)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def schema_rows() -> list[tuple[str, str, str]]:
+    """(field path, default, description) for every field: the documentation of run.yaml."""
+    rows = []
+    for section, info in RunConfig.model_fields.items():
+        model_cls = info.annotation
+        for name, field in model_cls.model_fields.items():  # type: ignore[union-attr]
+            default = field.get_default(call_default_factory=True)
+            rows.append((f"{section}.{name}", repr(default), field.description or ""))
+    return rows

@@ -1,0 +1,65 @@
+"""Glue between the preflight stages: a run config from a model id or a run.yaml, and a
+lint context filled with the spec and the plan, so `plan`, `lint` and `train` share one path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moetune.config import RunConfig, load_config, parse_config
+
+RUN_SUFFIXES = (".yaml", ".yml")
+
+
+def is_run_file(target: str) -> bool:
+    return Path(target).suffix in RUN_SUFFIXES
+
+
+def resolve_run(target: str, overrides: list[str] | None = None) -> RunConfig:
+    """A RunConfig from a run.yaml, or defaults around a model id / path (overrides applied)."""
+    if is_run_file(target):
+        return load_config(target, overrides)
+    return parse_config({"model": {"id": target}}, overrides)
+
+
+def option_overrides(**options: Any) -> list[str]:
+    """CLI options as `--set` assignments; None means "not given" so YAML/defaults win."""
+    paths = {
+        "method": "train.method",
+        "rank": "lora.rank",
+        "seq": "train.seq_len",
+        "batch": "train.batch_size",
+        "gc": "train.gradient_checkpointing",
+        "mapping": "lora.expert_mapping",
+        "stack": "lora.stack",
+        "card": "hardware.card",
+    }
+    out = []
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name == "targets":
+            out.append(f"lora.targets=[{value}]")
+        else:
+            out.append(f"{paths[name]}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
+def lint_run(cfg: RunConfig, estimator: str = "analytic") -> tuple[list[Any], Any]:
+    """Run every rule on `cfg` with its spec and (when a card is named) its plan on that card."""
+    from moetune.model import get_family, load_spec
+    from moetune.plan import make_plan
+    from moetune.recipe.rules import LintContext, lint
+
+    gguf = cfg.model.format == "gguf" or cfg.model.id.lower().endswith(".gguf")
+    spec = None if gguf else load_spec(cfg.model.id)
+    plan = None
+    ctx = LintContext(config=cfg, spec=spec, family=get_family(spec.model_type) if spec else None)
+    if spec is not None:
+        cards = [cfg.hardware.card] if cfg.hardware.card else None
+        plan = make_plan(spec, cfg, cards=cards, estimator=estimator)  # type: ignore[arg-type]
+        ctx.peak_bytes = plan.required_bytes
+        if cfg.hardware.card:
+            fit = plan.fits[next(iter(plan.fits))]
+            ctx.card_id, ctx.card_usable_bytes = cfg.hardware.card, fit.usable_bytes
+    return lint(ctx), plan

@@ -1,0 +1,82 @@
+"""Rich renderings of moetune's results for people; `--json` bypasses all of this."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from moetune.units import count, gib
+
+SEVERITY_STYLE = {"error": "bold red", "warn": "yellow", "info": "cyan"}
+
+
+def spec_table(spec: Any) -> Table:
+    """Parameters by component, plus the MoE shape."""
+    title = f"{spec.name} ({spec.model_type}) – {'MoE' if spec.is_moe else 'dense, not an MoE'}"
+    table = Table(title=title, title_justify="left")
+    table.add_column("component")
+    table.add_column("params", justify="right")
+    table.add_column("share", justify="right")
+    total = spec.total_params
+    for name, n in spec.components.as_dict().items():
+        if n:
+            table.add_row(name, f"{n:,}", f"{100 * n / total:.1f} %")
+    table.add_row("[bold]total[/]", f"[bold]{total:,}[/]", "100 %")
+    table.add_row(
+        "active (top-k)", f"{spec.active_params:,}", f"{100 * spec.active_params / total:.1f} %"
+    )
+    return table
+
+
+def spec_summary(spec: Any) -> str:
+    if not spec.is_moe:
+        return (
+            f"{spec.num_layers} layers; not an MoE (no routed experts) – planned as a dense model"
+        )
+    layers = spec.moe_layers
+    span = f"{layers[0]}–{layers[-1]}" if len(layers) > 1 else str(layers[0])
+    return (
+        f"{spec.num_layers} layers, {len(layers)} MoE (layers {span}); {spec.num_experts} experts, "
+        f"top-{spec.top_k}; {count(spec.total_params)} total, {count(spec.active_params)} active"
+    )
+
+
+def plan_components_table(plan: Any) -> Table:
+    table = Table(title=f"peak memory by component ({plan.estimator})", title_justify="left")
+    table.add_column("component")
+    table.add_column("bytes", justify="right")
+    for name, n in plan.components.items():
+        table.add_row(name, gib(n))
+    table.add_row("[bold]live tensors at peak[/]", f"[bold]{gib(plan.peak_bytes)}[/]")
+    table.add_row("overhead (context, allocator, workspace)", gib(plan.overhead_bytes))
+    table.add_row("[bold]required[/]", f"[bold]{gib(plan.required_bytes)}[/]")
+    return table
+
+
+def fits_table(plan: Any) -> Table:
+    table = Table(title="fit per card", title_justify="left")
+    for col in ("card", "usable", "headroom", "fits"):
+        table.add_column(col, justify="left" if col == "card" else "right")
+    for card_id, fit in plan.fits.items():
+        mark = "[green]yes[/]" if fit.fits else "[red]no[/]"
+        table.add_row(card_id, gib(fit.usable_bytes), gib(fit.headroom_bytes), mark)
+    return table
+
+
+def findings_table(findings: list[Any]) -> Table:
+    table = Table(title="findings", title_justify="left")
+    for col in ("rule", "severity", "what happens", "fix"):
+        table.add_column(col, overflow="fold")
+    for f in findings:
+        style = SEVERITY_STYLE.get(f.severity, "")
+        table.add_row(f.rule_id, f"[{style}]{f.severity}[/]", f.message, f.fix)
+    return table
+
+
+def print_findings(console: Console, findings: list[Any]) -> None:
+    if findings:
+        console.print(findings_table(findings))
+    else:
+        console.print("[green]no findings: no known trap in this configuration[/]")
