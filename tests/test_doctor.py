@@ -3,11 +3,12 @@ import json
 from typer.testing import CliRunner
 
 from moetune.cli import app
-from moetune.doctor import KNOWN_BAD, installed_versions
+from moetune.doctor import known_bad
+from moetune.recipe.rules import installed_versions
 
 
 def _problems(versions: dict[str, str]) -> list[str]:
-    return [kb.message for kb in KNOWN_BAD if kb.applies(versions)]
+    return [p["message"] for p in known_bad(versions)]
 
 
 def test_doctor_json_reports_installed_versions(monkeypatch) -> None:

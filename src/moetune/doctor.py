@@ -4,64 +4,28 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 
-# Libraries whose versions decide which traps exist (knowledge.md lists the ones seen).
-TRACKED = ("torch", "transformers", "peft", "trl", "accelerate", "mlx-lm", "bitsandbytes")
+from moetune.recipe.rules import installed_versions
+from moetune.recipe.rules_mlx import pin_problems, version_tuple
+
+PEFT_MIN = (0, 17)  # ParamWrapper (LoRA on fused expert parameters) arrived in peft 0.17
 
 
-@dataclass(frozen=True)
-class KnownBad:
-    """A version combination known to fail, with what happens and the fix."""
-
-    when: str
-    message: str
-    fix: str
-
-    def applies(self, versions: dict[str, str]) -> bool:
-        return _CHECKS[self.when](versions)
-
-
-def _ver(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
-def _mlx_needs_tf5(v: dict[str, str]) -> bool:
-    return "mlx-lm" in v and _ver(v["mlx-lm"]) >= (0, 30, 6) and _ver(v["transformers"]) < (5,)
-
-
-def _tf513_breaks_mlx(v: dict[str, str]) -> bool:
-    mlx = v.get("mlx-lm", "")
-    return bool(mlx) and v.get("transformers") == "5.13.0" and _ver(mlx)[:2] == (0, 31)
-
-
-def _old_peft(v: dict[str, str]) -> bool:
-    return "peft" in v and _ver(v["peft"]) < (0, 17)
-
-
-_CHECKS = {"mlx-tf5": _mlx_needs_tf5, "tf513-mlx031": _tf513_breaks_mlx, "old-peft": _old_peft}
-
-KNOWN_BAD = (
-    KnownBad(
-        "mlx-tf5", "mlx-lm >= 0.30.6 needs transformers >= 5", "pip install 'transformers>=5'"
-    ),
-    KnownBad(
-        "tf513-mlx031",
-        "transformers 5.13.0 breaks `import mlx_lm` 0.31.x",
-        "pip install 'transformers!=5.13.0'",
-    ),
-    KnownBad(
-        "old-peft",
-        "peft < 0.17 has no ParamWrapper: LoRA cannot reach fused experts",
-        "pip install 'peft>=0.21.2'",
-    ),
-)
+def known_bad(versions: Mapping[str, str]) -> list[dict[str, str]]:
+    """Known-bad combinations among `versions`: the mlx pins (shared with the
+    MLX-TRANSFORMERS-PIN rule) and a peft too old to reach fused experts."""
+    problems = [{"message": t.message, "fix": t.fix} for t in pin_problems(versions)]
+    if "peft" in versions and version_tuple(versions["peft"]) < PEFT_MIN:
+        problems.append(
+            {
+                "message": "peft < 0.17 has no ParamWrapper: LoRA cannot reach fused experts",
+                "fix": "pip install 'peft>=0.21.2'",
+            }
+        )
+    return problems
 
 
 @dataclass
@@ -76,17 +40,6 @@ class DoctorReport:
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
-
-
-def installed_versions() -> dict[str, str]:
-    """Versions of the tracked libraries that are installed (absent ones are left out)."""
-    found = {}
-    for name in TRACKED:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return found
 
 
 def accelerators() -> list[dict[str, object]]:
@@ -112,7 +65,7 @@ def hf_cache_dir() -> Path:
 def run_doctor() -> DoctorReport:
     """Collect the report; never raises for a missing optional library."""
     versions = installed_versions()
-    problems = [{"message": kb.message, "fix": kb.fix} for kb in KNOWN_BAD if kb.applies(versions)]
+    problems = known_bad(versions)
     cache = hf_cache_dir()
     probe = cache if cache.exists() else Path.home()
     return DoctorReport(

@@ -1,0 +1,52 @@
+"""What a model is, from its config.json alone: family, MoE layout, exact parameter counts.
+
+spec = load_spec("Qwen/Qwen3-30B-A3B")     # bundled, local dir/file, or hub config.json
+spec.total_params, spec.active_params, spec.components
+model = build_model(spec)                  # weightless (meta) transformers model
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetune.errors import UnknownFamilyError
+from moetune.model import arch as _arch  # noqa: F401  (registers every family)
+from moetune.model.build import build_model, to_hf_config
+from moetune.model.families import FAMILIES, ExpertsLayout, Family, ModulePaths, get_family
+from moetune.model.sources import catalog_ids, catalog_meta, resolve_config
+from moetune.model.spec import Components, ModelSpec
+
+
+def load_spec(model: str) -> ModelSpec:
+    """The spec of `model`: a local dir with config.json, a .json file, a bundled id or a hub id."""
+    name, config = resolve_config(model)
+    return spec_from_config(config, name)
+
+
+def spec_from_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec:
+    """The spec of a config.json dict; UnknownFamilyError when model_type is missing or unknown."""
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise UnknownFamilyError(
+            f"{name}: config.json has no model_type",
+            f"add the model's model_type; moetune supports: {', '.join(sorted(FAMILIES))}",
+        )
+    return get_family(str(model_type)).build_spec(cfg, name)
+
+
+__all__ = [
+    "FAMILIES",
+    "Components",
+    "ExpertsLayout",
+    "Family",
+    "ModelSpec",
+    "ModulePaths",
+    "build_model",
+    "catalog_ids",
+    "catalog_meta",
+    "get_family",
+    "load_spec",
+    "resolve_config",
+    "spec_from_config",
+    "to_hf_config",
+]

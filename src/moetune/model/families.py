@@ -17,11 +17,14 @@ from moetune.model.spec import ModelSpec
 
 @dataclass(frozen=True)
 class ModulePaths:
-    """Names relative to one decoder layer (`model.layers.<i>.`), as peft and mlx-lm see them.
+    """Names relative to one decoder layer (`<Family.layers_prefix>.<i>.`, usually
+    `model.layers.<i>.`), as peft and mlx-lm see them.
 
-    peft fields are dotted module paths of nn.Linear leaves (or, for `expert_params`,
-    fused nn.Parameter paths for `LoraConfig.target_parameters`). An empty tuple means
-    the family has no such part.
+    `attention` holds the Linear leaf names (peft `target_modules` style, e.g. "q_proj");
+    the other peft fields are dotted paths of nn.Linear modules, `router` of the router
+    module (a Linear or a `…TopKRouter`), and `expert_params` of the fused nn.Parameters
+    for `LoraConfig.target_parameters`. mlx fields are mlx-lm `lora_parameters.keys`.
+    An empty tuple means the family has no such part (or, for mlx, nothing adaptable).
     """
 
     attention: tuple[str, ...]
@@ -43,6 +46,12 @@ class ExpertsLayout:
     is_concatenated: bool = True  # gate/up as halves (False: interleaved [..., ::2])
     is_transposed: bool = False  # [E, in, out] instead of [E, out, in]
     has_bias: bool = False
+    # False: gate and up are separate parameters (dbrx w1/v1), nothing to de-concatenate.
+    fused_gate_up: bool = True
+    # True: 2-D [E*I, H] stacks (dbrx) rather than 3-D [E, ., .]; view as [E, I, H] per expert.
+    flat_2d: bool = False
+    # True: transformers' `@use_experts_implementation` drives these experts (ExpertsInterface).
+    experts_interface: bool = True
 
 
 @dataclass(frozen=True)
@@ -54,8 +63,20 @@ class Family:
     paths: ModulePaths
     layout: ExpertsLayout = ExpertsLayout()
     peft_automap: bool = True  # peft >= 0.19 maps gate/up/down_proj names onto fused experts
+    # Other target_modules names peft maps onto the fused experts (mixtral: its checkpoint
+    # names w1/w2/w3; gate/up/down_proj match nothing there).
+    peft_automap_names: tuple[str, ...] = ()
     mlx_supported: bool = True
     aliases: tuple[str, ...] = ()  # other model_type strings served by this family
+    # Where the decoder layers live; ModulePaths are relative to `<layers_prefix>.<i>.`.
+    layers_prefix: str = "model.layers"
+    # Config-dependent module names (e.g. DeepSeek's q_proj vs q_a_proj/q_b_proj); `paths`
+    # then holds the union of every variant.
+    paths_for: Callable[[ModelSpec], ModulePaths] | None = None
+
+    def paths_of(self, spec: ModelSpec) -> ModulePaths:
+        """The module paths that exist in the model `spec` describes."""
+        return self.paths_for(spec) if self.paths_for else self.paths
 
 
 FAMILIES: dict[str, Family] = {}

@@ -40,6 +40,13 @@ class Components:
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def __add__(self, other: Components) -> Components:
+        return Components(**{n: getattr(self, n) + getattr(other, n) for n in COMPONENTS})
+
+    def times(self, n: int) -> Components:
+        """These counts repeated `n` times (e.g. once per layer)."""
+        return Components(**{name: getattr(self, name) * n for name in COMPONENTS})
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -69,6 +76,10 @@ class ModelSpec:
     active_params: int
     dtype: str = "bfloat16"
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Layers that hold attention (jamba interleaves Mamba mixers); None means every layer.
+    attention_layer_ids: tuple[int, ...] | None = None
+    # Checkpoint quantization (e.g. "mxfp4", "fp8"); counts and hf_config are for the bf16 model.
+    quant_method: str | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -77,6 +88,12 @@ class ModelSpec:
     @property
     def total_params(self) -> int:
         return self.components.total
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        if self.attention_layer_ids is None:
+            return tuple(range(self.num_layers))
+        return self.attention_layer_ids
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
@@ -104,5 +121,6 @@ class ModelSpec:
             "tie_word_embeddings": self.tie_word_embeddings,
             "total_params": self.total_params,
             "active_params": self.active_params,
+            "quant_method": self.quant_method,
             "components": self.components.as_dict(),
         }

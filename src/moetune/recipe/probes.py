@@ -1,0 +1,356 @@
+"""Probes: demonstrate each rule's trap on the installed library versions.
+
+Every probe builds the smallest thing that shows the trap (a 2-layer, 4-expert model on
+the meta device, a subprocess, a library call) and returns whether the trap reproduced,
+with the evidence. A probe that cannot run here raises ProbeUnavailable with the reason.
+Heavy libraries are imported inside the probes so `moetune lint` never pays for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import metadata, util
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+from moetune.recipe.rules import ProbeOutcome, ProbeUnavailable
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# peft's exact words (peft/tuners/lora/layer.py, ParamWrapper); rules quote them.
+PEFT_DROPOUT_TEXT = "lora.ParamWrapper does not work with lora_dropout != 0"
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+GLU_NAMES = ["gate_proj", "up_proj", "down_proj"]
+
+_TINY = dict(
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    vocab_size=32,
+    intermediate_size=32,
+    num_experts_per_tok=2,
+)
+_TINY_MOE: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=8),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=8, shared_expert_intermediate_size=16),
+    "gpt_oss": dict(num_local_experts=4),
+    # layer 0 dense (first_k_dense_replace), layer 1 MoE with one shared expert
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        moe_intermediate_size=8,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=None,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+    ),
+}
+
+
+# -- tiny transformers models and peft ------------------------------------------------------
+
+
+def tiny_model(model_type: str, device: str = "meta", dtype: Any = None) -> nn.Module:
+    """A 2-layer, 4-expert, hidden-16 causal LM of `model_type` (random or weightless)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **_TINY, **_TINY_MOE[model_type])
+    with _quiet(), torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.bfloat16)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """peft/transformers warnings (rank_pattern mismatch, tiny-vocab eos) are noise here."""
+    from transformers.utils import logging as tf_logging
+
+    level = tf_logging.get_verbosity()
+    tf_logging.set_verbosity(logging.CRITICAL)  # errors too: the gguf probe expects one
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        tf_logging.set_verbosity(level)
+
+
+def adapted_modules(model: nn.Module, **lora: Any) -> set[str]:
+    """Wrap `model` with LoraConfig(r=2, **lora); names (from `layers.`) that got a lora_A."""
+    from peft import LoraConfig, get_peft_model
+
+    with _quiet():
+        peft_model = get_peft_model(model, LoraConfig(r=2, **lora))
+    names = set()
+    for name, _ in peft_model.named_parameters():
+        if ".lora_A." in name and "layers." in name:
+            module = name.split(".lora_A.")[0]
+            names.add(module[module.index("layers.") :].replace(".base_layer", ""))
+    return names
+
+
+def _version(lib: str) -> str:
+    try:
+        return metadata.version(lib)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+# -- peft / transformers traps ------------------------------------------------------------
+
+
+def moe_lora_dropout() -> ProbeOutcome:
+    """peft refuses lora_dropout != 0 on fused expert parameters."""
+    model = tiny_model("qwen3_moe")
+    try:
+        adapted_modules(model, target_parameters=list(EXPERT_PARAMS), lora_dropout=0.1)
+    except ValueError as err:
+        return ProbeOutcome(PEFT_DROPOUT_TEXT in str(err), f"get_peft_model raised: {err}")
+    return ProbeOutcome(False, "get_peft_model accepted lora_dropout=0.1 on fused experts")
+
+
+def _bnb_replaced(model: nn.Module) -> set[str]:
+    """Modules transformers' bitsandbytes integration swaps for quantized ones (bnb itself is
+    stubbed, so the selection logic runs without the library or a GPU)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations import bitsandbytes as tf_bnb
+
+    class QuantizedStub(torch.nn.Module):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__()
+
+    stub = SimpleNamespace(nn=SimpleNamespace(Linear4bit=QuantizedStub, Linear8bitLt=QuantizedStub))
+    with mock.patch.object(tf_bnb, "bnb", stub, create=True):
+        tf_bnb.replace_with_bnb_linear(
+            model, ["lm_head"], quantization_config=BitsAndBytesConfig(load_in_4bit=True)
+        )
+    return {n for n, m in model.named_modules() if isinstance(m, QuantizedStub)}
+
+
+def _kbit_prepared_expert_dtype() -> str:
+    """dtype of a bf16 fused expert stack after peft's prepare_model_for_kbit_training."""
+    from peft import prepare_model_for_kbit_training
+
+    model = tiny_model("qwen3_moe", device="cpu")
+    with _quiet():
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return str(dict(model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"].dtype)
+
+
+def moe_4bit_bnb() -> ProbeOutcome:
+    """bnb replaces only nn.Linear (experts stay bf16); kbit prep upcasts them to fp32."""
+    replaced = _bnb_replaced(tiny_model("qwen3_moe"))
+    experts_quantized = any(".experts" in n for n in replaced)
+    attention_quantized = "model.layers.0.self_attn.q_proj" in replaced
+    dtype = _kbit_prepared_expert_dtype()
+    present = attention_quantized and not experts_quantized and dtype == "torch.float32"
+    evidence = (
+        f"bnb replacement quantized {len(replaced)} Linear modules, experts among them: "
+        f"{experts_quantized}; prepare_model_for_kbit_training left the bf16 expert stack as "
+        f"{dtype}"
+    )
+    return ProbeOutcome(present, evidence)
+
+
+def peft_automap_drops_mlp() -> ProbeOutcome:
+    """deepseek_v3: gate/up/down names are remapped to experts; dense + shared MLPs lose LoRA."""
+    got = adapted_modules(tiny_model("deepseek_v3"), target_modules=[*GLU_NAMES, "o_proj"])
+    dense = any(n.startswith("layers.0.mlp.") for n in got)
+    shared = any(".shared_experts." in n for n in got)
+    experts = "layers.1.mlp.experts" in got
+    evidence = (
+        f"target_modules gate/up/down_proj on a tiny deepseek_v3 adapted: dense MLP {dense}, "
+        f"shared experts {shared}, routed experts {experts}"
+    )
+    return ProbeOutcome(experts and not dense and not shared, evidence)
+
+
+def peft_qwen2moe_unmapped() -> ProbeOutcome:
+    """qwen2_moe: gate/up/down names reach only the shared expert, never the fused experts."""
+    got = adapted_modules(tiny_model("qwen2_moe"), target_modules=GLU_NAMES)
+    experts = any(n.endswith("mlp.experts") for n in got)
+    shared = any(".shared_expert." in n for n in got)
+    evidence = f"qwen2_moe with gate/up/down_proj: routed experts {experts}, shared {shared}"
+    return ProbeOutcome(shared and not experts, evidence)
+
+
+def lora_router_targeted() -> ProbeOutcome:
+    """ "all-linear" also adapts the qwen3_moe router (mlp.gate, via target_parameters)."""
+    got = adapted_modules(tiny_model("qwen3_moe"), target_modules="all-linear")
+    router = sorted(n for n in got if n.endswith("mlp.gate"))
+    return ProbeOutcome(bool(router), f"all-linear on qwen3_moe adapted routers: {router}")
+
+
+def lora_no_experts() -> ProbeOutcome:
+    """gpt_oss has no peft name mapping: "all-linear" silently leaves every expert frozen."""
+    got = adapted_modules(tiny_model("gpt_oss"), target_modules="all-linear")
+    experts = sorted(n for n in got if ".experts" in n)
+    evidence = f"all-linear on gpt_oss raised nothing and adapted {len(got)} modules, experts: "
+    return ProbeOutcome(bool(got) and not experts, evidence + str(experts))
+
+
+# -- mlx-lm (Apple silicon) -----------------------------------------------------------------
+
+
+def _need_mlx() -> None:
+    if util.find_spec("mlx_lm") is None:
+        raise ProbeUnavailable("mlx-lm is not installed here (it needs Apple silicon / mlx)")
+
+
+def _mlx_adapted(keys: list[str] | None) -> set[str]:
+    """Module names in layer 0 of a tiny mlx-lm qwen3_moe that LoRA replaced."""
+    from mlx_lm.models import qwen3_moe  # type: ignore[import-not-found]
+    from mlx_lm.tuner.utils import linear_to_lora_layers  # type: ignore[import-not-found]
+
+    args = qwen3_moe.ModelArgs.from_dict(
+        {"model_type": "qwen3_moe", **_TINY, **_TINY_MOE["qwen3_moe"], "rms_norm_eps": 1e-6}
+        | {"decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1e4}
+        | {"tie_word_embeddings": False, "max_position_embeddings": 64, "norm_topk_prob": True}
+    )
+    model = qwen3_moe.Model(args)
+    config: dict[str, Any] = {"rank": 2, "scale": 1.0, "dropout": 0.0}
+    if keys is not None:
+        config["keys"] = keys
+    linear_to_lora_layers(model, len(model.layers), config)
+    named = model.layers[0].named_modules()
+    return {name for name, mod in named if type(mod).__name__.startswith("LoRA")}
+
+
+def mlx_default_keys() -> ProbeOutcome:
+    """Without keys, mlx-lm adapts the router (mlp.gate) too."""
+    _need_mlx()
+    try:
+        got = _mlx_adapted(None)
+    except Exception as err:  # e.g. mlx-lm < 0.28.2: "Lora does not support qwen3_moe"
+        return ProbeOutcome(False, f"mlx-lm default keys failed: {err!r}")
+    return ProbeOutcome("mlp.gate" in got, f"mlx-lm default keys adapted: {sorted(got)}")
+
+
+def mlx_keys_no_match() -> ProbeOutcome:
+    """HF per-expert names match nothing in mlx-lm and raise nothing."""
+    _need_mlx()
+    try:
+        got = _mlx_adapted(["mlp.experts.0.up_proj"])
+    except Exception as err:  # a loud failure means the trap (silence) is gone
+        return ProbeOutcome(False, f"mlx-lm rejected an unknown key: {err!r}")
+    return ProbeOutcome(not got, f"keys ['mlp.experts.0.up_proj'] adapted: {sorted(got)}")
+
+
+def mlx_transformers_pin() -> ProbeOutcome:
+    """mlx-lm declares the transformers major it needs; a known-bad combo fails to import."""
+    _need_mlx()
+    from moetune.recipe.rules_mlx import pin_problems
+
+    versions = {lib: _version(lib) for lib in ("mlx-lm", "transformers")}
+    if pin_problems(versions):
+        proc = subprocess.run([sys.executable, "-c", "import mlx_lm"], capture_output=True)
+        broken = proc.returncode != 0
+        return ProbeOutcome(broken, f"known-bad {versions}: import mlx_lm failed={broken}")
+    requires = metadata.requires("mlx-lm") or []
+    pinned = [r for r in requires if r.lower().startswith("transformers")]
+    return ProbeOutcome(bool(pinned), f"mlx-lm {versions['mlx-lm']} requires {pinned}")
+
+
+# -- GGUF -------------------------------------------------------------------------------
+
+
+def gguf_not_trainable() -> ProbeOutcome:
+    """transformers cannot read a .gguf here (no gguf package) – nothing to train on."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with tempfile.NamedTemporaryFile(suffix=".gguf") as fh:
+        fh.write(b"GGUF" + bytes(60))
+        fh.flush()
+        try:
+            with _quiet():
+                load_gguf_checkpoint(fh.name)
+        except ImportError as err:
+            return ProbeOutcome(True, f"load_gguf_checkpoint raised ImportError: {err}")
+        except Exception as err:  # gguf is installed: the reader ran and rejected the stub
+            evidence = f"gguf {_version('gguf')} installed; transformers dequantizes: {err!r}"
+            return ProbeOutcome(False, evidence)
+    return ProbeOutcome(False, "transformers read a stub .gguf")
+
+
+# -- infrastructure walls ----------------------------------------------------------------------
+
+
+def card_too_small() -> ProbeOutcome:
+    """An allocation beyond the card's memory fails; PyTorch does not spill to host RAM."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ProbeUnavailable("needs a CUDA device (run the gpu tier on a GPU machine)")
+    _, total = torch.cuda.mem_get_info()
+    try:
+        block = torch.empty(total + 2**30, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as err:
+        return ProbeOutcome(True, f"allocating total+1 GiB raised OutOfMemoryError: {err}"[:300])
+    del block
+    return ProbeOutcome(False, f"allocated {total + 2**30} bytes on a {total}-byte card")
+
+
+_XET_SCRIPT = """
+import os, importlib.util
+from huggingface_hub import constants
+os.environ["HF_HUB_DISABLE_XET"] = "1"
+from huggingface_hub import constants as again
+print(again.HF_HUB_DISABLE_XET, importlib.util.find_spec("hf_xet") is not None)
+"""
+
+
+def hub_xet_enabled() -> ProbeOutcome:
+    """hf-xet is on by default and HF_HUB_DISABLE_XET set after import is ignored."""
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _XET_SCRIPT], capture_output=True, text=True, env=env, timeout=60
+    )
+    if proc.returncode != 0:
+        return ProbeOutcome(False, f"probe script failed: {proc.stderr.strip()[-300:]}")
+    late_flag, xet_installed = proc.stdout.split()
+    evidence = (
+        f"huggingface_hub {_version('huggingface_hub')}: HF_HUB_DISABLE_XET set after import "
+        f"reads {late_flag}; hf_xet installed: {xet_installed}"
+    )
+    return ProbeOutcome(late_flag == "False" and xet_installed == "True", evidence)
+
+
+def volume_too_small() -> ProbeOutcome:
+    """The hub only warns when the disk is too small; the download then dies mid-way."""
+    from huggingface_hub import file_download
+
+    check = getattr(file_download, "_check_disk_space", None)
+    if check is None:
+        return ProbeOutcome(False, "huggingface_hub no longer has _check_disk_space")
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check(10**18, tmp)  # an exabyte never fits
+    warned = [str(w.message)[:80] for w in caught]
+    return ProbeOutcome(bool(warned), f"_check_disk_space(1 EB) did not raise; warned: {warned}")
+
+
+def watchdog_too_short() -> ProbeOutcome:
+    raise ProbeUnavailable(
+        "in-pod watchdog behaviour needs a pod; the sizing is covered by the check() tests"
+    )
+
+
+def ci_step_timeout_missing() -> ProbeOutcome:
+    raise ProbeUnavailable(
+        "GitHub Actions timeout semantics cannot run offline; covered by the check() tests"
+    )
