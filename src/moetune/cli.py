@@ -10,6 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from moetune import __version__
 from moetune.errors import MoetuneError
@@ -33,9 +34,9 @@ def friendly(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except MoetuneError as err:
-            msg = f"[bold red]error:[/] {err.cause}"
+            msg = f"[bold red]error:[/] {escape(err.cause)}"
             if err.fix:
-                msg += f" [bold]fix:[/] {err.fix}"
+                msg += f" [bold]fix:[/] {escape(err.fix)}"
             err_console.print(msg, highlight=False, soft_wrap=True)
             raise typer.Exit(err.exit_code) from None
 

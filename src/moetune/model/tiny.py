@@ -27,8 +27,9 @@ def _cfg(model_type: str, **over: Any) -> dict[str, Any]:
     return {**_BASE, "model_type": model_type, **over}
 
 
-_MLA = {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 6,
-        "n_group": 1, "topk_group": 1}  # fmt: skip
+# MLA attention needs as many kv heads as query heads to run a forward.
+_MLA = {"num_key_value_heads": 4, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
+        "qk_rope_head_dim": 4, "v_head_dim": 6, "n_group": 1, "topk_group": 1}  # fmt: skip
 
 # (id, config): ids name the variant so a failure says which shape broke.
 _VARIANTS: list[tuple[str, dict[str, Any]]] = [
@@ -210,7 +211,7 @@ _VARIANTS: list[tuple[str, dict[str, Any]]] = [
             "n_heads": 4,
             "vocab_size": 64,
             "max_seq_len": 64,
-            "attn_config": {"kv_n_heads": 2, "rope_theta": 500000},
+            "attn_config": {"kv_n_heads": 2, "rope_theta": 500000, "clip_qkv": 8.0},
             "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 8},
         },
     ),

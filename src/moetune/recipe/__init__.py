@@ -1,0 +1,76 @@
+"""LoRA recipes that really reach the experts: peft (audited on a meta build) and mlx-lm.
+
+    from moetune.recipe.targets import build_peft_config, make_recipe
+    from moetune.recipe.audit import audit_coverage
+    from moetune.recipe.mlx import make_mlx_recipe
+
+This package module stays import-light (the rules import it); torch and peft load only
+when a recipe is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from moetune.config import LoraArgs
+    from moetune.model.spec import ModelSpec
+
+
+def _peft(spec: ModelSpec, lora: LoraArgs) -> dict[str, Any]:
+    from moetune.recipe.targets import make_recipe
+
+    return make_recipe(spec, lora).to_json()
+
+
+def _mlx(spec: ModelSpec, lora: LoraArgs) -> dict[str, Any]:
+    from moetune.recipe.mlx import make_mlx_recipe
+
+    return make_mlx_recipe(spec, lora)
+
+
+STACKS: dict[str, Callable[[ModelSpec, LoraArgs], dict[str, Any]]] = {"peft": _peft, "mlx": _mlx}
+
+
+def recipe_for(spec: ModelSpec, lora: LoraArgs) -> dict[str, Any]:
+    """The recipe for `lora.stack` as a JSON-ready dict (`stack` says which)."""
+    return STACKS[lora.stack](spec, lora)
+
+
+def _grouped(rows: list[list[str]]) -> list[list[str]]:
+    """Consecutive layers with identical cells merged into one 'a–b' row (48 layers → few)."""
+    out: list[list[str]] = []
+    for row in rows:
+        if out and out[-1][1:] == row[1:]:
+            out[-1][0] = f"{out[-1][0].split('–')[0]}–{row[0]}"
+        else:
+            out.append(list(row))
+    return out
+
+
+def render_recipe(console: Console, result: dict[str, Any]) -> None:
+    """Print a recipe from `recipe_for` for people: the config, then what it covers."""
+    from rich.syntax import Syntax
+    from rich.table import Table
+
+    if result["stack"] == "mlx":
+        console.print(Syntax(result["yaml"], "yaml"))
+        for kind, why in result["not_present"].items():
+            console.print(f"  {kind}: not present ({why})")
+        return
+    console.print(Syntax(result["snippet"], "python"))
+    cov = result["coverage"]
+    table = Table(*cov["table"]["header"], title="LoRA coverage by layer", title_justify="left")
+    for row in _grouped(cov["table"]["rows"]):
+        table.add_row(*row)
+    console.print(table)
+    console.print(
+        f"coverage {cov['coverage']:.0%} of requested targets; trainable "
+        f"{result['trainable_params']:,} ({result['trainable_fraction']:.2%}); "
+        f"router {'adapted' if cov['router_adapted'] else 'frozen'}"
+    )
+    for kind, why in cov["not_present"].items():
+        console.print(f"  {kind}: not present ({why})")
