@@ -88,13 +88,57 @@ class TrainArgs(_Section):
     quantization: Literal["none", "bnb-4bit", "bnb-8bit"] = Field(
         "none", description="Quantisation of the frozen base (bnb leaves fused experts bf16)."
     )
+    learning_rate: float = Field(2e-4, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, description="AdamW weight decay.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Learning-rate schedule after warmup."
+    )
+    warmup_ratio: float = Field(0.0, description="Fraction of steps spent warming up.")
+    epochs: float = Field(1.0, description="Passes over the training data (max_steps wins).")
+    max_steps: int | None = Field(None, description="Stop after this many optimizer steps.")
+    grad_accum: int = Field(1, description="Micro-batches per optimizer step.")
+    seed: int = Field(0, description="Seed for weights init of LoRA, data order and dropout.")
+    logging_steps: int = Field(1, description="Log loss and throughput every N steps.")
+    save_steps: int = Field(50, description="Atomic checkpoint every N steps (for --resume).")
+    routing_every: int = Field(10, description="Routing diagnostics every N steps (0 = off).")
+    aux_loss: bool | None = Field(
+        None,
+        description="Add the router load-balancing loss (output_router_logits). Default: on "
+        "only when lora.train_router; recorded either way.",
+    )
+    aux_loss_coef: float = Field(0.001, description="Coefficient of the aux loss when on.")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto", description="Where to train; auto picks CUDA, then MPS, then CPU."
+    )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto: bf16 on GPU, fp32 on CPU."
+    )
 
-    @field_validator("seq_len", "batch_size")
+    @field_validator("seq_len", "batch_size", "grad_accum", "logging_steps", "save_steps")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v <= 0:
             raise ValueError("must be a positive integer")
         return v
+
+
+class DataArgs(_Section):
+    """Training data in TRL's conventions, from local files."""
+
+    train_file: str | None = Field(
+        None, description="JSONL/JSON/Parquet with messages, prompt/completion or text rows."
+    )
+    eval_file: str | None = Field(None, description="Held-out rows in the same format.")
+    completion_only_loss: bool = Field(
+        True, description="Loss on completions/assistant turns only, where the format allows."
+    )
+    packing: bool = Field(False, description="Pack short rows into full sequences.")
+
+
+class OutputArgs(_Section):
+    """Where a run writes its adapter, metrics, checkpoints and resolved config."""
+
+    dir: str = Field("runs/latest", description="Run directory (created; never overwritten).")
 
 
 class HardwareArgs(_Section):
@@ -118,10 +162,12 @@ class LaneArgs(_Section):
 
 
 class RunConfig(_Section):
-    """One run: model, LoRA, training, hardware and lane."""
+    """One run: model, LoRA, data, output, training, hardware and lane."""
 
     model: ModelArgs = Field(default_factory=ModelArgs)  # type: ignore[arg-type]
     lora: LoraArgs = Field(default_factory=LoraArgs)  # type: ignore[arg-type]
+    data: DataArgs = Field(default_factory=DataArgs)  # type: ignore[arg-type]
+    output: OutputArgs = Field(default_factory=OutputArgs)  # type: ignore[arg-type]
     train: TrainArgs = Field(default_factory=TrainArgs)  # type: ignore[arg-type]
     hardware: HardwareArgs = Field(default_factory=HardwareArgs)  # type: ignore[arg-type]
     lane: LaneArgs = Field(default_factory=LaneArgs)  # type: ignore[arg-type]
