@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -182,6 +183,44 @@ def recipe(
         emit_json(result)
     else:
         render_recipe(console, result)
+
+
+@app.command(name="train")
+@friendly
+def train_cmd(
+    config: Annotated[Path, typer.Argument(help="The run.yaml to train.")],
+    overrides: SetOpt = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue output.dir from its last checkpoint.")
+    ] = False,
+    allow_errors: Annotated[
+        bool, typer.Option("--allow-errors", help="Train despite preflight errors (recorded).")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
+    from moetune.config import load_config
+    from moetune.train import train
+    from moetune.units import human_bytes
+
+    cfg = load_config(config, overrides)
+    result = train(cfg, resume=resume, allow_errors=allow_errors, progress=not as_json)
+    if as_json:
+        emit_json(result.to_json())
+        return
+    loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "–"
+    router = "changed" if result.router_changed else "unchanged"
+    planned = human_bytes(result.planned_peak_bytes) if result.planned_peak_bytes else "–"
+    console.print(f"adapter: {escape(result.adapter_dir)}")
+    console.print(
+        f"{result.steps} steps · final loss {loss} · LoRA coverage {result.coverage:.0%} · "
+        f"router {router} · aux loss {'on' if result.aux_loss else 'off'} · {result.seconds:.1f} s"
+    )
+    console.print(
+        f"peak memory {human_bytes(result.peak_memory_bytes)} measured, {planned} planned"
+    )
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
 
 
 @app.command()

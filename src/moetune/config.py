@@ -133,6 +133,11 @@ class DataArgs(_Section):
         True, description="Loss on completions/assistant turns only, where the format allows."
     )
     packing: bool = Field(False, description="Pack short rows into full sequences.")
+    overlong: Literal["truncate", "error"] = Field(
+        "truncate",
+        description="Rows longer than train.seq_len: truncate (counted in data.json) "
+        "or error (names the row).",
+    )
 
 
 class OutputArgs(_Section):

@@ -17,3 +17,12 @@ def count(n: int) -> str:
         if abs(n) >= scale:
             return f"{n / scale:,.2f} {unit}"
     return str(n)
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in the largest binary unit below 1024 ("512 B", "3.4 MiB", "1.2 TiB")."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

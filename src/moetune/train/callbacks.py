@@ -1,0 +1,184 @@
+"""What a run reports while it trains: metrics.jsonl rows and a rich progress bar.
+
+Both are plain `TrainerCallback`s; `quiet()` hides the libraries' own bars meanwhile.
+Memory is the measured figure the planner is checked against: CUDA's allocated bytes
+when training on a GPU, the process RSS otherwise.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from transformers import TrainerCallback
+
+from moetune.units import human_bytes
+
+# ---------------------------------------------------------------- memory
+
+
+def _rss_bytes() -> int | None:
+    """Current resident set size (Linux /proc); None where it cannot be read."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def memory_now() -> int:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.memory_allocated())
+    return _rss_bytes() or peak_rss_bytes()
+
+
+def peak_memory() -> tuple[int, str]:
+    """(bytes, what was measured): CUDA peak allocated on a GPU, else the process peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated()), "cuda_max_memory_allocated"
+    return peak_rss_bytes(), "process_peak_rss"
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+# ---------------------------------------------------------------- metrics
+
+
+_KEEP = {  # TRL/HF log key -> metrics.jsonl field
+    "loss": "loss",
+    "learning_rate": "lr",
+    "grad_norm": "grad_norm",
+    "aux_loss": "aux_loss",
+    "mean_token_accuracy": "token_accuracy",
+    "eval_loss": "eval_loss",
+}
+
+
+class MetricsCallback(TrainerCallback):
+    """One metrics row per log: step, loss, lr, tokens/s, memory (+ aux loss when on)."""
+
+    def __init__(
+        self,
+        write: Callable[[dict[str, Any]], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.write, self.clock = write, clock
+        self.last: dict[str, Any] = {}
+        self._mark = (0.0, 0)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._mark = (self.clock(), state.num_input_tokens_seen)
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
+        logs = logs or {}
+        if not any(k in logs for k in ("loss", "eval_loss")):
+            return  # the end-of-training summary log
+        row: dict[str, Any] = {"step": state.global_step}
+        row.update({out: logs[key] for key, out in _KEEP.items() if key in logs})
+        if "loss" in logs:
+            row.update(self._throughput(state.num_input_tokens_seen))
+        if args.should_save:
+            self.write(row)
+        self.last = {**self.last, **row}
+
+    def _throughput(self, tokens: int) -> dict[str, Any]:
+        now = self.clock()
+        then, before = self._mark
+        self._mark = (now, tokens)
+        rate = (tokens - before) / (now - then) if now > then else 0.0
+        return {"tokens": tokens, "tokens_per_s": round(rate, 1), "memory_bytes": memory_now()}
+
+
+# ---------------------------------------------------------------- progress
+
+
+class RichProgress(TrainerCallback):
+    """A rich progress bar: steps, loss, tokens/s and memory from `metrics`."""
+
+    def __init__(self, metrics: MetricsCallback, console: Console) -> None:
+        self.metrics, self.console = metrics, console
+        self.progress: Progress | None = None
+        self.task: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not state.is_world_process_zero or self.console.quiet:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
+        self.task = self.progress.add_task(
+            "train", total=state.max_steps, completed=state.global_step, info=""
+        )
+        self.progress.start()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=state.global_step)
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        last = self.metrics.last
+        if self.progress is None or "loss" not in last:
+            return
+        info = (
+            f"loss {last['loss']:.4f} · {last['tokens_per_s']:,.0f} tok/s · "
+            f"{human_bytes(last['memory_bytes'])}"
+        )
+        self.progress.update(self.task, info=info)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """No datasets/transformers progress bars (moetune draws its own), restored after."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    ds_on, hf_on = datasets.is_progress_bar_enabled(), hf_logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if ds_on:
+            datasets.enable_progress_bars()
+        if hf_on:
+            hf_logging.enable_progress_bar()

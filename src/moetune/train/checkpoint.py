@@ -1,0 +1,354 @@
+"""The run directory: what a run writes, atomically, and how a killed run resumes.
+
+    <output.dir>/
+      config.yaml         the resolved run config (--resume compares against it)
+      versions.json       torch/transformers/peft/trl/... versions, git sha, device
+      preflight.json      lint findings, the memory plan, errors overridden by --allow-errors
+      data.json           data file, format, rows, what the loss is taken on, sha256
+      coverage.json       the LoRA coverage audit of the wrapped model
+      metrics.jsonl       one row per logging step
+      routing.jsonl       one row per routing record
+      checkpoints/step-N  complete checkpoints only
+      adapter/            the peft adapter (adapter_config.json + adapter_model.safetensors)
+      summary.json        written last: a run with a summary is finished
+
+Checkpoints: HF Trainer writes `checkpoint-N` into `.staging/`, not atomically; once it is
+done the directory is fsynced and renamed to `checkpoints/step-N` in one step, so every
+entry of `checkpoints/` is complete. A kill -9 mid-save leaves a torn directory in
+`.staging/`, which resume ignores and clears. JSON files go to a temp file that is renamed
+over the target; JSONL logs are appended a whole line at a time, a torn last line is
+dropped on read, and on resume rows past the checkpoint are cut away (atomically).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import TrainerCallback
+
+from moetune.config import RunConfig, dump_config
+from moetune.train.errors import TrainError
+
+KEEP_CHECKPOINTS = 2  # committed checkpoints kept; older ones are removed after each commit
+STEP_PREFIX = "step-"
+_LIBRARIES = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "moetune")
+
+
+# ---------------------------------------------------------------- atomic files
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to a temp file beside `path`, fsync it, and rename it over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with tmp.open("x", encoding="utf-8") as fh:  # "x": the umask's permissions, unlike mkstemp
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, payload: Any) -> None:
+    atomic_write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root` and the directories, so a rename publishes whole files."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move the complete directory `src` to `dst`; an existing `dst` is swapped out first."""
+    fsync_tree(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+    _fsync(dst.parent)
+
+
+class JsonlLog:
+    """An append-only JSONL file of rows that carry a "step"."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every whole row; a torn last line (a kill mid-write) is dropped."""
+        if not self.path.is_file():
+            return []
+        rows = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                rows.append(json.loads(line))
+        return rows
+
+    def append(self, row: dict[str, Any]) -> None:
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row, default=str) + "\n")
+            fh.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Keep the rows up to `step` (the checkpoint a run resumes from)."""
+        rows = [r for r in self.read() if r.get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+# ---------------------------------------------------------------- the run directory
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run's outputs."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def versions(self) -> Path:
+        return self.root / "versions.json"
+
+    @property
+    def preflight(self) -> Path:
+        return self.root / "preflight.json"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data.json"
+
+    @property
+    def coverage(self) -> Path:
+        return self.root / "coverage.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def adapter(self) -> Path:
+        return self.root / "adapter"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def staging(self) -> Path:
+        """Where HF Trainer writes checkpoints before they are committed."""
+        return self.root / ".staging"
+
+    @property
+    def metrics(self) -> JsonlLog:
+        return JsonlLog(self.root / "metrics.jsonl")
+
+    @property
+    def routing(self) -> JsonlLog:
+        return JsonlLog(self.root / "routing.jsonl")
+
+    @property
+    def finished(self) -> bool:
+        return self.summary.is_file()
+
+    def checkpoints_done(self) -> list[tuple[int, Path]]:
+        """(step, dir) of the committed checkpoints, oldest first."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = []
+        for d in self.checkpoints.iterdir():
+            step = d.name.removeprefix(STEP_PREFIX)
+            complete = (d / "trainer_state.json").is_file()  # written last by HF Trainer
+            if d.name.startswith(STEP_PREFIX) and step.isdigit() and complete:
+                found.append((int(step), d))
+        return sorted(found)
+
+    def last_checkpoint(self) -> tuple[int, Path] | None:
+        done = self.checkpoints_done()
+        return done[-1] if done else None
+
+    def started(self) -> bool:
+        """True when training made progress here (a checkpoint or a logged step)."""
+        return bool(self.checkpoints_done() or self.metrics.read())
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_diff(old_yaml: str, cfg: RunConfig) -> list[str]:
+    """'key (old -> new)' for every field that differs between a saved and a new config."""
+    try:
+        old = _flatten(yaml.safe_load(old_yaml) or {})
+    except yaml.YAMLError:
+        raise TrainError(
+            "the run's saved config.yaml is not valid YAML, so --resume cannot check it",
+            "restore config.yaml as moetune wrote it, or start a new output.dir",
+        ) from None
+    new = _flatten(cfg.model_dump(mode="json"))
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys]
+
+
+def _check_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".probe."):
+            pass
+    except OSError as exc:
+        raise TrainError(
+            f"output dir {root} is not writable ({exc.strerror or exc})",
+            "set output.dir to a directory you can write to",
+        ) from None
+
+
+def _check_not_foreign(run: RunDir) -> None:
+    """A non-empty directory without moetune's config.yaml belongs to someone else."""
+    found = sorted(p.name for p in run.root.iterdir()) if run.root.is_dir() else []
+    if found and not run.config.is_file():
+        raise TrainError(
+            f"{run.root} is not empty and holds no moetune run ({', '.join(found[:3])})",
+            "choose an empty or new output.dir; moetune never writes over other files",
+        )
+
+
+def _check_resume(run: RunDir, cfg: RunConfig) -> None:
+    _check_not_foreign(run)
+    if not run.config.is_file():
+        return  # nothing written yet: a resume starts from scratch
+    diff = config_diff(run.config.read_text(encoding="utf-8"), cfg)
+    if diff:
+        raise TrainError(
+            f"--resume with a different config than {run.config}: {'; '.join(diff)}",
+            f"resume with the saved config (moetune train {run.config} --resume), "
+            "or start a new output.dir",
+        )
+
+
+def _check_fresh(run: RunDir) -> None:
+    _check_not_foreign(run)
+    if run.finished:
+        raise TrainError(
+            f"{run.root} holds a finished run (summary.json); it is never overwritten",
+            "choose a new output.dir (e.g. --set output.dir=runs/next)",
+        )
+    if run.started():
+        last = run.last_checkpoint()
+        where = f"last checkpoint: step {last[0]}" if last else "no checkpoint yet"
+        raise TrainError(
+            f"{run.root} holds an unfinished run ({where})",
+            "pass --resume to continue it, or choose a new output.dir",
+        )
+
+
+def inspect_run(cfg: RunConfig, resume: bool) -> RunDir:
+    """The run dir of `cfg`, checked read-only: refuse to overwrite, or to resume differently."""
+    run = RunDir(Path(cfg.output.dir))
+    if resume:
+        _check_resume(run, cfg)
+    else:
+        _check_fresh(run)
+    return run
+
+
+def open_run(run: RunDir, cfg: RunConfig, resume_step: int | None) -> None:
+    """Create the run dir and write the config; on resume, clear torn saves and later rows."""
+    _check_writable(run.root)
+    shutil.rmtree(run.staging, ignore_errors=True)  # torn saves of a killed run
+    atomic_write_text(run.config, dump_config(cfg))
+    for log in (run.metrics, run.routing):
+        if log.path.exists():
+            log.truncate_after(resume_step or 0)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class CheckpointCommitter(TrainerCallback):
+    """After each save, publish `.staging/checkpoint-N` as `checkpoints/step-N` in one rename."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()  # every rank has written its part (RNG states)
+        if args.should_save:
+            staged = self.run.staging / f"checkpoint-{state.global_step}"
+            replace_dir(staged, self.run.checkpoints / f"{STEP_PREFIX}{state.global_step}")
+            for _, old in self.run.checkpoints_done()[:-KEEP_CHECKPOINTS]:
+                trash = old.with_name(f".{old.name}.old")  # out of sight first, then deleted
+                os.replace(old, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+        PartialState().wait_for_everyone()
+
+
+# ---------------------------------------------------------------- provenance
+
+
+def git_sha() -> str | None:
+    """The commit of the moetune source tree, when it runs from a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of the libraries a run depends on, Python's, and moetune's git sha."""
+    found: dict[str, str | None] = {}
+    for name in _LIBRARIES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    found["python"] = platform.python_version()
+    found["git_sha"] = git_sha()
+    return found

@@ -1,0 +1,314 @@
+"""Routing diagnostics: how evenly each MoE layer spreads its tokens over the experts.
+
+`RoutingRecorder` hooks the router modules (the family's `paths.router`) and counts, per
+MoE layer, the experts each real token is sent to – the top-k indices the router returns
+(or the top-k of its logits where it returns none). Padding tokens are left out (the
+attention mask), and so are the router calls that gradient checkpointing re-runs in the
+backward pass: only calls inside the model's own forward count.
+
+`LayerLoad` turns the counts into the numbers that show collapse (knowledge §10):
+
+- load fraction per expert: its share of all top-k assignments (they sum to 1);
+- normalised load entropy H/ln E: 1 for an even spread, 0 when one expert takes everything;
+- max/min load fraction and dead experts (no tokens at all);
+- top-1 share: the fraction of tokens whose first choice is the busiest expert. A layer
+  *collapses* when one expert is the first choice of more than half of the tokens
+  (`COLLAPSE_SHARE`). The first choice is used because with top-k >= 2 no expert can hold
+  more than 1/k of the assignments, so "> 50 % of the load" could never fire there.
+
+`RoutingCallback` records every `train.routing_every` optimizer steps into routing.jsonl
+and warns on collapse; `summarize` condenses the records for the run summary. Under
+`accelerate launch` each process counts its own tokens; the main process writes its share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import TrainerCallback
+
+from moetune.model.families import get_family
+from moetune.recipe.audit import decoder_layers
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
+    from moetune.model.spec import ModelSpec
+
+COLLAPSE_SHARE = 0.5  # one expert the first choice of more than this share of tokens
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    """Expert load of one MoE layer over the tokens of one recording."""
+
+    layer: int
+    counts: tuple[int, ...]  # top-k assignments per expert
+    top1: tuple[int, ...]  # tokens whose first choice is each expert
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.top1)
+
+    @property
+    def fractions(self) -> tuple[float, ...]:
+        total = sum(self.counts)
+        return tuple(c / total if total else 0.0 for c in self.counts)
+
+    @property
+    def entropy(self) -> float:
+        """H/ln E of the load fractions: 1 even, 0 all on one expert."""
+        if len(self.counts) < 2 or not sum(self.counts):
+            return 0.0
+        h = -sum(p * math.log(p) for p in self.fractions if p > 0)
+        return h / math.log(len(self.counts))
+
+    @property
+    def dead(self) -> tuple[int, ...]:
+        return tuple(e for e, c in enumerate(self.counts) if c == 0)
+
+    @property
+    def top1_share(self) -> float:
+        return max(self.top1) / self.tokens if self.tokens else 0.0
+
+    @property
+    def busiest(self) -> int:
+        return max(range(len(self.top1)), key=self.top1.__getitem__)
+
+    @property
+    def collapsed(self) -> bool:
+        return self.top1_share > COLLAPSE_SHARE
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "tokens": self.tokens,
+            "tokens_per_expert": list(self.counts),
+            "entropy": round(self.entropy, 6),
+            "max_fraction": round(max(self.fractions), 6),
+            "min_fraction": round(min(self.fractions), 6),
+            "dead_experts": list(self.dead),
+            "top1_share": round(self.top1_share, 6),
+            "collapsed": self.collapsed,
+        }
+
+
+def layer_load(layer: int, indices: torch.Tensor, num_experts: int) -> LayerLoad:
+    """The load of one layer from its routing decisions `indices` [tokens, top_k]."""
+    flat = indices.reshape(-1, indices.shape[-1]).long()
+    counts = torch.bincount(flat.reshape(-1), minlength=num_experts)
+    top1 = torch.bincount(flat[:, 0], minlength=num_experts)
+    return LayerLoad(layer, tuple(counts.tolist()), tuple(top1.tolist()))
+
+
+def routed_experts(output: Any, num_experts: int, top_k: int) -> torch.Tensor | None:
+    """The [tokens, top_k] expert indices in a router's output, or None when unreadable.
+
+    Routers return (logits, weights, indices) in transformers 5; the integer tensor is the
+    routing decision. A router that returns only logits is read as their top-k.
+    """
+    parts = output if isinstance(output, tuple | list) else (output,)
+    tensors = [t for t in parts if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if not t.is_floating_point() and t.dim() >= 2:
+            return t.reshape(-1, t.shape[-1])
+    for t in tensors:
+        if t.is_floating_point() and t.shape[-1] == num_experts:
+            return t.reshape(-1, num_experts).topk(top_k, dim=-1).indices
+    return None
+
+
+def router_modules(model: nn.Module, spec: ModelSpec) -> dict[int, nn.Module]:
+    """MoE layer -> its router module (the outermost, peft wrapper included)."""
+    family = get_family(spec.model_type)
+    layers = decoder_layers(model, spec, family)
+    found: dict[int, nn.Module] = {}
+    for i in spec.moe_layers:
+        for path in family.paths_of(spec).router:
+            try:
+                found[i] = layers[i].get_submodule(path)
+                break
+            except AttributeError:
+                continue
+    return found
+
+
+def effective_weight(module: nn.Module) -> torch.Tensor:
+    """A router's weight as the forward uses it: base weight plus active LoRA deltas."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    def is_wrapper(obj: Any) -> bool:  # a function, so mypy keeps `layer` as Any
+        return isinstance(obj, BaseTunerLayer)
+
+    layer: Any = module  # peft wrappers and router classes are typed loosely
+    deltas: list[torch.Tensor] = []
+    while is_wrapper(layer):
+        if getattr(layer, "parameter_name", "weight") == "weight":
+            active = [a for a in layer.active_adapters if a in layer.lora_A]
+            deltas += [layer.get_delta_weight(a) for a in active]
+        layer = layer.base_layer
+    weight: torch.Tensor = layer.weight.detach().float()
+    for delta in deltas:
+        weight = weight + delta.detach().float()
+    return weight
+
+
+def router_weights(model: nn.Module, spec: ModelSpec) -> dict[int, torch.Tensor]:
+    """MoE layer -> a CPU fp32 copy of its router's effective weight."""
+    with torch.no_grad():
+        return {
+            layer: effective_weight(module).cpu().clone()
+            for layer, module in router_modules(model, spec).items()
+        }
+
+
+def _digest(weights: dict[int, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for layer in sorted(weights):
+        h.update(weights[layer].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def compare_router(
+    before: dict[int, torch.Tensor], after: dict[int, torch.Tensor], trainable: bool
+) -> dict[str, Any]:
+    """Did training change the router's effective weights? Bit-exact, per MoE layer."""
+    changed = [layer for layer in before if not torch.equal(before[layer], after[layer])]
+    drift = max(((after[k] - before[k]).abs().max().item() for k in before), default=0.0)
+    return {
+        "trainable": trainable,
+        "changed": bool(changed),
+        "changed_layers": changed,
+        "max_abs_change": drift,
+        "sha256_before": _digest(before),
+        "sha256_after": _digest(after),
+    }
+
+
+class RoutingRecorder:
+    """Counts routed tokens per MoE layer while started; hooks stay until `remove()`."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec) -> None:
+        self.num_experts, self.top_k = spec.num_experts, spec.top_k
+        self.active = False
+        self._in_forward = False
+        self._mask: torch.Tensor | None = None
+        self._seen: dict[int, list[torch.Tensor]] = {}
+        get_base = getattr(model, "get_base_model", None)
+        base: nn.Module = get_base() if callable(get_base) else model
+        self._handles: list[RemovableHandle] = [
+            base.register_forward_pre_hook(self._begin, with_kwargs=True),
+            base.register_forward_hook(self._end),
+        ]
+        for layer, router in router_modules(model, spec).items():
+            self._handles.append(router.register_forward_hook(self._hook(layer)))
+
+    def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._in_forward = True
+        mask = kwargs.get("attention_mask")
+        self._mask = mask.reshape(-1).bool() if isinstance(mask, torch.Tensor) else None
+
+    def _end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self._in_forward = False
+
+    def _hook(self, layer: int) -> Callable[[nn.Module, Any, Any], None]:
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            if not (self.active and self._in_forward):
+                return  # not recording, or gradient checkpointing's recompute
+            indices = routed_experts(output, self.num_experts, self.top_k)
+            if indices is None:
+                return
+            mask = self._mask
+            if mask is not None and mask.numel() == indices.shape[0]:
+                indices = indices[mask.to(indices.device)]
+            self._seen.setdefault(layer, []).append(indices.detach().cpu())
+
+        return record
+
+    def start(self) -> None:
+        self._seen, self.active = {}, True
+
+    def stop(self) -> list[LayerLoad]:
+        """The loads recorded since `start()`, per layer, and stop recording."""
+        self.active = False
+        return [
+            layer_load(layer, torch.cat(parts), self.num_experts)
+            for layer, parts in sorted(self._seen.items())
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def collapse_warning(step: int, load: LayerLoad) -> str:
+    return (
+        f"routing collapse at step {step}: layer {load.layer} sends "
+        f"{load.top1_share:.0%} of tokens to expert {load.busiest} first "
+        f"(load entropy {load.entropy:.2f})"
+    )
+
+
+class RoutingCallback(TrainerCallback):
+    """Records the routing every `every` optimizer steps; `write(row)` stores a record and
+    `warn(message)` reports a collapse as it happens (all of them also in `.warnings`)."""
+
+    def __init__(
+        self,
+        recorder: RoutingRecorder,
+        every: int,
+        write: Callable[[dict[str, Any]], None],
+        warn: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        self.recorder, self.every, self.write, self.warn = recorder, every, write, warn
+        self.warnings: list[str] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.every and (state.global_step + 1) % self.every == 0:
+            self.recorder.start()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.recorder.active:
+            return
+        loads = self.recorder.stop()
+        if not loads:
+            return
+        if args.should_save:
+            self.write({"step": state.global_step, "layers": [x.to_json() for x in loads]})
+        for load in loads:
+            if load.collapsed:
+                self.warnings.append(collapse_warning(state.global_step, load))
+                self.warn(self.warnings[-1])
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per layer over all records: last and lowest entropy, collapsed steps, dead experts."""
+    layers: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for row in rows:
+        for load in row["layers"]:
+            layers.setdefault(load["layer"], []).append((row["step"], load))
+    out = {str(layer): _layer_summary(seen) for layer, seen in sorted(layers.items())}
+    collapsed = [int(k) for k, v in out.items() if v["collapsed_steps"]]
+    return {"records": len(rows), "collapsed_layers": collapsed, "layers": out}
+
+
+def _layer_summary(seen: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    entropies = [load["entropy"] for _, load in seen]
+    last_step, last = seen[-1]
+    return {
+        "last_step": last_step,
+        "entropy_last": last["entropy"],
+        "entropy_min": min(entropies),
+        "entropy_mean": round(sum(entropies) / len(entropies), 6),
+        "max_fraction_last": last["max_fraction"],
+        "min_fraction_last": last["min_fraction"],
+        "dead_experts_last": last["dead_experts"],
+        "collapsed_steps": [step for step, load in seen if load["collapsed"]],
+    }

@@ -1,0 +1,272 @@
+"""Everything a run settles before it loads the model: where and in what precision it
+runs, the preflight gate (spec, memory plan, lint), the data, the aux-loss decision and
+TRL's arguments – and, once all of that passed, the run directory's first files.
+
+Nothing here trains, and nothing is written until every check has passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moetune.config import RunConfig, TrainArgs
+from moetune.train.checkpoint import RunDir, atomic_write_json, open_run, versions
+from moetune.train.data import TrainData, load_train_data
+from moetune.train.errors import TrainError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from trl import SFTConfig
+
+    from moetune.model.spec import ModelSpec
+    from moetune.recipe.audit import CoverageReport
+
+
+# ---------------------------------------------------------------- device and precision
+
+_DEVICES: dict[str, Callable[[], bool]] = {  # auto picks the first available, in this order
+    "cuda": torch.cuda.is_available,
+    "mps": lambda: bool(torch.backends.mps.is_available()),
+    "cpu": lambda: True,
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str  # cuda | mps | cpu
+    precision: str  # bf16 | fp32
+
+    def load_dtype(self, configured: str) -> str:
+        """fp32 runs hold the base in float32; bf16 runs in the configured model.dtype."""
+        return "float32" if self.precision == "fp32" else configured
+
+    def to_json(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"device": self.device, "precision": self.precision}
+        if self.device == "cuda":
+            props = torch.cuda.get_device_properties(0)
+            info.update(device_name=props.name, device_total_bytes=props.total_memory)
+        return info
+
+
+def resolve_placement(t: TrainArgs) -> Placement:
+    """train.device / train.precision resolved: auto is bf16 on CUDA, fp32 elsewhere."""
+    if t.device == "auto":
+        device = next(name for name, available in _DEVICES.items() if available())
+    elif _DEVICES[t.device]():
+        device = t.device
+    else:
+        raise TrainError(
+            f"train.device={t.device} but no {t.device} device is available here",
+            "set train.device: auto (or cpu)",
+        )
+    precision = t.precision if t.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    return Placement(device, precision)
+
+
+# ---------------------------------------------------------------- the aux loss
+
+
+@dataclass(frozen=True)
+class AuxChoice:
+    enabled: bool
+    coef: float  # TRL's router_aux_loss_coef; 0.0 turns off what TRL would enable by itself
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def aux_choice(cfg: RunConfig, spec: ModelSpec) -> AuxChoice:
+    """train.aux_loss when set; left unset, on exactly when the router trains."""
+    from moetune.model import to_hf_config
+
+    has_aux = hasattr(to_hf_config(spec).get_text_config(), "output_router_logits")
+    explicit = cfg.train.aux_loss is not None
+    wanted = bool(cfg.train.aux_loss) if explicit else cfg.lora.train_router
+    reason = "train.aux_loss" if explicit else ("lora.train_router" if wanted else "router frozen")
+    if wanted and not has_aux:
+        if explicit:
+            raise TrainError(
+                f"train.aux_loss=true but {spec.model_type} has no load-balancing aux loss",
+                "leave train.aux_loss unset (or false) for this model",
+            )
+        return AuxChoice(False, 0.0, f"{spec.model_type} has no aux loss")
+    return AuxChoice(wanted, cfg.train.aux_loss_coef if wanted else 0.0, reason)
+
+
+# ---------------------------------------------------------------- the settled run
+
+
+@dataclass
+class Setup:
+    """What preflight settled; `coverage` is filled in once the model is wrapped."""
+
+    place: Placement
+    spec: ModelSpec
+    findings: list[Any]
+    plan: Any  # moetune.plan.MemoryPlan
+    overridden: list[str]  # error findings trained through with allow_errors
+    tokenizer: PreTrainedTokenizerBase
+    data: TrainData
+    eval_data: TrainData | None
+    aux: AuxChoice
+    args: SFTConfig
+    resume_from: tuple[int, Path] | None
+    coverage: CoverageReport | None = None
+
+    @property
+    def planned_peak_bytes(self) -> int | None:
+        return getattr(self.plan, "peak_bytes", None)
+
+    def preflight_json(self) -> dict[str, Any]:
+        return {
+            "findings": [f.to_json() for f in self.findings],
+            "errors_overridden": self.overridden,
+            "plan": self.plan.to_json() if self.plan is not None else None,
+            "aux_loss": self.aux.to_json(),
+        }
+
+
+def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Setup:
+    """Placement, preflight, data and TRL arguments; then the run dir's first files."""
+    from moetune.model import load_spec
+
+    place = resolve_placement(cfg.train)
+    spec = load_spec(cfg.model.id)
+    findings, plan, overridden = preflight(cfg, place, allow_errors)
+    tokenizer = load_tokenizer(cfg.model.id)
+    data, eval_data = load_train_data(cfg.data, tokenizer, cfg.train.seq_len)
+    aux = aux_choice(cfg, spec)
+    args = sft_args(cfg, run, place, aux, data, eval_data is not None)
+    setup = Setup(
+        place=place,
+        spec=spec,
+        findings=findings,
+        plan=plan,
+        overridden=overridden,
+        tokenizer=tokenizer,
+        data=data,
+        eval_data=eval_data,
+        aux=aux,
+        args=args,
+        resume_from=resume_point(run, data) if resume else None,
+    )
+    with args.main_process_first(local=False, desc="moetune run dir"):  # the others wait
+        if args.should_save:
+            write_preamble(run, cfg, setup)
+    return setup
+
+
+def preflight(
+    cfg: RunConfig, place: Placement, allow_errors: bool
+) -> tuple[list[Any], Any, list[str]]:
+    """Lint and plan the run as it will really run (its dtype); an error finding stops it."""
+    from moetune.preflight import lint_run
+
+    dtype = place.load_dtype(cfg.model.dtype)
+    as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})
+    findings, plan = lint_run(as_run)
+    errors = [f for f in findings if f.severity == "error"]
+    if errors and not allow_errors:
+        more = f" (and {len(errors) - 1} more: {', '.join(f.rule_id for f in errors[1:])})"
+        raise TrainError(
+            f"[{errors[0].rule_id}] {errors[0].message}{more if len(errors) > 1 else ''}",
+            f"{errors[0].fix} – or pass --allow-errors to train anyway (it is recorded)",
+        )
+    return findings, plan, [f.rule_id for f in errors]
+
+
+def load_tokenizer(model_id: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError) as exc:
+        raise TrainError(
+            f"cannot load a tokenizer for {model_id}: {str(exc).splitlines()[0]}",
+            "point model.id at a directory (or hub id) that has the tokenizer files",
+        ) from None
+    if tok.pad_token is None:  # batches need padding; EOS is the usual stand-in
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+# ---------------------------------------------------------------- TRL's arguments
+
+_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+def _checkpointing(on: bool) -> dict[str, Any]:
+    """transformers 5.24 renamed gradient_checkpointing (the old name warns); 5.23 has only it."""
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    new = "activation_checkpointing"
+    return {new if new in names else "gradient_checkpointing": on}
+
+
+def sft_args(
+    cfg: RunConfig, run: RunDir, place: Placement, aux: AuxChoice, data: TrainData, has_eval: bool
+) -> SFTConfig:
+    """SFTConfig for the run. Checkpoints go to the staging dir (see checkpoint.py)."""
+    from trl import SFTConfig
+
+    t = cfg.train
+    return SFTConfig(
+        output_dir=str(run.staging),
+        per_device_train_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,  # optimizer: AdamW (transformers' default, torch fused)
+        lr_scheduler_type=_SCHEDULERS[t.lr_scheduler],
+        warmup_steps=t.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps or -1,
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=place.precision == "bf16",
+        use_cpu=place.device == "cpu",
+        logging_steps=t.logging_steps,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        eval_strategy="steps" if has_eval else "no",
+        eval_steps=t.save_steps,
+        max_length=t.seq_len,
+        packing=cfg.data.packing,
+        router_aux_loss_coef=aux.coef,
+        include_num_input_tokens_seen="non_padding",  # tokens/s, restored on resume
+        report_to=[],
+        disable_tqdm=True,  # moetune draws its own progress bar
+        **_checkpointing(t.gradient_checkpointing),
+        **data.loss.sft,
+    )
+
+
+# ---------------------------------------------------------------- the run dir
+
+
+def resume_point(run: RunDir, data: TrainData) -> tuple[int, Path] | None:
+    """The last complete checkpoint, once the data is known to be what the run started on."""
+    if run.data.is_file():
+        before = json.loads(run.data.read_text(encoding="utf-8")).get("sha256")
+        if before and before != data.sha256:
+            raise TrainError(
+                f"--resume with different data: {data.path} changed since the run started",
+                "restore the original data file, or start a new output.dir",
+            )
+    return run.last_checkpoint()
+
+
+def write_preamble(run: RunDir, cfg: RunConfig, setup: Setup) -> None:
+    """config.yaml, versions.json, preflight.json and data.json, before any training."""
+    open_run(run, cfg, setup.resume_from[0] if setup.resume_from else None)
+    atomic_write_json(run.versions, {**versions(), **setup.place.to_json()})
+    atomic_write_json(run.preflight, setup.preflight_json())
+    atomic_write_json(run.data, setup.data.to_json())

@@ -1,0 +1,313 @@
+"""`train(cfg)`: LoRA SFT of an MoE model that provably reaches the experts.
+
+The run, top to bottom:
+
+1. the run dir is checked read-only: a finished run is never overwritten, an unfinished
+   one only continued with `resume=True`, and only with the same config and data;
+2. `setup.prepare`: device and precision (bf16 on CUDA, fp32 elsewhere unless
+   train.precision says so); preflight – the spec, a memory plan for the run as it will
+   really run and the lint rules, where an `error` finding stops the run unless
+   `allow_errors`, which is recorded; every data row checked; TRL's arguments; then the
+   run dir's first files (config, versions + git sha, preflight, data);
+3. the model is loaded, wrapped with the recipe's LoRA config and audited: coverage.json,
+   and the run stops unless every requested target got LoRA;
+4. TRL's SFTTrainer trains with moetune's callbacks (metrics, routing, atomic checkpoints,
+   progress). The aux loss is on only when train.aux_loss says so or, left unset, when
+   lora.train_router – TRL would otherwise turn it on for every MoE by itself;
+5. the adapter is saved in peft format (temp dir, then rename), the router's effective
+   weights are compared with their state before training, and summary.json comes last.
+
+Multi-GPU is accelerate's job: `accelerate launch "$(command -v moetune)" train run.yaml`
+runs this unchanged (data-parallel; each process trains on its shard). Only the main
+process writes the run dir; checkpoints are committed after every process saved its part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+
+from moetune.config import RunConfig
+from moetune.train.callbacks import (
+    MetricsCallback,
+    RichProgress,
+    peak_memory,
+    quiet,
+    reset_peak_memory,
+)
+from moetune.train.checkpoint import (
+    CheckpointCommitter,
+    RunDir,
+    atomic_write_json,
+    inspect_run,
+    replace_dir,
+)
+from moetune.train.errors import TrainError
+from moetune.train.routing import (
+    RoutingCallback,
+    RoutingRecorder,
+    compare_router,
+    router_weights,
+    summarize,
+)
+from moetune.train.setup import Placement, Setup, prepare
+
+if TYPE_CHECKING:
+    from torch import nn
+    from trl import SFTTrainer
+
+    from moetune.recipe.audit import CoverageReport
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run produced (summary.json's "result")."""
+
+    run_dir: str
+    adapter_dir: str
+    steps: int
+    final_loss: float | None
+    coverage: float  # fraction of the requested LoRA targets adapted (the audit's)
+    router_changed: bool
+    seconds: float
+    peak_memory_bytes: int  # measured: CUDA max allocated, else the process peak RSS
+    planned_peak_bytes: int | None  # the memory plan's prediction for this run
+    aux_loss: bool = False
+    resumed_from_step: int | None = None
+    errors_overridden: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainResult:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def train(
+    cfg: RunConfig, *, resume: bool = False, allow_errors: bool = False, progress: bool = True
+) -> TrainResult:
+    """Train the LoRA adapter `cfg` describes; the module docstring lists the steps."""
+    started = time.perf_counter()
+    run = inspect_run(cfg, resume)
+    if resume and run.finished:  # nothing left to do: the recorded result
+        return TrainResult.from_json(json.loads(run.summary.read_text(encoding="utf-8"))["result"])
+    console = Console(stderr=True, quiet=not progress)
+    setup = prepare(cfg, run, resume, allow_errors)
+    model, setup.coverage = wrap_lora(load_model(cfg, setup.place), cfg, run, setup)
+    announce(console, cfg, setup)
+    router_before = router_weights(model, setup.spec)
+    trainer, routing = build_trainer(cfg, setup, run, model, console)
+    fit(trainer, setup, console)
+    routing.recorder.remove()
+    save_adapter(trainer, run)
+    router = compare_router(router_before, router_weights(model, setup.spec), cfg.lora.train_router)
+    result = TrainResult(
+        run_dir=str(run.root),
+        adapter_dir=str(run.adapter),
+        steps=trainer.state.global_step,
+        final_loss=final_loss(trainer),
+        coverage=setup.coverage.coverage,
+        router_changed=router["changed"],
+        seconds=round(time.perf_counter() - started, 3),
+        peak_memory_bytes=peak_memory()[0],
+        planned_peak_bytes=setup.planned_peak_bytes,
+        aux_loss=setup.aux.enabled,
+        resumed_from_step=setup.resume_from[0] if setup.resume_from else None,
+        errors_overridden=setup.overridden,
+        warnings=routing.warnings + router_warnings(router),
+    )
+    if setup.args.should_save:
+        write_summary(run, result, router, setup)
+    return result
+
+
+# ---------------------------------------------------------------- model and LoRA
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(cfg: RunConfig, place: Placement) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    dtype = _DTYPES[place.load_dtype(cfg.model.dtype)]
+    try:
+        with quiet():
+            model: nn.Module = AutoModelForCausalLM.from_pretrained(cfg.model.id, dtype=dtype)
+    except OSError as exc:
+        raise TrainError(
+            f"cannot load the weights of {cfg.model.id}: {str(exc).splitlines()[0]}",
+            "point model.id at a directory with config.json and weights, or a hub id",
+        ) from None
+    return model
+
+
+def wrap_lora(
+    model: nn.Module, cfg: RunConfig, run: RunDir, setup: Setup
+) -> tuple[nn.Module, CoverageReport]:
+    """Apply the recipe's LoRA (seeded), audit it into coverage.json, refuse any gap."""
+    from peft import get_peft_model
+    from transformers import set_seed
+
+    from moetune.recipe.audit import audit_coverage
+    from moetune.recipe.targets import build_peft_config
+
+    set_seed(cfg.train.seed)  # the LoRA A matrices are initialised here
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # a fresh config each time: get_peft_model rewrites the one it is given
+        wrapped = get_peft_model(model, build_peft_config(setup.spec, cfg.lora))
+    notes = sorted({str(w.message) for w in caught if "peft" in (w.filename or "")})
+    report = audit_coverage(wrapped, setup.spec, cfg.lora)
+    if setup.args.should_save:
+        atomic_write_json(run.coverage, {**report.to_json(), "peft_warnings": notes})
+    require_full_coverage(report)
+    return wrapped, report
+
+
+def require_full_coverage(report: CoverageReport) -> None:
+    """Every requested target adapted, and the router untouched unless it was requested."""
+    unrequested_router = report.router_adapted and "router" not in report.kinds
+    if report.expected and report.coverage == 1.0 and not unrequested_router:
+        return
+    if unrequested_router:
+        cause = "the router got LoRA/training although lora.train_router is off"
+    else:
+        cause = (
+            f"only {report.adapted}/{report.expected} requested LoRA targets are adapted "
+            f"({report.coverage:.0%}); missed: {report.missed_summary() or 'everything'}"
+        )
+    raise TrainError(
+        f"{report.model}: {cause}; nothing was trained (see coverage.json)",
+        "use lora.expert_mapping: explicit, or report the model if it still misses targets",
+    )
+
+
+def announce(console: Console, cfg: RunConfig, setup: Setup) -> None:
+    """One line on what is about to train, the router and aux-loss choice included."""
+    report, aux = setup.coverage, setup.aux
+    assert report is not None
+    router = "trainable (LoRA)" if cfg.lora.train_router else "frozen"
+    aux_text = f"on, coef {aux.coef}" if aux.enabled else "off"
+    line = (
+        f"[bold]train[/] {escape(setup.spec.name)} on {setup.place.device} "
+        f"({setup.place.precision}) · {setup.data.rows} {setup.data.format} rows, loss on "
+        f"{escape(setup.data.loss.on)} · LoRA on {report.adapted}/{report.expected} targets "
+        f"· router {router} · aux loss {aux_text} ({aux.reason})"
+    )
+    console.print(line, highlight=False)
+    if setup.resume_from:
+        console.print(f"resuming from checkpoint step {setup.resume_from[0]}")
+    for rule_id in setup.overridden:
+        console.print(f"[yellow]warning:[/] training despite preflight error {rule_id}")
+
+
+# ---------------------------------------------------------------- training
+
+
+def build_trainer(
+    cfg: RunConfig, setup: Setup, run: RunDir, model: nn.Module, console: Console
+) -> tuple[SFTTrainer, RoutingCallback]:
+    """TRL's SFTTrainer on the wrapped model, with moetune's callbacks instead of printing."""
+    from peft import PeftModel
+    from transformers import PrinterCallback
+    from trl import SFTTrainer
+
+    with quiet():
+        trainer = SFTTrainer(
+            model=cast(PeftModel, model),
+            args=setup.args,
+            train_dataset=setup.data.dataset,
+            eval_dataset=setup.eval_data.dataset if setup.eval_data else None,
+            processing_class=setup.tokenizer,
+        )
+    trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the bar for log printing
+    routing = RoutingCallback(
+        RoutingRecorder(model, setup.spec),
+        cfg.train.routing_every,
+        run.routing.append,
+        lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
+    )
+    metrics = MetricsCallback(run.metrics.append)
+    callbacks = (metrics, routing, CheckpointCommitter(run), RichProgress(metrics, console))
+    for callback in callbacks:  # in this order: the bar shows the row metrics just made
+        trainer.add_callback(callback)
+    return trainer, routing
+
+
+def fit(trainer: SFTTrainer, setup: Setup, console: Console) -> None:
+    """trainer.train(), resumed from the last committed checkpoint when there is one."""
+    checkpoint = str(setup.resume_from[1]) if setup.resume_from else None
+    reset_peak_memory()
+    try:
+        with quiet():
+            trainer.train(resume_from_checkpoint=checkpoint)
+    finally:  # a crash must not leave the live progress display behind
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, RichProgress):
+                callback.close()
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def save_adapter(trainer: SFTTrainer, run: RunDir) -> None:
+    """The peft adapter into a temp dir, then renamed to adapter/ in one step."""
+    tmp = run.root / ".adapter.tmp"
+    if trainer.args.should_save:
+        shutil.rmtree(tmp, ignore_errors=True)
+    trainer.save_model(str(tmp))  # every process: sharded weights are gathered; main writes
+    if trainer.args.should_save:
+        (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle has no place there
+        replace_dir(tmp, run.adapter)
+
+
+def router_warnings(router: dict[str, Any]) -> list[str]:
+    if router["changed"] and not router["trainable"]:
+        return [f"the router changed although it was frozen (layers {router['changed_layers']})"]
+    return []
+
+
+def final_loss(trainer: SFTTrainer) -> float | None:
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    return float(losses[-1]) if losses else None
+
+
+def memory_json(setup: Setup) -> dict[str, Any]:
+    """The measured peak next to the plan's prediction for the same run."""
+    measured, how = peak_memory()
+    planned = setup.planned_peak_bytes
+    return {
+        "measured_peak_bytes": measured,
+        "measured": how,
+        "planned_peak_bytes": planned,
+        "planned_required_bytes": getattr(setup.plan, "required_bytes", None),
+        "measured_over_planned": round(measured / planned, 4) if planned else None,
+    }
+
+
+def write_summary(run: RunDir, result: TrainResult, router: dict[str, Any], setup: Setup) -> None:
+    """summary.json, last: its presence marks the run finished."""
+    summary = {
+        "result": result.to_json(),
+        "router": router,
+        "aux_loss": setup.aux.to_json(),
+        "routing": summarize(run.routing.read()),
+        "memory": memory_json(setup),
+        "placement": setup.place.to_json(),
+        "data": setup.data.to_json(),
+        "coverage_by_kind": setup.coverage.to_json()["by_kind"] if setup.coverage else {},
+    }
+    atomic_write_json(run.summary, summary)
+    shutil.rmtree(run.staging, ignore_errors=True)  # empty once every checkpoint is committed

@@ -1,0 +1,91 @@
+"""The CLI end to end: JSON shapes users script against, and bad input as one line + exit != 0."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.model.tiny import TINY_CONFIGS
+
+runner = CliRunner()
+
+
+def _run(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _model_dir(tmp_path: Path, variant: str) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIGS[variant]))
+    return str(tmp_path)
+
+
+def test_inspect_json_has_the_documented_keys() -> None:
+    code, out, _ = _run("inspect", "Qwen/Qwen3-30B-A3B", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["total_params"] == 30_532_122_624
+    assert data["active_params"] == 3_353_032_704
+    assert data["num_experts"] == 128 and data["top_k"] == 8 and data["num_layers"] == 48
+    assert data["moe_layers"] == list(range(48))
+    assert sum(data["components"].values()) == data["total_params"]
+
+
+def test_inspect_dense_model_says_not_moe(tmp_path: Path) -> None:
+    code, out, _ = _run("inspect", _model_dir(tmp_path, "qwen2"))
+    assert code == 0 and "not an MoE" in out
+
+
+def _assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code != 0
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) <= 2, err  # one message (rich may wrap a long line once)
+    assert "Traceback" not in err
+    text = " ".join(lines)
+    for needle in needles:
+        assert needle in text, text
+
+
+def test_missing_config_json(tmp_path: Path) -> None:
+    code, _, err = _run("inspect", str(tmp_path))
+    _assert_one_line_error(code, err, "config.json")
+
+
+def test_invalid_config_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    code, _, err = _run("inspect", str(tmp_path))
+    _assert_one_line_error(code, err, "config.json")
+
+
+def test_unknown_family(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "frobnicator"}))
+    code, _, err = _run("inspect", str(tmp_path))
+    _assert_one_line_error(code, err, "frobnicator", "qwen3_moe")
+
+
+def test_hub_id_while_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = _run("inspect", "some-org/not-in-the-catalog-MoE")
+    _assert_one_line_error(code, err, "some-org/not-in-the-catalog-MoE")
+
+
+def test_dense_model_with_expert_targets(tmp_path: Path) -> None:
+    code, _, err = _run("recipe", _model_dir(tmp_path, "qwen2"), "--targets", "attention,experts")
+    _assert_one_line_error(code, err, "experts")
+
+
+@pytest.mark.parametrize("flag", [["--rank", "0"], ["--rank", "-8"], ["--seq", "0"]])
+def test_non_positive_rank_or_seq(flag: list[str]) -> None:
+    code, _, err = _run("plan", "Qwen/Qwen3-30B-A3B", *flag)
+    _assert_one_line_error(code, err, "positive")
+
+
+def test_unknown_key_in_run_yaml(tmp_path: Path) -> None:
+    run = tmp_path / "run.yaml"
+    run.write_text("model:\n  id: Qwen/Qwen3-30B-A3B\ntrain:\n  seqlen: 4096\n")
+    code, _, err = _run("lint", str(run))
+    _assert_one_line_error(code, err, "train.seqlen")

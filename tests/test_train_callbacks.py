@@ -1,0 +1,103 @@
+"""The pieces around the trainer: metrics rows, the progress bar, the run dir's files."""
+
+from __future__ import annotations
+
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from moetune.config import parse_config
+from moetune.train.callbacks import MetricsCallback, RichProgress, human_bytes
+from moetune.train.checkpoint import JsonlLog, atomic_write_text, config_diff, replace_dir
+from moetune.train.errors import TrainError
+
+ARGS = SimpleNamespace(should_save=True)
+
+
+def _state(step: int, tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        global_step=step, num_input_tokens_seen=tokens, max_steps=4, is_world_process_zero=True
+    )
+
+
+def test_metrics_rows_carry_loss_lr_throughput_and_aux_loss():
+    clock = iter([100.0, 102.0, 103.0])
+    rows: list[dict] = []
+    metrics = MetricsCallback(rows.append, clock=lambda: next(clock))
+    metrics.on_train_begin(ARGS, _state(0, 0), None)
+    metrics.on_log(ARGS, _state(1, 400), None, logs={"loss": 2.5, "learning_rate": 1e-3})
+    metrics.on_log(ARGS, _state(2, 500), None, logs={"loss": 2.0, "aux_loss": 1.9})
+    metrics.on_log(ARGS, _state(2, 500), None, logs={"eval_loss": 2.2})
+    metrics.on_log(ARGS, _state(2, 500), None, logs={"train_runtime": 3.0})  # end summary
+    assert [r["step"] for r in rows] == [1, 2, 2]
+    assert rows[0]["tokens_per_s"] == 200.0 and rows[0]["lr"] == 1e-3
+    assert rows[1]["tokens_per_s"] == 100.0 and rows[1]["aux_loss"] == 1.9
+    assert rows[2] == {"step": 2, "eval_loss": 2.2}
+    assert rows[0]["memory_bytes"] > 0
+
+
+def test_progress_bar_shows_loss_throughput_and_memory():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    metrics = MetricsCallback(lambda row: None)
+    bar = RichProgress(metrics, console)
+    bar.on_train_begin(ARGS, _state(0, 0), None)
+    metrics.last = {"loss": 1.23456, "tokens_per_s": 1500.0, "memory_bytes": 3 * 2**30}
+    bar.on_log(ARGS, _state(1, 10), None)
+    bar.on_step_end(ARGS, _state(1, 10), None)
+    bar.close()
+    text = out.getvalue()
+    assert "loss 1.2346" in text and "1,500 tok/s" in text and "3.0 GiB" in text
+    assert "1/4" in text
+    quiet = RichProgress(metrics, Console(file=io.StringIO(), quiet=True))
+    quiet.on_train_begin(ARGS, _state(0, 0), None)
+    assert quiet.progress is None  # progress=False draws nothing
+
+
+def test_human_bytes():
+    assert [human_bytes(n) for n in (512, 2048, 5 * 2**20)] == ["512 B", "2.0 KiB", "5.0 MiB"]
+
+
+def test_jsonl_log_drops_a_torn_line_and_truncates_to_a_step(tmp_path):
+    log = JsonlLog(tmp_path / "m.jsonl")
+    for step in (1, 2, 3):
+        log.append({"step": step})
+    with log.path.open("a") as fh:
+        fh.write('{"step": 4, "lo')
+    assert [r["step"] for r in log.read()] == [1, 2, 3]
+    log.truncate_after(2)
+    assert log.path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_atomic_write_leaves_only_the_target(tmp_path):
+    target = tmp_path / "a.json"
+    atomic_write_text(target, "one")
+    atomic_write_text(target, "two")
+    assert target.read_text() == "two"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_replace_dir_swaps_a_complete_directory(tmp_path):
+    old, new = tmp_path / "adapter", tmp_path / ".adapter.tmp"
+    old.mkdir()
+    (old / "w").write_text("old")
+    new.mkdir()
+    (new / "w").write_text("new")
+    replace_dir(new, old)
+    assert (old / "w").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_config_diff_names_each_changed_key():
+    cfg = parse_config({"train": {"learning_rate": 1e-3}})
+    saved = json.dumps(parse_config({"train": {"learning_rate": 2e-3}}).model_dump(mode="json"))
+    assert config_diff(saved, cfg) == ["train.learning_rate (0.002 -> 0.001)"]
+    assert config_diff(json.dumps(cfg.model_dump(mode="json")), cfg) == []
+
+
+def test_config_diff_on_an_unreadable_saved_config():
+    with pytest.raises(TrainError, match="not valid YAML"):
+        config_diff("not: [valid", parse_config({}))

@@ -1,0 +1,190 @@
+"""Training data: TRL's three row conventions from JSONL/JSON/Parquet, every bad input a
+one-line error naming the file and the line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moetune.config import DataArgs
+from moetune.demo.tokenizer import build_tokenizer
+from moetune.train.data import FORMATS, load_data, load_train_data
+from moetune.train.errors import DataError
+from test_train_helpers import GEN_TEMPLATE, reverse_rows, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _load(path: Path, tok, **kw):
+    return load_data(path, tok, kw.pop("seq_len", 32), **kw)
+
+
+def _error(path: Path, tok, **kw) -> DataError:
+    with pytest.raises(DataError) as info:
+        _load(path, tok, **kw)
+    assert "\n" not in str(info.value)  # one line, cause and fix
+    assert info.value.fix
+    return info.value
+
+
+# ---------------------------------------------------------------- formats
+
+
+def test_prompt_completion_trains_on_the_completion(tmp_path, tok):
+    data = _load(write_jsonl(tmp_path / "d.jsonl", reverse_rows(5)), tok)
+    assert (data.format, data.rows) == ("prompt/completion", 5)
+    assert data.dataset.column_names == ["prompt", "completion"]
+    assert data.loss.sft == {"completion_only_loss": True}
+    assert data.loss.on == "completion tokens"
+    off = _load(tmp_path / "d.jsonl", tok, completion_only=False)
+    assert off.loss.sft == {"completion_only_loss": False}
+
+
+def test_text_rows_train_on_every_token_and_extra_keys_are_dropped(tmp_path, tok):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "copy:ab>ab", "id": i} for i in range(3)])
+    data = _load(path, tok)
+    assert data.format == "text"
+    assert data.dataset.column_names == ["text"]
+    assert data.loss.sft == {"completion_only_loss": False}
+    assert "no completion" in data.loss.on
+
+
+def _chat(content: str = "ba") -> dict:
+    turns = [{"role": "user", "content": "rev:ab"}, {"role": "assistant", "content": content}]
+    return {"messages": turns}
+
+
+def test_messages_mask_assistant_turns_only_with_generation_tags(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [_chat(), _chat("cd")])
+    tagged = build_tokenizer()
+    tagged.chat_template = GEN_TEMPLATE
+    assert _load(path, tagged).loss.sft == {"assistant_only_loss": True}
+    plain = build_tokenizer()
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    untagged = _load(path, plain).loss
+    assert untagged.sft == {"assistant_only_loss": False}
+    assert "generation" in untagged.on
+
+
+def test_messages_need_a_chat_template(tmp_path, tok):
+    err = _error(write_jsonl(tmp_path / "m.jsonl", [_chat()]), tok)
+    assert "chat template" in err.cause and "m.jsonl" in err.cause
+
+
+def test_json_array_and_jsonl_named_json(tmp_path, tok):
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps(reverse_rows(3), indent=2))
+    assert _load(array, tok).rows == 3
+    lines = write_jsonl(tmp_path / "l.json", reverse_rows(4))
+    assert _load(lines, tok).rows == 4
+
+
+def test_parquet(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(reverse_rows(4)), path)
+    data = _load(path, tok)
+    assert (data.format, data.rows) == ("prompt/completion", 4)
+
+
+def test_registry_lists_the_three_trl_conventions():
+    assert list(FORMATS) == ["messages", "prompt/completion", "text"]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_missing_file(tmp_path, tok):
+    err = _error(tmp_path / "nope.jsonl", tok)
+    assert "nope.jsonl" in err.cause and "not found" in err.cause
+
+
+def test_empty_file(tmp_path, tok):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n  \n")
+    err = _error(path, tok)
+    assert "empty.jsonl" in err.cause and "empty" in err.cause
+
+
+def test_malformed_row_names_file_and_line(tmp_path, tok):
+    path = tmp_path / "bad.jsonl"
+    rows = [json.dumps(r) for r in reverse_rows(3)]
+    path.write_text("\n".join([rows[0], rows[1], '{"prompt": "x", "completion": ', rows[2]]))
+    err = _error(path, tok)
+    assert f"{path} line 3" in err.cause and "not valid JSON" in err.cause
+
+
+def test_malformed_json_array_names_the_line(tmp_path, tok):
+    path = tmp_path / "bad.json"
+    path.write_text('[\n{"text": "ab"},\n{"text": }\n]')
+    assert f"{path} line 3" in _error(path, tok).cause
+
+
+def test_row_missing_a_key(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [*reverse_rows(2), {"prompt": "rev:ab>"}])
+    err = _error(path, tok)
+    assert f"{path} line 3" in err.cause and "'completion'" in err.cause
+
+
+def test_mixed_formats(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [*reverse_rows(1), {"text": "copy:a>a"}])
+    err = _error(path, tok)
+    assert "line 2" in err.cause and "text row in a prompt/completion file" in err.cause
+
+
+def test_unknown_format_lists_the_keys(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}])
+    err = _error(path, tok)
+    assert "line 1" in err.cause and "answer, question" in err.cause
+    assert "prompt+completion" in err.fix
+
+
+def test_row_that_is_not_an_object(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [["prompt", "completion"]])
+    assert "must be a JSON object" in _error(path, tok).cause
+
+
+def test_wrong_value_types(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": 3}])
+    assert "both be strings" in _error(path, tok).cause
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    tagged = build_tokenizer()
+    tagged.chat_template = GEN_TEMPLATE
+    assert "no assistant turn" in _error(path, tagged).cause
+
+
+def test_unknown_file_type(tmp_path, tok):
+    path = tmp_path / "d.csv"
+    path.write_text("prompt,completion\n")
+    assert "'.csv'" in _error(path, tok).cause
+
+
+def test_overlong_rows_are_counted_or_refused(tmp_path, tok):
+    rows = [*reverse_rows(3), {"prompt": "rev:" + "a" * 40 + ">", "completion": "a" * 40}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert _load(path, tok, seq_len=32).overlong == 1
+    err = _error(path, tok, seq_len=32, overlong="error")
+    assert "line 4" in err.cause and "seq_len=32" in err.cause
+
+
+def test_train_and_eval_files_must_share_a_format(tmp_path, tok):
+    train = write_jsonl(tmp_path / "t.jsonl", reverse_rows(3))
+    held = write_jsonl(tmp_path / "e.jsonl", [{"text": "copy:a>a"}])
+    with pytest.raises(DataError, match="same row format"):
+        load_train_data(DataArgs(train_file=str(train), eval_file=str(held)), tok, 32)
+    with pytest.raises(DataError, match="train_file is not set"):
+        load_train_data(DataArgs(), tok, 32)
+
+
+def test_sha256_changes_with_the_content(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", reverse_rows(3))
+    first = _load(path, tok).sha256
+    write_jsonl(path, reverse_rows(4))
+    assert _load(path, tok).sha256 != first

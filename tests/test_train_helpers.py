@@ -1,0 +1,99 @@
+"""Builders shared by the test_train_* files (no tests here): a tiny Qwen3-MoE with the
+demo's character tokenizer saved as a local model dir, generated JSONL rows, run configs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetune.config import RunConfig, parse_config
+
+WORDS = ("abc", "hello", "xyz", "moe", "tune", "lora", "expert", "route", "gate", "token")
+GEN_TEMPLATE = (  # a chat template whose assistant turns TRL can mask ({% generation %})
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}<eos>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}>{% endif %}{% endfor %}"
+)
+
+
+def save_tiny_model(out: Path, seed: int = 0, chat_template: str | None = None) -> Path:
+    """Qwen3-MoE, hidden 16, 2 MoE layers, 4 experts, top-2 + the demo char tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moetune.demo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    if chat_template:
+        tok.chat_template = chat_template
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    torch.manual_seed(seed)
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def reverse_rows(n: int = 24) -> list[dict[str, str]]:
+    return [{"prompt": f"rev:{w}>", "completion": w[::-1]} for w in (WORDS * n)[:n]]
+
+
+def run_config(model: Path, data: Path, out: Path, **train: Any) -> RunConfig:
+    """A short CPU fp32 run; `train` overrides train.* fields, `lora__x` lora.x."""
+    lora = {k.removeprefix("lora__"): train.pop(k) for k in list(train) if k.startswith("lora__")}
+    data_over = {
+        k.removeprefix("data__"): train.pop(k) for k in list(train) if k.startswith("data__")
+    }
+    section = {
+        "max_steps": 6,
+        "batch_size": 2,
+        "seq_len": 32,
+        "learning_rate": 1e-2,
+        "save_steps": 3,
+        "routing_every": 2,
+        "device": "cpu",
+        **train,
+    }
+    return parse_config(
+        {
+            "model": {"id": str(model)},
+            "lora": {"rank": 4, **lora},
+            "data": {"train_file": str(data), **data_over},
+            "output": {"dir": str(out)},
+            "train": section,
+        }
+    )
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread; 2 shared cores oversubscribe otherwise."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

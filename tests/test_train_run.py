@@ -1,0 +1,311 @@
+"""End to end: `train()` on a tiny Qwen3-MoE (CPU, fp32) – outputs, coverage, router,
+aux loss, preflight gate, refusals, and an adapter that plain peft loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.config import dump_config
+from moetune.train import TrainError, TrainResult, train
+from moetune.train import trainer as trainer_mod
+from moetune.train.checkpoint import inspect_run
+from moetune.train.errors import DataError
+from test_train_helpers import (
+    GEN_TEMPLATE,
+    one_thread,
+    reverse_rows,
+    run_config,
+    save_tiny_model,
+    write_jsonl,
+)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    model = save_tiny_model(root / "model")
+    data = write_jsonl(root / "train.jsonl", reverse_rows(24))
+    held_out = write_jsonl(root / "eval.jsonl", reverse_rows(4))
+    return types.SimpleNamespace(root=root, model=model, data=data, held_out=held_out)
+
+
+@pytest.fixture(scope="module")
+def done(files):
+    """One finished run, with the in-memory trained model's logits captured at save time."""
+    cfg = run_config(
+        files.model, files.data, files.root / "run", data__eval_file=str(files.held_out)
+    )
+    probe = torch.tensor([[10, 11, 12, 4, 30, 31]])
+    captured = {}
+    real_save = trainer_mod.save_adapter
+
+    def spy(trainer, run):
+        trainer.model.eval()
+        with torch.no_grad():
+            captured["logits"] = trainer.model(input_ids=probe).logits.clone()
+        real_save(trainer, run)
+
+    with pytest.MonkeyPatch.context() as mp, one_thread():
+        mp.setattr(trainer_mod, "save_adapter", spy)
+        result = train(cfg, progress=False)
+    run = Path(result.run_dir)
+    return types.SimpleNamespace(cfg=cfg, result=result, run=run, probe=probe, **captured)
+
+
+def _json(path: Path):
+    return json.loads(path.read_text())
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_run_writes_every_output_and_nothing_half_written(done):
+    names = {p.name for p in done.run.iterdir()}
+    assert names == {
+        "config.yaml",
+        "versions.json",
+        "preflight.json",
+        "data.json",
+        "coverage.json",
+        "metrics.jsonl",
+        "routing.jsonl",
+        "checkpoints",
+        "adapter",
+        "summary.json",
+    }  # fmt: skip  (no temp files, no staging dir left)
+    assert (done.run / "config.yaml").read_text() == dump_config(done.cfg)
+    versions = _json(done.run / "versions.json")
+    assert {"torch", "transformers", "peft", "trl", "git_sha"} <= set(versions)
+    assert versions["device"] == "cpu" and versions["precision"] == "fp32"
+    adapter = {p.name for p in (done.run / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= adapter
+    assert "training_args.bin" not in adapter
+    assert sorted(p.name for p in (done.run / "checkpoints").iterdir()) == ["step-3", "step-6"]
+    data = _json(done.run / "data.json")
+    assert data["format"] == "prompt/completion" and data["loss_on"] == "completion tokens"
+
+
+def test_result_fields(done):
+    r = done.result
+    assert (r.steps, r.coverage, r.router_changed, r.aux_loss) == (6, 1.0, False, False)
+    assert math.isfinite(r.final_loss) and r.seconds > 0
+    assert r.adapter_dir == str(done.run / "adapter")
+    assert TrainResult.from_json(r.to_json()) == r
+
+
+def test_coverage_audit_every_expert_stack_adapted(done):
+    report = _json(done.run / "coverage.json")
+    assert report["coverage"] == 1.0 and not report["missed"]
+    assert report["by_kind"]["experts"] == {"adapted": 4, "expected": 4}  # 2 layers x 2 stacks
+    assert report["router"] == {"0": "frozen", "1": "frozen"}
+
+
+def test_frozen_router_unchanged_and_aux_loss_off(done):
+    summary = _json(done.run / "summary.json")
+    router = summary["router"]
+    assert router["changed"] is False and router["trainable"] is False
+    assert router["sha256_before"] == router["sha256_after"]
+    assert summary["aux_loss"] == {"enabled": False, "coef": 0.0, "reason": "router frozen"}
+    assert _json(done.run / "preflight.json")["aux_loss"]["enabled"] is False
+    assert all("aux_loss" not in row for row in _jsonl(done.run / "metrics.jsonl"))
+
+
+def test_metrics_rows(done):
+    rows = _jsonl(done.run / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
+    for row in train_rows:
+        assert math.isfinite(row["loss"]) and row["lr"] >= 0
+        assert row["tokens_per_s"] > 0 and row["memory_bytes"] > 0
+    assert train_rows[0]["lr"] > train_rows[-1]["lr"]  # cosine decay
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
+
+
+def test_routing_records(done):
+    rows = _jsonl(done.run / "routing.jsonl")
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    for row in rows:
+        assert [x["layer"] for x in row["layers"]] == [0, 1]
+        for layer in row["layers"]:
+            assert sum(layer["tokens_per_expert"]) == 2 * layer["tokens"] > 0  # top-2
+            assert 0.0 <= layer["entropy"] <= 1.0
+            assert layer["min_fraction"] <= 0.25 <= layer["max_fraction"]
+    summary = _json(done.run / "summary.json")["routing"]
+    assert summary["records"] == 3 and set(summary["layers"]) == {"0", "1"}
+
+
+def test_measured_memory_next_to_the_plan(done):
+    summary = _json(done.run / "summary.json")
+    memory = summary["memory"]
+    plan = _json(done.run / "preflight.json")["plan"]
+    assert memory["measured_peak_bytes"] == done.result.peak_memory_bytes > 0
+    assert memory["measured"] == "process_peak_rss"
+    assert memory["planned_peak_bytes"] == plan["peak_bytes"] == done.result.planned_peak_bytes
+
+
+def test_adapter_loads_with_plain_peft_and_gives_the_same_logits(done, files):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(files.model, dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(input_ids=done.probe).logits.clone()
+        tuned = PeftModel.from_pretrained(base, done.result.adapter_dir).eval()
+        logits = tuned(input_ids=done.probe).logits
+    torch.testing.assert_close(logits, done.logits, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(logits, base_logits, atol=1e-4)  # the adapter does something
+
+
+def test_finished_run_is_never_overwritten(done):
+    before = {p: p.stat().st_mtime_ns for p in done.run.rglob("*")}
+    with pytest.raises(TrainError, match="finished run") as info:
+        train(done.cfg, progress=False)
+    assert "output.dir" in info.value.fix
+    assert {p: p.stat().st_mtime_ns for p in done.run.rglob("*")} == before
+    assert train(done.cfg, resume=True, progress=False) == done.result  # nothing left to do
+
+
+# ---------------------------------------------------------------- router and aux loss
+
+
+def test_train_router_turns_on_the_aux_loss_and_changes_the_router(files, tmp_path):
+    cfg = run_config(
+        files.model, files.data, tmp_path / "r", max_steps=3, save_steps=50,
+        routing_every=0, lora__train_router=True,
+    )  # fmt: skip
+    with one_thread():
+        result = train(cfg, progress=False)
+    assert result.router_changed is True and result.aux_loss is True
+    summary = _json(tmp_path / "r" / "summary.json")
+    assert summary["aux_loss"] == {"enabled": True, "coef": 0.001, "reason": "lora.train_router"}
+    assert summary["router"]["trainable"] and summary["router"]["max_abs_change"] > 0
+    assert _json(tmp_path / "r" / "coverage.json")["router"] == {"0": "lora", "1": "lora"}
+    rows = _jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert all(row["aux_loss"] > 0 for row in rows)
+
+
+def test_explicit_aux_loss_keeps_a_frozen_router_unchanged(files, tmp_path):
+    cfg = run_config(
+        files.model, files.data, tmp_path / "a", max_steps=2, save_steps=50,
+        routing_every=0, aux_loss=True,
+    )  # fmt: skip
+    with one_thread():
+        result = train(cfg, progress=False)
+    assert result.aux_loss is True and result.router_changed is False
+    assert _json(tmp_path / "a" / "summary.json")["aux_loss"]["reason"] == "train.aux_loss"
+
+
+# ---------------------------------------------------------------- preflight and refusals
+
+
+def test_preflight_error_stops_the_run_before_writing(files, tmp_path):
+    cfg = run_config(files.model, files.data, tmp_path / "x", lora__dropout=0.1)
+    with pytest.raises(TrainError, match="MOE-LORA-DROPOUT") as info:
+        train(cfg, progress=False)
+    assert "--allow-errors" in info.value.fix
+    assert not (tmp_path / "x").exists()
+
+
+def test_allow_errors_trains_and_records_the_override(files, tmp_path, monkeypatch):
+    import moetune.preflight
+    from moetune.recipe.rules import Finding
+
+    real = moetune.preflight.lint_run
+
+    def with_error(cfg, estimator="analytic"):
+        findings, plan = real(cfg, estimator)
+        return [Finding("TEST-ERR", "error", "a test error", "ignore it"), *findings], plan
+
+    monkeypatch.setattr(moetune.preflight, "lint_run", with_error)
+    cfg = run_config(files.model, files.data, tmp_path / "o", max_steps=1, routing_every=0)
+    with pytest.raises(TrainError, match=r"\[TEST-ERR\] a test error"):
+        train(cfg, progress=False)
+    with one_thread():
+        result = train(cfg, allow_errors=True, progress=False)
+    assert result.errors_overridden == ["TEST-ERR"] and result.steps == 1
+    assert _json(tmp_path / "o" / "preflight.json")["errors_overridden"] == ["TEST-ERR"]
+
+
+def test_bad_data_writes_nothing(files, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
+    with pytest.raises(DataError, match=r"bad\.jsonl line 2"):
+        train(run_config(files.model, bad, tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_incomplete_coverage_refuses_to_train(files, tmp_path, monkeypatch):
+    import moetune.recipe.targets as targets
+
+    real = targets.build_peft_config
+
+    def attention_only(spec, lora):
+        config = real(spec, lora)
+        config.target_parameters = None  # the fused expert stacks silently get no LoRA
+        return config
+
+    monkeypatch.setattr(targets, "build_peft_config", attention_only)
+    cfg = run_config(files.model, files.data, tmp_path / "c")
+    with pytest.raises(TrainError, match=r"only 8/12 requested LoRA targets") as info:
+        train(cfg, progress=False)
+    assert "experts mlp.experts.gate_up_proj" in info.value.cause
+    report = _json(tmp_path / "c" / "coverage.json")
+    assert report["coverage"] == pytest.approx(8 / 12)
+    assert not (tmp_path / "c" / "checkpoints").exists()
+    inspect_run(cfg, resume=False)  # nothing trained: the dir may be reused as it is
+
+
+def test_output_dir_not_writable(files, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a directory")
+    cfg = run_config(files.model, files.data, blocker / "run", max_steps=1)
+    with pytest.raises(TrainError, match="not writable"):
+        train(cfg, progress=False)
+
+
+def test_foreign_directory_is_refused(files, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    cfg = run_config(files.model, files.data, tmp_path / "mine")
+    for resume in (False, True):
+        with pytest.raises(TrainError, match="holds no moetune run"):
+            train(cfg, resume=resume, progress=False)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------- other formats
+
+
+def test_messages_rows_train_on_assistant_turns(tmp_path):
+    model = save_tiny_model(tmp_path / "chat-model", chat_template=GEN_TEMPLATE)
+
+    def chat(w: str) -> dict:
+        return {"messages": [{"role": "user", "content": f"rev:{w}"},
+                             {"role": "assistant", "content": w[::-1]}]}  # fmt: skip
+
+    turns = [chat(w) for w in ("abc", "moe", "lora", "gate") * 3]
+    data = write_jsonl(tmp_path / "chat.jsonl", turns)
+    cfg = run_config(model, data, tmp_path / "m", max_steps=2, save_steps=50, routing_every=1)
+    with one_thread():
+        result = train(cfg, progress=True)
+    assert result.steps == 2 and math.isfinite(result.final_loss)
+    assert _json(tmp_path / "m" / "data.json")["loss_on"] == "assistant turns"
+
+
+def test_packed_text_rows(files, tmp_path):
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": f"copy:{w}>{w}"} for w in ("ab", "cde") * 8])
+    cfg = run_config(
+        files.model, data, tmp_path / "p", max_steps=2, save_steps=50, data__packing=True
+    )
+    with one_thread():
+        result = train(cfg, progress=False)
+    assert result.steps == 2 and math.isfinite(result.final_loss)
+    rows = _jsonl(tmp_path / "p" / "routing.jsonl")
+    assert rows and rows[0]["layers"][0]["tokens"] > 0
