@@ -1,0 +1,147 @@
+"""How fast and how lean is the fake-tensor trace of a full training step?
+
+Traces one step of Qwen3-30B-A3B and Qwen3-235B-A22B (vanilla peft LoRA r=16 on attention
+and auto-mapped experts, seq 1024, batch 1, gradient checkpointing on), each in its own
+process so max RSS is per model, and appends a dated line to benchmarks/RESULTS.md.
+
+    python benchmarks/trace_speed.py [--json] [--models 30b,235b] [--seq 1024] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
+
+# Published config.json fields that matter for memory; the rest are transformers defaults.
+MODELS: dict[str, dict[str, Any]] = {
+    "30b": {
+        "name": "Qwen3-30B-A3B",
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+    },
+    "235b": {
+        "name": "Qwen3-235B-A22B",
+        "hidden_size": 4096,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+    },
+}
+SHARED: dict[str, Any] = {
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "rope_theta": 1e6,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def trace_one(key: str, seq_len: int) -> dict[str, Any]:
+    """Run one trace in this process and measure it."""
+    from peft import LoraConfig
+    from transformers import Qwen3MoeConfig
+
+    from moetune.plan.trace import trace_step
+
+    fields = {k: v for k, v in MODELS[key].items() if k != "name"}
+    config = Qwen3MoeConfig(**fields, **SHARED)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS)
+    cpu = time.process_time()
+    result = trace_step(config, lora, seq_len=seq_len)
+    return {
+        "model": MODELS[key]["name"],
+        "seq_len": seq_len,
+        "seconds": round(result.seconds, 1),
+        "cpu_seconds": round(time.process_time() - cpu, 1),
+        "peak_gib": round(result.peak_bytes / 2**30, 2),
+        "peak_op": result.peak_op,
+        "peak_phase": result.peak_phase,
+        "trainable_params": result.trainable_params,
+        "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+    }
+
+
+def run_isolated(key: str, seq_len: int) -> dict[str, Any]:
+    """Trace in a child process, so each model's max RSS is its own."""
+    cmd = [sys.executable, __file__, "--child", key, "--seq", str(seq_len)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"trace of {key} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def machine() -> str:
+    import torch
+
+    cores = os.cpu_count()
+    load = os.getloadavg()[0]  # wall seconds stretch when the cores are shared
+    return f"{platform.machine()}, {cores} cores, torch {torch.__version__}, load {load:.1f}"
+
+
+def record(rows: list[dict[str, Any]]) -> None:
+    """Append one dated line per model to RESULTS.md."""
+    if not RESULTS.exists():
+        RESULTS.write_text(RESULTS_HEADER)
+    today = datetime.date.today().isoformat()
+    lines = [
+        f"- {today} trace_speed: {r['model']} LoRA r16 seq {r['seq_len']} gc on: "
+        f"{r['seconds']} s ({r['cpu_seconds']} s CPU), peak {r['peak_gib']} GiB at "
+        f"{r['peak_op']} ({r['peak_phase']}), max RSS {r['max_rss_gib']} GiB [{machine()}]\n"
+        for r in rows
+    ]
+    with RESULTS.open("a") as out:
+        out.writelines(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--models", default="30b,235b", help="comma-separated: 30b, 235b")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--no-record", action="store_true", help="don't append to RESULTS.md")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(trace_one(args.child, args.seq)))
+        return
+    rows = [run_isolated(key, args.seq) for key in args.models.split(",")]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(
+                f"{r['model']:>16}  {r['seconds']:6.1f} s  ({r['cpu_seconds']:.1f} s CPU)  "
+                f"peak {r['peak_gib']:7.2f} GiB  at {r['peak_op']} ({r['peak_phase']})  "
+                f"RSS {r['max_rss_gib']:.2f} GiB"
+            )
+    if not args.no_record:
+        record(rows)
+
+
+if __name__ == "__main__":
+    main()
