@@ -10,8 +10,9 @@ import pytest
 from rich.console import Console
 
 from moetune.config import parse_config
+from moetune.io import atomic_write_text
 from moetune.train.callbacks import MetricsCallback, RichProgress, human_bytes
-from moetune.train.checkpoint import JsonlLog, atomic_write_text, config_diff, replace_dir
+from moetune.train.checkpoint import JsonlLog, config_diff, replace_dir
 from moetune.train.errors import TrainError
 
 ARGS = SimpleNamespace(should_save=True)

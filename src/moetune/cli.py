@@ -263,3 +263,28 @@ def schema(as_json: JsonOpt = False) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+@app.command()
+@friendly
+def quickstart(
+    out: Annotated[Path | None, typer.Option(help="Output dir (default: runs/qs-<time>).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Fine-tune optimizer steps.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The whole local pipeline on the embedded tiny MoE: plan, lint, train, score."""
+    from dataclasses import replace
+
+    from moetune.demo.quickstart import QuickstartArgs, run_quickstart
+    from moetune.render import quickstart_table
+
+    args = QuickstartArgs()
+    if out is not None:
+        args = replace(args, out_dir=out)
+    if steps is not None:
+        args = replace(args, steps=steps)
+    summary = run_quickstart(args, progress=not as_json)
+    if as_json:
+        emit_json(summary)
+    else:
+        console.print(quickstart_table(summary))

@@ -80,3 +80,27 @@ def print_findings(console: Console, findings: list[Any]) -> None:
         console.print(findings_table(findings))
     else:
         console.print("[green]no findings: no known trap in this configuration[/]")
+
+
+def quickstart_table(summary: dict[str, Any]) -> Table:
+    """Base vs candidate exact match per skill, plus the run's audit facts in the caption."""
+    from moetune.units import human_bytes
+
+    table = Table(
+        title="quickstart: base vs fine-tuned, held-out exact match", title_justify="left"
+    )
+    for col in ("skill", "base", "candidate", "Δ"):
+        table.add_column(col, justify="left" if col == "skill" else "right")
+    for name, s in summary["scores"].items():
+        delta = s["candidate"] - s["base"]
+        style = "green" if delta > 0.05 else "red" if delta < -0.05 else ""
+        label = f"{name} (new)" if name == summary["new_skill"] else name
+        delta_text = f"[{style}]{delta:+.2f}[/]" if style else f"{delta:+.2f}"
+        table.add_row(label, f"{s['base']:.2f}", f"{s['candidate']:.2f}", delta_text)
+    router = "changed" if summary["router_changed"] else "unchanged (frozen)"
+    table.caption = (
+        f"LoRA coverage {summary['coverage']:.0%} · router {router} · {summary['steps']} steps · "
+        f"peak {human_bytes(summary['peak_memory_bytes'])} · {summary['seconds']:.0f} s · "
+        f"adapter {summary['adapter_dir']}"
+    )
+    return table

@@ -29,7 +29,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import uuid
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -39,6 +38,7 @@ import yaml
 from transformers import TrainerCallback
 
 from moetune.config import RunConfig, dump_config
+from moetune.io import atomic_write_text, fsync_path
 from moetune.train.errors import TrainError
 
 KEEP_CHECKPOINTS = 2  # committed checkpoints kept; older ones are removed after each commit
@@ -49,39 +49,12 @@ _LIBRARIES = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", 
 # ---------------------------------------------------------------- atomic files
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to a temp file beside `path`, fsync it, and rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with tmp.open("x", encoding="utf-8") as fh:  # "x": the umask's permissions, unlike mkstemp
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, payload: Any) -> None:
-    atomic_write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
-
-
 def fsync_tree(root: Path) -> None:
     """fsync every file under `root` and the directories, so a rename publishes whole files."""
     for dirpath, _, files in os.walk(root):
         for name in files:
-            _fsync(Path(dirpath) / name)
-        _fsync(Path(dirpath))
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
 
 
 def replace_dir(src: Path, dst: Path) -> None:
@@ -96,7 +69,7 @@ def replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(src, dst)
-    _fsync(dst.parent)
+    fsync_path(dst.parent)
 
 
 class JsonlLog:

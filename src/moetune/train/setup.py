@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moetune.config import RunConfig, TrainArgs
-from moetune.train.checkpoint import RunDir, atomic_write_json, open_run, versions
+from moetune.io import atomic_write_json
+from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.data import TrainData, load_train_data
 from moetune.train.errors import TrainError
 

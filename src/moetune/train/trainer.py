@@ -37,6 +37,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.config import RunConfig
+from moetune.io import atomic_write_json
 from moetune.train.callbacks import (
     MetricsCallback,
     RichProgress,
@@ -47,7 +48,6 @@ from moetune.train.callbacks import (
 from moetune.train.checkpoint import (
     CheckpointCommitter,
     RunDir,
-    atomic_write_json,
     inspect_run,
     replace_dir,
 )

@@ -1,0 +1,96 @@
+"""Greedy exact match on demo skills, per item (so paired base-vs-candidate tests work).
+
+Prompts are batched by token length, so no padding is needed: the model sees exactly
+the sequence it would see alone and the answer does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from moetune.demo.skills import Item, make_items
+
+
+def _greedy(model: Any, ids: torch.Tensor, max_new_tokens: int, eos_id: int) -> torch.Tensor:
+    """Append up to `max_new_tokens` argmax tokens; stops early once every row hit EOS."""
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    out = ids
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=out).logits[:, -1, :]
+        nxt = logits.argmax(dim=-1)
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        done |= nxt == eos_id
+        if bool(done.all()):
+            break
+    return out[:, ids.shape[1] :]
+
+
+def _decode_answer(tokenizer: PreTrainedTokenizerBase, new_ids: list[int]) -> str | None:
+    """The text before the first EOS, or None when the model never stopped."""
+    eos_id = tokenizer.eos_token_id
+    if eos_id not in new_ids:
+        return None
+    return str(tokenizer.decode(new_ids[: new_ids.index(eos_id)]))
+
+
+def _by_length(prompt_ids: list[list[int]], batch_size: int) -> Iterable[list[int]]:
+    """Index batches whose prompts all share one token length."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, ids in enumerate(prompt_ids):
+        groups[len(ids)].append(i)
+    for idx in groups.values():
+        for start in range(0, len(idx), batch_size):
+            yield idx[start : start + batch_size]
+
+
+@torch.no_grad()
+def exact_match(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    items: Sequence[Item],
+    max_new_tokens: int | None = None,
+    batch_size: int = 64,
+) -> list[bool]:
+    """Per item: does greedy decoding give exactly `answer` followed by EOS?
+
+    `max_new_tokens` defaults to the longest answer plus one (room for EOS). Works with
+    any causal LM that returns `.logits`, a peft model included.
+    """
+    limit = max_new_tokens or max(len(it.answer) for it in items) + 1
+    prompt_ids = [tokenizer(it.prompt, add_special_tokens=False)["input_ids"] for it in items]
+    results = [False] * len(items)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    for idx in _by_length(prompt_ids, batch_size):
+        ids = torch.tensor([prompt_ids[i] for i in idx], device=device)
+        new = _greedy(model, ids, limit, int(tokenizer.eos_token_id)).cpu().tolist()
+        for i, row in zip(idx, new, strict=True):
+            results[i] = _decode_answer(tokenizer, row) == items[i].answer
+    model.train(was_training)
+    return results
+
+
+def scores_by_skill(items: Sequence[Item], correct: Sequence[bool]) -> dict[str, float]:
+    """Mean exact match per skill, in the order skills first appear in `items`."""
+    hits: dict[str, list[bool]] = defaultdict(list)
+    for it, ok in zip(items, correct, strict=True):
+        hits[it.skill].append(ok)
+    return {name: sum(v) / len(v) for name, v in hits.items()}
+
+
+def skill_scores(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    skills: Iterable[str],
+    n: int = 200,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Greedy exact match on `n` held-out (eval-split) items per skill."""
+    items = make_items(skills, n, seed, split="eval")
+    return scores_by_skill(items, exact_match(model, tokenizer, items))
