@@ -112,8 +112,8 @@ def plan(
     """Peak memory by component, fit per card, and what to change to fit."""
     from moetune.model import load_spec
     from moetune.plan import make_plan
-    from moetune.preflight import option_overrides, resolve_run
-    from moetune.recipe.rules import LintContext, lint
+    from moetune.preflight import lint_context, option_overrides, resolve_run
+    from moetune.recipe.rules import lint
     from moetune.render import fits_table, plan_components_table, print_findings
 
     opts = option_overrides(
@@ -128,7 +128,7 @@ def plan(
     cfg = resolve_run(target, [*(overrides or []), *opts])
     spec = load_spec(cfg.model.id)
     result = make_plan(spec, cfg, cards=card, estimator=estimator)  # type: ignore[arg-type]
-    findings = lint(LintContext(config=cfg, spec=spec, family=None))
+    findings = lint(lint_context(cfg, spec, result))
     if as_json:
         emit_json({**result.to_json(), "findings": [f.rule_id for f in findings]})
         return

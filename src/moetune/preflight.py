@@ -45,21 +45,31 @@ def option_overrides(**options: Any) -> list[str]:
     return out
 
 
+def lint_context(cfg: RunConfig, spec: Any, plan: Any = None) -> Any:
+    """The rules' view of a run: config, spec and – when planned – the peak on the named card."""
+    from moetune.recipe.rules import LintContext
+
+    ctx = LintContext(config=cfg, spec=spec)
+    if plan is not None:
+        ctx.peak_bytes = plan.required_bytes
+        ctx.trainable_params = plan.trainable_params
+        fit = plan.fits.get(cfg.hardware.card or "")
+        if fit is not None:
+            ctx.card_id, ctx.card_usable_bytes = cfg.hardware.card, fit.usable_bytes
+            ctx.peak_bytes = fit.required_bytes
+    return ctx
+
+
 def lint_run(cfg: RunConfig, estimator: str = "analytic") -> tuple[list[Any], Any]:
-    """Run every rule on `cfg` with its spec and (when a card is named) its plan on that card."""
-    from moetune.model import get_family, load_spec
+    """Run every rule on `cfg` with its spec and its plan (on `hardware.card` when named)."""
+    from moetune.model import load_spec
     from moetune.plan import make_plan
-    from moetune.recipe.rules import LintContext, lint
+    from moetune.recipe.rules import lint
 
     gguf = cfg.model.format == "gguf" or cfg.model.id.lower().endswith(".gguf")
-    spec = None if gguf else load_spec(cfg.model.id)
-    plan = None
-    ctx = LintContext(config=cfg, spec=spec, family=get_family(spec.model_type) if spec else None)
-    if spec is not None:
-        cards = [cfg.hardware.card] if cfg.hardware.card else None
-        plan = make_plan(spec, cfg, cards=cards, estimator=estimator)  # type: ignore[arg-type]
-        ctx.peak_bytes = plan.required_bytes
-        if cfg.hardware.card:
-            fit = plan.fits[next(iter(plan.fits))]
-            ctx.card_id, ctx.card_usable_bytes = cfg.hardware.card, fit.usable_bytes
-    return lint(ctx), plan
+    if gguf:
+        return lint(lint_context(cfg, None)), None
+    spec = load_spec(cfg.model.id)
+    cards = [cfg.hardware.card] if cfg.hardware.card else None
+    plan = make_plan(spec, cfg, cards=cards, estimator=estimator)  # type: ignore[arg-type]
+    return lint(lint_context(cfg, spec, plan)), plan

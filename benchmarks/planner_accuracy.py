@@ -1,0 +1,192 @@
+"""How close is the instant analytic estimate to the fake-tensor trace of the real step?
+
+Runs the grid models × LoRA ranks {8, 16, 64} × sequence lengths {512, 2048, 8192} ×
+gradient checkpointing {on, off} (moetune's default targets, explicit expert mapping),
+plus the vanilla-peft acceptance case, with both estimators. Traces are cached on disk
+(`~/.cache/moetune/traces`), so a rerun only pays for what changed. Prints the worst
+relative error and its case and appends a dated line to benchmarks/RESULTS.md.
+
+    python benchmarks/planner_accuracy.py [--quick] [--json] [--models a,b] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import itertools
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from moetune.config import RunConfig, parse_config
+from moetune.model import load_spec
+from moetune.plan.fit import analytic
+from moetune.plan.tracecache import cached_trace
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
+SECTION = "## Planner accuracy: analytic vs trace"
+ABOUT = (
+    "`python benchmarks/planner_accuracy.py`: relative error of `plan.analytic` against "
+    "`plan.trace` (steady-state step, fused AdamW) over models × ranks {8, 16, 64} × "
+    "seq {512, 2048, 8192} × gradient checkpointing on/off, moetune's default targets; "
+    "the full grid adds the vanilla-peft Qwen3-30B-A3B acceptance case."
+)
+GiB = 1024**3
+MODELS = (
+    "Qwen/Qwen3-30B-A3B",
+    "Qwen/Qwen3-235B-A22B",
+    "allenai/OLMoE-1B-7B-0924",
+    "deepseek-ai/DeepSeek-V2-Lite",
+    "mistralai/Mixtral-8x7B-v0.1",
+    "openai/gpt-oss-20b",
+)
+QUICK_MODELS = ("allenai/OLMoE-1B-7B-0924", "deepseek-ai/DeepSeek-V2-Lite", "openai/gpt-oss-20b")
+RANKS, SEQS, GCS = (8, 16, 64), (512, 2048, 8192), (True, False)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    rank: int
+    seq_len: int
+    gc: bool
+    mapping: str = "explicit"
+    targets: tuple[str, ...] = ("attention", "experts", "dense", "shared")
+
+    def config(self) -> RunConfig:
+        return parse_config(
+            {
+                "model": {"id": self.model},
+                "lora": {
+                    "rank": self.rank,
+                    "targets": list(self.targets),
+                    "expert_mapping": self.mapping,
+                },
+                "train": {"seq_len": self.seq_len, "gradient_checkpointing": self.gc},
+            }
+        )
+
+    def label(self) -> str:
+        gc_text = "gc on" if self.gc else "gc off"
+        return f"{self.model} r={self.rank} seq={self.seq_len} {gc_text} {self.mapping}"
+
+
+ACCEPTANCE = Case("Qwen/Qwen3-30B-A3B", 16, 2048, True, "automap", ("attention", "experts"))
+
+
+def grid(models: tuple[str, ...], quick: bool) -> list[Case]:
+    ranks, seqs = ((16,), (512, 2048)) if quick else (RANKS, SEQS)
+    cases = [Case(m, r, s, g) for m, r, s, g in itertools.product(models, ranks, seqs, GCS)]
+    return cases if quick else [ACCEPTANCE, *cases]
+
+
+def measure(case: Case) -> dict[str, Any]:
+    spec = load_spec(case.model)
+    cfg = case.config()
+    est = analytic(spec, cfg)
+    trace = cached_trace(spec, cfg)
+    gc.collect()
+    error = (est.peak_bytes - trace.peak_bytes) / trace.peak_bytes
+    return {
+        **asdict(case),
+        "analytic_bytes": est.peak_bytes,
+        "analytic_phase": est.peak_phase,
+        "trace_bytes": trace.peak_bytes,
+        "trace_phase": trace.peak_phase,
+        "trace_op": trace.peak_op,
+        "trace_seconds": round(trace.seconds, 1),
+        "relative_error": error,
+    }
+
+
+def run(cases: list[Case], show_progress: bool) -> list[dict[str, Any]]:
+    from rich.progress import Progress
+
+    rows = []
+    with Progress(transient=True, disable=not show_progress) as progress:
+        task = progress.add_task("analytic vs trace", total=len(cases))
+        for case in cases:
+            progress.update(task, description=case.label())
+            rows.append(measure(case))
+            progress.advance(task)
+    return rows
+
+
+def versions() -> str:
+    names = ("torch", "transformers", "peft")
+    return ", ".join(f"{n} {metadata.version(n)}" for n in names)
+
+
+def _case(row: dict[str, Any]) -> Case:
+    fields = {k: row[k] for k in Case.__dataclass_fields__}
+    return Case(**{**fields, "targets": tuple(fields["targets"])})
+
+
+def summary(rows: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
+    worst = max(rows, key=lambda r: abs(r["relative_error"]))
+    mean = sum(abs(r["relative_error"]) for r in rows) / len(rows)
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
+        "versions": versions(),
+        "grid": "quick" if quick else "full",
+        "cases": len(rows),
+        "mean_abs_error": mean,
+        "worst_error": worst["relative_error"],
+        "worst_case": _case(worst).label(),
+        "within_10pct": sum(abs(r["relative_error"]) <= 0.10 for r in rows),
+    }
+
+
+def record(s: dict[str, Any]) -> None:
+    """Append one dated line under this benchmark's section (never rewrites the file)."""
+    text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
+    if SECTION not in text:
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n\n"
+        RESULTS.write_text(text)
+    line = (
+        f"- {s['date']} · {s['machine']} · {s['versions']} · {s['grid']} grid, "
+        f"{s['cases']} cases: worst {100 * s['worst_error']:+.1f} % ({s['worst_case']}), "
+        f"mean |error| {100 * s['mean_abs_error']:.2f} %, "
+        f"{s['within_10pct']}/{s['cases']} within 10 %\n"
+    )
+    with RESULTS.open("a") as fh:
+        fh.write(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="3 small models, r=16, seq 512/2048")
+    ap.add_argument("--json", action="store_true", help="print every case as JSON")
+    ap.add_argument("--models", help="comma list of model ids (default: the grid's)")
+    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    args = ap.parse_args(argv)
+    models = (
+        tuple(args.models.split(",")) if args.models else (QUICK_MODELS if args.quick else MODELS)
+    )
+    rows = run(grid(models, args.quick), show_progress=not args.json)
+    s = summary(rows, args.quick)
+    if args.json:
+        print(json.dumps({"summary": s, "cases": rows}, indent=2))
+    else:
+        for r in rows:
+            print(
+                f"{100 * r['relative_error']:+6.1f} %  {r['analytic_bytes'] / GiB:8.2f} "
+                f"vs {r['trace_bytes'] / GiB:8.2f} GiB  {_case(r).label()}"
+            )
+        print(f"worst: {100 * s['worst_error']:+.1f} % at {s['worst_case']}; "
+              f"mean |error| {100 * s['mean_abs_error']:.2f} %")  # fmt: skip
+    if not args.no_record:
+        record(s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,417 @@
+"""The instant estimate: peak live tensor bytes of one training step, by component.
+
+The step is sized the way the trace (`plan.trace`) runs it and a real run behaves in the
+steady state (step ≥ 2, Adam moments live through forward and backward):
+
+- static: frozen weights (dtype bytes; QLoRA: 4-bit Linears, everything else upcast to
+  fp32 by `prepare_model_for_kbit_training` – bitsandbytes leaves fused experts bf16,
+  knowledge §3), trainable weights (peft upcasts adapters to fp32: 4 B),
+- optimizer state: two Adam moments (fp32 for adapters; param dtype for full),
+- gradients: accumulating layer by layer during backward, all of them in the step,
+- activations: what each decoder layer saves for backward (`plan.profiles`), all layers
+  with gradient checkpointing off; with it on, each layer's input plus one layer's
+  recompute,
+- expert weight copies: peft's ParamWrapper materialises `W + s·B@A` for every wrapped
+  stack on each forward and keeps it for backward, and backward makes a full-size weight
+  gradient (knowledge §3); without checkpointing every layer keeps its copy,
+- logits: bf16 logits → fp32 → log-softmax; at the loss backward fp32 logits, their
+  log-softmax and its gradient are live: 12 B per token·vocab,
+- optimizer transients: foreach AdamW's full-size temporary (fused AdamW has none).
+
+The peak is the largest of three phases: the loss backward, each layer's backward, and
+the optimizer step. Coefficients are calibrated against `trace_step` (see
+benchmarks/planner_accuracy.py and RESULTS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from moetune.config import RunConfig
+from moetune.model.spec import ModelSpec
+from moetune.plan.layout import Adapter, AdapterLayout, adapter_layout
+from moetune.plan.overhead import overhead_for
+from moetune.plan.profiles import ActivationProfile, profile_for
+
+Method = Literal["lora", "full", "qlora"]
+Optimizer = Literal["fused", "foreach", "for-loop"]
+COMPONENTS = (
+    "frozen_weights",
+    "trainable_weights",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "expert_weight_copies",
+    "logits",
+    "optimizer_transients",
+)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+ADAPTER_BYTES = 4  # peft autocast_adapter_dtype=True keeps LoRA weights in fp32
+LOGIT_BYTES = 12  # fp32 logits + log-softmax + its gradient at the loss backward
+QUANT_BYTES = {"bnb-4bit": 4.127 / 8, "bnb-8bit": 1.0}  # NF4 + double-quant absmax; int8
+
+
+@dataclass(frozen=True)
+class Step:
+    """The training step being sized."""
+
+    seq_len: int
+    batch_size: int = 1
+    gradient_checkpointing: bool = True
+    method: Method = "lora"
+    optimizer: Optimizer = "fused"
+    quantization: str = "none"
+    weight_bytes: int = 2
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.batch_size
+
+    @property
+    def pairs(self) -> int:
+        """Query·key pairs per head over the batch (sequences attend within themselves)."""
+        return self.batch_size * self.seq_len * self.seq_len
+
+    @property
+    def act_bytes(self) -> int:
+        """QLoRA's upcast norms and embeddings carry fp32 hidden states."""
+        return 4 if self.method == "qlora" else self.weight_bytes
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, optimizer: Optimizer = "fused") -> Step:
+        quant = cfg.train.quantization
+        if cfg.train.method == "qlora" and quant == "none":
+            quant = "bnb-4bit"
+        return cls(
+            seq_len=cfg.train.seq_len,
+            batch_size=cfg.train.batch_size,
+            gradient_checkpointing=cfg.train.gradient_checkpointing,
+            method=cfg.train.method,
+            optimizer=optimizer,
+            quantization=quant,
+            weight_bytes=DTYPE_BYTES[cfg.model.dtype],
+        )
+
+
+@dataclass(frozen=True)
+class AnalyticEstimate:
+    """Bytes live at the peak by component (they sum to `peak_bytes`); no overhead."""
+
+    components: dict[str, int]
+    peak_bytes: int
+    peak_phase: str  # "loss", "backward" (layer N) or "optimizer"
+    trainable_params: int
+    total_params: int
+    phases: dict[str, int] = field(default_factory=dict)  # peak of each phase
+
+    @property
+    def overhead_bytes(self) -> int:
+        """A CUDA card's overhead on top of the peak (plan.overhead; per card in the plan)."""
+        return overhead_for("cuda", self.peak_bytes).total
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "components": dict(self.components),
+            "peak_bytes": self.peak_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "peak_phase": self.peak_phase,
+            "trainable_params": self.trainable_params,
+            "total_params": self.total_params,
+            "phases": dict(self.phases),
+        }
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One decoder layer's bytes in the step (see the module docstring)."""
+
+    saved: int  # activations kept for backward (gradient checkpointing off)
+    copies: int  # ParamWrapper W+ΔW copies kept for backward
+    checkpoint: int  # the layer input kept with gradient checkpointing on
+    backward_act: int  # activation gradients made in this layer's backward
+    backward_copy: int  # full-size weight gradient of the first wrapped stack in backward
+    grads: int  # this layer's trainable gradients
+
+
+def estimate(
+    spec: ModelSpec,
+    cfg: RunConfig,
+    *,
+    optimizer: Optimizer = "fused",
+    layout: AdapterLayout | None = None,
+) -> AnalyticEstimate:
+    """The analytic peak for `cfg` on `spec`; `layout` defaults to the recipe's (cached)."""
+    step = Step.from_config(cfg, optimizer)
+    if step.method != "full" and layout is None:
+        layout = adapter_layout(spec, cfg.lora)
+    return estimate_step(spec, step, layout)
+
+
+def estimate_step(spec: ModelSpec, step: Step, layout: AdapterLayout | None) -> AnalyticEstimate:
+    """The analytic peak of `step` on `spec` with LoRA `layout` (None: full fine-tuning)."""
+    full = step.method == "full" or layout is None
+    trainable = spec.total_params if full else layout.trainable_params  # type: ignore[union-attr]
+    layers = [
+        _layer_cost(spec, step, _layer_adapters(layout, i), i) for i in range(spec.num_layers)
+    ]
+    base = _static(spec, step, trainable)
+    phases = {"loss": _loss_phase(spec, step, layers, base)}
+    phases.update(_backward_phases(spec, step, layers, base))
+    phases["optimizer"] = _optimizer_phase(step, base, trainable)
+    name = max(phases, key=lambda p: sum(phases[p].values()))
+    components = {c: int(phases[name].get(c, 0)) for c in COMPONENTS}
+    return AnalyticEstimate(
+        components=components,
+        peak_bytes=sum(components.values()),
+        peak_phase=name,
+        trainable_params=trainable,
+        total_params=spec.total_params,
+        phases={p: int(sum(v.values())) for p, v in phases.items()},
+    )
+
+
+def _layer_adapters(layout: AdapterLayout | None, i: int) -> tuple[Adapter, ...] | None:
+    return None if layout is None else layout.layers[i]
+
+
+# ---------------------------------------------------------------- static parts
+
+
+def _static(spec: ModelSpec, step: Step, trainable: int) -> dict[str, float]:
+    """Weights and the (steady-state) Adam moments: live in every phase."""
+    if step.method == "full":
+        weights = spec.total_params * step.weight_bytes
+        return {"trainable_weights": weights, "optimizer_state": 2 * weights}
+    return {
+        "frozen_weights": frozen_bytes(spec, step),
+        "trainable_weights": trainable * ADAPTER_BYTES,
+        "optimizer_state": trainable * 2 * ADAPTER_BYTES,
+    }
+
+
+def frozen_bytes(spec: ModelSpec, step: Step) -> float:
+    if step.quantization not in QUANT_BYTES:
+        return spec.total_params * step.weight_bytes
+    c = spec.components
+    # bitsandbytes replaces nn.Linear only; prepare_model_for_kbit_training upcasts the
+    # rest (fused experts, routers, embeddings, lm_head, norms) to fp32.
+    linears = c.attention + c.dense_mlp + c.shared_experts
+    return linears * QUANT_BYTES[step.quantization] + (spec.total_params - linears) * 4
+
+
+# ---------------------------------------------------------------- one layer
+
+
+def _layer_cost(
+    spec: ModelSpec, step: Step, adapters: tuple[Adapter, ...] | None, i: int
+) -> LayerCost:
+    prof = profile_for(spec.model_type)
+    full = adapters is None
+    wrapped = () if full else tuple(a for a in adapters if a.via == "param")  # type: ignore[union-attr]
+    experts_trained = full or any(a.kind == "experts" for a in wrapped)
+    per_token = _attention_bytes(spec, prof, adapters, i) + _mlp_bytes(
+        spec, prof, adapters, i, experts_trained
+    )
+    saved = per_token * step.tokens + prof.pairs(spec) * step.pairs * _is_attention(spec, i)
+    saved = saved * step.act_bytes // 2
+    copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
+    act_grad, copy_grad = _backward_extra(spec, step, wrapped, i, experts_trained)
+    return LayerCost(
+        saved=saved,
+        copies=copies,
+        checkpoint=2 * spec.hidden_size * step.tokens * step.act_bytes // 2,
+        backward_act=act_grad,
+        backward_copy=copy_grad,
+        grads=_layer_grads(spec, step, adapters, i),
+    )
+
+
+def _is_attention(spec: ModelSpec, i: int) -> int:
+    return int(i in spec.attention_layers)
+
+
+def _copy_bytes(step: Step) -> int:
+    """W+ΔW is made in the stack's dtype: bf16, or fp32 after QLoRA's upcast."""
+    return 4 if step.method == "qlora" else step.weight_bytes
+
+
+def _factor_cast(a: Adapter) -> int:
+    """3-D stacks fold B@A in with one baddbmm on bf16 copies of the factors (kept)."""
+    return a.lora_numel if a.base_numel > a.in_features * a.out_features else 0
+
+
+def _attention_bytes(
+    spec: ModelSpec, prof: ActivationProfile, adapters: tuple[Adapter, ...] | None, i: int
+) -> int:
+    """Norms, the attention core, and every lora.Linear's kept inputs, per token."""
+    h = spec.hidden_size
+    total = prof.norms * 4 * h
+    if not _is_attention(spec, i):
+        return total
+    total += prof.attention(spec)
+    if adapters is None:  # full: every weight needs its input and each norm its output
+        q = spec.num_attention_heads * spec.head_dim
+        return total + 2 * h + 2 * q + prof.norms * 2 * h
+    # lora.Linear casts its input to fp32 for lora_A and keeps lora_A's output
+    return total + sum(4 * a.in_features + 4 * a.rank for a in adapters if a.via == "linear")
+
+
+def _mlp_bytes(
+    spec: ModelSpec,
+    prof: ActivationProfile,
+    adapters: tuple[Adapter, ...] | None,
+    i: int,
+    experts_trained: bool,
+) -> int:
+    """Routed experts + router, shared experts, or the dense MLP, per token."""
+    h = spec.hidden_size
+    if i not in spec.moe_layers:
+        return _glu_bytes(h, spec.dense_intermediate_size, _weights_trained(adapters, "dense"))
+    k, inter = spec.top_k, spec.expert_intermediate_size
+    routed = (
+        (4 * k * h + prof.gate_saved * k * inter)
+        if experts_trained
+        else (2 * k * h + (prof.gate_saved - 2) * k * inter)
+    )
+    router = 4 * spec.num_experts + 16 * k
+    shared = _glu_bytes(h, spec.shared_intermediate_size, _weights_trained(adapters, "shared"))
+    if prof.shared_gate and spec.shared_intermediate_size:
+        shared += 2 * h
+    return routed + router + shared
+
+
+def _weights_trained(adapters: tuple[Adapter, ...] | None, kind: str) -> bool:
+    """Full training, or a ParamWrapper on this kind's Linear weights (their input is kept)."""
+    return adapters is None or any(a.kind == kind and a.via == "param" for a in adapters)
+
+
+def _glu_bytes(hidden: int, inter: int, weights_trained: bool) -> int:
+    """Gated MLP: gate out, activation, up out; + inputs when the weights need gradients."""
+    if not inter:
+        return 0
+    return 6 * inter + (2 * hidden + 2 * inter if weights_trained else 0)
+
+
+def _backward_extra(
+    spec: ModelSpec, step: Step, wrapped: tuple[Adapter, ...], i: int, experts_trained: bool
+) -> tuple[int, int]:
+    """(activation-gradient bytes, weight-gradient bytes) on top of the layer's saved set.
+
+    The largest of: the routed tokens' gradients (4·k·H + 4·k·I per token); with LoRA on
+    the stacks, the down stack's full-size weight gradient next to its input gradient
+    (2·k·I per token); for T² attention kernels, the extra probability-sized tensors.
+    """
+    t, act = step.tokens, step.act_bytes // 2
+    prof = profile_for(spec.model_type)
+    attention = prof.pair_transient * prof.pairs(spec) * step.pairs * _is_attention(spec, i)
+    candidates = [(int(attention), 0)]
+    if i not in spec.moe_layers:
+        inter = spec.dense_intermediate_size
+        candidates.append((4 * inter * t * act, _largest(wrapped) * _copy_bytes(step)))
+    else:
+        k, h, inter = spec.top_k, spec.hidden_size, spec.expert_intermediate_size
+        candidates.append(((4 * k * h + 4 * k * inter) * t * act, 0))
+        if wrapped and experts_trained:
+            down = _down_stack(wrapped) * _copy_bytes(step)
+            candidates.append((2 * k * inter * t * act, down))
+    return max(candidates, key=sum)
+
+
+def _down_stack(wrapped: tuple[Adapter, ...]) -> int:
+    downs = [a.base_numel for a in wrapped if a.kind == "experts" and "down" in a.name]
+    return max(downs) if downs else _largest(wrapped)
+
+
+def _largest(wrapped: tuple[Adapter, ...]) -> int:
+    return max((a.base_numel for a in wrapped), default=0)
+
+
+def _layer_grads(spec: ModelSpec, step: Step, adapters: tuple[Adapter, ...] | None, i: int) -> int:
+    if adapters is not None:
+        return sum(a.lora_numel for a in adapters) * ADAPTER_BYTES
+    return _layer_params(spec, i) * step.weight_bytes
+
+
+def _layer_params(spec: ModelSpec, i: int) -> int:
+    """Parameters of decoder layer `i` (for full fine-tuning), from the component counts."""
+    c = spec.components
+    attention = (c.attention + c.norms) // max(1, len(spec.attention_layers))
+    n_moe, n_dense = len(spec.moe_layers), len(spec.dense_layers)
+    if i in spec.moe_layers:
+        return attention + (c.routed_experts + c.shared_experts + c.routers) // max(1, n_moe)
+    return attention + c.dense_mlp // max(1, n_dense)
+
+
+# ---------------------------------------------------------------- phases
+
+
+def _with(base: dict[str, float], **parts: float) -> dict[str, float]:
+    out = dict(base)
+    for name, value in parts.items():
+        out[name] = out.get(name, 0) + value
+    return out
+
+
+def _masks(spec: ModelSpec, step: Step) -> int:
+    return profile_for(spec.model_type).masks(spec) * 2 * step.pairs
+
+
+def _loss_phase(
+    spec: ModelSpec, step: Step, layers: list[LayerCost], base: dict[str, float]
+) -> dict[str, float]:
+    """The loss backward: every layer's keep-set, the logits, the final norm's fp32 input."""
+    t, h = step.tokens, spec.hidden_size
+    if step.gradient_checkpointing:
+        kept, copies = sum(c.checkpoint for c in layers), 0
+    else:
+        kept, copies = sum(c.saved for c in layers), sum(c.copies for c in layers)
+    return _with(
+        base,
+        activations=kept + 4 * h * t + _masks(spec, step),
+        expert_weight_copies=copies,
+        logits=LOGIT_BYTES * t * spec.vocab_size,
+    )
+
+
+def _head_grads(spec: ModelSpec, step: Step) -> int:
+    """Full fine-tuning: the lm_head gradient arrives right after the logits."""
+    return spec.components.lm_head * step.weight_bytes if step.method == "full" else 0
+
+
+def _backward_phases(
+    spec: ModelSpec, step: Step, layers: list[LayerCost], base: dict[str, float]
+) -> dict[str, dict[str, float]]:
+    """Each layer's backward, last layer first; only the largest is returned.
+
+    While layer j runs backward, layers below it still hold their keep-set (saved
+    activations and copies, or just checkpoints) and layers above it hold gradients.
+    """
+    gc = step.gradient_checkpointing
+    kept = [c.checkpoint if gc else c.saved for c in layers]
+    copies = [0 if gc else c.copies for c in layers]
+    grads = [c.grads for c in layers]
+    fixed = (6 if gc else 2) * spec.hidden_size * step.tokens * step.act_bytes // 2
+    fixed += _masks(spec, step)  # the gradient between layers, the final norm, masks
+    phases = {}
+    for j, c in enumerate(layers):
+        phases[f"backward (layer {j})"] = _with(
+            base,
+            activations=sum(kept[: j + 1]) + (c.saved if gc else 0) + c.backward_act + fixed,
+            expert_weight_copies=sum(copies[: j + 1]) + (c.copies if gc else 0) + c.backward_copy,
+            # full fine-tuning: this layer's weight gradients land while it runs backward
+            gradients=_head_grads(spec, step) + sum(grads[j + 1 :]) + _own_grads(step, c),
+        )
+    name = max(phases, key=lambda n: sum(phases[n].values()))
+    return {name: phases[name]}
+
+
+def _own_grads(step: Step, c: LayerCost) -> int:
+    return c.grads if step.method == "full" else 0
+
+
+def _optimizer_phase(step: Step, base: dict[str, float], trainable: int) -> dict[str, float]:
+    """AdamW: every gradient, the moments, and foreach's full-size temporary."""
+    grad_bytes = step.weight_bytes if step.method == "full" else ADAPTER_BYTES
+    transient = trainable * grad_bytes if step.optimizer == "foreach" else 0
+    return _with(base, gradients=trainable * grad_bytes, optimizer_transients=transient)
