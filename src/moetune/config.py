@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -201,7 +202,7 @@ def _describe(err: ValidationError) -> str:
 
 def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """Validate a config dict (plus overrides) into a RunConfig, or raise ConfigError."""
-    data = dict(data)
+    data = copy.deepcopy(data)  # overrides must not leak into the caller's dicts
     for assignment in overrides or []:
         _apply_override(data, assignment)
     try:
