@@ -89,3 +89,23 @@ def test_unknown_key_in_run_yaml(tmp_path: Path) -> None:
     run.write_text("model:\n  id: Qwen/Qwen3-30B-A3B\ntrain:\n  seqlen: 4096\n")
     code, _, err = _run("lint", str(run))
     _assert_one_line_error(code, err, "train.seqlen")
+
+
+def test_unknown_card_id_lists_the_known_ones() -> None:
+    code, _, err = _run("plan", "Qwen/Qwen3-30B-A3B", "--card", "TPU-v9")
+    _assert_one_line_error(code, err, "TPU-v9", "H100-80GB")
+
+
+def test_plan_json_acceptance_case() -> None:
+    code, out, _ = _run(
+        "plan", "Qwen/Qwen3-30B-A3B", "--mapping", "automap", "--targets", "attention,experts",
+        "--seq", "2048", "--batch", "1", "--card", "H100-80GB", "--card", "H200",
+        "--card", "H100-NVL", "--json",
+    )  # fmt: skip
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["fits"] == {"H100-80GB": False, "H200": True, "H100-NVL": True}
+    assert plan["trainable_params"] == 994_836_480
+    assert plan["estimator"] == "analytic" and plan["overhead_bytes"] > 0
+    assert sum(plan["components"].values()) == plan["peak_bytes"]
+    assert any(r["card"] == "H100-80GB" for r in plan["recommendations"])

@@ -274,9 +274,9 @@ def test_foreign_directory_is_refused(files, tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     cfg = run_config(files.model, files.data, tmp_path / "mine")
-    for resume in (False, True):
+    for resume, overwrite in ((False, False), (True, False), (False, True)):
         with pytest.raises(TrainError, match="holds no moetune run"):
-            train(cfg, resume=resume, progress=False)
+            train(cfg, resume=resume, overwrite=overwrite, progress=False)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
@@ -309,3 +309,19 @@ def test_packed_text_rows(files, tmp_path):
     assert result.steps == 2 and math.isfinite(result.final_loss)
     rows = _jsonl(tmp_path / "p" / "routing.jsonl")
     assert rows and rows[0]["layers"][0]["tokens"] > 0
+
+
+def test_overwrite_replaces_a_finished_run_only_when_asked(done, tmp_path):
+    import shutil
+
+    copy = tmp_path / "again"
+    shutil.copytree(done.run, copy)
+    (copy / "stale.txt").write_text("from the earlier run")
+    cfg = done.cfg.model_copy(deep=True)
+    cfg.output.dir = str(copy)
+    cfg.train.max_steps = 2
+    with one_thread():
+        result = train(cfg, overwrite=True, progress=False)
+    assert result.steps == 2 and not (copy / "stale.txt").exists()
+    assert _json(copy / "summary.json")["result"]["steps"] == 2
+    assert not list(tmp_path.glob(".again.replaced-*"))  # the old run is gone, not half-kept

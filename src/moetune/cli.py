@@ -196,6 +196,9 @@ def train_cmd(
     allow_errors: Annotated[
         bool, typer.Option("--allow-errors", help="Train despite preflight errors (recorded).")
     ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace a finished run in output.dir.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
@@ -204,7 +207,9 @@ def train_cmd(
     from moetune.units import human_bytes
 
     cfg = load_config(config, overrides)
-    result = train(cfg, resume=resume, allow_errors=allow_errors, progress=not as_json)
+    result = train(
+        cfg, resume=resume, allow_errors=allow_errors, overwrite=overwrite, progress=not as_json
+    )
     if as_json:
         emit_json(result.to_json())
         return

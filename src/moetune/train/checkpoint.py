@@ -107,6 +107,7 @@ class RunDir:
     """Paths of one run's outputs."""
 
     root: Path
+    replace: bool = False  # --overwrite: an earlier run here is removed once preflight passes
 
     @property
     def config(self) -> Path:
@@ -241,7 +242,7 @@ def _check_fresh(run: RunDir) -> None:
     if run.finished:
         raise TrainError(
             f"{run.root} holds a finished run (summary.json); it is never overwritten",
-            "choose a new output.dir (e.g. --set output.dir=runs/next)",
+            "choose a new output.dir (e.g. --set output.dir=runs/next) or pass --overwrite",
         )
     if run.started():
         last = run.last_checkpoint()
@@ -252,18 +253,31 @@ def _check_fresh(run: RunDir) -> None:
         )
 
 
-def inspect_run(cfg: RunConfig, resume: bool) -> RunDir:
-    """The run dir of `cfg`, checked read-only: refuse to overwrite, or to resume differently."""
-    run = RunDir(Path(cfg.output.dir))
+def inspect_run(cfg: RunConfig, resume: bool, overwrite: bool = False) -> RunDir:
+    """The run dir of `cfg`, checked read-only: refuse to overwrite (unless asked), or to
+    resume differently. A directory that is not a moetune run is never replaced."""
+    run = RunDir(Path(cfg.output.dir), replace=overwrite and not resume)
     if resume:
         _check_resume(run, cfg)
+    elif run.replace:
+        _check_not_foreign(run)
     else:
         _check_fresh(run)
     return run
 
 
+def _remove_earlier_run(run: RunDir) -> None:
+    """--overwrite: take the earlier run out of sight in one rename, then delete it."""
+    if run.root.exists() and any(run.root.iterdir()):
+        trash = run.root.with_name(f".{run.root.name}.replaced-{os.getpid()}")
+        os.replace(run.root, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def open_run(run: RunDir, cfg: RunConfig, resume_step: int | None) -> None:
     """Create the run dir and write the config; on resume, clear torn saves and later rows."""
+    if run.replace:
+        _remove_earlier_run(run)
     _check_writable(run.root)
     shutil.rmtree(run.staging, ignore_errors=True)  # torn saves of a killed run
     atomic_write_text(run.config, dump_config(cfg))

@@ -96,11 +96,17 @@ class TrainResult:
 
 
 def train(
-    cfg: RunConfig, *, resume: bool = False, allow_errors: bool = False, progress: bool = True
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    allow_errors: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
 ) -> TrainResult:
-    """Train the LoRA adapter `cfg` describes; the module docstring lists the steps."""
+    """Train the LoRA adapter `cfg` describes; the module docstring lists the steps.
+    `overwrite` replaces a finished run in output.dir (only after preflight passes)."""
     started = time.perf_counter()
-    run = inspect_run(cfg, resume)
+    run = inspect_run(cfg, resume, overwrite)
     if resume and run.finished:  # nothing left to do: the recorded result
         return TrainResult.from_json(json.loads(run.summary.read_text(encoding="utf-8"))["result"])
     console = Console(stderr=True, quiet=not progress)
