@@ -24,57 +24,24 @@ from typing import Any
 RESULTS = Path(__file__).with_name("RESULTS.md")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 
-# Published config.json fields that matter for memory; the rest are transformers defaults.
-MODELS: dict[str, dict[str, Any]] = {
-    "30b": {
-        "name": "Qwen3-30B-A3B",
-        "hidden_size": 2048,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-    },
-    "235b": {
-        "name": "Qwen3-235B-A22B",
-        "hidden_size": 4096,
-        "num_hidden_layers": 94,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 4,
-        "intermediate_size": 12288,
-        "moe_intermediate_size": 1536,
-    },
-}
-SHARED: dict[str, Any] = {
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "vocab_size": 151936,
-    "tie_word_embeddings": False,
-    "rope_theta": 1e6,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-}
+# The bundled catalog's config.json (moetune.model) is the one source of these models.
+MODELS: dict[str, str] = {"30b": "Qwen/Qwen3-30B-A3B", "235b": "Qwen/Qwen3-235B-A22B"}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def trace_one(key: str, seq_len: int) -> dict[str, Any]:
     """Run one trace in this process and measure it."""
     from peft import LoraConfig
-    from transformers import Qwen3MoeConfig
 
+    from moetune.model import load_spec, to_hf_config
     from moetune.plan.trace import trace_step
 
-    fields = {k: v for k, v in MODELS[key].items() if k != "name"}
-    config = Qwen3MoeConfig(**fields, **SHARED)
+    config = to_hf_config(load_spec(MODELS[key]))
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS)
     cpu = time.process_time()
     result = trace_step(config, lora, seq_len=seq_len)
     return {
-        "model": MODELS[key]["name"],
+        "model": MODELS[key].split("/")[-1],
         "seq_len": seq_len,
         "seconds": round(result.seconds, 1),
         "cpu_seconds": round(time.process_time() - cpu, 1),

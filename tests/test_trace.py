@@ -245,25 +245,11 @@ def test_data_dependent_experts_loop_fails_naming_op_and_phase():
 
 # --- the published figures (slow) ------------------------------------------------------------
 
-QWEN3_30B: dict[str, Any] = {
-    "hidden_size": 2048,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "vocab_size": 151936,
-    "tie_word_embeddings": False,
-    "rope_theta": 1e6,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-}
+
+def qwen3_30b() -> Any:
+    from moetune.model import load_spec, to_hf_config
+
+    return to_hf_config(load_spec("Qwen/Qwen3-30B-A3B"))
 
 
 @pytest.mark.slow
@@ -279,9 +265,7 @@ QWEN3_30B: dict[str, Any] = {
 )
 def test_qwen3_30b_a3b_figures(seq_len: int, gc: bool, gib: float, phase: str):
     peft = lora(r=16, lora_alpha=32, target_modules=AUTO_MAPPED, target_parameters=None)
-    result = trace_step(
-        Qwen3MoeConfig(**QWEN3_30B), peft, seq_len=seq_len, gradient_checkpointing=gc
-    )
+    result = trace_step(qwen3_30b(), peft, seq_len=seq_len, gradient_checkpointing=gc)
     assert result.trainable_params == 994_836_480
     assert result.total_params == 30_532_122_624 + 994_836_480
     assert result.peak_bytes / 2**30 == pytest.approx(gib, rel=0.03)
@@ -291,5 +275,5 @@ def test_qwen3_30b_a3b_figures(seq_len: int, gc: bool, gib: float, phase: str):
 @pytest.mark.slow
 def test_qwen3_30b_a3b_explicit_expert_targets_do_not_double_the_rank():
     peft = lora(r=16, lora_alpha=32)
-    result = trace_step(Qwen3MoeConfig(**QWEN3_30B), peft, seq_len=128)
+    result = trace_step(qwen3_30b(), peft, seq_len=128)
     assert result.trainable_params == 642_514_944
