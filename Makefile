@@ -35,7 +35,8 @@ format: setup
 	$(BIN)/ruff check --fix src tests benchmarks
 
 bench: setup
-	$(BIN)/python benchmarks/planner_accuracy.py
+	$(BIN)/python benchmarks/planner_accuracy.py --quick
+	$(BIN)/python benchmarks/trace_speed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
