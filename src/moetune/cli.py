@@ -293,3 +293,60 @@ def quickstart(
         emit_json(summary)
     else:
         console.print(quickstart_table(summary))
+
+
+ledger_app = typer.Typer(help="The append-only ledger of every attempt.", no_args_is_help=True)
+app.add_typer(ledger_app, name="ledger")
+LedgerPath = Annotated[Path, typer.Option("--path", help="Ledger file.")]
+
+
+@ledger_app.command("show")
+@friendly
+def ledger_show(
+    path: LedgerPath = Path(".moetune/ledger.jsonl"),
+    run: Annotated[str | None, typer.Option(help="Only this run id.")] = None,
+    kind: Annotated[str | None, typer.Option(help="Only this kind.")] = None,
+    status: Annotated[
+        str | None, typer.Option(help="ok | failed | infra-failed | cancelled")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Rows of the ledger, filtered; skipped (torn or invalid) lines are reported."""
+    import time
+
+    from rich.table import Table
+
+    from moetune.ledger import Ledger, select
+
+    got = Ledger(path).read()
+    rows = select(got.rows, run_id=run, kind=kind, status=status)
+    if as_json:
+        emit_json({"rows": [r.model_dump() for r in rows], "problems": got.problems})
+        return
+    table = Table("time", "kind", "status", "run", "cost $", "reason", title=str(path))
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(r.time))
+        cost = "-" if r.cost_usd is None else f"{r.cost_usd:.2f}"
+        table.add_row(when, r.kind, r.status, r.run_id or "-", cost, escape(r.reason))
+    console.print(table)
+    for line, problem in got.problems:
+        err_console.print(f"[yellow]line {line} skipped:[/] {problem}")
+
+
+@ledger_app.command("verify")
+@friendly
+def ledger_verify(
+    path: LedgerPath = Path(".moetune/ledger.jsonl"), as_json: JsonOpt = False
+) -> None:
+    """Check every line; exit 1 when any line is torn or invalid."""
+    from moetune.ledger import Ledger
+
+    got = Ledger(path).read()
+    if as_json:
+        emit_json({"rows": len(got.rows), "problems": got.problems})
+    else:
+        console.print(f"{len(got.rows)} valid rows, {len(got.problems)} problem lines")
+        for line, problem in got.problems:
+            console.print(f"  line {line}: {problem}")
+    if got.problems:
+        raise typer.Exit(1)

@@ -1,0 +1,155 @@
+"""The ledger: one append-only JSONL row for every attempt of anything that costs time or
+money (train, eval, gate, promote, provision, spend, infra failure) – failed ones too.
+
+Rows are appended under an exclusive file lock as one `write` of a whole line followed by
+fsync, so concurrent writers never interleave and a crash can only tear the last line.
+Reading tolerates that torn line (reported, skipped, never fatal) and validates every row.
+No secret ever lands in a row: values are redacted before they are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from filelock import FileLock
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moetune.errors import MoetuneError
+
+Status = Literal["ok", "failed", "infra-failed", "cancelled"]
+DEFAULT_PATH = Path(".moetune") / "ledger.jsonl"
+REDACTED = "***"
+# Key names whose values are secrets, and value shapes that are secrets wherever they appear.
+_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|authorization)", re.I)
+_SECRET_VALUE = re.compile(r"(hf_[A-Za-z0-9]{20,}|rpa_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
+
+
+class LedgerError(MoetuneError):
+    """The ledger file cannot be used (unreadable path, bad row asked to be written)."""
+
+
+class LedgerRow(BaseModel):
+    """One attempt. `metrics` and `cost` are free-form numbers; `reason` says why it ended so."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+    time: float = Field(default_factory=time.time, description="Unix seconds, UTC.")
+    kind: str = Field(description="train | eval | gate | promote | provision | spend | infra")
+    status: Status
+    run_id: str | None = None
+    config_hash: str | None = None
+    versions: dict[str, str] = Field(default_factory=dict)
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    cost_usd: float | None = None
+    seconds: float | None = None
+    reason: str = ""
+
+
+def redact(value: Any, secrets: Iterable[str] = ()) -> Any:
+    """`value` with secret-named keys, secret-shaped strings and the given secrets masked."""
+    known = [s for s in secrets if len(s) >= 8]
+    if isinstance(value, Mapping):
+        return {
+            k: REDACTED if _SECRET_KEY.search(str(k)) else redact(v, known)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [redact(v, known) for v in value]
+    if isinstance(value, str):
+        for secret in known:
+            value = value.replace(secret, REDACTED)
+        return _SECRET_VALUE.sub(REDACTED, value)
+    return value
+
+
+def _env_secrets() -> list[str]:
+    """Secrets present in this process's environment (never to be written)."""
+    return [v for k, v in os.environ.items() if _SECRET_KEY.search(k) and v]
+
+
+@dataclass
+class ReadResult:
+    """Valid rows, plus (line number, problem) for each line that was skipped."""
+
+    rows: list[LedgerRow] = field(default_factory=list)
+    problems: list[tuple[int, str]] = field(default_factory=list)
+
+
+class Ledger:
+    """An append-only JSONL ledger at `path` (default .moetune/ledger.jsonl)."""
+
+    def __init__(self, path: Path | str = DEFAULT_PATH) -> None:
+        self.path = Path(path)
+        self._lock = FileLock(str(self.path) + ".lock")
+
+    def append(self, row: LedgerRow) -> LedgerRow:
+        """Write `row` (redacted) as one whole line, under the lock, and fsync it."""
+        clean = LedgerRow.model_validate(redact(row.model_dump(), _env_secrets()))
+        line = (json.dumps(clean.model_dump(), sort_keys=True) + "\n").encode()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._heal_torn_tail()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return clean
+
+    def _heal_torn_tail(self) -> None:
+        """A crash mid-write leaves a last line without newline; end it so the next row
+        starts on its own line (the torn text stays, and reads report it)."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with self.path.open("rb+") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                fh.write(b"\n")
+
+    def read(self) -> ReadResult:
+        """Every valid row in order; torn or invalid lines are reported, never fatal."""
+        out = ReadResult()
+        if not self.path.exists():
+            return out
+        for number, raw in enumerate(self.path.read_bytes().splitlines(), start=1):
+            if raw.strip():
+                _parse_line(number, raw, out)
+        return out
+
+
+def _parse_line(number: int, raw: bytes, out: ReadResult) -> None:
+    try:
+        out.rows.append(LedgerRow.model_validate(json.loads(raw)))
+    except json.JSONDecodeError:
+        out.problems.append((number, "torn or not JSON (a write interrupted by a crash?)"))
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        out.problems.append((number, f"invalid row: {where}: {first['msg']}"))
+
+
+def select(
+    rows: Iterable[LedgerRow],
+    run_id: str | None = None,
+    kind: str | None = None,
+    status: str | None = None,
+    since: float | None = None,
+) -> list[LedgerRow]:
+    """Rows matching every filter given (None = any)."""
+    wanted = {"run_id": run_id, "kind": kind, "status": status}
+    return [
+        r
+        for r in rows
+        if all(v is None or getattr(r, k) == v for k, v in wanted.items())
+        and (since is None or r.time >= since)
+    ]
