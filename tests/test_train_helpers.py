@@ -82,7 +82,7 @@ def run_config(model: Path, data: Path, out: Path, **train: Any) -> RunConfig:
             "model": {"id": str(model)},
             "lora": {"rank": 4, **lora},
             "data": {"train_file": str(data), **data_over},
-            "output": {"dir": str(out)},
+            "output": {"dir": str(out), "ledger": str(out.parent / "ledger.jsonl")},
             "train": section,
         }
     )

@@ -145,6 +145,9 @@ class OutputArgs(_Section):
     """Where a run writes its adapter, metrics, checkpoints and resolved config."""
 
     dir: str = Field("runs/latest", description="Run directory (created; never overwritten).")
+    ledger: str = Field(
+        ".moetune/ledger.jsonl", description="Append-only ledger: one row per attempt."
+    )
 
 
 class HardwareArgs(_Section):

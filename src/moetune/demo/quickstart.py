@@ -56,7 +56,10 @@ def run_config(args: QuickstartArgs, train_file: Path) -> RunConfig:
             "model": {"id": str(SHIPPED_DIR), "dtype": "float32"},
             "lora": {"rank": args.rank, "targets": ["attention", "experts"]},
             "data": {"train_file": str(train_file)},
-            "output": {"dir": str(args.out_dir / "run")},
+            "output": {
+                "dir": str(args.out_dir / "run"),
+                "ledger": str(args.out_dir / "ledger.jsonl"),
+            },
             "train": {
                 "seq_len": MAX_LEN,
                 "batch_size": args.batch_size,
@@ -102,6 +105,7 @@ def run_quickstart(args: QuickstartArgs, progress: bool = True) -> dict[str, Any
     scores = score_pair(args, result.adapter_dir)
     summary = {
         "adapter_dir": result.adapter_dir,
+        "ledger": str(args.out_dir / "ledger.jsonl"),
         "coverage": result.coverage,
         "router_changed": result.router_changed,
         "steps": result.steps,
