@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -15,6 +16,11 @@ from rich.markup import escape
 
 from moetune import __version__
 from moetune.errors import MoetuneError
+
+# Before torch loads libgomp: OpenMP threads spinning at barriers slow small CPU training
+# 10x or more whenever another process shares the cores (measured: quickstart 70 s vs
+# > 6 min). Passive waiting costs little; users can still set their own policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 app = typer.Typer(
     name="moetune",
