@@ -207,6 +207,7 @@ def build_base(
     steps: int = 3000,
     progress: bool = True,
     dtype: torch.dtype = torch.bfloat16,
+    eval_n: int = EVAL_N,
 ) -> dict[str, Any]:
     """Pretrain the demo base, save it (weights in `dtype`) and return its meta.json content.
 
@@ -226,7 +227,8 @@ def build_base(
     tmp.mkdir(parents=True)
     _save(model, tok, tmp, dtype)
     loaded, _ = load_base(tmp)
-    meta["scores"] = skill_scores(loaded, tok, [*base_skills(), *new_skills()], EVAL_N, seed)
+    meta["scores"] = skill_scores(loaded, tok, [*base_skills(), *new_skills()], eval_n, seed)
+    meta["eval"]["items_per_skill"] = eval_n
     meta["dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     _swap_in(tmp, out)

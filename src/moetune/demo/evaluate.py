@@ -16,18 +16,25 @@ from transformers import PreTrainedTokenizerBase
 from moetune.demo.skills import Item, make_items
 
 
-def _greedy(model: Any, ids: torch.Tensor, max_new_tokens: int, eos_id: int) -> torch.Tensor:
-    """Append up to `max_new_tokens` argmax tokens; stops early once every row hit EOS."""
-    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+def _greedy(model: Any, ids: torch.Tensor, limits: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Append argmax tokens until each row has emitted EOS or reached its own limit.
+
+    A row that runs past its answer's length plus EOS is wrong whatever comes next, so
+    stopping there keeps a broken model (one that never stops) as cheap to score as a good one.
+    """
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     out = ids
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=out).logits[:, -1, :]
-        nxt = logits.argmax(dim=-1)
+    for step in range(int(limits.max())):
+        nxt = model(input_ids=out).logits[:, -1, :].argmax(dim=-1)
         out = torch.cat([out, nxt[:, None]], dim=1)
-        done |= nxt == eos_id
+        done |= (nxt == eos_id) | (step + 1 >= limits)
         if bool(done.all()):
             break
     return out[:, ids.shape[1] :]
+
+
+def _answer_tokens(tokenizer: PreTrainedTokenizerBase, item: Item) -> int:
+    return len(tokenizer(item.answer, add_special_tokens=False)["input_ids"])
 
 
 def _decode_answer(tokenizer: PreTrainedTokenizerBase, new_ids: list[int]) -> str | None:
@@ -58,18 +65,19 @@ def exact_match(
 ) -> list[bool]:
     """Per item: does greedy decoding give exactly `answer` followed by EOS?
 
-    `max_new_tokens` defaults to the longest answer plus one (room for EOS). Works with
-    any causal LM that returns `.logits`, a peft model included.
+    `max_new_tokens` defaults, per item, to the answer's token count plus one (room for
+    EOS). Works with any causal LM that returns `.logits`, a peft model included.
     """
-    limit = max_new_tokens or max(len(it.answer) for it in items) + 1
     prompt_ids = [tokenizer(it.prompt, add_special_tokens=False)["input_ids"] for it in items]
+    limits = [max_new_tokens or _answer_tokens(tokenizer, it) + 1 for it in items]
     results = [False] * len(items)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     for idx in _by_length(prompt_ids, batch_size):
         ids = torch.tensor([prompt_ids[i] for i in idx], device=device)
-        new = _greedy(model, ids, limit, int(tokenizer.eos_token_id)).cpu().tolist()
+        row_limits = torch.tensor([limits[i] for i in idx], device=device)
+        new = _greedy(model, ids, row_limits, int(tokenizer.eos_token_id)).cpu().tolist()
         for i, row in zip(idx, new, strict=True):
             results[i] = _decode_answer(tokenizer, row) == items[i].answer
     model.train(was_training)
