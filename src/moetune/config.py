@@ -34,6 +34,11 @@ class ModelArgs(_Section):
         "bfloat16", description="Dtype the frozen base weights are held in."
     )
 
+    @property
+    def is_gguf(self) -> bool:
+        """A GGUF base, by declared format or by file name."""
+        return self.format == "gguf" or self.id.lower().endswith(".gguf")
+
 
 class LoraArgs(_Section):
     """The LoRA adapter: where it goes and how big it is."""

@@ -66,8 +66,7 @@ def lint_run(cfg: RunConfig, estimator: str = "analytic") -> tuple[list[Any], An
     from moetune.plan import make_plan
     from moetune.recipe.rules import lint
 
-    gguf = cfg.model.format == "gguf" or cfg.model.id.lower().endswith(".gguf")
-    if gguf:
+    if cfg.model.is_gguf:
         return lint(lint_context(cfg, None)), None
     spec = load_spec(cfg.model.id)
     cards = [cfg.hardware.card] if cfg.hardware.card else None

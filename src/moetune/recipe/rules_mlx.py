@@ -154,7 +154,7 @@ def transformers_pin(ctx: LintContext) -> Hit | None:
 )
 def gguf(ctx: LintContext) -> Hit | None:
     model = ctx.config.model
-    if model.format != "gguf" and not model.id.lower().endswith(".gguf"):
+    if not model.is_gguf:
         return None
     return Hit(
         f"{model.id} is a GGUF (llama.cpp inference format): peft and mlx-lm cannot train it, "
