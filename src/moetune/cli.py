@@ -301,6 +301,97 @@ def quickstart(
         console.print(quickstart_table(summary))
 
 
+# ---------------------------------------------------------------- evaluate, gate, report
+
+
+def _print_verdict(doc: dict[str, Any], results: Path) -> None:
+    from moetune.evaluate.gate import read_json
+    from moetune.render import ladder_table, verdict_table
+
+    console.print(ladder_table(read_json(results / "ladder.json")))
+    console.print(verdict_table(doc))
+    console.print(f"results: {escape(str(results))}")
+
+
+@app.command(name="eval")
+@friendly
+def eval_cmd(
+    config: Annotated[Path, typer.Argument(help="The run.yaml whose eval.rungs to score.")],
+    adapter: Annotated[
+        Path | None, typer.Option(help="Adapter dir (default: <output.dir>/adapter).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="Only the first N items per rung.")] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace earlier results in the results dir.")
+    ] = False,
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Score base and candidate on the same items of every rung, then gate."""
+    from moetune.config import load_config
+    from moetune.evaluate import run_eval
+
+    cfg = load_config(config, overrides)
+    doc = run_eval(cfg, adapter, limit=limit, overwrite=overwrite, progress=not as_json)
+    if as_json:
+        emit_json(doc)
+    else:
+        _print_verdict(doc, cfg.eval.results_path(cfg.output.dir))
+
+
+@app.command()
+@friendly
+def gate(
+    results: Annotated[Path, typer.Argument(help="A results dir written by `moetune eval`.")],
+    promote: Annotated[
+        bool, typer.Option("--promote", help="On GO, mark the adapter promoted.")
+    ] = False,
+    alpha: Annotated[
+        float | None, typer.Option(help="Family-wise error rate (default: the ladder's).")
+    ] = None,
+    ledger: Annotated[Path | None, typer.Option(help="Ledger file (default: the run's).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """GO / NO-GO / INCONCLUSIVE from paired differences; exit 1 unless GO."""
+    from moetune.evaluate import gate_results
+    from moetune.evaluate import promote as promote_adapter
+
+    doc = gate_results(results, alpha, ledger)
+    marker = promote_adapter(results, ledger) if promote and doc["verdict"] == "GO" else None
+    if as_json:
+        emit_json({**doc, "promoted": str(marker) if marker else None})
+    else:
+        _print_verdict(doc, results)
+        if marker:
+            console.print(f"[green]promoted:[/] {escape(str(marker))}")
+    if promote and marker is None:
+        err_console.print(f"[bold red]not promoted:[/] the verdict is {doc['verdict']}")
+    if doc["verdict"] != "GO":
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run dir (output.dir of a run).")],
+    out: Annotated[
+        Path | None, typer.Option(help="HTML file (default RUN_DIR/report.html).")
+    ] = None,
+    results: Annotated[
+        Path | None, typer.Option(help="Eval results dir (default RUN_DIR/eval).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """One self-contained HTML report: config, memory, loss, expert load, ladder, verdict."""
+    from moetune.report import build_report
+
+    path = build_report(run_dir, out, results)
+    if as_json:
+        emit_json({"report": str(path)})
+    else:
+        console.print(f"report: {escape(str(path))}")
+
+
 ledger_app = typer.Typer(help="The append-only ledger of every attempt.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
 LedgerPath = Annotated[Path, typer.Option("--path", help="Ledger file.")]
@@ -315,6 +406,9 @@ def ledger_show(
     status: Annotated[
         str | None, typer.Option(help="ok | failed | infra-failed | cancelled")
     ] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Only rows from this UTC date on (YYYY-MM-DD).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Rows of the ledger, filtered; skipped (torn or invalid) lines are reported."""
@@ -325,7 +419,7 @@ def ledger_show(
     from moetune.ledger import Ledger, select
 
     got = Ledger(path).read()
-    rows = select(got.rows, run_id=run, kind=kind, status=status)
+    rows = select(got.rows, run_id=run, kind=kind, status=status, since=_utc_date(since))
     if as_json:
         emit_json({"rows": [r.model_dump() for r in rows], "problems": got.problems})
         return
@@ -337,6 +431,20 @@ def ledger_show(
     console.print(table)
     for line, problem in got.problems:
         err_console.print(f"[yellow]line {line} skipped:[/] {problem}")
+
+
+def _utc_date(text: str | None) -> float | None:
+    import calendar
+    import time
+
+    from moetune.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        return float(calendar.timegm(time.strptime(text, "%Y-%m-%d")))
+    except ValueError:
+        raise ConfigError(f"--since {text!r} is not a date", "write it as YYYY-MM-DD") from None
 
 
 @ledger_app.command("verify")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -175,8 +176,103 @@ class LaneArgs(_Section):
     estimated_eval_s: int = Field(1800, description="Expected eval time on the pod, seconds.")
 
 
+RungRole = Literal["target", "protected"]
+
+
+class RungArgs(_Section):
+    """One rung of the eval ladder: a dataset, how it is scored, and what it must show."""
+
+    name: str = Field(description="Unique rung name (a file name: letters, digits, - _ .).")
+    kind: str = Field(
+        description="Registered rung kind: loss, exact_match, multiple_choice, lm_eval."
+    )
+    role: RungRole = Field(
+        "protected",
+        description="target: must improve by min_gain; protected: must not regress by margin.",
+    )
+    data: str | None = Field(
+        None, description="JSONL file of items (lm_eval: unused; the task YAML names its data)."
+    )
+    margin: float = Field(
+        0.1,
+        description="Protected: largest tolerated drop of the score (non-inferiority margin), "
+        "in the rung's units (accuracy, or nats per token for loss).",
+    )
+    floor: float | None = Field(
+        None, description="Protected: absolute floor the candidate's score must reach."
+    )
+    min_gain: float = Field(
+        0.05, description="Target: the gain the lower confidence bound must reach."
+    )
+    max_new_tokens: int | None = Field(
+        None,
+        description="exact_match: generation limit; default the answer's length + 1 "
+        "(room for EOS), so a model that does not stop is wrong.",
+    )
+    task: str | None = Field(None, description="lm_eval: task name.")
+    include_path: str | None = Field(None, description="lm_eval: folder of local task YAMLs.")
+    metric: str = Field("acc", description="lm_eval: metric to gate on (e.g. acc, exact_match).")
+
+    @field_validator("name")
+    @classmethod
+    def _file_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v):
+            raise ValueError("rung names are file names: letters, digits, '-', '_' and '.'")
+        return v
+
+    @field_validator("margin")
+    @classmethod
+    def _non_negative(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError("margin must be >= 0")
+        return v
+
+
+class GateArgs(_Section):
+    """How the promotion gate decides from paired base-vs-candidate differences."""
+
+    alpha: float = Field(
+        0.05,
+        description="Family-wise error rate across rungs (Holm); sets z of each rung's bound.",
+    )
+
+    @field_validator("alpha")
+    @classmethod
+    def _alpha_range(cls, v: float) -> float:
+        if not 0.0 < v < 0.5:
+            raise ValueError("alpha must be in (0, 0.5)")
+        return v
+
+
+class EvalArgs(_Section):
+    """The eval ladder run by `moetune eval` and judged by `moetune gate`."""
+
+    rungs: list[RungArgs] = Field(default_factory=list, description="The ladder, in order.")
+    gate: GateArgs = Field(
+        default_factory=GateArgs,  # type: ignore[arg-type]
+        description="Decision settings of the promotion gate.",
+    )
+    batch_size: int = Field(32, description="Items scored per forward pass.")
+    limit: int | None = Field(None, description="Score only the first N items of each rung.")
+    results_dir: str | None = Field(
+        None, description="Where results go; default <output.dir>/eval."
+    )
+
+    @field_validator("rungs")
+    @classmethod
+    def _unique_names(cls, v: list[RungArgs]) -> list[RungArgs]:
+        names = [r.name for r in v]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"rung names must be unique; repeated: {', '.join(dupes)}")
+        return v
+
+    def results_path(self, output_dir: str) -> Path:
+        return Path(self.results_dir) if self.results_dir else Path(output_dir) / "eval"
+
+
 class RunConfig(_Section):
-    """One run: model, LoRA, data, output, training, hardware and lane."""
+    """One run: model, LoRA, data, output, training, hardware, lane and eval ladder."""
 
     model: ModelArgs = Field(default_factory=ModelArgs)  # type: ignore[arg-type]
     lora: LoraArgs = Field(default_factory=LoraArgs)  # type: ignore[arg-type]
@@ -185,6 +281,7 @@ class RunConfig(_Section):
     train: TrainArgs = Field(default_factory=TrainArgs)  # type: ignore[arg-type]
     hardware: HardwareArgs = Field(default_factory=HardwareArgs)  # type: ignore[arg-type]
     lane: LaneArgs = Field(default_factory=LaneArgs)  # type: ignore[arg-type]
+    eval: EvalArgs = Field(default_factory=EvalArgs)  # type: ignore[arg-type]
 
 
 def _apply_override(data: dict[str, Any], assignment: str) -> None:
@@ -243,12 +340,33 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:
+    """The section class a field holds (directly or as list items), and the path suffix."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, ""
+    args = getattr(annotation, "__args__", ())
+    if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0], "[]"
+    return None, ""
+
+
+def _rows(cls: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:
+    rows = []
+    for name, field in cls.model_fields.items():
+        path = f"{prefix}{name}"
+        nested, suffix = _nested_model(field.annotation)
+        if nested is not None:  # a section (or list of them): document its fields instead
+            rows.extend(_rows(nested, f"{path}{suffix}."))
+            continue
+        default = (
+            "(required)"
+            if field.is_required()
+            else repr(field.get_default(call_default_factory=True))
+        )
+        rows.append((path, default, field.description or ""))
+    return rows
+
+
 def schema_rows() -> list[tuple[str, str, str]]:
     """(field path, default, description) for every field: the documentation of run.yaml."""
-    rows = []
-    for section, info in RunConfig.model_fields.items():
-        model_cls = info.annotation
-        for name, field in model_cls.model_fields.items():  # type: ignore[union-attr]
-            default = field.get_default(call_default_factory=True)
-            rows.append((f"{section}.{name}", repr(default), field.description or ""))
-    return rows
+    return _rows(RunConfig, "")

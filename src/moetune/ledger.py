@@ -14,7 +14,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -153,3 +154,37 @@ def select(
         if all(v is None or getattr(r, k) == v for k, v in wanted.items())
         and (since is None or r.time >= since)
     ]
+
+
+@contextmanager
+def attempt(path: Path | str, kind: str, **fields: Any) -> Iterator[dict[str, Any]]:
+    """Ledger one row for the block: ok when it completes, cancelled on Ctrl-C, failed on
+    an error (its cause as the reason). The block fills the yielded dict (metrics, run_id,
+    …). A ledger that cannot be written warns and never hides the block's own error."""
+    row: dict[str, Any] = {"metrics": {}, **fields}
+    started = time.perf_counter()
+
+    def write(status: Status, reason: str = "") -> None:
+        seconds = round(time.perf_counter() - started, 3)
+        fields = {**row, **({"reason": reason} if reason else {})}
+        Ledger(path).append(LedgerRow(kind=kind, status=status, seconds=seconds, **fields))
+
+    try:
+        yield row
+    except KeyboardInterrupt:
+        _write_quietly(write, "cancelled", "interrupted")
+        raise
+    except Exception as err:
+        cause = getattr(err, "cause", None) or f"{type(err).__name__}: {err}"
+        _write_quietly(write, "failed", str(cause)[:300])
+        raise
+    write("ok")
+
+
+def _write_quietly(write: Any, status: Status, reason: str) -> None:
+    import warnings
+
+    try:
+        write(status, reason)
+    except OSError as err:
+        warnings.warn(f"ledger row not written: {err}", stacklevel=3)

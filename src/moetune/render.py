@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 
 from moetune.units import count, gib
 
+_VERDICT_STYLE = {"GO": "bold green", "NO-GO": "bold red", "INCONCLUSIVE": "bold yellow"}
 SEVERITY_STYLE = {"error": "bold red", "warn": "yellow", "info": "cyan"}
 
 
@@ -82,13 +84,11 @@ def print_findings(console: Console, findings: list[Any]) -> None:
         console.print("[green]no findings: no known trap in this configuration[/]")
 
 
-def quickstart_table(summary: dict[str, Any]) -> Table:
-    """Base vs candidate exact match per skill, plus the run's audit facts in the caption."""
+def quickstart_table(summary: dict[str, Any]) -> Group:
+    """Base vs candidate exact match per skill; the gate's verdicts and audit facts below."""
     from moetune.units import human_bytes
 
-    table = Table(
-        title="quickstart: base vs fine-tuned, held-out exact match", title_justify="left"
-    )
+    table = Table(title="held-out exact match", title_justify="left")
     for col in ("skill", "base", "candidate", "Δ"):
         table.add_column(col, justify="left" if col == "skill" else "right")
     for name, s in summary["scores"].items():
@@ -98,9 +98,56 @@ def quickstart_table(summary: dict[str, Any]) -> Table:
         delta_text = f"[{style}]{delta:+.2f}[/]" if style else f"{delta:+.2f}"
         table.add_row(label, f"{s['base']:.2f}", f"{s['candidate']:.2f}", delta_text)
     router = "changed" if summary["router_changed"] else "unchanged (frozen)"
-    table.caption = (
+    lines = [
         f"LoRA coverage {summary['coverage']:.0%} · router {router} · {summary['steps']} steps · "
-        f"peak {human_bytes(summary['peak_memory_bytes'])} · {summary['seconds']:.0f} s · "
-        f"adapter {summary['adapter_dir']}"
-    )
+        f"peak {human_bytes(summary['peak_memory_bytes'])} · {summary['seconds']:.0f} s in all",
+        f"gate: {_verdict_text(summary)} · adapter {escape(summary['adapter_dir'])}",
+    ]
+    if "overfit" in summary:
+        lines.append(f"over-trained tiny pack: {_verdict_text(summary['overfit'])}")
+    lines.append(f"report {escape(summary['report'])}")
+    lines.append(f"ledger {escape(summary['ledger'])}")
+    return Group(table, *lines)
+
+
+def _verdict_text(run: dict[str, Any]) -> str:
+    style = _VERDICT_STYLE[run["verdict"]]
+    promoted = "promoted" if run["promoted"] else "not promoted"
+    why = "" if run["verdict"] == "GO" else f" – {escape(run['verdict_reason'])}"
+    return f"[{style}]{run['verdict']}[/] ({promoted}){why}"
+
+
+def ladder_table(ladder: dict[str, Any]) -> Table:
+    """Base vs candidate per rung, with the paired difference and its standard error."""
+    table = Table(title=f"eval ladder · {escape(ladder['model'])}", title_justify="left")
+    for col in ("rung", "kind", "role", "n", "base", "candidate", "Δ", "SE_Δ"):
+        table.add_column(col, justify="left" if col in ("rung", "kind", "role") else "right")
+    for r in ladder["rungs"]:
+        table.add_row(
+            r["name"], r["kind"], r["role"], str(r["n"]),
+            f"{r['base']['score']:.3f} ± {r['base']['stderr']:.3f}",
+            f"{r['candidate']['score']:.3f} ± {r['candidate']['stderr']:.3f}",
+            f"{r['delta']:+.3f}", f"{r['se_delta']:.3f}",
+        )  # fmt: skip
+    table.caption = f"adapter {escape(ladder['adapter'])}"
+    return table
+
+
+_STATUS_STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow"}
+
+
+def verdict_table(doc: dict[str, Any]) -> Table:
+    """The gate's decision per rung and the verdict (title)."""
+    style = _VERDICT_STYLE[doc["verdict"]]
+    table = Table(title=f"gate: [{style}]{doc['verdict']}[/]", title_justify="left")
+    for col in ("rung", "role", "status", "bound", "threshold", "reason"):
+        table.add_column(col)
+    for r in doc["rungs"]:
+        bound = r["lower"] if r["status"] != "fail" else r["upper"]
+        status = f"[{_STATUS_STYLE[r['status']]}]{r['status']}[/]"
+        table.add_row(
+            r["name"], r["role"], status, f"{bound:+.3f}", f"{r['threshold']:+.3f}",
+            escape(r["reason"]),
+        )  # fmt: skip
+    table.caption = f"α {doc['alpha']} (Holm across {len(doc['rungs'])} rungs) · {doc['hash'][:12]}"
     return table

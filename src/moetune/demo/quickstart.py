@@ -1,15 +1,19 @@
 """`moetune quickstart`: the whole local pipeline on the embedded tiny MoE, no download, no GPU.
 
-plan → lint → train (LoRA on attention + every expert, audited, router frozen) → score the
-base and the adapter on the same held-out items of every skill. The base knows copy /
-reverse / first / digit-sum / key-value lookup; the fine-tune teaches it a new skill
-while rows of the old skills are mixed back in so it keeps them.
+plan → lint → train (LoRA on attention + every expert, audited, router frozen) → eval
+ladder (base and adapter on the same held-out items of every skill) → gate → promote on
+GO → HTML report. The base knows copy / reverse / first / digit-sum / key-value lookup;
+the fine-tune teaches it a new skill while rows of the old skills are mixed back in so it
+keeps them. The same pipeline then runs once more the way people get it wrong – a tiny
+pack of the new skill only, many epochs, a high learning rate – and the gate refuses it.
+Both verdicts are what training really produced; nothing is configured to come out so.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +23,34 @@ from moetune.io import atomic_write_json
 
 @dataclass(frozen=True)
 class QuickstartArgs:
-    """Knobs of the demo fine-tune; defaults learn the new skill in about a minute on 2 cores."""
+    """Knobs of the demo fine-tune; defaults learn the new skill in under a minute on 2 cores."""
 
     out_dir: Path = field(default_factory=lambda: Path("runs") / time.strftime("qs-%Y%m%d-%H%M%S"))
-    new_skill: str = "last"  # the skill the fine-tune teaches (the base scores ~0 on it)
+    new_skill: str = "dup"  # the skill the fine-tune teaches (the base scores 0 on it)
     new_share: float = 0.5  # fraction of training rows from the new skill; the rest replay old ones
     rows: int = 4000
     steps: int = 300
-    batch_size: int = 32
-    learning_rate: float = 2e-3
+    batch_size: int = 16
+    learning_rate: float = 1e-3
     rank: int = 8
-    eval_items: int = 64  # held-out items per skill, the same for base and candidate
+    eval_items: int = 200  # held-out items per skill, the same for base and candidate
+    margin: float = 0.1  # protected skills may not lose more than this (accuracy)
+    min_gain: float = 0.5  # the new skill must gain at least this much
     seed: int = 0
+    run_name: str = "finetune"  # the run dir under out_dir (also the ledger's run id)
+    overfit: bool = True  # also run the over-trained counter-example
+
+
+def overfit_args(args: QuickstartArgs) -> QuickstartArgs:
+    """The classic mistake: 30 rows of the new skill only, many epochs at a high LR."""
+    return replace(
+        args, run_name="overfit", new_share=1.0, rows=30, steps=60, learning_rate=2e-2,
+        overfit=False,
+    )  # fmt: skip
 
 
 def training_rows(args: QuickstartArgs) -> list[dict[str, str]]:
     """New-skill rows mixed with replayed base-skill rows (train split only, seeded)."""
-    from itertools import islice
-
     from moetune.demo.skills import base_skills, stream, to_prompt_completion
 
     n_new = int(args.rows * args.new_share)
@@ -47,7 +61,34 @@ def training_rows(args: QuickstartArgs) -> list[dict[str, str]]:
     return rows[::2] + rows[1::2]
 
 
-def run_config(args: QuickstartArgs, train_file: Path) -> RunConfig:
+def ladder_files(args: QuickstartArgs, data_dir: Path) -> dict[str, Path]:
+    """One exact-match JSONL per skill from the held-out split (never seen in training)."""
+    from moetune.demo.skills import base_skills, make_items, write_jsonl
+
+    files = {}
+    for name in [args.new_skill, *base_skills()]:
+        items = make_items([name], args.eval_items, args.seed, "eval")
+        rows = [{"prompt": it.prompt, "answer": it.answer} for it in items]
+        files[name] = write_jsonl(data_dir / f"eval-{name}.jsonl", rows)
+    return files
+
+
+def rungs(args: QuickstartArgs, files: dict[str, Path]) -> list[dict[str, Any]]:
+    """The new skill is the target; every skill the base already had is protected."""
+    return [
+        {"name": name, "kind": "exact_match", "data": str(path)}
+        | (
+            {"role": "target", "min_gain": args.min_gain}
+            if name == args.new_skill
+            else {"role": "protected", "margin": args.margin}
+        )
+        for name, path in files.items()
+    ]
+
+
+def run_config(
+    args: QuickstartArgs, train_file: Path, files: dict[str, Path], ledger: Path
+) -> RunConfig:
     """The run config the quickstart trains with (written beside its outputs like any run)."""
     from moetune.demo.base import MAX_LEN, SHIPPED_DIR
 
@@ -57,8 +98,8 @@ def run_config(args: QuickstartArgs, train_file: Path) -> RunConfig:
             "lora": {"rank": args.rank, "targets": ["attention", "experts"]},
             "data": {"train_file": str(train_file)},
             "output": {
-                "dir": str(args.out_dir / "run"),
-                "ledger": str(args.out_dir / "ledger.jsonl"),
+                "dir": str(args.out_dir / args.run_name),
+                "ledger": str(ledger),
             },
             "train": {
                 "seq_len": MAX_LEN,
@@ -74,48 +115,55 @@ def run_config(args: QuickstartArgs, train_file: Path) -> RunConfig:
                 "device": "cpu",
                 "logging_steps": 10,
             },
+            "eval": {"rungs": rungs(args, files), "batch_size": 64},
         }
     )
 
 
-def score_pair(args: QuickstartArgs, adapter_dir: str) -> dict[str, dict[str, float]]:
-    """Exact match per skill for base and candidate on the same held-out items."""
-    from peft import PeftModel
-
-    from moetune.demo.base import load_base
-    from moetune.demo.evaluate import exact_match, scores_by_skill
-    from moetune.demo.skills import base_skills, make_items
-
-    items = make_items([*base_skills(), args.new_skill], args.eval_items, args.seed, "eval")
-    model, tok = load_base()
-    base = scores_by_skill(items, exact_match(model, tok, items))
-    candidate_model = PeftModel.from_pretrained(model, adapter_dir)
-    cand = scores_by_skill(items, exact_match(candidate_model, tok, items))
-    return {name: {"base": base[name], "candidate": cand[name]} for name in base}
-
-
-def run_quickstart(args: QuickstartArgs, progress: bool = True) -> dict[str, Any]:
-    """Run the pipeline; returns the summary (also written to OUT/quickstart.json)."""
+def pipeline(args: QuickstartArgs, ledger: Path, progress: bool) -> dict[str, Any]:
+    """train → eval → gate → promote on GO → report, for one run; its summary."""
     from moetune.demo.skills import write_jsonl
+    from moetune.evaluate import promote, run_eval
+    from moetune.report import build_report
     from moetune.train import train
 
-    started = time.perf_counter()
-    train_file = write_jsonl(args.out_dir / "data" / "train.jsonl", training_rows(args))
-    result = train(run_config(args, train_file), progress=progress)
-    scores = score_pair(args, result.adapter_dir)
-    summary = {
+    data = args.out_dir / "data"
+    train_file = write_jsonl(data / f"train-{args.run_name}.jsonl", training_rows(args))
+    cfg = run_config(args, train_file, ladder_files(args, data), ledger)
+    result = train(cfg, progress=progress)
+    verdict = run_eval(cfg, progress=progress)
+    results = cfg.eval.results_path(cfg.output.dir)
+    promoted = promote(results) if verdict["verdict"] == "GO" else None
+    return {
         "adapter_dir": result.adapter_dir,
-        "ledger": str(args.out_dir / "ledger.jsonl"),
         "coverage": result.coverage,
         "router_changed": result.router_changed,
         "steps": result.steps,
         "final_loss": result.final_loss,
-        "new_skill": args.new_skill,
-        "scores": scores,
         "peak_memory_bytes": result.peak_memory_bytes,
         "planned_peak_bytes": result.planned_peak_bytes,
-        "seconds": round(time.perf_counter() - started, 1),
-        "args": {k: str(v) for k, v in asdict(args).items()},
+        "scores": {
+            r["name"]: {"base": r["base_score"], "candidate": r["candidate_score"]}
+            for r in verdict["rungs"]
+        },
+        "verdict": verdict["verdict"],
+        "verdict_reason": verdict["reason"],
+        "promoted": str(promoted) if promoted else None,
+        "results_dir": str(results),
+        "report": str(build_report(Path(cfg.output.dir), results_dir=results)),
     }
+
+
+def run_quickstart(args: QuickstartArgs, progress: bool = True) -> dict[str, Any]:
+    """Run the pipeline (and its over-trained counter-example); returns the summary, also
+    written to OUT/quickstart.json. Every attempt of both lands in one ledger."""
+    started = time.perf_counter()
+    ledger = args.out_dir / "ledger.jsonl"
+    summary = pipeline(args, ledger, progress)
+    summary.update(new_skill=args.new_skill, ledger=str(ledger))
+    if args.overfit:
+        summary["overfit"] = pipeline(overfit_args(args), ledger, progress)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    summary["args"] = {k: str(v) for k, v in asdict(args).items()}
     atomic_write_json(args.out_dir / "quickstart.json", summary)
     return summary

@@ -23,6 +23,7 @@ dropped on read, and on resume rows past the checkpoint are cut away (atomically
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -339,3 +340,12 @@ def versions() -> dict[str, str | None]:
     found["python"] = platform.python_version()
     found["git_sha"] = git_sha()
     return found
+
+
+def ledger_fields(cfg: RunConfig) -> dict[str, Any]:
+    """What every ledger row of this run carries: run id, config hash, versions."""
+    return {
+        "run_id": Path(cfg.output.dir).name,
+        "config_hash": hashlib.sha256(dump_config(cfg).encode()).hexdigest()[:16],
+        "versions": {k: str(v) for k, v in versions().items()},
+    }

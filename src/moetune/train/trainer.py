@@ -25,24 +25,21 @@ process writes the run dir; checkpoints are committed after every process saved 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from rich.console import Console
 from rich.markup import escape
 
-from moetune.config import RunConfig, dump_config
-from moetune.errors import MoetuneError
+from moetune.config import RunConfig
 from moetune.io import atomic_write_json
-from moetune.ledger import Ledger, LedgerRow, Status
+from moetune.ledger import attempt
 from moetune.train.callbacks import (
     MetricsCallback,
     RichProgress,
@@ -54,8 +51,8 @@ from moetune.train.checkpoint import (
     CheckpointCommitter,
     RunDir,
     inspect_run,
+    ledger_fields,
     replace_dir,
-    versions,
 )
 from moetune.train.errors import TrainError
 from moetune.train.routing import (
@@ -112,53 +109,12 @@ def train(
     """Train the LoRA adapter `cfg` describes; the module docstring lists the steps.
     `overwrite` replaces a finished run in output.dir (only after preflight passes).
     Every attempt – finished, failed or interrupted – leaves one ledger row."""
-    started = time.perf_counter()
-    try:
+    if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
+        return _train(cfg, resume, allow_errors, overwrite, progress)
+    with attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row:
         result = _train(cfg, resume, allow_errors, overwrite, progress)
-    except KeyboardInterrupt:
-        _record_failure(cfg, "cancelled", started, "interrupted")
-        raise
-    except MoetuneError as err:
-        _record_failure(cfg, "failed", started, err.cause)
-        raise
-    except Exception as err:
-        _record_failure(cfg, "failed", started, f"{type(err).__name__}: {err}"[:300])
-        raise
-    record_attempt(cfg, "ok", started, result=result)
+        row["metrics"] = result.to_json()
     return result
-
-
-def _record_failure(cfg: RunConfig, status: Status, started: float, reason: str) -> None:
-    """Ledger the failed attempt; a ledger that cannot be written never hides the real error."""
-    try:
-        record_attempt(cfg, status, started, reason=reason)
-    except OSError as err:
-        warnings.warn(f"ledger {cfg.output.ledger} not written: {err}", stacklevel=2)
-
-
-def record_attempt(
-    cfg: RunConfig,
-    status: Status,
-    started: float,
-    result: TrainResult | None = None,
-    reason: str = "",
-) -> None:
-    """One ledger row for this attempt (main process only under accelerate)."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    metrics = {} if result is None else result.to_json()
-    Ledger(cfg.output.ledger).append(
-        LedgerRow(
-            kind="train",
-            status=status,
-            run_id=Path(cfg.output.dir).name,
-            config_hash=hashlib.sha256(dump_config(cfg).encode()).hexdigest()[:16],
-            versions={k: str(v) for k, v in versions().items()},
-            metrics=metrics,
-            seconds=round(time.perf_counter() - started, 3),
-            reason=reason,
-        )
-    )
 
 
 def _train(

@@ -1,0 +1,277 @@
+"""The promotion gate: paired base-vs-candidate differences, decided per rung, Holm across rungs.
+
+For every rung, d_i = candidate_i − base_i over the same items; Δ = mean(d) and
+SE_Δ = sd(d)/√n. Each rung has a threshold – −margin for a protected rung (non-inferiority),
+min_gain for a target rung – and the rung's null hypothesis "Δ does not clear the
+threshold" gets a one-sided p-value. Holm's step-down assigns each rung its z (the
+smallest p is tested at α/m, the next at α/(m−1), …), so the family-wise error across the
+ladder stays ≤ α. With that z:
+
+    pass          Δ − z·SE_Δ clears the threshold (and, when protected, the candidate's score
+                  reaches its absolute floor) and Holm's step-down reached the rung
+    fail          Δ + z·SE_Δ is below the threshold (confidently worse), or below the floor
+    inconclusive  otherwise: the bounds straddle the threshold; `n_needed` says how many
+                  items would decide at the observed spread
+
+GO only when every rung passes; NO-GO when any fails; INCONCLUSIVE otherwise – never GO.
+For accuracy rungs the spread is floored at one discordant item in n, so perfect agreement
+on a handful of items never reads as certainty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any, Literal
+
+from moetune.evaluate.errors import GateError
+from moetune.io import atomic_write_json
+
+RungStatus = Literal["pass", "fail", "inconclusive"]
+Verdict = Literal["GO", "NO-GO", "INCONCLUSIVE"]
+_NORMAL = NormalDist()
+
+
+@dataclass(frozen=True)
+class Paired:
+    n: int
+    base: float  # mean base score
+    candidate: float  # mean candidate score
+    delta: float
+    se: float  # SE of the mean paired difference
+
+
+def paired(base: list[float], candidate: list[float], unit: str = "accuracy") -> Paired:
+    """Mean paired difference and its standard error (sample sd, ddof 1)."""
+    n = len(base)
+    if n == 0 or n != len(candidate):
+        raise ValueError("paired scores need the same, non-zero number of items")
+    diffs = [c - b for b, c in zip(base, candidate, strict=True)]
+    delta = sum(diffs) / n
+    var = sum((d - delta) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    if unit == "accuracy":
+        var = max(var, 1.0 / n)  # one discordant item: the least spread n items can rule out
+    return Paired(n, sum(base) / n, sum(candidate) / n, delta, math.sqrt(var / n))
+
+
+@dataclass(frozen=True)
+class RungRule:
+    """What a rung must show (from its config)."""
+
+    name: str
+    role: Literal["target", "protected"]
+    margin: float = 0.1
+    floor: float | None = None
+    min_gain: float = 0.05
+
+    @property
+    def threshold(self) -> float:
+        return self.min_gain if self.role == "target" else -self.margin
+
+
+@dataclass(frozen=True)
+class RungDecision:
+    name: str
+    role: str
+    status: RungStatus
+    n: int
+    base_score: float
+    candidate_score: float
+    delta: float
+    se_delta: float
+    z: float
+    lower: float
+    upper: float
+    threshold: float
+    n_needed: int | None
+    reason: str
+
+
+def p_value(stats: Paired, threshold: float) -> float:
+    """One-sided p of "Δ does not clear the threshold" (normal approximation)."""
+    if stats.se == 0:
+        return 0.0 if stats.delta > threshold else 1.0
+    return 1.0 - _NORMAL.cdf((stats.delta - threshold) / stats.se)
+
+
+def holm_z(p_values: list[float], alpha: float) -> list[tuple[float, bool]]:
+    """Per rung: the z its bound uses under Holm's step-down, and whether it was rejected."""
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    out: list[tuple[float, bool]] = [(0.0, False)] * len(p_values)
+    still = True
+    for k, i in enumerate(order):
+        level = alpha / (len(p_values) - k)
+        still = still and p_values[i] <= level
+        out[i] = (_NORMAL.inv_cdf(1.0 - level), still)
+    return out
+
+
+def n_needed(stats: Paired, threshold: float, z: float) -> int | None:
+    """Items that would put z·SE inside the gap between Δ and the threshold."""
+    gap = abs(stats.delta - threshold)
+    if gap == 0:
+        return None  # the estimate sits on the threshold: no n decides it
+    sd = stats.se * math.sqrt(stats.n)
+    return max(math.ceil((z * sd / gap) ** 2), stats.n + 1)
+
+
+def decide_rung(rule: RungRule, stats: Paired, z: float, rejected: bool) -> RungDecision:
+    thr = rule.threshold
+    lower, upper = stats.delta - z * stats.se, stats.delta + z * stats.se
+    below_floor = rule.role == "protected" and rule.floor is not None
+    below_floor = below_floor and stats.candidate < (rule.floor or 0.0)
+    what = "−margin" if rule.role == "protected" else "min_gain"
+    bounds = f"Δ {stats.delta:+.3f}, bounds [{lower:+.3f}, {upper:+.3f}] at z {z:.2f}"
+    needed: int | None = None
+    status: RungStatus
+    if below_floor:
+        status, reason = "fail", f"candidate {stats.candidate:.3f} below floor {rule.floor}"
+    elif upper < thr:
+        status, reason = "fail", f"{bounds}: upper bound below {what} {thr:+.3f}"
+    elif rejected:
+        status, reason = "pass", f"{bounds}: lower bound clears {what} {thr:+.3f}"
+    else:
+        status, needed = "inconclusive", n_needed(stats, thr, z)
+        more = f"; about {needed} items would decide" if needed else ""
+        reason = f"{bounds}: straddle {what} {thr:+.3f}{more}"
+    return RungDecision(
+        rule.name, rule.role, status, stats.n, stats.base, stats.candidate,
+        stats.delta, stats.se, z, lower, upper, thr, needed, reason,
+    )  # fmt: skip
+
+
+def verdict_of(decisions: list[RungDecision]) -> tuple[Verdict, str]:
+    """The verdict and one line naming the rungs that decided it (details per rung)."""
+    failed = [d for d in decisions if d.status == "fail"]
+    open_ = [d for d in decisions if d.status == "inconclusive"]
+    if not failed and not open_:
+        return "GO", f"all {len(decisions)} rungs pass"
+    verdict: Verdict = "NO-GO" if failed else "INCONCLUSIVE"
+    which = failed or open_
+    status = "fail" if failed else "inconclusive"
+    names = ", ".join(f"{d.name} ({d.role}, Δ {d.delta:+.3f})" for d in which)
+    return verdict, f"{len(which)} of {len(decisions)} rungs {status}: {names}"
+
+
+def decide(rules: list[RungRule], stats: list[Paired], alpha: float = 0.05) -> dict[str, Any]:
+    """The verdict document: verdict, reason, alpha, per-rung decisions and its own hash."""
+    if not rules:
+        raise ValueError("a gate needs at least one rung")
+    p = [p_value(s, r.threshold) for r, s in zip(rules, stats, strict=True)]
+    zs = holm_z(p, alpha)
+    decisions = [
+        decide_rung(rule, s, z, ok) for rule, s, (z, ok) in zip(rules, stats, zs, strict=True)
+    ]
+    verdict, reason = verdict_of(decisions)
+    doc: dict[str, Any] = {
+        "verdict": verdict,
+        "reason": reason,
+        "alpha": alpha,
+        "rungs": [asdict(d) for d in decisions],
+    }
+    doc["hash"] = verdict_hash(doc)
+    return doc
+
+
+def verdict_hash(doc: dict[str, Any]) -> str:
+    """sha256 of the verdict's canonical JSON (without its own hash field)."""
+    body = {k: v for k, v in doc.items() if k != "hash"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- results dirs and promotion
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise GateError(
+            f"cannot read {path}: {str(err).splitlines()[0]}",
+            "point at a results dir written by `moetune eval` (it holds ladder.json)",
+        ) from None
+
+
+def read_pairs(results: Path, rung: dict[str, Any]) -> Paired:
+    """The rung's paired statistics, recomputed from its per-item file (the source of truth)."""
+    path = results / rung["items_file"]
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, json.JSONDecodeError) as err:
+        raise GateError(f"cannot read {path}: {err}", "re-run `moetune eval --overwrite`") from None
+    return paired([r["base"] for r in rows], [r["candidate"] for r in rows], rung["unit"])
+
+
+def rule_of(rung: dict[str, Any]) -> RungRule:
+    args = rung["args"]
+    return RungRule(args["name"], args["role"], args["margin"], args["floor"], args["min_gain"])
+
+
+def gate_results(
+    results: Path | str, alpha: float | None = None, ledger: str | Path | None = None
+) -> dict[str, Any]:
+    """Decide from a results dir; writes verdict.json there and a `gate` ledger row."""
+    from moetune.ledger import Ledger, LedgerRow
+
+    results = Path(results)
+    ladder = read_json(results / "ladder.json")
+    alpha = alpha if alpha is not None else ladder["gate"]["alpha"]
+    rungs = ladder["rungs"]
+    doc = decide([rule_of(r) for r in rungs], [read_pairs(results, r) for r in rungs], alpha)
+    doc = {**doc, "adapter": ladder["adapter"], "adapter_sha256": ladder["adapter_sha256"]}
+    doc["hash"] = verdict_hash(doc)
+    atomic_write_json(results / "verdict.json", doc)
+    Ledger(ledger or ladder["ledger"]).append(
+        LedgerRow(
+            kind="gate",
+            status="ok",
+            run_id=ladder.get("run_id"),
+            config_hash=ladder.get("config_hash"),
+            metrics={"verdict": doc["verdict"], "hash": doc["hash"], "results": str(results)},
+            reason=doc["reason"][:300],
+        )
+    )
+    return doc
+
+
+def promote(results: Path | str, ledger: str | Path | None = None) -> Path:
+    """Mark the adapter promoted – only on a GO verdict for exactly these adapter bytes."""
+    from moetune.evaluate.ladder import PROMOTED, adapter_digest
+    from moetune.ledger import Ledger, LedgerRow
+
+    results = Path(results)
+    verdict = read_json(results / "verdict.json")
+    if verdict.get("hash") != verdict_hash(verdict):
+        raise GateError(
+            f"{results}/verdict.json was edited after the gate", "re-run `moetune gate`"
+        )
+    if verdict["verdict"] != "GO":
+        raise GateError(
+            f"not promoted: the verdict is {verdict['verdict']} ({verdict['reason']})",
+            "only a GO verdict promotes; see the per-rung reasons above",
+        )
+    adapter = Path(verdict["adapter"])
+    if adapter_digest(adapter) != verdict["adapter_sha256"]:
+        raise GateError(
+            f"{adapter} changed since it was evaluated",
+            "re-run `moetune eval` on the adapter as it is now",
+        )
+    marker = adapter / PROMOTED
+    body = {"verdict_hash": verdict["hash"], "results": str(results.resolve()), "time": time.time()}
+    atomic_write_json(marker, body)
+    ladder = read_json(results / "ladder.json")
+    Ledger(ledger or ladder["ledger"]).append(
+        LedgerRow(
+            kind="promote",
+            status="ok",
+            run_id=ladder.get("run_id"),
+            config_hash=ladder.get("config_hash"),
+            metrics={"adapter": str(adapter), "verdict_hash": verdict["hash"]},
+        )
+    )
+    return marker

@@ -1,0 +1,238 @@
+"""`run_eval(cfg)`: score base and candidate on every rung of the ladder, then gate.
+
+1. every rung's items are read and checked before any model is loaded;
+2. the base is loaded once and scored on every rung; then the adapter is put on the same
+   model (peft) and the candidate is scored on the same items;
+3. results go to a temp dir renamed into place in one step – ladder.json (every rung's
+   summary: score, stderr and n of base and candidate, Δ, SE_Δ, its gate settings), the
+   same per rung in rungs/<name>.json, and rungs/<name>.items.jsonl (per item: base and
+   candidate score and output, so every difference is paired and inspectable);
+4. the gate decides (verdict.json); eval and gate each leave a ledger row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from moetune.config import RunConfig
+from moetune.evaluate.errors import EvalError
+from moetune.evaluate.rungs import Item, ItemScore, Rung, make_rung
+from moetune.io import atomic_write_json, atomic_write_text
+from moetune.ledger import attempt
+
+PROMOTED = "PROMOTED"  # marker file in a promoted adapter dir
+
+
+@dataclass
+class Scored:
+    """One rung with its items and both models' per-item scores."""
+
+    rung: Rung
+    items: list[Item]
+    base: list[ItemScore] | None = None
+    candidate: list[ItemScore] | None = None
+
+
+def adapter_digest(adapter: Path) -> str:
+    """sha256 over the adapter's files (names and bytes), the PROMOTED marker excluded."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in adapter.rglob("*") if p.is_file() and p.name != PROMOTED):
+        h.update(str(path.relative_to(adapter)).encode() + b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def resolve_adapter(cfg: RunConfig, adapter: str | Path | None) -> Path:
+    path = Path(adapter) if adapter else Path(cfg.output.dir) / "adapter"
+    if not (path / "adapter_config.json").is_file():
+        raise EvalError(
+            f"no peft adapter at {path} (adapter_config.json missing)",
+            "train first (`moetune train run.yaml`) or pass --adapter DIR",
+        )
+    return path
+
+
+def prepare_results_dir(path: Path, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise EvalError(
+            f"{path} already holds eval results; they are never silently replaced",
+            "pass --overwrite, or set eval.results_dir to a new folder",
+        )
+
+
+def load_ladder(cfg: RunConfig, limit: int | None) -> list[Scored]:
+    if not cfg.eval.rungs:
+        raise EvalError(
+            "the run config has no eval ladder (eval.rungs is empty)",
+            "add eval.rungs: [{name, kind, role, data}] (see `moetune schema`)",
+        )
+    limit = limit if limit is not None else cfg.eval.limit
+    return [Scored(rung, rung.load(limit)) for rung in map(make_rung, cfg.eval.rungs)]
+
+
+def load_model(cfg: RunConfig) -> tuple[Any, Any]:
+    """The base model and tokenizer, placed like training would place them."""
+    import torch
+
+    from moetune.train.setup import load_tokenizer, resolve_placement
+    from moetune.train.trainer import load_model as load_weights
+
+    place = resolve_placement(cfg.train)
+    tokenizer = load_tokenizer(cfg.model.id)
+    model = load_weights(cfg, place).to(place.device)
+    model.eval()
+    torch.manual_seed(cfg.train.seed)
+    return model, tokenizer
+
+
+@contextmanager
+def _bar(label: str, total: int, show: bool) -> Iterator[Any]:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(
+        *columns, TimeElapsedColumn(), console=Console(stderr=True), disable=not show
+    ) as p:
+        task = p.add_task(label, total=total)
+        yield lambda n: p.advance(task, n)
+
+
+def score_all(
+    ladder: list[Scored], model: Any, tokenizer: Any, cfg: RunConfig, who: str, show: bool
+) -> None:
+    total = sum(len(s.items) for s in ladder)
+    with _bar(f"eval {who}", total, show) as advance:
+        for s in ladder:
+            scores = s.rung.score(model, tokenizer, s.items, cfg.eval.batch_size, advance)
+            setattr(s, who, scores)
+
+
+def rung_summary(s: Scored) -> dict[str, Any]:
+    from moetune.evaluate.gate import paired
+
+    assert s.base is not None and s.candidate is not None
+    base, cand = [x.score for x in s.base], [x.score for x in s.candidate]
+    stats = paired(base, cand, s.rung.unit)
+    return {
+        "name": s.rung.args.name,
+        "kind": s.rung.kind,
+        "role": s.rung.args.role,
+        "unit": s.rung.unit,
+        "n": stats.n,
+        "base": {"score": stats.base, "stderr": _stderr(base)},
+        "candidate": {"score": stats.candidate, "stderr": _stderr(cand)},
+        "delta": stats.delta,
+        "se_delta": stats.se,
+        "extra": {f"base_{k}": v for k, v in s.rung.extra(base).items()}
+        | {f"candidate_{k}": v for k, v in s.rung.extra(cand).items()},
+        "args": s.rung.args.model_dump(mode="json"),
+        "items_file": f"rungs/{s.rung.args.name}.items.jsonl",
+    }
+
+
+def _stderr(scores: list[float]) -> float:
+    n = len(scores)
+    if n < 2:
+        return 0.0
+    mean = sum(scores) / n
+    return float((sum((x - mean) ** 2 for x in scores) / (n - 1) / n) ** 0.5)
+
+
+def items_jsonl(s: Scored) -> str:
+    assert s.base is not None and s.candidate is not None
+    rows = (
+        {
+            "i": i,
+            "base": b.score,
+            "candidate": c.score,
+            "base_output": b.output,
+            "candidate_output": c.output,
+        }
+        for i, (b, c) in enumerate(zip(s.base, s.candidate, strict=True))
+    )
+    return "".join(json.dumps(row, default=str) + "\n" for row in rows)
+
+
+def write_results(path: Path, ladder: list[Scored], meta: dict[str, Any]) -> dict[str, Any]:
+    """Everything into a temp dir, fsynced, then renamed over `path` in one step."""
+    from moetune.train.checkpoint import replace_dir
+
+    tmp = path.parent / f".{path.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for s in ladder:
+        atomic_write_text(tmp / "rungs" / f"{s.rung.args.name}.items.jsonl", items_jsonl(s))
+    doc = {**meta, "results": str(path), "rungs": [rung_summary(s) for s in ladder]}
+    for rung in doc["rungs"]:
+        atomic_write_json(tmp / "rungs" / f"{rung['name']}.json", rung)
+    atomic_write_json(tmp / "ladder.json", doc)
+    replace_dir(tmp, path)
+    return doc
+
+
+def run_eval(
+    cfg: RunConfig,
+    adapter: str | Path | None = None,
+    *,
+    limit: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score base and candidate on the ladder, write results, gate; returns the verdict.
+    The attempt leaves an `eval` ledger row (failed ones too), the gate a `gate` row."""
+    from moetune.evaluate.gate import gate_results
+    from moetune.train.checkpoint import ledger_fields
+
+    with attempt(cfg.output.ledger, "eval", **ledger_fields(cfg)) as row:
+        results, doc = score_ladder(cfg, adapter, limit, overwrite, progress)
+        row["metrics"] = eval_metrics(doc)
+    return gate_results(results)
+
+
+def score_ladder(
+    cfg: RunConfig, adapter: str | Path | None, limit: int | None, overwrite: bool, show: bool
+) -> tuple[Path, dict[str, Any]]:
+    from peft import PeftModel
+
+    from moetune.train.checkpoint import ledger_fields
+
+    started = time.perf_counter()
+    ladder = load_ladder(cfg, limit)  # every item checked before any model loads
+    adapter_dir = resolve_adapter(cfg, adapter)
+    results = cfg.eval.results_path(cfg.output.dir)
+    prepare_results_dir(results, overwrite)
+    model, tokenizer = load_model(cfg)
+    score_all(ladder, model, tokenizer, cfg, "base", show)
+    with warnings.catch_warnings():  # peft calls a transformers API deprecated for v6
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        candidate = PeftModel.from_pretrained(model, str(adapter_dir))
+    score_all(ladder, candidate, tokenizer, cfg, "candidate", show)
+    meta = {
+        "model": cfg.model.id,
+        "adapter": str(adapter_dir.resolve()),
+        "adapter_sha256": adapter_digest(adapter_dir),
+        "ledger": cfg.output.ledger,
+        "gate": cfg.eval.gate.model_dump(mode="json"),
+        "limit": limit if limit is not None else cfg.eval.limit,
+        "seconds": round(time.perf_counter() - started, 3),
+        "time": time.time(),
+        **{k: v for k, v in ledger_fields(cfg).items() if k != "versions"},
+    }
+    return results, write_results(results, ladder, meta)
+
+
+def eval_metrics(doc: dict[str, Any]) -> dict[str, Any]:
+    scores = {
+        r["name"]: {"base": r["base"]["score"], "candidate": r["candidate"]["score"], "n": r["n"]}
+        for r in doc["rungs"]
+    }
+    return {"adapter": doc["adapter"], "results": doc.get("results"), "scores": scores}

@@ -1,0 +1,253 @@
+"""Rung kinds: how one rung of the ladder turns a model into a score per item.
+
+A kind is a registered class. `load` reads and checks the rung's items once (before any
+model is loaded, so bad data fails in seconds); `score` returns one `ItemScore` per item,
+in item order, for whatever model it is given – the base and the candidate get exactly
+the same items, which is what makes their differences paired. Every score is "higher is
+better": accuracy in [0, 1], or minus the mean negative log-likelihood per token.
+
+    loss             {"text": ...} or {"prompt": ..., "completion": ...}   -NLL per token
+    exact_match      {"prompt": ..., "answer": ...}    greedy output == answer (then EOS)
+    multiple_choice  {"prompt": ..., "choices": [...], "answer": index or choice}
+    lm_eval          a task of lm-evaluation-harness (optional extra; see lmeval.py)
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from moetune.config import RungArgs
+from moetune.evaluate.errors import EvalError
+from moetune.evaluate.scoring import Advance, continuation_logprobs, generate, until_eos
+
+Item = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ItemScore:
+    score: float  # higher is better, in the rung's unit
+    output: Any = None  # what the model produced (answer text, chosen index, token count)
+
+
+class Rung(ABC):
+    """One rung kind. Subclasses set `kind` and `unit` and implement `load` and `score`."""
+
+    kind: ClassVar[str]
+    unit: ClassVar[str] = "accuracy"  # accuracy | neg_nll
+
+    def __init__(self, args: RungArgs) -> None:
+        self.args = args
+
+    @abstractmethod
+    def load(self, limit: int | None) -> list[Item]:
+        """The rung's items (the first `limit`), every one checked."""
+
+    @abstractmethod
+    def score(
+        self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
+    ) -> list[ItemScore]:
+        """One score per item, in order."""
+
+    def extra(self, scores: list[float]) -> dict[str, float]:
+        """Figures beside the mean that a person reads (e.g. perplexity)."""
+        return {}
+
+    # ------------------------------------------------------------ shared item reading
+
+    def data_path(self) -> Path:
+        if not self.args.data:
+            raise EvalError(
+                f"rung {self.args.name!r} ({self.kind}) has no data file",
+                f"set eval.rungs[].data for {self.args.name!r} to a JSONL file",
+            )
+        return Path(self.args.data)  # relative to the working dir, like data.train_file
+
+    def read_items(self, limit: int | None, check: Callable[[Item], str | None]) -> list[Item]:
+        """Rows of the data file; the first bad one raises with its file and line."""
+        from moetune.train.data import read_rows
+        from moetune.train.errors import DataError
+
+        path = self.data_path()
+        try:
+            rows = read_rows(path)
+        except DataError as err:
+            raise EvalError(f"rung {self.args.name!r}: {err.cause}", err.fix) from None
+        items = [row for _, row in rows][:limit]
+        for (where, _), item in zip(rows, items, strict=False):
+            problem = check(item) if isinstance(item, dict) else "is not a JSON object"
+            if problem:
+                raise EvalError(
+                    f"rung {self.args.name!r}: {path} {where}: row {problem}",
+                    f"{self.kind} rows look like {self.example}",
+                )
+        return items
+
+    example: ClassVar[str] = ""
+
+
+RUNG_KINDS: dict[str, type[Rung]] = {}
+
+
+def register_rung(cls: type[Rung]) -> type[Rung]:
+    RUNG_KINDS[cls.kind] = cls
+    return cls
+
+
+def make_rung(args: RungArgs) -> Rung:
+    """The rung object for a config entry; an unknown kind names the known ones."""
+    if args.kind == "lm_eval":
+        import moetune.evaluate.lmeval  # noqa: F401  (registers itself; lm-eval imported lazily)
+    cls = RUNG_KINDS.get(args.kind)
+    if cls is None:
+        raise EvalError(
+            f"rung {args.name!r}: unknown kind {args.kind!r}",
+            f"use one of: {', '.join(sorted({*RUNG_KINDS, 'lm_eval'}))}",
+        )
+    return cls(args)
+
+
+def _need_strings(item: Item, *keys: str) -> str | None:
+    for key in keys:
+        if not isinstance(item.get(key), str) or not item[key]:
+            return f"needs a non-empty string {key!r}"
+    return None
+
+
+def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+# ---------------------------------------------------------------- loss / perplexity
+
+
+@register_rung
+class LossRung(Rung):
+    """Held-out loss: minus the mean NLL per scored token (completion only, when given)."""
+
+    kind = "loss"
+    unit = "neg_nll"
+    example = '{"text": "..."} or {"prompt": "...", "completion": "..."}'
+
+    def load(self, limit: int | None) -> list[Item]:
+        def check(item: Item) -> str | None:
+            if "text" in item:
+                return _need_strings(item, "text")
+            return _need_strings(item, "prompt", "completion")
+
+        return self.read_items(limit, check)
+
+    def _split(self, tokenizer: Any, item: Item) -> tuple[list[int], list[int]]:
+        if "text" in item:
+            ids = _ids(tokenizer, item["text"], True)
+            return ids[:1], ids[1:]  # every token but the first is predicted
+        return _ids(tokenizer, item["prompt"], True), _ids(tokenizer, item["completion"], False)
+
+    def score(
+        self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
+    ) -> list[ItemScore]:
+        pairs = [self._split(tokenizer, item) for item in items]
+        empty = [i for i, (_, cont) in enumerate(pairs) if not cont]
+        if empty:
+            raise EvalError(
+                f"rung {self.args.name!r}: item {empty[0]} has no token to score",
+                "give loss rows at least two tokens of text (or a non-empty completion)",
+            )
+        sums = continuation_logprobs(
+            model, [c for c, _ in pairs], [t for _, t in pairs], batch_size, advance
+        )
+        return [ItemScore(total / count, count) for total, count in sums]
+
+    def extra(self, scores: list[float]) -> dict[str, float]:
+        mean = sum(scores) / len(scores) if scores else 0.0
+        return {"perplexity": math.exp(-mean)}
+
+
+# ---------------------------------------------------------------- exact match
+
+
+@register_rung
+class ExactMatchRung(Rung):
+    """Greedy generation; right when the text before EOS equals the answer (stripped)."""
+
+    kind = "exact_match"
+    example = '{"prompt": "...", "answer": "..."}'
+
+    def load(self, limit: int | None) -> list[Item]:
+        return self.read_items(limit, lambda item: _need_strings(item, "prompt", "answer"))
+
+    def _limit(self, tokenizer: Any, item: Item) -> int:
+        # room for the answer and EOS: a model that runs past it is wrong whatever follows
+        return self.args.max_new_tokens or len(_ids(tokenizer, item["answer"], False)) + 1
+
+    def score(
+        self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
+    ) -> list[ItemScore]:
+        eos = int(tokenizer.eos_token_id)
+        prompts = [_ids(tokenizer, item["prompt"], True) for item in items]
+        limits = [self._limit(tokenizer, item) for item in items]
+        outputs = generate(model, prompts, limits, eos, batch_size, advance)
+        scores = []
+        for item, new in zip(items, outputs, strict=True):
+            text = str(tokenizer.decode(until_eos(new, eos)[0]))
+            scores.append(ItemScore(float(text.strip() == item["answer"].strip()), text))
+        return scores
+
+
+# ---------------------------------------------------------------- multiple choice
+
+
+def _answer_index(item: Item) -> int | None:
+    answer, choices = item.get("answer"), item.get("choices")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return answer if 0 <= answer < len(choices or []) else None
+    return choices.index(answer) if isinstance(choices, list) and answer in choices else None
+
+
+@register_rung
+class MultipleChoiceRung(Rung):
+    """The choice with the highest log-likelihood after the prompt; right when it is the answer.
+
+    Choices are appended to the prompt as written: include a leading space where the
+    tokenizer expects one (" Paris"), as lm-evaluation-harness does."""
+
+    kind = "multiple_choice"
+    example = '{"prompt": "...", "choices": ["a", "b"], "answer": 0}'
+
+    def load(self, limit: int | None) -> list[Item]:
+        def check(item: Item) -> str | None:
+            choices = item.get("choices")
+            if not isinstance(choices, list) or len(choices) < 2:
+                return "needs 'choices': a list of at least two strings"
+            if not all(isinstance(c, str) and c for c in choices):
+                return "has a choice that is not a non-empty string"
+            if _answer_index(item) is None:
+                return "needs 'answer': an index into choices or one of the choices"
+            return _need_strings(item, "prompt")
+
+        return self.read_items(limit, check)
+
+    def score(
+        self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
+    ) -> list[ItemScore]:
+        contexts, conts, owner = [], [], []
+        for i, item in enumerate(items):
+            ctx = _ids(tokenizer, item["prompt"], True)
+            for choice in item["choices"]:
+                contexts.append(ctx)
+                conts.append(_ids(tokenizer, choice, False))
+                owner.append(i)
+        sums = continuation_logprobs(model, contexts, conts, batch_size, lambda n: None)
+        per_item: list[list[float]] = [[] for _ in items]
+        for i, (total, _) in zip(owner, sums, strict=True):
+            per_item[i].append(total)
+        advance(len(items))
+        picks = [max(range(len(ll)), key=ll.__getitem__) for ll in per_item]
+        return [
+            ItemScore(float(pick == _answer_index(item)), pick)
+            for item, pick in zip(items, picks, strict=True)
+        ]

@@ -1,0 +1,323 @@
+"""`build_report` on a really trained tiny run (plus hand-made eval results), on partial and
+broken run dirs, and in headless Chromium: every figure decodes, nothing logs to the console,
+and an injected script is neither rendered as markup nor run."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import re
+import shutil
+import subprocess
+import types
+from html import unescape
+from pathlib import Path
+
+import pytest
+
+from moetune.errors import MoetuneError
+from moetune.report import ReportError, build_report
+from moetune.report.plots import pick_layers
+from moetune.train import train
+from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
+
+EVIL = "<script>alert(1)</script>"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+DATA_URI = re.compile(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+CHROMIUM = shutil.which("chromium")
+
+LADDER = {
+    "model": "tiny-base",
+    "adapter": "adapter",
+    "seconds": 42.5,
+    "time": 1764460800.0,
+    "rungs": [
+        {
+            "name": "reverse-words",
+            "kind": "exact_match",
+            "role": "target",
+            "unit": "accuracy",
+            "n": 200,
+            "base": {"score": 0.12, "stderr": 0.023},
+            "candidate": {"score": 0.64, "stderr": 0.034},
+            "delta": 0.52,
+            "se_delta": 0.035,
+            "extra": {},
+        },
+        {
+            "name": "copy-skill",
+            "kind": "exact_match",
+            "role": "protected",
+            "unit": "accuracy",
+            "n": 200,
+            "base": {"score": 0.81, "stderr": 0.028},
+            "candidate": {"score": 0.79, "stderr": 0.029},
+            "delta": -0.02,
+            "se_delta": 0.02,
+            "extra": {},
+        },
+        {
+            "name": "heldout-loss",
+            "kind": "loss",
+            "role": "protected",
+            "unit": "neg_nll",
+            "n": 150,
+            "base": {"score": -2.41, "stderr": 0.05},
+            "candidate": {"score": -2.45, "stderr": 0.05},
+            "delta": -0.04,
+            "se_delta": 0.015,
+            "extra": {"tokens": 4100},
+        },
+    ],
+}
+
+
+def _gate_rung(name: str, role: str, delta: float, se: float, threshold: float) -> dict:
+    z = 2.39
+    return {
+        "name": name,
+        "role": role,
+        "status": "pass",
+        "delta": delta,
+        "se_delta": se,
+        "z": z,
+        "lower": delta - z * se,
+        "upper": delta + z * se,
+        "threshold": threshold,
+        "n": 200,
+        "n_needed": None,
+        "base_score": 0.5,
+        "candidate_score": 0.5 + delta,
+        "reason": f"{name}: lower bound clears {threshold}",
+    }
+
+
+VERDICT = {
+    "verdict": "GO",
+    "alpha": 0.05,
+    "reason": "the target improved and no protected rung regressed",
+    "hash": "3f2a9c1e5b7d4a60",
+    "rungs": [
+        _gate_rung("reverse-words", "target", 0.52, 0.035, 0.05),
+        _gate_rung("copy-skill", "protected", -0.02, 0.02, -0.1),
+        _gate_rung("heldout-loss", "protected", -0.04, 0.015, -0.1),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A tiny run trained for real; its data path carries markup, as a file name may."""
+    root = tmp_path_factory.mktemp("report")
+    model = save_tiny_model(root / "model")
+    (root / "<script>alert(1)<").mkdir()
+    data = write_jsonl(root / "<script>alert(1)<" / "script>.jsonl", reverse_rows(16))
+    cfg = run_config(model, data, root / "run-report", max_steps=4, routing_every=1)
+    with one_thread():
+        train(cfg, progress=False)
+    run = root / "run-report"
+    assert EVIL in (run / "config.yaml").read_text()  # the data path really is in the config
+    return run
+
+
+@pytest.fixture(scope="module")
+def evaluated(trained, tmp_path_factory):
+    """A copy of the run with eval results, a promotion marker, and its report."""
+    run = tmp_path_factory.mktemp("evaluated") / "run-evaluated"
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns("checkpoints"))
+    (run / "eval").mkdir()
+    (run / "eval" / "ladder.json").write_text(json.dumps(LADDER))
+    (run / "eval" / "verdict.json").write_text(json.dumps(VERDICT))
+    (run / "adapter" / "PROMOTED").write_text(json.dumps({"verdict_hash": VERDICT["hash"]}))
+    report = build_report(run)
+    return types.SimpleNamespace(run=run, report=report, html=report.read_text())
+
+
+def _pngs(html: str) -> list[bytes]:
+    return [base64.b64decode(m) for m in DATA_URI.findall(html)]
+
+
+def test_report_holds_every_section_of_an_evaluated_run(evaluated):
+    html = evaluated.html
+    assert evaluated.report == evaluated.run / "report.html"
+    assert "<h1>run-evaluated " in html
+    assert '<span class="badge go">GO</span>' in html
+    assert "promoted (verdict 3f2a9c1e5b7d" in html
+    for rung in LADDER["rungs"]:
+        assert html.count(f"<td>{rung['name']}</td>") == 2  # ladder table and gate table
+    assert "0.64 ± 0.034" in html and "+0.52" in html  # candidate score, delta
+    assert "not available" not in html
+    summary = json.loads((evaluated.run / "summary.json").read_text())
+    measured = summary["memory"]["measured_peak_bytes"]
+    assert f"{measured:,}" in html  # measured peak next to the plan
+    assert f"{summary['memory']['planned_peak_bytes']:,}" in html
+
+
+def test_figures_are_embedded_pngs_and_nothing_loads_from_outside(evaluated):
+    html = evaluated.html
+    pngs = _pngs(html)
+    # memory, loss, expert load, ladder – and no other image source
+    assert len(pngs) == 4 == html.count("<img ")
+    for png in pngs:
+        assert png.startswith(PNG_SIGNATURE)
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+        assert 200 < width < 1400 and 50 < height < 1000  # IHDR: modest, fixed-dpi figures
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, re.I)
+    assert "http://" not in html and "https://" not in html
+    assert "<link" not in html and "url(" not in html and "@import" not in html
+    csp = unescape(re.search(r'http-equiv="Content-Security-Policy" content="([^"]*)"', html)[1])
+    assert csp.startswith("default-src 'none'; img-src data:;")  # the browser loads nothing else
+    assert len(html) < 400_000
+
+
+def test_config_strings_are_escaped(evaluated):
+    html = evaluated.html
+    assert EVIL not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;.jsonl" in html  # shown, as text
+    assert html.count("<script") == 1  # the report's own render check only
+
+
+def test_no_pyplot_figures_are_left_open(evaluated):
+    import matplotlib.pyplot as plt
+
+    build_report(evaluated.run, out=evaluated.run / "again.html")
+    assert plt.get_fignums() == []
+
+
+def test_run_without_eval_says_so_and_still_plots_the_loss(trained, tmp_path):
+    report = build_report(trained, out=tmp_path / "report.html")
+    html = report.read_text()
+    assert not (trained / "report.html").exists()  # out= is honoured
+    assert f"not available (no ladder.json in {trained / 'eval'}" in html
+    assert "run `moetune gate` first" in html
+    assert '<span class="badge none">not gated</span>' in html
+    assert "not promoted" in html
+    assert re.search(r'alt="loss curve" src="data:image/png;base64,', html)
+    assert "4 logged steps" in html
+    assert len(_pngs(html)) == 3  # memory, loss, expert load
+
+
+def test_partial_run_dir_renders_what_it_has(trained, tmp_path):
+    """Only config.yaml, a torn metrics line, a corrupt summary and many MoE layers."""
+    run = tmp_path / "partial"
+    run.mkdir()
+    shutil.copy(trained / "config.yaml", run / "config.yaml")
+    (run / "summary.json").write_text("{not json")
+    rows = [{"step": 1, "loss": 2.0, "lr": 0.01}, {"step": 2, "loss": 1.5, "lr": 0.01}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3')
+    layers = [
+        {"layer": i, "tokens_per_expert": [i + 1, 2, 3, 4], "collapsed": i == 5} for i in range(24)
+    ]
+    rows = [{"step": s, "layers": layers} for s in (2, 4, 6)]
+    (run / "routing.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = build_report(run).read_text()
+    assert "2 logged steps" in html  # the torn last line is skipped
+    assert "24 MoE layers, showing 8 evenly spaced: 0, 3, 7, 10, 13, 16, 20, 23" in html
+    assert "routing collapse in layer 5" in html
+    assert 'Memory</h2>\n<p class="na">not available (no memory plan' in html
+    assert "unfinished (no summary.json yet)" not in html  # a summary exists, though corrupt
+    assert len(_pngs(html)) == 2  # loss and expert load
+
+
+def test_pick_layers_caps_and_spreads_evenly():
+    assert pick_layers(list(range(5))) == [0, 1, 2, 3, 4]
+    picked = pick_layers(list(range(48)))
+    assert len(picked) == 8 and picked[0] == 0 and picked[-1] == 47
+    gaps = {b - a for a, b in itertools.pairwise(picked)}
+    assert max(gaps) - min(gaps) <= 1
+
+
+@pytest.mark.parametrize("make", ["missing", "no_config", "bad_yaml"])
+def test_bad_run_dir_raises_report_error(tmp_path, make):
+    run = tmp_path / "run"
+    if make != "missing":
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("")
+    if make == "bad_yaml":
+        (run / "config.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ReportError) as info:
+        build_report(run)
+    assert isinstance(info.value, MoetuneError) and info.value.fix
+    assert str(run) in info.value.cause
+    assert not (run / "report.html").exists()
+
+
+# ---------------------------------------------------------------- headless Chromium
+
+FLAGS = (
+    "--headless",
+    "--no-sandbox",  # the tests run as root
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--enable-logging=stderr",
+    "--v=0",
+    "--virtual-time-budget=3000",
+)
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium)"
+)
+
+
+def _chromium(tmp: Path, page: Path, *args: str) -> tuple[str, str]:
+    """(stdout, stderr) of one headless Chromium run on `page`, with a fresh profile."""
+    assert CHROMIUM is not None
+    profile = tmp / f"profile-{len(list(tmp.glob('profile-*')))}"
+    cmd = [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args, page.as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, proc.stderr
+
+
+def _console(log: str) -> list[str]:
+    """Chromium's lines for page console messages ("...:INFO:CONSOLE:12] "text", source: …")."""
+    return [line for line in log.splitlines() if "CONSOLE" in line]
+
+
+@needs_chromium
+def test_report_renders_in_headless_chromium(evaluated, tmp_path):
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "report-screenshot.png"
+    shot.unlink(missing_ok=True)
+    _chromium(tmp_path, evaluated.report, f"--screenshot={shot}", "--window-size=1280,2400")
+    dom, log = _chromium(tmp_path, evaluated.report, "--dump-dom")
+    assert 'data-rendered="ok"' in dom  # the render check ran: every figure decoded
+    assert _console(log) == []  # no console output: no broken figure, no CSP violation
+    png = shot.read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
+
+
+@needs_chromium
+def test_browser_check_catches_a_broken_figure_and_blocks_injected_script(evaluated, tmp_path):
+    """The checks above can fail: a corrupt figure is reported, and a script that got past
+    escaping would still not run (the CSP allows only the report's own script)."""
+    html = evaluated.html.replace(
+        DATA_URI.findall(evaluated.html)[1], "iVBORw0KGgoAAAANSUhEUgAA", 1
+    )
+    html = html.replace(
+        "</body>", '<script>document.body.dataset.injected = "ran";</script></body>'
+    )
+    page = tmp_path / "broken.html"
+    page.write_text(html)
+    dom, log = _chromium(tmp_path, page, "--dump-dom")
+    assert 'data-rendered="broken:1"' in dom
+    assert "data-injected" not in dom
+    assert any("figure did not decode: loss curve" in line for line in _console(log))
+
+
+def test_cli_report_writes_the_file_and_fails_cleanly(trained, tmp_path):
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    out = tmp_path / "r.html"
+    got = CliRunner().invoke(app, ["report", str(trained), "--out", str(out), "--json"])
+    assert got.exit_code == 0, got.output
+    assert json.loads(got.stdout)["report"] == str(out) and "<html" in out.read_text()
+    bad = CliRunner().invoke(app, ["report", str(tmp_path / "missing")])
+    assert bad.exit_code == 2 and "fix:" in bad.output
