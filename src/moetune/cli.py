@@ -283,7 +283,7 @@ def quickstart(
     steps: Annotated[int | None, typer.Option(help="Fine-tune optimizer steps.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """The whole local pipeline on the embedded tiny MoE: plan, lint, train, score."""
+    """The whole local pipeline on the embedded tiny MoE: train, eval, gate, promote, report."""
     from dataclasses import replace
 
     from moetune.demo.quickstart import QuickstartArgs, run_quickstart
@@ -324,13 +324,22 @@ def eval_cmd(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace earlier results in the results dir.")
     ] = False,
+    provider: Annotated[
+        str, typer.Option(help="local: this machine (remote evals run inside `moetune launch`).")
+    ] = "local",
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Score base and candidate on the same items of every rung, then gate."""
     from moetune.config import load_config
+    from moetune.errors import ConfigError
     from moetune.evaluate import run_eval
 
+    if provider != "local":
+        raise ConfigError(
+            f"eval runs here (--provider local), not on {provider!r}",
+            "to evaluate on a pod, `moetune launch run.yaml --provider …` runs eval there",
+        )
     cfg = load_config(config, overrides)
     doc = run_eval(cfg, adapter, limit=limit, overwrite=overwrite, progress=not as_json)
     if as_json:
@@ -464,3 +473,6 @@ def ledger_verify(
             console.print(f"  line {line}: {problem}")
     if got.problems:
         raise typer.Exit(1)
+
+
+import moetune.cli_lane  # noqa: E402,F401  (registers launch, pods and workflow on `app`)

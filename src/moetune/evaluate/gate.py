@@ -239,8 +239,11 @@ def gate_results(
     return doc
 
 
-def promote(results: Path | str, ledger: str | Path | None = None) -> Path:
-    """Mark the adapter promoted – only on a GO verdict for exactly these adapter bytes."""
+def promote(
+    results: Path | str, ledger: str | Path | None = None, adapter: Path | None = None
+) -> Path:
+    """Mark the adapter promoted – only on a GO verdict for exactly these adapter bytes.
+    `adapter`: a copy of the evaluated one (e.g. banked off a pod); its bytes must match."""
     from moetune.evaluate.ladder import PROMOTED, adapter_digest
     from moetune.ledger import Ledger, LedgerRow
 
@@ -255,7 +258,7 @@ def promote(results: Path | str, ledger: str | Path | None = None) -> Path:
             f"not promoted: the verdict is {verdict['verdict']} ({verdict['reason']})",
             "only a GO verdict promotes; see the per-rung reasons above",
         )
-    adapter = Path(verdict["adapter"])
+    adapter = adapter or Path(verdict["adapter"])
     if adapter_digest(adapter) != verdict["adapter_sha256"]:
         raise GateError(
             f"{adapter} changed since it was evaluated",

@@ -1,0 +1,158 @@
+"""`moetune launch`: size the walls, build the pod spec, and run (or, dry, describe) the phases."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from moetune.config import RunConfig
+from moetune.lane import walls as W
+from moetune.lane.estimate import Estimate, estimate
+from moetune.lane.phases import PHASES, Lane, Walls
+from moetune.lane.providers.base import PROVIDERS, LaneError, PodSpec, Provider
+from moetune.lane.state import LaneState
+
+
+def make_provider(cfg: RunConfig, state_dir: Path) -> Provider:
+    """The configured provider (its module is imported only when it is used)."""
+    name = cfg.lane.provider
+    importlib.import_module(f"moetune.lane.providers.{name}")
+    cls: Any = PROVIDERS[name]
+    if name == "local":
+        return cls(Path(cfg.output.ledger).parent / "pods")
+    return cls.from_config(cfg.lane, state_dir)
+
+
+def pick_card(cfg: RunConfig, plan: Any) -> Any | None:
+    """hardware.card, else the cheapest rentable card the plan says fits."""
+    from moetune.plan.hardware import all_cards, get_card
+
+    if cfg.hardware.card:
+        return get_card(cfg.hardware.card)
+    if cfg.lane.provider == "local" or plan is None:
+        return None
+    fitting = [
+        c for c in all_cards()
+        if c.runpod_gpu_type_id and c.usd_per_hour and plan.fits.get(c.id) and plan.fits[c.id].fits
+    ]  # fmt: skip
+    return min(fitting, key=lambda c: c.usd_per_hour or 0.0, default=None)
+
+
+@dataclass
+class LaunchPlan:
+    """Everything `--dry-run` prints: card, pod spec, walls with numbers and reasons, phases,
+    estimated time and cost."""
+
+    run_id: str
+    provider: str
+    card: str | None
+    spec: PodSpec
+    walls: Walls
+    why: dict[str, str]
+    estimate: Estimate
+
+    def to_json(self) -> dict[str, Any]:
+        est = self.estimate
+        return {
+            "run_id": self.run_id,
+            "provider": self.provider,
+            "card": self.card,
+            "pod": self.spec.to_json(),
+            "walls": {
+                **asdict(self.walls),
+                "estimated_train_s": est.estimated_train_s,
+                "estimated_eval_s": est.estimated_eval_s,
+                "why": self.why,
+            },
+            "phases": [*PHASES, "teardown"],
+            "estimate": est.to_json(),
+            "estimated_usd": est.estimated_usd,
+        }
+
+
+def size_walls(cfg: RunConfig, spec: Any, plan: Any, est: Estimate) -> tuple[Walls, dict[str, str]]:
+    """All four walls at once, each from the run's own numbers (config values win)."""
+    volume = cfg.lane.volume_gb or W.required_volume_gb(
+        spec, getattr(plan, "trainable_params", None)
+    )
+    train_s = est.estimated_train_s
+    if cfg.lane.watchdog_s:
+        watchdog, watchdog_why = cfg.lane.watchdog_s, "lane.watchdog_s"
+    elif train_s is not None:
+        watchdog = W.required_watchdog_s(train_s + est.setup_s, est.estimated_eval_s)
+        watchdog_why = f"(setup + train + eval) × {W.WATCHDOG_MARGIN} margin"
+    else:
+        watchdog, watchdog_why = W.DEFAULT_WATCHDOG_S, "no token count to estimate from: 3 h"
+    floor = spec.total_params >= W.LARGE_MODEL_PARAMS
+    why = {
+        "volume_gb": "lane.volume_gb" if cfg.lane.volume_gb else (
+            f"{W.snapshot_bytes(spec) / W.GB:.1f} GB snapshot + checkpoints + adapter, "
+            f"+{W.VOLUME_HEADROOM_FRACTION:.0%} +{W.VOLUME_FIXED_HEADROOM_GB} GB headroom"
+            + (f", at least {W.LARGE_MODEL_VOLUME_FLOOR_GB} GB for a ≥30B model" if floor else "")
+        ),
+        "watchdog_s": watchdog_why,
+        "env": f"{W.XET_ENV}=1 before any Python starts: hf-xet flakes on big pulls",
+    }  # fmt: skip
+    env = {**cfg.lane.env, W.XET_ENV: "1"}  # never one wall at a time: xet is always off
+    return Walls(volume, watchdog, env), why
+
+
+def launch_plan(cfg: RunConfig, run_id: str | None = None) -> LaunchPlan:
+    from moetune.model import load_spec
+    from moetune.plan import make_plan
+
+    spec = load_spec(cfg.model.id)
+    plan = make_plan(spec, cfg)
+    card = pick_card(cfg, plan)
+    est = estimate(spec, cfg, card)
+    walls, why = size_walls(cfg, spec, plan, est)
+    run_id = run_id or f"{Path(cfg.output.dir).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    pod = PodSpec(
+        name=f"moetune-{run_id}-{secrets.token_hex(3)}",
+        card=getattr(card, "id", None),
+        gpu_type_id=getattr(card, "runpod_gpu_type_id", None),
+        gpu_count=cfg.lane.runpod.gpu_count,
+        image=cfg.lane.runpod.image,
+        volume_gb=walls.volume_gb,
+        container_disk_gb=cfg.lane.runpod.container_disk_gb,
+        env=walls.env,
+        cloud_type=cfg.lane.runpod.cloud_type,
+    )
+    return LaunchPlan(run_id, cfg.lane.provider, pod.card, pod, walls, why, est)
+
+
+def launch(
+    cfg: RunConfig, config_path: Path, *, resume: str | None = None, show: bool = True
+) -> LaneState:
+    """Run the phases (a new launch, or the one `resume` names)."""
+    from rich.console import Console
+
+    if resume:
+        state = LaneState.load(cfg.output.ledger, resume)
+        state.pid = os.getpid()
+        plan = launch_plan(cfg, state.run_id)
+        plan.spec = PodSpec(**{**asdict(plan.spec), "name": state.pod_name})
+    else:
+        refuse_existing_output(cfg)
+        plan = launch_plan(cfg)
+        state = LaneState(
+            plan.run_id, cfg.lane.provider, str(config_path.resolve()), plan.spec.name
+        )
+    state.save(cfg.output.ledger)
+    provider = make_provider(cfg, state.dir(cfg.output.ledger))
+    console = Console(stderr=True, quiet=not show)
+    return Lane(cfg, provider, state, plan.walls, plan.spec, console).run()
+
+
+def refuse_existing_output(cfg: RunConfig) -> None:
+    out = Path(cfg.output.dir)
+    if out.exists() and any(out.iterdir()):
+        raise LaneError(
+            f"{out} already holds a run; a launch never overwrites one",
+            "set output.dir to a new folder, or continue with --resume RUN_ID",
+        )

@@ -1,0 +1,410 @@
+"""The remote lane's phases: provision → guard → stage → fetch base → train → BANK → eval →
+fetch results → gate → promote, with teardown on every exit path.
+
+Each phase is a method registered in `PHASES`; after each one the state is saved, so
+`--resume RUN_ID` continues after a local crash. The adapter is copied off the pod and
+verified (bank) before eval starts, so an eval overrun costs an eval, never the training
+run. A pod that is gone on resume is replaced: phases whose results live on this machine
+(bank, fetch results, gate, promote) stay done, the rest run again on the new pod.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from moetune.config import RunConfig, dump_config
+from moetune.errors import MoetuneError
+from moetune.lane.providers.base import LaneError, Pod, PodGone, PodSpec, Provider
+from moetune.lane.stage import REMOTE_CONFIG, REMOTE_RUN, staging
+from moetune.lane.state import LaneState
+from moetune.ledger import Ledger, LedgerRow, Status
+
+PhaseFn = Callable[["Lane"], None]
+PHASES: dict[str, PhaseFn] = {}
+LOCAL_RESULTS = ("bank", "fetch_results", "gate", "promote")  # survive a lost pod
+
+
+def phase(name: str) -> Callable[[PhaseFn], PhaseFn]:
+    def add(fn: PhaseFn) -> PhaseFn:
+        PHASES[name] = fn
+        return fn
+
+    return add
+
+
+class BudgetReached(LaneError):
+    """The run's spend reached lane.max_usd."""
+
+
+@dataclass
+class Walls:
+    """The four walls as this launch applies them (sized in `moetune.lane.plan`)."""
+
+    volume_gb: int
+    watchdog_s: int
+    env: dict[str, str]
+
+
+class Lane:
+    """One launch: a config, a provider, the persisted state and the local outputs."""
+
+    def __init__(
+        self, cfg: RunConfig, provider: Provider, state: LaneState, walls: Walls,
+        spec: PodSpec, console: Console | None = None,
+    ) -> None:  # fmt: skip
+        self.cfg, self.provider, self.state, self.walls, self.spec = (
+            cfg,
+            provider,
+            state,
+            walls,
+            spec,
+        )
+        self.console = console or Console(stderr=True)
+        self.out = Path(cfg.output.dir)
+        self.ledger = Ledger(cfg.output.ledger)
+
+    # ------------------------------------------------------------ running the phases
+
+    def run(self) -> LaneState:
+        """Every phase not yet done, in order; teardown whatever happens."""
+        self._forget_lost_pod()
+        try:
+            with _signals_raise():
+                for name, fn in PHASES.items():
+                    if name not in self.state.done:
+                        self.say(f"[bold]{name}[/]")
+                        fn(self)
+                        self.state.done.append(name)
+                        self.save()
+            self.state.finished = True
+        except BaseException as err:
+            if isinstance(err, KeyboardInterrupt | BudgetReached):
+                self.salvage()
+            self.failed(err)
+            raise
+        finally:
+            self.teardown()
+            self.save()
+        return self.state
+
+    def save(self) -> None:
+        self.state.save(self.cfg.output.ledger)
+
+    def say(self, text: str) -> None:
+        self.console.print(f"[dim]{escape(self.state.run_id)}[/] {text}", highlight=False)
+
+    def row(self, kind: str, status: Status = "ok", reason: str = "", **metrics: Any) -> None:
+        """A ledger row of this launch; `cost_usd` goes to the row's cost field."""
+        cost = metrics.pop("cost_usd", None)
+        base = {"provider": self.state.provider, "pod_id": self.state.pod_id}
+        self.ledger.append(
+            LedgerRow(
+                kind=kind,
+                status=status,
+                run_id=self.state.run_id,
+                reason=reason[:300],
+                metrics=base | metrics,
+                cost_usd=cost,
+            )
+        )
+
+    def _forget_lost_pod(self) -> None:
+        """On resume: a pod that is gone takes its pod-side phases with it."""
+        if self.state.pod_id is None or not self.state.done:
+            return
+        try:
+            alive = self.provider.status(self.state.pod_id).status in ("running", "starting")
+        except PodGone:
+            alive = False
+        if not alive:
+            self.say(f"pod {self.state.pod_id} is gone; a new one takes over")
+            self.state.done = [p for p in self.state.done if p in LOCAL_RESULTS]
+            self.state.pod_id = None
+
+    def pod_work_left(self) -> bool:
+        return any(p not in self.state.done for p in ("train", "bank", "eval", "fetch_results"))
+
+    @property
+    def pod(self) -> str:
+        assert self.state.pod_id is not None
+        return self.state.pod_id
+
+    # ------------------------------------------------------------ failure and teardown
+
+    def failed(self, err: BaseException) -> None:
+        """A ledger row for the failure and the clear next step."""
+        cause = getattr(err, "cause", None) or f"{type(err).__name__}: {err}"
+        status: Status = "cancelled" if isinstance(err, KeyboardInterrupt | BudgetReached) else (
+            "infra-failed" if isinstance(err, PodGone | LaneError) else "failed"
+        )  # fmt: skip
+        banked = (self.state.banked or {}).get("dir")
+        if banked:
+            self.state.next_step = (
+                f"the adapter is banked at {banked}; evaluate it here: moetune eval "
+                f"{self.state.config_path} --adapter {banked} --provider local"
+            )
+        else:
+            self.state.next_step = (
+                f"moetune launch {self.state.config_path} --resume {self.state.run_id}"
+            )
+        self.row("launch", status, str(cause), phases_done=list(self.state.done))
+        if isinstance(err, MoetuneError):
+            err.fix = self.state.next_step if banked else err.fix
+        else:
+            self.say(f"next: {escape(self.state.next_step)}")
+
+    def teardown(self) -> None:
+        """Terminate the pod (retried; idempotent) and ledger what it cost."""
+        if self.state.pod_id is None:
+            return
+        spent = self.spend()
+        for attempt in range(3):
+            try:
+                self.provider.terminate(self.state.pod_id)
+                break
+            except LaneError as err:
+                if attempt == 2:
+                    self.row("teardown", "infra-failed", err.cause, cost_usd=spent)
+                    return
+                time.sleep(2**attempt)
+        self.row("teardown", cost_usd=spent)
+        self.say(f"pod {self.state.pod_id} terminated (${spent:.2f})")
+        self.state.pod_id = None
+
+    def spend(self) -> float:
+        try:
+            pod = self.provider.status(self.pod)
+        except (PodGone, LaneError):
+            return round(self.state.spent_usd, 4)
+        self.state.spent_usd = max(self.state.spent_usd, pod.spent_usd)
+        return round(self.state.spent_usd, 4)
+
+    # ------------------------------------------------------------ pod commands
+
+    def env_prefix(self) -> str:
+        return "".join(f"export {k}={shlex.quote(v)}; " for k, v in self.walls.env.items())
+
+    def run_on_pod(self, command: str, timeout_s: float = 600) -> str:
+        got = self.provider.exec(self.pod, self.env_prefix() + command, timeout_s)
+        if got.rc != 0:
+            raise LaneError(
+                f"`{command.split()[0]}` failed on pod {self.pod} (rc {got.rc}): "
+                f"{(got.stderr or got.stdout).strip()[-300:]}",
+                "see the output above; fix it and `moetune launch --resume`",
+            )
+        return got.stdout
+
+    def wait_background(self, log: str) -> None:
+        """Start-and-wait done by polling: a drop or restart of this side never stops the pod's
+        work; each poll checks the pod is alive and the budget holds."""
+        from moetune.lane.guard import Budget
+
+        budget = Budget(self.cfg.lane.max_usd)
+        while (rc := self.provider.poll_background(self.pod, log)) is None:
+            spent = self.spend()
+            if budget.check(spent):
+                raise BudgetReached(
+                    f"spend ${spent:.2f} reached lane.max_usd ${self.cfg.lane.max_usd}",
+                    "raise lane.max_usd, or resume with --resume once you decide",
+                )
+            time.sleep(self.cfg.lane.poll_s)
+        if rc != 0:
+            tail = self.provider.tail(self.pod, log)
+            raise LaneError(
+                f"{log} failed on pod {self.pod} (rc {rc}); last lines:\n{tail.strip()[-1500:]}",
+                f"moetune launch {self.state.config_path} --resume {self.state.run_id}",
+            )
+
+    def moetune(self, args: str) -> str:
+        return f"{self.cfg.lane.remote_moetune} {args}"
+
+    def attach_or_start(self, log: str, command: str) -> None:
+        """Wait for `log`'s command: re-attach when an earlier controller started it on this
+        pod (a resumed launch), start it otherwise; LaneError unless it exits 0."""
+        rc = self.provider.poll_background(self.pod, log)
+        if rc != 0:
+            if rc is not None:  # never started, or died: (re)start it
+                self.provider.exec_background(self.pod, self.env_prefix() + command, log)
+            self.wait_background(log)
+
+    def salvage(self) -> None:
+        """Stopped mid-training (budget, Ctrl-C): copy the committed checkpoints off the pod."""
+        if self.state.banked or self.state.pod_id is None or "stage" not in self.state.done:
+            return
+        with suppress(LaneError):
+            self.provider.copy_out(self.pod, f"{REMOTE_RUN}/checkpoints", self.out / "checkpoints")
+            self.row(
+                "bank", "cancelled", "partial: checkpoints only", dir=str(self.out / "checkpoints")
+            )
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM/SIGHUP end the run like Ctrl-C does, so teardown runs (finally)."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+# ---------------------------------------------------------------- the phases, in order
+
+
+@phase("provision")
+def provision(lane: Lane) -> None:
+    if not lane.pod_work_left():
+        return
+    pod = lane.provider.create(lane.spec)
+    lane.state.pod_id = pod.id
+    lane.save()  # the id is recorded before anything else can fail: reap-by-id stays possible
+    lane.row("provision", pod_name=pod.name, card=lane.spec.card, cost_per_hr=pod.cost_per_hr,
+             volume_gb=lane.spec.volume_gb)  # fmt: skip
+    ready: Pod = lane.provider.wait_ready(pod.id, lane.cfg.lane.ready_timeout_s)
+    lane.state.workdir = ready.workdir
+    lane.say(f"pod {escape(pod.id)} ready ({lane.state.provider})")
+
+
+@phase("guard")
+def guard(lane: Lane) -> None:
+    """The dead-man switch first: whatever happens here, the pod ends by the deadline."""
+    from moetune.lane.guard import deadman_script, idle_watchdog_script
+
+    if not lane.pod_work_left():
+        return
+    kill = lane.provider.self_terminate_command(lane.pod)
+    lane.provider.exec_background(lane.pod, deadman_script(lane.walls.watchdog_s, kill), "deadman")
+    if lane.spec.card and lane.state.provider != "local":
+        lane_args = lane.cfg.lane
+        idle = idle_watchdog_script(lane_args.idle_gpu_percent, lane_args.idle_minutes, kill)
+        lane.provider.exec_background(lane.pod, idle, "idlewatch")
+
+
+@phase("stage")
+def stage(lane: Lane) -> None:
+    if not lane.pod_work_left():
+        return
+    plan = staging(lane.cfg)
+    for local, remote in plan.files:
+        lane.provider.copy_in(lane.pod, local, remote)
+    config = lane.state.dir(lane.cfg.output.ledger) / REMOTE_CONFIG
+    config.write_text(dump_config(plan.config))
+    lane.provider.copy_in(lane.pod, config, REMOTE_CONFIG)
+    for command in lane.cfg.lane.setup:
+        lane.run_on_pod(command, timeout_s=1800)
+
+
+@phase("fetch_base")
+def fetch_base(lane: Lane) -> None:
+    """Hub bases download on the pod, hf-xet off, after checking the disk can hold them."""
+    if not lane.pod_work_left() or Path(lane.cfg.model.id).exists():
+        return
+    from moetune.lane.walls import snapshot_bytes
+    from moetune.model import load_spec
+
+    need = snapshot_bytes(load_spec(lane.cfg.model.id))
+    free = int(lane.run_on_pod("df -B1 --output=avail . | tail -1").strip() or 0)
+    if free < need:
+        raise LaneError(
+            f"pod disk has {free / 1e9:.0f} GB free, the snapshot needs {need / 1e9:.0f} GB",
+            "raise lane.volume_gb (the walls size it from the model; was it overridden?)",
+        )
+    repo = shlex.quote(lane.cfg.model.id)
+    lane.run_on_pod(
+        "python3 -c 'import sys; from huggingface_hub import snapshot_download; "
+        f"snapshot_download(sys.argv[1])' {repo}",
+        timeout_s=6 * 3600,
+    )
+
+
+@phase("train")
+def train(lane: Lane) -> None:
+    if lane.state.banked:
+        return
+    resume = f"test -d {REMOTE_RUN}/checkpoints && echo --resume || true"
+    lane.attach_or_start("train", lane.moetune(f"train {REMOTE_CONFIG} $({resume})"))
+
+
+RUN_FILES = ("config.yaml", "versions.json", "preflight.json", "data.json", "coverage.json",
+             "metrics.jsonl", "routing.jsonl", "summary.json")  # fmt: skip
+
+
+@phase("bank")
+def bank(lane: Lane) -> None:
+    """The adapter off the pod, verified, before anything else can go wrong."""
+    from moetune.lane.transfer import file_digests, tree_digest
+
+    adapter = lane.out / "adapter"
+    lane.provider.copy_out(lane.pod, f"{REMOTE_RUN}/adapter", adapter)
+    digest = tree_digest(file_digests(adapter))
+    lane.state.banked = {"dir": str(adapter), "sha256": digest}
+    lane.save()
+    lane.row("bank", adapter=str(adapter), sha256=digest)
+    lane.say(f"adapter banked at {escape(str(adapter))}")
+    for name in RUN_FILES:  # the run's record, for the report; an absent one is not fatal
+        with suppress(LaneError):
+            lane.provider.copy_out(lane.pod, f"{REMOTE_RUN}/{name}", lane.out / name)
+
+
+@phase("eval")
+def evaluate(lane: Lane) -> None:
+    if not lane.cfg.eval.rungs:
+        return
+    lane.attach_or_start("eval", lane.moetune(f"eval {REMOTE_CONFIG} --overwrite --json"))
+
+
+@phase("fetch_results")
+def fetch_results(lane: Lane) -> None:
+    if lane.cfg.eval.rungs:
+        lane.provider.copy_out(lane.pod, f"{REMOTE_RUN}/eval", lane.out / "eval")
+    merge_pod_ledger(lane)
+
+
+def merge_pod_ledger(lane: Lane) -> None:
+    """The pod's own ledger rows (train, eval, gate) join the local ledger, once each."""
+    copy = lane.state.dir(lane.cfg.output.ledger) / "pod-ledger.jsonl"
+    try:
+        lane.provider.copy_out(lane.pod, "ledger.jsonl", copy)
+    except LaneError:
+        return
+    seen = {r.id for r in lane.ledger.read().rows}
+    for row in Ledger(copy).read().rows:
+        if row.id not in seen:
+            lane.ledger.append(row.model_copy(update={"run_id": lane.state.run_id}))
+
+
+@phase("gate")
+def gate(lane: Lane) -> None:
+    from moetune.evaluate import gate_results
+
+    if not lane.cfg.eval.rungs:
+        return
+    doc = gate_results(lane.out / "eval", ledger=lane.cfg.output.ledger)
+    lane.state.verdict = doc["verdict"]
+    lane.say(f"gate: {doc['verdict']} – {escape(doc['reason'])}")
+
+
+@phase("promote")
+def promote(lane: Lane) -> None:
+    from moetune.evaluate import promote as promote_adapter
+
+    if lane.state.verdict == "GO" and lane.state.banked:
+        marker = promote_adapter(
+            lane.out / "eval", lane.cfg.output.ledger, adapter=Path(lane.state.banked["dir"])
+        )
+        lane.state.promoted = str(marker)

@@ -1,0 +1,184 @@
+"""The one interface every provider implements: a pod is created, waited on, used through
+`exec` / `copy_in` / `copy_out`, listed, and terminated – and nothing else.
+
+A "pod" is whatever runs the work: a RunPod pod, a directory on an SSH host, a directory
+on this machine. Providers are registered by name (`PROVIDERS`) and constructed from the
+run config's `lane` section, so the phases never ask which one they drive.
+
+Rules every provider keeps:
+- `terminate` is idempotent: a pod that is already gone is success, never an error
+  (a watchdog may have reaped it first).
+- `create` is idempotent by `PodSpec.name`: when an earlier attempt's answer was lost, the
+  retry adopts the pod with exactly that name instead of renting a second one.
+- Errors a user can act on are `LaneError`s (one-line cause + fix); transient transport
+  faults are `TransientError`s, which callers may retry; a pod that vanished is `PodGone`.
+- Secrets (API keys) never appear in an exception, a log line or a ledger row.
+"""
+
+from __future__ import annotations
+
+import shlex
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from moetune.errors import MoetuneError
+
+PodStatus = Literal["starting", "running", "exited", "terminated", "unknown"]
+
+
+class LaneError(MoetuneError):
+    """A remote-lane operation failed in a way the user must act on."""
+
+
+class TransientError(LaneError):
+    """A fault worth retrying (HTTP 5xx, timeouts, a dropped connection)."""
+
+
+class PodGone(LaneError):
+    """The pod no longer exists (terminated, reaped by a watchdog, or never created)."""
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """Where a pod's sshd listens."""
+
+    host: str
+    port: int = 22
+    user: str = "root"
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    """What to create. `name` is unique per run attempt (`moetune-<run id>-<nonce>`)."""
+
+    name: str
+    card: str | None = None  # card id from the catalog (plan/cards.json)
+    gpu_type_id: str | None = None  # the provider's id for the card (RunPod: "NVIDIA H200")
+    gpu_count: int = 1
+    image: str = "runpod/pytorch:2.8.0-py3.11-cuda12.8.1-cudnn-devel-ubuntu22.04"
+    volume_gb: int = 50
+    container_disk_gb: int = 30
+    env: dict[str, str] = field(default_factory=dict)
+    ports: str = "22/tcp"
+    cloud_type: str = "ALL"  # RunPod: ALL | SECURE | COMMUNITY
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A pod as the provider reports it now."""
+
+    id: str
+    name: str
+    status: PodStatus
+    cost_per_hr: float = 0.0
+    uptime_s: float = 0.0
+    gpu_util_percent: float | None = None
+    ssh: SshTarget | None = None
+    workdir: str = ""  # absolute path on the pod where a run's files live
+
+    @property
+    def spent_usd(self) -> float:
+        return self.cost_per_hr * self.uptime_s / 3600
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "spent_usd": round(self.spent_usd, 4)}
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    rc: int
+    stdout: str
+    stderr: str
+
+
+class Provider(ABC):
+    """Operations on pods. Subclasses set `name` and implement every method."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def create(self, spec: PodSpec) -> Pod:
+        """Rent/prepare a pod for `spec` (idempotent by spec.name); returns at once."""
+
+    @abstractmethod
+    def wait_ready(self, pod_id: str, timeout_s: float) -> Pod:
+        """Block until the pod accepts `exec` (LaneError on timeout, PodGone if it vanished)."""
+
+    @abstractmethod
+    def status(self, pod_id: str) -> Pod:
+        """The pod now (PodGone when it no longer exists)."""
+
+    @abstractmethod
+    def exec(self, pod_id: str, command: str, timeout_s: float | None = None) -> ExecResult:
+        """Run a shell command in the pod's workdir; its exit code, stdout and stderr."""
+
+    @abstractmethod
+    def copy_in(self, pod_id: str, local: Path, remote: str) -> None:
+        """Copy a local file or directory to `remote` (relative paths: under the workdir)."""
+
+    @abstractmethod
+    def copy_out(self, pod_id: str, remote: str, local: Path) -> None:
+        """Copy a remote file or directory to `local`; resumes after a drop, then verifies
+        every file's sha256 against the pod's (LaneError on a mismatch)."""
+
+    @abstractmethod
+    def terminate(self, pod_id: str) -> None:
+        """End the pod and its cost; idempotent (already gone is success)."""
+
+    @abstractmethod
+    def list(self) -> list[Pod]:
+        """Every pod this account/host has – moetune's and anyone else's."""
+
+    @abstractmethod
+    def self_terminate_command(self, pod_id: str) -> str:
+        """A shell command that, run inside the pod, terminates it (the dead-man switch)."""
+
+    # Long stages run detached, so a dropped connection never kills a training run; the
+    # controller polls for the exit code. Built on `exec`, so every provider has them.
+
+    def exec_background(self, pod_id: str, command: str, log_name: str) -> None:
+        """Start `command` detached in the pod; output to <log_name>.log, exit code to .rc."""
+        log = shlex.quote(log_name)
+        body = f"( {command} ) > {log}.log 2>&1; echo $? > {log}.rc.tmp && mv {log}.rc.tmp {log}.rc"
+        started = self.exec(
+            pod_id,
+            f"rm -f {log}.rc; nohup setsid bash -c {shlex.quote(body)} > /dev/null 2>&1 "
+            f"< /dev/null & echo $! > {log}.pid",
+        )
+        if started.rc != 0:
+            raise LaneError(f"could not start {log_name} in pod {pod_id}: {started.stderr[:200]}")
+
+    def poll_background(self, pod_id: str, log_name: str) -> int | None:
+        """None while the command runs; its exit code when done; -1 when it vanished."""
+        log = shlex.quote(log_name)
+        out = self.exec(
+            pod_id,
+            f"cat {log}.rc 2>/dev/null"
+            f" || {{ kill -0 $(cat {log}.pid) 2>/dev/null && echo running; }} || echo lost",
+        ).stdout.strip()
+        if out == "running":
+            return None
+        return int(out) if out.lstrip("-").isdigit() else -1
+
+    def tail(self, pod_id: str, log_name: str, lines: int = 20) -> str:
+        """The last lines of a background command's log (for error messages)."""
+        log = shlex.quote(f"{log_name}.log")
+        return self.exec(pod_id, f"tail -n {int(lines)} {log} 2>/dev/null").stdout
+
+
+PROVIDERS: dict[str, Callable[..., Provider]] = {}
+
+
+def register_provider(name: str) -> Callable[[type[Provider]], type[Provider]]:
+    def add(cls: type[Provider]) -> type[Provider]:
+        cls.name = name
+        PROVIDERS[name] = cls
+        return cls
+
+    return add

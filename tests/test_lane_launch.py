@@ -1,0 +1,231 @@
+"""`moetune launch` with the local provider: the phases end to end on real subprocesses,
+the adapter banked before eval, teardown on every exit path, and the fault matrix –
+eval failing or the pod dying after banking, the watchdog firing, the controller killed
+and resumed, the budget reached, the disk full while copying."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.config import load_config
+from moetune.demo.base import SHIPPED_DIR
+from moetune.demo.skills import base_skills, make_items, stream, to_prompt_completion, write_jsonl
+from moetune.lane.providers.base import LaneError
+from moetune.lane.state import LaneState
+from moetune.ledger import Ledger
+
+MOETUNE = f"{sys.executable} -m moetune"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from itertools import islice
+
+    root = tmp_path_factory.mktemp("lane-data")
+    rows = to_prompt_completion(list(islice(stream(base_skills(), 0, "train"), 64)))
+    items = make_items(["copy"], 24, 0, "eval")
+    ladder = [{"prompt": i.prompt, "answer": i.answer} for i in items]
+    return {
+        "train": write_jsonl(root / "train.jsonl", rows),
+        "copy": write_jsonl(root / "copy.jsonl", ladder),
+    }
+
+
+def write_config(tmp: Path, data: dict[str, Path], **lane: Any) -> Path:
+    cfg = {
+        "model": {"id": str(SHIPPED_DIR), "dtype": "float32"},
+        "lora": {"rank": 4, "targets": ["attention", "experts"]},
+        "data": {"train_file": str(data["train"])},
+        "output": {"dir": str(tmp / "runs/lane"), "ledger": str(tmp / ".moetune/ledger.jsonl")},
+        "train": {"seq_len": 32, "batch_size": 8, "max_steps": 4, "save_steps": 2,
+                  "learning_rate": 1e-4, "device": "cpu", "gradient_checkpointing": False},
+        "eval": {"rungs": [{"name": "copy", "kind": "exact_match", "role": "protected",
+                            "data": str(data["copy"]), "margin": 0.5}]},
+        "lane": {"provider": "local", "remote_moetune": MOETUNE, "poll_s": 0.2, **lane},
+    }  # fmt: skip
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def kinds(tmp: Path) -> list[tuple[str, str]]:
+    return [(r.kind, r.status) for r in Ledger(tmp / ".moetune" / "ledger.jsonl").read().rows]
+
+
+def only_state(tmp: Path) -> LaneState:
+    (path,) = (tmp / ".moetune" / "lane").glob("*/state.json")
+    return LaneState(**json.loads(path.read_text()))
+
+
+def pod_dir(tmp: Path, state: LaneState) -> Path:
+    return tmp / ".moetune" / "pods" / state.pod_name
+
+
+def test_dry_run_sizes_every_wall_and_runs_nothing(tmp_path: Path) -> None:
+    config = Path("configs/qwen3-30b-a3b/lora_h200.yaml").resolve()
+    out = CliRunner().invoke(
+        app, ["launch", str(config), "--provider", "runpod", "--dry-run", "--json",
+              "--set", f"output.ledger={tmp_path}/l.jsonl", "--set", "train.max_steps=500"],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    plan = json.loads(out.stdout)
+    assert plan["card"] == "H200" and plan["pod"]["gpu_type_id"] == "NVIDIA H200"
+    walls = plan["walls"]
+    assert walls["volume_gb"] >= 200  # a 30B model: never below the floor
+    assert walls["env"]["HF_HUB_DISABLE_XET"] == "1"
+    train_s, eval_s = walls["estimated_train_s"], walls["estimated_eval_s"]
+    assert train_s > 0 and walls["watchdog_s"] >= (train_s + eval_s) * 1.5
+    assert walls["watchdog_s"] != 3 * 3600  # sized, not the default
+    phases = plan["phases"]
+    assert phases.index("bank") < phases.index("eval") and phases[-1] == "teardown"
+    assert plan["estimated_usd"] > 0
+    assert not (tmp_path / "l.jsonl").exists()  # nothing ran, nothing recorded
+
+
+def test_launch_banks_before_eval_gates_promotes_and_tears_down(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path, data)
+    out = CliRunner().invoke(app, ["launch", str(config), "--json"])
+    assert out.exit_code == 0, out.output
+    state = json.loads(out.stdout)
+    assert state["finished"] and state["verdict"] == "GO"
+    adapter = tmp_path / "runs" / "lane" / "adapter"
+    assert (adapter / "adapter_model.safetensors").is_file()
+    marker = json.loads((adapter / "PROMOTED").read_text())
+    verdict = json.loads((tmp_path / "runs" / "lane" / "eval" / "verdict.json").read_text())
+    assert marker["verdict_hash"] == verdict["hash"]
+    order = [k for k, _ in kinds(tmp_path)]
+    assert order.index("provision") < order.index("bank") < order.index("eval")
+    assert order[-1] == "teardown" and {"train", "gate", "promote"} <= set(order)
+    assert (pod_dir(tmp_path, only_state(tmp_path)) / "TERMINATED").exists()
+    assert (tmp_path / "runs" / "lane" / "summary.json").is_file()  # the run's record came back
+
+
+def test_eval_failure_after_bank_leaves_the_adapter_and_the_next_step(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path, data)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["eval"]["rungs"][0]["kind"] = "no_such_kind"  # fails on the pod, after training
+    config.write_text(yaml.safe_dump(cfg))
+    out = CliRunner().invoke(app, ["launch", str(config)])
+    assert out.exit_code == 2
+    banked = tmp_path / "runs" / "lane" / "adapter"
+    assert (banked / "adapter_model.safetensors").is_file()
+    assert f"--adapter {banked} --provider local" in out.output
+    assert ("bank", "ok") in kinds(tmp_path) and kinds(tmp_path)[-1] == ("teardown", "ok")
+    assert (pod_dir(tmp_path, only_state(tmp_path)) / "TERMINATED").exists()
+
+
+def test_watchdog_fires_and_the_run_fails_cleanly(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path, data, watchdog_s=2)
+    out = CliRunner().invoke(app, ["launch", str(config)])
+    assert out.exit_code == 2
+    state = only_state(tmp_path)
+    assert "bank" not in state.done and (pod_dir(tmp_path, state) / "TERMINATED").exists()
+    assert ("launch", "infra-failed") in kinds(tmp_path)
+
+
+def test_budget_reached_stops_salvages_and_terminates(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moetune.lane.providers import local
+
+    original = local.LocalProvider.status
+
+    def costly(self: Any, pod_id: str) -> Any:  # $36/h: a cent a second
+        from dataclasses import replace
+
+        return replace(original(self, pod_id), cost_per_hr=36.0)
+
+    monkeypatch.setattr(local.LocalProvider, "status", costly)
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path, data, max_usd=0.03)
+    out = CliRunner().invoke(app, ["launch", str(config)])
+    assert out.exit_code == 2 and "max_usd" in out.output
+    rows = Ledger(tmp_path / ".moetune" / "ledger.jsonl").read().rows
+    assert any(r.kind == "launch" and r.status == "cancelled" for r in rows)
+    teardown = [r for r in rows if r.kind == "teardown"]
+    assert teardown and teardown[-1].cost_usd >= 0.03
+
+
+def test_disk_full_while_copying_leaves_no_partial_adapter(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moetune.lane.providers import local
+
+    real = local._copy
+
+    def full(src: Path, dst: Path) -> None:
+        if dst.name.startswith(".adapter"):
+            real(src, dst)
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(local, "_copy", full)
+    monkeypatch.chdir(tmp_path)
+    out = CliRunner().invoke(app, ["launch", str(write_config(tmp_path, data))])
+    assert out.exit_code == 2 and "No space left on device" in out.output
+    run = tmp_path / "runs" / "lane"
+    assert not (run / "adapter").exists() and not (run / ".adapter.partial").exists()
+    assert ("launch", "infra-failed") in kinds(tmp_path)
+
+
+def test_controller_killed_then_resumed_finishes_the_run(
+    tmp_path: Path, data: dict[str, Path]
+) -> None:
+    config = write_config(tmp_path, data)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen([*MOETUNE.split(), "launch", str(config)], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill -9 once training is under way on the pod
+        states = list((tmp_path / ".moetune" / "lane").glob("*/state.json"))
+        if states and "stage" in json.loads(states[0].read_text())["done"]:
+            break
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    state = only_state(tmp_path)
+    assert not state.finished and (pod_dir(tmp_path, state)).is_dir()
+    done = subprocess.run(
+        [*MOETUNE.split(), "launch", str(config), "--resume", state.run_id, "--json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    final = json.loads(done.stdout)
+    assert final["finished"] and final["verdict"] == "GO"
+    # the pod's training was re-attached, not started twice
+    trains = [
+        r for r in Ledger(tmp_path / ".moetune" / "ledger.jsonl").read().rows if r.kind == "train"
+    ]
+    assert len(trains) == 1
+
+
+def test_resume_of_an_unknown_run_names_the_known_ones(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(write_config(tmp_path, data))
+    from moetune.lane.launch import launch
+
+    with pytest.raises(LaneError, match="no launch state"):
+        launch(cfg, tmp_path / "run.yaml", resume="nope", show=False)
