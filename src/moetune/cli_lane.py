@@ -100,16 +100,21 @@ def _pods_context(config: Path | None, provider: str | None) -> tuple[Any, Any]:
     return make_provider(cfg, state_dir), Ledger(cfg.output.ledger)
 
 
+def _own_ids(ledger: Any) -> set[str]:
+    """Pods moetune recorded by id: in the ledger, or in a launch's state (saved first)."""
+    from moetune.lane.guard import own_pod_ids, state_pod_ids
+
+    return own_pod_ids(ledger.read().rows) | state_pod_ids(Path(ledger.path).parent / "lane")
+
+
 @pods_app.command("list")
 @friendly
 def pods_list(
     config: ConfigOpt = None, provider: ProviderOpt = None, as_json: JsonOpt = False
 ) -> None:
     """Every pod: status, uptime, GPU use, $/h, spent so far, and whether moetune made it."""
-    from moetune.lane.guard import own_pod_ids
-
     prov, ledger = _pods_context(config, provider)
-    own = own_pod_ids(ledger.read().rows)
+    own = _own_ids(ledger)
     pods = [{**p.to_json(), "moetune": p.id in own} for p in prov.list()]
     if as_json:
         emit_json(pods)
@@ -152,13 +157,11 @@ def pods_sweep(
     as_json: JsonOpt = False,
 ) -> None:
     """Terminate moetune's own pods that no live run holds – by recorded id, never by name."""
-    from moetune.lane.guard import held_pod_ids, own_pod_ids, reap, state_pod_ids, sweep_targets
+    from moetune.lane.guard import held_pod_ids, reap, sweep_targets
 
     prov, ledger = _pods_context(config, provider)
     lane_dir = Path(ledger.path).parent / "lane"
-    # own = recorded by id: in the ledger, or in a launch's state (saved before the ledger row)
-    own = own_pod_ids(ledger.read().rows) | state_pod_ids(lane_dir)
-    targets = sweep_targets(prov.list(), own, held_pod_ids(lane_dir))
+    targets = sweep_targets(prov.list(), _own_ids(ledger), held_pod_ids(lane_dir))
     done = {p.id: reap(prov, ledger, p.id) for p in targets} if yes else {}
     if as_json:
         emit_json({"targets": [p.id for p in targets], "terminated": done})

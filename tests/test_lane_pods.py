@@ -1,0 +1,86 @@
+"""`moetune pods list|reap|sweep` on local pods: list tells moetune's pods from others, reap
+ends one by id with its cost in the ledger, sweep ends only moetune's unheld pods – by the
+ids it recorded, never by name – and `workflow github` emits a workflow actionlint accepts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.lane.providers.base import PodSpec
+from moetune.lane.providers.local import LocalProvider
+from moetune.ledger import Ledger, LedgerRow
+
+
+@pytest.fixture()
+def pods(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Own pods (in the ledger or a state file), a held one, and look-alike foreign pods."""
+    monkeypatch.chdir(tmp_path)
+    provider = LocalProvider(tmp_path / ".moetune" / "pods")
+    ledger = Ledger(tmp_path / ".moetune" / "ledger.jsonl")
+    ids = {}
+    for role in ("own", "own-state", "held", "foreign"):
+        ids[role] = provider.create(PodSpec(name=f"moetune-run-{role}")).id
+    for role in ("own", "held"):
+        ledger.append(LedgerRow(kind="provision", status="ok", metrics={"pod_id": ids[role]}))
+    for role, pid in (("held", os.getpid()), ("own-state", 2**31 - 1)):  # alive / dead controller
+        state = tmp_path / ".moetune" / "lane" / role / "state.json"
+        state.parent.mkdir(parents=True)
+        state.write_text(json.dumps({"pod_id": ids[role], "pid": pid, "finished": False}))
+    return ids
+
+
+def invoke(*args: str) -> dict:
+    out = CliRunner().invoke(app, [*args, "--provider", "local", "--json"])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.stdout)
+
+
+def test_list_marks_moetune_pods(pods: dict[str, str]) -> None:
+    listed = {p["id"]: p["moetune"] for p in invoke("pods", "list")}
+    assert listed == {pods["own"]: True, pods["own-state"]: True, pods["held"]: True,
+                      pods["foreign"]: False}  # fmt: skip
+
+
+def test_sweep_ends_only_own_unheld_pods(pods: dict[str, str], tmp_path: Path) -> None:
+    dry = invoke("pods", "sweep")
+    assert sorted(dry["targets"]) == sorted([pods["own"], pods["own-state"]])
+    assert dry["terminated"] == {}
+    done = invoke("pods", "sweep", "--yes")
+    assert sorted(done["terminated"]) == sorted([pods["own"], pods["own-state"]])
+    status = {p["id"]: p["status"] for p in invoke("pods", "list")}
+    assert status[pods["foreign"]] == "running" and status[pods["held"]] == "running"
+    rows = Ledger(tmp_path / ".moetune" / "ledger.jsonl").read().rows
+    assert sorted(r.metrics["pod_id"] for r in rows if r.kind == "teardown") == sorted(
+        [pods["own"], pods["own-state"]]
+    )
+
+
+def test_reap_by_id_is_idempotent(pods: dict[str, str]) -> None:
+    assert invoke("pods", "reap", pods["foreign"])["terminated"] == pods["foreign"]
+    assert invoke("pods", "reap", pods["foreign"])["terminated"] == pods["foreign"]
+    status = {p["id"]: p["status"] for p in invoke("pods", "list")}
+    assert status[pods["foreign"]] == "terminated"
+
+
+@pytest.mark.skipif(shutil.which("actionlint") is None and not Path(
+    ".venv/bin/actionlint").exists(), reason="actionlint is not installed")  # fmt: skip
+def test_workflow_github_cli_passes_actionlint(tmp_path: Path) -> None:
+    config = Path("configs/qwen3-30b-a3b/lora_h200.yaml").resolve()
+    out = tmp_path / "wf.yml"
+    got = CliRunner().invoke(
+        app, ["workflow", "github", str(config), "--out", str(out), "--set", "lane.provider=runpod"]
+    )
+    assert got.exit_code == 0, got.output
+    binary = shutil.which("actionlint") or str(Path(".venv/bin/actionlint").resolve())
+    lint = subprocess.run([binary, str(out)], capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    text = out.read_text()
+    assert "secrets.RUNPOD_API_KEY" in text and "lane.provider=runpod" in text
