@@ -229,3 +229,31 @@ def test_resume_of_an_unknown_run_names_the_known_ones(
 
     with pytest.raises(LaneError, match="no launch state"):
         launch(cfg, tmp_path / "run.yaml", resume="nope", show=False)
+
+
+@pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(), reason="OpenSSH server not installed")
+def test_launch_over_ssh_to_a_real_sshd(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sshd import start_sshd
+
+    server = start_sshd(tmp_path / "sshd")
+    try:
+        monkeypatch.chdir(tmp_path)
+        ssh = {"host": server.target.host, "port": server.target.port,
+               "user": server.target.user, "identity": str(server.identity)}  # fmt: skip
+        config = write_config(tmp_path, data, ssh=ssh, workdir=str(tmp_path / "remote"),
+                              env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+        out = CliRunner().invoke(app, ["launch", str(config), "--provider", "ssh", "--json"])
+        assert out.exit_code == 0, out.output
+        state = json.loads(out.stdout)
+        assert state["finished"] and state["verdict"] == "GO"
+        banked = tmp_path / "runs" / "lane" / "adapter"
+        remote = next((tmp_path / "remote").glob("moetune-*"))
+        assert (banked / "adapter_model.safetensors").read_bytes() == (
+            remote / "run" / "adapter" / "adapter_model.safetensors"
+        ).read_bytes()
+        assert (banked / "PROMOTED").is_file()
+        assert (tmp_path / ".moetune" / "lane" / state["run_id"] / "known_hosts").is_file()
+    finally:
+        server.stop()

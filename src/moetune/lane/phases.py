@@ -288,11 +288,13 @@ def guard(lane: Lane) -> None:
     if not lane.pod_work_left():
         return
     kill = lane.provider.self_terminate_command(lane.pod)
-    lane.provider.exec_background(lane.pod, deadman_script(lane.walls.watchdog_s, kill), "deadman")
+    lane.provider.exec_background(
+        lane.pod, deadman_script(lane.walls.watchdog_s, kill), "deadman.log"
+    )
     if lane.spec.card and lane.state.provider != "local":
         lane_args = lane.cfg.lane
         idle = idle_watchdog_script(lane_args.idle_gpu_percent, lane_args.idle_minutes, kill)
-        lane.provider.exec_background(lane.pod, idle, "idlewatch")
+        lane.provider.exec_background(lane.pod, idle, "idlewatch.log")
 
 
 @phase("stage")
@@ -337,7 +339,7 @@ def train(lane: Lane) -> None:
     if lane.state.banked:
         return
     resume = f"test -d {REMOTE_RUN}/checkpoints && echo --resume || true"
-    lane.attach_or_start("train", lane.moetune(f"train {REMOTE_CONFIG} $({resume})"))
+    lane.attach_or_start("train.log", lane.moetune(f"train {REMOTE_CONFIG} $({resume})"))
 
 
 RUN_FILES = ("config.yaml", "versions.json", "preflight.json", "data.json", "coverage.json",
@@ -365,7 +367,7 @@ def bank(lane: Lane) -> None:
 def evaluate(lane: Lane) -> None:
     if not lane.cfg.eval.rungs:
         return
-    lane.attach_or_start("eval", lane.moetune(f"eval {REMOTE_CONFIG} --overwrite --json"))
+    lane.attach_or_start("eval.log", lane.moetune(f"eval {REMOTE_CONFIG} --overwrite --json"))
 
 
 @phase("fetch_results")

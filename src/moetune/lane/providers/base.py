@@ -141,11 +141,12 @@ class Provider(ABC):
 
     # Long stages run detached, so a dropped connection never kills a training run; the
     # controller polls for the exit code. Built on `exec`, so every provider has them.
+    # `log_name` is the log file (relative to the workdir); the exit code goes to <log>.rc.
 
     def exec_background(self, pod_id: str, command: str, log_name: str) -> None:
-        """Start `command` detached in the pod; output to <log_name>.log, exit code to .rc."""
+        """Start `command` detached in the pod, its output appended to `log_name`."""
         log = shlex.quote(log_name)
-        body = f"( {command} ) > {log}.log 2>&1; echo $? > {log}.rc.tmp && mv {log}.rc.tmp {log}.rc"
+        body = f"( {command} ) >> {log} 2>&1; echo $? > {log}.rc.tmp && mv {log}.rc.tmp {log}.rc"
         started = self.exec(
             pod_id,
             f"rm -f {log}.rc; nohup setsid bash -c {shlex.quote(body)} > /dev/null 2>&1 "
@@ -155,7 +156,8 @@ class Provider(ABC):
             raise LaneError(f"could not start {log_name} in pod {pod_id}: {started.stderr[:200]}")
 
     def poll_background(self, pod_id: str, log_name: str) -> int | None:
-        """None while the command runs; its exit code when done; -1 when it vanished."""
+        """None while the command runs; its exit code when done; -1 when it was killed
+        without an exit code, or never started."""
         log = shlex.quote(log_name)
         out = self.exec(
             pod_id,
@@ -168,8 +170,7 @@ class Provider(ABC):
 
     def tail(self, pod_id: str, log_name: str, lines: int = 20) -> str:
         """The last lines of a background command's log (for error messages)."""
-        log = shlex.quote(f"{log_name}.log")
-        return self.exec(pod_id, f"tail -n {int(lines)} {log} 2>/dev/null").stdout
+        return self.exec(pod_id, f"tail -n {int(lines)} {shlex.quote(log_name)} 2>/dev/null").stdout
 
 
 PROVIDERS: dict[str, Callable[..., Provider]] = {}
