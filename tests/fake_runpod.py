@@ -74,8 +74,10 @@ class FakeRunpod:
         ready_after: int = 2,
         cost_per_hr: float = 3.59,
         ssh_host: str = "203.0.113.10",
+        ssh_port: int | None = None,  # every pod's public 22/tcp (e.g. a test's real sshd)
     ) -> None:
         self.api_key = api_key
+        self.ssh_port = ssh_port
         self.ready_after = ready_after
         self.cost_per_hr = cost_per_hr
         self.ssh_host = ssh_host
@@ -180,7 +182,7 @@ class FakeRunpod:
 
     def _new_pod(self, spec: dict[str, Any]) -> FakePod:
         pod_id = "".join(random.choices(string.ascii_lowercase + string.digits, k=14))
-        port = 10000 + len(self.pods) + len(self.requests)
+        port = self.ssh_port or 10000 + len(self.pods) + len(self.requests)
         pod = FakePod(pod_id, spec["name"], spec, self.now(), self.cost_per_hr, port)
         pod.stuck = self.stuck_starting
         self.pods[pod_id] = pod

@@ -257,3 +257,73 @@ def test_launch_over_ssh_to_a_real_sshd(
         assert (tmp_path / ".moetune" / "lane" / state["run_id"] / "known_hosts").is_file()
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(), reason="OpenSSH server not installed")
+def test_launch_on_runpod_api_then_ssh_and_ledger_costs(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The RunPod provider end to end: create through the (fake) GraphQL API, reach the pod's
+    public 22/tcp (a real sshd here), run the phases, terminate, cost in the ledger."""
+    from fake_runpod import FakeRunpod
+    from sshd import start_sshd
+
+    server = start_sshd(tmp_path / "sshd")
+    monkeypatch.setenv("RUNPOD_API_KEY", "test-key")
+    monkeypatch.chdir(tmp_path)
+    with FakeRunpod(ssh_host="127.0.0.1", ssh_port=server.target.port) as fake:
+        try:
+            lane = {
+                "runpod": {"api_url": fake.url},
+                "ssh": {"identity": str(server.identity)},
+                "env": {"HF_HUB_OFFLINE": "1"},
+                "workdir": str(tmp_path / "volume"),
+            }
+            config = write_config(tmp_path, data, **lane)
+            cfg = yaml.safe_load(config.read_text())
+            cfg["hardware"] = {"card": "H200"}
+            config.write_text(yaml.safe_dump(cfg))
+            out = CliRunner().invoke(app, ["launch", str(config), "--provider", "runpod", "--json"])
+            assert out.exit_code == 0, out.output
+        finally:
+            server.stop()
+        assert json.loads(out.stdout)["verdict"] == "GO"
+        (create,) = [r.variables["input"] for r in fake.ops("podFindAndDeployOnDemand")]
+        assert create["gpuTypeId"] == "NVIDIA H200" and create["ports"] == "22/tcp"
+        assert {"key": "HF_HUB_DISABLE_XET", "value": "1"} in create["env"]
+        assert fake.pods == {}  # terminated
+    rows = Ledger(tmp_path / ".moetune" / "ledger.jsonl").read().rows
+    provision = next(r for r in rows if r.kind == "provision")
+    assert provision.metrics["cost_per_hr"] == 3.59
+    teardown = next(r for r in rows if r.kind == "teardown")
+    assert teardown.metrics["pod_id"] == provision.metrics["pod_id"] and teardown.cost_usd > 0
+
+
+def test_pod_dies_during_eval_after_the_adapter_was_banked(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from moetune.lane.providers.local import LocalProvider
+
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path, data)
+
+    def kill_when_banked() -> None:
+        for _ in range(1200):
+            states = list((tmp_path / ".moetune" / "lane").glob("*/state.json"))
+            if states and json.loads(states[0].read_text())["banked"]:
+                state = json.loads(states[0].read_text())
+                LocalProvider(tmp_path / ".moetune" / "pods").terminate(state["pod_id"])
+                return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_when_banked)
+    killer.start()
+    out = CliRunner().invoke(app, ["launch", str(config)])
+    killer.join()
+    assert out.exit_code == 2
+    banked = tmp_path / "runs" / "lane" / "adapter"
+    assert (banked / "adapter_model.safetensors").is_file()
+    assert "--provider local" in out.output  # the next step: evaluate the banked adapter here
+    assert ("launch", "infra-failed") in kinds(tmp_path)
