@@ -327,3 +327,47 @@ def test_pod_dies_during_eval_after_the_adapter_was_banked(
     assert (banked / "adapter_model.safetensors").is_file()
     assert "--provider local" in out.output  # the next step: evaluate the banked adapter here
     assert ("launch", "infra-failed") in kinds(tmp_path)
+    # or resume: a new pod scores the banked adapter; training is not repeated
+    state = only_state(tmp_path)
+    again = CliRunner().invoke(app, ["launch", str(config), "--resume", state.run_id, "--json"])
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["promoted"]
+    assert [k for k, _ in kinds(tmp_path)].count("train") == 1
+
+
+def test_pod_dies_during_train_and_resume_continues_on_a_new_pod(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from moetune.lane.providers.local import LocalProvider
+
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path, data)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["train"].update(max_steps=40, save_steps=4)
+    config.write_text(yaml.safe_dump(cfg))
+
+    def kill_after_first_sync() -> None:
+        for _ in range(1200):
+            states = list((tmp_path / ".moetune" / "lane").glob("*/state.json"))
+            state = json.loads(states[0].read_text()) if states else {}
+            if state.get("synced"):
+                LocalProvider(tmp_path / ".moetune" / "pods").terminate(state["pod_id"])
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_first_sync)
+    killer.start()
+    first = CliRunner().invoke(app, ["launch", str(config)])
+    killer.join()
+    assert first.exit_code == 2, first.output
+    state = only_state(tmp_path)
+    assert state.synced and not state.banked
+    again = CliRunner().invoke(app, ["launch", str(config), "--resume", state.run_id, "--json"])
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["verdict"] == "GO"
+    summary = json.loads((tmp_path / "runs" / "lane" / "summary.json").read_text())
+    assert summary["result"]["resumed_from_step"] >= 4 and summary["result"]["steps"] == 40
+    pods = sorted(p.name for p in (tmp_path / ".moetune" / "pods").iterdir())
+    assert len(pods) == 2  # the lost pod and its replacement

@@ -10,12 +10,13 @@ run. A pod that is gone on resume is replaced: phases whose results live on this
 
 from __future__ import annotations
 
+import secrets
 import shlex
 import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,8 @@ class Lane:
 
     def run(self) -> LaneState:
         """Every phase not yet done, in order; teardown whatever happens."""
+        if self.state.finished:
+            return self.state
         self._forget_lost_pod()
         try:
             with _signals_raise():
@@ -119,20 +122,27 @@ class Lane:
         )
 
     def _forget_lost_pod(self) -> None:
-        """On resume: a pod that is gone takes its pod-side phases with it."""
-        if self.state.pod_id is None or not self.state.done:
+        """On resume: a pod that is gone (torn down, reaped, died) takes its pod-side phases
+        with it; a replacement gets a new name (names are create's idempotency key)."""
+        if not self.state.done:
             return
-        try:
-            alive = self.provider.status(self.state.pod_id).status in ("running", "starting")
-        except PodGone:
-            alive = False
-        if not alive:
-            self.say(f"pod {self.state.pod_id} is gone; a new one takes over")
-            self.state.done = [p for p in self.state.done if p in LOCAL_RESULTS]
-            self.state.pod_id = None
+        alive = False
+        if self.state.pod_id is not None:
+            with suppress(PodGone):
+                alive = self.provider.status(self.state.pod_id).status in ("running", "starting")
+        if alive:
+            return
+        self.say("the earlier pod is gone; a new one takes over")
+        self.state.done = [p for p in self.state.done if p in LOCAL_RESULTS]
+        self.state.pod_id = None
+        self.state.pod_name = f"{self.state.pod_name.rsplit('-', 1)[0]}-{secrets.token_hex(3)}"
+        self.spec = replace(self.spec, name=self.state.pod_name)
 
     def pod_work_left(self) -> bool:
-        return any(p not in self.state.done for p in ("train", "bank", "eval", "fetch_results"))
+        """Whether anything still needs a pod: training (until banked) or eval (until its
+        results are here)."""
+        needs_eval = bool(self.cfg.eval.rungs) and "fetch_results" not in self.state.done
+        return not self.state.banked or needs_eval
 
     @property
     def pod(self) -> str:
@@ -204,13 +214,14 @@ class Lane:
             )
         return got.stdout
 
-    def wait_background(self, log: str) -> None:
+    def wait_background(self, log: str, on_poll: Callable[[], None] = lambda: None) -> None:
         """Start-and-wait done by polling: a drop or restart of this side never stops the pod's
         work; each poll checks the pod is alive and the budget holds."""
         from moetune.lane.guard import Budget
 
         budget = Budget(self.cfg.lane.max_usd)
         while (rc := self.provider.poll_background(self.pod, log)) is None:
+            on_poll()
             spent = self.spend()
             if budget.check(spent):
                 raise BudgetReached(
@@ -228,14 +239,31 @@ class Lane:
     def moetune(self, args: str) -> str:
         return f"{self.cfg.lane.remote_moetune} {args}"
 
-    def attach_or_start(self, log: str, command: str) -> None:
+    def attach_or_start(
+        self, log: str, command: str, on_poll: Callable[[], None] = lambda: None
+    ) -> None:
         """Wait for `log`'s command: re-attach when an earlier controller started it on this
         pod (a resumed launch), start it otherwise; LaneError unless it exits 0."""
         rc = self.provider.poll_background(self.pod, log)
         if rc != 0:
             if rc is not None:  # never started, or died: (re)start it
                 self.provider.exec_background(self.pod, self.env_prefix() + command, log)
-            self.wait_background(log)
+            self.wait_background(log, on_poll)
+
+    def sync_checkpoints(self) -> None:
+        """Mirror the pod's run dir here whenever it commits a new checkpoint, so a lost pod
+        costs the steps since then, not the run (a new pod resumes from the mirror)."""
+        newest = self.provider.exec(
+            self.pod, f"ls -v {REMOTE_RUN}/checkpoints 2>/dev/null | tail -n 1"
+        ).stdout.strip()
+        if not newest or newest == self.state.synced:
+            return
+        with suppress(LaneError):  # a checkpoint rotated away mid-copy: the next poll retries
+            self.provider.copy_out(
+                self.pod, REMOTE_RUN, self.state.sync_dir(self.cfg.output.ledger)
+            )
+            self.state.synced = newest
+            self.save()
 
     def salvage(self) -> None:
         """Stopped mid-training (budget, Ctrl-C): copy the committed checkpoints off the pod."""
@@ -307,6 +335,11 @@ def stage(lane: Lane) -> None:
     config = lane.state.dir(lane.cfg.output.ledger) / REMOTE_CONFIG
     config.write_text(dump_config(plan.config))
     lane.provider.copy_in(lane.pod, config, REMOTE_CONFIG)
+    mirror = lane.state.sync_dir(lane.cfg.output.ledger)
+    if mirror.is_dir():  # a replacement pod: training resumes from the last mirrored checkpoint
+        lane.provider.copy_in(lane.pod, mirror, REMOTE_RUN)
+    if lane.state.banked:  # a replacement pod for eval: it scores the banked adapter
+        lane.provider.copy_in(lane.pod, Path(lane.state.banked["dir"]), f"{REMOTE_RUN}/adapter")
     for command in lane.cfg.lane.setup:
         lane.run_on_pod(command, timeout_s=1800)
 
@@ -339,7 +372,8 @@ def train(lane: Lane) -> None:
     if lane.state.banked:
         return
     resume = f"test -d {REMOTE_RUN}/checkpoints && echo --resume || true"
-    lane.attach_or_start("train.log", lane.moetune(f"train {REMOTE_CONFIG} $({resume})"))
+    command = lane.moetune(f"train {REMOTE_CONFIG} $({resume})")
+    lane.attach_or_start("train.log", command, on_poll=lane.sync_checkpoints)
 
 
 RUN_FILES = ("config.yaml", "versions.json", "preflight.json", "data.json", "coverage.json",
@@ -358,6 +392,7 @@ def bank(lane: Lane) -> None:
     lane.save()
     lane.row("bank", adapter=str(adapter), sha256=digest)
     lane.say(f"adapter banked at {escape(str(adapter))}")
+    merge_pod_ledger(lane)  # the pod's train row, before the pod can be lost
     for name in RUN_FILES:  # the run's record, for the report; an absent one is not fatal
         with suppress(LaneError):
             lane.provider.copy_out(lane.pod, f"{REMOTE_RUN}/{name}", lane.out / name)
@@ -365,7 +400,7 @@ def bank(lane: Lane) -> None:
 
 @phase("eval")
 def evaluate(lane: Lane) -> None:
-    if not lane.cfg.eval.rungs:
+    if not lane.cfg.eval.rungs or "fetch_results" in lane.state.done:
         return
     lane.attach_or_start("eval.log", lane.moetune(f"eval {REMOTE_CONFIG} --overwrite --json"))
 

@@ -24,6 +24,7 @@ class LaneState:
     workdir: str | None = None  # the run's dir on the pod
     done: list[str] = field(default_factory=list)  # finished phases, in order
     banked: dict[str, Any] | None = None  # {"dir", "sha256"} once the adapter is safe here
+    synced: str | None = None  # the newest checkpoint mirrored here from the pod
     verdict: str | None = None
     promoted: str | None = None
     spent_usd: float = 0.0  # pod spend recorded so far (all pods of this run)
@@ -38,6 +39,10 @@ class LaneState:
 
     def dir(self, ledger_path: str) -> Path:
         return self.root(ledger_path) / self.run_id
+
+    def sync_dir(self, ledger_path: str) -> Path:
+        """This machine's mirror of the pod's run dir (config, logs, committed checkpoints)."""
+        return self.dir(ledger_path) / "run-sync"
 
     def save(self, ledger_path: str) -> None:
         atomic_write_json(self.dir(ledger_path) / "state.json", asdict(self))
