@@ -187,6 +187,8 @@ def test_disk_full_while_copying_leaves_no_partial_adapter(
     run = tmp_path / "runs" / "lane"
     assert not (run / "adapter").exists() and not (run / ".adapter.partial").exists()
     assert ("launch", "infra-failed") in kinds(tmp_path)
+    rows = Ledger(tmp_path / ".moetune" / "ledger.jsonl").read().rows
+    assert any(r.metrics.get("signature") == "No space left on device" for r in rows)
 
 
 def test_controller_killed_then_resumed_finishes_the_run(

@@ -33,6 +33,11 @@ from moetune.ledger import Ledger, LedgerRow, Status
 PhaseFn = Callable[["Lane"], None]
 PHASES: dict[str, PhaseFn] = {}
 LOCAL_RESULTS = ("bank", "fetch_results", "gate", "promote")  # survive a lost pod
+# Infra failures people search for (knowledge.md §8): recorded as the row's signature.
+SIGNATURES = (
+    "Disk quota exceeded", "No space left on device", "Background writer channel closed",
+    "CUDA out of memory", "Connection closed", "Connection refused", "Killed",
+)  # fmt: skip
 
 
 def phase(name: str) -> Callable[[PhaseFn], PhaseFn]:
@@ -167,7 +172,10 @@ class Lane:
             self.state.next_step = (
                 f"moetune launch {self.state.config_path} --resume {self.state.run_id}"
             )
-        self.row("launch", status, str(cause), phases_done=list(self.state.done))
+        signature = next((sig for sig in SIGNATURES if sig in str(cause)), None)
+        cost = self.spend() if self.state.pod_id else None
+        done = list(self.state.done)
+        self.row("launch", status, str(cause), phases_done=done, signature=signature, cost_usd=cost)
         if isinstance(err, MoetuneError):
             err.fix = self.state.next_step if banked else err.fix
         else:
