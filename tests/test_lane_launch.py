@@ -69,6 +69,30 @@ def only_state(tmp: Path) -> LaneState:
     return LaneState(**json.loads(path.read_text()))
 
 
+def when_state(tmp: Path, ready: str, then: Any) -> Any:
+    """A thread that, once the launch's state.json has a truthy `ready`, calls then(state)."""
+    import threading
+
+    def watch() -> None:
+        for _ in range(2400):
+            states = list((tmp / ".moetune" / "lane").glob("*/state.json"))
+            state = json.loads(states[0].read_text()) if states else {}
+            if state.get(ready):
+                then(state)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread
+
+
+def terminate_pod(tmp: Path) -> Any:
+    from moetune.lane.providers.local import LocalProvider
+
+    return lambda state: LocalProvider(tmp / ".moetune" / "pods").terminate(state["pod_id"])
+
+
 def pod_dir(tmp: Path, state: LaneState) -> Path:
     return tmp / ".moetune" / "pods" / state.pod_name
 
@@ -304,24 +328,9 @@ def test_launch_on_runpod_api_then_ssh_and_ledger_costs(
 def test_pod_dies_during_eval_after_the_adapter_was_banked(
     tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
-    from moetune.lane.providers.local import LocalProvider
-
     monkeypatch.chdir(tmp_path)
     config = write_config(tmp_path, data)
-
-    def kill_when_banked() -> None:
-        for _ in range(1200):
-            states = list((tmp_path / ".moetune" / "lane").glob("*/state.json"))
-            if states and json.loads(states[0].read_text())["banked"]:
-                state = json.loads(states[0].read_text())
-                LocalProvider(tmp_path / ".moetune" / "pods").terminate(state["pod_id"])
-                return
-            time.sleep(0.1)
-
-    killer = threading.Thread(target=kill_when_banked)
-    killer.start()
+    killer = when_state(tmp_path, "banked", terminate_pod(tmp_path))
     out = CliRunner().invoke(app, ["launch", str(config)])
     killer.join()
     assert out.exit_code == 2
@@ -340,27 +349,12 @@ def test_pod_dies_during_eval_after_the_adapter_was_banked(
 def test_pod_dies_during_train_and_resume_continues_on_a_new_pod(
     tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
-    from moetune.lane.providers.local import LocalProvider
-
     monkeypatch.chdir(tmp_path)
     config = write_config(tmp_path, data)
     cfg = yaml.safe_load(config.read_text())
     cfg["train"].update(max_steps=40, save_steps=4)
     config.write_text(yaml.safe_dump(cfg))
-
-    def kill_after_first_sync() -> None:
-        for _ in range(1200):
-            states = list((tmp_path / ".moetune" / "lane").glob("*/state.json"))
-            state = json.loads(states[0].read_text()) if states else {}
-            if state.get("synced"):
-                LocalProvider(tmp_path / ".moetune" / "pods").terminate(state["pod_id"])
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_after_first_sync)
-    killer.start()
+    killer = when_state(tmp_path, "synced", terminate_pod(tmp_path))
     first = CliRunner().invoke(app, ["launch", str(config)])
     killer.join()
     assert first.exit_code == 2, first.output

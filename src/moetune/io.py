@@ -34,3 +34,14 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, payload: Any) -> None:
     atomic_write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB blocks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

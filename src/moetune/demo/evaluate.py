@@ -14,23 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from moetune.demo.skills import Item, make_items
-
-
-def _greedy(model: Any, ids: torch.Tensor, limits: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Append argmax tokens until each row has emitted EOS or reached its own limit.
-
-    A row that runs past its answer's length plus EOS is wrong whatever comes next, so
-    stopping there keeps a broken model (one that never stops) as cheap to score as a good one.
-    """
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    out = ids
-    for step in range(int(limits.max())):
-        nxt = model(input_ids=out).logits[:, -1, :].argmax(dim=-1)
-        out = torch.cat([out, nxt[:, None]], dim=1)
-        done |= (nxt == eos_id) | (step + 1 >= limits)
-        if bool(done.all()):
-            break
-    return out[:, ids.shape[1] :]
+from moetune.evaluate.scoring import by_length, greedy
 
 
 def _answer_tokens(tokenizer: PreTrainedTokenizerBase, item: Item) -> int:
@@ -43,16 +27,6 @@ def _decode_answer(tokenizer: PreTrainedTokenizerBase, new_ids: list[int]) -> st
     if eos_id not in new_ids:
         return None
     return str(tokenizer.decode(new_ids[: new_ids.index(eos_id)]))
-
-
-def _by_length(prompt_ids: list[list[int]], batch_size: int) -> Iterable[list[int]]:
-    """Index batches whose prompts all share one token length."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, ids in enumerate(prompt_ids):
-        groups[len(ids)].append(i)
-    for idx in groups.values():
-        for start in range(0, len(idx), batch_size):
-            yield idx[start : start + batch_size]
 
 
 @torch.no_grad()
@@ -74,10 +48,10 @@ def exact_match(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    for idx in _by_length(prompt_ids, batch_size):
+    for idx in by_length(prompt_ids, batch_size):
         ids = torch.tensor([prompt_ids[i] for i in idx], device=device)
         row_limits = torch.tensor([limits[i] for i in idx], device=device)
-        new = _greedy(model, ids, row_limits, int(tokenizer.eos_token_id)).cpu().tolist()
+        new = greedy(model, ids, row_limits, int(tokenizer.eos_token_id)).cpu().tolist()
         for i, row in zip(idx, new, strict=True):
             results[i] = _decode_answer(tokenizer, row) == items[i].answer
     model.train(was_training)

@@ -216,8 +216,6 @@ def gate_results(
     results: Path | str, alpha: float | None = None, ledger: str | Path | None = None
 ) -> dict[str, Any]:
     """Decide from a results dir; writes verdict.json there and a `gate` ledger row."""
-    from moetune.ledger import Ledger, LedgerRow
-
     results = Path(results)
     ladder = read_json(results / "ladder.json")
     alpha = alpha if alpha is not None else ladder["gate"]["alpha"]
@@ -226,17 +224,28 @@ def gate_results(
     doc = {**doc, "adapter": ladder["adapter"], "adapter_sha256": ladder["adapter_sha256"]}
     doc["hash"] = verdict_hash(doc)
     atomic_write_json(results / "verdict.json", doc)
+    metrics = {"verdict": doc["verdict"], "hash": doc["hash"], "results": str(results)}
+    record(ladder, ledger, "gate", metrics, doc["reason"])
+    return doc
+
+
+def record(
+    ladder: dict[str, Any], ledger: str | Path | None, kind: str, metrics: dict[str, Any],
+    reason: str = "",
+) -> None:  # fmt: skip
+    """A ledger row for this ladder's run (the run's ledger unless another is given)."""
+    from moetune.ledger import Ledger, LedgerRow
+
     Ledger(ledger or ladder["ledger"]).append(
         LedgerRow(
-            kind="gate",
+            kind=kind,
             status="ok",
             run_id=ladder.get("run_id"),
             config_hash=ladder.get("config_hash"),
-            metrics={"verdict": doc["verdict"], "hash": doc["hash"], "results": str(results)},
-            reason=doc["reason"][:300],
+            metrics=metrics,
+            reason=reason[:300],
         )
     )
-    return doc
 
 
 def promote(
@@ -245,7 +254,6 @@ def promote(
     """Mark the adapter promoted – only on a GO verdict for exactly these adapter bytes.
     `adapter`: a copy of the evaluated one (e.g. banked off a pod); its bytes must match."""
     from moetune.evaluate.ladder import PROMOTED, adapter_digest
-    from moetune.ledger import Ledger, LedgerRow
 
     results = Path(results)
     verdict = read_json(results / "verdict.json")
@@ -267,14 +275,6 @@ def promote(
     marker = adapter / PROMOTED
     body = {"verdict_hash": verdict["hash"], "results": str(results.resolve()), "time": time.time()}
     atomic_write_json(marker, body)
-    ladder = read_json(results / "ladder.json")
-    Ledger(ledger or ladder["ledger"]).append(
-        LedgerRow(
-            kind="promote",
-            status="ok",
-            run_id=ladder.get("run_id"),
-            config_hash=ladder.get("config_hash"),
-            metrics={"adapter": str(adapter), "verdict_hash": verdict["hash"]},
-        )
-    )
+    metrics = {"adapter": str(adapter), "verdict_hash": verdict["hash"]}
+    record(read_json(results / "ladder.json"), ledger, "promote", metrics)
     return marker

@@ -6,15 +6,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from moetune.io import sha256_file
 from moetune.lane.providers.base import LaneError
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def file_digests(root: Path) -> dict[str, str]:

@@ -16,7 +16,6 @@ completion, messages rows on the assistant turns when the chat template marks th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from moetune.io import sha256_file
 from moetune.train.errors import DataError
 
 if TYPE_CHECKING:
@@ -340,14 +340,6 @@ def _count_overlong(
     return count
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_data(
     file: str | Path,
     tok: PreTrainedTokenizerBase,
@@ -366,7 +358,7 @@ def load_data(
     too_long = _count_overlong(path, rows, fmt, tok, seq_len, overlong)
     dataset = Dataset.from_list([row for _, row in rows])
     return TrainData(
-        path, fmt.name, dataset, fmt.loss(completion_only, tok), too_long, _digest(path)
+        path, fmt.name, dataset, fmt.loss(completion_only, tok), too_long, sha256_file(path)
     )
 
 
