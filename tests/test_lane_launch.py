@@ -367,3 +367,23 @@ def test_pod_dies_during_train_and_resume_continues_on_a_new_pod(
     assert summary["result"]["resumed_from_step"] >= 4 and summary["result"]["steps"] == 40
     pods = sorted(p.name for p in (tmp_path / ".moetune" / "pods").iterdir())
     assert len(pods) == 2  # the lost pod and its replacement
+
+
+def test_sigterm_mid_training_still_tears_the_pod_down(
+    tmp_path: Path, data: dict[str, Path]
+) -> None:
+    config = write_config(tmp_path, data)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    command = [*MOETUNE.split(), "launch", str(config)]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    when_state(tmp_path, "pod_id", lambda state: None).join()
+    deadline = time.time() + 120
+    while "stage" not in only_state(tmp_path).done and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    state = only_state(tmp_path)
+    assert (pod_dir(tmp_path, state) / "TERMINATED").exists() and state.pod_id is None
+    assert kinds(tmp_path)[-2:] == [("launch", "cancelled"), ("teardown", "ok")]
+    assert f"--resume {state.run_id}" in " ".join(err.split())  # the next step is said
