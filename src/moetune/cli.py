@@ -109,9 +109,16 @@ def plan(
     mapping: Annotated[
         str | None, typer.Option(help="explicit (moetune) | automap (vanilla peft names).")
     ] = None,
-    estimator: Annotated[str, typer.Option(help="trace (reference) | analytic (instant).")] = (
-        "analytic"
-    ),
+    estimator: Annotated[
+        str | None,
+        typer.Option(
+            help="trace (reference) | analytic (instant); default: trace for engine "
+            "moetune (the analytic models peft's path), else analytic."
+        ),
+    ] = None,
+    engine: Annotated[
+        str | None, typer.Option(help="Expert LoRA engine: peft | moetune (split LoRA).")
+    ] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -130,9 +137,11 @@ def plan(
         targets=targets,
         mapping=mapping,
         gc=False if no_gc else None,
+        engine=engine,
     )
     cfg = resolve_run(target, [*(overrides or []), *opts])
     spec = load_spec(cfg.model.id)
+    estimator = estimator or ("trace" if cfg.lora.engine == "moetune" else "analytic")
     result = make_plan(spec, cfg, cards=card, estimator=estimator)  # type: ignore[arg-type]
     findings = lint(lint_context(cfg, spec, result))
     if as_json:
@@ -205,14 +214,18 @@ def train_cmd(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace a finished run in output.dir.")
     ] = False,
+    engine: Annotated[
+        str | None, typer.Option(help="Expert LoRA engine: peft | moetune (split LoRA).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     from moetune.config import load_config
+    from moetune.preflight import option_overrides
     from moetune.train import train
     from moetune.units import human_bytes
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, [*(overrides or []), *option_overrides(engine=engine)])
     result = train(
         cfg, resume=resume, allow_errors=allow_errors, overwrite=overwrite, progress=not as_json
     )

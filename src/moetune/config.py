@@ -47,7 +47,9 @@ class LoraArgs(_Section):
     rank: int = Field(16, description="LoRA rank r (per expert for expert stacks).")
     alpha: float | None = Field(None, description="LoRA alpha; default 2 × rank.")
     dropout: float = Field(
-        0.0, description="LoRA dropout; peft forbids != 0 when experts are targeted."
+        0.0,
+        description="LoRA dropout; engine peft forbids != 0 when experts are targeted, engine "
+        "moetune applies it to the expert LoRA input.",
     )
     targets: list[Target] = Field(
         default_factory=lambda: list(DEFAULT_TARGETS),
@@ -59,6 +61,11 @@ class LoraArgs(_Section):
         "automap: peft's gate/up/down name mapping (doubles gate_up rank, drops dense MLPs).",
     )
     stack: Literal["peft", "mlx"] = Field("peft", description="Training stack the recipe is for.")
+    engine: Literal["peft", "moetune"] = Field(
+        "peft",
+        description="How expert LoRA is computed. moetune: split LoRA (routed tokens only, no "
+        "full-size ΔW, expert dropout works; same peft adapter format); peft: ParamWrapper.",
+    )
     train_router: bool = Field(
         False, description="Train the router (turns on the aux loss); frozen by default."
     )

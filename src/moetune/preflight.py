@@ -33,6 +33,7 @@ def option_overrides(**options: Any) -> list[str]:
         "mapping": "lora.expert_mapping",
         "stack": "lora.stack",
         "card": "hardware.card",
+        "engine": "lora.engine",
     }
     out = []
     for name, value in options.items():

@@ -241,8 +241,19 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
+    """Whether the step runs moetune's split-LoRA experts (engine moetune on expert targets)."""
+    targeted = "experts" in cfg.lora.targets and spec.is_moe and cfg.train.method != "full"
+    return targeted and cfg.lora.engine == "moetune"
+
+
 def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     notes = []
+    if split_lora(spec, cfg):
+        notes.append(
+            "engine moetune: the analytic model sizes peft's path, an upper bound for split "
+            "LoRA (no full-size expert ΔW); the trace estimator runs the engine itself"
+        )
     if cfg.train.method == "qlora" or cfg.train.quantization != "none":
         notes.append(
             "bitsandbytes quantizes nn.Linear only: the fused experts stay bf16 and "

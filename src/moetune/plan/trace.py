@@ -72,6 +72,7 @@ def trace_step(
     seed: int = 0,
     optimizer: str = "fused",
     steps: int = 1,
+    engine: str = "peft",
 ) -> TraceResult:
     """Trace one training step and return its peak live tensor bytes.
 
@@ -81,7 +82,8 @@ def trace_step(
     temporaries), "foreach" (plain `torch.optim.AdamW` on CUDA: a full-size fp32
     temporary of the trainable weights at its peak) or "for-loop" (one tensor at a time).
     `steps=2` also covers the steady state, where the Adam moments stay live through
-    forward and backward. Neither config is modified.
+    forward and backward. `engine="moetune"` traces moetune's split-LoRA experts instead of
+    peft's ParamWrapper. Neither config is modified.
     """
     _check_inputs(seq_len, batch_size, steps, dtype, device, fake, optimizer)
     start = time.perf_counter()
@@ -91,7 +93,7 @@ def trace_step(
             torch.manual_seed(seed)
             warnings.simplefilter("ignore", FutureWarning)  # peft calls renamed transformers APIs
             model = _build(
-                copy.deepcopy(hf_config), copy.deepcopy(peft_config), dtype, device, fake
+                copy.deepcopy(hf_config), copy.deepcopy(peft_config), dtype, device, fake, engine
             )
             _prepare_for_training(model, peft_config is None, gradient_checkpointing)
             with _fake_mode(fake):
@@ -144,6 +146,7 @@ def _build(
     dtype: torch.dtype,
     device: str,
     fake: bool,
+    engine: str = "peft",
 ) -> Any:
     """The model (a PeftModel when `peft_config` is given), on `meta` when fake."""
     from transformers import AutoModelForCausalLM
@@ -154,6 +157,10 @@ def _build(
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
+            if engine == "moetune" and peft_config.target_parameters:
+                from moetune.engine import apply_split_lora
+
+                apply_split_lora(model)
     return model
 
 

@@ -46,9 +46,8 @@ def _versions() -> dict[str, str]:
 def _tracer_digest() -> str:
     """Changes to the tracer itself invalidate the cache too."""
     here = Path(__file__).parent
-    text = b"".join(
-        (here / n).read_bytes() for n in ("trace.py", "tracker.py") if (here / n).exists()
-    )
+    files = [here / "trace.py", here / "tracker.py", here.parent / "engine" / "experts_lora.py"]
+    text = b"".join(f.read_bytes() for f in files if f.exists())
     return hashlib.sha256(text).hexdigest()[:16]
 
 
@@ -93,6 +92,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
         dtype=getattr(torch, cfg.model.dtype),
         optimizer=optimizer,
         steps=STEPS,
+        engine=cfg.lora.engine,
     )
 
 

@@ -60,7 +60,7 @@ def _param_wrapped(ctx: LintContext) -> list[str]:
 )
 def lora_dropout(ctx: LintContext) -> Hit | None:
     dropout = ctx.config.lora.dropout
-    if ctx.config.lora.stack != "peft" or dropout == 0:
+    if ctx.config.lora.stack != "peft" or dropout == 0 or ctx.config.lora.engine == "moetune":
         return None
     wrapped = _param_wrapped(ctx)
     if not wrapped:
@@ -69,7 +69,7 @@ def lora_dropout(ctx: LintContext) -> Hit | None:
         f"peft stops with `ValueError: {probes.PEFT_DROPOUT_TEXT}.` when it builds the "
         f"adapter: lora.dropout={dropout} while {', '.join(wrapped)} go through "
         "target_parameters",
-        "set lora.dropout: 0 – peft has no per-module dropout, so it is 0 for the whole adapter",
+        "set lora.engine: moetune (split LoRA applies expert dropout), or lora.dropout: 0",
         "lora.dropout",
     )
 

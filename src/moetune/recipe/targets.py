@@ -127,12 +127,12 @@ def _check_moe(spec: ModelSpec, kinds: tuple[str, ...]) -> None:
 
 
 def _check_dropout(lora: LoraArgs, targets: PeftTargets) -> None:
-    if lora.dropout and targets.param_wrapped:
+    if lora.dropout and targets.param_wrapped and lora.engine == "peft":
         shown = ", ".join(targets.param_wrapped[:3])
         raise RecipeError(
             f"lora.dropout={lora.dropout} cannot be used: {shown} are adapted through "
             f"target_parameters and peft raises {PEFT_DROPOUT_ERROR!r} (no per-module dropout)",
-            "set lora.dropout=0 (regularise with weight decay or fewer steps instead)",
+            "set lora.engine: moetune (split LoRA applies expert dropout), or lora.dropout: 0",
         )
 
 
@@ -163,7 +163,8 @@ def build_peft_config(spec: ModelSpec, lora: LoraArgs) -> LoraConfig:
     return LoraConfig(
         r=lora.rank,
         lora_alpha=_alpha(lora.effective_alpha),
-        lora_dropout=lora.dropout,
+        # engine moetune: peft's ParamWrapper refuses dropout; apply_split_lora applies it
+        lora_dropout=0.0 if lora.engine == "moetune" and targets.param_wrapped else lora.dropout,
         # [] rather than None: None makes peft fill in its per-model default modules
         target_modules=list(targets.modules),
         target_parameters=list(targets.parameters) or None,

@@ -189,6 +189,10 @@ def wrap_lora(
         warnings.simplefilter("always")
         # a fresh config each time: get_peft_model rewrites the one it is given
         wrapped = get_peft_model(model, build_peft_config(setup.spec, cfg.lora))
+    if cfg.lora.engine == "moetune" and "experts" in cfg.lora.targets and setup.spec.is_moe:
+        from moetune.engine import apply_split_lora
+
+        apply_split_lora(wrapped, dropout=cfg.lora.dropout)  # same peft params, split forward
     notes = sorted({str(w.message) for w in caught if "peft" in (w.filename or "")})
     report = audit_coverage(wrapped, setup.spec, cfg.lora)
     if setup.args.should_save:

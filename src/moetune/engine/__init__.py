@@ -1,0 +1,28 @@
+"""Training engines that plug into transformers and peft instead of replacing them.
+
+Importing this package registers the "moetune_lora" experts implementation
+(`experts_lora`): split LoRA for fused MoE experts, trained on peft's own adapter
+parameters, so adapters stay in the peft format.
+"""
+
+from moetune.engine.experts_lora import (
+    IMPLEMENTATION,
+    EngineError,
+    SplitParamWrapper,
+    apply_split_lora,
+    is_split,
+    register,
+    restore_peft_lora,
+    split_lora_experts_forward,
+)
+
+__all__ = [
+    "IMPLEMENTATION",
+    "EngineError",
+    "SplitParamWrapper",
+    "apply_split_lora",
+    "is_split",
+    "register",
+    "restore_peft_lora",
+    "split_lora_experts_forward",
+]

@@ -1,0 +1,337 @@
+"""Split LoRA for fused MoE experts, served through transformers' `ExpertsInterface`.
+
+peft's `ParamWrapper` adapts a fused expert stack by materialising W + s·B·A for every
+expert on every forward (and a full-size weight gradient in backward), whatever the
+routing, and it refuses dropout. Here each expert's routed tokens go through the frozen
+base weight and, separately, through that expert's rank-r factors:
+
+    y_e = x_e·W_eᵀ + s·(dropout(x_e)·A_eᵀ)·B_eᵀ
+
+so nothing the size of an expert stack is allocated, and only A and B get gradients.
+
+The factors stay where peft keeps them (the wrappers' `lora_A` / `lora_B`), so
+`save_pretrained` writes a standard peft adapter that loads with plain
+`PeftModel.from_pretrained`. `apply_split_lora` switches a peft model over:
+
+* "moetune_lora" is registered in `ALL_EXPERTS_FUNCTIONS` and selected with
+  `set_experts_implementation`, so every family decorated with
+  `@use_experts_implementation` dispatches here (is_transposed, has_bias, has_gate,
+  post-expert norm and the family's own `_apply_gate` are honoured like the stock paths);
+* each experts module gets a map parameter name -> its wrapper, read on every call, so
+  peft's adapter switching, `disable_adapter()` and merging keep working;
+* each wrapper becomes a `SplitParamWrapper`, whose forward no longer parametrizes the
+  weight (the experts forward applies the factors instead).
+
+peft's layout (0.21, `ParamWrapper.get_delta_factors`), E experts, rank r per expert:
+`lora_A.weight` is [r·E, in] = (E, r, in), expert-major, but `lora_B.weight` is
+[out, r·E] = (out, r, E) with the expert index fastest; scaling is alpha/r (alpha/√r with
+rslora). in/out are the projection's sizes whether the stack is [E, out, in] or
+transposed [E, in, out].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora.layer import ParamWrapper
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface
+
+from moetune.errors import MoetuneError
+
+IMPLEMENTATION = "moetune_lora"
+PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+_STATE = "_moetune_lora"  # on an experts module: {parameter name: its SplitParamWrapper}
+_PREVIOUS = "_moetune_previous_experts"  # on the base model: implementation to restore
+
+
+class EngineError(MoetuneError):
+    """The split-LoRA engine cannot run on this model as asked."""
+
+
+@dataclass(frozen=True)
+class _Routing:
+    """(token, slot) pairs sorted by expert, as grouped kernels want them."""
+
+    ids: torch.Tensor  # expert id of each sorted pair
+    perm: torch.Tensor  # sorted position -> flat (token, slot) index
+    inverse: torch.Tensor  # flat (token, slot) index -> sorted position
+    offsets: torch.Tensor  # int32 end row of each expert's group
+    weights: torch.Tensor  # routing weight of each sorted pair
+
+
+@dataclass(frozen=True)
+class _Factors:
+    """One adapter's factors for one projection, shaped for grouped matmuls."""
+
+    a: torch.Tensor  # (E, in, r)
+    b: torch.Tensor  # (E, r, out), scaling folded in
+    dropout: nn.Module
+
+
+def split_lora_experts_forward(
+    self: Any,  # an experts module decorated by @use_experts_implementation (dynamic attrs)
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The experts forward registered as "moetune_lora" (same contract as grouped_mm)."""
+    if getattr(self, "_is_expert_parallel", False):
+        raise EngineError(
+            "split LoRA does not support expert parallelism.",
+            "train without expert parallelism, or use peft's stock path (restore_peft_lora).",
+        )
+    num_tokens, hidden_dim = hidden_states.shape
+    top_k = top_k_index.size(-1)
+    route = _route(top_k_index, top_k_weights, self.num_experts)
+    x = _Dispatch.apply(hidden_states, route.perm, route.inverse, top_k)
+    h = _project(self, "gate_up_proj" if self.has_gate else "up_proj", x, route)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    out = _project(self, "down_proj", h, route)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    out = out * route.weights.unsqueeze(-1)
+    summed = _Combine.apply(out, route.perm, route.inverse, top_k)
+    return summed.view(num_tokens, hidden_dim).to(hidden_states.dtype)
+
+
+def _route(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int) -> _Routing:
+    ids, perm = torch.sort(top_k_index.reshape(-1))
+    # histc, not bincount: a fixed output shape, so fake-tensor traces work too
+    counts_of = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()
+    counts = torch.histc(counts_of, bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return _Routing(ids, perm, inverse, offsets, top_k_weights.reshape(-1)[perm])
+
+
+class _Dispatch(torch.autograd.Function):
+    """Token rows -> (token, slot) pairs in expert order.
+
+    Autograd would scatter-add the gradient back (`index_put_` with accumulate: slow and
+    serial on CPU); knowing the index is a permutation of repeated rows, it is a gather
+    and a sum over the k slots instead.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor,
+                top_k: int) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return hidden[perm // top_k]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (inverse,) = ctx.saved_tensors
+        summed = grad[inverse].view(-1, ctx.top_k, grad.shape[-1]).sum(dim=1)
+        return summed, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Pairs in expert order -> per-token sums; both directions are gathers (see _Dispatch)."""
+
+    @staticmethod
+    def forward(ctx: Any, pairs: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor,
+                top_k: int) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(perm)
+        ctx.top_k = top_k
+        # reshape+sum like the stock paths: deterministic, and accumulates in fp32
+        return pairs[inverse].view(-1, top_k, pairs.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (perm,) = ctx.saved_tensors
+        return grad[perm // ctx.top_k], None, None, None
+
+
+def _project(experts: Any, name: str, x: torch.Tensor, route: _Routing) -> torch.Tensor:
+    """Base projection of each row by its own expert, plus each active adapter's update."""
+    weight = getattr(experts, name)
+    x = x.to(weight.dtype)
+    stack = weight if experts.is_transposed else weight.transpose(-2, -1)
+    out = _grouped_mm(x, stack, route.offsets)
+    # in place: grouped_mm's backward does not need its output, so this saves a copy
+    if experts.has_bias:
+        out.add_(getattr(experts, f"{name}_bias")[route.ids])
+    for factors in _active_factors(experts, name, x.dtype):
+        low = _grouped_mm(factors.dropout(x), factors.a, route.offsets)
+        out.add_(_grouped_mm(low, factors.b, route.offsets))
+    return out
+
+
+def _active_factors(experts: nn.Module, name: str, dtype: torch.dtype) -> list[_Factors]:
+    wrapper = getattr(experts, _STATE, {}).get(name)
+    if wrapper is None or wrapper.disable_adapters or wrapper.merged:
+        return []  # no LoRA here, adapters off, or already folded into the weight
+    adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    return [_factors(wrapper, adapter, dtype) for adapter in adapters]
+
+
+def _factors(wrapper: Any, adapter: str, dtype: torch.dtype) -> _Factors:
+    """Read peft's factors as grouped-matmul operands (layout in the module docstring)."""
+    experts = wrapper.num_experts
+    a = wrapper.lora_A[adapter].weight  # [r·E, in]
+    b = wrapper.lora_B[adapter].weight  # [out, r·E]
+    a = a.view(experts, -1, a.shape[-1]).transpose(1, 2).to(dtype)
+    b = b.view(b.shape[0], -1, experts).permute(2, 1, 0).to(dtype)
+    # B is small ([out, r·E]); grouped kernels need it row-major, hence the copy
+    b = (b * wrapper.scaling[adapter]).contiguous()
+    return _Factors(a, b, wrapper.lora_dropout[adapter])
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x (S, in) sorted by expert, w (E, in, out) -> (S, out): row i meets only its expert."""
+    if _grouped_kernel_ok(x, w):
+        return F.grouped_mm(x, w, offs=offsets)
+    return _looped_mm(x, w, offsets)
+
+
+def _grouped_kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cpu":
+        return True
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        return False
+    # CUDA grouped GEMM: bf16, sm80+, 16-byte aligned row strides
+    aligned = x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
+    return aligned and torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
+def _looped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One matmul per expert with tokens; split/unbind keep the backward free of full zeros."""
+    ends = offsets.tolist()
+    counts = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    chunks = x[: ends[-1]].split(counts)
+    parts = [chunk @ we for chunk, we in zip(chunks, w.unbind(0), strict=True) if len(chunk)]
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
+
+
+class SplitParamWrapper(ParamWrapper):
+    """A `ParamWrapper` whose factors the experts forward applies (no weight parametrization).
+
+    Parameters, names and state dict are the wrapper's own, so saving, loading, adapter
+    switching and merging stay peft's; only `forward` differs.
+    """
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        kwargs.pop("adapter_names", None)
+        if self.disable_adapters and self.merged:
+            self.unmerge()
+        return self.base_layer(x, *args, **kwargs)
+
+
+def register() -> None:
+    """Register "moetune_lora" in transformers' experts interface (idempotent)."""
+    ExpertsInterface.register(IMPLEMENTATION, split_lora_experts_forward)
+
+
+def apply_split_lora(model: nn.Module, *, dropout: float = 0.0) -> list[str]:
+    """Switch a peft model's LoRA on fused experts to the split path; returns the wrappers switched.
+
+    `model` was wrapped by peft with `target_parameters` on experts projections
+    (gate_up_proj / up_proj / down_proj). `dropout` applies to the experts' LoRA input
+    only, as peft does for `nn.Linear` (peft itself forbids it on ParamWrapper). Other
+    parameter targets stay on peft's path. Calling it again only changes the dropout.
+    Undo with `restore_peft_lora`. On an error the model is left as it was.
+    """
+    if not 0.0 <= dropout < 1.0:
+        raise EngineError(f"expert LoRA dropout {dropout} is outside [0, 1).", "use e.g. 0.05.")
+    base = _transformers_model(model)
+    register()
+    switched = [name for name, wrapper in _param_wrappers(model) if _switch(wrapper, dropout)]
+    if not switched:
+        raise EngineError(
+            "no fused experts carry LoRA from peft's target_parameters.",
+            'build the peft model with target_parameters=["mlp.experts.gate_up_proj", '
+            '"mlp.experts.down_proj"] on a family decorated with @use_experts_implementation.',
+        )
+    base.__dict__.setdefault(_PREVIOUS, base.get_experts_implementation())
+    base.set_experts_implementation(IMPLEMENTATION)
+    if not all(_dispatches_here(w) for _, w in _param_wrappers(model) if _is_switched(w)):
+        restore_peft_lora(model)
+        raise EngineError(
+            f"{type(base).__name__} did not route its experts to {IMPLEMENTATION}.",
+            "load the model with experts_implementation='moetune_lora'.",
+        )
+    return switched
+
+
+def _switch(wrapper: ParamWrapper, dropout: float) -> bool:
+    """Put one wrapper on the split path if it adapts a fused experts projection."""
+    experts = wrapper.get_base_layer()
+    if not _is_fused_experts(experts) or wrapper.parameter_name not in PROJECTIONS:
+        return False
+    experts.__dict__.setdefault(_STATE, {})[wrapper.parameter_name] = wrapper
+    _retype(wrapper, SplitParamWrapper)
+    _set_dropout(wrapper, dropout)
+    return True
+
+
+def restore_peft_lora(model: nn.Module) -> None:
+    """Undo `apply_split_lora`: peft's stock ParamWrapper path and the previous experts forward."""
+    for _, wrapper in _param_wrappers(model):
+        if _is_switched(wrapper):
+            _retype(wrapper, ParamWrapper)
+            _set_dropout(wrapper, 0.0)  # peft's path cannot apply it
+            wrapper.get_base_layer().__dict__.pop(_STATE, None)
+    base = _transformers_model(model)
+    previous = base.__dict__.pop(_PREVIOUS, None)
+    if previous is not None:
+        base.set_experts_implementation(previous)
+
+
+def is_split(model: nn.Module) -> bool:
+    """Whether any of the model's experts LoRA runs on the split path."""
+    return any(_is_switched(w) for _, w in _param_wrappers(model))
+
+
+def _param_wrappers(model: nn.Module) -> Iterator[tuple[str, ParamWrapper]]:
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            yield name, module
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    """Set by `@use_experts_implementation` on the experts classes it decorates."""
+    return all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed"))
+
+
+def _retype(wrapper: nn.Module, cls: type[nn.Module]) -> None:
+    """Swap a wrapper between peft's class and ours; its state stays as it is."""
+    wrapper.__class__ = cls
+
+
+def _set_dropout(wrapper: ParamWrapper, p: float) -> None:
+    for adapter in wrapper.lora_A:
+        wrapper.lora_dropout[adapter] = nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+def _transformers_model(model: nn.Module) -> Any:
+    """The transformers model under peft, whose config selects the experts forward."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    if not hasattr(base, "set_experts_implementation"):
+        raise EngineError(
+            f"{type(base).__name__} is not a transformers model; cannot select an experts forward.",
+            "apply peft to a transformers PreTrainedModel (AutoModelForCausalLM).",
+        )
+    return base
+
+
+def _is_switched(wrapper: ParamWrapper) -> bool:
+    return isinstance(wrapper, SplitParamWrapper)
+
+
+def _dispatches_here(wrapper: ParamWrapper) -> bool:
+    config = getattr(wrapper.get_base_layer(), "config", None)
+    return getattr(config, "_experts_implementation", None) == IMPLEMENTATION
+
+
+register()
