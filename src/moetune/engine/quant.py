@@ -1,0 +1,476 @@
+"""Frozen expert stacks stored int8 or NF4, dequantised one expert at a time.
+
+bitsandbytes 4-bit replaces only `nn.Linear`, so the fused 3-D expert stacks of a
+transformers 5.x MoE (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]; gpt_oss and llama4
+store [E, in, out]) stay bf16 – the bulk of the model. Here each stack becomes a
+`QuantizedStack` (buffers, no gradients) in `experts.quantized[name]` and the float
+Parameter is deleted. `expert_weight` / `expert_linear` give one expert's matrix (the
+split-LoRA forward); any other experts forward still runs, because reading
+`experts.gate_up_proj` on a quantised module dequantises that stack for the call.
+`quant_load.load_quantized` quantises while streaming a checkpoint, on the CPU.
+
+Storage is kept in a canonical [E, out, in] layout whatever the family's order, so int8
+scales are per output row and NF4 blocks follow the input dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from functools import cache
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetune.errors import MoetuneError
+
+if TYPE_CHECKING:
+    pass
+
+QUANTIZED = "quantized"  # experts module attribute: ModuleDict {parameter name: QuantizedStack}
+_PENDING = "_moetune_pending"  # loader: {parameter name: plan} for stacks still to arrive
+# Unflagged experts classes (no @use_experts_implementation) that store [E, in, out].
+TRANSPOSED_EXPERTS: set[str] = {"Llama4TextExperts"}
+
+# QLoRA's NormalFloat-4 (Dettmers et al. 2023; bitsandbytes `create_normal_map`): normal
+# quantiles at 8 points in [0.5, 0.9677] above zero and 7 below, plus an exact 0,
+# scaled to [-1, 1]. The test rebuilds them from `torch.special.ndtri`.
+NF4_LEVELS = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+])  # fmt: skip
+NF4_BLOCK = 64  # absmax block, elements
+DQ_BLOCK = 256  # double quantisation: absmax values per 8-bit block
+_SYNC_LOAD = {"HF_DEACTIVATE_ASYNC_LOAD": "1"}  # see _stream
+_TINY = torch.finfo(torch.float32).tiny  # divisor floor: an all-zero row/block stays zero
+
+
+class QuantError(MoetuneError):
+    """Expert stacks cannot be quantised or loaded as asked."""
+
+
+class Quantizer:
+    """A storage format for a float stack [E, out, in] as buffers with a leading E dim.
+
+    Of the registered backends serving a `method`, the available one with the highest
+    `priority` is used: a library backend (torchao, bitsandbytes) can take over when installed.
+    """
+
+    name: ClassVar[str]
+    method: ClassVar[str]  # the experts_dtype it serves: "int8" | "nf4"
+    priority: ClassVar[int] = 0
+    double_quant: ClassVar[bool] = False  # whether it can double-quantise its scales
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, *, double_quant: bool) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
+                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        """Buffers sliced to some experts -> their float matrices [e, out, in]."""
+        raise NotImplementedError
+
+
+QUANTIZERS: dict[str, type[Quantizer]] = {}
+
+
+def register(cls: type[Quantizer]) -> type[Quantizer]:
+    QUANTIZERS[cls.name] = cls
+    return cls
+
+
+def quantizer_for(method: str, *, double_quant: bool = False) -> type[Quantizer]:
+    """The backend used for `method` here: the highest-priority available one."""
+    found = [q for q in QUANTIZERS.values() if q.method == method and q.available()]
+    if not found:
+        methods = sorted({q.method for q in QUANTIZERS.values()})
+        raise QuantError(f"no quantizer for experts dtype {method!r}.", f"use one of {methods}.")
+    best = max(found, key=lambda q: q.priority)
+    if double_quant and not best.double_quant:
+        raise QuantError(f"{method} has no scales to double-quantise.",
+                         "set double_quant only with nf4.")  # fmt: skip
+    return best
+
+
+@register
+class Int8(Quantizer):
+    """Symmetric int8 with one fp32 scale per output row of each expert."""
+
+    name = method = "int8"
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, *, double_quant: bool) -> dict[str, torch.Tensor]:
+        scales = w.abs().amax(dim=-1) / 127
+        codes = torch.round(w / scales.clamp_min(_TINY).unsqueeze(-1)).clamp_(-127, 127)
+        return {"codes": codes.to(torch.int8), "scales": scales}
+
+    @classmethod
+    def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
+                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        return (buffers["codes"].float() * buffers["scales"].unsqueeze(-1)).to(dtype)
+
+
+@register
+class NF4(Quantizer):
+    """NormalFloat-4, absmax per block of 64 along each expert's row-major [out, in].
+
+    Blocks follow the input dim (they wrap rows only when `in` is not a multiple of 64,
+    as in tiny test models); an expert's last block is zero-padded. Two codes per byte,
+    first in the high nibble. Double quantisation stores the absmax values as int8
+    around their per-expert mean, one fp32 scale per 256 (QLoRA uses an 8-bit float).
+    """
+
+    name = method = "nf4"
+    double_quant = True
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, *, double_quant: bool) -> dict[str, torch.Tensor]:
+        blocks = _blocks(w.reshape(w.shape[0], -1), NF4_BLOCK)
+        absmax = blocks.abs().amax(dim=-1)
+        unit = blocks / absmax.clamp_min(_TINY).unsqueeze(-1)
+        codes = torch.bucketize(unit, _midpoints(unit.device), out_int32=True)
+        packed = pack_nibbles(codes.view(w.shape[0], -1).to(torch.uint8))
+        return {"codes": packed, **(_dq_absmax(absmax) if double_quant else {"absmax": absmax})}
+
+    @classmethod
+    def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
+                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        codes = unpack_nibbles(buffers["codes"])
+        levels = _levels(codes.device).index_select(0, codes.flatten().int())
+        absmax = buffers["absmax"] if "absmax" in buffers else _dq_restore(buffers)
+        values = levels.view(*absmax.shape, NF4_BLOCK) * absmax.unsqueeze(-1)
+        out, inp = out_in
+        return values.view(codes.shape[0], -1)[:, : out * inp].reshape(-1, out, inp).to(dtype)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 [..., 2n] -> bytes [..., n], the first code in the high nibble."""
+    return (codes[..., 0::2] << 4) | codes[..., 1::2]
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed >> 4, packed & 0xF), dim=-1).flatten(-2)
+
+
+def _blocks(flat: torch.Tensor, size: int) -> torch.Tensor:
+    """[E, n] -> [E, ceil(n/size), size], zero-padded at each row's end."""
+    return F.pad(flat, (0, -flat.shape[1] % size)).view(flat.shape[0], -1, size)
+
+
+@cache
+def _levels(device: torch.device) -> torch.Tensor:
+    return NF4_LEVELS.to(device)
+
+
+@cache
+def _midpoints(device: torch.device) -> torch.Tensor:
+    return (_levels(device)[1:] + _levels(device)[:-1]) / 2  # bucketize -> nearest level
+
+
+def _dq_absmax(absmax: torch.Tensor) -> dict[str, torch.Tensor]:
+    """absmax [E, n] -> int8 around the per-expert mean, one scale per 256 (Int8's rows)."""
+    offset = absmax.mean(dim=-1)
+    q = Int8.quantize(_blocks(absmax - offset.unsqueeze(-1), DQ_BLOCK), double_quant=False)
+    codes = q["codes"].flatten(1)[:, : absmax.shape[1]]
+    return {"absmax_codes": codes, "absmax_scales": q["scales"], "absmax_offset": offset}
+
+
+def _dq_restore(buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+    codes, scales = buffers["absmax_codes"], buffers["absmax_scales"]
+    values = Int8.dequantize(
+        {"codes": _blocks(codes, DQ_BLOCK), "scales": scales}, (0, 0), torch.float32
+    )
+    return values.flatten(1)[:, : codes.shape[1]] + buffers["absmax_offset"].unsqueeze(-1)
+
+
+class QuantizedStack(nn.Module):
+    """A frozen expert stack as a backend's buffers: no Parameters, no gradients.
+
+    `shape` is the original stack's ([E, in, out] if `transposed`); `dtype` is the compute
+    dtype dequantisation returns by default (the float stack's).
+    """
+
+    def __init__(self, shape: tuple[int, int, int], transposed: bool, dtype: torch.dtype,
+                 backend: str, buffers: dict[str, torch.Tensor]) -> None:  # fmt: skip
+        super().__init__()
+        self.shape, self.transposed, self.dtype = shape, transposed, dtype
+        self.backend = QUANTIZERS[backend]
+        for name, tensor in buffers.items():
+            self.register_buffer(name, tensor)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, method: str = "int8", *, transposed: bool = False,
+                   double_quant: bool = False, chunk: int = 8) -> QuantizedStack:  # fmt: skip
+        """Quantise [E, out, in] (or [E, in, out] if transposed), `chunk` experts at a time."""
+        backend = quantizer_for(method, double_quant=double_quant)
+        canonical = weight.detach().transpose(1, 2) if transposed else weight.detach()
+        parts = [backend.quantize(c.float(), double_quant=double_quant)
+                 for c in canonical.split(chunk)]  # fmt: skip
+        buffers = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        shape = (weight.shape[0], weight.shape[1], weight.shape[2])
+        return cls(shape, transposed, weight.dtype, backend.name, buffers)
+
+    @property
+    def out_in(self) -> tuple[int, int]:
+        _, a, b = self.shape
+        return (b, a) if self.transposed else (a, b)
+
+    def canonical_expert(self, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Expert e as [out, in], read from its own slice of each buffer only."""
+        parts = {name: buf[e : e + 1] for name, buf in self.named_buffers()}
+        return self.backend.dequantize(parts, self.out_in, dtype or self.dtype)[0]
+
+    def expert(self, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Expert e shaped as the original stack's slice."""
+        w = self.canonical_expert(e, dtype)
+        return w.t() if self.transposed else w
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole stack in float, original layout (tests, stock forwards)."""
+        w = self.backend.dequantize(dict(self.named_buffers()), self.out_in, dtype or self.dtype)
+        return w.transpose(1, 2) if self.transposed else w
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantizedStack:
+        # Module.to(dtype) would cast the fp32 scales; keep the storage exact, move it
+        # only, and let the dtype change the compute dtype as it would a float weight.
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        for name, buf in self.named_buffers():
+            self._buffers[name] = buf.to(probe.device)
+        self.dtype = probe.dtype
+        return self
+
+
+def stack_nbytes(shape: tuple[int, int, int], method: str, *, double_quant: bool = False) -> int:
+    """Storage bytes of a quantised [E, out, in] stack, from a meta build (the planner's)."""
+    meta = torch.empty(shape, device="meta")
+    return QuantizedStack.from_float(meta, method, double_quant=double_quant).nbytes
+
+
+class _QuantizedExperts(nn.Module):
+    """Mixed into an experts module's class once its stacks are quantised (or pending)."""
+
+    def __getattr__(self, name: str) -> Any:
+        stacks = self.__dict__["_modules"].get(QUANTIZED)
+        if stacks is not None and name in stacks._modules:
+            return stacks._modules[name].dequantize()  # stock forwards: whole stack, transient
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        pending = self.__dict__.get(_PENDING)
+        if pending and name in pending and isinstance(value, torch.Tensor):
+            _install(self, name, value, pending.pop(name))  # loader: a stack arrives
+            return
+        super().__setattr__(name, value)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _mark_quantized(module: nn.Module) -> None:
+    cls = type(module)
+    if not issubclass(cls, _QuantizedExperts):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"Quantized{cls.__name__}", (_QuantizedExperts, cls), {})
+        module.__class__ = _CLASSES[cls]
+    if QUANTIZED not in module._modules:
+        module.add_module(QUANTIZED, nn.ModuleDict())
+
+
+def stacks_of(module: nn.Module) -> dict[str, QuantizedStack]:
+    """The module's quantised stacks by parameter name (empty if none)."""
+    stacks = module._modules.get(QUANTIZED) if isinstance(module, _QuantizedExperts) else None
+    return dict(stacks.items()) if isinstance(stacks, nn.ModuleDict) else {}  # type: ignore[arg-type]
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Whether the module's stacks are [E, in, out] (flag set by @use_experts_implementation)."""
+    flag = getattr(module, "is_transposed", None)
+    if isinstance(flag, bool):
+        return flag
+    return any(c.__name__ in TRANSPOSED_EXPERTS for c in type(module).__mro__)
+
+
+def expert_weight(module: nn.Module, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's float matrix (original slice layout), quantised stack or not."""
+    stack = stacks_of(module).get(name)
+    return stack.expert(e, dtype) if stack is not None else getattr(module, name)[e].to(dtype)
+
+
+def expert_linear(module: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    """x [n, in] through expert e's projection; a quantised weight is not saved for backward."""
+    stack = stacks_of(module).get(name)
+    if stack is not None:
+        out: torch.Tensor = _DequantLinear.apply(x, stack, e)
+        return out
+    w = getattr(module, name)[e].to(x.dtype)
+    return x @ w if is_transposed(module) else F.linear(x, w)
+
+
+class _DequantLinear(torch.autograd.Function):
+    """y = x·Wᵀ with W dequantised in forward and again in backward (frozen: no dW)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, stack: QuantizedStack, e: int) -> torch.Tensor:
+        ctx.stack, ctx.e = stack, e
+        return F.linear(x, stack.canonical_expert(e, x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad @ ctx.stack.canonical_expert(ctx.e, grad.dtype), None, None
+
+
+def experts_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]]]:
+    """(path, module, names of its 3-D float stacks) for every fused experts module."""
+    for path, module in model.named_modules():
+        names = [n for n, p in module.named_parameters(recurse=False)
+                 if p.ndim == 3 and p.is_floating_point()]  # fmt: skip
+        flagged = hasattr(module, "has_gate") and hasattr(module, "is_transposed")
+        named = type(module).__name__.endswith("Experts") or path.rsplit(".", 1)[-1] == "experts"
+        if names and (flagged or named):
+            yield path.replace(".base_layer", ""), module, names  # peft nests wrappers
+
+
+@dataclass(frozen=True)
+class StackQuant:
+    """One stack: bytes and the relative output error ‖x·Wqᵀ − x·Wᵀ‖/‖x·Wᵀ‖ over experts."""
+
+    layer: str
+    projection: str
+    shape: tuple[int, int, int]
+    bytes_before: int
+    bytes_after: int
+    error_mean: float
+    error_max: float
+
+
+@dataclass
+class QuantReport:
+    method: str
+    double_quant: bool
+    backend: str
+    stacks: list[StackQuant] = field(default_factory=list)
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(s.bytes_before for s in self.stacks)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(s.bytes_after for s in self.stacks)
+
+    @property
+    def max_error(self) -> float:
+        return max((s.error_max for s in self.stacks), default=0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        layers: dict[str, dict[str, Any]] = {}
+        for s in self.stacks:
+            row = {k: v for k, v in asdict(s).items() if k not in ("layer", "projection")}
+            layers.setdefault(s.layer, {})[s.projection] = row
+        return {"method": self.method, "double_quant": self.double_quant,
+                "backend": self.backend, "bytes_before": self.bytes_before,
+                "bytes_after": self.bytes_after, "max_error": self.max_error,
+                "layers": layers}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a module's stacks are quantised and where their storage goes."""
+
+    method: str
+    double_quant: bool
+    report: QuantReport
+    layer: str = ""
+    device: torch.device | None = None  # None: stay where the float weight is
+    error_experts: int | None = None  # experts measured per stack, evenly spread; None: all
+
+
+def _install(module: nn.Module, name: str, weight: torch.Tensor, plan: _Plan) -> None:
+    """Quantise `weight` into module.quantized[name], record its error, drop the float."""
+    stack = QuantizedStack.from_float(weight, plan.method, transposed=is_transposed(module),
+                                      double_quant=plan.double_quant)  # fmt: skip
+    errors = _output_errors(weight, stack, plan.error_experts)
+    mean = sum(errors) / len(errors)
+    row = StackQuant(plan.layer, name, stack.shape, weight.nbytes, stack.nbytes, mean, max(errors))
+    plan.report.stacks.append(row)
+    module.get_submodule(QUANTIZED).add_module(name, stack.to(plan.device or weight.device))
+    module._parameters.pop(name, None)
+
+
+def _output_errors(weight: torch.Tensor, stack: QuantizedStack, count: int | None) -> list[float]:
+    """Per-expert relative output error on a fixed random batch (64 Gaussian rows)."""
+    if count == 0 or weight.is_meta:
+        return [math.nan]  # not asked for, or nothing to measure (planner traces)
+    experts = stack.shape[0]
+    picks = range(experts) if not count or count >= experts else (
+        torch.linspace(0, experts - 1, count).round().long().tolist())  # fmt: skip
+    x = torch.randn(64, stack.out_in[1], generator=torch.Generator().manual_seed(0))
+    x = x.to(weight.device)
+    errors = []
+    for e in picks:
+        w = weight[e].detach().float()
+        y = F.linear(x, w.t() if stack.transposed else w)
+        y_q = F.linear(x, stack.canonical_expert(e, torch.float32))
+        errors.append(float((y_q - y).norm() / y.norm().clamp_min(_TINY)))
+    return errors
+
+
+def quantize_experts_(model: nn.Module, dtype: str = "int8", double_quant: bool = False, *,
+                      error_experts: int | None = None) -> QuantReport:  # fmt: skip
+    """Replace every fused expert stack by a QuantizedStack in place; the floats are freed.
+
+    Plain or peft-wrapped models; to put LoRA on quantised experts, wrap inside
+    `peft_targets`. The experts become frozen storage.
+    """
+    backend = quantizer_for(dtype, double_quant=double_quant)
+    report = QuantReport(dtype, double_quant, backend.name)
+    plan = _Plan(dtype, double_quant, report, error_experts=error_experts)
+    for path, module, names in list(experts_modules(model)):
+        _mark_quantized(module)
+        for name in names:
+            weight = module._parameters[name]
+            assert weight is not None
+            _install(module, name, weight, replace(plan, layer=path))
+    if not report.stacks:
+        raise QuantError("the model has no fused 3-D expert stacks to quantise.",
+                         "use an MoE family with fused experts (transformers 5.x).")  # fmt: skip
+    return report
+
+
+@contextlib.contextmanager
+def peft_targets(model: nn.Module) -> Iterator[None]:
+    """Let peft see quantised stacks as `target_parameters`: call get_peft_model inside.
+
+    peft matches `target_parameters` among Parameters only, so on a quantised model it
+    silently adds no expert LoRA (peft 0.21.2). Inside, each stack shows a zero-storage
+    stand-in Parameter of its shape, dtype and device; reads still dequantise.
+    """
+    added = [(m, n, s) for m in model.modules() for n, s in stacks_of(m).items()
+             if n not in m._parameters]  # fmt: skip
+    for module, name, stack in added:
+        empty = torch.zeros((), dtype=stack.dtype, device=stack.device).expand(stack.shape)
+        module._parameters[name] = nn.Parameter(empty, requires_grad=False)
+    try:
+        yield
+    finally:
+        for module, name, _ in added:
+            module._parameters.pop(name, None)
