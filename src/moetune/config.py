@@ -34,6 +34,14 @@ class ModelArgs(_Section):
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Dtype the frozen base weights are held in."
     )
+    experts_dtype: Literal["bf16", "int8", "nf4"] = Field(
+        "bf16",
+        description="Storage of the frozen expert stacks: bf16 (as model.dtype), int8 "
+        "(per-channel) or nf4 (blockwise); quantised ones need lora.engine: moetune.",
+    )
+    experts_double_quant: bool = Field(
+        False, description="nf4: quantise the absmax scales too (about 0.4 bits/param less)."
+    )
 
     @property
     def is_gguf(self) -> bool:
