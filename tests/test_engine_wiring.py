@@ -64,12 +64,16 @@ def test_plan_traces_the_engine_and_it_holds_less(tmp_path: Path) -> None:
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     peaks = {}
     for engine in ("peft", "moetune"):
-        out = CliRunner().invoke(app, [
-            "plan", str(tmp_path / "m"), "--engine", engine, "--estimator", "trace", "--no-gc",
-            "--seq", "64", "--targets", "attention,experts", "--card", "H100-80GB", "--json",
-        ])  # fmt: skip
-        assert out.exit_code == 0, out.output
-        doc = json.loads(out.stdout)
-        assert doc["estimator"] == "trace"
-        peaks[engine] = doc["peak_bytes"]
-    assert peaks["moetune"] < peaks["peft"]
+        for estimator in ("trace", "analytic"):
+            out = CliRunner().invoke(app, [
+                "plan", str(tmp_path / "m"), "--engine", engine, "--estimator", estimator,
+                "--no-gc", "--seq", "64", "--targets", "attention,experts", "--card",
+                "H100-80GB", "--json",
+            ])  # fmt: skip
+            assert out.exit_code == 0, out.output
+            doc = json.loads(out.stdout)
+            assert doc["estimator"] == estimator
+            peaks[engine, estimator] = doc["peak_bytes"]
+    assert peaks["moetune", "trace"] < peaks["peft", "trace"]
+    assert peaks["moetune", "analytic"] < peaks["peft", "analytic"]  # the analytic knows the engine
+    assert abs(peaks["moetune", "analytic"] / peaks["moetune", "trace"] - 1) < 0.1

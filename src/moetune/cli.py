@@ -141,7 +141,6 @@ def plan(
     )
     cfg = resolve_run(target, [*(overrides or []), *opts])
     spec = load_spec(cfg.model.id)
-    estimator = estimator or ("trace" if cfg.lora.engine == "moetune" else "analytic")
     result = make_plan(spec, cfg, cards=card, estimator=estimator)  # type: ignore[arg-type]
     findings = lint(lint_context(cfg, spec, result))
     if as_json:

@@ -63,6 +63,7 @@ class Step:
     optimizer: Optimizer = "fused"
     quantization: str = "none"
     weight_bytes: int = 2
+    split_lora: bool = False  # lora.engine moetune: expert LoRA on routed tokens, no W+ΔW
 
     @property
     def tokens(self) -> int:
@@ -91,6 +92,7 @@ class Step:
             optimizer=optimizer,
             quantization=quant,
             weight_bytes=DTYPE_BYTES[cfg.model.dtype],
+            split_lora=cfg.lora.engine == "moetune",
         )
 
 
@@ -217,6 +219,8 @@ def _layer_cost(
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
     act_grad, copy_grad = _backward_extra(spec, step, wrapped, i, experts_trained)
+    if step.split_lora:  # split LoRA never forms W+ΔW nor a full-size weight gradient
+        copies, copy_grad = 0, 0
     return LayerCost(
         saved=saved,
         copies=copies,

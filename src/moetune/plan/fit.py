@@ -250,10 +250,7 @@ def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
 def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     notes = []
     if split_lora(spec, cfg):
-        notes.append(
-            "engine moetune: the analytic model sizes peft's path, an upper bound for split "
-            "LoRA (no full-size expert ΔW); the trace estimator runs the engine itself"
-        )
+        notes.append("engine moetune: split LoRA – no full-size expert W+ΔW or its gradient")
     if cfg.train.method == "qlora" or cfg.train.quantization != "none":
         notes.append(
             "bitsandbytes quantizes nn.Linear only: the fused experts stay bf16 and "
