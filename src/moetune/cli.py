@@ -109,13 +109,9 @@ def plan(
     mapping: Annotated[
         str | None, typer.Option(help="explicit (moetune) | automap (vanilla peft names).")
     ] = None,
-    estimator: Annotated[
-        str | None,
-        typer.Option(
-            help="trace (reference) | analytic (instant); default: trace for engine "
-            "moetune (the analytic models peft's path), else analytic."
-        ),
-    ] = None,
+    estimator: Annotated[str, typer.Option(help="trace (reference) | analytic (instant).")] = (
+        "analytic"
+    ),
     engine: Annotated[
         str | None, typer.Option(help="Expert LoRA engine: peft | moetune (split LoRA).")
     ] = None,
