@@ -77,3 +77,25 @@ def test_plan_traces_the_engine_and_it_holds_less(tmp_path: Path) -> None:
     assert peaks["moetune", "trace"] < peaks["peft", "trace"]
     assert peaks["moetune", "analytic"] < peaks["peft", "analytic"]  # the analytic knows the engine
     assert abs(peaks["moetune", "analytic"] / peaks["moetune", "trace"] - 1) < 0.1
+
+
+@pytest.mark.parametrize(("dtype", "ratio"), [("int8", (0.45, 0.6)), ("nf4", (0.25, 0.32))])
+def test_analytic_frozen_bytes_of_quantised_experts_match_the_trace(
+    dtype: str, ratio: tuple[float, float]
+) -> None:
+    from moetune.model import load_spec
+    from moetune.plan.analytic import estimate
+    from moetune.plan.tracecache import run_trace
+
+    spec = load_spec("allenai/OLMoE-1B-7B-0924")
+    cfg = parse_config({
+        "model": {"experts_dtype": dtype}, "lora": {"engine": "moetune", "rank": 8},
+        "train": {"seq_len": 64},
+    })  # fmt: skip
+    bf16 = estimate(spec, parse_config({"lora": {"engine": "moetune", "rank": 8}}))
+    analytic = estimate(spec, cfg).components["frozen_weights"]
+    traced = run_trace(spec, cfg).at_peak["frozen_weights"]
+    assert abs(analytic / traced - 1) < 0.02
+    routed = spec.components.routed_experts * 2
+    shrink = (bf16.components["frozen_weights"] - analytic) / routed
+    assert ratio[0] < 1 - shrink < ratio[1]  # expert bytes vs bf16

@@ -115,6 +115,9 @@ def plan(
     engine: Annotated[
         str | None, typer.Option(help="Expert LoRA engine: peft | moetune (split LoRA).")
     ] = None,
+    experts_dtype: Annotated[
+        str | None, typer.Option(help="Frozen experts: bf16 | int8 | nf4 (engine moetune).")
+    ] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -134,6 +137,7 @@ def plan(
         mapping=mapping,
         gc=False if no_gc else None,
         engine=engine,
+        experts_dtype=experts_dtype,
     )
     cfg = resolve_run(target, [*(overrides or []), *opts])
     spec = load_spec(cfg.model.id)

@@ -34,6 +34,7 @@ def option_overrides(**options: Any) -> list[str]:
         "stack": "lora.stack",
         "card": "hardware.card",
         "engine": "lora.engine",
+        "experts_dtype": "model.experts_dtype",
     }
     out = []
     for name, value in options.items():

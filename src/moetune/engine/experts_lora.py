@@ -8,6 +8,8 @@ base weight and, separately, through that expert's rank-r factors:
     y_e = x_e·W_eᵀ + s·(dropout(x_e)·A_eᵀ)·B_eᵀ
 
 so nothing the size of an expert stack is allocated, and only A and B get gradients.
+On quantised experts (engine/quant.py) W_e is dequantised one expert at a time, in
+forward and again in backward, so no float stack exists at all.
 
 The factors stay where peft keeps them (the wrappers' `lora_A` / `lora_B`), so
 `save_pretrained` writes a standard peft adapter that loads with plain
@@ -39,8 +41,10 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from transformers.integrations.moe import ExpertsInterface
 
+from moetune.engine.quant import QuantizedStack, stacks_of
 from moetune.errors import MoetuneError
 
 IMPLEMENTATION = "moetune_lora"
@@ -151,10 +155,15 @@ class _Combine(torch.autograd.Function):
 
 def _project(experts: Any, name: str, x: torch.Tensor, route: _Routing) -> torch.Tensor:
     """Base projection of each row by its own expert, plus each active adapter's update."""
-    weight = getattr(experts, name)
-    x = x.to(weight.dtype)
-    stack = weight if experts.is_transposed else weight.transpose(-2, -1)
-    out = _grouped_mm(x, stack, route.offsets)
+    quantized = stacks_of(experts).get(name)
+    if quantized is not None:  # never read the attribute: it would dequantise the stack
+        x = x.to(quantized.dtype)
+        out: torch.Tensor = _QuantizedGroupedLinear.apply(x, quantized, route.offsets)
+    else:
+        weight = getattr(experts, name)
+        x = x.to(weight.dtype)
+        stack = weight if experts.is_transposed else weight.transpose(-2, -1)
+        out = _grouped_mm(x, stack, route.offsets)
     # in place: grouped_mm's backward does not need its output, so this saves a copy
     if experts.has_bias:
         out.add_(getattr(experts, f"{name}_bias")[route.ids])
@@ -210,6 +219,41 @@ def _looped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     chunks = x[: ends[-1]].split(counts)
     parts = [chunk @ we for chunk, we in zip(chunks, w.unbind(0), strict=True) if len(chunk)]
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
+
+
+class _QuantizedGroupedLinear(torch.autograd.Function):
+    """`_grouped_mm` on a QuantizedStack: one expert dequantised at a time, in forward and
+    again in backward, so no float stack is ever built or saved (frozen: no weight grad)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, stack: QuantizedStack,
+                offsets: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        ctx.stack = stack
+        ctx.save_for_backward(offsets)
+        return _per_expert(x, stack, offsets, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (offsets,) = ctx.saved_tensors
+        return _per_expert(grad, ctx.stack, offsets, backward=True), None, None
+
+
+def _per_expert(x: torch.Tensor, stack: QuantizedStack, offsets: torch.Tensor,
+                backward: bool) -> torch.Tensor:  # fmt: skip
+    """Rows sorted by expert through W_e (x·W_eᵀ), or back through it (grad·W_e)."""
+    if isinstance(x, FakeTensor) or x.is_meta:
+        # planner traces: no routing values, but the same bytes – one expert's transient
+        w = stack.canonical_expert(0, x.dtype)
+        return x @ w if backward else F.linear(x, w)
+    out = x.new_zeros(x.shape[0], stack.out_in[1 if backward else 0])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            w = stack.canonical_expert(e, x.dtype)
+            rows = x[start:end]
+            out[start:end] = rows @ w if backward else F.linear(rows, w)
+        start = end
+    return out
 
 
 class SplitParamWrapper(ParamWrapper):

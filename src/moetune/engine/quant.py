@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 QUANTIZED = "quantized"  # experts module attribute: ModuleDict {parameter name: QuantizedStack}
 _PENDING = "_moetune_pending"  # loader: {parameter name: plan} for stacks still to arrive
+_ORDER = "_moetune_parameter_order"  # the float module's parameter names, in order
 # Unflagged experts classes (no @use_experts_implementation) that store [E, in, out].
 TRANSPOSED_EXPERTS: set[str] = {"Llama4TextExperts"}
 
@@ -254,7 +255,9 @@ class QuantizedStack(nn.Module):
         # only, and let the dtype change the compute dtype as it would a float weight.
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
         for name, buf in self.named_buffers():
-            self._buffers[name] = buf.to(probe.device)
+            # a meta buffer has nothing to copy: to_empty (planner traces) gives it storage
+            moved = torch.empty_like(buf, device=probe.device) if buf.is_meta else None
+            self._buffers[name] = buf.to(probe.device) if moved is None else moved
         self.dtype = probe.dtype
         return self
 
@@ -291,6 +294,8 @@ def _mark_quantized(module: nn.Module) -> None:
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"Quantized{cls.__name__}", (_QuantizedExperts, cls), {})
         module.__class__ = _CLASSES[cls]
+        # peft nests one wrapper per parameter in this order: stand-ins must keep it
+        module.__dict__[_ORDER] = list(module._parameters)
     if QUANTIZED not in module._modules:
         module.add_module(QUANTIZED, nn.ModuleDict())
 
@@ -456,6 +461,12 @@ def quantize_experts_(model: nn.Module, dtype: str = "int8", double_quant: bool 
     return report
 
 
+def _in_float_order(module: nn.Module) -> list[tuple[str, QuantizedStack]]:
+    """Stacks in the float module's parameter order (the loader installs them as they arrive)."""
+    order = {name: i for i, name in enumerate(module.__dict__.get(_ORDER, []))}
+    return sorted(stacks_of(module).items(), key=lambda item: order.get(item[0], len(order)))
+
+
 @contextlib.contextmanager
 def peft_targets(model: nn.Module) -> Iterator[None]:
     """Let peft see quantised stacks as `target_parameters`: call get_peft_model inside.
@@ -464,7 +475,7 @@ def peft_targets(model: nn.Module) -> Iterator[None]:
     silently adds no expert LoRA (peft 0.21.2). Inside, each stack shows a zero-storage
     stand-in Parameter of its shape, dtype and device; reads still dequantise.
     """
-    added = [(m, n, s) for m in model.modules() for n, s in stacks_of(m).items()
+    added = [(m, n, s) for m in model.modules() for n, s in _in_float_order(m)
              if n not in m._parameters]  # fmt: skip
     for module, name, stack in added:
         empty = torch.zeros((), dtype=stack.dtype, device=stack.device).expand(stack.shape)

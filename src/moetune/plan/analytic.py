@@ -64,6 +64,8 @@ class Step:
     quantization: str = "none"
     weight_bytes: int = 2
     split_lora: bool = False  # lora.engine moetune: expert LoRA on routed tokens, no W+ΔW
+    experts_dtype: str = "bf16"  # moetune's frozen expert storage: bf16 | int8 | nf4
+    experts_double_quant: bool = False
 
     @property
     def tokens(self) -> int:
@@ -93,6 +95,8 @@ class Step:
             quantization=quant,
             weight_bytes=DTYPE_BYTES[cfg.model.dtype],
             split_lora=cfg.lora.engine == "moetune",
+            experts_dtype=cfg.model.experts_dtype,
+            experts_double_quant=cfg.model.experts_double_quant,
         )
 
 
@@ -192,9 +196,22 @@ def _static(spec: ModelSpec, step: Step, trainable: int) -> dict[str, float]:
     }
 
 
+def expert_bytes_per_param(spec: ModelSpec, step: Step) -> float:
+    """Bytes per routed-expert parameter as moetune stores the frozen stacks (engine/quant):
+    int8 + one fp32 scale per output row; NF4 nibbles + an fp32 absmax per 64 (double
+    quant: an int8 absmax per 64 and an fp32 scale per 256 of those)."""
+    if step.experts_dtype == "int8":
+        return 1 + 4 / spec.hidden_size
+    if step.experts_dtype == "nf4":
+        return 0.5 + (1 / 64 + 4 / (64 * 256) if step.experts_double_quant else 4 / 64)
+    return step.weight_bytes
+
+
 def frozen_bytes(spec: ModelSpec, step: Step) -> float:
     if step.quantization not in QUANT_BYTES:
-        return spec.total_params * step.weight_bytes
+        routed = spec.components.routed_experts
+        rest = (spec.total_params - routed) * step.weight_bytes
+        return rest + routed * expert_bytes_per_param(spec, step)
     c = spec.components
     # bitsandbytes replaces nn.Linear only; prepare_model_for_kbit_training upcasts the
     # rest (fused experts, routers, embeddings, lm_head, norms) to fp32.

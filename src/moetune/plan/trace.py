@@ -73,6 +73,8 @@ def trace_step(
     optimizer: str = "fused",
     steps: int = 1,
     engine: str = "peft",
+    experts_dtype: str = "bf16",
+    double_quant: bool = False,
 ) -> TraceResult:
     """Trace one training step and return its peak live tensor bytes.
 
@@ -83,7 +85,8 @@ def trace_step(
     temporary of the trainable weights at its peak) or "for-loop" (one tensor at a time).
     `steps=2` also covers the steady state, where the Adam moments stay live through
     forward and backward. `engine="moetune"` traces moetune's split-LoRA experts instead of
-    peft's ParamWrapper. Neither config is modified.
+    peft's ParamWrapper; `experts_dtype` "int8"/"nf4" stores the frozen expert stacks
+    quantised (engine.quant), which needs that engine. Neither config is modified.
     """
     _check_inputs(seq_len, batch_size, steps, dtype, device, fake, optimizer)
     start = time.perf_counter()
@@ -93,8 +96,9 @@ def trace_step(
             torch.manual_seed(seed)
             warnings.simplefilter("ignore", FutureWarning)  # peft calls renamed transformers APIs
             model = _build(
-                copy.deepcopy(hf_config), copy.deepcopy(peft_config), dtype, device, fake, engine
-            )
+                copy.deepcopy(hf_config), copy.deepcopy(peft_config), dtype, device, fake,
+                engine, (experts_dtype, double_quant),
+            )  # fmt: skip
             _prepare_for_training(model, peft_config is None, gradient_checkpointing)
             with _fake_mode(fake):
                 if fake:
@@ -147,21 +151,43 @@ def _build(
     device: str,
     fake: bool,
     engine: str = "peft",
+    experts: tuple[str, bool] = ("bf16", False),
 ) -> Any:
     """The model (a PeftModel when `peft_config` is given), on `meta` when fake."""
     from transformers import AutoModelForCausalLM
 
+    from moetune.engine.quant import peft_targets
+
     with torch.device("meta" if fake else device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        if experts[0] != "bf16":
+            _quantize(model, engine, *experts)
         if peft_config is not None:
             from peft import get_peft_model
 
-            model = get_peft_model(model, peft_config)
+            with peft_targets(model):  # peft sees quantised stacks only through stand-ins
+                model = get_peft_model(model, peft_config)
             if engine == "moetune" and peft_config.target_parameters:
                 from moetune.engine import apply_split_lora
 
                 apply_split_lora(model)
     return model
+
+
+def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool) -> None:
+    """Expert stacks quantised as the trainer loads them, each on the split forward."""
+    from moetune.engine import IMPLEMENTATION, register
+    from moetune.engine.quant import quantize_experts_
+
+    if engine != "moetune":
+        raise ConfigError(
+            f"experts_dtype={experts_dtype} needs the moetune engine; peft's experts path "
+            "re-materialises every float stack.",
+            "use engine='moetune' (lora.engine: moetune), or experts_dtype='bf16'.",
+        )
+    quantize_experts_(model, experts_dtype, double_quant, error_experts=0)
+    register()
+    model.set_experts_implementation(IMPLEMENTATION)
 
 
 def _prepare_for_training(model: Any, full: bool, gradient_checkpointing: bool) -> None:

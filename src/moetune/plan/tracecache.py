@@ -46,7 +46,13 @@ def _versions() -> dict[str, str]:
 def _tracer_digest() -> str:
     """Changes to the tracer itself invalidate the cache too."""
     here = Path(__file__).parent
-    files = [here / "trace.py", here / "tracker.py", here.parent / "engine" / "experts_lora.py"]
+    engine = here.parent / "engine"
+    files = [
+        here / "trace.py",
+        here / "tracker.py",
+        engine / "experts_lora.py",
+        engine / "quant.py",
+    ]
     text = b"".join(f.read_bytes() for f in files if f.exists())
     return hashlib.sha256(text).hexdigest()[:16]
 
@@ -56,6 +62,7 @@ def trace_key(spec: ModelSpec, cfg: RunConfig, optimizer: str) -> str:
     payload = {
         "model": spec.hf_config,
         "dtype": cfg.model.dtype,
+        "experts": [cfg.model.experts_dtype, cfg.model.experts_double_quant],
         "lora": None if cfg.train.method == "full" else cfg.lora.model_dump(mode="json"),
         "train": cfg.train.model_dump(mode="json"),
         "optimizer": optimizer,
@@ -93,6 +100,8 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
         optimizer=optimizer,
         steps=STEPS,
         engine=cfg.lora.engine,
+        experts_dtype=cfg.model.experts_dtype,
+        double_quant=cfg.model.experts_double_quant,
     )
 
 

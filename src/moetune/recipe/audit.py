@@ -281,10 +281,17 @@ def _resolve(
     module_path, param = split_target(part, path)
     for name in _matches(modules, module_path):
         outer = modules[name]
-        if param not in _unwrap(outer)._parameters:
+        if not _holds(_unwrap(outer), param):
             continue
         target = f"{name}.{param}" if part.via == "param" else name
         yield target, _wrapped_rank(outer, param)
+
+
+def _holds(module: nn.Module, param: str) -> bool:
+    """A Parameter of that name, or a quantised expert stack standing in for it."""
+    from moetune.engine.quant import stacks_of  # torch: imported only when auditing
+
+    return param in module._parameters or param in stacks_of(module)
 
 
 def decoder_layers(model: nn.Module, spec: ModelSpec, family: Family) -> list[nn.Module]:

@@ -159,10 +159,15 @@ def _train(
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+_QUANT_REPORT = "_moetune_quant_report"  # on a model loaded with quantised experts
+
+
 def load_model(cfg: RunConfig, place: Placement) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     dtype = _DTYPES[place.load_dtype(cfg.model.dtype)]
+    if cfg.model.experts_dtype != "bf16":
+        return load_quantized_model(cfg, place, dtype)
     try:
         with quiet():
             model: nn.Module = AutoModelForCausalLM.from_pretrained(cfg.model.id, dtype=dtype)
@@ -174,6 +179,43 @@ def load_model(cfg: RunConfig, place: Placement) -> nn.Module:
     return model
 
 
+def load_quantized_model(cfg: RunConfig, place: Placement, dtype: torch.dtype) -> nn.Module:
+    """The base with its expert stacks quantised while loading; its QuantReport rides along."""
+    from moetune.engine import IMPLEMENTATION, register
+    from moetune.engine.quant_load import load_quantized
+
+    if cfg.lora.engine != "moetune":
+        raise TrainError(
+            f"model.experts_dtype={cfg.model.experts_dtype} needs lora.engine: moetune; "
+            "peft's own experts path re-materialises every float stack",
+            "set lora.engine: moetune, or model.experts_dtype: bf16",
+        )
+    with quiet():
+        model, report = load_quantized(
+            _model_dir(cfg.model.id), cfg.model.experts_dtype, place.device, dtype,
+            double_quant=cfg.model.experts_double_quant,
+        )  # fmt: skip
+    register()  # every quantised stack, LoRA or not, goes one expert at a time
+    model.set_experts_implementation(IMPLEMENTATION)
+    model.__dict__[_QUANT_REPORT] = report
+    return model
+
+
+def _model_dir(model_id: str) -> str:
+    """A local checkpoint dir: the id itself, or its hub snapshot (cached when offline)."""
+    if os.path.isdir(model_id):
+        return model_id
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model_id, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as exc:  # hub errors have no common base beyond OSError/ValueError
+        raise TrainError(
+            f"cannot fetch the weights of {model_id}: {str(exc).splitlines()[0]}",
+            "point model.id at a directory with config.json and *.safetensors",
+        ) from None
+
+
 def wrap_lora(
     model: nn.Module, cfg: RunConfig, run: RunDir, setup: Setup
 ) -> tuple[nn.Module, CoverageReport]:
@@ -181,13 +223,16 @@ def wrap_lora(
     from peft import get_peft_model
     from transformers import set_seed
 
+    from moetune.engine.quant import peft_targets
     from moetune.recipe.audit import audit_coverage
     from moetune.recipe.targets import build_peft_config
 
     set_seed(cfg.train.seed)  # the LoRA A matrices are initialised here
-    with warnings.catch_warnings(record=True) as caught:
+    quant = model.__dict__.get(_QUANT_REPORT)
+    with warnings.catch_warnings(record=True) as caught, peft_targets(model):
         warnings.simplefilter("always")
-        # a fresh config each time: get_peft_model rewrites the one it is given
+        # a fresh config each time: get_peft_model rewrites the one it is given;
+        # peft_targets: peft only sees quantised stacks as stand-in Parameters
         wrapped = get_peft_model(model, build_peft_config(setup.spec, cfg.lora))
     if cfg.lora.engine == "moetune" and "experts" in cfg.lora.targets and setup.spec.is_moe:
         from moetune.engine import apply_split_lora
@@ -197,6 +242,8 @@ def wrap_lora(
     report = audit_coverage(wrapped, setup.spec, cfg.lora)
     if setup.args.should_save:
         atomic_write_json(run.coverage, {**report.to_json(), "peft_warnings": notes})
+        if quant is not None:
+            atomic_write_json(run.root / "quant.json", quant.to_json())
     require_full_coverage(report)
     return wrapped, report
 
@@ -334,5 +381,8 @@ def write_summary(run: RunDir, result: TrainResult, router: dict[str, Any], setu
         "data": setup.data.to_json(),
         "coverage_by_kind": setup.coverage.to_json()["by_kind"] if setup.coverage else {},
     }
+    quant = run.root / "quant.json"  # quantised experts: bytes and output error per layer
+    if quant.is_file():
+        summary["quant"] = json.loads(quant.read_text(encoding="utf-8"))
     atomic_write_json(run.summary, summary)
     shutil.rmtree(run.staging, ignore_errors=True)  # empty once every checkpoint is committed
