@@ -152,8 +152,10 @@ def test_quantised_experts_need_the_engine(tiny: tuple[Path, Path], tmp_path: Pa
     from moetune.train import train
     from moetune.train.errors import TrainError
 
-    with pytest.raises(TrainError, match=r"lora\.engine: moetune"):
+    with pytest.raises(TrainError, match="QUANT-EXPERTS-PEFT") as err:
         train(_quant_run(tiny, tmp_path / "run", "int8", engine="peft"), progress=False)
+    assert "lora.engine: moetune" in str(err.value)
+    assert not (tmp_path / "run" / "config.yaml").exists()  # stopped in preflight: nothing written
 
 
 # ------------------------------------------------------------------------ planner

@@ -123,6 +123,29 @@ def moe_lora_dropout() -> ProbeOutcome:
     return ProbeOutcome(False, "get_peft_model accepted lora_dropout=0.1 on fused experts")
 
 
+def quantized_experts_peft() -> ProbeOutcome:
+    """peft matches target_parameters only among Parameters: on experts stored quantised
+    (buffers) it silently adapts nothing."""
+    import torch
+
+    from moetune.engine.quant import quantize_experts_
+
+    model = tiny_model("qwen3_moe", device="cpu", dtype=torch.float32)
+    quantize_experts_(model, "int8", error_experts=0)
+    try:  # attention too, as in a real recipe: the experts then go missing without a word
+        adapted = adapted_modules(
+            model, target_modules=["q_proj"], target_parameters=list(EXPERT_PARAMS)
+        )
+    except ValueError as err:  # a peft that refuses instead of skipping: the trap is gone
+        return ProbeOutcome(False, f"get_peft_model raised instead: {err}")
+    experts = sorted(n for n in adapted if "experts" in n)
+    attention = sorted(n for n in adapted if "q_proj" in n)
+    return ProbeOutcome(
+        bool(attention) and not experts,
+        f"adapted on quantised stacks: {len(attention)} q_proj, experts {experts or 'none'}",
+    )
+
+
 def _bnb_replaced(model: nn.Module) -> set[str]:
     """Modules transformers' bitsandbytes integration swaps for quantized ones (bnb itself is
     stubbed, so the selection logic runs without the library or a GPU)."""

@@ -259,3 +259,26 @@ def no_experts(ctx: LintContext) -> Hit | None:
         field,
         severity,
     )
+
+
+# -- QUANT-EXPERTS-PEFT ---------------------------------------------------------------------
+
+
+@register_rule(
+    "QUANT-EXPERTS-PEFT",
+    "error",
+    "quantised experts with peft's own experts path",
+    probe=probes.quantized_experts_peft,
+    libraries=PEFT_LIBS,
+)
+def quantized_experts_peft(ctx: LintContext) -> Hit | None:
+    model, lora = ctx.config.model, ctx.config.lora
+    if model.experts_dtype == "bf16" or lora.engine == "moetune":
+        return None
+    return Hit(
+        f"model.experts_dtype={model.experts_dtype} with lora.engine: peft – peft's "
+        "target_parameters match no quantised stack, so the experts would get no LoRA, and "
+        "its forward would rebuild every float stack",
+        "set lora.engine: moetune (split LoRA dequantises one expert at a time)",
+        "lora.engine",
+    )
