@@ -23,7 +23,14 @@ from moetune.engine import apply_split_lora
 from moetune.engine.quant import QUANTIZED, peft_targets, quantize_experts_, stacks_of
 from moetune.model.tiny import tiny_config
 from test_engine_experts_lora import _Largest
-from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
+from test_train_helpers import (
+    one_thread,
+    reverse_rows,
+    run_config,
+    save_tiny_model,
+    write_jsonl,
+    write_small_moe_config,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -166,14 +173,7 @@ def test_trace_counts_quantised_expert_bytes(tmp_path: Path) -> None:
     from moetune.model import load_spec
     from moetune.plan.tracecache import run_trace, trace_key
 
-    config = {
-        "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64,
-        "intermediate_size": 128, "moe_intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "num_experts": 16, "num_experts_per_tok": 2, "max_position_embeddings": 512,
-    }  # fmt: skip
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    write_small_moe_config(tmp_path / "m")
     spec = load_spec(str(tmp_path / "m"))
     expert_bytes = 2 * 16 * 3 * 96 * 64 * 2  # layers × experts × (gate, up, down) × bf16
     frozen, peaks, keys = {}, {}, set()

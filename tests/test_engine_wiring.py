@@ -15,7 +15,14 @@ from moetune.cli import app
 from moetune.config import parse_config
 from moetune.recipe.rules import lint
 from moetune.train import train
-from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
+from test_train_helpers import (
+    one_thread,
+    reverse_rows,
+    run_config,
+    save_tiny_model,
+    write_jsonl,
+    write_small_moe_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +61,7 @@ def test_dropout_rule_and_recipe_know_the_engine() -> None:
 
 
 def test_plan_traces_the_engine_and_it_holds_less(tmp_path: Path) -> None:
-    config = {
-        "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64,
-        "intermediate_size": 128, "moe_intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "num_experts": 16, "num_experts_per_tok": 2, "max_position_embeddings": 512,
-    }  # fmt: skip
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    write_small_moe_config(tmp_path / "m")
     peaks = {}
     for engine in ("peft", "moetune"):
         for estimator in ("trace", "analytic"):

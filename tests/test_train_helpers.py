@@ -97,3 +97,16 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def write_small_moe_config(out: Path) -> Path:
+    """config.json of a small Qwen3-MoE (16 experts, hidden 64) for planner tests."""
+    config = {
+        "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "moe_intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 16, "num_experts_per_tok": 2, "max_position_embeddings": 512,
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
