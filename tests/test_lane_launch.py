@@ -132,6 +132,8 @@ def test_launch_banks_before_eval_gates_promotes_and_tears_down(
     marker = json.loads((adapter / "PROMOTED").read_text())
     verdict = json.loads((tmp_path / "runs" / "lane" / "eval" / "verdict.json").read_text())
     assert marker["verdict_hash"] == verdict["hash"]
+    ladder = json.loads((tmp_path / "runs" / "lane" / "eval" / "ladder.json").read_text())
+    assert ladder["adapter_sha256"] == state["banked"]["sha256"]  # one digest: banked = evaluated
     order = [k for k, _ in kinds(tmp_path)]
     assert order.index("provision") < order.index("bank") < order.index("eval")
     assert order[-1] == "teardown" and {"train", "gate", "promote"} <= set(order)

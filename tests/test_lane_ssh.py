@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from moetune.config import LaneArgs
+from moetune.io import file_digests
 from moetune.lane.providers.base import (
     PROVIDERS,
     LaneError,
@@ -36,7 +37,6 @@ from moetune.lane.providers.ssh import (
     SshTransport,
     staging_path,
 )
-from moetune.lane.transfer import file_digests
 from sshd import SKIP_REASON, Sshd, free_port, have_sshd, keygen, start_sshd
 
 pytestmark = pytest.mark.skipif(not have_sshd(), reason=SKIP_REASON)

@@ -45,3 +45,22 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def file_digests(root: Path, skip: frozenset[str] = frozenset()) -> dict[str, str]:
+    """{relative path: sha256} of every file under `root` (or of `root` itself, as ""),
+    files named in `skip` left out."""
+    if root.is_file():
+        return {"": sha256_file(root)}
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name not in skip)
+    return {str(p.relative_to(root)): sha256_file(p) for p in files}
+
+
+def tree_digest(digests: dict[str, str]) -> str:
+    """One sha256 for a whole tree: over sorted (path, file digest) pairs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, digest in sorted(digests.items()):
+        h.update(f"{name}\0{digest}\n".encode())
+    return h.hexdigest()

@@ -485,3 +485,14 @@ def peft_targets(model: nn.Module) -> Iterator[None]:
     finally:
         for module, name, _ in added:
             module._parameters.pop(name, None)
+
+
+def require_split_engine(engine: str, experts_dtype: str) -> None:
+    """Quantised stacks run only on the split-LoRA engine: peft's own experts path
+    re-materialises every float stack (and its target_parameters match no quantised stack)."""
+    if experts_dtype != "bf16" and engine != "moetune":
+        raise QuantError(
+            f"experts_dtype={experts_dtype} needs lora.engine: moetune; peft's own experts "
+            "path re-materialises every float stack",
+            "set lora.engine: moetune, or model.experts_dtype: bf16",
+        )

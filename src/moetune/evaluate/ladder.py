@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -29,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moetune.config import RunConfig
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.rungs import Item, ItemScore, Rung, make_rung
-from moetune.io import atomic_write_json, atomic_write_text
+from moetune.io import atomic_write_json, atomic_write_text, file_digests, tree_digest
 from moetune.ledger import attempt
 
 PROMOTED = "PROMOTED"  # marker file in a promoted adapter dir
@@ -46,12 +45,9 @@ class Scored:
 
 
 def adapter_digest(adapter: Path) -> str:
-    """sha256 over the adapter's files (names and bytes), the PROMOTED marker excluded."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in adapter.rglob("*") if p.is_file() and p.name != PROMOTED):
-        h.update(str(path.relative_to(adapter)).encode() + b"\0")
-        h.update(path.read_bytes())
-    return h.hexdigest()
+    """One sha256 over the adapter's files (names and bytes), the PROMOTED marker excluded –
+    the same digest the remote lane records when it banks an adapter."""
+    return tree_digest(file_digests(adapter, skip=frozenset({PROMOTED})))
 
 
 def resolve_adapter(cfg: RunConfig, adapter: str | Path | None) -> Path:

@@ -391,7 +391,7 @@ RUN_FILES = ("config.yaml", "versions.json", "preflight.json", "data.json", "cov
 @phase("bank")
 def bank(lane: Lane) -> None:
     """The adapter off the pod, verified, before anything else can go wrong."""
-    from moetune.lane.transfer import file_digests, tree_digest
+    from moetune.io import file_digests, tree_digest
 
     adapter = lane.out / "adapter"
     lane.provider.copy_out(lane.pod, f"{REMOTE_RUN}/adapter", adapter)

@@ -177,14 +177,9 @@ def _build(
 def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool) -> None:
     """Expert stacks quantised as the trainer loads them, each on the split forward."""
     from moetune.engine import IMPLEMENTATION, register
-    from moetune.engine.quant import quantize_experts_
+    from moetune.engine.quant import quantize_experts_, require_split_engine
 
-    if engine != "moetune":
-        raise ConfigError(
-            f"experts_dtype={experts_dtype} needs the moetune engine; peft's experts path "
-            "re-materialises every float stack.",
-            "use engine='moetune' (lora.engine: moetune), or experts_dtype='bf16'.",
-        )
+    require_split_engine(engine, experts_dtype)
     quantize_experts_(model, experts_dtype, double_quant, error_experts=0)
     register()
     model.set_experts_implementation(IMPLEMENTATION)

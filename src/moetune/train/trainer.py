@@ -182,14 +182,10 @@ def load_model(cfg: RunConfig, place: Placement) -> nn.Module:
 def load_quantized_model(cfg: RunConfig, place: Placement, dtype: torch.dtype) -> nn.Module:
     """The base with its expert stacks quantised while loading; its QuantReport rides along."""
     from moetune.engine import IMPLEMENTATION, register
+    from moetune.engine.quant import require_split_engine
     from moetune.engine.quant_load import load_quantized
 
-    if cfg.lora.engine != "moetune":
-        raise TrainError(
-            f"model.experts_dtype={cfg.model.experts_dtype} needs lora.engine: moetune; "
-            "peft's own experts path re-materialises every float stack",
-            "set lora.engine: moetune, or model.experts_dtype: bf16",
-        )
+    require_split_engine(cfg.lora.engine, cfg.model.experts_dtype)  # also under --allow-errors
     with quiet():
         model, report = load_quantized(
             _model_dir(cfg.model.id), cfg.model.experts_dtype, place.device, dtype,

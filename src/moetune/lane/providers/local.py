@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from moetune.io import atomic_write_json
+from moetune.io import atomic_write_json, file_digests
 from moetune.lane.providers.base import (
     ExecResult,
     LaneError,
@@ -26,7 +26,7 @@ from moetune.lane.providers.base import (
     TransientError,
     register_provider,
 )
-from moetune.lane.transfer import file_digests, verify_tree
+from moetune.lane.transfer import verify_tree
 
 TERMINATED = "TERMINATED"
 

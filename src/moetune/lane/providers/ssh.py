@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from moetune.io import file_digests
 from moetune.lane.providers.base import (
     ExecResult,
     LaneError,
@@ -36,7 +37,6 @@ from moetune.lane.providers.base import (
     TransientError,
     register_provider,
 )
-from moetune.lane.transfer import file_digests
 
 if TYPE_CHECKING:
     from moetune.config import LaneArgs
