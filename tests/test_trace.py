@@ -56,7 +56,9 @@ def config() -> Qwen3MoeConfig:
 
 
 def trace(config: Qwen3MoeConfig, peft: LoraConfig | None, **kwargs: Any) -> TraceResult:
-    return trace_step(config, peft, **{"seq_len": 16, **kwargs})
+    """Full-logits loss unless asked: TRL's fused head allocates a fixed 4096×32768 tile
+    that would dominate every tiny step (the fused head has tests of its own below)."""
+    return trace_step(config, peft, **{"seq_len": 16, "loss": "full", **kwargs})
 
 
 def same_step(fake: TraceResult, real: TraceResult) -> None:
@@ -95,6 +97,29 @@ def test_byte_exact_for_other_optimizers_batches_and_steady_state(
         "gradient_checkpointing": False,
     }
     same_step(trace(config, peft, **kwargs), trace(config, peft, fake=False, **kwargs))
+
+
+@pytest.mark.parametrize("gc", [True, False], ids=["gc-on", "gc-off"])
+def test_fused_lm_head_step_is_byte_exact(config: Qwen3MoeConfig, gc: bool):
+    kwargs = {"gradient_checkpointing": gc, "loss": "fused", "seq_len": 64}
+    same_step(trace(config, lora(), **kwargs), trace(config, lora(), fake=False, **kwargs))
+
+
+def test_fused_lm_head_never_holds_the_logits():
+    # What moetune's trainer runs (TRL SFTTrainer's fused LM head): the loss costs one
+    # bf16 tile of 4096 tokens × 32768 vocab entries, not fp32 tokens × vocab logits.
+    config = tiny_config(vocab_size=40_000)
+    seq = 1024
+    full = trace(config, lora(), seq_len=seq)
+    fused = trace(config, lora(), seq_len=seq, loss="fused")
+    assert full.peak_bytes - fused.peak_bytes > 4 * seq * config.vocab_size  # fp32 logits at least
+    tile = seq * 32_768 * 2
+    assert tile <= fused.at_peak["activations"] < tile + 2 * seq * config.vocab_size // 4
+
+
+def test_unknown_loss_is_a_config_error(config: Qwen3MoeConfig):
+    with pytest.raises(ConfigError, match="unknown loss"):
+        trace(config, None, loss="chunked")
 
 
 # --- counting once and categories --------------------------------------------------------
@@ -265,7 +290,9 @@ def qwen3_30b() -> Any:
 )
 def test_qwen3_30b_a3b_figures(seq_len: int, gc: bool, gib: float, phase: str):
     peft = lora(r=16, lora_alpha=32, target_modules=AUTO_MAPPED, target_parameters=None)
-    result = trace_step(qwen3_30b(), peft, seq_len=seq_len, gradient_checkpointing=gc)
+    result = trace_step(
+        qwen3_30b(), peft, seq_len=seq_len, gradient_checkpointing=gc, loss="full"
+    )  # the [1/5] reference figures: full logits
     assert result.trainable_params == 994_836_480
     assert result.total_params == 30_532_122_624 + 994_836_480
     assert result.peak_bytes / 2**30 == pytest.approx(gib, rel=0.03)

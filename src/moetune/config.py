@@ -53,6 +53,12 @@ class LoraArgs(_Section):
     """The LoRA adapter: where it goes and how big it is."""
 
     rank: int = Field(16, description="LoRA rank r (per expert for expert stacks).")
+    expert_rank: int | None = Field(
+        None,
+        description="Rank of the expert-stack LoRA (per expert) when it should differ from "
+        "rank, e.g. 4 to fit a 24 GB card; alpha scales with it (same alpha/r). Needs "
+        "expert_mapping explicit.",
+    )
     alpha: float | None = Field(None, description="LoRA alpha; default 2 × rank.")
     dropout: float = Field(
         0.0,
@@ -77,15 +83,36 @@ class LoraArgs(_Section):
     train_router: bool = Field(
         False, description="Train the router (turns on the aux loss); frozen by default."
     )
+    expert_selection: Literal["all", "gate", "token"] = Field(
+        "all",
+        description="ESFT-style: train LoRA only on the experts the training data routes to "
+        "most, per layer, by mean gate score (gate) or share of routed tokens (token); "
+        "all: every expert.",
+    )
+    expert_selection_share: float = Field(
+        0.2,
+        description="gate/token selection: per layer, take experts by descending score until "
+        "their cumulative share reaches this (ESFT used 0.1–0.2).",
+    )
+    expert_selection_rows: int = Field(
+        256, description="gate/token selection: training rows scored with the base model."
+    )
     mlx_keys: list[str] | None = Field(
         None, description="mlx-lm lora_parameters.keys as written by the user (mlx stack)."
     )
 
-    @field_validator("rank")
+    @field_validator("rank", "expert_rank", "expert_selection_rows")
     @classmethod
-    def _positive_rank(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError("rank must be a positive integer (e.g. 8, 16, 64)")
+    def _positive_rank(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError("must be a positive integer (e.g. 8, 16, 64)")
+        return v
+
+    @field_validator("expert_selection_share")
+    @classmethod
+    def _share_range(cls, v: float) -> float:
+        if not 0.0 < v <= 1.0:
+            raise ValueError("expert_selection_share must be in (0, 1]")
         return v
 
     @field_validator("dropout")
@@ -98,6 +125,16 @@ class LoraArgs(_Section):
     @property
     def effective_alpha(self) -> float:
         return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+    @property
+    def experts_rank(self) -> int:
+        """The rank expert stacks get (expert_rank, else rank)."""
+        return self.expert_rank if self.expert_rank is not None else self.rank
+
+    @property
+    def experts_alpha(self) -> float:
+        """Expert-stack alpha: the same alpha/r scale as the rest of the adapter."""
+        return self.effective_alpha * self.experts_rank / self.rank
 
 
 class TrainArgs(_Section):

@@ -14,8 +14,11 @@ steady state (step ≥ 2, Adam moments live through forward and backward):
 - expert weight copies: peft's ParamWrapper materialises `W + s·B@A` for every wrapped
   stack on each forward and keeps it for backward, and backward makes a full-size weight
   gradient (knowledge §3); without checkpointing every layer keeps its copy,
-- logits: bf16 logits → fp32 → log-softmax; at the loss backward fp32 logits, their
-  log-softmax and its gradient are live: 12 B per token·vocab,
+- logits: moetune trains through TRL's fused LM head, which projects 4096 tokens ×
+  32768 vocab entries at a time into one reused tile and accumulates the hidden-state
+  gradient in fp32 (plus its cast back): tile + 6 B per token·hidden. With the model's
+  own loss (`fused_head=False`) bf16 logits → fp32 → log-softmax, and at the loss
+  backward fp32 logits, their log-softmax and its gradient are live: 12 B per token·vocab,
 - optimizer transients: foreach AdamW's full-size temporary (fused AdamW has none).
 
 The peak is the largest of three phases: the loss backward, each layer's backward, and
@@ -49,6 +52,7 @@ COMPONENTS = (
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 ADAPTER_BYTES = 4  # peft autocast_adapter_dtype=True keeps LoRA weights in fp32
 LOGIT_BYTES = 12  # fp32 logits + log-softmax + its gradient at the loss backward
+FUSED_TILE = (4096, 32768)  # TRL's fused LM head: tokens × vocab entries per tile
 QUANT_BYTES = {"bnb-4bit": 4.127 / 8, "bnb-8bit": 1.0}  # NF4 + double-quant absmax; int8
 
 
@@ -66,6 +70,7 @@ class Step:
     split_lora: bool = False  # lora.engine moetune: expert LoRA on routed tokens, no W+ΔW
     experts_dtype: str = "bf16"  # moetune's frozen expert storage: bf16 | int8 | nf4
     experts_double_quant: bool = False
+    fused_head: bool = True  # TRL SFTTrainer's tiled LM head (moetune's trainer) vs full logits
 
     @property
     def tokens(self) -> int:
@@ -391,8 +396,19 @@ def _loss_phase(
         base,
         activations=kept + 4 * h * t + _masks(spec, step),
         expert_weight_copies=copies,
-        logits=LOGIT_BYTES * t * spec.vocab_size,
+        logits=logit_bytes(spec, step),
     )
+
+
+def logit_bytes(spec: ModelSpec, step: Step) -> int:
+    """The loss's bytes at its backward: TRL's fused tile or the full logits."""
+    t = step.tokens
+    if not step.fused_head:
+        return LOGIT_BYTES * t * spec.vocab_size
+    rows = min(t - step.batch_size, FUSED_TILE[0])  # labels shift by one per sequence
+    tile = rows * FUSED_TILE[1] * step.act_bytes
+    grad_weight = 6 * spec.vocab_size * spec.hidden_size if step.method == "full" else 0
+    return tile + 6 * spec.hidden_size * t + grad_weight
 
 
 def _head_grads(spec: ModelSpec, step: Step) -> int:

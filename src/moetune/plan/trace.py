@@ -8,6 +8,14 @@ run it) and zero_grad – under a `ByteTracker` that counts live tensor bytes at
 op. Nothing is allocated for real, so a 235B model traces in RAM a laptop has;
 `fake=False` runs the same step on real tensors, which is how the trace is checked byte
 for byte.
+
+The loss is computed as moetune's trainer computes it: TRL's SFTTrainer projects through
+a fused, tiled LM head (`trl.trainer.utils.add_fused_lm_head`) and never holds the
+(tokens × vocab) logits. On CUDA that head folds each tile with Triton kernels that write
+in place; on CPU TRL folds with torch ops that make fp32 copies of each tile. The trace
+sizes the CUDA step, so the folds are replaced by in-place stand-ins (bytes, not values,
+are what a trace measures). `loss="full"` traces the model's own loss on full logits
+(what a plain transformers Trainer does).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ _ADAMW_FLAGS: dict[str, dict[str, Any]] = {
     "foreach": {"foreach": True},
     "for-loop": {"foreach": False, "fused": False},
 }
+LOSSES = ("fused", "full")  # TRL's fused LM head (moetune's trainer) | full logits + CE
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ def trace_step(
     engine: str = "peft",
     experts_dtype: str = "bf16",
     double_quant: bool = False,
+    loss: str = "fused",
 ) -> TraceResult:
     """Trace one training step and return its peak live tensor bytes.
 
@@ -86,9 +96,12 @@ def trace_step(
     `steps=2` also covers the steady state, where the Adam moments stay live through
     forward and backward. `engine="moetune"` traces moetune's split-LoRA experts instead of
     peft's ParamWrapper; `experts_dtype` "int8"/"nf4" stores the frozen expert stacks
-    quantised (engine.quant), which needs that engine. Neither config is modified.
+    quantised (engine.quant), which needs that engine. `loss` "fused" is TRL's tiled LM
+    head (what moetune trains with), "full" the model's own loss on full logits. Neither
+    config is modified.
     """
     _check_inputs(seq_len, batch_size, steps, dtype, device, fake, optimizer)
+    _check_loss(loss)
     start = time.perf_counter()
     tracker = ByteTracker()
     try:
@@ -100,10 +113,13 @@ def trace_step(
                 engine, (experts_dtype, double_quant),
             )  # fmt: skip
             _prepare_for_training(model, peft_config is None, gradient_checkpointing)
-            with _fake_mode(fake):
+            fused = loss == "fused"
+            if fused:
+                _add_fused_head(model)
+            with _fake_mode(fake), _in_place_folds(fused):
                 if fake:
                     _materialize(model, device)
-                loop = _Loop(model, optimizer, (batch_size, seq_len), device)
+                loop = _Loop(model, optimizer, (batch_size, seq_len), device, fused)
                 _run_steps(tracker, loop, steps)
     except MoetuneError:
         raise
@@ -142,6 +158,39 @@ def _check_inputs(
             f"a fake trace runs on the 'cpu' device, not {device!r}.",
             "use device='cpu' (bytes are device-independent), or fake=False on a real device.",
         )
+
+
+def _check_loss(loss: str) -> None:
+    if loss not in LOSSES:
+        raise ConfigError(f"unknown loss {loss!r}.", f"use one of {', '.join(LOSSES)}.")
+
+
+def _add_fused_head(model: Any) -> None:
+    """TRL's fused LM head on the base model, as SFTTrainer adds it."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    add_fused_lm_head(base, outputs=_SFT_OUTPUTS)
+
+
+_SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks the head for
+
+
+def _fold_in_place(tile: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """Stands in for TRL's Triton tile kernels and fp32 GEMM-accumulate: no allocation."""
+
+
+@contextlib.contextmanager
+def _in_place_folds(active: bool) -> Iterator[None]:
+    if not active:
+        yield
+        return
+    from trl.kernels import chunked_logprob
+
+    with contextlib.ExitStack() as stack:
+        for name in ("_forward_tile", "_backward_tile", "_addmm_fp32"):
+            stack.enter_context(mock.patch.object(chunked_logprob, name, _fold_in_place))
+        yield
 
 
 def _build(
@@ -253,8 +302,11 @@ def _rope_init(module: Any) -> Any:
 class _Loop:
     """A training loop's parts: the model, its AdamW, and a batch maker."""
 
-    def __init__(self, model: Any, adamw: str, shape: tuple[int, int], device: str) -> None:
+    def __init__(
+        self, model: Any, adamw: str, shape: tuple[int, int], device: str, fused: bool
+    ) -> None:
         self.model = model
+        self.extra = {"fused_lm_head": True} if fused else {}
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=1e-4, **_ADAMW_FLAGS[adamw])
         self.shape = shape
@@ -265,7 +317,7 @@ class _Loop:
         """Forward on a fresh batch; only the loss is kept, as Trainer.compute_loss does."""
         input_ids = torch.randint(0, self.vocab, self.shape, device=self.device)
         labels = input_ids.clone()  # a collator's separate labels tensor
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False, **self.extra).loss
 
 
 def _run_steps(tracker: ByteTracker, loop: _Loop, steps: int) -> None:
