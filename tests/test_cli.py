@@ -99,8 +99,8 @@ def test_unknown_card_id_lists_the_known_ones() -> None:
 def test_plan_json_acceptance_case() -> None:
     code, out, _ = _run(
         "plan", "Qwen/Qwen3-30B-A3B", "--mapping", "automap", "--targets", "attention,experts",
-        "--seq", "2048", "--batch", "1", "--card", "H100-80GB", "--card", "H200",
-        "--card", "H100-NVL", "--json",
+        "--engine", "peft", "--seq", "2048", "--batch", "1", "--card", "H100-80GB",
+        "--card", "H200", "--card", "H100-NVL", "--json",
     )  # fmt: skip
     assert code == 0
     plan = json.loads(out)
@@ -109,3 +109,40 @@ def test_plan_json_acceptance_case() -> None:
     assert plan["estimator"] == "analytic" and plan["overhead_bytes"] > 0
     assert sum(plan["components"].values()) == plan["peak_bytes"]
     assert any(r["card"] == "H100-80GB" for r in plan["recommendations"])
+
+
+def test_plan_json_best_per_card_reproduces_its_peak(tmp_path: Path) -> None:
+    from moetune.config import load_config
+    from moetune.model import load_spec
+    from moetune.plan import card_ids
+    from moetune.plan.fit import analytic
+
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "model:\n  id: Qwen/Qwen3-30B-A3B\nlora:\n  rank: 16\n  targets: [attention, experts]\n"
+        "  engine: peft\n  expert_mapping: automap\ntrain:\n  seq_len: 2048\n  batch_size: 1\n"
+    )
+    code, out, _ = _run("plan", str(run), "--json")
+    assert code == 0
+    best = json.loads(out)["best"]
+    assert list(best) == card_ids()
+    spec = load_spec("Qwen/Qwen3-30B-A3B")
+    for card, rec in best.items():
+        assert rec["card"] == card and rec["fits"], rec["text"]
+        # the overrides, given to the same run.yaml as --set, give the predicted peak
+        assert analytic(spec, load_config(run, rec["overrides"])).peak_bytes == rec["peak_bytes"]
+        assert rec["headroom_bytes"] >= 0
+    four = best["RTX-4090"]
+    assert "model.experts_dtype=nf4" in four["overrides"] and four["peak_bytes"] <= 22 * 1024**3
+    assert best["H100-80GB"]["overrides"] == ["lora.engine=moetune"]  # the switch alone fits
+    assert best["H200"]["overrides"] == [] and best["H200"]["cost"] == 0.0
+
+
+def test_plan_prints_the_best_config_per_card() -> None:
+    code, out, _ = _run(
+        "plan", "Qwen/Qwen3-30B-A3B", "--targets", "attention,experts", "--card", "RTX-4090",
+        "--card", "H200",
+    )  # fmt: skip
+    assert code == 0
+    assert "best config per card" in out
+    assert "RTX-4090: --set lora.engine=moetune --set model.experts_dtype=nf4" in out

@@ -102,7 +102,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if experts_lora._is_fused_experts(m)]
+    return [m for m in model.modules() if experts_lora.is_fused_experts(m)]
 
 
 @pytest.mark.parametrize("variant", list(FAMILIES))

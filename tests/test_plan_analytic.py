@@ -36,7 +36,7 @@ def test_components_sum_to_peak(olmoe: ModelSpec) -> None:
 
 
 def test_olmoe_numbers(olmoe: ModelSpec) -> None:
-    est = analytic(olmoe, cfg(seq_len=2048, lora={"rank": 16}))
+    est = analytic(olmoe, cfg(seq_len=2048, lora={"rank": 16, "engine": "peft"}))
     # 6.92 B params in bf16; 7.6 M LoRA parameters in each of the 16 layers at r=16
     assert est.components["frozen_weights"] == olmoe.total_params * 2
     assert est.trainable_params == 121_634_816

@@ -158,11 +158,18 @@ def test_dense_model_with_experts_is_refused() -> None:
 
 def test_dropout_with_parameter_targets_is_refused() -> None:
     with pytest.raises(RecipeError) as err:
-        build_peft_config(_spec("qwen3_moe-dense0"), LoraArgs(dropout=0.1))
+        build_peft_config(_spec("qwen3_moe-dense0"), LoraArgs(dropout=0.1, engine="peft"))
     assert PEFT_DROPOUT_ERROR in err.value.cause
-    # deepseek dense MLPs need target_parameters too (peft would rewrite their names)
-    with pytest.raises(RecipeError):
-        build_peft_config(_spec("deepseek_v3"), LoraArgs(dropout=0.1, targets=["dense"]))
+    # deepseek dense MLPs need target_parameters too (peft would rewrite their names);
+    # moetune's engine applies dropout to expert stacks only, so they are refused on both
+    for engine in ("auto", "peft"):
+        with pytest.raises(RecipeError, match=r"deepseek|mlp"):
+            build_peft_config(
+                _spec("deepseek_v3"), LoraArgs(dropout=0.1, targets=["dense"], engine=engine)
+            )
+    experts = LoraArgs(dropout=0.1, targets=["attention", "experts"])  # engine auto
+    split = build_peft_config(_spec("deepseek_v3"), experts)
+    assert split.lora_dropout == 0.0 and split.target_parameters  # applied after the build
     # qwen2_moe has no rewrite: dense and shared stay plain Linear targets, dropout is fine
     ok = build_peft_config(
         _spec("qwen2_moe-shared-dense0"), LoraArgs(dropout=0.1, targets=["dense", "shared"])

@@ -99,7 +99,10 @@ def test_register_rejects_a_duplicate_id() -> None:
 
 def test_lint_sorts_errors_first() -> None:
     findings = lint(
-        ctx(lora={"dropout": 0.1, "targets": ["attention", "experts", "router"]}, lane={})
+        ctx(
+            lora={"dropout": 0.1, "targets": ["attention", "experts", "router"], "engine": "peft"},
+            lane={},
+        )
     )
     severities = [f.severity for f in findings]
     assert severities == sorted(severities, key=["error", "warn", "info"].index)
@@ -131,7 +134,7 @@ def test_hit_severity_overrides_the_rules_default() -> None:
 
 
 def test_dropout_with_experts_quotes_peft() -> None:
-    f = check("MOE-LORA-DROPOUT", ctx(lora={"dropout": 0.1}))
+    f = check("MOE-LORA-DROPOUT", ctx(lora={"dropout": 0.1, "engine": "peft"}))
     assert f and f.severity == "error" and f.field == "lora.dropout"
     assert "lora.ParamWrapper does not work with lora_dropout != 0" in f.message
 
@@ -156,6 +159,7 @@ def test_dropout_fires_for_every_param_wrapped_part(
         {"dropout": 0.0},
         {"dropout": 0.1, "targets": ["attention"]},
         {"dropout": 0.1, "stack": "mlx"},
+        {"dropout": 0.1},  # engine auto: split LoRA serves qwen3_moe and applies the dropout
     ],
 )
 def test_dropout_silent_when_fixed(lora: dict[str, Any]) -> None:
@@ -408,3 +412,20 @@ def test_no_spec_keeps_spec_rules_silent() -> None:
     context = ctx(None, lane={"provider": "runpod"}, train={"method": "qlora"})
     ids = {f.rule_id for f in lint(context)}
     assert not ids & {"MOE-4BIT-BNB", "VOLUME-TOO-SMALL", "HUB-XET-ENABLED", "LORA-NO-EXPERTS"}
+
+
+def _tiny_dbrx(**lora: Any) -> LintContext:
+    from moetune.model import spec_from_config
+    from moetune.model.tiny import tiny_config
+
+    cfg = RunConfig.model_validate({"model": {"id": "x/y"}, "lora": lora})
+    dbrx = spec_from_config(tiny_config("dbrx"), "tiny-dbrx")
+    return LintContext(config=cfg, spec=dbrx, env={}, versions=QUIET_VERSIONS)
+
+
+def test_engine_moetune_on_an_undispatched_family_is_an_error() -> None:
+    f = check("ENGINE-MOETUNE-UNSERVED", _tiny_dbrx(engine="moetune"))
+    assert f and f.severity == "error" and f.field == "lora.engine"
+    assert "dbrx" in f.message and "lora.engine: auto or peft" in f.fix
+    assert check("ENGINE-MOETUNE-UNSERVED", _tiny_dbrx()) is None  # auto falls back to peft
+    assert check("ENGINE-MOETUNE-UNSERVED", ctx(lora={"engine": "moetune"})) is None

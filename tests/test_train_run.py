@@ -205,12 +205,16 @@ def test_explicit_aux_loss_keeps_a_frozen_router_unchanged(files, tmp_path):
 # ---------------------------------------------------------------- preflight and refusals
 
 
+# engine peft refuses dropout on fused experts: a preflight error (engine auto would apply it)
+PEFT_DROPOUT = {"lora__dropout": 0.1, "lora__engine": "peft"}
+
+
 def test_every_attempt_leaves_a_ledger_row(done, files, tmp_path):
     from moetune.ledger import Ledger
 
     ok = [r for r in Ledger(done.cfg.output.ledger).read().rows if r.status == "ok"]
     assert ok and ok[0].kind == "train" and ok[0].metrics["steps"] == done.result.steps
-    bad = run_config(files.model, files.data, tmp_path / "bad", lora__dropout=0.1)
+    bad = run_config(files.model, files.data, tmp_path / "bad", **PEFT_DROPOUT)
     with pytest.raises(TrainError):
         train(bad, progress=False)
     (row,) = Ledger(bad.output.ledger).read().rows
@@ -218,7 +222,7 @@ def test_every_attempt_leaves_a_ledger_row(done, files, tmp_path):
 
 
 def test_preflight_error_stops_the_run_before_writing(files, tmp_path):
-    cfg = run_config(files.model, files.data, tmp_path / "x", lora__dropout=0.1)
+    cfg = run_config(files.model, files.data, tmp_path / "x", **PEFT_DROPOUT)
     with pytest.raises(TrainError, match="MOE-LORA-DROPOUT") as info:
         train(cfg, progress=False)
     assert "--allow-errors" in info.value.fix

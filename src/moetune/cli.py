@@ -121,12 +121,17 @@ def plan(
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Peak memory by component, fit per card, and what to change to fit."""
+    """Peak memory by component, fit per card, and per card the best config that fits."""
     from moetune.model import load_spec
     from moetune.plan import make_plan
     from moetune.preflight import lint_context, option_overrides, resolve_run
     from moetune.recipe.rules import lint
-    from moetune.render import fits_table, plan_components_table, print_findings
+    from moetune.render import (
+        fits_table,
+        plan_components_table,
+        print_findings,
+        print_recommendations,
+    )
 
     opts = option_overrides(
         method=method,
@@ -148,8 +153,7 @@ def plan(
         return
     console.print(plan_components_table(result))
     console.print(fits_table(result))
-    for rec in result.recommendations:
-        console.print(f"  • {rec.describe()}")
+    print_recommendations(console, result)
     print_findings(console, findings)
 
 

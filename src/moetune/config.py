@@ -75,10 +75,11 @@ class LoraArgs(_Section):
         "automap: peft's gate/up/down name mapping (doubles gate_up rank, drops dense MLPs).",
     )
     stack: Literal["peft", "mlx"] = Field("peft", description="Training stack the recipe is for.")
-    engine: Literal["peft", "moetune"] = Field(
-        "peft",
+    engine: Literal["auto", "moetune", "peft"] = Field(
+        "auto",
         description="How expert LoRA is computed. moetune: split LoRA (routed tokens only, no "
-        "full-size ΔW, expert dropout works; same peft adapter format); peft: ParamWrapper.",
+        "full-size ΔW, expert dropout works; same peft adapter format); peft: ParamWrapper; "
+        "auto: moetune where transformers dispatches the family's experts (probed), else peft.",
     )
     train_router: bool = Field(
         False, description="Train the router (turns on the aux loss); frozen by default."

@@ -67,6 +67,42 @@ def fits_table(plan: Any) -> Table:
     return table
 
 
+def best_table(plan: Any) -> Table:
+    """Per card, the best-quality config that fits: as is, the cheapest change, or none."""
+    table = Table(title="best config per card (analytic re-plans)", title_justify="left")
+    table.add_column("card")
+    table.add_column("change", overflow="fold")
+    for col in ("live", "required", "headroom", "cost"):
+        table.add_column(col, justify="right")
+    for card_id, rec in plan.best.items():
+        if not rec.fits:
+            change = "[red]nothing searched fits[/]"
+        else:
+            change = escape("; ".join(rec.changes)) if rec.changes else "[green]as is[/]"
+        table.add_row(
+            card_id, change, gib(rec.peak_bytes), gib(rec.required_bytes),
+            gib(rec.headroom_bytes), f"{rec.cost:g}",
+        )  # fmt: skip
+    return table
+
+
+def print_recommendations(console: Console, plan: Any) -> None:
+    """The best table, each best change as `--set` flags, then the other fitting changes."""
+    console.print(best_table(plan))
+    for card_id, rec in plan.best.items():
+        if rec.overrides and rec.fits:
+            flags = " ".join(f"--set {o}" for o in rec.overrides)
+            console.print(f"  {card_id}: {escape(flags)}", soft_wrap=True, highlight=False)
+        elif not rec.fits:
+            console.print(f"  {escape(rec.describe())}", highlight=False)
+    best = {id(r) for r in plan.best.values()}
+    others = [r for r in plan.recommendations if r.fits and id(r) not in best]
+    if others:
+        console.print("other changes that fit:")
+    for rec in others:
+        console.print(f"  • {escape(rec.describe())}", highlight=False)
+
+
 def findings_table(findings: list[Any]) -> Table:
     table = Table(title="findings", title_justify="left")
     for col in ("rule", "severity", "what happens", "fix"):

@@ -2,27 +2,32 @@
 
 Importing this package registers the "moetune_lora" experts implementation
 (`experts_lora`): split LoRA for fused MoE experts, trained on peft's own adapter
-parameters, so adapters stay in the peft format.
+parameters, so adapters stay in the peft format. `select`: ESFT-style expert selection
+(LoRA on the experts the training data routes to most; masks for either engine).
 """
 
 from moetune.engine.experts_lora import (
     IMPLEMENTATION,
     EngineError,
     SplitParamWrapper,
+    apply_lora_dropout,
     apply_split_lora,
     is_split,
     register,
     restore_peft_lora,
     split_lora_experts_forward,
+    train_only,
 )
 
 __all__ = [
     "IMPLEMENTATION",
     "EngineError",
     "SplitParamWrapper",
+    "apply_lora_dropout",
     "apply_split_lora",
     "is_split",
     "register",
     "restore_peft_lora",
     "split_lora_experts_forward",
+    "train_only",
 ]

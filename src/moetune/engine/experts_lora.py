@@ -22,7 +22,8 @@ The factors stay where peft keeps them (the wrappers' `lora_A` / `lora_B`), so
 * each experts module gets a map parameter name -> its wrapper, read on every call, so
   peft's adapter switching, `disable_adapter()` and merging keep working;
 * each wrapper becomes a `SplitParamWrapper`, whose forward no longer parametrizes the
-  weight (the experts forward applies the factors instead).
+  weight (the experts forward applies the factors instead);
+* `train_only` limits the LoRA compute to some experts (expert selection, engine/select.py).
 
 peft's layout (0.21, `ParamWrapper.get_delta_factors`), E experts, rank r per expert:
 `lora_A.weight` is [r·E, in] = (E, r, in), expert-major, but `lora_B.weight` is
@@ -51,6 +52,7 @@ IMPLEMENTATION = "moetune_lora"
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
 _STATE = "_moetune_lora"  # on an experts module: {parameter name: its SplitParamWrapper}
 _PREVIOUS = "_moetune_previous_experts"  # on the base model: implementation to restore
+_KEEP = "_moetune_trained_experts"  # on an experts module: bool [E], experts whose LoRA runs
 
 
 class EngineError(MoetuneError):
@@ -167,10 +169,27 @@ def _project(experts: Any, name: str, x: torch.Tensor, route: _Routing) -> torch
     # in place: grouped_mm's backward does not need its output, so this saves a copy
     if experts.has_bias:
         out.add_(getattr(experts, f"{name}_bias")[route.ids])
+    keep = experts.__dict__.get(_KEEP)
     for factors in _active_factors(experts, name, x.dtype):
-        low = _grouped_mm(factors.dropout(x), factors.a, route.offsets)
-        out.add_(_grouped_mm(low, factors.b, route.offsets))
+        if keep is None:
+            low = _grouped_mm(factors.dropout(x), factors.a, route.offsets)
+            out.add_(_grouped_mm(low, factors.b, route.offsets))
+        else:
+            _add_kept_lora(out, x, factors, route, keep)
     return out
+
+
+def _add_kept_lora(
+    out: torch.Tensor, x: torch.Tensor, factors: _Factors, route: _Routing, keep: torch.Tensor
+) -> None:
+    """The LoRA update of the rows routed to the experts `keep` marks; the others get none
+    (exact while their ΔW is zero, which engine/select.py asserts and keeps so)."""
+    keep = keep.to(x.device)
+    rows = keep[route.ids].nonzero().squeeze(1)  # still grouped by expert: ids are sorted
+    counts = torch.diff(route.offsets, prepend=route.offsets.new_zeros(1))
+    offsets = torch.cumsum(counts[keep], dim=0, dtype=torch.int32)
+    low = _grouped_mm(factors.dropout(x[rows]), factors.a[keep], offsets)
+    out.index_add_(0, rows, _grouped_mm(low, factors.b[keep], offsets).to(out.dtype))
 
 
 def _active_factors(experts: nn.Module, name: str, dtype: torch.dtype) -> list[_Factors]:
@@ -190,7 +209,20 @@ def _factors(wrapper: Any, adapter: str, dtype: torch.dtype) -> _Factors:
     b = b.view(b.shape[0], -1, experts).permute(2, 1, 0).to(dtype)
     # B is small ([out, r·E]); grouped kernels need it row-major, hence the copy
     b = (b * wrapper.scaling[adapter]).contiguous()
-    return _Factors(a, b, wrapper.lora_dropout[adapter])
+    return _Factors(*_pad_rank(a, b), wrapper.lora_dropout[adapter])
+
+
+_RANK_ALIGN = 8  # grouped GEMM rows must be 16-byte aligned: 8 bf16 values
+
+
+def _pad_rank(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pad the rank to a multiple of 8, so the (tokens × r) product of every rank runs
+    on the grouped kernels (CUDA's, and the meta kernel the planner's trace runs); zero
+    columns of A meet zero rows of B, so the update is the same."""
+    pad = -a.shape[-1] % _RANK_ALIGN
+    if pad == 0:
+        return a, b
+    return F.pad(a, (0, pad)), F.pad(b, (0, 0, 0, pad))
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -310,12 +342,24 @@ def apply_split_lora(model: nn.Module, *, dropout: float = 0.0) -> list[str]:
 def _switch(wrapper: ParamWrapper, dropout: float) -> bool:
     """Put one wrapper on the split path if it adapts a fused experts projection."""
     experts = wrapper.get_base_layer()
-    if not _is_fused_experts(experts) or wrapper.parameter_name not in PROJECTIONS:
+    if not is_fused_experts(experts) or wrapper.parameter_name not in PROJECTIONS:
         return False
     experts.__dict__.setdefault(_STATE, {})[wrapper.parameter_name] = wrapper
     _retype(wrapper, SplitParamWrapper)
     _set_dropout(wrapper, dropout)
     return True
+
+
+def train_only(experts: nn.Module, keep: torch.Tensor | None) -> None:
+    """Run only the LoRA of the experts `keep` ([E] bool) marks on the split path; None: all.
+
+    For expert selection (engine/select.py), whose gradient masks keep the other experts'
+    ΔW exactly zero, so skipping their update changes nothing but the work done.
+    """
+    if keep is None or bool(keep.all()):
+        experts.__dict__.pop(_KEEP, None)
+    else:
+        experts.__dict__[_KEEP] = keep.detach().bool()
 
 
 def restore_peft_lora(model: nn.Module) -> None:
@@ -325,6 +369,7 @@ def restore_peft_lora(model: nn.Module) -> None:
             _retype(wrapper, ParamWrapper)
             _set_dropout(wrapper, 0.0)  # peft's path cannot apply it
             wrapper.get_base_layer().__dict__.pop(_STATE, None)
+            wrapper.get_base_layer().__dict__.pop(_KEEP, None)
     base = _transformers_model(model)
     previous = base.__dict__.pop(_PREVIOUS, None)
     if previous is not None:
@@ -342,7 +387,7 @@ def _param_wrappers(model: nn.Module) -> Iterator[tuple[str, ParamWrapper]]:
             yield name, module
 
 
-def _is_fused_experts(module: nn.Module) -> bool:
+def is_fused_experts(module: nn.Module) -> bool:
     """Set by `@use_experts_implementation` on the experts classes it decorates."""
     return all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed"))
 
@@ -352,7 +397,21 @@ def _retype(wrapper: nn.Module, cls: type[nn.Module]) -> None:
     wrapper.__class__ = cls
 
 
-def _set_dropout(wrapper: ParamWrapper, p: float) -> None:
+def apply_lora_dropout(model: nn.Module, p: float) -> int:
+    """Dropout `p` on every LoRA layer peft built without it (the config carried 0 because
+    peft's ParamWrapper refuses dropout); ParamWrappers are apply_split_lora's. Returns how
+    many layers it set."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    layers = [m for m in layers if not isinstance(m, ParamWrapper)]
+    for layer in layers:
+        _set_dropout(layer, p)
+    return len(layers)
+
+
+def _set_dropout(wrapper: Any, p: float) -> None:
+    """Dropout on the LoRA input of every adapter of one peft LoRA layer."""
     for adapter in wrapper.lora_A:
         wrapper.lora_dropout[adapter] = nn.Dropout(p) if p > 0 else nn.Identity()
 

@@ -492,7 +492,8 @@ def require_split_engine(engine: str, experts_dtype: str) -> None:
     re-materialises every float stack (and its target_parameters match no quantised stack)."""
     if experts_dtype != "bf16" and engine != "moetune":
         raise QuantError(
-            f"experts_dtype={experts_dtype} needs lora.engine: moetune; peft's own experts "
+            f"experts_dtype={experts_dtype} needs moetune's engine; peft's own experts "
             "path re-materialises every float stack",
-            "set lora.engine: moetune, or model.experts_dtype: bf16",
+            "set lora.engine: auto or moetune (on a family it serves), or model.experts_dtype: "
+            "bf16",
         )

@@ -82,12 +82,15 @@ def load_model(cfg: RunConfig) -> tuple[Any, Any]:
     """The base model and tokenizer, placed like training would place them."""
     import torch
 
+    from moetune.engine.resolve import resolve_engine
+    from moetune.model import load_spec
     from moetune.train.setup import load_tokenizer, resolve_placement
     from moetune.train.trainer import load_model as load_weights
 
     place = resolve_placement(cfg.train)
     tokenizer = load_tokenizer(cfg.model.id)
-    model = load_weights(cfg, place).to(place.device)
+    engine = resolve_engine(load_spec(cfg.model.id), cfg.lora, cfg.model.experts_dtype)
+    model = load_weights(cfg, place, engine).to(place.device)
     model.eval()
     torch.manual_seed(cfg.train.seed)
     return model, tokenizer

@@ -3,7 +3,7 @@
     from moetune.plan import make_plan
     plan = make_plan(spec, cfg, cards=["H100-80GB", "H200"], estimator="analytic")
     plan.peak_bytes, plan.components, plan.overhead_bytes, plan.required_bytes
-    plan.fits["H200"].fits, plan.recommendations, plan.to_json()
+    plan.fits["H200"].fits, plan.recommendations, plan.best["RTX-4090"], plan.to_json()
 
 `estimator="trace"` counts the live bytes of the real training step on fake tensors
 (`plan.trace`, cached on disk); "analytic" (`plan.analytic`) is instant and calibrated

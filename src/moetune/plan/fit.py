@@ -1,23 +1,20 @@
-"""The plan: peak memory by component, overhead stated apart, fit per card, and the
-cheapest changes that make a run fit a card it does not fit.
+"""The plan: peak memory by component, overhead stated apart, fit per card, the
+cheapest changes that make a run fit a card it does not fit, and the best-quality
+config per card (`MemoryPlan.best`).
 
-Recommendations search combinations of moves (`MOVES`), each with a quality cost, in
-order of total cost, re-planning every candidate with the analytic estimator (ms each).
-Experts are never dropped: an MoE fine-tune that leaves its experts untrained is not the
-same run, so when nothing else fits the plan says so instead.
+The recommendation search (moves, quality costs, bounds) lives in `plan.recommend`;
+it re-plans every candidate with `analytic` below.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from moetune.config import RunConfig
 from moetune.errors import ConfigError, MoetuneError
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import AnalyticEstimate, Step, estimate_step, frozen_bytes
+from moetune.plan.analytic import AnalyticEstimate, Step, estimate_step
 from moetune.plan.hardware import Card, all_cards, get_card
 from moetune.plan.layout import AdapterLayout, adapter_layout
 from moetune.plan.overhead import Overhead, card_overhead, overhead_for
@@ -25,8 +22,6 @@ from moetune.plan.profiles import profile_for
 
 Estimator = Literal["trace", "analytic"]
 GiB = 1024**3
-MAX_CANDIDATES = 800  # analytic re-plans per plan (≈ 3–6 ms each)
-RECS_PER_CARD = 3
 
 
 @dataclass(frozen=True)
@@ -106,6 +101,8 @@ class MemoryPlan:
     total_params: int
     fits: dict[str, CardFit]
     recommendations: list[Recommendation] = field(default_factory=list)
+    # per card: the config as is when it fits, else the cheapest fitting change, else why not
+    best: dict[str, Recommendation] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -134,6 +131,7 @@ class MemoryPlan:
             "fits": {card: fit.fits for card, fit in self.fits.items()},
             "cards": {card: fit.to_json() for card, fit in self.fits.items()},
             "recommendations": [r.to_json() for r in self.recommendations],
+            "best": {card: r.to_json() for card, r in self.best.items()},
             "notes": list(self.notes),
         }
 
@@ -171,9 +169,24 @@ def make_plan(
         settings=_settings(cfg),
         notes=_notes(spec, cfg),
     )
+    from moetune.plan.recommend import recommend  # the search re-plans with `analytic`
+
     missing = [c for c in chosen if not fits[c.id].fits]
     plan.recommendations.extend(recommend(spec, cfg, missing))
+    plan.best.update({c.id: _best(plan, c.id) for c in chosen})
     return plan
+
+
+def _best(plan: MemoryPlan, card: str) -> Recommendation:
+    """The config as it is when it fits the card, else the cheapest change that does
+    (recommendations come fitting first, cheapest first), else why nothing searched fits."""
+    fit = plan.fits[card]
+    if fit.fits:
+        return Recommendation(
+            card, (), (), 0.0, plan.peak_bytes, fit.required_bytes, fit.headroom_bytes,
+            ("fits as configured",),
+        )  # fmt: skip
+    return next(r for r in plan.recommendations if r.card == card)
 
 
 def _estimate(
@@ -190,21 +203,28 @@ def _estimate(
 
 def analytic(spec: ModelSpec, cfg: RunConfig) -> AnalyticEstimate:
     """The analytic estimate of `cfg` (LoRA layouts cached; target drops filter them)."""
-    return estimate_step(spec, Step.from_config(cfg), _layout(spec, cfg))
+    return estimate_step(spec, Step.from_config(cfg, spec=spec), _layout(spec, cfg))
 
 
 def _layout(spec: ModelSpec, cfg: RunConfig) -> AdapterLayout | None:
     if cfg.train.method == "full":
         return None
-    widest = cfg.lora.model_copy(update={"targets": list(_ALL_TARGETS)})
-    kinds = set(cfg.lora.targets) | ({"router"} if cfg.lora.train_router else set())
-    try:  # one build for every target subset the recommendations try
-        base = adapter_layout(spec, widest)
-    except MoetuneError:  # e.g. a dense model has no experts to target
-        return adapter_layout(spec, cfg.lora)
-    return base.only(kinds).at_rank(cfg.lora.rank)
+    lora = cfg.lora
+    kinds = frozenset(lora.targets) | ({"router"} if lora.train_router else frozenset())
+    key = (id(spec), kinds, lora.expert_mapping, lora.train_router, lora.rank, lora.experts_rank)
+    hit = _SHAPED.get(key)
+    if hit is not None and hit[0] is spec:  # the search re-plans the same shapes many times
+        return hit[1]
+    widest = lora.model_copy(update={"targets": list(_ALL_TARGETS)})
+    try:  # one build for every target subset and rank the recommendations try
+        layout = adapter_layout(spec, widest).only(set(kinds))
+    except MoetuneError:  # e.g. a dense model has no experts to target (or a bad config:
+        layout = adapter_layout(spec, lora)  # then this raises the same error)
+    _SHAPED[key] = (spec, layout)
+    return layout
 
 
+_SHAPED: dict[tuple[Any, ...], tuple[ModelSpec, AdapterLayout]] = {}
 _ALL_TARGETS = ("attention", "experts", "dense", "shared")
 
 
@@ -231,20 +251,25 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
     return {
         "method": cfg.train.method,
         "rank": cfg.lora.rank,
+        "expert_rank": cfg.lora.experts_rank,
+        "engine": cfg.lora.engine,  # as set; `notes` say when it resolves to moetune
         "targets": list(cfg.lora.targets),
         "expert_mapping": cfg.lora.expert_mapping,
         "seq_len": cfg.train.seq_len,
         "batch_size": cfg.train.batch_size,
         "gradient_checkpointing": cfg.train.gradient_checkpointing,
         "dtype": cfg.model.dtype,
+        "experts_dtype": cfg.model.experts_dtype,
+        "experts_double_quant": cfg.model.experts_double_quant,
         "optimizer": "fused AdamW (HF Trainer / TRL default), steady state",
     }
 
 
 def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
-    """Whether the step runs moetune's split-LoRA experts (engine moetune on expert targets)."""
-    targeted = "experts" in cfg.lora.targets and spec.is_moe and cfg.train.method != "full"
-    return targeted and cfg.lora.engine == "moetune"
+    """Whether the step runs moetune's split-LoRA experts (`lora.engine` resolved on `spec`)."""
+    from moetune.engine.resolve import resolve_engine
+
+    return cfg.train.method != "full" and resolve_engine(spec, cfg.lora) == "moetune"
 
 
 def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
@@ -265,225 +290,3 @@ def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
         )
     family = profile_for(spec.model_type).notes
     return [*notes, family] if family else notes
-
-
-# ---------------------------------------------------------------- recommendations
-
-
-@dataclass(frozen=True)
-class Move:
-    """One change to a config, with a quality cost and how to say it."""
-
-    name: str
-    cost: float
-    apply: Callable[[RunConfig], RunConfig | None]  # None: does not apply
-    says: Callable[[RunConfig, RunConfig], tuple[str, str]]  # (words, --set override)
-
-
-def _lora(cfg: RunConfig, **update: Any) -> RunConfig:
-    return cfg.model_copy(update={"lora": cfg.lora.model_copy(update=update)})
-
-
-def _train(cfg: RunConfig, **update: Any) -> RunConfig:
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update=update)})
-
-
-def _drop(kind: str) -> Callable[[RunConfig], RunConfig | None]:
-    def apply(cfg: RunConfig) -> RunConfig | None:
-        if kind not in cfg.lora.targets or cfg.train.method == "full":
-            return None
-        if len(cfg.lora.targets) == 1:  # nothing would be left to train
-            return None
-        return _lora(cfg, targets=[t for t in cfg.lora.targets if t != kind])
-
-    return apply
-
-
-def _targets_said(kind: str) -> Callable[[RunConfig, RunConfig], tuple[str, str]]:
-    def says(_: RunConfig, new: RunConfig) -> tuple[str, str]:
-        return f"drop LoRA on {kind}", f"lora.targets=[{','.join(new.lora.targets)}]"
-
-    return says
-
-
-MOVES: tuple[Move, ...] = (
-    Move(
-        "qlora→lora", 0.0,
-        lambda c: _train(c, method="lora", quantization="none")
-        if c.train.method == "qlora" or c.train.quantization != "none" else None,
-        lambda o, n: ("bf16 LoRA instead of bitsandbytes (its fused experts end up fp32)",
-                      "train.method=lora"),
-    ),
-    Move(
-        "explicit", 0.05,
-        lambda c: _lora(c, expert_mapping="explicit")
-        if c.lora.expert_mapping == "automap" and c.train.method != "full" else None,
-        lambda o, n: ("moetune's explicit expert targets (rank r on gate_up, not peft's 2r)",
-                      "lora.expert_mapping=explicit"),
-    ),
-    Move(
-        "gc", 0.1,
-        lambda c: _train(c, gradient_checkpointing=True)
-        if not c.train.gradient_checkpointing else None,
-        lambda o, n: ("gradient checkpointing on (≈ 30 % slower, same result)",
-                      "train.gradient_checkpointing=true"),
-    ),
-    Move(
-        "batch", 0.2,
-        lambda c: _train(c, batch_size=1) if c.train.batch_size > 1 else None,
-        lambda o, n: (f"batch {o.train.batch_size} → 1 (keep the effective batch with gradient "
-                      "accumulation)", "train.batch_size=1"),
-    ),
-    Move(
-        "full→lora", 0.5,
-        lambda c: _train(c, method="lora") if c.train.method == "full" else None,
-        lambda o, n: ("LoRA instead of full fine-tuning", "train.method=lora"),
-    ),
-    Move("dense", 0.6, _drop("dense"), _targets_said("dense")),
-    Move("shared", 0.8, _drop("shared"), _targets_said("shared")),
-    Move("attention", 1.5, _drop("attention"), _targets_said("attention")),
-)  # fmt: skip
-RANK_STEP_COST = 1.0  # per halving of the rank (down to 4)
-SEQ_STEP_COST = 1.5  # per halving of the sequence length (down to 256)
-MIN_RANK, MIN_SEQ = 4, 256
-
-
-@dataclass(frozen=True)
-class _Candidate:
-    cfg: RunConfig
-    cost: float
-    changes: tuple[str, ...]
-    overrides: tuple[str, ...]
-    moves: frozenset[str]
-
-
-def _candidates(cfg: RunConfig, spec: ModelSpec) -> list[_Candidate]:
-    """Every combination of moves, rank halvings and sequence halvings, cheapest first."""
-    out = []
-    for subset in _move_subsets(cfg, spec):
-        for r_steps, s_steps in itertools.product(
-            _halvings(cfg.lora.rank, MIN_RANK), _halvings(cfg.train.seq_len, MIN_SEQ)
-        ):
-            cand = _combine(cfg, subset, r_steps, s_steps)
-            if cand is not None and cand.moves:
-                out.append(cand)
-    return sorted(out, key=lambda c: (c.cost, len(c.moves)))
-
-
-def _move_subsets(cfg: RunConfig, spec: ModelSpec) -> Iterator[tuple[Move, ...]]:
-    absent = {k for k, has in _parts(spec).items() if not has}
-    usable = [m for m in MOVES if m.name not in absent and m.apply(cfg) is not None]
-    for n in range(len(usable) + 1):
-        yield from itertools.combinations(usable, n)
-
-
-def _parts(spec: ModelSpec) -> dict[str, bool]:
-    """Which droppable target kinds the model has at all."""
-    return {
-        "dense": bool(spec.dense_layers and spec.dense_intermediate_size),
-        "shared": bool(spec.moe_layers and spec.shared_intermediate_size),
-        "attention": True,
-    }
-
-
-def _halvings(value: int, floor: int) -> range:
-    steps = 0
-    while value // 2 ** (steps + 1) >= floor:
-        steps += 1
-    return range(steps + 1)
-
-
-def _combine(
-    cfg: RunConfig, subset: tuple[Move, ...], r_steps: int, s_steps: int
-) -> _Candidate | None:
-    new, changes, overrides, cost = cfg, [], [], 0.0
-    for move in subset:
-        applied = move.apply(new)
-        if applied is None:
-            return None
-        words, override = move.says(new, applied)
-        new, cost = applied, cost + move.cost
-        changes.append(words)
-        overrides.append(override)
-    if r_steps and new.train.method != "full":
-        rank = cfg.lora.rank // 2**r_steps
-        changes.append(f"rank {cfg.lora.rank} → {rank}")
-        overrides.append(f"lora.rank={rank}")
-        new, cost = _lora(new, rank=rank), cost + r_steps * RANK_STEP_COST
-    if s_steps:
-        seq = cfg.train.seq_len // 2**s_steps
-        changes.append(f"sequence length {cfg.train.seq_len} → {seq}")
-        overrides.append(f"train.seq_len={seq}")
-        new, cost = _train(new, seq_len=seq), cost + s_steps * SEQ_STEP_COST
-    # halving twice includes halving once, so a fitting halving dominates deeper ones
-    steps = {f"rank{i}" for i in range(1, r_steps + 1)} | {f"seq{i}" for i in range(1, s_steps + 1)}
-    moves = frozenset({m.name for m in subset} | steps)
-    return _Candidate(new, cost, tuple(changes), tuple(overrides), moves)
-
-
-def recommend(spec: ModelSpec, cfg: RunConfig, cards: list[Card]) -> list[Recommendation]:
-    """Up to RECS_PER_CARD cheapest fitting changes for each card in `cards`."""
-    if not cards:
-        return []
-    candidates = _candidates(cfg, spec)
-    floor = _weights_floor(spec, cfg)
-    hopeless = [c for c in cards if not card_fit(c, floor).fits]
-    cards = [c for c in cards if c not in hopeless]
-    found: dict[str, list[Recommendation]] = {c.id: [] for c in cards}
-    seen: dict[str, list[frozenset[str]]] = {c.id: [] for c in cards}
-    for cand in candidates[:MAX_CANDIDATES]:
-        open_cards = [c for c in cards if len(found[c.id]) < RECS_PER_CARD]
-        if not open_cards:
-            break
-        peak = analytic(spec, cand.cfg).peak_bytes
-        for card in open_cards:
-            _consider(card, cand, peak, found[card.id], seen[card.id])
-    out = [r for c in cards for r in found[c.id]]
-    stuck = hopeless + [c for c in cards if not found[c.id]]
-    out += [_no_fit(spec, cfg, c, candidates) for c in stuck]
-    return sorted(out, key=lambda r: (not r.fits, r.cost, r.card))
-
-
-def _weights_floor(spec: ModelSpec, cfg: RunConfig) -> int:
-    """Live bytes no searched change goes below: the frozen weights (bf16 or as quantized)."""
-    step = Step.from_config(cfg)
-    return int(min(spec.total_params * step.weight_bytes, frozen_bytes(spec, step)))
-
-
-def _consider(
-    card: Card,
-    cand: _Candidate,
-    peak: int,
-    found: list[Recommendation],
-    seen: list[frozenset[str]],
-) -> None:
-    fit = card_fit(card, peak)
-    if not fit.fits or any(prev <= cand.moves for prev in seen):
-        return  # a cheaper subset of these moves already fits
-    seen.append(cand.moves)
-    notes = ("experts kept (never dropped)",) if "attention" in cand.moves else ()
-    rec = Recommendation(
-        card.id, cand.changes, cand.overrides, round(cand.cost, 2), peak,
-        fit.required_bytes, fit.headroom_bytes, notes,
-    )  # fmt: skip
-    found.append(rec)
-
-
-def _no_fit(spec: ModelSpec, cfg: RunConfig, card: Card, cands: list[_Candidate]) -> Recommendation:
-    """No searched change fits: say how far the leanest one is, and what is left."""
-    leanest = cands[-1] if cands else _Candidate(cfg, 0.0, (), (), frozenset())
-    peak = analytic(spec, leanest.cfg).peak_bytes
-    fit = card_fit(card, peak)
-    frozen = spec.total_params * 2
-    why = (
-        f"the bf16 frozen weights alone ({frozen / GiB:.0f} GiB) exceed the card"
-        if frozen > card.usable_bytes
-        else "even the leanest searched config is short"
-    )
-    return Recommendation(
-        card.id, leanest.changes, leanest.overrides, round(leanest.cost, 2), peak,
-        fit.required_bytes, fit.headroom_bytes,
-        (f"{why}; experts were not dropped (that would not train the MoE) – "
-         "use a larger card, several GPUs, or quantized/offloaded frozen experts",),
-        fits=False,
-    )  # fmt: skip

@@ -3,8 +3,9 @@
 The exact layout comes from the recipe's own LoraConfig applied by peft to a weightless
 (`meta`) build of the model – the same code path the trace and the trainer take, so
 peft's name rewriting (automap doubling gate_up's rank, dropping dense and shared MLPs)
-is whatever the installed peft does. Layouts are linear in the rank, so one build per
-(model, targets, mapping) serves every rank; builds are cached per process.
+is whatever the installed peft does. Each adapter's size is linear in its rank, so one
+build per (model, targets, mapping) serves every rank and expert rank (`at_rank`); builds
+are cached per process.
 
 When the recipe cannot be built (peft missing), `formula_layout` derives a layout from
 the spec alone for grouped-query-attention families.
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 from moetune.config import LoraArgs
 from moetune.model.families import ModulePaths, get_family
 from moetune.model.spec import ModelSpec
+from moetune.recipe.targets import check_expert_rank
 
 if TYPE_CHECKING:
     from torch import nn
@@ -50,9 +52,11 @@ class Adapter:
 
 @dataclass(frozen=True)
 class AdapterLayout:
-    """Adapters per decoder layer, at `rank` (the LoRA r of the config)."""
+    """Adapters per decoder layer: expert stacks at `experts_rank`, the rest at `rank`
+    (the config's r; automap's doubled gate_up is 2 × experts_rank)."""
 
     rank: int
+    experts_rank: int
     layers: tuple[tuple[Adapter, ...], ...]
     extra_trainable: int = 0  # trainable parameters outside the decoder layers
     source: str = "peft"  # "peft": exact meta build; "formula": derived from the spec
@@ -67,36 +71,46 @@ class AdapterLayout:
         layers = tuple(tuple(a for a in layer if a.kind in keep) for layer in self.layers)
         return replace(self, layers=layers)
 
-    def at_rank(self, rank: int) -> AdapterLayout:
-        """The same targets at another rank (every LoRA size is proportional to r)."""
-        if rank == self.rank:
+    def at_rank(self, rank: int, experts_rank: int | None = None) -> AdapterLayout:
+        """The same targets at `rank`, expert stacks at `experts_rank` (default: their ratio
+        to rank kept); every LoRA size is proportional to its r."""
+        if experts_rank is None:
+            experts_rank = max(1, self.experts_rank * rank // self.rank)
+        if (rank, experts_rank) == (self.rank, self.experts_rank):
             return self
-        scale = _Scale(rank, self.rank)
+
+        def scale(a: Adapter) -> Adapter:
+            if is_expert_stack(a):
+                return _scaled(a, experts_rank, self.experts_rank)
+            return _scaled(a, rank, self.rank)
+
         layers = tuple(tuple(scale(a) for a in layer) for layer in self.layers)
-        return replace(self, rank=rank, layers=layers)
+        return replace(self, rank=rank, experts_rank=experts_rank, layers=layers)
 
 
-@dataclass(frozen=True)
-class _Scale:
-    new: int
-    old: int
+def is_expert_stack(a: Adapter) -> bool:
+    """A fused expert stack's ParamWrapper: it takes lora.experts_rank."""
+    return a.via == "param" and a.kind == "experts"
 
-    def __call__(self, a: Adapter) -> Adapter:
-        rank = a.rank * self.new // self.old
-        return replace(a, rank=rank, lora_numel=a.lora_numel * self.new // self.old)
+
+def _scaled(a: Adapter, new: int, old: int) -> Adapter:
+    return replace(a, rank=a.rank * new // old, lora_numel=a.lora_numel * new // old)
 
 
 def adapter_layout(spec: ModelSpec, lora: LoraArgs) -> AdapterLayout:
-    """The exact layout at `lora.rank` (cached meta build); the formula when peft is absent."""
+    """The exact layout of `lora` (cached meta build); the formula when peft is absent."""
+    check_expert_rank(lora)  # the reference below has no expert rank to refuse
     key = _key(spec, lora)
-    # dropout does not move an adapter (and peft refuses it on ParamWrapper targets – a
-    # trap the rules report); the layout is the same either way
-    reference = lora.model_copy(update={"rank": _REFERENCE_RANK, "dropout": 0.0})
+    # one rank throughout (at_rank sets both); dropout does not move an adapter (and peft
+    # refuses it on ParamWrapper targets – a trap the rules report)
+    reference = lora.model_copy(
+        update={"rank": _REFERENCE_RANK, "expert_rank": None, "dropout": 0.0}
+    )
     try:
         base = _peft_layout_cached(key, spec, reference)
     except ImportError:
         return formula_layout(spec, lora)
-    return base.at_rank(lora.rank)
+    return base.at_rank(lora.rank, lora.experts_rank)
 
 
 def _key(spec: ModelSpec, lora: LoraArgs) -> str:
@@ -127,17 +141,16 @@ def peft_layout(spec: ModelSpec, lora: LoraArgs) -> AdapterLayout:
     paths = get_family(spec.model_type).paths_of(spec)
     layers: list[list[Adapter]] = [[] for _ in range(spec.num_layers)]
     for name, module in model.named_modules():
-        found = _adapter(name, module, paths, lora.rank)
+        found = _adapter(name, module, paths)
         if found is not None:
             layers[found[0]].append(found[1])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     inside = sum(a.lora_numel for layer in layers for a in layer)
-    return AdapterLayout(lora.rank, tuple(tuple(x) for x in layers), trainable - inside)
+    per_layer = tuple(tuple(x) for x in layers)
+    return AdapterLayout(lora.rank, lora.experts_rank, per_layer, trainable - inside)
 
 
-def _adapter(
-    name: str, module: nn.Module, paths: ModulePaths, rank: int
-) -> tuple[int, Adapter] | None:
+def _adapter(name: str, module: nn.Module, paths: ModulePaths) -> tuple[int, Adapter] | None:
     from peft.tuners.lora import Linear, ParamWrapper
 
     match = _LAYER.search(name)
@@ -154,11 +167,7 @@ def _adapter(
         local = f"{local.removesuffix('.base_layer')}:{module.parameter_name}"
         base_numel, via = module.get_param().numel(), "param"
     adapter = Adapter(_kind(local, paths), via, local, fan_in, fan_out, r, base_numel, lora_numel)
-    return int(match.group(1)), _at_reference(adapter, rank)
-
-
-def _at_reference(a: Adapter, rank: int) -> Adapter:
-    return a if rank == _REFERENCE_RANK else _Scale(_REFERENCE_RANK, rank)(a)
+    return int(match.group(1)), adapter
 
 
 def _kind(local: str, paths: ModulePaths) -> str:
@@ -190,13 +199,13 @@ def formula_layout(spec: ModelSpec, lora: LoraArgs) -> AdapterLayout:
         if "attention" in targets:
             adapters += _attention(spec, r)
         if i in moe and "experts" in targets:
-            adapters += _experts(spec, r)
+            adapters += _experts(spec, lora.experts_rank)
         if i in moe and "shared" in targets and spec.shared_intermediate_size:
             adapters += _glu("shared", spec.hidden_size, spec.shared_intermediate_size, r)
         if i not in moe and "dense" in targets and spec.dense_intermediate_size:
             adapters += _glu("dense", spec.hidden_size, spec.dense_intermediate_size, r)
         layers.append(tuple(adapters))
-    return AdapterLayout(r, tuple(layers), source="formula")
+    return AdapterLayout(r, lora.experts_rank, tuple(layers), source="formula")
 
 
 def _linear(kind: str, name: str, fan_in: int, fan_out: int, r: int) -> Adapter:

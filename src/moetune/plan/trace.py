@@ -108,6 +108,9 @@ def trace_step(
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             torch.manual_seed(seed)
             warnings.simplefilter("ignore", FutureWarning)  # peft calls renamed transformers APIs
+            # peft checks expert-rank pattern keys against module names, not the parameter
+            # paths it then applies them to (recipe.targets.peft_notes)
+            warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys")
             model = _build(
                 copy.deepcopy(hf_config), copy.deepcopy(peft_config), dtype, device, fake,
                 engine, (experts_dtype, double_quant),

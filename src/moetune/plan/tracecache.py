@@ -78,6 +78,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
     """trace_step for `cfg` on `spec` (recipe's LoraConfig; None for full fine-tuning)."""
     import torch
 
+    from moetune.engine.resolve import resolve_engine
     from moetune.model import to_hf_config
     from moetune.plan.trace import trace_step
     from moetune.recipe.targets import build_peft_config
@@ -99,7 +100,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
         dtype=getattr(torch, cfg.model.dtype),
         optimizer=optimizer,
         steps=STEPS,
-        engine=cfg.lora.engine,
+        engine=resolve_engine(spec, cfg.lora, cfg.model.experts_dtype),
         experts_dtype=cfg.model.experts_dtype,
         double_quant=cfg.model.experts_double_quant,
     )

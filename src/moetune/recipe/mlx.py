@@ -6,7 +6,8 @@ nothing, silently), adapts only the last `num_layers` layers (default 16; -1 is 
 and without `keys` adapts every Linear – the router included. Its `scale` multiplies
 B·A directly, so peft's alpha maps to scale = alpha / rank. Supplying
 `lora_parameters` without all of rank, scale and dropout raises KeyError in mlx-lm,
-hence all four keys are always written.
+hence all four keys are always written. That one rank applies to every key (mlx-lm's
+`linear_to_lora_layers`), so a separate expert rank cannot be expressed.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ def _mlx_family(spec: ModelSpec) -> Family:
             "use lora.stack=peft, or check mlx-lm's model file and add the family's mlx paths",
         )
     return family
+
+
+def _check_expert_rank(lora: LoraArgs) -> None:
+    if lora.experts_rank != lora.rank:
+        raise RecipeError(
+            f"lora.expert_rank={lora.expert_rank} cannot be expressed for mlx-lm: its "
+            "lora_parameters.rank applies to every key, experts included",
+            "drop lora.expert_rank (or set lora.rank to the one rank you want), "
+            "or use lora.stack=peft",
+        )
 
 
 def _check_kinds(spec: ModelSpec, kinds: tuple[str, ...]) -> None:
@@ -90,6 +101,7 @@ def _without_router(keys: list[str], router: tuple[str, ...]) -> list[str]:
 
 def make_mlx_recipe(spec: ModelSpec, lora: LoraArgs) -> dict[str, Any]:
     """The mlx_lm.lora config for `lora` on `spec` (dict; see `mlx_yaml` for the text)."""
+    _check_expert_rank(lora)
     keys, absent = mlx_keys(spec, lora)
     if not keys:
         raise RecipeError(

@@ -377,3 +377,15 @@ def ci_step_timeout_missing() -> ProbeOutcome:
     raise ProbeUnavailable(
         "GitHub Actions timeout semantics cannot run offline; covered by the check() tests"
     )
+
+
+def experts_not_dispatched() -> ProbeOutcome:
+    """transformers builds some MoE families' experts without @use_experts_implementation
+    (dbrx here), so moetune's split LoRA has no ExpertsInterface to plug into."""
+    from moetune.engine.resolve import split_engine_serves
+    from moetune.model import spec_from_config
+    from moetune.model.tiny import tiny_config
+
+    served = split_engine_serves(spec_from_config(tiny_config("dbrx"), "tiny-dbrx"))
+    verb = "dispatch" if served else "do not dispatch"
+    return ProbeOutcome(not served, f"dbrx experts {verb} through ExpertsInterface")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moetune.errors import RecipeError
 from moetune.recipe import probes
 from moetune.recipe.rules import Hit, LintContext, Severity, register_rule
 from moetune.units import count, gib
@@ -60,7 +61,7 @@ def _param_wrapped(ctx: LintContext) -> list[str]:
 )
 def lora_dropout(ctx: LintContext) -> Hit | None:
     dropout = ctx.config.lora.dropout
-    if ctx.config.lora.stack != "peft" or dropout == 0 or ctx.config.lora.engine == "moetune":
+    if ctx.config.lora.stack != "peft" or dropout == 0 or _engine(ctx) == "moetune":
         return None
     wrapped = _param_wrapped(ctx)
     if not wrapped:
@@ -272,8 +273,8 @@ def no_experts(ctx: LintContext) -> Hit | None:
     libraries=PEFT_LIBS,
 )
 def quantized_experts_peft(ctx: LintContext) -> Hit | None:
-    model, lora = ctx.config.model, ctx.config.lora
-    if model.experts_dtype == "bf16" or lora.engine == "moetune":
+    model = ctx.config.model
+    if model.experts_dtype == "bf16" or _engine(ctx) == "moetune":
         return None
     return Hit(
         f"model.experts_dtype={model.experts_dtype} with lora.engine: peft – peft's "
@@ -282,3 +283,37 @@ def quantized_experts_peft(ctx: LintContext) -> Hit | None:
         "set lora.engine: moetune (split LoRA dequantises one expert at a time)",
         "lora.engine",
     )
+
+
+# -- ENGINE-MOETUNE-UNSERVED ------------------------------------------------------------------
+
+
+def _engine(ctx: LintContext) -> str:
+    """The engine the run resolves to; an unservable explicit moetune counts as asked."""
+    if ctx.spec is None:
+        return ctx.config.lora.engine
+    from moetune.engine.resolve import resolve_engine
+
+    try:
+        return resolve_engine(ctx.spec, ctx.config.lora, ctx.config.model.experts_dtype)
+    except RecipeError:
+        return "moetune"  # ENGINE-MOETUNE-UNSERVED reports it
+
+
+@register_rule(
+    "ENGINE-MOETUNE-UNSERVED",
+    "error",
+    "engine moetune on a family whose experts transformers does not dispatch",
+    probe=probes.experts_not_dispatched,
+    libraries=("transformers",),
+)
+def engine_unserved(ctx: LintContext) -> Hit | None:
+    if ctx.spec is None or ctx.config.lora.engine != "moetune":
+        return None
+    from moetune.engine.resolve import resolve_engine
+
+    try:
+        resolve_engine(ctx.spec, ctx.config.lora)
+    except RecipeError as err:
+        return Hit(err.cause, err.fix, "lora.engine")
+    return None

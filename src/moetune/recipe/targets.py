@@ -4,10 +4,12 @@ Two ways to name the targets:
 
 - explicit (moetune's): attention, dense-MLP and shared-expert Linears by layer-relative
   path in `target_modules`; the fused expert stacks by path in `target_parameters`
-  (rank r per expert, no doubling). Where the installed peft rewrites a name from
-  `target_modules` (peft >= 0.19 moves `gate_proj/up_proj/down_proj` onto the fused
-  experts and drops it, taking dense and shared MLPs with it – peft #3711), that Linear's
-  `.weight` goes to `target_parameters` instead: the same LoRA, a name peft leaves alone.
+  (rank r per expert, no doubling; `lora.expert_rank` gives them their own rank through
+  `rank_pattern` / `alpha_pattern` keyed by those parameter paths). Where the installed
+  peft rewrites a name from `target_modules` (peft >= 0.19 moves
+  `gate_proj/up_proj/down_proj` onto the fused experts and drops it, taking dense and
+  shared MLPs with it – peft #3711), that Linear's `.weight` goes to `target_parameters`
+  instead: the same LoRA, a name peft leaves alone.
 - automap: what a vanilla peft user writes (attention names plus gate/up/down). Lossy on
   purpose, so the planner can trace it and the audit can show what it misses.
 
@@ -17,10 +19,12 @@ emits the recipe only when every requested target got LoRA.
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
+import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +45,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 PEFT_DROPOUT_ERROR = "lora.ParamWrapper does not work with lora_dropout != 0."
+# peft 0.21 checks rank_pattern / alpha_pattern keys against targeted *module* names only,
+# although it applies keys naming target_parameters to their ParamWrappers
+_PATTERN_MISS = re.compile(
+    r"The following (?:rank|alpha)_pattern keys did not match any targeted module "
+    r"and were ignored: (\[.*\])\.$"
+)
 _VANILLA_MLP = ("gate_proj", "up_proj", "down_proj")
 _MLP_KINDS = frozenset({"experts", "dense", "shared"})
 
@@ -75,6 +85,7 @@ class PeftTargets:
     modules: tuple[str, ...]
     parameters: tuple[str, ...]
     param_wrapped: tuple[str, ...]  # what peft will wrap with lora.ParamWrapper
+    experts: tuple[str, ...] = ()  # the fused expert stacks among `parameters`
 
 
 def _explicit(spec: ModelSpec, family: Family, kinds: tuple[str, ...]) -> PeftTargets:
@@ -82,18 +93,21 @@ def _explicit(spec: ModelSpec, family: Family, kinds: tuple[str, ...]) -> PeftTa
     paths = family.paths_of(spec)
     modules: list[str] = []
     params: list[str] = []
+    experts: list[str] = []
     for kind in kinds:
         part = PARTS[kind]
         if absent_reason(kind, spec):
             continue
         for path in part.peft(paths):
-            if part.via == "param":
+            if part.via == "param":  # the fused expert stacks
                 params.append(path)
+                experts.append(path)
             elif part.via == "weight" or _leaf(path) in rewritten:
                 params.append(f"{path}.weight")
             else:
                 modules.append(path)
-    return PeftTargets(tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(params)), tuple(params))
+    unique = tuple(dict.fromkeys(params))
+    return PeftTargets(tuple(dict.fromkeys(modules)), unique, tuple(params), tuple(experts))
 
 
 def _automap(spec: ModelSpec, family: Family, kinds: tuple[str, ...]) -> PeftTargets:
@@ -126,13 +140,43 @@ def _check_moe(spec: ModelSpec, kinds: tuple[str, ...]) -> None:
         )
 
 
-def _check_dropout(lora: LoraArgs, targets: PeftTargets) -> None:
-    if lora.dropout and targets.param_wrapped and lora.engine == "peft":
-        shown = ", ".join(targets.param_wrapped[:3])
+def split_experts(spec: ModelSpec, lora: LoraArgs) -> bool:
+    """moetune's engine computes the expert LoRA (and applies its dropout)."""
+    from moetune.engine.resolve import resolve_engine
+
+    return resolve_engine(spec, lora) == "moetune"
+
+
+def _no_dropout(spec: ModelSpec, lora: LoraArgs, targets: PeftTargets) -> tuple[str, ...]:
+    """Parameter targets peft would wrap without dropout: all on peft's engine; on moetune's,
+    those that are not expert stacks (automap's names all land on the experts)."""
+    if not split_experts(spec, lora):
+        return targets.param_wrapped
+    if lora.expert_mapping == "automap":
+        return ()
+    return tuple(t for t in targets.param_wrapped if t not in targets.experts)
+
+
+def _check_dropout(spec: ModelSpec, lora: LoraArgs, targets: PeftTargets) -> None:
+    refused = _no_dropout(spec, lora, targets) if lora.dropout else ()
+    if refused:
+        shown = ", ".join(refused[:3])
         raise RecipeError(
             f"lora.dropout={lora.dropout} cannot be used: {shown} are adapted through "
             f"target_parameters and peft raises {PEFT_DROPOUT_ERROR!r} (no per-module dropout)",
-            "set lora.engine: moetune (split LoRA applies expert dropout), or lora.dropout: 0",
+            "keep lora.engine auto or moetune for expert stacks (split LoRA applies their "
+            "dropout) and drop other parameter targets, or set lora.dropout: 0",
+        )
+
+
+def check_expert_rank(lora: LoraArgs) -> None:
+    """RecipeError when `lora.expert_rank` cannot be honoured (automap mapping)."""
+    if lora.experts_rank != lora.rank and lora.expert_mapping == "automap":
+        raise RecipeError(
+            f"lora.expert_rank={lora.expert_rank} needs explicit expert targets: automap's "
+            "gate/up/down_proj names also hit dense and shared MLPs, so no rank can single "
+            "out the experts",
+            "set lora.expert_mapping: explicit, or drop lora.expert_rank",
         )
 
 
@@ -140,6 +184,7 @@ def peft_targets(spec: ModelSpec, lora: LoraArgs) -> PeftTargets:
     """The target_modules / target_parameters for `lora` on `spec` (validated)."""
     kinds = requested_kinds(lora)
     _check_moe(spec, kinds)
+    check_expert_rank(lora)
     family = get_family(spec.model_type)
     targets = _MAPPINGS[lora.expert_mapping](spec, family, kinds)
     if not targets.modules and not targets.parameters:
@@ -147,7 +192,7 @@ def peft_targets(spec: ModelSpec, lora: LoraArgs) -> PeftTargets:
             f"{spec.name}: none of lora.targets ({', '.join(kinds)}) exists in this model",
             "pick targets the model has (attention is always a safe start)",
         )
-    _check_dropout(lora, targets)
+    _check_dropout(spec, lora, targets)
     return targets
 
 
@@ -160,14 +205,19 @@ def build_peft_config(spec: ModelSpec, lora: LoraArgs) -> LoraConfig:
     from peft import LoraConfig
 
     targets = peft_targets(spec, lora)
+    stacks = targets.experts if lora.experts_rank != lora.rank else ()
     return LoraConfig(
         r=lora.rank,
         lora_alpha=_alpha(lora.effective_alpha),
-        # engine moetune: peft's ParamWrapper refuses dropout; apply_split_lora applies it
-        lora_dropout=0.0 if lora.engine == "moetune" and targets.param_wrapped else lora.dropout,
+        # peft's ParamWrapper refuses dropout: moetune's engine applies it after the build
+        # (engine.apply_lora_dropout), and _check_dropout refused every other case
+        lora_dropout=0.0 if targets.param_wrapped else lora.dropout,
         # [] rather than None: None makes peft fill in its per-model default modules
         target_modules=list(targets.modules),
         target_parameters=list(targets.parameters) or None,
+        # keyed by the parameter paths: peft matches them against each ParamWrapper's key
+        rank_pattern=dict.fromkeys(stacks, lora.experts_rank),
+        alpha_pattern=dict.fromkeys(stacks, _alpha(lora.experts_alpha)),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -190,8 +240,20 @@ def apply_peft(model: nn.Module, config: LoraConfig) -> tuple[nn.Module, list[st
             raise RecipeError(
                 f"peft rejected the LoRA config: {exc}", "adjust lora.targets"
             ) from exc
+    return wrapped, peft_notes(caught, config)
+
+
+def peft_notes(caught: Iterable[warnings.WarningMessage], config: LoraConfig) -> list[str]:
+    """peft's warnings in `caught`, deduplicated, less its false pattern-key miss for keys
+    that name `config.target_parameters` (applied to the ParamWrappers all the same)."""
+    params = set(config.target_parameters or ())
     notes = [str(w.message) for w in caught if "peft" in (w.filename or "")]
-    return wrapped, list(dict.fromkeys(notes))
+    return list(dict.fromkeys(n for n in notes if not _false_pattern_miss(n, params)))
+
+
+def _false_pattern_miss(note: str, params: set[str]) -> bool:
+    match = _PATTERN_MISS.match(note)
+    return match is not None and set(ast.literal_eval(match.group(1))) <= params
 
 
 # ---------------------------------------------------------------- the recipe
@@ -239,6 +301,8 @@ def snippet(config: LoraConfig) -> str:
         "lora_dropout": config.lora_dropout,
         "target_modules": sorted(config.target_modules or []),
         "target_parameters": list(config.target_parameters or []) or None,
+        "rank_pattern": config.rank_pattern or None,
+        "alpha_pattern": config.alpha_pattern or None,
         "bias": config.bias,
         "task_type": "CAUSAL_LM",
     }

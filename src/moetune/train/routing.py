@@ -124,6 +124,25 @@ def routed_experts(output: Any, num_experts: int, top_k: int) -> torch.Tensor | 
     return None
 
 
+def routed_weights(output: Any, indices: torch.Tensor) -> torch.Tensor | None:
+    """The routing weight of each of `indices` [tokens, top_k] in a router's output.
+
+    transformers 5 routers return (logits, weights, indices): the last float tensor shaped
+    like the indices (softmax/sigmoid top-k, normalised or scaled as the family does). A
+    router that returns only logits is read as their softmax at the chosen experts; None
+    when there are no scores at all.
+    """
+    parts = output if isinstance(output, tuple | list) else (output,)
+    floats = [t for t in parts if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        return None
+    shaped = [t for t in floats[1:] if t.numel() == indices.numel()]  # floats[0]: the logits
+    if shaped:
+        return shaped[-1].reshape(indices.shape)
+    logits = floats[0].reshape(indices.shape[0], -1)
+    return logits.float().softmax(dim=-1).gather(1, indices.long())
+
+
 def router_modules(model: nn.Module, spec: ModelSpec) -> dict[int, nn.Module]:
     """MoE layer -> its router module (the outermost, peft wrapper included)."""
     family = get_family(spec.model_type)
@@ -192,14 +211,17 @@ def compare_router(
 
 
 class RoutingRecorder:
-    """Counts routed tokens per MoE layer while started; hooks stay until `remove()`."""
+    """Counts routed tokens per MoE layer while started; hooks stay until `remove()`.
+    With `weights`, each decision's routing weight is kept as well (see `routed`)."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec) -> None:
+    def __init__(self, model: nn.Module, spec: ModelSpec, weights: bool = False) -> None:
         self.num_experts, self.top_k = spec.num_experts, spec.top_k
         self.active = False
+        self.weights = weights
         self._in_forward = False
         self._mask: torch.Tensor | None = None
         self._seen: dict[int, list[torch.Tensor]] = {}
+        self._weights: dict[int, list[torch.Tensor]] = {}
         get_base = getattr(model, "get_base_model", None)
         base: nn.Module = get_base() if callable(get_base) else model
         self._handles: list[RemovableHandle] = [
@@ -224,15 +246,31 @@ class RoutingRecorder:
             indices = routed_experts(output, self.num_experts, self.top_k)
             if indices is None:
                 return
+            weights = routed_weights(output, indices) if self.weights else None
             mask = self._mask
             if mask is not None and mask.numel() == indices.shape[0]:
                 indices = indices[mask.to(indices.device)]
+                weights = None if weights is None else weights[mask.to(weights.device)]
             self._seen.setdefault(layer, []).append(indices.detach().cpu())
+            if weights is not None:
+                self._weights.setdefault(layer, []).append(weights.detach().float().cpu())
 
         return record
 
     def start(self) -> None:
-        self._seen, self.active = {}, True
+        self._seen, self._weights, self.active = {}, {}, True
+
+    def routed(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per layer, every decision since `start()`: indices [tokens, top_k] and their
+        weights (None unless recording weights); stops recording."""
+        self.active = False
+        return {
+            layer: (
+                torch.cat(parts),
+                torch.cat(self._weights[layer]) if layer in self._weights else None,
+            )
+            for layer, parts in sorted(self._seen.items())
+        }
 
     def stop(self) -> list[LayerLoad]:
         """The loads recorded since `start()`, per layer, and stop recording."""

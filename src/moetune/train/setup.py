@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from trl import SFTConfig
 
+    from moetune.engine.select import ExpertSelection
     from moetune.model.spec import ModelSpec
     from moetune.recipe.audit import CoverageReport
 
@@ -107,7 +108,8 @@ def aux_choice(cfg: RunConfig, spec: ModelSpec) -> AuxChoice:
 
 @dataclass
 class Setup:
-    """What preflight settled; `coverage` is filled in once the model is wrapped."""
+    """What preflight settled; `coverage` is filled in once the model is wrapped, `selection`
+    (lora.expert_selection) once the experts are scored."""
 
     place: Placement
     spec: ModelSpec
@@ -120,7 +122,9 @@ class Setup:
     aux: AuxChoice
     args: SFTConfig
     resume_from: tuple[int, Path] | None
+    engine: str = "peft"  # lora.engine as resolved for this model (engine/resolve.py)
     coverage: CoverageReport | None = None
+    selection: ExpertSelection | None = None
 
     @property
     def planned_peak_bytes(self) -> int | None:
@@ -137,11 +141,15 @@ class Setup:
 
 def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Setup:
     """Placement, preflight, data and TRL arguments; then the run dir's first files."""
+    from moetune.engine.resolve import resolve_engine
+    from moetune.engine.select import check_selection
     from moetune.model import load_spec
 
     place = resolve_placement(cfg.train)
     spec = load_spec(cfg.model.id)
+    check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)
+    engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)  # after the lint said why
     tokenizer = load_tokenizer(cfg.model.id)
     data, eval_data = load_train_data(cfg.data, tokenizer, cfg.train.seq_len)
     aux = aux_choice(cfg, spec)
@@ -158,6 +166,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         aux=aux,
         args=args,
         resume_from=resume_point(run, data) if resume else None,
+        engine=engine,
     )
     with args.main_process_first(local=False, desc="moetune run dir"):  # the others wait
         if args.should_save:

@@ -11,10 +11,13 @@ The run, top to bottom:
    run dir's first files (config, versions + git sha, preflight, data);
 3. the model is loaded, wrapped with the recipe's LoRA config and audited: coverage.json,
    and the run stops unless every requested target got LoRA;
-4. TRL's SFTTrainer trains with moetune's callbacks (metrics, routing, atomic checkpoints,
+4. with lora.expert_selection (ESFT), the frozen base scores the experts on the trainer's
+   tokenised rows and only the chosen experts' LoRA trains (engine/select.py;
+   experts_selected.json, reused on resume);
+5. TRL's SFTTrainer trains with moetune's callbacks (metrics, routing, atomic checkpoints,
    progress). The aux loss is on only when train.aux_loss says so or, left unset, when
    lora.train_router – TRL would otherwise turn it on for every MoE by itself;
-5. the adapter is saved in peft format (temp dir, then rename), the router's effective
+6. the adapter is saved in peft format (temp dir, then rename), the router's effective
    weights are compared with their state before training, and summary.json comes last.
 
 Multi-GPU is accelerate's job: `accelerate launch "$(command -v moetune)" train run.yaml`
@@ -24,6 +27,7 @@ process writes the run dir; checkpoints are committed after every process saved 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -68,6 +72,7 @@ if TYPE_CHECKING:
     from torch import nn
     from trl import SFTTrainer
 
+    from moetune.engine.select import ExpertSelection
     from moetune.recipe.audit import CoverageReport
 
 
@@ -126,10 +131,11 @@ def _train(
         return TrainResult.from_json(json.loads(run.summary.read_text(encoding="utf-8"))["result"])
     console = Console(stderr=True, quiet=not progress)
     setup = prepare(cfg, run, resume, allow_errors)
-    model, setup.coverage = wrap_lora(load_model(cfg, setup.place), cfg, run, setup)
+    model, setup.coverage = wrap_lora(load_model(cfg, setup.place, setup.engine), cfg, run, setup)
     announce(console, cfg, setup)
     router_before = router_weights(model, setup.spec)
     trainer, routing = build_trainer(cfg, setup, run, model, console)
+    setup.selection = select_experts(cfg, setup, run, model, trainer, console)
     fit(trainer, setup, console)
     routing.recorder.remove()
     save_adapter(trainer, run)
@@ -147,7 +153,7 @@ def _train(
         aux_loss=setup.aux.enabled,
         resumed_from_step=setup.resume_from[0] if setup.resume_from else None,
         errors_overridden=setup.overridden,
-        warnings=routing.warnings + router_warnings(router),
+        warnings=routing.warnings + router_warnings(router) + selection_warnings(model, setup),
     )
     if setup.args.should_save:
         write_summary(run, result, router, setup)
@@ -162,12 +168,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _QUANT_REPORT = "_moetune_quant_report"  # on a model loaded with quantised experts
 
 
-def load_model(cfg: RunConfig, place: Placement) -> nn.Module:
+def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
+    """The base as `engine` (the resolved lora.engine) trains it."""
     from transformers import AutoModelForCausalLM
 
     dtype = _DTYPES[place.load_dtype(cfg.model.dtype)]
     if cfg.model.experts_dtype != "bf16":
-        return load_quantized_model(cfg, place, dtype)
+        return load_quantized_model(cfg, place, dtype, engine)
     try:
         with quiet():
             model: nn.Module = AutoModelForCausalLM.from_pretrained(cfg.model.id, dtype=dtype)
@@ -179,13 +186,15 @@ def load_model(cfg: RunConfig, place: Placement) -> nn.Module:
     return model
 
 
-def load_quantized_model(cfg: RunConfig, place: Placement, dtype: torch.dtype) -> nn.Module:
+def load_quantized_model(
+    cfg: RunConfig, place: Placement, dtype: torch.dtype, engine: str
+) -> nn.Module:
     """The base with its expert stacks quantised while loading; its QuantReport rides along."""
     from moetune.engine import IMPLEMENTATION, register
     from moetune.engine.quant import require_split_engine
     from moetune.engine.quant_load import load_quantized
 
-    require_split_engine(cfg.lora.engine, cfg.model.experts_dtype)  # also under --allow-errors
+    require_split_engine(engine, cfg.model.experts_dtype)  # also under --allow-errors
     with quiet():
         model, report = load_quantized(
             _model_dir(cfg.model.id), cfg.model.experts_dtype, place.device, dtype,
@@ -212,6 +221,17 @@ def _model_dir(model_id: str) -> str:
         ) from None
 
 
+def _split_and_dropout(wrapped: nn.Module, cfg: RunConfig, engine: str, built: float) -> None:
+    """moetune's engine: split expert LoRA with its dropout, and the dropout peft's config
+    could not carry (ParamWrapper refuses it) on every other LoRA layer."""
+    from moetune.engine import apply_lora_dropout, apply_split_lora
+
+    if engine == "moetune" and "experts" in cfg.lora.targets:
+        apply_split_lora(wrapped, dropout=cfg.lora.dropout)  # same peft params, split forward
+    if cfg.lora.dropout != built:
+        apply_lora_dropout(wrapped, cfg.lora.dropout)
+
+
 def wrap_lora(
     model: nn.Module, cfg: RunConfig, run: RunDir, setup: Setup
 ) -> tuple[nn.Module, CoverageReport]:
@@ -221,26 +241,24 @@ def wrap_lora(
 
     from moetune.engine.quant import peft_targets
     from moetune.recipe.audit import audit_coverage
-    from moetune.recipe.targets import build_peft_config
+    from moetune.recipe.targets import build_peft_config, peft_notes
 
     set_seed(cfg.train.seed)  # the LoRA A matrices are initialised here
     quant = model.__dict__.get(_QUANT_REPORT)
+    config = build_peft_config(setup.spec, cfg.lora)
     with warnings.catch_warnings(record=True) as caught, peft_targets(model):
         warnings.simplefilter("always")
         # a fresh config each time: get_peft_model rewrites the one it is given;
         # peft_targets: peft only sees quantised stacks as stand-in Parameters
-        wrapped = get_peft_model(model, build_peft_config(setup.spec, cfg.lora))
-    if cfg.lora.engine == "moetune" and "experts" in cfg.lora.targets and setup.spec.is_moe:
-        from moetune.engine import apply_split_lora
-
-        apply_split_lora(wrapped, dropout=cfg.lora.dropout)  # same peft params, split forward
-    notes = sorted({str(w.message) for w in caught if "peft" in (w.filename or "")})
+        wrapped = get_peft_model(model, copy.deepcopy(config))
+    notes = peft_notes(caught, config)
     report = audit_coverage(wrapped, setup.spec, cfg.lora)
     if setup.args.should_save:
         atomic_write_json(run.coverage, {**report.to_json(), "peft_warnings": notes})
         if quant is not None:
             atomic_write_json(run.root / "quant.json", quant.to_json())
     require_full_coverage(report)
+    _split_and_dropout(wrapped, cfg, setup.engine, config.lora_dropout)  # audited first
     return wrapped, report
 
 
@@ -314,6 +332,31 @@ def build_trainer(
     return trainer, routing
 
 
+def select_experts(
+    cfg: RunConfig, setup: Setup, run: RunDir, model: nn.Module, trainer: SFTTrainer,
+    console: Console,
+) -> ExpertSelection | None:  # fmt: skip
+    """lora.expert_selection: score the experts on the rows the trainer will train on, then
+    let only the chosen ones' LoRA train. A resumed run keeps the experts it started with."""
+    if cfg.lora.expert_selection == "all":
+        return None
+    from moetune.engine import select
+
+    path = run.root / select.FILE
+    if setup.resume_from and path.is_file():
+        chosen = select.ExpertSelection.from_json(json.loads(path.read_text(encoding="utf-8")))
+    else:
+        dataset, collate = trainer.train_dataset, trainer.data_collator
+        chosen = select.select_experts(
+            model, setup.spec, cfg.lora, dataset, collate, cfg.train.batch_size
+        )
+    select.restrict_training(model, setup.spec, chosen)
+    if setup.args.should_save:
+        atomic_write_json(path, chosen.to_json())
+    console.print(chosen.describe(), highlight=False)
+    return chosen
+
+
 def fit(trainer: SFTTrainer, setup: Setup, console: Console) -> None:
     """trainer.train(), resumed from the last committed checkpoint when there is one."""
     checkpoint = str(setup.resume_from[1]) if setup.resume_from else None
@@ -347,6 +390,16 @@ def router_warnings(router: dict[str, Any]) -> list[str]:
     return []
 
 
+def selection_warnings(model: nn.Module, setup: Setup) -> list[str]:
+    """An unselected expert whose LoRA moved: its update is no longer zero as promised."""
+    if setup.selection is None:
+        return []
+    from moetune.engine.select import changed_unselected
+
+    layers = changed_unselected(model, setup.spec, setup.selection)
+    return [f"unselected experts' LoRA changed (layers {layers})"] if layers else []
+
+
 def final_loss(trainer: SFTTrainer) -> float | None:
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     return float(losses[-1]) if losses else None
@@ -377,6 +430,8 @@ def write_summary(run: RunDir, result: TrainResult, router: dict[str, Any], setu
         "data": setup.data.to_json(),
         "coverage_by_kind": setup.coverage.to_json()["by_kind"] if setup.coverage else {},
     }
+    if setup.selection is not None:  # experts_selected.json has the scores per layer
+        summary["expert_selection"] = setup.selection.summary()
     quant = run.root / "quant.json"  # quantised experts: bytes and output error per layer
     if quant.is_file():
         summary["quant"] = json.loads(quant.read_text(encoding="utf-8"))

@@ -1,0 +1,54 @@
+"""Which engine computes the expert LoRA of a run: `lora.engine` auto, moetune or peft.
+
+moetune's split LoRA serves every family whose experts class transformers decorates with
+`@use_experts_implementation` (its forward dispatches through `ExpertsInterface`). That
+is probed on the installed transformers by building the model on the meta device – no
+table to go stale – and cached per model type. `auto` (the default) picks moetune where
+it serves and the run adapts experts, peft otherwise; an explicit `moetune` on a family
+it cannot serve is an error with the fix, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from moetune.config import LoraArgs
+from moetune.errors import RecipeError
+from moetune.model.spec import ModelSpec
+
+Engine = Literal["peft", "moetune"]
+
+
+def resolve_engine(spec: ModelSpec, lora: LoraArgs, experts_dtype: str = "bf16") -> Engine:
+    """The engine a run with `lora` on `spec` trains (and is planned) with.
+
+    It matters where the experts carry LoRA or are stored quantised (`experts_dtype`):
+    quantised stacks run one expert at a time on moetune's path, LoRA or not.
+    """
+    uses_experts = "experts" in lora.targets or experts_dtype != "bf16"
+    if lora.engine == "peft" or lora.stack != "peft" or not (spec.is_moe and uses_experts):
+        return "peft"
+    served = split_engine_serves(spec)
+    if lora.engine == "moetune" and not served:
+        raise RecipeError(
+            f"lora.engine moetune cannot serve {spec.model_type}: transformers does not "
+            "dispatch its experts through ExpertsInterface (@use_experts_implementation)",
+            "set lora.engine: auto or peft",
+        )
+    return "moetune" if served else "peft"
+
+
+def split_engine_serves(spec: ModelSpec) -> bool:
+    """Whether the installed transformers builds `spec`'s experts as dispatchable stacks.
+
+    It depends on the family's experts class only, so one meta build per model type.
+    """
+    if spec.model_type not in _SERVES:
+        from moetune.engine.experts_lora import is_fused_experts
+        from moetune.model.build import build_model
+
+        _SERVES[spec.model_type] = any(map(is_fused_experts, build_model(spec).modules()))
+    return _SERVES[spec.model_type]
+
+
+_SERVES: dict[str, bool] = {}

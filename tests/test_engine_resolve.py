@@ -1,0 +1,94 @@
+"""`lora.engine: auto` resolves to moetune's split LoRA exactly where it serves, and there
+its loss and gradients equal peft's (so auto never changes what a run learns)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from peft import get_peft_model
+
+from moetune.config import LoraArgs
+from moetune.engine import apply_split_lora
+from moetune.engine.resolve import resolve_engine, split_engine_serves
+from moetune.errors import RecipeError
+from moetune.model import load_spec, spec_from_config
+from moetune.model.spec import ModelSpec
+from moetune.model.tiny import TINY_CONFIGS, tiny_config
+from moetune.recipe.targets import build_peft_config
+from test_engine_experts_lora import _randomize_b, _rel, _step
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _spec(variant: str) -> ModelSpec:
+    return spec_from_config(tiny_config(variant), variant)
+
+
+MOE_VARIANTS = [v for v in TINY_CONFIGS if _spec(v).is_moe]
+SERVED = [v for v in MOE_VARIANTS if split_engine_serves(_spec(v))]
+
+
+def test_auto_picks_moetune_only_where_transformers_dispatches_the_experts() -> None:
+    qwen = load_spec("Qwen/Qwen3-30B-A3B")
+    assert resolve_engine(qwen, LoraArgs()) == "moetune"
+    assert resolve_engine(qwen, LoraArgs(targets=["attention"])) == "peft"  # no expert LoRA
+    assert resolve_engine(qwen, LoraArgs(engine="peft")) == "peft"
+    assert resolve_engine(qwen, LoraArgs(stack="mlx")) == "peft"
+    dbrx = _spec("dbrx")
+    assert resolve_engine(dbrx, LoraArgs()) == "peft"
+    with pytest.raises(RecipeError, match="cannot serve dbrx"):
+        resolve_engine(dbrx, LoraArgs(engine="moetune"))
+    # the families served today, as probed on the installed transformers
+    assert {"dbrx", "llama4_text-interleave2"} <= set(MOE_VARIANTS) - set(SERVED)
+    assert {"qwen3_moe-dense0", "olmoe", "mixtral", "deepseek_v3", "gpt_oss"} <= set(SERVED)
+
+
+def _peft_model(variant: str) -> Any:
+    """moetune's own recipe (attention + experts, explicit) on a seeded tiny model, B random."""
+    spec = _spec(variant)
+    lora = LoraArgs(rank=4, engine="moetune", targets=["attention", "experts"])
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.AutoConfig.for_model(**tiny_config(variant))
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        peft_model = get_peft_model(model, build_peft_config(spec, lora))
+    _randomize_b(peft_model)
+    return peft_model
+
+
+@pytest.mark.parametrize("variant", SERVED)
+def test_where_auto_picks_moetune_it_matches_peft(variant: str) -> None:
+    stock = _peft_model(variant)
+    split = copy.deepcopy(stock)
+    assert apply_split_lora(split)
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    (loss_ref, grads_ref), (loss, grads) = _step(stock, ids), _step(split, ids)
+    assert _rel(loss, loss_ref) <= 1e-5
+    experts = [n for n in grads if "experts" in n and "lora_" in n]
+    assert experts and grads.keys() == grads_ref.keys()
+    for name, grad in grads.items():
+        assert _rel(grad, grads_ref[name]) <= 1e-5, name
+
+
+def test_dropout_reaches_every_lora_layer_on_moetunes_engine() -> None:
+    from moetune.config import RunConfig
+    from moetune.train.trainer import _split_and_dropout
+
+    spec = _spec("qwen3_moe-dense0")
+    cfg = RunConfig.model_validate({"lora": {"dropout": 0.1, "targets": ["attention", "experts"]}})
+    config = build_peft_config(spec, cfg.lora)
+    assert config.lora_dropout == 0.0  # peft's ParamWrapper would refuse it
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**tiny_config("qwen3_moe-dense0"))
+    )
+    wrapped = get_peft_model(model, config)
+    _split_and_dropout(wrapped, cfg, resolve_engine(spec, cfg.lora), config.lora_dropout)
+    dropouts = [m.lora_dropout["default"] for m in wrapped.modules() if hasattr(m, "lora_dropout")]
+    assert len(dropouts) == 3 * 4 + 2 * 2  # q,k,v,o of 3 layers; 2 stacks of 2 MoE layers
+    assert all(isinstance(d, torch.nn.Dropout) and d.p == 0.1 for d in dropouts)
