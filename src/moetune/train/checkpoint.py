@@ -6,6 +6,8 @@
       preflight.json      lint findings, the memory plan, errors overridden by --allow-errors
       data.json           data file, format, rows, what the loss is taken on, sha256
       coverage.json       the LoRA coverage audit of the wrapped model
+      quant.json          model.experts_dtype int8/nf4: per-layer output error of the stacks
+      experts_selected.json  lora.expert_selection: the experts trained per layer, scores
       metrics.jsonl       one row per logging step
       routing.jsonl       one row per routing record
       checkpoints/step-N  complete checkpoints only
