@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_cases
 import gpu_validate as gv
 
 # One build reused across an engine switch and gc on -> off, plus the NF4 build.
@@ -48,7 +49,7 @@ def test_smoke_measures_every_case_byte_exact(smoke: dict[str, Any]):
         assert r["step_s"] > 0 and len(r["step_times_s"]) == 3
         assert r["tracker_peak"]["phase"] == r["predicted_peak"]["phase"]
         assert r["tracker_peak"]["at_peak"] == r["predicted_peak"]["at_peak"]
-    assert rows[0]["seq_len"] == 2048 // gv.SMOKE_SEQ_DIVISOR
+    assert rows[0]["seq_len"] == 2048 // gpu_cases.SMOKE_SEQ_DIVISOR
 
 
 def test_smoke_cases_are_the_steps_they_name(smoke: dict[str, Any]):
@@ -103,7 +104,7 @@ def test_budget_skips_cases_and_still_writes_the_json(tmp_path: Path):
     assert gv.main(argv) == 0
     data = json.loads((out / "gpu_validate.json").read_text())
     assert [r["status"] for r in data["cases"]] == ["skipped"] * len(data["cases"])
-    assert len(data["cases"]) == sum(c.default for c in gv.CASES) >= 6
+    assert len(data["cases"]) == sum(c.default for c in gpu_cases.CASES) >= 6
     assert all(r["reason"].startswith("budget") for r in data["cases"])
     assert not results.exists()  # nothing finished, nothing recorded
 
@@ -125,13 +126,13 @@ def test_unknown_case_is_a_usage_error(capsys: pytest.CaptureFixture[str]):
 @pytest.mark.slow
 def test_trace_workers_give_the_inline_prediction(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setenv("MOETUNE_CACHE_DIR", str(tmp_path))  # both miss: the worker traces
-    case = next(c for c in gv.CASES if c.name == "olmoe-moetune-4k")
-    pool = gv.Predictions([case], smoke=True, jobs=1)
+    case = next(c for c in gpu_cases.CASES if c.name == "olmoe-moetune-4k")
+    pool = gpu_cases.Predictions([case], smoke=True, jobs=1)
     try:
         remote = pool.get(case)
     finally:
         pool.close()
-    inline = gv.predict(case, smoke=True)
+    inline = gpu_cases.predict(case, smoke=True)
     assert remote.pop("trace_s") >= 0 and inline.pop("trace_s") >= 0
     assert remote == inline
 
@@ -162,10 +163,10 @@ class _Allocator:
 
 
 def test_cuda_branches_turn_allocator_figures_into_a_row(monkeypatch: pytest.MonkeyPatch):
-    case = next(c for c in gv.CASES if c.name == "30b-moetune-2k")
-    model = gv.build(case, gv.spec_for(case, smoke=True), torch.device("cpu"))
-    gv.configure(model, case)
-    alloc = _Allocator(gv.weight_bytes(model))
+    case = next(c for c in gpu_cases.CASES if c.name == "30b-moetune-2k")
+    model = gpu_cases.build(case, gpu_cases.spec_for(case, smoke=True), torch.device("cpu"))
+    gpu_cases.configure(model, case)
+    alloc = _Allocator(gpu_cases.weight_bytes(model))
     cuda = torch.cuda
     for name, fn in {
         "synchronize": lambda *_: None,
@@ -178,7 +179,7 @@ def test_cuda_branches_turn_allocator_figures_into_a_row(monkeypatch: pytest.Mon
         "mem_get_info": lambda *_: (2**34, 2**34 + 2**31 + 2**29),  # 512 MiB outside torch
     }.items():
         monkeypatch.setattr(cuda, name, fn)
-    meas = gv.run_case(model, case, 32, _CudaLike(), lambda step_s: step_s > 0)
+    meas = gpu_cases.run_case(model, case, 32, _CudaLike(), lambda step_s: step_s > 0)
     assert meas["leftover_bytes"] == 2**20
     # steps 1 and 2 count (the trace's 2 steps), less what was allocated besides the weights
     assert meas["measured_bytes"] == alloc.weights + 7 * 2**20 + 2  # resets before steps 1, 2

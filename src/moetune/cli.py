@@ -113,10 +113,10 @@ def plan(
         "analytic"
     ),
     engine: Annotated[
-        str | None, typer.Option(help="Expert LoRA engine: peft | moetune (split LoRA).")
+        str | None, typer.Option(help="Expert LoRA engine: auto | moetune (split LoRA) | peft.")
     ] = None,
     experts_dtype: Annotated[
-        str | None, typer.Option(help="Frozen experts: bf16 | int8 | nf4 (engine moetune).")
+        str | None, typer.Option(help="Frozen experts: bf16 | int8 | nf4 (moetune engine).")
     ] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
@@ -218,7 +218,7 @@ def train_cmd(
         bool, typer.Option("--overwrite", help="Replace a finished run in output.dir.")
     ] = False,
     engine: Annotated[
-        str | None, typer.Option(help="Expert LoRA engine: peft | moetune (split LoRA).")
+        str | None, typer.Option(help="Expert LoRA engine: auto | moetune (split LoRA) | peft.")
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:

@@ -16,6 +16,10 @@ in place; on CPU TRL folds with torch ops that make fp32 copies of each tile. Th
 sizes the CUDA step, so the folds are replaced by in-place stand-ins (bytes, not values,
 are what a trace measures). `loss="full"` traces the model's own loss on full logits
 (what a plain transformers Trainer does).
+
+The step's parts (`build_step_model`, `prepare_for_training`, `add_fused_head`,
+`in_place_folds`, `TrainLoop`, `run_steps`) are public so that a real-step check
+(benchmarks/gpu_validate.py) runs exactly the step that is traced.
 """
 
 from __future__ import annotations
@@ -111,19 +115,19 @@ def trace_step(
             # peft checks expert-rank pattern keys against module names, not the parameter
             # paths it then applies them to (recipe.targets.peft_notes)
             warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys")
-            model = _build(
+            model = build_step_model(
                 copy.deepcopy(hf_config), copy.deepcopy(peft_config), dtype, device, fake,
                 engine, (experts_dtype, double_quant),
             )  # fmt: skip
-            _prepare_for_training(model, peft_config is None, gradient_checkpointing)
+            prepare_for_training(model, peft_config is None, gradient_checkpointing)
             fused = loss == "fused"
             if fused:
-                _add_fused_head(model)
-            with _fake_mode(fake), _in_place_folds(fused):
+                add_fused_head(model)
+            with _fake_mode(fake), in_place_folds(fused):
                 if fake:
                     _materialize(model, device)
-                loop = _Loop(model, optimizer, (batch_size, seq_len), device, fused)
-                _run_steps(tracker, loop, steps)
+                loop = TrainLoop(model, optimizer, (batch_size, seq_len), device, fused)
+                run_steps(tracker, loop, steps)
     except MoetuneError:
         raise
     except Exception as exc:  # anything else is a trace failure, named by where it happened
@@ -168,7 +172,7 @@ def _check_loss(loss: str) -> None:
         raise ConfigError(f"unknown loss {loss!r}.", f"use one of {', '.join(LOSSES)}.")
 
 
-def _add_fused_head(model: Any) -> None:
+def add_fused_head(model: Any) -> None:
     """TRL's fused LM head on the base model, as SFTTrainer adds it."""
     from trl.trainer.utils import add_fused_lm_head
 
@@ -184,7 +188,8 @@ def _fold_in_place(tile: torch.Tensor, *args: Any, **kwargs: Any) -> None:
 
 
 @contextlib.contextmanager
-def _in_place_folds(active: bool) -> Iterator[None]:
+def in_place_folds(active: bool) -> Iterator[None]:
+    """While `active`, TRL's LM-head tile folds are no-op stand-ins that write in place."""
     if not active:
         yield
         return
@@ -196,7 +201,7 @@ def _in_place_folds(active: bool) -> Iterator[None]:
         yield
 
 
-def _build(
+def build_step_model(
     hf_config: PretrainedConfig,
     peft_config: LoraConfig | None,
     dtype: torch.dtype,
@@ -237,7 +242,7 @@ def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool) -
     model.set_experts_implementation(IMPLEMENTATION)
 
 
-def _prepare_for_training(model: Any, full: bool, gradient_checkpointing: bool) -> None:
+def prepare_for_training(model: Any, full: bool, gradient_checkpointing: bool) -> None:
     """What a peft/TRL training run does to the model before the first step."""
     if full:
         model.requires_grad_(True)
@@ -302,7 +307,7 @@ def _rope_init(module: Any) -> Any:
     return ROPE_INIT_FUNCTIONS[module.rope_type]
 
 
-class _Loop:
+class TrainLoop:
     """A training loop's parts: the model, its AdamW, and a batch maker."""
 
     def __init__(
@@ -323,7 +328,7 @@ class _Loop:
         return self.model(input_ids=input_ids, labels=labels, use_cache=False, **self.extra).loss
 
 
-def _run_steps(tracker: ByteTracker, loop: _Loop, steps: int) -> None:
+def run_steps(tracker: ByteTracker, loop: TrainLoop, steps: int) -> None:
     """Forward with labels, backward, AdamW step, zero_grad – under the tracker."""
     params = list(loop.model.parameters())
     tracker.register((p for p in params if not p.requires_grad), FROZEN)
