@@ -2,27 +2,45 @@
 
 Cases, each one forward + backward with frozen base weights and LoRA r on the experts:
   layer: one Qwen3-MoE experts layer, 128 experts × hidden 2048 × intermediate 768, r=16,
-         4096 tokens, top-8 with random routing, called directly (input requires grad).
+         4096 tokens, top-8 with random routing, called directly (input requires grad);
+         nothing to checkpoint, so `--gc` does not apply and its rows say gc "off".
   model: a small Qwen3-MoE causal LM (2 layers, 64 experts, top-8), LoRA on attention and
-         experts, loss from labels, no gradient checkpointing.
-Both paths run in one process on the same peft model (`apply_split_lora` and
-`restore_peft_lora` switch it) with the same inputs, alternating per repeat so a change in
-the load of a shared machine hits both alike. Outputs of the two paths are compared.
+         experts, loss from labels, once per `--gc` setting: "on" is non-reentrant gradient
+         checkpointing with input grads enabled, as a peft/TRL training run sets it up
+         (`plan.trace.prepare_for_training`).
+Frozen experts (`--experts-dtype`): "bf16" is the float stack at the run's dtype (bf16 on
+CUDA, fp32 on CPU); "int8", "nf4" ("nf4dq": double-quantised scales) store it as
+`engine.quant.QuantizedStack`s, built as the trainer builds them (quantise, then peft
+inside `peft_targets`), and run moetune's split LoRA on them. peft cannot adapt a
+quantised stack at all, so every row compares against peft on the *float* stack of the
+same shape: that baseline is measured once per case and gc setting and reused for each
+experts dtype. All paths run in one process, the float ones on one peft model
+(`apply_split_lora` / `restore_peft_lora` switch it), all with the same inputs and LoRA
+values, alternating per repeat so a change in the load of a shared machine hits all alike.
 
 Time: median of `--repeats` steps after one warm-up step (the memory pass).
 Peak extra bytes: on CUDA `torch.cuda.max_memory_allocated()` minus what was allocated
 before the step; on CPU live tensor bytes counted at the aten dispatch level by
 `moetune.plan.tracker.ByteTracker` (every op output's storage counted once until freed,
 parameters, buffers and inputs registered first), i.e. what the step adds: activations,
-transients and the LoRA gradients. No allocator or CUDA-context overhead.
+transients and the LoRA gradients. No allocator or CUDA-context overhead. A quantised
+model holds fewer bytes before the step, so each row also gives the frozen bytes (frozen
+parameters + buffers; `expert_bytes`: the expert stacks alone) of both sides.
+Outputs (the layer's output, or the loss): a float row compares the split path's with
+peft's; a quantised row compares it with peft's forward on the float model holding the
+dequantised stacks (same weights: only the path differs), and `quant_rel_diff` is its
+distance to peft on the original float stack (the quantisation error).
 
     python benchmarks/experts_lora.py [--quick] [--json] [--record] [--repeats N]
-                                      [--cases layer,model] [--device cpu|cuda]
+                                      [--cases layer,model] [--experts-dtype bf16,int8,nf4]
+                                      [--gc off,on] [--device cpu|cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import datetime
 import json
 import os
@@ -30,7 +48,7 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -38,7 +56,9 @@ from typing import Any
 
 import torch
 
-from moetune.engine import apply_split_lora, restore_peft_lora
+from moetune.engine import IMPLEMENTATION, apply_split_lora, register, restore_peft_lora
+from moetune.engine.quant import experts_modules, peft_targets, quantize_experts_, stacks_of
+from moetune.plan.trace import prepare_for_training
 from moetune.plan.tracker import FROZEN, ByteTracker
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -46,11 +66,16 @@ RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n
 SECTION = "## Split LoRA on fused experts (`engine/experts_lora.py`)"
 ABOUT = (
     "`python benchmarks/experts_lora.py`: peft 0.21 ParamWrapper (`target_parameters`) vs "
-    "moetune's split LoRA on the same model, forward + backward, frozen base. speedup = peft "
-    "time / moetune time (median after warm-up); mem_ratio = moetune peak extra bytes / "
-    "peft's (CUDA: max_memory_allocated; CPU: live tensor bytes by ByteTracker)."
+    "moetune's split LoRA, forward + backward, frozen base. speedup = peft time / moetune "
+    "time (median after warm-up); mem_ratio = moetune peak extra bytes / peft's (CUDA: "
+    "max_memory_allocated; CPU: live tensor bytes by ByteTracker), counted above the frozen "
+    "weights. int8/nf4 rows: moetune on quantised experts against peft on the float stack "
+    "(peft cannot adapt quantised stacks)."
 )
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+FLOAT = ("bf16", "fp32", "float")  # the unquantised stack, at the run's dtype
+QUANT = {"int8": ("int8", False), "nf4": ("nf4", False), "nf4dq": ("nf4", True)}
+GC = ("off", "on")
 
 
 @dataclass(frozen=True)
@@ -81,10 +106,19 @@ QUICK = {
 }
 
 
-def build(case: Case, device: torch.device, dtype: torch.dtype) -> Any:
-    """A random Qwen3-MoE model under peft, B non-zero (as after some training)."""
+@dataclass
+class Side:
+    """One path to measure: its model, the switch onto the path, forward and train step."""
+
+    model: Any
+    activate: Callable[[], Any]
+    forward: Callable[[], torch.Tensor]
+    step: Callable[[], torch.Tensor]
+
+
+def base_model(case: Case, device: torch.device, dtype: torch.dtype) -> Any:
+    """A random Qwen3-MoE model of the case's shape (seeded: every build is the same)."""
     import transformers
-    from peft import LoraConfig, get_peft_model
 
     config = transformers.Qwen3MoeConfig(
         hidden_size=case.hidden,
@@ -99,52 +133,94 @@ def build(case: Case, device: torch.device, dtype: torch.dtype) -> Any:
         intermediate_size=case.intermediate,
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+
+
+def add_lora(base: Any, case: Case, experts: str) -> Any:
+    """peft LoRA on attention and experts; quantised experts first, as plan/trace.py builds."""
+    from peft import LoraConfig, get_peft_model
+
+    if experts in QUANT:
+        quantize_experts_(base, *QUANT[experts], error_experts=0)
+        register()
+        base.set_experts_implementation(IMPLEMENTATION)
     lora = LoraConfig(
         r=case.rank,
         lora_alpha=2 * case.rank,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
         target_parameters=EXPERT_PARAMS,
     )
-    model = get_peft_model(model, lora)
+    with peft_targets(base):  # a no-op on float stacks
+        return get_peft_model(base, lora)
+
+
+def copy_lora(source: Any, target: Any) -> None:
+    """The source's LoRA values into the target (same adapters: names and shapes match)."""
+    params = dict(target.named_parameters())
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in source.named_parameters():
+            if param.requires_grad:
+                params[name].copy_(param)
+
+
+def build_models(case: Case, dtypes: list[str], gc: str, device: torch.device,
+                 dtype: torch.dtype) -> dict[str, Any]:  # fmt: skip
+    """Peft models by experts dtype ("float": peft's and the float split path's), all with
+    the same base and LoRA weights, B non-zero (as after some training)."""
+    base = base_model(case, device, dtype)
+    models = {d: add_lora(copy.deepcopy(base), case, d) for d in dtypes if d in QUANT}
+    models["float"] = add_lora(base, case, "float")
+    with torch.no_grad():
+        for name, param in models["float"].named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.02)
-    return model
+    for model in models.values():
+        copy_lora(models["float"], model)
+        if not case.layer:
+            prepare_for_training(model, False, gc == "on")
+    return models
 
 
-def layer_step(model: Any, case: Case, device: torch.device) -> tuple[Callable[[], Any], list]:
-    """Forward + backward of layer 0's experts on random routing; returns (step, inputs)."""
-    experts = model.base_model.model.model.layers[0].mlp.experts
-    dtype = next(p for p in model.parameters() if p.dim() == 3).dtype
+def make_inputs(case: Case, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Layer: [hidden (requires grad), top-k index, weights, output grad]; model: [ids]."""
     gen = torch.Generator().manual_seed(1)
+    if not case.layer:
+        ids = torch.randint(0, case.vocab, (case.tokens // case.seq, case.seq), generator=gen)
+        return [ids.to(device)]
     hidden = torch.randn(case.tokens, case.hidden, generator=gen).to(device, dtype)
-    hidden.requires_grad_(True)
     index = torch.rand(case.tokens, case.experts, generator=gen).topk(case.top_k).indices
     weights = torch.rand(case.tokens, case.top_k, generator=gen).softmax(-1)
     grad = torch.randn(case.tokens, case.hidden, generator=gen).to(device, dtype)
-    index, weights = index.to(device), weights.to(device, dtype)
+    return [hidden.requires_grad_(True), index.to(device), weights.to(device, dtype), grad]
+
+
+def make_side(model: Any, case: Case, inputs: list, activate: Callable[[Any], Any]) -> Side:
+    """Layer: layer 0's experts on the random routing; model: the loss from labels."""
+    if case.layer:
+        experts = model.base_model.model.model.layers[0].mlp.experts
+
+        def forward() -> torch.Tensor:
+            return experts(*inputs[:3])
+    else:
+
+        def forward() -> torch.Tensor:
+            return model(input_ids=inputs[0], labels=inputs[0]).loss
 
     def step() -> torch.Tensor:
-        out = experts(hidden, index, weights)
-        out.backward(grad)
+        out = forward()
+        out.backward(inputs[3] if case.layer else None)
         return out.detach()
 
-    return step, [hidden, index, weights, grad]
+    return Side(model, lambda: activate(model), forward, step)
 
 
-def model_step(model: Any, case: Case, device: torch.device) -> tuple[Callable[[], Any], list]:
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, case.vocab, (case.tokens // case.seq, case.seq), generator=gen)
-    ids = ids.to(device)
-
-    def step() -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach()
-
-    return step, [ids]
+def make_sides(models: dict[str, Any], case: Case, dtypes: list[str], inputs: list) -> dict:
+    """The peft side on the float model, then one split-LoRA side per experts dtype."""
+    sides = {"peft": make_side(models["float"], case, inputs, restore_peft_lora)}
+    for d in dtypes:
+        model = models[d if d in QUANT else "float"]
+        sides[d] = make_side(model, case, inputs, apply_split_lora)
+    return sides
 
 
 def peak_extra(step: Callable[[], Any], model: Any, inputs: list, device: torch.device) -> tuple:
@@ -174,32 +250,82 @@ def timed(step: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def run_case(case: Case, repeats: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """Measure both paths on one model, switching it between them."""
-    model = build(case, device, dtype)
-    step, inputs = (layer_step if case.layer else model_step)(model, case, device)
-    paths = {"peft": lambda: restore_peft_lora(model), "moetune": lambda: apply_split_lora(model)}
+def frozen_bytes(model: Any) -> tuple[int, int]:
+    """(frozen parameters + buffers, the expert stacks alone, float or quantised)."""
+    frozen = sum(p.nbytes for p in model.parameters() if not p.requires_grad)
+    frozen += sum(b.nbytes for b in model.buffers())
+    quant = sum(s.nbytes for m in model.modules() for s in stacks_of(m).values())
+    floats = sum(m._parameters[n].nbytes for _, m, names in experts_modules(model) for n in names)
+    return frozen, quant + floats
 
-    def run(path: str, measure: Callable) -> Any:
-        paths[path]()
-        model.zero_grad(set_to_none=True)
+
+@contextlib.contextmanager
+def dequantised(model: Any, quantised: Any) -> Iterator[None]:
+    """The float model's expert stacks hold the quantised model's dequantised values."""
+    modules = quantised.named_modules()
+    stacks = {path.replace(".base_layer", ""): stacks_of(m) for path, m in modules if stacks_of(m)}
+    saved = []
+    for path, module, names in experts_modules(model):
+        for name in names:
+            param = module._parameters[name]
+            saved.append((param, param.data))
+            param.data = stacks[path][name].dequantize(param.dtype)
+    try:
+        yield
+    finally:
+        for param, data in saved:
+            param.data = data
+
+
+def reference(peft: Side, side: Side) -> torch.Tensor:
+    """peft's forward on the dequantised stacks of the side's quantised model."""
+    with dequantised(peft.model, side.model), torch.no_grad():
+        peft.activate()
+        return peft.forward().detach()
+
+
+def run_case(case: Case, gc: str, dtypes: list[str], repeats: int, device: torch.device,
+             dtype: torch.dtype) -> list[dict]:  # fmt: skip
+    """Measure peft once and split LoRA per experts dtype; one row per dtype."""
+    models = build_models(case, dtypes, gc, device, dtype)
+    inputs = make_inputs(case, device, dtype)
+    sides = make_sides(models, case, dtypes, inputs)
+
+    def run(name: str, measure: Callable[[Side], Any]) -> Any:
+        sides[name].activate()
+        sides[name].model.zero_grad(set_to_none=True)
         inputs[0].grad = None
-        return measure(step)
+        return measure(sides[name])
 
-    mem = {p: run(p, lambda s: peak_extra(s, model, inputs, device)) for p in paths}
-    times: dict[str, list[float]] = {p: [] for p in paths}
+    mem = {n: run(n, lambda s: peak_extra(s.step, s.model, inputs, device)) for n in sides}
+    times: dict[str, list[float]] = {n: [] for n in sides}
     for _ in range(repeats):
-        for path in paths:
-            times[path].append(run(path, lambda s: timed(s, device)))
-    return summarize(case, mem, times)
+        for name in sides:
+            times[name].append(run(name, lambda s: timed(s.step, device)))
+    refs = {d: reference(sides["peft"], sides[d]) for d in dtypes if d in QUANT}
+    got = {n: (*mem[n], times[n], *frozen_bytes(s.model)) for n, s in sides.items()}
+    label = dtype_name(dtype)
+    rows = []
+    for d in dtypes:
+        key = {"case": case.name, "experts_dtype": d if d in QUANT else label, "gc": gc}
+        rows.append(summarize(case, key, label, got["peft"], got[d], refs.get(d)))
+    return rows
 
 
-def summarize(case: Case, mem: dict, times: dict[str, list[float]]) -> dict:
-    (peft_bytes, peft_out), (ours_bytes, ours_out) = mem["peft"], mem["moetune"]
-    peft_s, ours_s = statistics.median(times["peft"]), statistics.median(times["moetune"])
-    diff = (ours_out.float() - peft_out.float()).norm() / peft_out.float().norm()
+def rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = (out.float() - ref.float()).norm() / ref.float().norm()
+    return float(f"{diff.item():.2e}")
+
+
+def summarize(case: Case, key: dict, label: str, peft: tuple, ours: tuple,
+              ref: torch.Tensor | None) -> dict:  # fmt: skip
+    """One row; peft, ours: (peak extra bytes, output, times, frozen bytes, expert bytes)."""
+    peft_bytes, peft_out, peft_times, peft_frozen, peft_experts = peft
+    ours_bytes, ours_out, ours_times, ours_frozen, ours_experts = ours
+    peft_s, ours_s = statistics.median(peft_times), statistics.median(ours_times)
     return {
-        "case": case.name,
+        **key,
+        "baseline": f"peft on the {label} stack",
         "shape": asdict(case),
         "peft_s": round(peft_s, 4),
         "moetune_s": round(ours_s, 4),
@@ -207,9 +333,18 @@ def summarize(case: Case, mem: dict, times: dict[str, list[float]]) -> dict:
         "peft_peak_extra_bytes": peft_bytes,
         "moetune_peak_extra_bytes": ours_bytes,
         "mem_ratio": round(ours_bytes / peft_bytes, 3),
-        "output_rel_diff": float(f"{diff.item():.2e}"),
-        "repeats": len(times["peft"]),
+        "peft_frozen_bytes": peft_frozen,
+        "frozen_bytes": ours_frozen,
+        "peft_expert_bytes": peft_experts,
+        "expert_bytes": ours_experts,
+        "output_rel_diff": rel_diff(ours_out, peft_out if ref is None else ref),
+        "quant_rel_diff": None if ref is None else rel_diff(ours_out, peft_out),
+        "repeats": len(ours_times),
     }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
 def machine(device: torch.device) -> str:
@@ -222,30 +357,35 @@ def machine(device: torch.device) -> str:
 
 
 def describe(row: dict) -> str:
-    s = row["shape"]
+    s, mib = row["shape"], 2**20
     what = (
         f"{s['experts']} experts × hidden {s['hidden']} × intermediate {s['intermediate']}, "
         f"r={s['rank']}, {s['tokens']} tokens top-{s['top_k']}"
     )
     if not s["layer"]:
         what = f"{s['layers']}-layer model, {what}, vocab {s['vocab']}, seq {s['seq']}"
-    mib = 2**20
+    checked = "peft's"
+    if row["quant_rel_diff"] is not None:
+        checked += f" on the dequantised stacks ({row['quant_rel_diff']} from the float one's)"
     return (
-        f"{row['case']} ({what}): peft {row['peft_s']} s, moetune {row['moetune_s']} s → "
-        f"speedup {row['speedup']}×; peak extra peft {row['peft_peak_extra_bytes'] / mib:.1f} "
-        f"MiB, moetune {row['moetune_peak_extra_bytes'] / mib:.1f} MiB → mem_ratio "
-        f"{row['mem_ratio']}; outputs differ by {row['output_rel_diff']} (relative); "
-        f"median of {row['repeats']}"
+        f"{row['case']}, {row['experts_dtype']} experts, gc {row['gc']} ({what}): "
+        f"{row['baseline']} {row['peft_s']} s, moetune {row['moetune_s']} s → speedup "
+        f"{row['speedup']}×; peak extra peft {row['peft_peak_extra_bytes'] / mib:.1f} MiB, "
+        f"moetune {row['moetune_peak_extra_bytes'] / mib:.1f} MiB → mem_ratio "
+        f"{row['mem_ratio']}; frozen peft {row['peft_frozen_bytes'] / mib:.1f} MiB (experts "
+        f"{row['peft_expert_bytes'] / mib:.1f}), moetune {row['frozen_bytes'] / mib:.1f} MiB "
+        f"(experts {row['expert_bytes'] / mib:.1f}); output differs from {checked} by "
+        f"{row['output_rel_diff']} (relative); median of {row['repeats']}"
     )
 
 
 def record(rows: list[dict], device: torch.device, dtype: torch.dtype, quick: bool) -> None:
-    """Append one dated line per case under this benchmark's section of RESULTS.md."""
+    """Append one dated line per row under this benchmark's section of RESULTS.md."""
     text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
     if SECTION not in text:
         text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n\n"
     today = datetime.date.today().isoformat()
-    tag = f"{machine(device)}, {str(dtype).removeprefix('torch.')}" + (", --quick" if quick else "")
+    tag = f"{machine(device)}, {dtype_name(dtype)}" + (", --quick" if quick else "")
     lines = "".join(f"- {today} · {tag} · {describe(r)}\n" for r in rows)
     head, _, tail = text.partition(SECTION)
     body, sep, rest = tail.partition("\n## ")  # the lines go at the end of this section
@@ -253,21 +393,41 @@ def record(rows: list[dict], device: torch.device, dtype: torch.dtype, quick: bo
     RESULTS.write_text(f"{head}{SECTION}{body.rstrip()}\n{lines}{after}")
 
 
-def main() -> None:
+def choices(text: str, allowed: tuple[str, ...] | list[str], what: str) -> list[str]:
+    picked = [c.strip() for c in text.split(",") if c.strip()]
+    if not picked or any(c not in allowed for c in picked):
+        raise SystemExit(f"{what}: {text!r}; choose from {', '.join(allowed)}")
+    return picked
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (seconds)")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per path")
     parser.add_argument("--cases", default="layer,model", help="comma-separated: layer, model")
+    parser.add_argument("--experts-dtype", default="bf16,int8,nf4",
+                        help="comma-separated frozen experts: bf16 (the float stack), int8, "
+                        "nf4, nf4dq; each against peft on the float stack")  # fmt: skip
+    parser.add_argument("--gc", default="off,on", help="model case: off, on or off,on")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse(argv)
+    cases = choices(args.cases, list(CASES), "--cases")
+    dtypes = choices(args.experts_dtype, [*FLOAT, *QUANT], "--experts-dtype")
+    gcs = choices(args.gc, GC, "--gc")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: no fast bf16 here
     repeats = args.repeats or (5 if args.quick or device.type == "cuda" else 2)
     shapes = QUICK if args.quick else CASES
-    warnings.simplefilter("ignore")  # peft's FutureWarnings about renamed transformers APIs
-    rows = [run_case(shapes[c], repeats, device, dtype) for c in args.cases.split(",")]
+    with warnings.catch_warnings():  # peft's FutureWarnings about renamed transformers APIs
+        warnings.simplefilter("ignore")
+        rows = [row for c in cases for gc in (["off"] if shapes[c].layer else gcs)
+                for row in run_case(shapes[c], gc, dtypes, repeats, device, dtype)]  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -276,6 +436,7 @@ def main() -> None:
             print(describe(row))
     if args.record:
         record(rows, device, dtype, args.quick)
+    return rows
 
 
 if __name__ == "__main__":
