@@ -147,12 +147,12 @@ class NF4(Quantizer):
     @classmethod
     def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
                    dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        codes = unpack_nibbles(buffers["codes"])
-        levels = _levels(codes.device).index_select(0, codes.flatten().int())
+        packed = buffers["codes"]
+        levels = _pair_levels(packed.device).index_select(0, packed.flatten().int())
         absmax = buffers["absmax"] if "absmax" in buffers else _dq_restore(buffers)
         values = levels.view(*absmax.shape, NF4_BLOCK) * absmax.unsqueeze(-1)
         out, inp = out_in
-        return values.view(codes.shape[0], -1)[:, : out * inp].reshape(-1, out, inp).to(dtype)
+        return values.view(packed.shape[0], -1)[:, : out * inp].reshape(-1, out, inp).to(dtype)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -172,6 +172,13 @@ def _blocks(flat: torch.Tensor, size: int) -> torch.Tensor:
 @cache
 def _levels(device: torch.device) -> torch.Tensor:
     return NF4_LEVELS.to(device)
+
+
+@cache
+def _pair_levels(device: torch.device) -> torch.Tensor:
+    """Byte -> its two levels [256, 2] (high nibble first): one gather per byte, no unpack."""
+    byte = torch.arange(256)
+    return torch.stack((NF4_LEVELS[byte >> 4], NF4_LEVELS[byte & 0xF]), dim=1).to(device)
 
 
 @cache
