@@ -113,6 +113,7 @@ def test_frozen_router_unchanged_and_aux_loss_off(done):
     assert router["changed"] is False and router["trainable"] is False
     assert router["sha256_before"] == router["sha256_after"]
     assert summary["aux_loss"] == {"enabled": False, "coef": 0.0, "reason": "router frozen"}
+    assert summary["engine"] == "moetune"  # lora.engine auto on qwen3_moe: split LoRA
     assert _json(done.run / "preflight.json")["aux_loss"]["enabled"] is False
     assert all("aux_loss" not in row for row in _jsonl(done.run / "metrics.jsonl"))
 

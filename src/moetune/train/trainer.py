@@ -290,7 +290,7 @@ def announce(console: Console, cfg: RunConfig, setup: Setup) -> None:
         f"[bold]train[/] {escape(setup.spec.name)} on {setup.place.device} "
         f"({setup.place.precision}) · {setup.data.rows} {setup.data.format} rows, loss on "
         f"{escape(setup.data.loss.on)} · LoRA on {report.adapted}/{report.expected} targets "
-        f"· router {router} · aux loss {aux_text} ({aux.reason})"
+        f"({setup.engine} engine) · router {router} · aux loss {aux_text} ({aux.reason})"
     )
     console.print(line, highlight=False)
     if setup.resume_from:
@@ -429,6 +429,7 @@ def write_summary(run: RunDir, result: TrainResult, router: dict[str, Any], setu
         "placement": setup.place.to_json(),
         "data": setup.data.to_json(),
         "coverage_by_kind": setup.coverage.to_json()["by_kind"] if setup.coverage else {},
+        "engine": setup.engine,  # lora.engine as resolved (auto -> moetune | peft)
     }
     if setup.selection is not None:  # experts_selected.json has the scores per layer
         summary["expert_selection"] = setup.selection.summary()
