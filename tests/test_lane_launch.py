@@ -139,6 +139,10 @@ def test_launch_banks_before_eval_gates_promotes_and_tears_down(
     assert order[-1] == "teardown" and {"train", "gate", "promote"} <= set(order)
     assert (pod_dir(tmp_path, only_state(tmp_path)) / "TERMINATED").exists()
     assert (tmp_path / "runs" / "lane" / "summary.json").is_file()  # the run's record came back
+    (trained,) = [r for r in Ledger(tmp_path / ".moetune/ledger.jsonl").read().rows
+                  if r.kind == "train"]  # fmt: skip
+    assert trained.metrics["tokens_per_s"] > 0 and trained.metrics["device"] == "cpu"
+    assert trained.metrics["signature"]["model"] == str(SHIPPED_DIR)  # not the pod's copy
 
 
 def test_eval_failure_after_bank_leaves_the_adapter_and_the_next_step(

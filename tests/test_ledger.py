@@ -67,6 +67,14 @@ def test_no_secret_lands_in_a_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert text.count(REDACTED) >= 3
 
 
+def test_token_counts_are_numbers_not_secrets(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "l.jsonl")
+    metrics = {"tokens": 4096, "tokens_per_s": 812.5, "hf_token": "plain-text-value"}
+    ledger.append(LedgerRow(kind="train", status="ok", metrics=metrics))
+    (row,) = ledger.read().rows
+    assert row.metrics == {"tokens": 4096, "tokens_per_s": 812.5, "hf_token": REDACTED}
+
+
 def _writer(path: str, writer: int, n: int) -> None:
     ledger = Ledger(path)
     for i in range(n):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moetune.errors import UnknownCardError
-from moetune.plan.hardware import GiB, all_cards, card_ids, get_card
+from moetune.plan.hardware import GiB, all_cards, card_for_device, card_ids, get_card
 from moetune.plan.overhead import ALLOCATOR_FRACTION, overhead_for
 
 REQUIRED = [
@@ -55,6 +55,27 @@ def test_apple_usable_is_the_metal_working_set_share() -> None:
 def test_lookup_is_case_insensitive() -> None:
     assert get_card("h100-nvl").id == "H100-NVL"
     assert get_card(" rtx-4090 ").id == "RTX-4090"
+
+
+@pytest.mark.parametrize(
+    ("device", "card"),
+    [
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H100 80GB HBM3", "H100-80GB"),
+        ("NVIDIA H100 NVL", "H100-NVL"),
+        ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("NVIDIA GeForce RTX 4090", "RTX-4090"),
+        ("NVIDIA GB10", "DGX-Spark"),
+        ("nvidia  h200", "H200"),
+        ("NVIDIA A100-SXM4-80GB", None),  # not the catalog's PCIe board: no near guess
+        ("NVIDIA H100 PCIe", None),
+        ("cpu", None),
+        (None, None),
+    ],
+)
+def test_torch_device_names_match_catalog_cards(device: str | None, card: str | None) -> None:
+    assert card_for_device(device) == card
 
 
 def test_unknown_card_names_the_ids() -> None:

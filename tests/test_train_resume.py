@@ -54,9 +54,12 @@ def _assert_same_adapter(run: Path, reference: Path) -> None:
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0)
 
 
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def _metric_steps(run: Path) -> list[int]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["step"] for line in lines]
+    return [row["step"] for row in _metrics(run)]
 
 
 def _tear(run: Path) -> None:
@@ -104,6 +107,8 @@ def test_crash_then_resume_matches_an_uninterrupted_run(base, monkeypatch):
     _assert_same_adapter(out, base.root / "straight")
     assert _metric_steps(out) == list(range(1, STEPS + 1))  # rows past step 4 redone once
     assert not (out / ".staging").exists()
+    seen = {r["step"]: r["tokens"] for r in _metrics(base.root / "straight") if "tokens" in r}
+    assert result.tokens == seen[STEPS] - seen[4]  # this attempt's tokens, for its tokens/s
 
 
 def test_resume_refuses_changed_data(base, tmp_path):

@@ -173,6 +173,47 @@ def test_finished_run_is_never_overwritten(done):
     assert train(done.cfg, resume=True, progress=False) == done.result  # nothing left to do
 
 
+def test_ledger_row_carries_the_measured_rate_and_its_step(files, tmp_path, monkeypatch):
+    """One full epoch of rows of different lengths: the row's tokens are exactly the
+    non-padding tokens of every row the trainer tokenised (padding excluded)."""
+    from moetune.ledger import Ledger
+
+    seen = {}
+    real_fit = trainer_mod.fit
+
+    def spy(trainer, setup, console):
+        real_fit(trainer, setup, console)
+        seen["lengths"] = [len(r["input_ids"]) for r in trainer.train_dataset]
+
+    monkeypatch.setattr(trainer_mod, "fit", spy)
+    data = write_jsonl(tmp_path / "six.jsonl", reverse_rows(6))
+    cfg = run_config(files.model, data, tmp_path / "t", max_steps=None, epochs=1, save_steps=50,
+                     routing_every=0)  # fmt: skip
+    with one_thread():
+        result = train(cfg, progress=False)
+    lengths = seen["lengths"]
+    assert len(lengths) == 6 and max(lengths) <= 32
+    # a length seen an odd number of times: whatever the order, some batch of 2 is padded
+    assert any(lengths.count(n) % 2 for n in lengths)
+    (row,) = Ledger(cfg.output.ledger).read().rows
+    m = row.metrics
+    assert m["steps"] == 3 and m["tokens"] == sum(lengths) == result.tokens
+    assert m["tokens_per_s"] > 0 and 0 < m["loop_seconds"] < result.seconds  # the loop only
+    assert m["tokens_per_s"] == pytest.approx(m["tokens"] / m["loop_seconds"], rel=1e-2)
+    assert (m["device"], m["card"]) == ("cpu", None)
+    assert m["signature"] == {
+        "model": str(files.model), "engine": "moetune", "experts_dtype": "bf16",
+        "precision": "auto", "seq_len": 32, "batch_size": 2, "gradient_checkpointing": True,
+        "lora_rank": 4, "lora_expert_rank": 4, "devices": 1,
+        "lora_targets": ["attention", "dense", "experts", "shared"],
+    }  # fmt: skip
+
+
+def test_done_run_tokens_match_the_metrics_log(done):
+    last = [r for r in _jsonl(done.run / "metrics.jsonl") if "tokens" in r][-1]
+    assert done.result.tokens == last["tokens"] > 0  # one counter: TRL's non-padding count
+
+
 # ---------------------------------------------------------------- router and aux loss
 
 

@@ -38,7 +38,7 @@ def _print_plan(doc: dict[str, Any]) -> None:
     console.print(f"phases: {' → '.join(doc['phases'])}")
     usd = "?" if doc["estimated_usd"] is None else f"${doc['estimated_usd']:.2f}"
     console.print(
-        f"estimate: train {hours(est['estimated_train_s'])} (MFU {est['mfu']}) + eval "
+        f"estimate: train {hours(est['estimated_train_s'])} ({escape(est['basis'])}) + eval "
         f"{hours(est['estimated_eval_s'])} + setup {hours(est['setup_s'])} · {usd}"
     )
 

@@ -59,10 +59,7 @@ def redact(value: Any, secrets: Iterable[str] = ()) -> Any:
     """`value` with secret-named keys, secret-shaped strings and the given secrets masked."""
     known = [s for s in secrets if len(s) >= 8]
     if isinstance(value, Mapping):
-        return {
-            k: REDACTED if _SECRET_KEY.search(str(k)) else redact(v, known)
-            for k, v in value.items()
-        }
+        return {k: _redact_item(str(k), v, known) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [redact(v, known) for v in value]
     if isinstance(value, str):
@@ -70,6 +67,14 @@ def redact(value: Any, secrets: Iterable[str] = ()) -> Any:
             value = value.replace(secret, REDACTED)
         return _SECRET_VALUE.sub(REDACTED, value)
     return value
+
+
+def _redact_item(key: str, value: Any, known: list[str]) -> Any:
+    """A secret-named key masks its value – unless it is a number: "tokens" and
+    "tokens_per_s" are counts, and no credential is a bare number."""
+    if _SECRET_KEY.search(key) and not isinstance(value, int | float):
+        return REDACTED
+    return redact(value, known)
 
 
 def _env_secrets() -> list[str]:

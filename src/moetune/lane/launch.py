@@ -85,7 +85,7 @@ def size_walls(cfg: RunConfig, spec: Any, plan: Any, est: Estimate) -> tuple[Wal
         watchdog, watchdog_why = cfg.lane.watchdog_s, "lane.watchdog_s"
     elif train_s is not None:
         watchdog = W.required_watchdog_s(train_s + est.setup_s, est.estimated_eval_s)
-        watchdog_why = f"(setup + train + eval) × {W.WATCHDOG_MARGIN} margin"
+        watchdog_why = f"(setup + train + eval) × {W.WATCHDOG_MARGIN} margin; train: {est.basis}"
     else:
         watchdog, watchdog_why = W.DEFAULT_WATCHDOG_S, "no token count to estimate from: 3 h"
     floor = spec.total_params >= W.LARGE_MODEL_PARAMS
@@ -109,7 +109,7 @@ def launch_plan(cfg: RunConfig, run_id: str | None = None) -> LaunchPlan:
     spec = load_spec(cfg.model.id)
     plan = make_plan(spec, cfg)
     card = pick_card(cfg, plan)
-    est = estimate(spec, cfg, card)
+    est = estimate(spec, cfg, card, cfg.output.ledger)  # a rate measured earlier wins
     walls, why = size_walls(cfg, spec, plan, est)
     run_id = run_id or f"{Path(cfg.output.dir).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     pod = PodSpec(

@@ -430,7 +430,18 @@ def merge_pod_ledger(lane: Lane) -> None:
     seen = {r.id for r in lane.ledger.read().rows}
     for row in Ledger(copy).read().rows:
         if row.id not in seen:
-            lane.ledger.append(row.model_copy(update={"run_id": lane.state.run_id}))
+            lane.ledger.append(row.model_copy(update=as_launched(row, lane.cfg, lane.state.run_id)))
+
+
+def as_launched(row: LedgerRow, cfg: RunConfig, run_id: str) -> dict[str, Any]:
+    """A pod row's fields under this launch: its run id, and – a train row's measured rate
+    being keyed by its step signature – the base as the launch names it, not the pod's
+    staged copy ("model"), so the next launch of this config on that card finds it."""
+    signature = row.metrics.get("signature")
+    if row.kind != "train" or not isinstance(signature, dict):
+        return {"run_id": run_id}
+    metrics = {**row.metrics, "signature": {**signature, "model": cfg.model.id}}
+    return {"run_id": run_id, "metrics": metrics}
 
 
 @phase("gate")

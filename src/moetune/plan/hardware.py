@@ -98,3 +98,21 @@ def get_card(card_id: str) -> Card:
             f"unknown card {card_id!r}",
             f"use one of: {', '.join(card_ids())}",
         ) from None
+
+
+# What torch.cuda.get_device_name() reports for cards whose name is not their RunPod id (or
+# that have none); every other card is named by its runpod_gpu_type_id, which is torch's name.
+_DEVICE_NAMES = {
+    "NVIDIA A100-SXM4-40GB": "A100-40GB",
+    "NVIDIA A100-PCIE-40GB": "A100-40GB",
+    "NVIDIA GB10": "DGX-Spark",
+}
+
+
+def card_for_device(device_name: str | None) -> str | None:
+    """The catalog id of the device torch names `device_name` ("NVIDIA H200" -> "H200");
+    None for "cpu" and any device the catalog does not hold (never a near guess: a rate
+    measured on one card must not size a run on another)."""
+    names = {c.runpod_gpu_type_id: c.id for c in all_cards() if c.runpod_gpu_type_id}
+    by_lower = {k.lower(): v for k, v in {**names, **_DEVICE_NAMES}.items()}
+    return by_lower.get(" ".join((device_name or "").split()).lower())

@@ -79,7 +79,8 @@ _KEEP = {  # TRL/HF log key -> metrics.jsonl field
 
 
 class MetricsCallback(TrainerCallback):
-    """One metrics row per log: step, loss, lr, tokens/s, memory (+ aux loss when on)."""
+    """One metrics row per log: step, loss, lr, tokens/s, memory (+ aux loss when on); and,
+    once training ends, `loop`: the tokens and tokens/s of the whole training loop."""
 
     def __init__(
         self,
@@ -88,10 +89,20 @@ class MetricsCallback(TrainerCallback):
     ) -> None:
         self.write, self.clock = write, clock
         self.last: dict[str, Any] = {}
-        self._mark = (0.0, 0)
+        self.loop: dict[str, Any] = {}
+        self._mark = self._begin = (0.0, 0)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._mark = (self.clock(), state.num_input_tokens_seen)
+        # after a resume's checkpoint is loaded: tokens count from where this attempt starts
+        self._mark = self._begin = (self.clock(), state.num_input_tokens_seen)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Non-padding tokens over the loop's wall time (checkpoints and eval included, as a
+        real run pays them; model loading and data preparation not)."""
+        then, before = self._begin
+        seconds, tokens = self.clock() - then, int(state.num_input_tokens_seen - before)
+        rate = round(tokens / seconds, 1) if tokens and seconds > 0 else None
+        self.loop = {"tokens": tokens, "tokens_per_s": rate, "loop_seconds": round(seconds, 3)}
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any

@@ -49,6 +49,11 @@ class Placement:
         """fp32 runs hold the base in float32; bf16 runs in the configured model.dtype."""
         return "float32" if self.precision == "fp32" else configured
 
+    @property
+    def device_name(self) -> str:
+        """What the device calls itself ("NVIDIA H200"); "cpu" or "mps" off CUDA."""
+        return torch.cuda.get_device_name() if self.device == "cuda" else self.device
+
     def to_json(self) -> dict[str, Any]:
         info: dict[str, Any] = {"device": self.device, "precision": self.precision}
         if self.device == "cuda":

@@ -35,7 +35,7 @@ import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from rich.console import Console
@@ -93,6 +93,15 @@ class TrainResult:
     resumed_from_step: int | None = None
     errors_overridden: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # What the next launch sizes its training time from (lane/estimate.py): the loop's
+    # non-padding tokens (this attempt's, all processes) over its wall time, the device and
+    # its catalog card (None when not in plan/cards.json), and the step it was measured on.
+    tokens: int | None = None
+    tokens_per_s: float | None = None
+    loop_seconds: float | None = None
+    device: str | None = None
+    card: str | None = None
+    signature: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -154,6 +163,7 @@ def _train(
         resumed_from_step=setup.resume_from[0] if setup.resume_from else None,
         errors_overridden=setup.overridden,
         warnings=routing.warnings + router_warnings(router) + selection_warnings(model, setup),
+        **throughput(cfg, setup, trainer),
     )
     if setup.args.should_save:
         write_summary(run, result, router, setup)
@@ -365,9 +375,33 @@ def fit(trainer: SFTTrainer, setup: Setup, console: Console) -> None:
         with quiet():
             trainer.train(resume_from_checkpoint=checkpoint)
     finally:  # a crash must not leave the live progress display behind
-        for callback in trainer.callback_handler.callbacks:
-            if isinstance(callback, RichProgress):
-                callback.close()
+        if (bar := callback_of(trainer, RichProgress)) is not None:
+            bar.close()
+
+
+_C = TypeVar("_C")
+
+
+def callback_of(trainer: SFTTrainer, kind: type[_C]) -> _C | None:
+    """The trainer's callback of this class (moetune adds one of each)."""
+    return next((c for c in trainer.callback_handler.callbacks if isinstance(c, kind)), None)
+
+
+def throughput(cfg: RunConfig, setup: Setup, trainer: SFTTrainer) -> dict[str, Any]:
+    """The TrainResult fields a launch estimates from: tokens/s of the loop, on which device
+    and card, for which step (`step_signature`)."""
+    from moetune.lane.estimate import step_signature
+    from moetune.plan.hardware import card_for_device
+
+    metrics = callback_of(trainer, MetricsCallback)
+    devices = setup.args.world_size * max(1, setup.args.n_gpu)  # n_gpu > 1: DataParallel
+    device = setup.place.device_name
+    return {
+        **(metrics.loop if metrics is not None else {}),
+        "device": device,
+        "card": card_for_device(device),
+        "signature": step_signature(cfg, setup.engine, devices),
+    }
 
 
 # ---------------------------------------------------------------- outputs

@@ -1,0 +1,121 @@
+"""A launch sizes its training time from a rate the ledger measured on the same card for the
+same step, else from FLOPs at the stated MFU – and says which (`basis`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.config import RunConfig, load_config
+from moetune.lane import walls as W
+from moetune.lane.estimate import MFU, estimate, launch_signature
+from moetune.lane.phases import as_launched
+from moetune.ledger import Ledger, LedgerRow
+from moetune.model import load_spec
+from moetune.plan.hardware import get_card
+
+CONFIG = Path("configs/qwen3-30b-a3b/lora_h200.yaml").resolve()
+RATE = 2500.0
+
+
+@pytest.fixture(scope="module")
+def run() -> tuple[RunConfig, Any]:
+    cfg = load_config(CONFIG, ["lane.provider=runpod", "train.max_steps=500"])
+    return cfg, load_spec(cfg.model.id)
+
+
+def train_row(
+    cfg: RunConfig, spec: Any, *, status: str = "ok", card: str = "H200", rate: float = RATE,
+    at: float = 1000.0, **changed: Any,
+) -> LedgerRow:  # fmt: skip
+    """A train row as the trainer writes it; `changed` alters its step signature."""
+    signature = {**launch_signature(spec, cfg), **changed}
+    metrics = {"steps": 500, "tokens": 10**6, "tokens_per_s": rate, "device": "NVIDIA H200",
+               "card": card, "signature": signature}  # fmt: skip
+    return LedgerRow(kind="train", status=status, time=at, metrics=metrics)  # type: ignore[arg-type]
+
+
+def ledger_with(path: Path, *rows: LedgerRow) -> Path:
+    for row in rows:
+        Ledger(path).append(row)
+    return path
+
+
+def dry_run(ledger: Path) -> dict[str, Any]:
+    out = CliRunner().invoke(
+        app, ["launch", str(CONFIG), "--provider", "runpod", "--dry-run", "--json",
+              "--set", f"output.ledger={ledger}", "--set", "train.max_steps=500"],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    return json.loads(out.stdout)
+
+
+def test_a_measured_rate_sizes_the_dry_run_and_the_watchdog_keeps_its_margin(
+    run: tuple[RunConfig, Any], tmp_path: Path
+) -> None:
+    cfg, spec = run
+    older = train_row(cfg, spec, rate=100.0, at=500.0)
+    newer = train_row(cfg, spec)
+    ledger = ledger_with(tmp_path / "l.jsonl", newer, older)  # newest by time, not file order
+    plan = dry_run(ledger)
+    est, walls = plan["estimate"], plan["walls"]
+    tokens = 500 * 1 * 1 * 2048  # max_steps × batch_size × grad_accum × seq_len
+    assert est["training_tokens"] == tokens
+    assert est["estimated_train_s"] == pytest.approx(tokens / RATE)
+    assert est["basis"] == f"measured: ledger row {newer.id}, 2,500.0 tok/s on H200"
+    # the MFU the rate implies: 6 × active params per token (checkpointing) over the peak
+    implied = RATE * 6 * spec.active_params / (get_card("H200").bf16_tflops * 1e12)
+    assert est["mfu"] == pytest.approx(implied, abs=1e-4)
+    total = est["setup_s"] + tokens / RATE + est["estimated_eval_s"]
+    assert walls["watchdog_s"] == math.ceil(total * W.WATCHDOG_MARGIN)
+    assert "measured: ledger row" in walls["why"]["watchdog_s"]
+    assert plan["estimated_usd"] == pytest.approx(total / 3600 * est["usd_per_hour"], abs=0.01)
+
+
+def test_without_a_ledger_row_the_basis_is_the_stated_mfu(tmp_path: Path) -> None:
+    est = dry_run(tmp_path / "none.jsonl")["estimate"]
+    assert est["basis"] == f"MFU {MFU} of H200 bf16 peak" and est["mfu"] == MFU
+    assert not (tmp_path / "none.jsonl").exists()  # looking never creates a ledger
+
+
+@pytest.mark.parametrize(
+    "mismatch",
+    [
+        {"status": "failed"},
+        {"card": "H100-80GB"},
+        {"seq_len": 4096},
+        {"engine": "peft"},
+        {"devices": 2},
+        {"gradient_checkpointing": False},
+        {"rate": 0.0},
+    ],
+    ids=lambda m: next(iter(m)),
+)
+def test_a_row_for_another_step_card_or_outcome_is_ignored(
+    run: tuple[RunConfig, Any], tmp_path: Path, mismatch: dict[str, Any]
+) -> None:
+    cfg, spec = run
+    card = get_card("H200")
+    ledger = ledger_with(tmp_path / "l.jsonl", train_row(cfg, spec, **mismatch))
+    assert estimate(spec, cfg, card, ledger) == estimate(spec, cfg, card)
+    assert estimate(spec, cfg, card, ledger).basis.startswith(f"MFU {MFU} ")
+
+
+def test_the_pod_train_row_keeps_its_rate_under_the_launched_model_id(
+    run: tuple[RunConfig, Any],
+) -> None:
+    cfg, spec = run
+    staged = train_row(cfg, spec, model="model")  # a local base is "model" on the pod
+    update = as_launched(staged, cfg, "lane-1")
+    merged = staged.model_copy(update=update)
+    assert merged.run_id == "lane-1" and merged.metrics["tokens_per_s"] == RATE
+    assert merged.metrics["signature"] == launch_signature(spec, cfg)
+    assert merged.metrics["card"] == "H200" and staged.metrics["signature"]["model"] == "model"
+    eval_row = LedgerRow(kind="eval", status="ok", metrics={"model": "x"})
+    assert as_launched(eval_row, cfg, "lane-1") == {"run_id": "lane-1"}
