@@ -119,3 +119,25 @@ def test_the_pod_train_row_keeps_its_rate_under_the_launched_model_id(
     assert merged.metrics["card"] == "H200" and staged.metrics["signature"]["model"] == "model"
     eval_row = LedgerRow(kind="eval", status="ok", metrics={"model": "x"})
     assert as_launched(eval_row, cfg, "lane-1") == {"run_id": "lane-1"}
+
+
+def test_lint_sizes_the_watchdog_rule_with_the_measured_rate(
+    run: tuple[RunConfig, Any], tmp_path: Path
+) -> None:
+    from moetune.preflight import lint_context
+
+    cfg, spec = run
+    ledger = ledger_with(tmp_path / "l.jsonl", train_row(cfg, spec))
+    on_h200 = cfg.model_copy(
+        update={
+            "hardware": cfg.hardware.model_copy(update={"card": "H200"}),
+            "output": cfg.output.model_copy(update={"ledger": str(ledger)}),
+        }
+    )
+    measured = lint_context(on_h200, spec).estimated_train_s
+    assert measured == pytest.approx(500 * 2048 / RATE)
+    fresh = on_h200.model_copy(
+        update={"output": cfg.output.model_copy(update={"ledger": str(tmp_path / "none")})}
+    )
+    assert lint_context(fresh, spec).estimated_train_s != pytest.approx(measured)
+    assert not (tmp_path / "none").exists()  # reading a missing ledger creates nothing

@@ -60,11 +60,12 @@ def lint_context(cfg: RunConfig, spec: Any, plan: Any = None) -> Any:
             ctx.card_id, ctx.card_usable_bytes = cfg.hardware.card, fit.usable_bytes
             ctx.peak_bytes = fit.required_bytes
     if spec is not None and cfg.hardware.card:
-        from moetune.lane.estimate import estimate_train_s
+        from moetune.lane.estimate import estimate
         from moetune.plan.hardware import get_card
 
+        # the launch's own estimate: a rate measured on this card (ledger) beats FLOPs
         card = get_card(cfg.hardware.card)
-        ctx.estimated_train_s = estimate_train_s(spec, cfg, card.bf16_tflops)
+        ctx.estimated_train_s = estimate(spec, cfg, card, cfg.output.ledger).estimated_train_s
     return ctx
 
 
