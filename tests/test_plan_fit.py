@@ -88,7 +88,7 @@ def test_recommendations_for_the_80gb_card_fit_when_replanned(
     assert recs == sorted(recs, key=lambda r: r.cost)
     # the cheapest change: the same adapter on moetune's engine, no W+ΔW copies (cost 0)
     assert recs[0].overrides == ("lora.engine=moetune",) and recs[0].cost == 0.0
-    assert recs[0].peak_bytes / GiB == pytest.approx(72.07, abs=0.01)
+    assert recs[0].peak_bytes / GiB == pytest.approx(72.11, abs=0.01)
     assert plan.best["H100-80GB"] == recs[0]
     for rec in recs:
         replanned = make_plan(qwen30b, with_overrides(VANILLA, rec.overrides), ["H100-80GB"])
@@ -195,7 +195,7 @@ def test_32gb_and_80gb_cards(qwen30b: ModelSpec) -> None:
     assert five.fits and five.cost == COSTS["nf4"]
     assert "model.experts_dtype=nf4" in five.overrides
     assert not any(o.startswith("lora.expert_rank") for o in five.overrides)
-    assert five.peak_bytes / GiB == pytest.approx(26.78, abs=0.02)
+    assert five.peak_bytes / GiB == pytest.approx(26.80, abs=0.02)
 
 
 def test_int8_is_preferred_where_it_fits(qwen30b: ModelSpec) -> None:

@@ -252,8 +252,10 @@ def _layer_cost(
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
     act_grad, copy_grad = _backward_extra(spec, step, wrapped, i, experts_trained)
-    if step.split_lora:  # split LoRA never forms W+ΔW nor a full-size weight gradient
-        copies, copy_grad = 0, 0
+    if step.split_lora:  # split LoRA never forms W+ΔW nor a full-size weight gradient;
+        # its grouped matmuls keep activation-dtype copies of the factors for backward
+        copies = sum(_factor_cast(a) for a in wrapped) * _copy_bytes(step)
+        copy_grad = 0
     return LayerCost(
         saved=saved,
         copies=copies,
