@@ -8,7 +8,6 @@ record the quantisation; the planner must count the quantised bytes.
 
 from __future__ import annotations
 
-import copy
 import json
 import warnings
 from pathlib import Path
@@ -20,9 +19,10 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 from moetune.engine import apply_split_lora
-from moetune.engine.quant import QUANTIZED, peft_targets, quantize_experts_, stacks_of
+from moetune.engine.quant import peft_targets, quantize_experts_, stacks_of
 from moetune.model.tiny import tiny_config
-from test_engine_experts_lora import _Largest
+from test_engine_experts_lora import _Largest, _randomize_b
+from test_engine_quant import _dequantized_copy as _dequantized
 from test_train_helpers import (
     one_thread,
     reverse_rows,
@@ -47,24 +47,9 @@ def _quantized_peft(method: str, **over: Any) -> Any:
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS)
         with peft_targets(model):
             peft_model = get_peft_model(model, lora)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    _randomize_b(peft_model)
     apply_split_lora(peft_model)
     return peft_model
-
-
-def _dequantized(model: Any) -> Any:
-    """The same peft model with float Parameters (from the stacks) in place of the stacks."""
-    twin = copy.deepcopy(model)
-    for module in list(twin.modules()):
-        stacks = stacks_of(module)
-        module._modules.pop(QUANTIZED, None)  # attribute reads find the Parameters again
-        for name, stack in stacks.items():
-            module.register_parameter(name, torch.nn.Parameter(stack.dequantize(), False))
-    return twin
 
 
 def _step(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
