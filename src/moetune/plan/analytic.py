@@ -87,9 +87,7 @@ class Step:
         return 4 if self.method == "qlora" else self.weight_bytes
 
     @classmethod
-    def from_config(
-        cls, cfg: RunConfig, optimizer: Optimizer = "fused", spec: ModelSpec | None = None
-    ) -> Step:
+    def from_config(cls, cfg: RunConfig, spec: ModelSpec, optimizer: Optimizer = "fused") -> Step:
         quant = cfg.train.quantization
         if cfg.train.method == "qlora" and quant == "none":
             quant = "bnb-4bit"
@@ -101,16 +99,14 @@ class Step:
             optimizer=optimizer,
             quantization=quant,
             weight_bytes=DTYPE_BYTES[cfg.model.dtype],
-            split_lora=_split_lora(cfg, spec),
+            split_lora=split_lora(spec, cfg),
             experts_dtype=cfg.model.experts_dtype,
             experts_double_quant=cfg.model.experts_double_quant,
         )
 
 
-def _split_lora(cfg: RunConfig, spec: ModelSpec | None) -> bool:
-    """Engine moetune computes the expert LoRA (`lora.engine` auto resolved on `spec`)."""
-    if spec is None:
-        return cfg.lora.engine == "moetune"
+def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
+    """Whether the step runs moetune's split-LoRA experts (`lora.engine` resolved on `spec`)."""
     from moetune.engine.resolve import resolve_engine
 
     return cfg.train.method != "full" and resolve_engine(spec, cfg.lora) == "moetune"
@@ -164,7 +160,7 @@ def estimate(
     layout: AdapterLayout | None = None,
 ) -> AnalyticEstimate:
     """The analytic peak for `cfg` on `spec`; `layout` defaults to the recipe's (cached)."""
-    step = Step.from_config(cfg, optimizer, spec)
+    step = Step.from_config(cfg, spec, optimizer)
     if step.method != "full" and layout is None:
         layout = adapter_layout(spec, cfg.lora)
     return estimate_step(spec, step, layout)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from moetune.config import RunConfig
 from moetune.errors import ConfigError, MoetuneError
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import AnalyticEstimate, Step, estimate_step
+from moetune.plan.analytic import AnalyticEstimate, Step, estimate_step, split_lora
 from moetune.plan.hardware import Card, all_cards, get_card
 from moetune.plan.layout import AdapterLayout, adapter_layout
 from moetune.plan.overhead import Overhead, card_overhead, overhead_for
@@ -203,7 +203,7 @@ def _estimate(
 
 def analytic(spec: ModelSpec, cfg: RunConfig) -> AnalyticEstimate:
     """The analytic estimate of `cfg` (LoRA layouts cached; target drops filter them)."""
-    return estimate_step(spec, Step.from_config(cfg, spec=spec), _layout(spec, cfg))
+    return estimate_step(spec, Step.from_config(cfg, spec), _layout(spec, cfg))
 
 
 def _layout(spec: ModelSpec, cfg: RunConfig) -> AdapterLayout | None:
@@ -263,13 +263,6 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
         "experts_double_quant": cfg.model.experts_double_quant,
         "optimizer": "fused AdamW (HF Trainer / TRL default), steady state",
     }
-
-
-def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
-    """Whether the step runs moetune's split-LoRA experts (`lora.engine` resolved on `spec`)."""
-    from moetune.engine.resolve import resolve_engine
-
-    return cfg.train.method != "full" and resolve_engine(spec, cfg.lora) == "moetune"
 
 
 def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
