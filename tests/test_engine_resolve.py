@@ -62,18 +62,38 @@ def _peft_model(variant: str) -> Any:
     return peft_model
 
 
+def _float64_reference(model: Any) -> Any:
+    """A float64 copy on transformers' eager experts (grouped_mm has no float64 kernel)."""
+    ref = copy.deepcopy(model).double()
+    for module in ref.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"
+    return ref
+
+
+def _seeded_step(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    torch.manual_seed(3)  # routers with training-time jitter (phimoe) draw the same noise
+    return _step(model, ids)
+
+
 @pytest.mark.parametrize("variant", SERVED)
 def test_where_auto_picks_moetune_it_matches_peft(variant: str) -> None:
+    # Both fp32 paths are measured against a float64 truth: split LoRA must be as close to
+    # it as peft's own fp32 path (within 3x, floor 1e-5), which holds on any CPU's
+    # reduction order - ill-conditioned gradients (hunyuan's q_proj) err ~1.6e-5 in peft too.
     stock = _peft_model(variant)
     split = copy.deepcopy(stock)
     assert apply_split_lora(split)
     ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(2))
-    (loss_ref, grads_ref), (loss, grads) = _step(stock, ids), _step(split, ids)
-    assert _rel(loss, loss_ref) <= 1e-5
+    loss_64, grads_64 = _seeded_step(_float64_reference(stock), ids)
+    (loss_ref, grads_ref), (loss, grads) = _seeded_step(stock, ids), _seeded_step(split, ids)
     experts = [n for n in grads if "experts" in n and "lora_" in n]
-    assert experts and grads.keys() == grads_ref.keys()
-    for name, grad in grads.items():
-        assert _rel(grad, grads_ref[name]) <= 1e-5, name
+    assert experts and grads.keys() == grads_ref.keys() == grads_64.keys()
+    pairs = [(loss, loss_ref, loss_64), *((grads[n], grads_ref[n], grads_64[n]) for n in grads)]
+    for ours, peft_fp32, truth in pairs:
+        bound = max(1e-5, 3 * _rel(peft_fp32.double(), truth))
+        assert _rel(ours.double(), truth) <= bound
 
 
 def test_dropout_reaches_every_lora_layer_on_moetunes_engine() -> None:
