@@ -64,7 +64,7 @@ def test_invalid_config_json(tmp_path: Path) -> None:
 def test_unknown_family(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "frobnicator"}))
     code, _, err = _run("inspect", str(tmp_path))
-    _assert_one_line_error(code, err, "frobnicator", "qwen3_moe")
+    _assert_one_line_error(code, err, "frobnicator", "upgrade transformers")
 
 
 def test_hub_id_while_offline(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetune.errors import UnknownFamilyError
 from moetune.model import arch as _arch  # noqa: F401  (registers every family)
 from moetune.model.build import build_model, to_hf_config
 from moetune.model.families import FAMILIES, ExpertsLayout, Family, ModulePaths, get_family
+from moetune.model.generic import derived_spec
 from moetune.model.sources import catalog_ids, catalog_meta, resolve_config
 from moetune.model.spec import Components, ModelSpec
 
@@ -24,14 +24,13 @@ def load_spec(model: str) -> ModelSpec:
 
 
 def spec_from_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec:
-    """The spec of a config.json dict; UnknownFamilyError when model_type is missing or unknown."""
+    """The spec of a config.json dict: a hand-written family's where one is registered,
+    else read off transformers' own meta build (any model type transformers ships).
+    UnknownFamilyError when model_type is missing or transformers does not know it."""
     model_type = cfg.get("model_type")
-    if not model_type:
-        raise UnknownFamilyError(
-            f"{name}: config.json has no model_type",
-            f"add the model's model_type; moetune supports: {', '.join(sorted(FAMILIES))}",
-        )
-    return get_family(str(model_type)).build_spec(cfg, name)
+    if model_type in FAMILIES:
+        return FAMILIES[str(model_type)].build_spec(cfg, name)
+    return derived_spec(cfg, name)
 
 
 __all__ = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from moetune.model.counting import hf_config_object, quiet_transformers
+from moetune.model.counting import hf_config_object
 from moetune.model.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -25,18 +25,17 @@ def build_model(
     dtype: str | torch.dtype | None = None,
     **from_config: Any,
 ) -> torch.nn.Module:
-    """AutoModelForCausalLM.from_config under `device`.
+    """transformers' causal-LM class for the spec's config, built under `device`.
 
     On meta (the default) nothing is allocated and a 235B model builds in about half a
     second. `dtype` defaults to the spec's dtype; extra keyword arguments (e.g.
     `experts_implementation`, `attn_implementation`) go to from_config.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
+    from moetune.model.derive import build_language_model
 
     resolved = _dtype(dtype if dtype is not None else spec.dtype)
-    with quiet_transformers(), torch.device(device):
-        return AutoModelForCausalLM.from_config(to_hf_config(spec), dtype=resolved, **from_config)
+    config = to_hf_config(spec)
+    return build_language_model(config, spec.name, device=str(device), dtype=resolved, **from_config)
 
 
 def _dtype(value: str | torch.dtype) -> torch.dtype:

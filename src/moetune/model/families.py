@@ -37,6 +37,13 @@ class ModulePaths:
     mlx_dense: tuple[str, ...] = ()
     mlx_shared: tuple[str, ...] = ()
     mlx_router: tuple[str, ...] = ()
+    # Derived from a build: per decoder layer, the paths above that layer really has
+    # (hybrid models mix mixers and MLP kinds); empty means every layer has every path.
+    present: tuple[frozenset[str], ...] = ()
+
+    def in_layer(self, layer: int, path: str) -> bool:
+        """Whether decoder layer `layer` has `path` (always, for hand-written tables)."""
+        return not self.present or layer >= len(self.present) or path in self.present[layer]
 
 
 @dataclass(frozen=True)
@@ -91,12 +98,10 @@ def register(factory: Callable[[], Family]) -> Callable[[], Family]:
 
 
 def get_family(model_type: str) -> Family:
-    """The registered family for `model_type`, or UnknownFamilyError naming the supported ones."""
-    try:
+    """The family for `model_type`: a hand-written override where one is registered,
+    else one derived from transformers' own build (UnknownFamilyError if it has none)."""
+    if model_type in FAMILIES:
         return FAMILIES[model_type]
-    except KeyError:
-        known = ", ".join(sorted(FAMILIES))
-        raise UnknownFamilyError(
-            f"unknown model_type {model_type!r}",
-            f"moetune supports: {known}; open an issue to add a family",
-        ) from None
+    from moetune.model.generic import generic_family
+
+    return generic_family(model_type)

@@ -80,6 +80,9 @@ class ModelSpec:
     attention_layer_ids: tuple[int, ...] | None = None
     # Checkpoint quantization (e.g. "mxfp4", "fp8"); counts and hf_config are for the bf16 model.
     quant_method: str | None = None
+    # Token mixer of each layer as built (attention, mla, linear_attention, mamba, conv …);
+    # empty for specs from a hand-written family table.
+    mixers: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -122,5 +125,11 @@ class ModelSpec:
             "total_params": self.total_params,
             "active_params": self.active_params,
             "quant_method": self.quant_method,
+            "mixers": _runs(self.mixers),
             "components": self.components.as_dict(),
         }
+
+
+def _runs(kinds: tuple[str, ...]) -> dict[str, int]:
+    """How many layers have each mixer kind."""
+    return {k: kinds.count(k) for k in dict.fromkeys(kinds)}
