@@ -241,9 +241,16 @@ def test_every_adapter_trains_and_the_router_stays_frozen(variant: str) -> None:
 
 def test_a_wrong_family_path_is_missed_not_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """A family table naming a module the model does not have must fail the recipe."""
-    family = FAMILIES["olmoe"]
-    wrong = replace(family.paths, attention=("q_proj", "k_proj", "v_proj", "out_proj"))
-    monkeypatch.setitem(FAMILIES, "olmoe", replace(family, paths=wrong))
+    from moetune.model import derive
+
+    real = derive.derive_cached
+
+    def wrong_paths(raw: dict, name: str = "custom") -> derive.Derived:
+        found = real(raw, name)
+        wrong = replace(found.paths, attention=("q_proj", "k_proj", "v_proj", "out_proj"))
+        return replace(found, paths=wrong)
+
+    monkeypatch.setattr(derive, "derive_cached", wrong_paths)
     with pytest.raises(RecipeError, match=r"out_proj \(not in model\)") as err:
         make_recipe(_spec("olmoe"), LoraArgs(rank=4, targets=["attention"]))
     assert "module paths are wrong" in err.value.fix

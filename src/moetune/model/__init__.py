@@ -27,9 +27,6 @@ def spec_from_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec:
     """The spec of a config.json dict: a hand-written family's where one is registered,
     else read off transformers' own meta build (any model type transformers ships).
     UnknownFamilyError when model_type is missing or transformers does not know it."""
-    model_type = cfg.get("model_type")
-    if model_type in FAMILIES:
-        return FAMILIES[str(model_type)].build_spec(cfg, name)
     return derived_spec(cfg, name)
 
 

@@ -85,6 +85,8 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = {k: v for k, v in value.items() if int(k) < layers}  # per-layer dicts
         else:
             out[key] = value
+    if values.get("head_dim") and values.get("head_dim") == values.get("qk_rope_head_dim"):
+        out["head_dim"] = out["qk_rope_head_dim"]  # MLA families rotate head_dim channels
     return out
 
 

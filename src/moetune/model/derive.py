@@ -200,20 +200,60 @@ def _classify_layer(layer: nn.Module) -> _Layer:
     experts = [(p, m) for p, m in layer.named_modules() if p and is_experts(m)]
     experts = [(p, m) for p, m in experts if not any(p.startswith(f"{q}.") for q, _ in experts)]
     blocks = {p.rpartition(".")[0]: p for p, _ in experts}
+    mixer = _mixer_kind(layer, blocks, experts)
     for pname, param in layer.named_parameters():
         kind = _kind_of(pname, layer, experts, blocks)
-        counts[kind] += param.numel()
+        if mixer == "mamba" and kind in ("attention", "norms") and _in_mixer(layer, pname):
+            kind = "other"  # SSM mixers: counted apart, no LoRA target (CUDA kernels read
+        counts[kind] += param.numel()  # their weights directly)
     for mpath, module in layer.named_modules():
         kind = _kind_of(f"{mpath}.weight", layer, experts, blocks)
+        if kind == "attention" and mixer == "mamba":
+            continue
+        if module.__class__ is nn.Linear and module.out_features == 1:
+            continue  # a scalar gate (qwen2_moe's shared_expert_gate), not a projection
         if isinstance(module, nn.Linear) and kind in ("attention", "dense_mlp", "shared_experts"):
-            paths[{"shared_experts": "shared"}.get(kind, kind)].append(mpath)
+            path = _leaf_if_unique(layer, mpath) if kind == "attention" else mpath
+            paths[{"shared_experts": "shared"}.get(kind, kind)].append(path)
         elif kind == "routers" and mpath in _router_children(blocks, layer):
-            paths["router"].append(mpath)
+            paths["router"].append(_weight_holder(module, mpath))
     for epath, module in experts:
-        paths["expert_params"] += [f"{epath}.{n}" for n, p in module.named_parameters()
-                                   if p.dim() >= 2 and "." not in n]  # fmt: skip
+        paths["expert_params"] += [f"{epath}.{n}" for n in _stack_names(module)]
     top_k = next((k for m in layer.modules() if (k := _first_int(m, ("top_k",)))), 0)
-    return _Layer(counts, experts, paths, _mixer_kind(layer, blocks, experts), layer, top_k)
+    return _Layer(counts, experts, paths, mixer, layer, top_k)
+
+
+def _in_mixer(layer: nn.Module, pname: str) -> bool:
+    """Inside a layer child that is neither a norm nor an MLP block (the token mixer)."""
+    from torch import nn
+
+    top = pname.split(".")[0]
+    child = getattr(layer, top, None)
+    return isinstance(child, nn.Module) and not is_norm(child) and top not in _MLP_NAMES
+
+
+def _stack_names(module: nn.Module) -> list[str]:
+    """The expert weight stacks LoRA adapts: 3-D parameters, or the 2-D flattened ones of
+    families without 3-D stacks (dbrx); never the biases."""
+    named = [(n, p) for n, p in module.named_parameters() if not n.endswith("bias")]
+    rank = 3 if any(p.dim() == 3 for _, p in named) else 2
+    return [n for n, p in named if p.dim() == rank]
+
+
+def _weight_holder(module: nn.Module, path: str) -> str:
+    """The router's module that holds its weight (dbrx: `router.layer`)."""
+    if "weight" in module._parameters:
+        return path
+    inner = next((n for n, m in module.named_modules() if "weight" in m._parameters), "")
+    return f"{path}.{inner}" if inner else path
+
+
+def _leaf_if_unique(layer: nn.Module, path: str) -> str:
+    """A mixer Linear by its leaf name (peft's `q_proj` style) when no other module of the
+    layer has that leaf name, else by its layer-relative path."""
+    leaf = path.rpartition(".")[2]
+    same = [p for p, _ in layer.named_modules() if p.rpartition(".")[2] == leaf]
+    return leaf if same == [path] else path
 
 
 def _router_children(blocks: dict[str, str], layer: nn.Module) -> set[str]:
@@ -386,7 +426,14 @@ def _first_int(config: Any, names: tuple[str, ...]) -> int:
     for n in names:
         value = getattr(config, n, None)
         if isinstance(value, list | tuple) and value:
-            value = max(value)
+            if len(set(value)) > 1:  # transformers builds one router width for every layer
+                n = (getattr(config, "attribute_map", None) or {}).get(n, n)  # config.json's name
+                raise ConfigError(
+                    f"{config.model_type}: per-layer {n} {list(value)} differ; transformers "
+                    "builds every layer with the first",
+                    f"set every entry of {n} to the same value",
+                )
+            value = value[0]
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return 0

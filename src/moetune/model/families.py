@@ -8,7 +8,7 @@ and mlx-lm. Extend by decorating a Family factory with `@register`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from moetune.errors import UnknownFamilyError
@@ -42,8 +42,14 @@ class ModulePaths:
     present: tuple[frozenset[str], ...] = ()
 
     def in_layer(self, layer: int, path: str) -> bool:
-        """Whether decoder layer `layer` has `path` (always, for hand-written tables)."""
-        return not self.present or layer >= len(self.present) or path in self.present[layer]
+        """Whether decoder layer `layer` should have `path`: always for hand-written tables,
+        and for a path no layer has (a wrong name must be reported, not skipped)."""
+        if not self.present or layer >= len(self.present) or path in self.present[layer]:
+            return True
+        return not any(path in found for found in self.present)  # a path no layer has: a miss
+
+
+_MLX_FIELDS = tuple(f.name for f in fields(ModulePaths) if f.name.startswith("mlx_"))
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,16 @@ class Family:
     paths_for: Callable[[ModelSpec], ModulePaths] | None = None
 
     def paths_of(self, spec: ModelSpec) -> ModulePaths:
-        """The module paths that exist in the model `spec` describes."""
-        return self.paths_for(spec) if self.paths_for else self.paths
+        """The module paths that exist in the model `spec` describes: peft's read off the
+        build, mlx-lm's (which no transformers build shows) from this family's table."""
+        own = self.paths_for(spec) if self.paths_for else self.paths
+        if not spec.mixers:  # a spec that did not come from a build
+            return own
+        from moetune.model.derive import derive_cached
+
+        built = derive_cached(spec.hf_config, spec.name).paths
+        mlx = {f: getattr(own, f) for f in _MLX_FIELDS}
+        return replace(built, **mlx)
 
 
 FAMILIES: dict[str, Family] = {}

@@ -211,12 +211,11 @@ def build_step_model(
     experts: tuple[str, bool] = ("bf16", False),
 ) -> Any:
     """The model (a PeftModel when `peft_config` is given), on `meta` when fake."""
-    from transformers import AutoModelForCausalLM
-
     from moetune.engine.quant import peft_targets
+    from moetune.model.derive import causal_lm_class
 
     with torch.device("meta" if fake else device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = causal_lm_class(hf_config)._from_config(hf_config, dtype=dtype)
         if experts[0] != "bf16":
             _quantize(model, engine, *experts)
         if peft_config is not None:

@@ -325,14 +325,16 @@ def _router_state(modules: dict[str, nn.Module], paths: tuple[str, ...]) -> str:
 
 
 def _audit_part(
-    part: Part, layers: list[nn.Module], spec: ModelSpec, paths: tuple[str, ...]
+    part: Part, layers: list[nn.Module], spec: ModelSpec, paths: ModulePaths
 ) -> list[CoverageRow]:
     """Rows for one kind over the layers where the spec says it is. A family path that
-    names nothing there is a missed row too: the part exists under another name."""
+    names nothing there is a missed row too: the part exists under another name (paths
+    derived from a build say which layer has which, so hybrid layers are not misses)."""
     rows: list[CoverageRow] = []
     for i in part.layers(spec):
         modules = _layer_modules(layers[i])
-        for path in paths or (f"<{part.label}>",):
+        expected = tuple(p for p in part.peft(paths) if paths.in_layer(i, p))
+        for path in expected or (f"<{part.label}>",):
             hits = [CoverageRow(i, part.kind, t, rank) for t, rank in _resolve(modules, part, path)]
             rows += hits or [CoverageRow(i, part.kind, path, None, present=False)]
     return rows
@@ -352,7 +354,7 @@ def audit_coverage(model: nn.Module, spec: ModelSpec, lora: LoraArgs) -> Coverag
         if reason:
             absent[kind] = reason
             continue
-        rows += _audit_part(PARTS[kind], layers, spec, PARTS[kind].peft(paths))
+        rows += _audit_part(PARTS[kind], layers, spec, paths)
     router = {i: _router_state(_layer_modules(layers[i]), paths.router) for i in spec.moe_layers}
     ranks = {k: tuple(sorted({r.rank for r in rows if r.kind == k and r.rank})) for k in kinds}
     trainable, total = _count_params(model)

@@ -180,14 +180,17 @@ _QUANT_REPORT = "_moetune_quant_report"  # on a model loaded with quantised expe
 
 def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
     """The base as `engine` (the resolved lora.engine) trains it."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from moetune.model.derive import causal_lm_class
 
     dtype = _DTYPES[place.load_dtype(cfg.model.dtype)]
     if cfg.model.experts_dtype != "bf16":
         return load_quantized_model(cfg, place, dtype, engine)
     try:
         with quiet():
-            model: nn.Module = AutoModelForCausalLM.from_pretrained(cfg.model.id, dtype=dtype)
+            cls: Any = causal_lm_class(AutoConfig.from_pretrained(cfg.model.id))
+            model: nn.Module = cls.from_pretrained(cfg.model.id, dtype=dtype)
     except OSError as exc:
         raise TrainError(
             f"cannot load the weights of {cfg.model.id}: {str(exc).splitlines()[0]}",
