@@ -116,3 +116,38 @@ def test_trace_equals_a_real_cpu_step(model_type: str) -> None:
 def test_trace_equals_a_real_cpu_step_every_family(model_type: str) -> None:
     fake, real = _trace(model_type, True), _trace(model_type, False)
     assert fake.peak_bytes == real.peak_bytes
+
+
+def _save_tiny(model_type: str, out):
+    """A tiny random model of `model_type` saved with the demo's character tokenizer."""
+    from moetune.demo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    spec = _spec(model_type)
+    config = to_hf_config(spec)
+    for name, value in (("pad", tok.pad_token_id), ("eos", tok.eos_token_id),
+                        ("bos", tok.bos_token_id)):  # fmt: skip
+        setattr(config, f"{name}_token_id", value)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = causal_lm_class(config)._from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MOE)
+def test_five_training_steps_reach_every_expert_with_the_router_unchanged(
+    model_type: str, tmp_path
+) -> None:
+    from moetune.train.trainer import train
+    from test_train_helpers import one_thread, reverse_rows, run_config, write_jsonl
+
+    model = _save_tiny(model_type, tmp_path / "model")
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(12))
+    cfg = run_config(model, data, tmp_path / "run", max_steps=5, save_steps=5, seq_len=16)
+    with one_thread():
+        result = train(cfg, progress=False)
+    assert (result.steps, result.coverage, result.router_changed) == (5, 1.0, False)

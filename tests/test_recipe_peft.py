@@ -14,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from moetune.config import LoraArgs
 from moetune.errors import RecipeError
-from moetune.model import FAMILIES, ModelSpec, build_model, load_spec, spec_from_config
+from moetune.model import ModelSpec, build_model, load_spec, spec_from_config
 from moetune.model.tiny import TINY_CONFIGS, tiny_config
 from moetune.recipe import recipe_for
 from moetune.recipe.audit import CoverageReport, audit_coverage

@@ -35,7 +35,9 @@ def build_model(
 
     resolved = _dtype(dtype if dtype is not None else spec.dtype)
     config = to_hf_config(spec)
-    return build_language_model(config, spec.name, device=str(device), dtype=resolved, **from_config)
+    return build_language_model(
+        config, spec.name, device=str(device), dtype=resolved, **from_config
+    )
 
 
 def _dtype(value: str | torch.dtype) -> torch.dtype:

@@ -22,7 +22,8 @@ _TINY: dict[str, int] = {
     "shared_expert_intermediate_size": 32, "ffn_hidden_size": 48, "expert_ffn_hidden_size": 32,
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2,
-    "moe_top_k": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
+    "moe_top_k": 2, "top_k": 2, "n_group": 1, "topk_group": 1, "num_group": 1,
+    "num_expert_group": 1,
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 16, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
@@ -39,7 +40,7 @@ _FILL: dict[str, int] = {
     "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,
     "indexer_compress_ratio": 4,
 }  # fmt: skip
-_LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer")
+_LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 _SIZE_NAME = re.compile(r"(size|dim|rank|width)s?$")
 MAX_LAYERS = 4
 
@@ -50,6 +51,8 @@ def _shrink_int(key: str, value: int) -> int:
         return min(value, 2)
     if key in _TINY:
         return _TINY[key] if value > 0 else value
+    if "vocab" in key:
+        return _TINY["vocab_size"]
     if key.endswith("_token_id"):
         return value if value < _TINY["vocab_size"] else _TINY["vocab_size"] - 1
     if _SIZE_NAME.search(key) and value > 64:
@@ -57,6 +60,16 @@ def _shrink_int(key: str, value: int) -> int:
     if key.endswith("heads") and value > 4:
         return 4
     return value
+
+
+def _cut(per_layer: list[Any] | str, layers: int) -> list[Any] | str:
+    """The first `layers` entries, the last ones swapped for kinds the cut would lose (a
+    hybrid model keeps one layer of each mixer or MLP kind)."""
+    kept = list(per_layer[:layers])
+    missing = [k for k in dict.fromkeys(per_layer) if k not in kept][: max(0, layers - 1)]
+    if missing:
+        kept[layers - len(missing) :] = missing
+    return "".join(kept) if isinstance(per_layer, str) else kept
 
 
 def shrink(values: dict[str, Any]) -> dict[str, Any]:
@@ -74,17 +87,23 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, int):
             out[key] = _shrink_int(key, value)
         elif isinstance(value, list | str) and old_layers > layers and len(value) == old_layers:
-            out[key] = value[:layers]  # per-layer lists / patterns
-        elif isinstance(value, list) and key.endswith("layers") and all(
-            isinstance(i, int) for i in value
+            out[key] = _cut(value, layers)  # per-layer lists / patterns
+        elif (
+            isinstance(value, list)
+            and key.endswith("layers")
+            and all(isinstance(i, int) for i in value)
         ):
             out[key] = [i for i in value if i < layers]  # layer-index lists
         elif key.endswith("_token_id") and isinstance(value, list):
             out[key] = [_shrink_int(key, v) for v in value if isinstance(v, int)]
+        elif isinstance(value, dict) and key in ("attn_config", "ffn_config"):
+            out[key] = shrink(value)  # dbrx's nested sub-configs
         elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
             out[key] = {k: v for k, v in value.items() if int(k) < layers}  # per-layer dicts
         else:
             out[key] = value
+    if "kv_lora_rank" in out and "num_key_value_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]  # MLA: a kv head per query head
     if values.get("head_dim") and values.get("head_dim") == values.get("qk_rope_head_dim"):
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA families rotate head_dim channels
     return out
@@ -120,6 +139,7 @@ def _merge(into: dict[str, Any], over: dict[str, Any]) -> None:
 # validator enforces, or defaults that build a dense model.
 _OVERRIDES: dict[str, dict[str, Any]] = {
     "doge": {"is_moe": True, "num_experts": 16},
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
     "dots1": {"n_shared_experts": 1},
     "dots3_note_text": {"num_key_value_heads": 4, "per_layer_config": {}, "head_dim": 16},
     "gemma4_text": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
@@ -164,7 +184,8 @@ def multimodal_model_types() -> list[str]:
     return [t for t, s in census().items() if s == "multimodal"]
 
 
-_EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
+                  "num_local_experts")  # fmt: skip
 
 
 def _mentions_experts(model_type: str) -> bool:
@@ -174,11 +195,8 @@ def _mentions_experts(model_type: str) -> bool:
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    fields: set[str] = set()
-    for klass in cls.__mro__:
-        fields |= set(getattr(klass, "__annotations__", {}))
-        fields |= set(getattr(klass, "attribute_map", None) or {})
-    if fields & set(_EXPERT_FIELDS):
+    classes = [cls, *(getattr(cls, "sub_configs", None) or {}).values()]
+    if any(_config_fields(c) & set(_EXPERT_FIELDS) for c in classes if isinstance(c, type)):
         return True
     package = cls.__module__.rpartition(".")[0]
     try:
@@ -186,6 +204,14 @@ def _mentions_experts(model_type: str) -> bool:
     except ImportError:
         return False
     return "use_experts_implementation" in inspect.getsource(module)
+
+
+def _config_fields(cls: type) -> set[str]:
+    fields: set[str] = set()
+    for klass in cls.__mro__:
+        fields |= set(getattr(klass, "__annotations__", {}))
+        fields |= set(getattr(klass, "attribute_map", None) or {})
+    return fields
 
 
 def _status(model_type: str) -> str:

@@ -88,14 +88,13 @@ def _text_config(config: Any) -> Any:
     return text if text is not None else config
 
 
-def causal_lm_class(config: Any) -> type:
+def causal_lm_class(config: Any) -> Any:
     """transformers' causal-LM class for `config` (the auto mapping, else the modeling
     module's `…ForCausalLM` whose config_class is this config's class)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        cls: type = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-        return cls
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         pass
     for candidate in _module_classes(type(config)):
@@ -379,7 +378,7 @@ def _attention_layers(read: list[_Layer]) -> tuple[int, ...] | None:
     return None if len(ids) == len(read) else ids
 
 
-def _outside(model: nn.Module, prefix: str) -> Components:
+def _outside(model: Any, prefix: str) -> Components:
     """Embeddings, head, final norms and extra heads (MTP) outside the decoder layers."""
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
@@ -408,6 +407,8 @@ def _sum_layers(read: list[_Layer]) -> Components:
 
 
 def _num_experts(read: list[_Layer], config: Any) -> int:
+    from torch import nn
+
     for r in read:
         for _, module in r.experts:
             n = getattr(module, "num_experts", None)
@@ -416,7 +417,7 @@ def _num_experts(read: list[_Layer], config: Any) -> int:
             stacks = [p for p in module.parameters(recurse=False) if p.dim() == 3]
             if stacks:
                 return int(stacks[0].shape[0])
-            lists = [len(c) for c in module.children() if type(c).__name__ == "ModuleList"]
+            lists = [len(c) for c in module.children() if isinstance(c, nn.ModuleList)]
             if lists:
                 return lists[0]
     return int(_first_int(config, ("num_experts", "n_routed_experts", "num_local_experts")))
@@ -483,7 +484,7 @@ def _per_glu(read: list[_Layer], layers: tuple[int, ...], kind: str, hidden: int
         return 0
     r = read[layers[0]]
     for path in r.paths["shared" if kind == "shared_experts" else kind]:
-        linear = r.module.get_submodule(path)
+        linear: Any = r.module.get_submodule(path)
         if linear.out_features == hidden and linear.in_features != hidden:
             return int(linear.in_features)
     return r.counts[kind] // (3 * hidden)
@@ -492,7 +493,10 @@ def _per_glu(read: list[_Layer], layers: tuple[int, ...], kind: str, hidden: int
 def _shared_count(config: Any, read: list[_Layer]) -> int:
     if not any(r.counts["shared_experts"] for r in read):
         return 0
-    return _first_int(config, ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")) or 1
+    return (
+        _first_int(config, ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"))
+        or 1
+    )
 
 
 def _dense_size(config: Any, read: list[_Layer], moe: tuple[int, ...], hidden: int) -> int:

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from moetune.errors import UnknownFamilyError
 from moetune.model.spec import ModelSpec
 
 

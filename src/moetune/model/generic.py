@@ -7,7 +7,7 @@ structure); a hand-written `Family` in `model.arch` is only an override for a kn
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from moetune.model.derive import derive_cached
@@ -23,7 +23,7 @@ def _paths(spec: ModelSpec) -> ModulePaths:
     return derive_cached(spec.hf_config, spec.name).paths
 
 
-@lru_cache(maxsize=None)
+@cache
 def generic_family(model_type: str) -> Family:
     """A Family whose every fact is read off a build (layout and layer prefix from a tiny
     build of the type: they depend on the classes, not the sizes)."""

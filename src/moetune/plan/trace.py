@@ -176,7 +176,7 @@ def add_fused_head(model: Any) -> None:
     """TRL's fused LM head on the base model, as SFTTrainer adds it."""
     from trl.trainer.utils import add_fused_lm_head
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
     add_fused_lm_head(base, outputs=_SFT_OUTPUTS)
 
 
@@ -288,6 +288,10 @@ def _materialize(model: nn.Module, device: str) -> None:
     loaded model has them.
     """
     model.to_empty(device=device)
+    found: Any = getattr(model, "get_base_model", None)
+    base: Any = found() if callable(found) else model
+    if getattr(base.config, "tie_word_embeddings", False) and hasattr(base, "tie_weights"):
+        base.tie_weights()  # to_empty gives a tied head its own storage; a loaded model shares it
     for module in model.modules():
         has_rope = isinstance(getattr(module, "rope_type", None), str)
         if has_rope and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
