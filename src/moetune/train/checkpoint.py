@@ -20,6 +20,7 @@ entry of `checkpoints/` is complete. A kill -9 mid-save leaves a torn directory 
 `.staging/`, which resume ignores and clears. JSON files go to a temp file that is renamed
 over the target; JSONL logs are appended a whole line at a time, a torn last line is
 dropped on read, and on resume rows past the checkpoint are cut away (atomically).
+Damaged checkpoints and full disks are recovery.py's.
 """
 
 from __future__ import annotations

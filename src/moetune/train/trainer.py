@@ -35,6 +35,7 @@ import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -44,6 +45,7 @@ from rich.markup import escape
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
 from moetune.ledger import attempt
+from moetune.preflight import check_ledger
 from moetune.train.callbacks import (
     MetricsCallback,
     RichProgress,
@@ -59,6 +61,8 @@ from moetune.train.checkpoint import (
     replace_dir,
 )
 from moetune.train.errors import TrainError
+from moetune.train.lock import hold
+from moetune.train.recovery import disk_full_stops
 from moetune.train.routing import (
     RoutingCallback,
     RoutingRecorder,
@@ -122,10 +126,15 @@ def train(
 ) -> TrainResult:
     """Train the LoRA adapter `cfg` describes; the module docstring lists the steps.
     `overwrite` replaces a finished run in output.dir (only after preflight passes).
-    Every attempt – finished, failed or interrupted – leaves one ledger row."""
+    Every attempt – finished, failed, interrupted or terminated – leaves one ledger row, and
+    only one process at a time writes a run dir (lock.py)."""
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
         return _train(cfg, resume, allow_errors, overwrite, progress)
-    with attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row:
+    check_ledger(cfg.output.ledger)
+    with (
+        attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row,
+        hold(Path(cfg.output.dir)),
+    ):
         result = _train(cfg, resume, allow_errors, overwrite, progress)
         row["metrics"] = result.to_json()
     return result
@@ -145,9 +154,10 @@ def _train(
     router_before = router_weights(model, setup.spec)
     trainer, routing = build_trainer(cfg, setup, run, model, console)
     setup.selection = select_experts(cfg, setup, run, model, trainer, console)
-    fit(trainer, setup, console)
-    routing.recorder.remove()
-    save_adapter(trainer, run)
+    with disk_full_stops(run):
+        fit(trainer, setup, console)
+        routing.recorder.remove()
+        save_adapter(trainer, run)
     router = compare_router(router_before, router_weights(model, setup.spec), cfg.lora.train_router)
     result = TrainResult(
         run_dir=str(run.root),
@@ -162,7 +172,10 @@ def _train(
         aux_loss=setup.aux.enabled,
         resumed_from_step=setup.resume_from[0] if setup.resume_from else None,
         errors_overridden=setup.overridden,
-        warnings=routing.warnings + router_warnings(router) + selection_warnings(model, setup),
+        warnings=setup.notes
+        + routing.warnings
+        + router_warnings(router)
+        + selection_warnings(model, setup),
         **throughput(cfg, setup, trainer),
     )
     if setup.args.should_save:
@@ -303,6 +316,8 @@ def announce(console: Console, cfg: RunConfig, setup: Setup) -> None:
         f"({setup.engine} engine) · router {router} · aux loss {aux_text} ({aux.reason})"
     )
     console.print(line, highlight=False)
+    for note in setup.notes:
+        console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     if setup.resume_from:
         console.print(f"resuming from checkpoint step {setup.resume_from[0]}")
     for rule_id in setup.overridden:
