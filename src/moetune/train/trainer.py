@@ -153,11 +153,14 @@ def _train(
     announce(console, cfg, setup)
     router_before = router_weights(model, setup.spec)
     trainer, routing = build_trainer(cfg, setup, run, model, console)
+    routing.measure_base(model, trainer.train_dataset, trainer.data_collator, cfg.train.batch_size)
     setup.selection = select_experts(cfg, setup, run, model, trainer, console)
     with disk_full_stops(run):
         fit(trainer, setup, console)
         routing.recorder.remove()
         save_adapter(trainer, run)
+    if routing.every:
+        console.print(escape(routing.drift()["line"]), highlight=False)
     router = compare_router(router_before, router_weights(model, setup.spec), cfg.lora.train_router)
     result = TrainResult(
         run_dir=str(run.root),
@@ -179,7 +182,7 @@ def _train(
         **throughput(cfg, setup, trainer),
     )
     if setup.args.should_save:
-        write_summary(run, result, router, setup)
+        write_summary(run, result, {"router": router, "routing_drift": routing.drift()}, setup)
     return result
 
 
@@ -467,13 +470,14 @@ def memory_json(setup: Setup) -> dict[str, Any]:
     }
 
 
-def write_summary(run: RunDir, result: TrainResult, router: dict[str, Any], setup: Setup) -> None:
-    """summary.json, last: its presence marks the run finished."""
+def write_summary(run: RunDir, result: TrainResult, checks: dict[str, Any], setup: Setup) -> None:
+    """summary.json, last: its presence marks the run finished. `checks`: the router's
+    before/after comparison ("router") and the routing against the base's ("routing_drift")."""
     summary = {
         "result": result.to_json(),
-        "router": router,
+        "router": checks["router"],
         "aux_loss": setup.aux.to_json(),
-        "routing": summarize(run.routing.read()),
+        "routing": {**summarize(run.routing.read()), **checks["routing_drift"]},
         "memory": memory_json(setup),
         "placement": setup.place.to_json(),
         "data": setup.data.to_json(),
