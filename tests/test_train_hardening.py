@@ -258,3 +258,36 @@ def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint
     json.loads((step / "trainer_state.json").read_text())  # whole
     assert not (out / ".staging").exists()  # the torn save is cleared, freeing its space
     assert _rows(cfg)[-1].status == "failed" and "disk full" in _rows(cfg)[-1].reason
+
+
+def test_full_disk_is_recognised_however_the_writer_reports_it():
+    from moetune.train.recovery import is_disk_full
+
+    assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))
+    torch_writer = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    rust_writer = "Error while serializing: IoError(Os { code: 28, message: No space left on device"
+    assert is_disk_full(RuntimeError(torch_writer)) and is_disk_full(Exception(rust_writer))
+    assert not is_disk_full(RuntimeError("PytorchStreamReader failed reading zip archive"))
+
+
+def test_a_save_that_came_out_short_is_never_committed(files, tmp_path, monkeypatch):
+    """torch.save's C++ writer can end a save on a full disk without an error: the file is
+    simply short. Such a checkpoint must not become the one --resume trusts."""
+    out = tmp_path / "run"
+    cfg = _cfg(files, out)
+    real_save = torch.save
+
+    def short_write(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        if f"checkpoint-{2 * SAVE}" in str(f) and str(f).endswith("optimizer.pt"):
+            Path(f).write_bytes(Path(f).read_bytes()[:64])
+
+    monkeypatch.setattr(torch, "save", short_write)
+    with one_thread(), pytest.raises(TrainError) as info:
+        train(cfg, progress=False)
+    assert info.value.cause.startswith(
+        f"checkpoint step {2 * SAVE} came out incomplete (optimizer.pt: truncated"
+    )
+    assert f"checkpoint step {SAVE} is intact" in info.value.cause
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{SAVE}"]

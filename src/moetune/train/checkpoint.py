@@ -304,7 +304,10 @@ class CheckpointCommitter(TrainerCallback):
 
         PartialState().wait_for_everyone()  # every rank has written its part (RNG states)
         if args.should_save:
+            from moetune.train.recovery import require_whole  # recovery builds on this module
+
             staged = self.run.staging / f"checkpoint-{state.global_step}"
+            require_whole(self.run, staged, state.global_step)
             replace_dir(staged, self.run.checkpoints / f"{STEP_PREFIX}{state.global_step}")
             for _, old in self.run.checkpoints_done()[:-KEEP_CHECKPOINTS]:
                 trash = old.with_name(f".{old.name}.old")  # out of sight first, then deleted

@@ -113,29 +113,46 @@ def set_aside(point: ResumePoint) -> list[str]:
     return lines
 
 
+# How a full disk reads when torch.save's C++ writer or safetensors' Rust one hits it
+# (torch: "unexpected pos 704 vs 598" writing to /dev/full; never a reader's message).
+_WRITER_FAILED = ("No space left on device", "PytorchStreamWriter", "unexpected pos ")
+
+
 def is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC as Python raises it, or as torch.save / safetensors report it in C++/Rust."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    text = str(exc)
-    return "No space left on device" in text or "file write failed" in text
+    """ENOSPC as Python raises it, or as torch.save / safetensors report it."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOSPC
+    return any(text in str(exc) for text in _WRITER_FAILED)
 
 
 @contextlib.contextmanager
 def disk_full_stops(run: RunDir) -> Iterator[None]:
-    """A full disk as one line naming the path and the free space; the torn save in
-    `.staging/` is cleared (it is moetune's own temp, and clearing frees space)."""
+    """A full disk as one line naming the path and the free space."""
     try:
         yield
     except Exception as exc:
         if not is_disk_full(exc):
             raise
         where = getattr(exc, "filename", None) or run.staging
-        shutil.rmtree(run.staging, ignore_errors=True)
-        free = human_bytes(shutil.disk_usage(run.root).free)
-        last = run.last_checkpoint()
-        kept = f"checkpoint step {last[0]} is intact" if last else "no checkpoint was committed"
-        raise TrainError(
-            f"disk full while writing {where} ({free} free on {run.root}); {kept}",
-            "free disk space (or move output.dir), then run the same `moetune train` with --resume",
-        ) from None
+        raise stopped(run, f"disk full while writing {where}") from None
+
+
+def require_whole(run: RunDir, staged: Path, step: int) -> None:
+    """A save that reported success can still be short: torch's C++ writer does not always
+    report a full disk. Such a checkpoint is never committed."""
+    problem = checkpoint_problem(staged)
+    if problem:
+        raise stopped(run, f"checkpoint step {step} came out incomplete ({problem}; disk full?)")
+
+
+def stopped(run: RunDir, what: str) -> TrainError:
+    """The one-line error of a save that failed: free space and the checkpoint still intact.
+    The torn save in `.staging/` is cleared (moetune's own temp; clearing frees space)."""
+    shutil.rmtree(run.staging, ignore_errors=True)
+    free = human_bytes(shutil.disk_usage(run.root).free)
+    last = run.last_checkpoint()
+    kept = f"checkpoint step {last[0]} is intact" if last else "no checkpoint was committed"
+    return TrainError(
+        f"{what} ({free} free on {run.root}); {kept}",
+        "free disk space (or move output.dir), then run the same `moetune train` with --resume",
+    )
