@@ -189,8 +189,9 @@ def select(
 @contextmanager
 def attempt(path: Path | str, kind: str, **fields: Any) -> Iterator[dict[str, Any]]:
     """Ledger one row for the block: ok when it completes, cancelled on Ctrl-C or SIGTERM,
-    failed on an error (its cause as the reason). The block fills the yielded dict (metrics, run_id,
-    …). A ledger that cannot be written warns and never hides the block's own error."""
+    failed on an error (its cause as the reason). The block fills the yielded dict
+    (metrics, run_id, …). A ledger that cannot be written warns and never hides the
+    block's own error."""
     row: dict[str, Any] = {"metrics": {}, **fields}
     started = time.perf_counter()
 

@@ -2,8 +2,10 @@
 
 The run, top to bottom:
 
-1. the run dir is checked read-only: a finished run is never overwritten, an unfinished
-   one only continued with `resume=True`, and only with the same config and data;
+1. output.ledger is checked, the run dir locked (one writer at a time, lock.py) and
+   checked read-only: a finished run is never overwritten, an unfinished one only
+   continued with `resume=True`, with the same config and data, from its newest whole
+   checkpoint (recovery.py);
 2. `setup.prepare`: device and precision (bf16 on CUDA, fp32 elsewhere unless
    train.precision says so); preflight – the spec, a memory plan for the run as it will
    really run and the lint rules, where an `error` finding stops the run unless
@@ -14,9 +16,10 @@ The run, top to bottom:
 4. with lora.expert_selection (ESFT), the frozen base scores the experts on the trainer's
    tokenised rows and only the chosen experts' LoRA trains (engine/select.py;
    experts_selected.json, reused on resume);
-5. TRL's SFTTrainer trains with moetune's callbacks (metrics, routing, atomic checkpoints,
-   progress). The aux loss is on only when train.aux_loss says so or, left unset, when
-   lora.train_router – TRL would otherwise turn it on for every MoE by itself;
+5. TRL's SFTTrainer trains with moetune's callbacks (metrics, routing judged against the
+   base's own routing measured just before, atomic checkpoints, progress). The aux loss
+   is on only when train.aux_loss says so or, left unset, when lora.train_router – TRL
+   would otherwise turn it on for every MoE by itself;
 6. the adapter is saved in peft format (temp dir, then rename), the router's effective
    weights are compared with their state before training, and summary.json comes last.
 
