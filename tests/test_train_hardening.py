@@ -166,6 +166,19 @@ def test_sigterm_mid_train_leaves_a_cancelled_row_and_a_resumable_run(files, tmp
     assert [r.status for r in _rows(cfg)][-1] == "ok"
 
 
+def test_sigterm_inside_an_attempt_is_a_cancelled_row_and_the_handler_comes_back(tmp_path):
+    from moetune.ledger import Terminated, attempt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated), attempt(tmp_path / "ledger.jsonl", "eval", run_id="r"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # never reached: the handler raises at once
+    (row,) = Ledger(tmp_path / "ledger.jsonl").read().rows
+    assert (row.kind, row.status, row.reason) == ("eval", "cancelled", "terminated (SIGTERM)")
+    assert row.seconds is not None and row.seconds < 5
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.parametrize("where", ["a directory", "under a file"])
 def test_unusable_ledger_is_refused_before_anything_is_built(files, tmp_path, where):
     blocker = tmp_path / "blocker"
