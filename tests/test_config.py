@@ -26,3 +26,49 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
 def test_non_positive_rejected(bad: str) -> None:
     with pytest.raises(ConfigError, match="positive"):
         parse_config({}, [bad])
+
+
+@pytest.mark.parametrize(
+    ("override", "cause"),
+    [
+        ("train.learning_rate=.nan", "train.learning_rate: must be a finite number > 0 (got nan)"),
+        ("train.learning_rate=-1e-4", "train.learning_rate: must be a finite number > 0"),
+        ("train.learning_rate=0", "train.learning_rate: must be a finite number > 0 (got 0)"),
+        ("train.max_steps=0", "train.max_steps: must be a positive integer (> 0) (got 0)"),
+        ("train.warmup_ratio=1.5", "train.warmup_ratio: must be a fraction in [0, 1) (got 1.5)"),
+        ("train.warmup_ratio=-0.1", "train.warmup_ratio: must be a fraction in [0, 1)"),
+        ("train.batch_size=-2", "train.batch_size: must be a positive integer (> 0) (got -2)"),
+        ("train.grad_accum=0", "train.grad_accum: must be a positive integer"),
+        ("train.epochs=.inf", "train.epochs: must be a finite number > 0 (got inf)"),
+        ("train.weight_decay=-1", "train.weight_decay: must be a finite number >= 0"),
+        ("train.routing_every=-1", "train.routing_every: must be an integer >= 0"),
+        ("train.seed=-3", "train.seed: must be an integer >= 0"),
+        ("lora.alpha=0", "lora.alpha: must be a finite number > 0"),
+        ("lora.dropout=.nan", "lora.dropout: must be a probability in [0, 1) (got nan)"),
+        ("lora.expert_selection_share=.nan", "lora.expert_selection_share: must be a share"),
+        ("eval.batch_size=0", "eval.batch_size: must be a positive integer"),
+        ("lane.max_usd=-5", "lane.max_usd: must be a finite number > 0"),
+        ("lane.idle_gpu_percent=150", "lane.idle_gpu_percent: must be a percentage in [0, 100]"),
+        ("lane.ssh.port=0", "lane.ssh.port: must be a TCP port"),
+    ],
+)
+def test_impossible_numbers_are_refused_naming_field_and_fix(override: str, cause: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_config({}, [override])
+    assert exc.value.cause.startswith(cause)
+    field = override.partition("=")[0]
+    assert exc.value.fix.startswith(f"set {field} to ")
+
+
+def test_nan_margin_of_a_rung_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("eval:\n  rungs:\n    - {name: a, kind: loss, margin: .nan}\n")
+    with pytest.raises(ConfigError, match=r"eval\.rungs\.0\.margin: must be a finite number >= 0"):
+        load_config(path)
+
+
+def test_boundary_values_are_accepted() -> None:
+    cfg = parse_config(
+        {"train": {"warmup_ratio": 0.0, "max_steps": 1, "routing_every": 0, "weight_decay": 0}}
+    )
+    assert cfg.train.max_steps == 1 and cfg.train.warmup_ratio == 0.0

@@ -13,6 +13,7 @@ from moetune.train.routing import (
     LayerLoad,
     RoutingCallback,
     RoutingRecorder,
+    drifted,
     layer_load,
     routed_experts,
     router_modules,
@@ -106,9 +107,48 @@ def test_callback_records_every_n_steps_and_warns_on_collapse():
         callback.on_step_end(args, state, None)
     assert [r["step"] for r in rows] == [3, 6]
     assert rows[0]["layers"][0]["tokens_per_expert"] == [6, 6, 2, 2]
-    assert len(callback.warnings) == 2
-    assert "layer 0" in callback.warnings[0] and "expert 1" in callback.warnings[0]
-    assert "75%" in callback.warnings[0]
+    (warning,) = callback.warnings  # collapsed at both records: said once for the layer
+    assert "layer 0" in warning and "expert 1" in warning and "75%" in warning
+
+
+def _steps(callback, steps: int) -> None:
+    args = SimpleNamespace(should_save=False)
+    for step in range(steps):
+        state = SimpleNamespace(global_step=step)
+        callback.on_step_begin(args, state, None)
+        state.global_step += 1
+        callback.on_step_end(args, state, None)
+
+
+def _layer(layer: int, rows: list[list[int]]) -> LayerLoad:
+    return layer_load(layer, torch.tensor(rows), 4)
+
+
+def test_drift_is_judged_against_the_base_once_per_layer():
+    concentrated = [[1, 0]] * 60 + [[2, 3]] * 20  # 75 % of first choices to expert 1
+    spread = [[e, (e + 1) % 4] for e in range(4)] * 20  # 25 % each
+    base = {0: _layer(0, concentrated), 1: _layer(1, spread)}
+    # layer 0 stays as concentrated as the base already was; layer 1 collapses
+    fake = _FakeRecorder([_layer(0, concentrated), _layer(1, concentrated)])
+    callback = RoutingCallback(fake, 1, lambda row: None, base=base)  # type: ignore[arg-type]
+    _steps(callback, 5)
+    (warning,) = callback.warnings
+    assert warning.startswith("routing collapse at step 1: layer 1 sends 75% of tokens")
+    assert "base 25%" in warning
+    drift = callback.drift()
+    assert drift["drifted_layers"] == [1] and [b["layer"] for b in drift["base"]] == [0, 1]
+    assert drift["line"] == (
+        "routing: 1 of 2 layers drifted from the base (collapsed and > 10% above the base's "
+        "top-1 share): layers 1; base already concentrated in layer 0 (75% to expert 1)"
+    )
+
+
+def test_within_the_margin_is_not_drift():
+    base = _layer(0, [[1, 0]] * 53 + [[2, 3]] * 47)  # 53 %: the quickstart's layer 2
+    assert not drifted(_layer(0, [[1, 0]] * 60 + [[2, 3]] * 40), base)  # +7 pp
+    assert drifted(_layer(0, [[1, 0]] * 90 + [[2, 3]] * 10), base)  # +37 pp
+    assert not drifted(_layer(0, [[1, 0]] * 40 + [[2, 3]] * 30 + [[3, 2]] * 30), None)
+    assert drifted(_layer(0, [[1, 0]] * 60 + [[2, 3]] * 40), None)  # no base: plain collapse
 
 
 # ---------------------------------------------------------------- hooks on a real model
@@ -144,3 +184,34 @@ def test_recorder_counts_real_tokens_once_per_layer(tiny):
         assert sum(load.counts) == 12 * spec.top_k
     assert recorder.stop() == loads  # the forward after stop() added nothing
     recorder.remove()
+
+
+def test_a_run_measures_the_base_and_never_warns_where_routing_equals_it(tmp_path):
+    """LoRA on the experts only: layer 0's router sees what the base's saw, and every step
+    trains on all 8 rows, so its records equal the base's measurement token for token."""
+    import json
+
+    from moetune.train import train
+    from test_train_helpers import reverse_rows, run_config, write_jsonl
+
+    model = save_tiny_model(tmp_path / "model")
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    cfg = run_config(
+        model, data, tmp_path / "run", max_steps=3, batch_size=8, routing_every=1,
+        save_steps=50, lora__targets=["experts"],
+    )  # fmt: skip
+    with one_thread():
+        result = train(cfg, progress=False)
+    routing = json.loads((tmp_path / "run" / "summary.json").read_text())["routing"]
+    base = {b["layer"]: b for b in routing["base"]}
+    assert sorted(base) == [0, 1] and base[0]["tokens"] > 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "routing.jsonl").open()]
+    assert len(records) == 3
+    for record in records:
+        layer0 = record["layers"][0]
+        assert layer0["tokens_per_expert"] == base[0]["tokens_per_expert"]
+    collapse = [w for w in result.warnings if w.startswith("routing collapse")]
+    assert len(collapse) <= 2 and not any("layer 0 " in w for w in collapse)
+    assert len({w.split("layer ")[1].split()[0] for w in collapse}) == len(collapse)
+    assert 0 not in routing["drifted_layers"]
+    assert routing["line"].startswith(f"routing: {len(collapse)} of 2 layers drifted")

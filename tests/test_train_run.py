@@ -324,6 +324,7 @@ def test_output_dir_not_writable(files, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a file, not a directory")
     cfg = run_config(files.model, files.data, blocker / "run", max_steps=1)
+    cfg.output.ledger = str(tmp_path / "ledger.jsonl")  # the ledger is fine: the dir is not
     with pytest.raises(TrainError, match="not writable"):
         train(cfg, progress=False)
 

@@ -4,17 +4,53 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from moetune.errors import ConfigError
 
 Target = Literal["attention", "experts", "dense", "shared", "router"]
 DEFAULT_TARGETS: tuple[Target, ...] = ("attention", "experts", "dense", "shared")
+
+
+def _rule(ok: Callable[[Any], bool], rule: str) -> AfterValidator:
+    """A numeric constraint whose error says what a valid value is (NaN never passes)."""
+
+    def check(v: Any) -> Any:
+        if not ok(v):
+            raise ValueError(rule)
+        return v
+
+    return AfterValidator(check)
+
+
+def _finite(v: float) -> bool:
+    return math.isfinite(v)
+
+
+# Numbers a run config can hold; a value outside them cannot describe a real run.
+PositiveInt = Annotated[int, _rule(lambda v: v > 0, "must be a positive integer (> 0)")]
+NonNegativeInt = Annotated[int, _rule(lambda v: v >= 0, "must be an integer >= 0")]
+PositiveFloat = Annotated[
+    float, _rule(lambda v: _finite(v) and v > 0, "must be a finite number > 0")
+]
+NonNegativeFloat = Annotated[
+    float, _rule(lambda v: _finite(v) and v >= 0, "must be a finite number >= 0")
+]
+FiniteFloat = Annotated[float, _rule(_finite, "must be a finite number")]
+Fraction = Annotated[  # a share of the steps: 1.0 would be read by HF as "1 step"
+    float, _rule(lambda v: _finite(v) and 0 <= v < 1, "must be a fraction in [0, 1)")
+]
+Percent = Annotated[
+    float, _rule(lambda v: _finite(v) and 0 <= v <= 100, "must be a percentage in [0, 100]")
+]
+Port = Annotated[int, _rule(lambda v: 0 < v < 65536, "must be a TCP port (1-65535)")]
 
 
 class _Section(BaseModel):
@@ -52,14 +88,14 @@ class ModelArgs(_Section):
 class LoraArgs(_Section):
     """The LoRA adapter: where it goes and how big it is."""
 
-    rank: int = Field(16, description="LoRA rank r (per expert for expert stacks).")
-    expert_rank: int | None = Field(
+    rank: PositiveInt = Field(16, description="LoRA rank r (per expert for expert stacks).")
+    expert_rank: PositiveInt | None = Field(
         None,
         description="Rank of the expert-stack LoRA (per expert) when it should differ from "
         "rank, e.g. 4 to fit a 24 GB card; alpha scales with it (same alpha/r). Needs "
         "expert_mapping explicit.",
     )
-    alpha: float | None = Field(None, description="LoRA alpha; default 2 × rank.")
+    alpha: PositiveFloat | None = Field(None, description="LoRA alpha; default 2 × rank.")
     dropout: float = Field(
         0.0,
         description="LoRA dropout; engine peft forbids != 0 when experts are targeted, engine "
@@ -95,32 +131,25 @@ class LoraArgs(_Section):
         description="gate/token selection: per layer, take experts by descending score until "
         "their cumulative share reaches this (ESFT used 0.1–0.2).",
     )
-    expert_selection_rows: int = Field(
+    expert_selection_rows: PositiveInt = Field(
         256, description="gate/token selection: training rows scored with the base model."
     )
     mlx_keys: list[str] | None = Field(
         None, description="mlx-lm lora_parameters.keys as written by the user (mlx stack)."
     )
 
-    @field_validator("rank", "expert_rank", "expert_selection_rows")
-    @classmethod
-    def _positive_rank(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError("must be a positive integer (e.g. 8, 16, 64)")
-        return v
-
     @field_validator("expert_selection_share")
     @classmethod
     def _share_range(cls, v: float) -> float:
-        if not 0.0 < v <= 1.0:
-            raise ValueError("expert_selection_share must be in (0, 1]")
+        if not 0.0 < v <= 1.0:  # NaN fails every comparison, so it is refused too
+            raise ValueError("must be a share in (0, 1]")
         return v
 
     @field_validator("dropout")
     @classmethod
     def _dropout_range(cls, v: float) -> float:
         if not 0.0 <= v < 1.0:
-            raise ValueError("dropout must be in [0, 1)")
+            raise ValueError("must be a probability in [0, 1)")
         return v
 
     @property
@@ -142,44 +171,47 @@ class TrainArgs(_Section):
     """The training step that the planner traces and the trainer runs."""
 
     method: Literal["lora", "full", "qlora"] = Field("lora", description="Fine-tuning method.")
-    seq_len: int = Field(2048, description="Tokens per sequence.")
-    batch_size: int = Field(1, description="Sequences per micro-batch.")
+    seq_len: PositiveInt = Field(2048, description="Tokens per sequence.")
+    batch_size: PositiveInt = Field(1, description="Sequences per micro-batch.")
     gradient_checkpointing: bool = Field(True, description="Recompute activations per layer.")
     quantization: Literal["none", "bnb-4bit", "bnb-8bit"] = Field(
         "none", description="Quantisation of the frozen base (bnb leaves fused experts bf16)."
     )
-    learning_rate: float = Field(2e-4, description="Peak AdamW learning rate.")
-    weight_decay: float = Field(0.0, description="AdamW weight decay.")
+    learning_rate: PositiveFloat = Field(2e-4, description="Peak AdamW learning rate.")
+    weight_decay: NonNegativeFloat = Field(0.0, description="AdamW weight decay.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="Learning-rate schedule after warmup."
     )
-    warmup_ratio: float = Field(0.0, description="Fraction of steps spent warming up.")
-    epochs: float = Field(1.0, description="Passes over the training data (max_steps wins).")
-    max_steps: int | None = Field(None, description="Stop after this many optimizer steps.")
-    grad_accum: int = Field(1, description="Micro-batches per optimizer step.")
-    seed: int = Field(0, description="Seed for weights init of LoRA, data order and dropout.")
-    logging_steps: int = Field(1, description="Log loss and throughput every N steps.")
-    save_steps: int = Field(50, description="Atomic checkpoint every N steps (for --resume).")
-    routing_every: int = Field(10, description="Routing diagnostics every N steps (0 = off).")
+    warmup_ratio: Fraction = Field(0.0, description="Fraction of steps spent warming up.")
+    epochs: PositiveFloat = Field(
+        1.0, description="Passes over the training data (max_steps wins)."
+    )
+    max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
+    grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    seed: NonNegativeInt = Field(
+        0, description="Seed for weights init of LoRA, data order and dropout."
+    )
+    logging_steps: PositiveInt = Field(1, description="Log loss and throughput every N steps.")
+    save_steps: PositiveInt = Field(
+        50, description="Atomic checkpoint every N steps (for --resume)."
+    )
+    routing_every: NonNegativeInt = Field(
+        10, description="Routing diagnostics every N steps (0 = off)."
+    )
     aux_loss: bool | None = Field(
         None,
         description="Add the router load-balancing loss (output_router_logits). Default: on "
         "only when lora.train_router; recorded either way.",
     )
-    aux_loss_coef: float = Field(0.001, description="Coefficient of the aux loss when on.")
+    aux_loss_coef: NonNegativeFloat = Field(
+        0.001, description="Coefficient of the aux loss when on."
+    )
     device: Literal["auto", "cpu", "cuda", "mps"] = Field(
         "auto", description="Where to train; auto picks CUDA, then MPS, then CPU."
     )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="auto: bf16 on GPU, fp32 on CPU."
     )
-
-    @field_validator("seq_len", "batch_size", "grad_accum", "logging_steps", "save_steps")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError("must be a positive integer")
-        return v
 
 
 class DataArgs(_Section):
@@ -219,7 +251,7 @@ class SshArgs(_Section):
     """An SSH host for provider `ssh` (OpenSSH; the host key is pinned per run on first use)."""
 
     host: str | None = Field(None, description="Host name or IP.")
-    port: int = Field(22, description="sshd port.")
+    port: Port = Field(22, description="sshd port.")
     user: str = Field("root", description="Login user.")
     identity: str | None = Field(None, description="Private key file (ssh -i).")
 
@@ -238,37 +270,43 @@ class RunpodArgs(_Section):
         description="Container image of the pod.",
     )
     cloud_type: Literal["ALL", "SECURE", "COMMUNITY"] = Field("ALL", description="Cloud.")
-    container_disk_gb: int = Field(30, description="Container disk (the volume is separate).")
-    gpu_count: int = Field(1, description="GPUs per pod.")
+    container_disk_gb: PositiveInt = Field(
+        30, description="Container disk (the volume is separate)."
+    )
+    gpu_count: PositiveInt = Field(1, description="GPUs per pod.")
 
 
 class LaneArgs(_Section):
     """Remote-run infrastructure: where the pod comes from, the four walls, the cost guard."""
 
     provider: Literal["local", "ssh", "runpod"] = Field("local", description="Where to run.")
-    volume_gb: int | None = Field(
+    volume_gb: PositiveInt | None = Field(
         None, description="Pod volume size in GB (default: sized from the model)."
     )
-    watchdog_s: int | None = Field(
+    watchdog_s: PositiveInt | None = Field(
         None, description="In-pod watchdog deadline in seconds (default: sized from the plan)."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Env vars set in the pod.")
-    ci_job_timeout_minutes: int | None = Field(None, description="CI job timeout-minutes.")
-    ci_step_timeout_minutes: int | None = Field(
+    ci_job_timeout_minutes: PositiveInt | None = Field(None, description="CI job timeout-minutes.")
+    ci_step_timeout_minutes: PositiveInt | None = Field(
         None, description="Step-level timeout-minutes on the launch step."
     )
-    estimated_eval_s: int = Field(1800, description="Expected eval time on the pod, seconds.")
-    max_usd: float | None = Field(
+    estimated_eval_s: NonNegativeInt = Field(
+        1800, description="Expected eval time on the pod, seconds."
+    )
+    max_usd: PositiveFloat | None = Field(
         None, description="Budget: at this spend, bank what exists, terminate, ledger row."
     )
-    idle_gpu_percent: float = Field(
+    idle_gpu_percent: Percent = Field(
         5.0, description="GPU-idle watchdog: utilisation below this counts as idle."
     )
-    idle_minutes: float = Field(
+    idle_minutes: PositiveFloat = Field(
         20.0, description="GPU-idle watchdog: idle this long terminates the pod."
     )
-    poll_s: float = Field(30.0, description="Seconds between controller checks of the pod.")
-    ready_timeout_s: float = Field(900.0, description="Longest wait for a pod to accept SSH.")
+    poll_s: PositiveFloat = Field(30.0, description="Seconds between controller checks of the pod.")
+    ready_timeout_s: PositiveFloat = Field(
+        900.0, description="Longest wait for a pod to accept SSH."
+    )
     remote_moetune: str = Field(
         "moetune", description="Command that runs moetune on the pod (after lane.setup)."
     )
@@ -306,18 +344,18 @@ class RungArgs(_Section):
     data: str | None = Field(
         None, description="JSONL file of items (lm_eval: unused; the task YAML names its data)."
     )
-    margin: float = Field(
+    margin: NonNegativeFloat = Field(
         0.1,
         description="Protected: largest tolerated drop of the score (non-inferiority margin), "
         "in the rung's units (accuracy, or nats per token for loss).",
     )
-    floor: float | None = Field(
+    floor: FiniteFloat | None = Field(
         None, description="Protected: absolute floor the candidate's score must reach."
     )
-    min_gain: float = Field(
+    min_gain: NonNegativeFloat = Field(
         0.05, description="Target: the gain the lower confidence bound must reach."
     )
-    max_new_tokens: int | None = Field(
+    max_new_tokens: PositiveInt | None = Field(
         None,
         description="exact_match: generation limit; default the answer's length + 1 "
         "(room for EOS), so a model that does not stop is wrong.",
@@ -333,13 +371,6 @@ class RungArgs(_Section):
             raise ValueError("rung names are file names: letters, digits, '-', '_' and '.'")
         return v
 
-    @field_validator("margin")
-    @classmethod
-    def _non_negative(cls, v: float) -> float:
-        if v < 0:
-            raise ValueError("margin must be >= 0")
-        return v
-
 
 class GateArgs(_Section):
     """How the promotion gate decides from paired base-vs-candidate differences."""
@@ -353,7 +384,7 @@ class GateArgs(_Section):
     @classmethod
     def _alpha_range(cls, v: float) -> float:
         if not 0.0 < v < 0.5:
-            raise ValueError("alpha must be in (0, 0.5)")
+            raise ValueError("must be in (0, 0.5)")
         return v
 
 
@@ -365,8 +396,10 @@ class EvalArgs(_Section):
         default_factory=GateArgs,  # type: ignore[arg-type]
         description="Decision settings of the promotion gate.",
     )
-    batch_size: int = Field(32, description="Items scored per forward pass.")
-    limit: int | None = Field(None, description="Score only the first N items of each rung.")
+    batch_size: PositiveInt = Field(32, description="Items scored per forward pass.")
+    limit: PositiveInt | None = Field(
+        None, description="Score only the first N items of each rung."
+    )
     results_dir: str | None = Field(
         None, description="Where results go; default <output.dir>/eval."
     )
@@ -410,12 +443,17 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
     node[leaf] = yaml.safe_load(raw)
 
 
-def _describe(err: ValidationError) -> str:
+def _describe(err: ValidationError) -> tuple[str, str]:
+    """(`field: what a valid value is (got what was given)`, the fix) for the first error."""
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
+    schema = "`moetune schema` lists every field and its meaning"
     if first["type"] == "extra_forbidden":
-        return f"unknown key {where!r} in run config"
-    return f"invalid {where!r}: {first['msg']}"
+        return f"unknown key {where!r} in run config", f"check the spelling; {schema}"
+    msg = first["msg"].removeprefix("Value error, ")
+    valid = msg.removeprefix("must be ")
+    fix = f"set {where} to {valid}" if valid != msg else "set it to a valid value"
+    return f"{where}: {msg} (got {first.get('input')})", f"{fix}; {schema}"
 
 
 def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
@@ -426,8 +464,7 @@ def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> Ru
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        fix = "see `moetune schema` for every field and its meaning"
-        raise ConfigError(_describe(err), fix) from None
+        raise ConfigError(*_describe(err)) from None
 
 
 def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConfig:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,6 +37,29 @@ _SECRET_VALUE = re.compile(r"(hf_[A-Za-z0-9]{20,}|rpa_[A-Za-z0-9]{20,}|sk-[A-Za-
 
 class LedgerError(MoetuneError):
     """The ledger file cannot be used (unreadable path, bad row asked to be written)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's stop, a pod shutting down), raised as an interrupt."""
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block SIGTERM raises `Terminated`, so the block unwinds as on Ctrl-C
+    (ledger row, locks, live displays); the previous handler is restored after. Signal
+    handlers belong to the main thread: elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class LedgerRow(BaseModel):
@@ -163,9 +188,10 @@ def select(
 
 @contextmanager
 def attempt(path: Path | str, kind: str, **fields: Any) -> Iterator[dict[str, Any]]:
-    """Ledger one row for the block: ok when it completes, cancelled on Ctrl-C, failed on
-    an error (its cause as the reason). The block fills the yielded dict (metrics, run_id,
-    …). A ledger that cannot be written warns and never hides the block's own error."""
+    """Ledger one row for the block: ok when it completes, cancelled on Ctrl-C or SIGTERM,
+    failed on an error (its cause as the reason). The block fills the yielded dict
+    (metrics, run_id, …). A ledger that cannot be written warns and never hides the
+    block's own error."""
     row: dict[str, Any] = {"metrics": {}, **fields}
     started = time.perf_counter()
 
@@ -175,9 +201,11 @@ def attempt(path: Path | str, kind: str, **fields: Any) -> Iterator[dict[str, An
         Ledger(path).append(LedgerRow(kind=kind, status=status, seconds=seconds, **fields))
 
     try:
-        yield row
-    except KeyboardInterrupt:
-        _write_quietly(write, "cancelled", "interrupted")
+        with sigterm_interrupts():  # restored before any row is written
+            yield row
+    except KeyboardInterrupt as err:
+        how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+        _write_quietly(write, "cancelled", how)
         raise
     except Exception as err:
         cause = getattr(err, "cause", None) or f"{type(err).__name__}: {err}"

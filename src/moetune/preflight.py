@@ -3,6 +3,7 @@ lint context filled with the spec and the plan, so `plan`, `lint` and `train` sh
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,32 @@ def resolve_run(target: str, overrides: list[str] | None = None) -> RunConfig:
     if is_run_file(target):
         return load_config(target, overrides)
     return parse_config({"model": {"id": target}}, overrides)
+
+
+def check_ledger(path: str | Path) -> None:
+    """output.ledger must be able to take a row: found before a run, not after it trained."""
+    from moetune.ledger import LedgerError
+
+    problem = _ledger_problem(Path(path))
+    if problem:
+        raise LedgerError(
+            f"output.ledger {path} {problem}, so no ledger row could be written",
+            "set output.ledger to a file in a writable directory (e.g. .moetune/ledger.jsonl)",
+        )
+
+
+def _ledger_problem(path: Path) -> str | None:
+    """Why `path` cannot be appended to (with its `.lock` beside it), or None."""
+    if path.is_dir():
+        return "is a directory"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "is not writable"
+    existing = next(p for p in [path.parent, *path.parent.parents] if p.exists())
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be created: {existing} is not writable"
+    return None
 
 
 def option_overrides(**options: Any) -> list[str]:

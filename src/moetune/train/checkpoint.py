@@ -20,6 +20,7 @@ entry of `checkpoints/` is complete. A kill -9 mid-save leaves a torn directory 
 `.staging/`, which resume ignores and clears. JSON files go to a temp file that is renamed
 over the target; JSONL logs are appended a whole line at a time, a torn last line is
 dropped on read, and on resume rows past the checkpoint are cut away (atomically).
+Damaged checkpoints and full disks are recovery.py's.
 """
 
 from __future__ import annotations
@@ -303,7 +304,10 @@ class CheckpointCommitter(TrainerCallback):
 
         PartialState().wait_for_everyone()  # every rank has written its part (RNG states)
         if args.should_save:
+            from moetune.train.recovery import require_whole  # recovery builds on this module
+
             staged = self.run.staging / f"checkpoint-{state.global_step}"
+            require_whole(self.run, staged, state.global_step)
             replace_dir(staged, self.run.checkpoints / f"{STEP_PREFIX}{state.global_step}")
             for _, old in self.run.checkpoints_done()[:-KEEP_CHECKPOINTS]:
                 trash = old.with_name(f".{old.name}.old")  # out of sight first, then deleted

@@ -16,16 +16,24 @@ backward pass: only calls inside the model's own forward count.
   (`COLLAPSE_SHARE`). The first choice is used because with top-k >= 2 no expert can hold
   more than 1/k of the assignments, so "> 50 % of the load" could never fire there.
 
+Many bases already route unevenly before any training (the quickstart's base sends 53 % of
+layer 2's first choices to one expert), so a collapse only counts against the fine-tune
+when it is worse than the base's own: `base_routing` measures the base on training rows
+before the first step, and a layer *drifted* when it is collapsed and its top-1 share
+exceeds the base's by more than `DRIFT_MARGIN` plus twice the record's sampling error.
+
 `RoutingCallback` records every `train.routing_every` optimizer steps into routing.jsonl
-and warns on collapse; `summarize` condenses the records for the run summary. Under
-`accelerate launch` each process counts its own tokens; the main process writes its share.
+and warns once per drifted layer; `drift_line` says in one line what drifted and where the
+base was already concentrated; `summarize` condenses the records for the run summary.
+Under `accelerate launch` each process counts its own tokens; the main process writes its
+share.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +50,8 @@ if TYPE_CHECKING:
     from moetune.model.spec import ModelSpec
 
 COLLAPSE_SHARE = 0.5  # one expert the first choice of more than this share of tokens
+DRIFT_MARGIN = 0.10  # top-1 share above the base's by more than this (+ sampling error)
+BASE_ROWS = 256  # training rows the base's routing is measured on
 
 
 @dataclass(frozen=True)
@@ -286,17 +296,63 @@ class RoutingRecorder:
         self._handles = []
 
 
-def collapse_warning(step: int, load: LayerLoad) -> str:
+def base_routing(
+    recorder: RoutingRecorder, model: nn.Module, inputs: Iterable[dict[str, Any]]
+) -> dict[int, LayerLoad]:
+    """MoE layer -> the routing of `model` over `inputs` (no grad, eval mode). Called before
+    the first step, when every LoRA B is still zero: the model routes as the base does."""
+    was_training = model.training
+    model.eval()
+    recorder.start()
+    try:
+        with torch.no_grad():
+            for batch in inputs:
+                model(**batch)
+    finally:
+        loads = recorder.stop()
+        model.train(was_training)
+    return {load.layer: load for load in loads}
+
+
+def drifted(load: LayerLoad, base: LayerLoad | None) -> bool:
+    """Collapsed, and – where the base was measured – worse than the base by the margin."""
+    if not load.collapsed:
+        return False
+    if base is None or not base.tokens or not load.tokens:
+        return True
+    p = base.top1_share
+    noise = 2 * math.sqrt(p * (1 - p) / load.tokens)  # a record is a sample of tokens too
+    return load.top1_share - p > DRIFT_MARGIN + noise
+
+
+def collapse_warning(step: int, load: LayerLoad, base: LayerLoad | None = None) -> str:
+    versus = f", base {base.top1_share:.0%}" if base is not None and base.tokens else ""
     return (
         f"routing collapse at step {step}: layer {load.layer} sends "
-        f"{load.top1_share:.0%} of tokens to expert {load.busiest} first "
+        f"{load.top1_share:.0%} of tokens to expert {load.busiest} first{versus} "
         f"(load entropy {load.entropy:.2f})"
     )
 
 
+def drift_line(base: dict[int, LayerLoad], drifted_layers: Sequence[int], layers: int) -> str:
+    """One line for the end of a run: layers that drifted, and where the base already
+    concentrated (top-1 share over COLLAPSE_SHARE before any training)."""
+    rule = f"collapsed and > {DRIFT_MARGIN:.0%} above the base's top-1 share"
+    line = f"routing: {len(drifted_layers)} of {layers} layers drifted from the base ({rule})"
+    if drifted_layers:
+        line += f": layers {', '.join(map(str, drifted_layers))}"
+    already = [b for _, b in sorted(base.items()) if b.collapsed]
+    if already:
+        where = ", ".join(f"{b.layer} ({b.top1_share:.0%} to expert {b.busiest})" for b in already)
+        line += f"; base already concentrated in layer{'s' if len(already) > 1 else ''} {where}"
+    return line
+
+
 class RoutingCallback(TrainerCallback):
     """Records the routing every `every` optimizer steps; `write(row)` stores a record and
-    `warn(message)` reports a collapse as it happens (all of them also in `.warnings`)."""
+    `warn(message)` reports a layer drifting from `base` (collapsed beyond the base's own
+    routing), once per layer, as it happens (all of them also in `.warnings`). Layers
+    without a base measurement warn on plain collapse, once."""
 
     def __init__(
         self,
@@ -304,9 +360,13 @@ class RoutingCallback(TrainerCallback):
         every: int,
         write: Callable[[dict[str, Any]], None],
         warn: Callable[[str], None] = lambda message: None,
+        base: dict[int, LayerLoad] | None = None,
     ) -> None:
         self.recorder, self.every, self.write, self.warn = recorder, every, write, warn
+        self.base: dict[int, LayerLoad] = base or {}
         self.warnings: list[str] = []
+        self.drifted: list[int] = []  # layers warned about, in the order they drifted
+        self.layers: set[int] = set()  # layers recorded
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.every and (state.global_step + 1) % self.every == 0:
@@ -321,9 +381,36 @@ class RoutingCallback(TrainerCallback):
         if args.should_save:
             self.write({"step": state.global_step, "layers": [x.to_json() for x in loads]})
         for load in loads:
-            if load.collapsed:
-                self.warnings.append(collapse_warning(state.global_step, load))
+            self.layers.add(load.layer)
+            base = self.base.get(load.layer)
+            if load.layer not in self.drifted and drifted(load, base):
+                self.drifted.append(load.layer)
+                self.warnings.append(collapse_warning(state.global_step, load, base))
                 self.warn(self.warnings[-1])
+
+    def measure_base(
+        self, model: nn.Module, dataset: Any, collate: Callable[[list[Any]], Any], batch: int
+    ) -> None:
+        """The base's routing on up to BASE_ROWS training rows, collated as the trainer
+        does; call it before the first step (routing off: nothing to compare, not measured)."""
+        if not self.every:
+            return
+        from moetune.engine.select import batches, sample_rows
+
+        rows = sample_rows(len(dataset), BASE_ROWS)
+        device = next(model.parameters()).device
+        inputs = batches(dataset, collate, rows, batch, device)
+        self.base = base_routing(self.recorder, model, inputs)
+
+    def drift(self) -> dict[str, Any]:
+        """summary.json's view: the base's routing, the drifted layers, the rule, the line."""
+        layers = len(self.layers | set(self.base))
+        return {
+            "base": [load.to_json() for _, load in sorted(self.base.items())],
+            "drifted_layers": sorted(self.drifted),
+            "drift_margin": DRIFT_MARGIN,
+            "line": drift_line(self.base, sorted(self.drifted), layers),
+        }
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from moetune.io import atomic_write_json
 from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.data import TrainData, load_train_data
 from moetune.train.errors import TrainError
+from moetune.train.recovery import ResumePoint, resume_point_of, set_aside
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -127,6 +128,8 @@ class Setup:
     aux: AuxChoice
     args: SFTConfig
     resume_from: tuple[int, Path] | None
+    damaged: ResumePoint | None = None  # resume: checkpoints newer than resume_from that fail
+    notes: list[str] = dataclasses.field(default_factory=list)  # said once the run starts
     engine: str = "peft"  # lora.engine as resolved for this model (engine/resolve.py)
     coverage: CoverageReport | None = None
     selection: ExpertSelection | None = None
@@ -159,6 +162,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     data, eval_data = load_train_data(cfg.data, tokenizer, cfg.train.seq_len)
     aux = aux_choice(cfg, spec)
     args = sft_args(cfg, run, place, aux, data, eval_data is not None)
+    point = resume_point(run, data) if resume else None
     setup = Setup(
         place=place,
         spec=spec,
@@ -170,7 +174,8 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         eval_data=eval_data,
         aux=aux,
         args=args,
-        resume_from=resume_point(run, data) if resume else None,
+        resume_from=point.checkpoint if point else None,
+        damaged=point,
         engine=engine,
     )
     with args.main_process_first(local=False, desc="moetune run dir"):  # the others wait
@@ -267,8 +272,8 @@ def sft_args(
 # ---------------------------------------------------------------- the run dir
 
 
-def resume_point(run: RunDir, data: TrainData) -> tuple[int, Path] | None:
-    """The last complete checkpoint, once the data is known to be what the run started on."""
+def resume_point(run: RunDir, data: TrainData) -> ResumePoint:
+    """The last whole checkpoint, once the data is known to be what the run started on."""
     if run.data.is_file():
         before = json.loads(run.data.read_text(encoding="utf-8")).get("sha256")
         if before and before != data.sha256:
@@ -276,11 +281,13 @@ def resume_point(run: RunDir, data: TrainData) -> tuple[int, Path] | None:
                 f"--resume with different data: {data.path} changed since the run started",
                 "restore the original data file, or start a new output.dir",
             )
-    return run.last_checkpoint()
+    return resume_point_of(run)
 
 
 def write_preamble(run: RunDir, cfg: RunConfig, setup: Setup) -> None:
     """config.yaml, versions.json, preflight.json and data.json, before any training."""
+    if setup.damaged is not None:  # renamed, never deleted: the user may want them
+        setup.notes += set_aside(setup.damaged)
     open_run(run, cfg, setup.resume_from[0] if setup.resume_from else None)
     atomic_write_json(run.versions, {**versions(), **setup.place.to_json()})
     atomic_write_json(run.preflight, setup.preflight_json())

@@ -2,8 +2,10 @@
 
 The run, top to bottom:
 
-1. the run dir is checked read-only: a finished run is never overwritten, an unfinished
-   one only continued with `resume=True`, and only with the same config and data;
+1. output.ledger is checked, the run dir locked (one writer at a time, lock.py) and
+   checked read-only: a finished run is never overwritten, an unfinished one only
+   continued with `resume=True`, with the same config and data, from its newest whole
+   checkpoint (recovery.py);
 2. `setup.prepare`: device and precision (bf16 on CUDA, fp32 elsewhere unless
    train.precision says so); preflight – the spec, a memory plan for the run as it will
    really run and the lint rules, where an `error` finding stops the run unless
@@ -14,9 +16,10 @@ The run, top to bottom:
 4. with lora.expert_selection (ESFT), the frozen base scores the experts on the trainer's
    tokenised rows and only the chosen experts' LoRA trains (engine/select.py;
    experts_selected.json, reused on resume);
-5. TRL's SFTTrainer trains with moetune's callbacks (metrics, routing, atomic checkpoints,
-   progress). The aux loss is on only when train.aux_loss says so or, left unset, when
-   lora.train_router – TRL would otherwise turn it on for every MoE by itself;
+5. TRL's SFTTrainer trains with moetune's callbacks (metrics, routing judged against the
+   base's own routing measured just before, atomic checkpoints, progress). The aux loss
+   is on only when train.aux_loss says so or, left unset, when lora.train_router – TRL
+   would otherwise turn it on for every MoE by itself;
 6. the adapter is saved in peft format (temp dir, then rename), the router's effective
    weights are compared with their state before training, and summary.json comes last.
 
@@ -35,6 +38,7 @@ import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -44,6 +48,7 @@ from rich.markup import escape
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
 from moetune.ledger import attempt
+from moetune.preflight import check_ledger
 from moetune.train.callbacks import (
     MetricsCallback,
     RichProgress,
@@ -59,6 +64,8 @@ from moetune.train.checkpoint import (
     replace_dir,
 )
 from moetune.train.errors import TrainError
+from moetune.train.lock import hold
+from moetune.train.recovery import disk_full_stops
 from moetune.train.routing import (
     RoutingCallback,
     RoutingRecorder,
@@ -122,10 +129,15 @@ def train(
 ) -> TrainResult:
     """Train the LoRA adapter `cfg` describes; the module docstring lists the steps.
     `overwrite` replaces a finished run in output.dir (only after preflight passes).
-    Every attempt – finished, failed or interrupted – leaves one ledger row."""
+    Every attempt – finished, failed, interrupted or terminated – leaves one ledger row, and
+    only one process at a time writes a run dir (lock.py)."""
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
         return _train(cfg, resume, allow_errors, overwrite, progress)
-    with attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row:
+    check_ledger(cfg.output.ledger)
+    with (
+        attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row,
+        hold(Path(cfg.output.dir)),
+    ):
         result = _train(cfg, resume, allow_errors, overwrite, progress)
         row["metrics"] = result.to_json()
     return result
@@ -144,10 +156,14 @@ def _train(
     announce(console, cfg, setup)
     router_before = router_weights(model, setup.spec)
     trainer, routing = build_trainer(cfg, setup, run, model, console)
+    routing.measure_base(model, trainer.train_dataset, trainer.data_collator, cfg.train.batch_size)
     setup.selection = select_experts(cfg, setup, run, model, trainer, console)
-    fit(trainer, setup, console)
-    routing.recorder.remove()
-    save_adapter(trainer, run)
+    with disk_full_stops(run):
+        fit(trainer, setup, console)
+        routing.recorder.remove()
+        save_adapter(trainer, run)
+    if routing.every:
+        console.print(escape(routing.drift()["line"]), highlight=False)
     router = compare_router(router_before, router_weights(model, setup.spec), cfg.lora.train_router)
     result = TrainResult(
         run_dir=str(run.root),
@@ -162,11 +178,14 @@ def _train(
         aux_loss=setup.aux.enabled,
         resumed_from_step=setup.resume_from[0] if setup.resume_from else None,
         errors_overridden=setup.overridden,
-        warnings=routing.warnings + router_warnings(router) + selection_warnings(model, setup),
+        warnings=setup.notes
+        + routing.warnings
+        + router_warnings(router)
+        + selection_warnings(model, setup),
         **throughput(cfg, setup, trainer),
     )
     if setup.args.should_save:
-        write_summary(run, result, router, setup)
+        write_summary(run, result, {"router": router, "routing_drift": routing.drift()}, setup)
     return result
 
 
@@ -306,6 +325,8 @@ def announce(console: Console, cfg: RunConfig, setup: Setup) -> None:
         f"({setup.engine} engine) · router {router} · aux loss {aux_text} ({aux.reason})"
     )
     console.print(line, highlight=False)
+    for note in setup.notes:
+        console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     if setup.resume_from:
         console.print(f"resuming from checkpoint step {setup.resume_from[0]}")
     for rule_id in setup.overridden:
@@ -455,13 +476,14 @@ def memory_json(setup: Setup) -> dict[str, Any]:
     }
 
 
-def write_summary(run: RunDir, result: TrainResult, router: dict[str, Any], setup: Setup) -> None:
-    """summary.json, last: its presence marks the run finished."""
+def write_summary(run: RunDir, result: TrainResult, checks: dict[str, Any], setup: Setup) -> None:
+    """summary.json, last: its presence marks the run finished. `checks`: the router's
+    before/after comparison ("router") and the routing against the base's ("routing_drift")."""
     summary = {
         "result": result.to_json(),
-        "router": router,
+        "router": checks["router"],
         "aux_loss": setup.aux.to_json(),
-        "routing": summarize(run.routing.read()),
+        "routing": {**summarize(run.routing.read()), **checks["routing_drift"]},
         "memory": memory_json(setup),
         "placement": setup.place.to_json(),
         "data": setup.data.to_json(),
