@@ -45,13 +45,13 @@ def load_quantized(
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    from moetune.model.derive import causal_lm_class
+    from moetune.model.derive import causal_lm_class, ensure_backbone
 
     backend = quantizer_for(experts_dtype, double_quant=double_quant)
     config = AutoConfig.from_pretrained(model_dir)
     # buffers stay real: rotary frequencies are computed at init, never stored
     with init_empty_weights(include_buffers=False):
-        model = causal_lm_class(config)._from_config(config, dtype=dtype)
+        model = ensure_backbone(causal_lm_class(config)._from_config(config, dtype=dtype))
     report = QuantReport(experts_dtype, double_quant, backend.name)
     plan = _Plan(experts_dtype, double_quant, report, "", torch.device(device), error_experts)
     staged = []

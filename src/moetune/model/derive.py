@@ -128,7 +128,7 @@ def build_language_model(config: Any, name: str = "custom", device: str = "meta"
     kw.setdefault("dtype", torch.bfloat16)
     try:
         with quiet_transformers(), torch.device(device):
-            return cls._from_config(config, **kw)  # type: ignore[attr-defined]
+            return ensure_backbone(cls._from_config(config, **kw))
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as exc:
         said = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise ConfigError(
@@ -136,6 +136,19 @@ def build_language_model(config: Any, name: str = "custom", device: str = "meta"
             f"({type(exc).__name__}: {said})",
             "correct the field transformers names, or re-download the model's config.json",
         ) from exc
+
+
+def ensure_backbone(model: Any) -> Any:
+    """Point `model.base_model` at the decoder when the class names a `base_model_prefix`
+    it does not have (Llama4ForCausalLM says `language_model`, holds `model`): TRL's fused
+    LM head asks `base_model` for the last hidden state, and would get the whole model."""
+    if getattr(model, "base_model", model) is not model:
+        return model
+    prefix, _ = find_layers(model, getattr(model.config, "num_hidden_layers", None))
+    head = prefix.split(".")[0]
+    if head != prefix:
+        model.base_model_prefix = head  # this instance only; the class stays as shipped
+    return model
 
 
 # ------------------------------------------------------------------ reading the build
@@ -527,10 +540,21 @@ def _dtype(raw: dict[str, Any], config: Any) -> str:
 
 def _hf_dict(config: Any) -> dict[str, Any]:
     """The (text) config as a dict transformers rebuilds the same model from."""
-    out = config.to_dict()
+    out = _plain_floats(config.to_dict())
     for key in ("transformers_version", "architectures", *CHECKPOINT_ONLY_KEYS):
         out.pop(key, None)
     return out
+
+
+def _plain_floats(value: Any) -> Any:
+    """to_dict writes inf / nan as {"__float__": "Infinity"}; the config takes floats."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: _plain_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain_floats(v) for v in value]
+    return value
 
 
 def _union_paths(read: list[_Layer]) -> ModulePaths:

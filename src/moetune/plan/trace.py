@@ -212,10 +212,10 @@ def build_step_model(
 ) -> Any:
     """The model (a PeftModel when `peft_config` is given), on `meta` when fake."""
     from moetune.engine.quant import peft_targets
-    from moetune.model.derive import causal_lm_class
+    from moetune.model.derive import causal_lm_class, ensure_backbone
 
     with torch.device("meta" if fake else device):
-        model = causal_lm_class(hf_config)._from_config(hf_config, dtype=dtype)
+        model = ensure_backbone(causal_lm_class(hf_config)._from_config(hf_config, dtype=dtype))
         if experts[0] != "bf16":
             _quantize(model, engine, *experts)
         if peft_config is not None:

@@ -201,7 +201,7 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
     """The base as `engine` (the resolved lora.engine) trains it."""
     from transformers import AutoConfig
 
-    from moetune.model.derive import causal_lm_class
+    from moetune.model.derive import causal_lm_class, ensure_backbone
 
     dtype = _DTYPES[place.load_dtype(cfg.model.dtype)]
     if cfg.model.experts_dtype != "bf16":
@@ -209,7 +209,7 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
     try:
         with quiet():
             cls: Any = causal_lm_class(AutoConfig.from_pretrained(cfg.model.id))
-            model: nn.Module = cls.from_pretrained(cfg.model.id, dtype=dtype)
+            model: nn.Module = ensure_backbone(cls.from_pretrained(cfg.model.id, dtype=dtype))
     except OSError as exc:
         raise TrainError(
             f"cannot load the weights of {cfg.model.id}: {str(exc).splitlines()[0]}",
