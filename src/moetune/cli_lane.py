@@ -189,11 +189,13 @@ def workflow_github(
     """A GitHub Actions workflow: step timeout inside the job's, upload + teardown always."""
     from moetune.io import atomic_write_text
     from moetune.lane.launch import launch_plan
+    from moetune.lane.walls import DEFAULT_WATCHDOG_S
     from moetune.lane.workflows import github_workflow
 
     cfg = _config(config, None, overrides)
     total = launch_plan(cfg).estimate.total_s
-    text = github_workflow(cfg, str(config), int(total or 3 * 3600), overrides=overrides or [])
+    deadline = int(total or DEFAULT_WATCHDOG_S)
+    text = github_workflow(cfg, str(config), deadline, overrides=overrides or [])
     if out:
         atomic_write_text(out, text)
         err_console.print(f"wrote {escape(str(out))}")

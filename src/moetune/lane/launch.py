@@ -87,7 +87,11 @@ def size_walls(cfg: RunConfig, spec: Any, plan: Any, est: Estimate) -> tuple[Wal
         watchdog = W.required_watchdog_s(train_s + est.setup_s, est.estimated_eval_s)
         watchdog_why = f"(setup + train + eval) × {W.WATCHDOG_MARGIN} margin; train: {est.basis}"
     else:
-        watchdog, watchdog_why = W.DEFAULT_WATCHDOG_S, "no token count to estimate from: 3 h"
+        watchdog = W.DEFAULT_WATCHDOG_S
+        watchdog_why = (
+            "no token count (set train.max_steps, or a local text train_file): "
+            f"the {W.DEFAULT_WATCHDOG_S / 3600:g} h floor"
+        )
     floor = spec.total_params >= W.LARGE_MODEL_PARAMS
     why = {
         "volume_gb": "lane.volume_gb" if cfg.lane.volume_gb else (
