@@ -137,11 +137,11 @@ def pods_reap(
     provider: ProviderOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Terminate one pod by its id, and ledger what it cost."""
+    """Terminate one pod moetune recorded, by its id, and ledger what it cost."""
     from moetune.lane.guard import reap
 
     prov, ledger = _pods_context(config, provider)
-    spent = reap(prov, ledger, pod_id)
+    spent = reap(prov, ledger, pod_id, _own_ids(ledger))
     if as_json:
         emit_json({"terminated": pod_id, "spent_usd": spent})
     else:
@@ -161,8 +161,9 @@ def pods_sweep(
 
     prov, ledger = _pods_context(config, provider)
     lane_dir = Path(ledger.path).parent / "lane"
-    targets = sweep_targets(prov.list(), _own_ids(ledger), held_pod_ids(lane_dir))
-    done = {p.id: reap(prov, ledger, p.id) for p in targets} if yes else {}
+    own = _own_ids(ledger)
+    targets = sweep_targets(prov.list(), own, held_pod_ids(lane_dir))
+    done = {p.id: reap(prov, ledger, p.id, own) for p in targets} if yes else {}
     if as_json:
         emit_json({"targets": [p.id for p in targets], "terminated": done})
         return

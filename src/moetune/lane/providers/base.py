@@ -17,6 +17,7 @@ Rules every provider keeps:
 
 from __future__ import annotations
 
+import re
 import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -98,9 +99,21 @@ class ExecResult:
 
 
 class Provider(ABC):
-    """Operations on pods. Subclasses set `name` and implement every method."""
+    """Operations on pods. Subclasses set `name` and implement every method; `id_pattern`
+    is the shape of this provider's pod ids (no separators, no leading dot: an id is
+    never a path)."""
 
     name: ClassVar[str]
+    id_pattern: ClassVar[re.Pattern[str]] = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+    def check_id(self, pod_id: str) -> str:
+        """`pod_id` when it has this provider's id shape, else LaneError (one line)."""
+        if not self.id_pattern.fullmatch(pod_id):
+            raise LaneError(
+                f"{pod_id!r} is not a {self.name} pod id (ids are never paths)",
+                "pass the id exactly as `moetune pods list` shows it",
+            )
+        return pod_id
 
     @abstractmethod
     def create(self, spec: PodSpec) -> Pod:

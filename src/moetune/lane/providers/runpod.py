@@ -209,6 +209,8 @@ def _load_toml(text: str) -> dict[str, Any]:
 class RunpodProvider(Provider):
     """RunPod pods: lifecycle through the API, `exec`/`copy_*` over SSH to the public port."""
 
+    id_pattern = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # RunPod: e.g. "x7k2m9p4q1w8e3"
+
     def __init__(
         self,
         client: RunpodClient,
