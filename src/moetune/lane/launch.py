@@ -16,6 +16,7 @@ from moetune.lane.estimate import Estimate, estimate
 from moetune.lane.phases import PHASES, Lane, Walls
 from moetune.lane.providers.base import PROVIDERS, LaneError, PodSpec, Provider
 from moetune.lane.state import LaneState
+from moetune.ledger import public_env
 
 
 def make_provider(cfg: RunConfig, state_dir: Path) -> Provider:
@@ -57,14 +58,17 @@ class LaunchPlan:
     estimate: Estimate
 
     def to_json(self) -> dict[str, Any]:
+        """The plan as printed: secret env values masked (they go to the pod, not a screen)."""
         est = self.estimate
+        env = public_env(self.walls.env)
         return {
             "run_id": self.run_id,
             "provider": self.provider,
             "card": self.card,
-            "pod": self.spec.to_json(),
+            "pod": {**self.spec.to_json(), "env": public_env(self.spec.env)},
             "walls": {
                 **asdict(self.walls),
+                "env": env,
                 "estimated_train_s": est.estimated_train_s,
                 "estimated_eval_s": est.estimated_eval_s,
                 "why": self.why,

@@ -20,13 +20,14 @@ from __future__ import annotations
 import re
 import shlex
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from moetune.errors import MoetuneError
 
+Env = Mapping[str, str]
 PodStatus = Literal["starting", "running", "exited", "terminated", "unknown"]
 
 
@@ -128,8 +129,12 @@ class Provider(ABC):
         """The pod now (PodGone when it no longer exists)."""
 
     @abstractmethod
-    def exec(self, pod_id: str, command: str, timeout_s: float | None = None) -> ExecResult:
-        """Run a shell command in the pod's workdir; its exit code, stdout and stderr."""
+    def exec(
+        self, pod_id: str, command: str, timeout_s: float | None = None, env: Env | None = None
+    ) -> ExecResult:
+        """Run a shell command in the pod's workdir; its exit code, stdout and stderr. `env`
+        joins the command's process environment – never its text, argv or a file, so
+        secrets passed this way appear nowhere on the pod but in that environment."""
 
     @abstractmethod
     def copy_in(self, pod_id: str, local: Path, remote: str) -> None:
@@ -156,14 +161,17 @@ class Provider(ABC):
     # controller polls for the exit code. Built on `exec`, so every provider has them.
     # `log_name` is the log file (relative to the workdir); the exit code goes to <log>.rc.
 
-    def exec_background(self, pod_id: str, command: str, log_name: str) -> None:
-        """Start `command` detached in the pod, its output appended to `log_name`."""
+    def exec_background(
+        self, pod_id: str, command: str, log_name: str, env: Env | None = None
+    ) -> None:
+        """Start `command` detached in the pod (with `env`), output appended to `log_name`."""
         log = shlex.quote(log_name)
         body = f"( {command} ) >> {log} 2>&1; echo $? > {log}.rc.tmp && mv {log}.rc.tmp {log}.rc"
         started = self.exec(
             pod_id,
             f"rm -f {log}.rc; nohup setsid bash -c {shlex.quote(body)} > /dev/null 2>&1 "
             f"< /dev/null & echo $! > {log}.pid",
+            env=env,
         )
         if started.rc != 0:
             raise LaneError(f"could not start {log_name} in pod {pod_id}: {started.stderr[:200]}")

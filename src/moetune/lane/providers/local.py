@@ -9,6 +9,7 @@ ended while its files (user data) stay.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from moetune.io import atomic_write_json, file_digests
 from moetune.lane.providers.base import (
+    Env,
     ExecResult,
     LaneError,
     Pod,
@@ -27,6 +29,7 @@ from moetune.lane.providers.base import (
     register_provider,
 )
 from moetune.lane.transfer import verify_tree
+from moetune.ledger import public_env
 
 TERMINATED = "TERMINATED"
 
@@ -62,7 +65,8 @@ class LocalProvider(Provider):
         path = self._path(spec.name)
         path.mkdir(parents=True, exist_ok=True)
         if not (path / "pod.json").is_file():  # idempotent by name
-            atomic_write_json(path / "pod.json", {"spec": spec.to_json(), "created": time.time()})
+            shown = {**spec.to_json(), "env": public_env(spec.env)}  # the env travels per exec
+            atomic_write_json(path / "pod.json", {"spec": shown, "created": time.time()})
         return self.status(spec.name)
 
     def wait_ready(self, pod_id: str, timeout_s: float) -> Pod:
@@ -80,12 +84,15 @@ class LocalProvider(Provider):
             workdir=str(path),
         )
 
-    def exec(self, pod_id: str, command: str, timeout_s: float | None = None) -> ExecResult:
+    def exec(
+        self, pod_id: str, command: str, timeout_s: float | None = None, env: Env | None = None
+    ) -> ExecResult:
         path = self._live(pod_id)
+        full = {**os.environ, **env} if env else None
         try:
             done = subprocess.run(
                 ["bash", "-c", command], cwd=path, capture_output=True, text=True,
-                timeout=timeout_s,
+                timeout=timeout_s, env=full,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
             raise TransientError(f"command timed out after {timeout_s} s in pod {pod_id}") from None
