@@ -36,10 +36,19 @@ def _print_plan(doc: dict[str, Any]) -> None:
     table.add_row("env", escape(env), escape(walls["why"]["env"]))
     console.print(table)
     console.print(f"phases: {' → '.join(doc['phases'])}")
+    console.print(_card_line(doc["card_choice"]))
     usd = "?" if doc["estimated_usd"] is None else f"${doc['estimated_usd']:.2f}"
     console.print(
         f"estimate: train {hours(est['estimated_train_s'])} ({escape(est['basis'])}) + eval "
         f"{hours(est['estimated_eval_s'])} + setup {hours(est['setup_s'])} · {usd}"
+    )
+
+
+def _card_line(choice: dict[str, Any]) -> str:
+    margin = f"{choice['min_headroom_fraction']:.0%}"
+    return (
+        f"card: {choice['card'] or '–'} ({escape(choice['why'])}) · with the {margin} margin: "
+        f"{choice['with_margin'] or 'none'} · without it: {choice['without_margin'] or 'none'}"
     )
 
 
@@ -54,6 +63,13 @@ def launch(
     resume: Annotated[
         str | None, typer.Option("--resume", help="Continue the launch with this run id.")
     ] = None,
+    accept_thin_margin: Annotated[
+        bool,
+        typer.Option(
+            "--accept-thin-margin",
+            help="Take the cheapest card that fits even with < 8 % headroom (ledgered).",
+        ),
+    ] = False,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -63,10 +79,12 @@ def launch(
 
     cfg = _config(config, provider, overrides)
     if dry_run:
-        doc = launch_plan(cfg).to_json()
+        doc = launch_plan(cfg, accept_thin_margin=accept_thin_margin).to_json()
         emit_json(doc) if as_json else _print_plan(doc)
         return
-    state = run_launch(cfg, config, resume=resume, show=not as_json)
+    state = run_launch(
+        cfg, config, resume=resume, show=not as_json, accept_thin_margin=accept_thin_margin
+    )
     if as_json:
         emit_json(state.__dict__)
         return

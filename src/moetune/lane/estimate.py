@@ -148,15 +148,25 @@ class Measured:
     card: str
 
 
-def measured_rate(ledger: Path | str, signature: dict[str, Any], card_id: str) -> Measured | None:
-    """The newest ok train row with this step signature on this card, else None."""
-    rows = [
+def _measured_rows(ledger: Path | str, signature: dict[str, Any]) -> list[Any]:
+    """Ok train rows that measured a rate for this step signature (any card)."""
+    return [
         r
         for r in select(Ledger(ledger).read().rows, kind="train", status="ok")
-        if r.metrics.get("card") == card_id
-        and r.metrics.get("signature") == signature
-        and (r.metrics.get("tokens_per_s") or 0) > 0
+        if r.metrics.get("signature") == signature and (r.metrics.get("tokens_per_s") or 0) > 0
     ]
+
+
+def measured_cards(ledger: Path | str, signature: dict[str, Any]) -> set[str]:
+    """The cards a run of this step signature has really trained on (ledger)."""
+    return {
+        str(r.metrics["card"]) for r in _measured_rows(ledger, signature) if r.metrics.get("card")
+    }
+
+
+def measured_rate(ledger: Path | str, signature: dict[str, Any], card_id: str) -> Measured | None:
+    """The newest ok train row with this step signature on this card, else None."""
+    rows = [r for r in _measured_rows(ledger, signature) if r.metrics.get("card") == card_id]
     newest = max(rows, key=lambda r: r.time, default=None)
     if newest is None:
         return None

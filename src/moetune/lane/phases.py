@@ -117,7 +117,9 @@ class Lane:
     def row(self, kind: str, status: Status = "ok", reason: str = "", **metrics: Any) -> None:
         """A ledger row of this launch; `cost_usd` goes to the row's cost field."""
         cost = metrics.pop("cost_usd", None)
-        base = {"provider": self.state.provider, "pod_id": self.state.pod_id}
+        base: dict[str, Any] = {"provider": self.state.provider, "pod_id": self.state.pod_id}
+        if self.state.accept_thin_margin:
+            base["accept_thin_margin"] = True
         self.ledger.append(
             LedgerRow(
                 kind=kind,
