@@ -27,7 +27,14 @@ from moetune.lane.guard import (
     state_pod_ids,
     sweep_targets,
 )
-from moetune.lane.providers.base import Pod, PodGone, PodStatus, Provider, TransientError
+from moetune.lane.providers.base import (
+    LaneError,
+    Pod,
+    PodGone,
+    PodStatus,
+    Provider,
+    TransientError,
+)
 from moetune.ledger import Ledger, LedgerRow
 
 DEAD_PID = 2**31 - 1  # above any pid_max: never a live process, so never flaky
@@ -312,11 +319,11 @@ def test_reap_terminates_by_id_and_ledgers_the_cost(
     monkeypatch.setattr(guard.time, "sleep", lambda s: None)
     prov = FakeProvider({"p1": _pod(cost=3.0, uptime=3600)}, flaky=2)
     ledger = Ledger(tmp_path / "ledger.jsonl")
-    assert reap(prov, ledger, "p1") == pytest.approx(3.0)
+    assert reap(prov, ledger, "p1", {"p1"}) == pytest.approx(3.0)
     assert prov.list() == [] and prov.calls == 3
     (row,) = ledger.read().rows
     assert (row.kind, row.cost_usd, row.metrics["pod_id"]) == ("teardown", 3.0, "p1")
-    assert reap(prov, ledger, "p1") == 0.0  # already gone: success, costs nothing more
+    assert reap(prov, ledger, "p1", {"p1"}) == 0.0  # already gone: success, costs nothing more
 
 
 def test_reap_gives_up_on_a_provider_that_stays_down(
@@ -326,7 +333,28 @@ def test_reap_gives_up_on_a_provider_that_stays_down(
     prov = FakeProvider({"p1": _pod()}, flaky=10)
     ledger = Ledger(tmp_path / "ledger.jsonl")
     with pytest.raises(TransientError):
-        reap(prov, ledger, "p1")
+        reap(prov, ledger, "p1", {"p1"})
     assert prov.calls == 3
     (row,) = ledger.read().rows  # the failed attempt is in the ledger too
     assert (row.status, row.reason) == ("infra-failed", "HTTP 502")
+
+
+@pytest.mark.parametrize("pod_id", ["p2", "../p1", "/tmp/p1", "p1/..", ".p1", "p1\nrm -rf ~"])
+def test_reap_refuses_ids_not_recorded_or_not_ids(tmp_path: Path, pod_id: str) -> None:
+    from moetune.lane.guard import ReapRefused
+
+    prov = FakeProvider({"p1": _pod(), "p2": _pod()})
+    ledger = Ledger(tmp_path / "ledger.jsonl")
+    with pytest.raises(LaneError) as err:
+        reap(prov, ledger, pod_id, {"p1", "../p1", "/tmp/p1", "p1/..", ".p1", "p1\nrm -rf ~"})
+    assert isinstance(err.value, ReapRefused) == (pod_id == "p2")  # else: not an id at all
+    assert "\n" not in err.value.cause and prov.calls == 0 and len(prov.pods) == 2
+    assert not ledger.path.exists()
+
+
+def test_each_provider_checks_its_own_id_shape() -> None:
+    from moetune.lane.providers.runpod import RunpodProvider
+
+    assert RunpodProvider.check_id(object.__new__(RunpodProvider), "x7k2m9p4q1w8e3")
+    with pytest.raises(LaneError, match="is not a runpod pod id"):
+        RunpodProvider.check_id(object.__new__(RunpodProvider), "x7k2.m9p4")

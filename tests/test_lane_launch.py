@@ -1,10 +1,12 @@
 """`moetune launch` with the local provider: the phases end to end on real subprocesses,
-the adapter banked before eval, teardown on every exit path, and the fault matrix –
-eval failing or the pod dying after banking, the watchdog firing, the controller killed
-and resumed, the budget reached, the disk full while copying."""
+the adapter banked before eval, teardown on every exit path, the fault matrix – eval
+failing or the pod dying after banking, the watchdog firing, the controller killed and
+resumed, the budget reached, the disk full while copying – and secrets that reach the pod
+through its environment and nowhere else."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -111,7 +113,7 @@ def test_dry_run_sizes_every_wall_and_runs_nothing(tmp_path: Path) -> None:
     assert walls["env"]["HF_HUB_DISABLE_XET"] == "1"
     train_s, eval_s = walls["estimated_train_s"], walls["estimated_eval_s"]
     assert train_s > 0 and walls["watchdog_s"] >= (train_s + eval_s) * 1.5
-    assert walls["watchdog_s"] != 3 * 3600  # sized, not the default
+    assert walls["watchdog_s"] != 6 * 3600  # sized, not the default
     phases = plan["phases"]
     assert phases.index("bank") < phases.index("eval") and phases[-1] == "teardown"
     assert plan["estimated_usd"] > 0
@@ -393,3 +395,92 @@ def test_sigterm_mid_training_still_tears_the_pod_down(
     assert (pod_dir(tmp_path, state) / "TERMINATED").exists() and state.pod_id is None
     assert kinds(tmp_path)[-2:] == [("launch", "cancelled"), ("teardown", "ok")]
     assert f"--resume {state.run_id}" in " ".join(err.split())  # the next step is said
+
+
+# -------------------------------------------------------------------------------- secrets
+
+SECRETS = {  # lane.env, the process environment, and the RunPod config file
+    "HF_TOKEN": "hf_" + "Q7xk" * 9,
+    "WANDB_API_KEY": "wandb-" + "9f3e" * 10,
+    "RUNPOD_API_KEY": "rpa_" + "ENVKEY" * 5,
+    "MY_SERVICE_TOKEN": "proc-secret-" + "z8" * 10,
+    "config.toml": "rpa_" + "FILEKEY" * 4,
+}
+
+
+def _secret_world(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp / "home"
+    (home / ".runpod").mkdir(parents=True)
+    (home / ".runpod" / "config.toml").write_text(f'apikey = "{SECRETS["config.toml"]}"\n')
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("RUNPOD_API_KEY", "MY_SERVICE_TOKEN"):
+        monkeypatch.setenv(name, SECRETS[name])
+    monkeypatch.chdir(tmp)
+
+
+def _lane_env() -> dict[str, str]:
+    return {"HF_TOKEN": SECRETS["HF_TOKEN"], "WANDB_API_KEY": SECRETS["WANDB_API_KEY"],
+            "HF_HUB_OFFLINE": "1"}  # fmt: skip
+
+
+def _leaks(text: str) -> list[str]:
+    return [name for name, value in SECRETS.items() if value in text]
+
+
+def _files_leaking(root: Path, *inputs: Path) -> dict[str, list[str]]:
+    """Every file under `root` (but the user's own inputs) that holds a secret's value."""
+    found = {}
+    for path in root.rglob("*"):
+        if path.is_file() and path not in inputs:
+            hits = _leaks(path.read_bytes().decode(errors="replace"))
+            if hits:
+                found[str(path.relative_to(root))] = hits
+    return found
+
+
+def test_secrets_reach_the_pod_by_its_environment_and_appear_nowhere_else(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _secret_world(tmp_path, monkeypatch)
+    digest = {
+        k: hashlib.sha256(SECRETS[k].encode()).hexdigest() for k in _lane_env() if k in SECRETS
+    }
+    seen_on_pod = [f'test "$(printf %s "${k}" | sha256sum | cut -c1-64)" = {d}'
+                   for k, d in digest.items()]  # fmt: skip
+    careless = 'echo "$HF_TOKEN $WANDB_API_KEY $RUNPOD_API_KEY"; env >&2'  # output never shown
+    config = write_config(tmp_path, data, env=_lane_env(), setup=[*seen_on_pod, careless])
+    run = CliRunner()
+    outputs = [run.invoke(app, ["launch", str(config), "--dry-run"]),
+               run.invoke(app, ["launch", str(config), "--dry-run", "--json"])]  # fmt: skip
+    plan = json.loads(outputs[1].stdout)
+    assert plan["walls"]["env"] == {"HF_TOKEN": "***", "WANDB_API_KEY": "***",
+                                    "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_XET": "1"}  # fmt: skip
+    assert plan["pod"]["env"] == plan["walls"]["env"] and "HF_TOKEN=***" in outputs[0].output
+    outputs.append(run.invoke(app, ["launch", str(config), "--json"]))
+    assert outputs[-1].exit_code == 0, outputs[-1].output  # the pod saw both (setup checked)
+    assert json.loads(outputs[-1].stdout)["verdict"] == "GO"
+    for args in (["ledger", "show"], ["ledger", "show", "--json"], ["report", "runs/lane"],
+                 ["pods", "list", "--provider", "local", "--json"]):  # fmt: skip
+        outputs.append(run.invoke(app, args))
+        assert outputs[-1].exit_code == 0, outputs[-1].output
+    assert (tmp_path / "runs" / "lane" / "report.html").is_file()
+    assert [_leaks(o.output) for o in outputs] == [[]] * len(outputs)
+    inputs = (config, tmp_path / "home" / ".runpod" / "config.toml")
+    assert _files_leaking(tmp_path, *inputs) == {}  # run dir, ledger, lane state, pod, report
+    saved = yaml.safe_load((tmp_path / "runs" / "lane" / "config.yaml").read_text())
+    assert saved["lane"]["env"] == {"HF_HUB_OFFLINE": "1"}  # the pod's copy never held them
+
+
+def test_a_failing_command_that_prints_a_secret_is_reported_masked(
+    tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _secret_world(tmp_path, monkeypatch)
+    setup = ['echo "login failed for token $HF_TOKEN (key $RUNPOD_API_KEY)" >&2; exit 3']
+    config = write_config(tmp_path, data, env=_lane_env(), setup=setup)
+    out = CliRunner().invoke(app, ["launch", str(config)])
+    assert out.exit_code == 2 and "login failed for token *** (key ***)" in out.output
+    assert _leaks(out.output) == []
+    (failed,) = [r for r in Ledger(tmp_path / ".moetune/ledger.jsonl").read().rows
+                 if r.kind == "launch"]  # fmt: skip
+    assert "login failed for token ***" in failed.reason
+    assert _files_leaking(tmp_path, config, tmp_path / "home" / ".runpod" / "config.toml") == {}

@@ -63,11 +63,57 @@ def test_sweep_ends_only_own_unheld_pods(pods: dict[str, str], tmp_path: Path) -
     )
 
 
-def test_reap_by_id_is_idempotent(pods: dict[str, str]) -> None:
-    assert invoke("pods", "reap", pods["foreign"])["terminated"] == pods["foreign"]
-    assert invoke("pods", "reap", pods["foreign"])["terminated"] == pods["foreign"]
+def _job(pod: Path) -> subprocess.Popen[bytes]:
+    """A live process group whose id sits in `pod`'s pid file, as a pod's job's does."""
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    pod.mkdir(parents=True, exist_ok=True)
+    (pod / "train.log.pid").write_text(str(proc.pid))
+    return proc
+
+
+def test_reap_ends_an_own_pod_by_id_idempotently(pods: dict[str, str], tmp_path: Path) -> None:
+    job = _job(tmp_path / ".moetune" / "pods" / pods["own"])
+    assert invoke("pods", "reap", pods["own"])["terminated"] == pods["own"]
+    assert job.wait(timeout=10) == -15  # its process group got SIGTERM
+    assert invoke("pods", "reap", pods["own"])["terminated"] == pods["own"]
     status = {p["id"]: p["status"] for p in invoke("pods", "list")}
-    assert status[pods["foreign"]] == "terminated"
+    assert status[pods["own"]] == "terminated" and status[pods["foreign"]] == "running"
+
+
+def _tree(root: Path) -> dict[str, float]:
+    return {str(p): p.lstat().st_mtime for p in root.rglob("*")}
+
+
+def test_reap_refuses_foreign_pods_paths_symlinks_and_unrecorded_ids(
+    pods: dict[str, str], tmp_path: Path
+) -> None:
+    """The tester's `pods reap ../../somewhere`, and its cousins: each is refused in one line
+    with exit != 0, and nothing anywhere is written or signalled."""
+    base = tmp_path / ".moetune" / "pods"
+    elsewhere = tmp_path / "somewhere"  # looks like a pod: pod.json and a live job
+    (elsewhere / "pod.json").parent.mkdir()
+    (elsewhere / "pod.json").write_text(json.dumps({"spec": {}, "created": 0}))
+    jobs = [_job(elsewhere), _job(base / pods["foreign"])]
+    (base / "moetune-run-link").symlink_to(elsewhere)
+    Ledger(tmp_path / ".moetune" / "ledger.jsonl").append(  # recorded, yet a symlink
+        LedgerRow(kind="provision", status="ok", metrics={"pod_id": "moetune-run-link"})
+    )
+    before = _tree(tmp_path)
+    paths = ["../../somewhere", "../../" + str(elsewhere)[1:], str(elsewhere), ".", "..", ""]
+    for pod_id in [pods["foreign"], "moetune-run-link", "moetune-run-never", *paths]:
+        out = CliRunner().invoke(app, ["pods", "reap", pod_id, "--provider", "local"])
+        assert out.exit_code == 2, (pod_id, out.output)
+        assert len(out.output.strip().splitlines()) == 1 and "Traceback" not in out.output
+        assert (
+            "refused" in out.output
+            or "is not a local pod id" in out.output
+            or ("symlink" in out.output)
+        ), out.output
+    assert _tree(tmp_path) == before  # no TERMINATED file, no ledger row, nothing at all
+    assert all(job.poll() is None for job in jobs)  # no signal reached either job
+    for job in jobs:
+        job.kill()
+        job.wait()
 
 
 @pytest.mark.skipif(shutil.which("actionlint") is None and not Path(

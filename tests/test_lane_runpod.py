@@ -451,7 +451,7 @@ def test_exec_and_copies_go_through_ssh_to_the_public_port(
         def __init__(self, *args: object) -> None:
             calls.append(("new", *args))
 
-        def exec(self, command: str, timeout_s: float | None) -> ExecResult:
+        def exec(self, command: str, timeout_s: float | None, env: object = None) -> ExecResult:
             calls.append(("exec", command, timeout_s))
             return ExecResult(0, "ok\n", "")
 

@@ -288,6 +288,29 @@ def test_wait_ready_times_out_with_lane_error(server: Sshd, tmp_path: Path) -> N
     assert time.monotonic() - start < 10
 
 
+def test_env_reaches_commands_and_jobs_through_stdin_never_argv(
+    provider: SshProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A secret given as `env` is in the command's environment, and in no argv ssh runs."""
+    secret = "hf_" + "s3cr3t" * 6
+    argvs: list[list[str]] = []
+    real = SshTransport._call
+
+    def spy(self: SshTransport, argv: list[str], *args: object, **kw: object) -> object:
+        argvs.append(argv)
+        return real(self, argv, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SshTransport, "_call", spy)
+    pod = provider.create(PodSpec(name="env"))
+    env = {"HF_TOKEN": secret, "ODD": 'it\'s "quoted" $HOME'}
+    got = provider.exec(pod.id, 'printf "%s|%s" "$HF_TOKEN" "$ODD"', 30, env=env)
+    assert got.stdout == f'{secret}|it\'s "quoted" $HOME'
+    provider.exec_background(pod.id, 'printf %s "$HF_TOKEN" > seen', "job.log", env=env)
+    assert wait_for(lambda: provider.poll_background(pod.id, "job.log")) == 0
+    assert (Path(pod.workdir) / "seen").read_text() == secret
+    assert argvs and not any(secret in " ".join(a) for a in argvs)
+
+
 def test_background_job_outlives_its_session_and_reports_rc(provider: SshProvider) -> None:
     pod = provider.create(PodSpec(name="bg"))
     job = "until [ -e go ]; do sleep 0.05; done; echo done; exit 3"

@@ -382,9 +382,9 @@ def test_explicit_small_volume_on_ssh_is_flagged() -> None:
 
 
 def test_default_watchdog_too_short_for_a_long_run() -> None:
-    f = check("WATCHDOG-TOO-SHORT", ctx(lane={"provider": "runpod"}, estimated_train_s=4 * 3600))
-    assert f and f.severity == "error" and "3.0 h (runpod default)" in f.message
-    assert f.fix == "set lane.watchdog_s: 24300"  # (4 h + 0.5 h eval) x 1.5
+    f = check("WATCHDOG-TOO-SHORT", ctx(lane={"provider": "runpod"}, estimated_train_s=8 * 3600))
+    assert f and f.severity == "error" and "6.0 h (runpod default)" in f.message
+    assert f.fix == "set lane.watchdog_s: 45900"  # (8 h + 0.5 h eval) x 1.5
 
 
 def test_watchdog_silent_when_sized_unknown_or_local() -> None:

@@ -7,9 +7,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from rich.console import Console
 
-from moetune.config import parse_config
+from moetune.config import dump_config, parse_config
 from moetune.io import atomic_write_text
 from moetune.train.callbacks import MetricsCallback, RichProgress, human_bytes
 from moetune.train.checkpoint import JsonlLog, config_diff, replace_dir
@@ -97,6 +98,19 @@ def test_config_diff_names_each_changed_key():
     saved = json.dumps(parse_config({"train": {"learning_rate": 2e-3}}).model_dump(mode="json"))
     assert config_diff(saved, cfg) == ["train.learning_rate (0.002 -> 0.001)"]
     assert config_diff(json.dumps(cfg.model_dump(mode="json")), cfg) == []
+
+
+def test_saved_config_masks_lane_env_secrets_and_resume_still_matches():
+    def cfg(token: str, offline: str = "1"):
+        return parse_config({"lane": {"env": {"HF_TOKEN": token, "HF_HUB_OFFLINE": offline}}})
+
+    saved = dump_config(cfg("hf_" + "a" * 30))
+    assert "hf_aaa" not in saved
+    assert yaml.safe_load(saved)["lane"]["env"] == {"HF_TOKEN": "***", "HF_HUB_OFFLINE": "1"}
+    assert config_diff(saved, cfg("hf_" + "a" * 30)) == []  # --resume accepts its own run
+    assert config_diff(saved, cfg("hf_" + "b" * 30)) == []  # a rotated token is no change
+    changed = config_diff(saved, cfg("hf_" + "a" * 30, "0"))
+    assert changed == ["lane.env.HF_HUB_OFFLINE ('1' -> '0')"]
 
 
 def test_config_diff_on_an_unreadable_saved_config():

@@ -62,7 +62,7 @@ def test_watchdog_is_work_times_margin() -> None:
 
 @pytest.mark.parametrize(
     ("provider", "deadline", "expected"),
-    [("runpod", None, 3 * 3600), ("runpod", 100, 100), ("local", None, None), ("ssh", None, None)],
+    [("runpod", None, 6 * 3600), ("runpod", 100, 100), ("local", None, None), ("ssh", None, None)],
 )
 def test_effective_watchdog(provider: str, deadline: int | None, expected: int | None) -> None:
     assert walls.effective_watchdog_s(provider, deadline) == expected

@@ -36,10 +36,19 @@ def _print_plan(doc: dict[str, Any]) -> None:
     table.add_row("env", escape(env), escape(walls["why"]["env"]))
     console.print(table)
     console.print(f"phases: {' → '.join(doc['phases'])}")
+    console.print(_card_line(doc["card_choice"]))
     usd = "?" if doc["estimated_usd"] is None else f"${doc['estimated_usd']:.2f}"
     console.print(
         f"estimate: train {hours(est['estimated_train_s'])} ({escape(est['basis'])}) + eval "
         f"{hours(est['estimated_eval_s'])} + setup {hours(est['setup_s'])} · {usd}"
+    )
+
+
+def _card_line(choice: dict[str, Any]) -> str:
+    margin = f"{choice['min_headroom_fraction']:.0%}"
+    return (
+        f"card: {choice['card'] or '–'} ({escape(choice['why'])}) · with the {margin} margin: "
+        f"{choice['with_margin'] or 'none'} · without it: {choice['without_margin'] or 'none'}"
     )
 
 
@@ -54,6 +63,13 @@ def launch(
     resume: Annotated[
         str | None, typer.Option("--resume", help="Continue the launch with this run id.")
     ] = None,
+    accept_thin_margin: Annotated[
+        bool,
+        typer.Option(
+            "--accept-thin-margin",
+            help="Take the cheapest card that fits even with < 8 % headroom (ledgered).",
+        ),
+    ] = False,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -63,10 +79,12 @@ def launch(
 
     cfg = _config(config, provider, overrides)
     if dry_run:
-        doc = launch_plan(cfg).to_json()
+        doc = launch_plan(cfg, accept_thin_margin=accept_thin_margin).to_json()
         emit_json(doc) if as_json else _print_plan(doc)
         return
-    state = run_launch(cfg, config, resume=resume, show=not as_json)
+    state = run_launch(
+        cfg, config, resume=resume, show=not as_json, accept_thin_margin=accept_thin_margin
+    )
     if as_json:
         emit_json(state.__dict__)
         return
@@ -137,11 +155,11 @@ def pods_reap(
     provider: ProviderOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Terminate one pod by its id, and ledger what it cost."""
+    """Terminate one pod moetune recorded, by its id, and ledger what it cost."""
     from moetune.lane.guard import reap
 
     prov, ledger = _pods_context(config, provider)
-    spent = reap(prov, ledger, pod_id)
+    spent = reap(prov, ledger, pod_id, _own_ids(ledger))
     if as_json:
         emit_json({"terminated": pod_id, "spent_usd": spent})
     else:
@@ -161,8 +179,9 @@ def pods_sweep(
 
     prov, ledger = _pods_context(config, provider)
     lane_dir = Path(ledger.path).parent / "lane"
-    targets = sweep_targets(prov.list(), _own_ids(ledger), held_pod_ids(lane_dir))
-    done = {p.id: reap(prov, ledger, p.id) for p in targets} if yes else {}
+    own = _own_ids(ledger)
+    targets = sweep_targets(prov.list(), own, held_pod_ids(lane_dir))
+    done = {p.id: reap(prov, ledger, p.id, own) for p in targets} if yes else {}
     if as_json:
         emit_json({"targets": [p.id for p in targets], "terminated": done})
         return
@@ -189,11 +208,13 @@ def workflow_github(
     """A GitHub Actions workflow: step timeout inside the job's, upload + teardown always."""
     from moetune.io import atomic_write_text
     from moetune.lane.launch import launch_plan
+    from moetune.lane.walls import DEFAULT_WATCHDOG_S
     from moetune.lane.workflows import github_workflow
 
     cfg = _config(config, None, overrides)
     total = launch_plan(cfg).estimate.total_s
-    text = github_workflow(cfg, str(config), int(total or 3 * 3600), overrides=overrides or [])
+    deadline = int(total or DEFAULT_WATCHDOG_S)
+    text = github_workflow(cfg, str(config), deadline, overrides=overrides or [])
     if out:
         atomic_write_text(out, text)
         err_console.print(f"wrote {escape(str(out))}")

@@ -486,8 +486,13 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
 
 
 def dump_config(cfg: RunConfig) -> str:
-    """The resolved config as YAML (written beside every run's outputs)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML (written beside every run's outputs), secret lane.env
+    values masked: they reach a pod through its environment, never through a file."""
+    from moetune.ledger import public_env
+
+    doc = cfg.model_dump(mode="json")
+    doc["lane"]["env"] = public_env(doc["lane"]["env"])
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:

@@ -31,7 +31,9 @@ Status = Literal["ok", "failed", "infra-failed", "cancelled"]
 DEFAULT_PATH = Path(".moetune") / "ledger.jsonl"
 REDACTED = "***"
 # Key names whose values are secrets, and value shapes that are secrets wherever they appear.
-_SECRET_KEY = re.compile(r"(api[_-]?key|token|secret|password|passwd|authorization)", re.I)
+_SECRET_KEY = re.compile(
+    r"(api[_-]?key|token|secret|password|passwd|authorization|credential|access[_-]?key)", re.I
+)
 _SECRET_VALUE = re.compile(r"(hf_[A-Za-z0-9]{20,}|rpa_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
 
 
@@ -102,9 +104,19 @@ def _redact_item(key: str, value: Any, known: list[str]) -> Any:
     return redact(value, known)
 
 
-def _env_secrets() -> list[str]:
+def is_secret(name: str, value: str) -> bool:
+    """Whether an environment variable holds a secret: by its name, or by its value's shape."""
+    return bool(_SECRET_KEY.search(name) or _SECRET_VALUE.search(value))
+
+
+def public_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Environment variables as they may be shown or stored: every secret value masked."""
+    return {k: REDACTED if is_secret(k, v) else v for k, v in env.items()}
+
+
+def env_secrets() -> list[str]:
     """Secrets present in this process's environment (never to be written)."""
-    return [v for k, v in os.environ.items() if _SECRET_KEY.search(k) and v]
+    return [v for k, v in os.environ.items() if v and is_secret(k, v)]
 
 
 @dataclass
@@ -118,13 +130,15 @@ class ReadResult:
 class Ledger:
     """An append-only JSONL ledger at `path` (default .moetune/ledger.jsonl)."""
 
-    def __init__(self, path: Path | str = DEFAULT_PATH) -> None:
+    def __init__(self, path: Path | str = DEFAULT_PATH, secrets: Iterable[str] = ()) -> None:
         self.path = Path(path)
+        self.secrets = list(secrets)  # besides the environment's: e.g. a launch's lane.env
         self._lock = FileLock(str(self.path) + ".lock")
 
     def append(self, row: LedgerRow) -> LedgerRow:
         """Write `row` (redacted) as one whole line, under the lock, and fsync it."""
-        clean = LedgerRow.model_validate(redact(row.model_dump(), _env_secrets()))
+        secrets = [*env_secrets(), *self.secrets]
+        clean = LedgerRow.model_validate(redact(row.model_dump(), secrets))
         line = (json.dumps(clean.model_dump(), sort_keys=True) + "\n").encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:

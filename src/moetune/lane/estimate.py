@@ -3,11 +3,12 @@
 Training FLOPs per token of a LoRA step on a frozen base: forward 2·N_active, backward
 through the activations 2·N_active (no full weight gradients), plus another forward
 2·N_active when gradient checkpointing recomputes it – N_active being the parameters a
-token really passes (top-k experts, not all). Divided by the card's dense bf16 peak at a
-stated efficiency. A measured tokens/s from an earlier run on the same card (ledger)
-replaces the guess when there is one: the newest ok train row with the same step signature
-(`step_signature`, written by the trainer). Its tokens are the non-padding ones, so a rate
-from padded batches is lower than the card's and the time it gives errs long, never short.
+token really passes (top-k experts, not all). Divided by the card's dense bf16 peak at an
+MFU calibrated from a published step rate (`REFERENCE`). A measured tokens/s from an
+earlier run on the same card (ledger) replaces the guess when there is one: the newest ok
+train row with the same step signature (`step_signature`, written by the trainer). Its
+tokens are the non-padding ones, so a rate from padded batches is lower than the card's and
+the time it gives errs long, never short.
 """
 
 from __future__ import annotations
@@ -20,11 +21,54 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.ledger import Ledger, select
 
-# Fraction of the dense bf16 peak a stock transformers + peft MoE LoRA step reaches. Low on
-# purpose: HF's per-expert path ran DeepSeek-V2-Lite LoRA at 303 tok/s (~0.5 % of an H100);
-# grouped experts do better. An estimate that is too fast makes a watchdog that reaps the run.
-MFU = 0.02
 SETUP_S = 600  # pod start, image pull, pip install, staging: paid time before the first step
+# Without a tokenizer: bytes of text per token of the BPE vocabularies MoE families ship
+# (Qwen, DeepSeek, Mixtral, gpt-oss, OLMoE: ~3.5-4 on English). Low end, so counts err high.
+BYTES_PER_TOKEN = 3.6
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".txt")  # compressed formats: unknown
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published training step rate the default MFU is derived from (knowledge.md §4)."""
+
+    what: str
+    card: str  # catalog id of the card it ran on
+    tokens_per_s: float
+    active_params: float
+
+
+# Vendor table: Qwen3-30B-A3B (3.3B active) LoRA on one H100, seq 2048, 745 ms/step.
+REFERENCE = Published(
+    "Qwen3-30B-A3B LoRA, transformers v5 + TRL, seq 2048, 745 ms/step",
+    "H100-80GB",
+    tokens_per_s=2048 / 0.745,
+    active_params=3.3e9,
+)
+
+
+def calibrated_mfu(ref: Published = REFERENCE) -> float:
+    """The MFU `ref` implies, its FLOPs counted without recompute (4·N_active per token):
+    the table does not say whether it checkpointed, and the lower reading errs long."""
+    from moetune.plan.hardware import get_card
+
+    peak = get_card(ref.card).bf16_tflops * 1e12
+    return round(ref.tokens_per_s * flops_per_token(int(ref.active_params), False) / peak, 4)
+
+
+def flops_per_token(active_params: int, gradient_checkpointing: bool) -> float:
+    return (6.0 if gradient_checkpointing else 4.0) * active_params
+
+
+MFU = calibrated_mfu()  # scaled by each card's own bf16 peak
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """How many tokens a run processes at most, and how that was counted."""
+
+    count: int
+    basis: str
 
 
 def _rows(path: str | None) -> int | None:
@@ -35,17 +79,36 @@ def _rows(path: str | None) -> int | None:
         return sum(1 for line in fh if line.strip())
 
 
-def training_tokens(cfg: RunConfig) -> int | None:
-    """Tokens the run processes at most: steps × batch × accumulation × sequence length."""
+def _text_bytes(path: str | None) -> int | None:
+    """Size of a local uncompressed text training file (None for anything else)."""
+    if not path or not Path(path).is_file() or not path.endswith(TEXT_SUFFIXES):
+        return None
+    return Path(path).stat().st_size or None
+
+
+def token_count(cfg: RunConfig) -> Tokens | None:
+    """Steps × batch × accumulation × sequence length when the steps are known (set, or
+    from the rows); else the data's bytes over BYTES_PER_TOKEN; else None."""
     t = cfg.train
     per_step = t.batch_size * t.grad_accum * t.seq_len
     if t.max_steps is not None:
-        return t.max_steps * per_step
+        return Tokens(t.max_steps * per_step, f"{t.max_steps} steps × {per_step} tokens")
     rows = _rows(cfg.data.train_file)
-    if rows is None:
+    if rows is not None:
+        steps = math.ceil(rows / (t.batch_size * t.grad_accum)) * t.epochs
+        return Tokens(int(steps * per_step), f"{rows} rows → {steps} steps × {per_step} tokens")
+    size = _text_bytes(cfg.data.train_file)
+    if size is None:
         return None
-    steps = math.ceil(rows / (t.batch_size * t.grad_accum)) * t.epochs
-    return int(steps * per_step)
+    count = math.ceil(size / BYTES_PER_TOKEN * t.epochs)
+    why = f"{size:,} bytes / {BYTES_PER_TOKEN} bytes per token (BPE; no tokenizer) × {t.epochs:g}"
+    return Tokens(count, why + " epochs")
+
+
+def training_tokens(cfg: RunConfig) -> int | None:
+    """Tokens the run processes at most (`token_count`'s number)."""
+    counted = token_count(cfg)
+    return None if counted is None else counted.count
 
 
 def step_signature(cfg: RunConfig, engine: str, devices: int) -> dict[str, Any]:
@@ -85,23 +148,29 @@ class Measured:
     card: str
 
 
-def measured_rate(ledger: Path | str, signature: dict[str, Any], card_id: str) -> Measured | None:
-    """The newest ok train row with this step signature on this card, else None."""
-    rows = [
+def _measured_rows(ledger: Path | str, signature: dict[str, Any]) -> list[Any]:
+    """Ok train rows that measured a rate for this step signature (any card)."""
+    return [
         r
         for r in select(Ledger(ledger).read().rows, kind="train", status="ok")
-        if r.metrics.get("card") == card_id
-        and r.metrics.get("signature") == signature
-        and (r.metrics.get("tokens_per_s") or 0) > 0
+        if r.metrics.get("signature") == signature and (r.metrics.get("tokens_per_s") or 0) > 0
     ]
+
+
+def measured_cards(ledger: Path | str, signature: dict[str, Any]) -> set[str]:
+    """The cards a run of this step signature has really trained on (ledger)."""
+    return {
+        str(r.metrics["card"]) for r in _measured_rows(ledger, signature) if r.metrics.get("card")
+    }
+
+
+def measured_rate(ledger: Path | str, signature: dict[str, Any], card_id: str) -> Measured | None:
+    """The newest ok train row with this step signature on this card, else None."""
+    rows = [r for r in _measured_rows(ledger, signature) if r.metrics.get("card") == card_id]
     newest = max(rows, key=lambda r: r.time, default=None)
     if newest is None:
         return None
     return Measured(newest.id, float(newest.metrics["tokens_per_s"]), card_id)
-
-
-def flops_per_token(active_params: int, gradient_checkpointing: bool) -> float:
-    return (6.0 if gradient_checkpointing else 4.0) * active_params
 
 
 def estimate_train_s(spec: Any, cfg: RunConfig, bf16_tflops: float | None) -> float | None:
@@ -116,7 +185,8 @@ def estimate_train_s(spec: Any, cfg: RunConfig, bf16_tflops: float | None) -> fl
 @dataclass(frozen=True)
 class Estimate:
     """What `launch --dry-run` states about time and money; `basis` says where the training
-    time came from, `mfu` is the one assumed (or, when measured, the one implied)."""
+    time came from (the rate, then the token count), `mfu` is the one assumed (or, when
+    measured, the one implied)."""
 
     card: str | None
     usd_per_hour: float | None
@@ -125,7 +195,14 @@ class Estimate:
     estimated_eval_s: float
     setup_s: float
     mfu: float | None = MFU
-    basis: str = ""
+    rate_basis: str = ""
+    tokens_basis: str = ""
+
+    @property
+    def basis(self) -> str:
+        return f"{self.rate_basis}; tokens: {self.tokens_basis}" if self.tokens_basis else (
+            self.rate_basis
+        )  # fmt: skip
 
     @property
     def total_s(self) -> float | None:
@@ -140,7 +217,8 @@ class Estimate:
         return round(self.total_s / 3600 * self.usd_per_hour, 2)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "total_s": self.total_s, "estimated_usd": self.estimated_usd}
+        extra = {"basis": self.basis, "total_s": self.total_s}
+        return {**asdict(self), **extra, "estimated_usd": self.estimated_usd}
 
 
 def estimate(
@@ -152,17 +230,25 @@ def estimate(
     if ledger is not None and card is not None:
         measured = measured_rate(ledger, launch_signature(spec, cfg), card.id)
     tflops = getattr(card, "bf16_tflops", None)
-    tokens = training_tokens(cfg)
+    tokens = token_count(cfg)
     base = Estimate(
         card=getattr(card, "id", None),
         usd_per_hour=getattr(card, "usd_per_hour", None),
-        training_tokens=tokens,
+        training_tokens=None if tokens is None else tokens.count,
         estimated_train_s=estimate_train_s(spec, cfg, tflops),
         estimated_eval_s=float(cfg.lane.estimated_eval_s),
         setup_s=float(SETUP_S if cfg.lane.provider != "local" else 0),
-        basis=f"MFU {MFU} of {card.id} bf16 peak" if card is not None else "no card",
+        rate_basis=mfu_basis(card),
+        tokens_basis="" if tokens is None else tokens.basis,
     )
     return base if measured is None else from_measured(base, measured, spec, cfg, tflops)
+
+
+def mfu_basis(card: Any | None) -> str:
+    if card is None:
+        return "no card"
+    ref = REFERENCE
+    return f"MFU {MFU} of {card.id} bf16 peak (from {ref.what} on {ref.card})"
 
 
 def from_measured(
@@ -175,5 +261,5 @@ def from_measured(
         base,
         estimated_train_s=None if base.training_tokens is None else base.training_tokens / rate,
         mfu=round(rate * flops / (tflops * 1e12), 4) if tflops else None,
-        basis=f"measured: ledger row {measured.row_id}, {rate:,.1f} tok/s on {measured.card}",
+        rate_basis=f"measured: ledger row {measured.row_id}, {rate:,.1f} tok/s on {measured.card}",
     )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moetune.lane.providers.base import Pod, PodGone, Provider, TransientError
+from moetune.lane.providers.base import LaneError, Pod, PodGone, Provider, TransientError
 from moetune.ledger import Ledger, LedgerRow
 
 GUARD_LOG = "moetune-guard.log"
@@ -215,9 +215,27 @@ def _terminate(provider: Provider, pod_id: str, attempts: int) -> None:
             time.sleep(2**attempt)
 
 
-def reap(provider: Provider, ledger: Ledger, pod_id: str, attempts: int = 3) -> float:
-    """Terminate one pod by id (retrying transient faults) and ledger what it cost – a
-    failure too, before it is raised."""
+class ReapRefused(LaneError):
+    """A pod id moetune did not record (or no id at all): never terminated."""
+
+
+def check_own(provider: Provider, pod_id: str, own_ids: set[str]) -> None:
+    """ReapRefused unless `pod_id` has the provider's id shape and moetune recorded it."""
+    provider.check_id(pod_id)
+    if pod_id not in own_ids:
+        raise ReapRefused(
+            f"refused: {provider.name} pod {pod_id!r} is not one moetune recorded "
+            "(no provision row or launch state names it); nothing was touched",
+            "`moetune pods list` marks moetune's pods; end anyone else's with their own tool",
+        )
+
+
+def reap(
+    provider: Provider, ledger: Ledger, pod_id: str, own_ids: set[str], attempts: int = 3
+) -> float:
+    """Terminate one pod moetune recorded (`own_ids`), by id, retrying transient faults,
+    and ledger what it cost – a failure too, before it is raised."""
+    check_own(provider, pod_id, own_ids)
     try:
         spent = provider.status(pod_id).spent_usd
     except PodGone:

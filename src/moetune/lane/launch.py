@@ -12,10 +12,12 @@ from typing import Any
 
 from moetune.config import RunConfig
 from moetune.lane import walls as W
-from moetune.lane.estimate import Estimate, estimate
+from moetune.lane.cards import CardChoice, choose_card
+from moetune.lane.estimate import Estimate, estimate, launch_signature, measured_cards
 from moetune.lane.phases import PHASES, Lane, Walls
 from moetune.lane.providers.base import PROVIDERS, LaneError, PodSpec, Provider
 from moetune.lane.state import LaneState
+from moetune.ledger import public_env
 
 
 def make_provider(cfg: RunConfig, state_dir: Path) -> Provider:
@@ -26,21 +28,6 @@ def make_provider(cfg: RunConfig, state_dir: Path) -> Provider:
     if name == "local":
         return cls(Path(cfg.output.ledger).parent / "pods")
     return cls.from_config(cfg.lane, state_dir)
-
-
-def pick_card(cfg: RunConfig, plan: Any) -> Any | None:
-    """hardware.card, else the cheapest rentable card the plan says fits."""
-    from moetune.plan.hardware import all_cards, get_card
-
-    if cfg.hardware.card:
-        return get_card(cfg.hardware.card)
-    if cfg.lane.provider == "local" or plan is None:
-        return None
-    fitting = [
-        c for c in all_cards()
-        if c.runpod_gpu_type_id and c.usd_per_hour and plan.fits.get(c.id) and plan.fits[c.id].fits
-    ]  # fmt: skip
-    return min(fitting, key=lambda c: c.usd_per_hour or 0.0, default=None)
 
 
 @dataclass
@@ -55,16 +42,21 @@ class LaunchPlan:
     walls: Walls
     why: dict[str, str]
     estimate: Estimate
+    choice: CardChoice
 
     def to_json(self) -> dict[str, Any]:
+        """The plan as printed: secret env values masked (they go to the pod, not a screen)."""
         est = self.estimate
+        env = public_env(self.walls.env)
         return {
             "run_id": self.run_id,
             "provider": self.provider,
             "card": self.card,
-            "pod": self.spec.to_json(),
+            "card_choice": self.choice.to_json(),
+            "pod": {**self.spec.to_json(), "env": public_env(self.spec.env)},
             "walls": {
                 **asdict(self.walls),
+                "env": env,
                 "estimated_train_s": est.estimated_train_s,
                 "estimated_eval_s": est.estimated_eval_s,
                 "why": self.why,
@@ -87,7 +79,11 @@ def size_walls(cfg: RunConfig, spec: Any, plan: Any, est: Estimate) -> tuple[Wal
         watchdog = W.required_watchdog_s(train_s + est.setup_s, est.estimated_eval_s)
         watchdog_why = f"(setup + train + eval) × {W.WATCHDOG_MARGIN} margin; train: {est.basis}"
     else:
-        watchdog, watchdog_why = W.DEFAULT_WATCHDOG_S, "no token count to estimate from: 3 h"
+        watchdog = W.DEFAULT_WATCHDOG_S
+        watchdog_why = (
+            "no token count (set train.max_steps, or a local text train_file): "
+            f"the {W.DEFAULT_WATCHDOG_S / 3600:g} h floor"
+        )
     floor = spec.total_params >= W.LARGE_MODEL_PARAMS
     why = {
         "volume_gb": "lane.volume_gb" if cfg.lane.volume_gb else (
@@ -102,13 +98,17 @@ def size_walls(cfg: RunConfig, spec: Any, plan: Any, est: Estimate) -> tuple[Wal
     return Walls(volume, watchdog, env), why
 
 
-def launch_plan(cfg: RunConfig, run_id: str | None = None) -> LaunchPlan:
+def launch_plan(
+    cfg: RunConfig, run_id: str | None = None, accept_thin_margin: bool = False
+) -> LaunchPlan:
     from moetune.model import load_spec
     from moetune.plan import make_plan
 
     spec = load_spec(cfg.model.id)
     plan = make_plan(spec, cfg)
-    card = pick_card(cfg, plan)
+    measured = measured_cards(cfg.output.ledger, launch_signature(spec, cfg))
+    choice = choose_card(cfg, plan, measured, accept_thin_margin)
+    card = choice.card
     est = estimate(spec, cfg, card, cfg.output.ledger)  # a rate measured earlier wins
     walls, why = size_walls(cfg, spec, plan, est)
     run_id = run_id or f"{Path(cfg.output.dir).name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -123,26 +123,37 @@ def launch_plan(cfg: RunConfig, run_id: str | None = None) -> LaunchPlan:
         env=walls.env,
         cloud_type=cfg.lane.runpod.cloud_type,
     )
-    return LaunchPlan(run_id, cfg.lane.provider, pod.card, pod, walls, why, est)
+    return LaunchPlan(run_id, cfg.lane.provider, pod.card, pod, walls, why, est, choice)
 
 
 def launch(
-    cfg: RunConfig, config_path: Path, *, resume: str | None = None, show: bool = True
+    cfg: RunConfig,
+    config_path: Path,
+    *,
+    resume: str | None = None,
+    show: bool = True,
+    accept_thin_margin: bool = False,
 ) -> LaneState:
-    """Run the phases (a new launch, or the one `resume` names)."""
+    """Run the phases (a new launch, or the one `resume` names). Refused, before anything
+    is written, when the only card that fits keeps less than the margin and that was not
+    accepted."""
     from rich.console import Console
 
     if resume:
         state = LaneState.load(cfg.output.ledger, resume)
         state.pid = os.getpid()
-        plan = launch_plan(cfg, state.run_id)
+        state.accept_thin_margin = state.accept_thin_margin or accept_thin_margin
+        plan = launch_plan(cfg, state.run_id, state.accept_thin_margin)
+        plan.choice.require()
         plan.spec = PodSpec(**{**asdict(plan.spec), "name": state.pod_name})
     else:
         refuse_existing_output(cfg)
-        plan = launch_plan(cfg)
+        plan = launch_plan(cfg, accept_thin_margin=accept_thin_margin)
+        plan.choice.require()
         state = LaneState(
-            plan.run_id, cfg.lane.provider, str(config_path.resolve()), plan.spec.name
-        )
+            plan.run_id, cfg.lane.provider, str(config_path.resolve()), plan.spec.name,
+            accept_thin_margin=accept_thin_margin,
+        )  # fmt: skip
     state.save(cfg.output.ledger)
     provider = make_provider(cfg, state.dir(cfg.output.ledger))
     console = Console(stderr=True, quiet=not show)

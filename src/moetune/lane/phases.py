@@ -26,6 +26,7 @@ from rich.markup import escape
 from moetune.config import RunConfig, dump_config
 from moetune.errors import MoetuneError
 from moetune.lane.providers.base import LaneError, Pod, PodGone, PodSpec, Provider
+from moetune.lane.secrets import launch_secrets, scrub, scrub_error
 from moetune.lane.stage import REMOTE_CONFIG, REMOTE_RUN, staging
 from moetune.lane.state import LaneState
 from moetune.ledger import Ledger, LedgerRow, Status
@@ -77,7 +78,8 @@ class Lane:
         )
         self.console = console or Console(stderr=True)
         self.out = Path(cfg.output.dir)
-        self.ledger = Ledger(cfg.output.ledger)
+        self.secrets = launch_secrets(cfg)  # masked in every row, message and error
+        self.ledger = Ledger(cfg.output.ledger, secrets=self.secrets)
 
     # ------------------------------------------------------------ running the phases
 
@@ -109,12 +111,15 @@ class Lane:
         self.state.save(self.cfg.output.ledger)
 
     def say(self, text: str) -> None:
-        self.console.print(f"[dim]{escape(self.state.run_id)}[/] {text}", highlight=False)
+        shown = scrub(text, self.secrets)
+        self.console.print(f"[dim]{escape(self.state.run_id)}[/] {shown}", highlight=False)
 
     def row(self, kind: str, status: Status = "ok", reason: str = "", **metrics: Any) -> None:
         """A ledger row of this launch; `cost_usd` goes to the row's cost field."""
         cost = metrics.pop("cost_usd", None)
-        base = {"provider": self.state.provider, "pod_id": self.state.pod_id}
+        base: dict[str, Any] = {"provider": self.state.provider, "pod_id": self.state.pod_id}
+        if self.state.accept_thin_margin:
+            base["accept_thin_margin"] = True
         self.ledger.append(
             LedgerRow(
                 kind=kind,
@@ -157,7 +162,8 @@ class Lane:
     # ------------------------------------------------------------ failure and teardown
 
     def failed(self, err: BaseException) -> None:
-        """A ledger row for the failure and the clear next step."""
+        """A ledger row for the failure and the clear next step; the error's text masked."""
+        scrub_error(err, self.secrets)
         cause = getattr(err, "cause", None) or f"{type(err).__name__}: {err}"
         status: Status = "cancelled" if isinstance(err, KeyboardInterrupt | BudgetReached) else (
             "infra-failed" if isinstance(err, PodGone | LaneError) else "failed"
@@ -209,11 +215,9 @@ class Lane:
 
     # ------------------------------------------------------------ pod commands
 
-    def env_prefix(self) -> str:
-        return "".join(f"export {k}={shlex.quote(v)}; " for k, v in self.walls.env.items())
-
     def run_on_pod(self, command: str, timeout_s: float = 600) -> str:
-        got = self.provider.exec(self.pod, self.env_prefix() + command, timeout_s)
+        """`command` on the pod with the walls' env (secrets included: process env only)."""
+        got = self.provider.exec(self.pod, command, timeout_s, env=self.walls.env)
         if got.rc != 0:
             raise LaneError(
                 f"`{command.split()[0]}` failed on pod {self.pod} (rc {got.rc}): "
@@ -255,7 +259,7 @@ class Lane:
         rc = self.provider.poll_background(self.pod, log)
         if rc != 0:
             if rc is not None:  # never started, or died: (re)start it
-                self.provider.exec_background(self.pod, self.env_prefix() + command, log)
+                self.provider.exec_background(self.pod, command, log, env=self.walls.env)
             self.wait_background(log, on_poll)
 
     def sync_checkpoints(self) -> None:

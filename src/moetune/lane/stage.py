@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetune.config import RunConfig
+from moetune.lane.secrets import plain_env
 
 REMOTE_RUN = "run"  # output.dir on the pod, relative to the pod's workdir
 REMOTE_CONFIG = "run.yaml"
@@ -50,4 +51,5 @@ def staging(cfg: RunConfig) -> Staging:
     pod.output.ledger = "ledger.jsonl"
     pod.eval.results_dir = None
     pod.lane.provider = "local"  # on the pod, the run is local
+    pod.lane.env = plain_env(cfg.lane.env)  # secrets reach the pod by its environment only
     return out

@@ -32,6 +32,7 @@ class LaneState:
     finished: bool = False
     started: float = field(default_factory=time.time)
     next_step: str | None = None  # what to do after a failure, in words
+    accept_thin_margin: bool = False  # --accept-thin-margin: every ledger row says so
 
     @staticmethod
     def root(ledger_path: str) -> Path:

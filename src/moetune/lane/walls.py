@@ -35,7 +35,8 @@ ADAPTER_BYTES_PER_TRAINABLE = 4  # peft keeps (and saves) adapter weights in fp3
 TRAINABLE_FRACTION_GUESS = 0.05
 
 # -- wall 3: in-pod watchdog ----------------------------------------------------------------
-DEFAULT_WATCHDOG_S = 3 * 3600  # the watchdog a runpod lane arms when none is configured
+# With no estimate: 3 h reaped a 30B pod mid-eval; never fall back below 6 h.
+DEFAULT_WATCHDOG_S = 6 * 3600
 WATCHDOG_MARGIN = 1.5  # estimates are rough; an overrun must cost time, not the pod
 
 # -- wall 4: CI timeouts --------------------------------------------------------------------

@@ -201,7 +201,7 @@ def config_diff(old_yaml: str, cfg: RunConfig) -> list[str]:
             "the run's saved config.yaml is not valid YAML, so --resume cannot check it",
             "restore config.yaml as moetune wrote it, or start a new output.dir",
         ) from None
-    new = _flatten(cfg.model_dump(mode="json"))
+    new = _flatten(yaml.safe_load(dump_config(cfg)))  # as saved: secrets masked alike
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys]
 

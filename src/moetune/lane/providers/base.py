@@ -17,15 +17,17 @@ Rules every provider keeps:
 
 from __future__ import annotations
 
+import re
 import shlex
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from moetune.errors import MoetuneError
 
+Env = Mapping[str, str]
 PodStatus = Literal["starting", "running", "exited", "terminated", "unknown"]
 
 
@@ -98,9 +100,21 @@ class ExecResult:
 
 
 class Provider(ABC):
-    """Operations on pods. Subclasses set `name` and implement every method."""
+    """Operations on pods. Subclasses set `name` and implement every method; `id_pattern`
+    is the shape of this provider's pod ids (no separators, no leading dot: an id is
+    never a path)."""
 
     name: ClassVar[str]
+    id_pattern: ClassVar[re.Pattern[str]] = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+    def check_id(self, pod_id: str) -> str:
+        """`pod_id` when it has this provider's id shape, else LaneError (one line)."""
+        if not self.id_pattern.fullmatch(pod_id):
+            raise LaneError(
+                f"{pod_id!r} is not a {self.name} pod id (ids are never paths)",
+                "pass the id exactly as `moetune pods list` shows it",
+            )
+        return pod_id
 
     @abstractmethod
     def create(self, spec: PodSpec) -> Pod:
@@ -115,8 +129,12 @@ class Provider(ABC):
         """The pod now (PodGone when it no longer exists)."""
 
     @abstractmethod
-    def exec(self, pod_id: str, command: str, timeout_s: float | None = None) -> ExecResult:
-        """Run a shell command in the pod's workdir; its exit code, stdout and stderr."""
+    def exec(
+        self, pod_id: str, command: str, timeout_s: float | None = None, env: Env | None = None
+    ) -> ExecResult:
+        """Run a shell command in the pod's workdir; its exit code, stdout and stderr. `env`
+        joins the command's process environment – never its text, argv or a file, so
+        secrets passed this way appear nowhere on the pod but in that environment."""
 
     @abstractmethod
     def copy_in(self, pod_id: str, local: Path, remote: str) -> None:
@@ -143,14 +161,17 @@ class Provider(ABC):
     # controller polls for the exit code. Built on `exec`, so every provider has them.
     # `log_name` is the log file (relative to the workdir); the exit code goes to <log>.rc.
 
-    def exec_background(self, pod_id: str, command: str, log_name: str) -> None:
-        """Start `command` detached in the pod, its output appended to `log_name`."""
+    def exec_background(
+        self, pod_id: str, command: str, log_name: str, env: Env | None = None
+    ) -> None:
+        """Start `command` detached in the pod (with `env`), output appended to `log_name`."""
         log = shlex.quote(log_name)
         body = f"( {command} ) >> {log} 2>&1; echo $? > {log}.rc.tmp && mv {log}.rc.tmp {log}.rc"
         started = self.exec(
             pod_id,
             f"rm -f {log}.rc; nohup setsid bash -c {shlex.quote(body)} > /dev/null 2>&1 "
             f"< /dev/null & echo $! > {log}.pid",
+            env=env,
         )
         if started.rc != 0:
             raise LaneError(f"could not start {log_name} in pod {pod_id}: {started.stderr[:200]}")

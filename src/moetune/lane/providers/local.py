@@ -9,6 +9,7 @@ ended while its files (user data) stay.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from moetune.io import atomic_write_json, file_digests
 from moetune.lane.providers.base import (
+    Env,
     ExecResult,
     LaneError,
     Pod,
@@ -27,6 +29,7 @@ from moetune.lane.providers.base import (
     register_provider,
 )
 from moetune.lane.transfer import verify_tree
+from moetune.ledger import public_env
 
 TERMINATED = "TERMINATED"
 
@@ -38,8 +41,16 @@ class LocalProvider(Provider):
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir.resolve()
 
+    def _path(self, pod_id: str) -> Path:
+        """`base_dir/pod_id`, refused when the id is no id or the folder is a link: a pod
+        never reaches outside `base_dir`."""
+        path = self.base_dir / self.check_id(pod_id)
+        if path.is_symlink() or (path / TERMINATED).is_symlink():
+            raise LaneError(f"local pod {pod_id!r} is a symlink, not a pod", "moetune pods list")
+        return path
+
     def _dir(self, pod_id: str) -> Path:
-        path = self.base_dir / pod_id
+        path = self._path(pod_id)
         if not (path / "pod.json").is_file():
             raise PodGone(f"local pod {pod_id} does not exist", "moetune pods list")
         return path
@@ -51,10 +62,11 @@ class LocalProvider(Provider):
         return path
 
     def create(self, spec: PodSpec) -> Pod:
-        path = self.base_dir / spec.name
+        path = self._path(spec.name)
         path.mkdir(parents=True, exist_ok=True)
         if not (path / "pod.json").is_file():  # idempotent by name
-            atomic_write_json(path / "pod.json", {"spec": spec.to_json(), "created": time.time()})
+            shown = {**spec.to_json(), "env": public_env(spec.env)}  # the env travels per exec
+            atomic_write_json(path / "pod.json", {"spec": shown, "created": time.time()})
         return self.status(spec.name)
 
     def wait_ready(self, pod_id: str, timeout_s: float) -> Pod:
@@ -72,12 +84,15 @@ class LocalProvider(Provider):
             workdir=str(path),
         )
 
-    def exec(self, pod_id: str, command: str, timeout_s: float | None = None) -> ExecResult:
+    def exec(
+        self, pod_id: str, command: str, timeout_s: float | None = None, env: Env | None = None
+    ) -> ExecResult:
         path = self._live(pod_id)
+        full = {**os.environ, **env} if env else None
         try:
             done = subprocess.run(
                 ["bash", "-c", command], cwd=path, capture_output=True, text=True,
-                timeout=timeout_s,
+                timeout=timeout_s, env=full,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
             raise TransientError(f"command timed out after {timeout_s} s in pod {pod_id}") from None
@@ -104,7 +119,7 @@ class LocalProvider(Provider):
         tmp.rename(local)
 
     def terminate(self, pod_id: str) -> None:
-        path = self.base_dir / pod_id
+        path = self._path(pod_id)
         if not path.is_dir() or (path / TERMINATED).exists():
             return  # already gone: success
         subprocess.run(["bash", "-c", self.self_terminate_command(pod_id)], check=False)
@@ -112,13 +127,22 @@ class LocalProvider(Provider):
     def list(self) -> list[Pod]:
         if not self.base_dir.is_dir():
             return []
-        return [self.status(p.parent.name) for p in sorted(self.base_dir.glob("*/pod.json"))]
+        names = (p.parent.name for p in sorted(self.base_dir.glob("*/pod.json")))
+        return [self.status(n) for n in names if self._is_pod(n)]
+
+    def _is_pod(self, name: str) -> bool:
+        """A folder here is a pod when its name is an id and it is no symlink."""
+        return bool(self.id_pattern.fullmatch(name)) and not (self.base_dir / name).is_symlink()
 
     def self_terminate_command(self, pod_id: str) -> str:
-        path = shlex.quote(str(self.base_dir / pod_id))
+        """Mark the pod ended and signal the process groups of its jobs – only pid files
+        holding a plain number above 1 (never -1, 0 or init's group)."""
+        path = shlex.quote(str(self._path(pod_id)))
         return (
             f"touch {path}/{TERMINATED}; for f in {path}/*.pid; do "
-            '[ -f "$f" ] && kill -TERM -- -"$(cat "$f")" 2>/dev/null; done; true'
+            '[ -f "$f" ] && [ ! -L "$f" ] || continue; g=$(cat "$f"); '
+            'case "$g" in ""|*[!0-9]*) continue;; esac; '
+            '[ "$g" -gt 1 ] && kill -TERM -- "-$g" 2>/dev/null; done; true'
         )
 
 

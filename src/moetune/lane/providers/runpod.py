@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 
 from moetune.lane.providers.base import (
+    Env,
     ExecResult,
     LaneError,
     Pod,
@@ -76,7 +77,7 @@ _KEY_FIX = (
 class _Transport(Protocol):
     """What `ssh.SshTransport` offers (imported only when a pod is first used)."""
 
-    def exec(self, command: str, timeout_s: float | None) -> ExecResult: ...
+    def exec(self, command: str, timeout_s: float | None, env: Env | None) -> ExecResult: ...
     def copy_in(self, local: Path, remote: str) -> None: ...
     def copy_out(self, remote: str, local: Path) -> None: ...
 
@@ -209,6 +210,8 @@ def _load_toml(text: str) -> dict[str, Any]:
 class RunpodProvider(Provider):
     """RunPod pods: lifecycle through the API, `exec`/`copy_*` over SSH to the public port."""
 
+    id_pattern = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # RunPod: e.g. "x7k2m9p4q1w8e3"
+
     def __init__(
         self,
         client: RunpodClient,
@@ -281,9 +284,11 @@ class RunpodProvider(Provider):
             raise PodGone(f"RunPod pod {pod_id} no longer exists.", "launch again or --resume")
         return self._pod(raw)
 
-    def exec(self, pod_id: str, command: str, timeout_s: float | None = None) -> ExecResult:
+    def exec(
+        self, pod_id: str, command: str, timeout_s: float | None = None, env: Env | None = None
+    ) -> ExecResult:
         try:
-            return self._transport(pod_id).exec(command, timeout_s)
+            return self._transport(pod_id).exec(command, timeout_s, env)
         except TransientError:
             self._transports.pop(pod_id, None)  # a restarted pod may have a new public port
             raise

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from moetune.io import file_digests
 from moetune.lane.providers.base import (
+    Env,
     ExecResult,
     LaneError,
     Pod,
@@ -149,11 +150,11 @@ class SshTransport:
 
     # -- commands --------------------------------------------------------------------------
 
-    def _call(self, argv: list[str], what: str, timeout_s: float | None) -> tuple[int, bytes, str]:
+    def _call(
+        self, argv: list[str], what: str, timeout_s: float | None, stdin: bytes = b""
+    ) -> tuple[int, bytes, str]:
         try:
-            done = subprocess.run(
-                argv, capture_output=True, stdin=subprocess.DEVNULL, timeout=timeout_s
-            )
+            done = subprocess.run(argv, capture_output=True, input=stdin, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             cause = f"{what} on {self.where} timed out after {timeout_s:g}s."
             raise TransientError(cause, "retry; raise the timeout if the work is slow") from None
@@ -179,24 +180,33 @@ class SshTransport:
         cause = f"{what}: connection to {self.where} failed ({_tail(stderr)})."
         return TransientError(cause, "retry; check the host is up and reachable")
 
-    def _ssh(self, script: str, what: str, timeout_s: float | None) -> tuple[int, bytes, str]:
-        """Run a bash script from the login's home; transport failures raise."""
-        argv = [*self.ssh_argv(), f"bash -lc {q(script)}"]
-        rc, out, err = self._call(argv, what, timeout_s)
+    def _ssh(
+        self, script: str, what: str, timeout_s: float | None, env: Env | None = None
+    ) -> tuple[int, bytes, str]:
+        """Run a bash script from the login's home; transport failures raise. `env` goes
+        over stdin as `export` lines the shell sources first: never in argv or a file."""
+        exports = "".join(f"export {k}={q(v)}\n" for k, v in (env or {}).items())
+        head = ". /dev/stdin\n" if exports else ""
+        argv = [*self.ssh_argv(), f"bash -lc {q(head + script)}"]
+        rc, out, err = self._call(argv, what, timeout_s, exports.encode())
         if rc == SSH_RC_TRANSPORT:
             raise self._transport_error(what, err)
         return rc, out, err
 
-    def run(self, script: str, timeout_s: float | None = None) -> ExecResult:
+    def run(
+        self, script: str, timeout_s: float | None = None, env: Env | None = None
+    ) -> ExecResult:
         """A bash script run from home (not the workdir); rc 255 raises as a transport fault."""
-        rc, out, err = self._ssh(script, "ssh", timeout_s)
+        rc, out, err = self._ssh(script, "ssh", timeout_s, env)
         return ExecResult(rc, out.decode(errors="replace"), err)
 
-    def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
-        """`command` under `bash -lc` in the workdir (created on first use)."""
+    def exec(
+        self, command: str, timeout_s: float | None = None, env: Env | None = None
+    ) -> ExecResult:
+        """`command` under `bash -lc` in the workdir (created on first use), with `env`."""
         wd = q(self.workdir)
         prefix = "" if self._workdir_made else f"mkdir -p -- {wd} && "
-        result = self.run(f"{prefix}cd -- {wd} || exit 1\n{command}", timeout_s)
+        result = self.run(f"{prefix}cd -- {wd} || exit 1\n{command}", timeout_s, env)
         self._workdir_made = True
         return result
 
@@ -212,7 +222,7 @@ class SshTransport:
         key = "__".join(parts)
         return f"{JOBS_DIR}/{key}.pid", f"{JOBS_DIR}/{key}.ended", f"{log_name}.rc"
 
-    def exec_background(self, command: str, log_name: str) -> None:
+    def exec_background(self, command: str, log_name: str, env: Env | None = None) -> None:
         """Start `command` detached (`nohup setsid`) in the workdir so an SSH drop does not
         kill it; output appends to `log_name`, the exit code lands in `<log_name>.rc`."""
         pid, ended, rc = (q(p) for p in self._job_files(log_name))
@@ -229,7 +239,7 @@ class SshTransport:
             f"for _ in $(seq 200); do [ -s {pid} ] || [ -e {ended} ] && exit 0; sleep 0.05; done\n"
             "echo 'the job did not start' >&2; exit 1"
         )
-        result = self.exec(script, timeout_s=60)
+        result = self.exec(script, timeout_s=60, env=env)
         if result.rc != 0:
             cause = f"could not start {log_name} on {self.where}: {_tail(result.stderr)}."
             raise LaneError(cause, "check that bash, nohup and setsid exist on the host")
@@ -462,11 +472,15 @@ class SshProvider(Provider):
                     raise LaneError(cause, "check the host, port, firewall and sshd") from None
                 time.sleep(1.0)
 
-    def exec(self, pod_id: str, command: str, timeout_s: float | None = None) -> ExecResult:
-        return self.transport(pod_id).exec(command, timeout_s)
+    def exec(
+        self, pod_id: str, command: str, timeout_s: float | None = None, env: Env | None = None
+    ) -> ExecResult:
+        return self.transport(pod_id).exec(command, timeout_s, env)
 
-    def exec_background(self, pod_id: str, command: str, log_name: str) -> None:
-        self.transport(pod_id).exec_background(command, log_name)
+    def exec_background(
+        self, pod_id: str, command: str, log_name: str, env: Env | None = None
+    ) -> None:
+        self.transport(pod_id).exec_background(command, log_name, env)
 
     def poll_background(self, pod_id: str, log_name: str) -> int | None:
         return self.transport(pod_id).poll_background(log_name)
