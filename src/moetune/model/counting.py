@@ -30,7 +30,9 @@ def hf_config_object(model_type: str, cfg: dict[str, Any], name: str = "custom")
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    kwargs = {k: v for k, v in cfg.items() if k != "model_type" and k not in PRIVATE_KEYS}
+    kwargs = {
+        k: plain_floats(v) for k, v in cfg.items() if k != "model_type" and k not in PRIVATE_KEYS
+    }
     try:
         with quiet_transformers():
             return AutoConfig.for_model(model_type, **kwargs)
@@ -41,6 +43,17 @@ def hf_config_object(model_type: str, cfg: dict[str, Any], name: str = "custom")
             f"{name}: config.json is not a valid {model_type} config ({first})",
             "correct the field named above, or re-download the model's config.json",
         ) from exc
+
+
+def plain_floats(value: Any) -> Any:
+    """to_dict writes inf / nan as {"__float__": "Infinity"}; the config takes floats."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: plain_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_floats(v) for v in value]
+    return value
 
 
 @contextmanager

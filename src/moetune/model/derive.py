@@ -27,6 +27,7 @@ from moetune.model.counting import (
     CHECKPOINT_ONLY_KEYS,
     PRIVATE_KEYS,
     hf_config_object,
+    plain_floats,
     quiet_transformers,
 )
 from moetune.model.families import ExpertsLayout, ModulePaths
@@ -381,8 +382,16 @@ def _read_build(model: nn.Module, config: Any, raw: dict[str, Any], name: str) -
         attention_layer_ids=_attention_layers(read),
         quant_method=(raw.get("quantization_config") or {}).get("quant_method"),
         mixers=tuple(r.mixer for r in read),
+        dense_layer_ids=_dense_layers(read, moe),
     )
     return Derived(spec, _union_paths(read), _layout(read), prefix)
+
+
+def _dense_layers(read: list[_Layer], moe: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Non-MoE layers with a dense MLP; None when that is every non-MoE layer."""
+    rest = [i for i in range(len(read)) if i not in set(moe)]
+    ids = tuple(i for i in rest if read[i].counts["dense_mlp"])
+    return None if len(ids) == len(rest) else ids
 
 
 def _attention_layers(read: list[_Layer]) -> tuple[int, ...] | None:
@@ -540,21 +549,10 @@ def _dtype(raw: dict[str, Any], config: Any) -> str:
 
 def _hf_dict(config: Any) -> dict[str, Any]:
     """The (text) config as a dict transformers rebuilds the same model from."""
-    out = _plain_floats(config.to_dict())
+    out = plain_floats(config.to_dict())
     for key in ("transformers_version", "architectures", *CHECKPOINT_ONLY_KEYS):
         out.pop(key, None)
     return out
-
-
-def _plain_floats(value: Any) -> Any:
-    """to_dict writes inf / nan as {"__float__": "Infinity"}; the config takes floats."""
-    if isinstance(value, dict):
-        if set(value) == {"__float__"}:
-            return float(value["__float__"])
-        return {k: _plain_floats(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain_floats(v) for v in value]
-    return value
 
 
 def _union_paths(read: list[_Layer]) -> ModulePaths:

@@ -83,6 +83,9 @@ class ModelSpec:
     # Token mixer of each layer as built (attention, mla, linear_attention, mamba, conv …);
     # empty for specs from a hand-written family table.
     mixers: tuple[str, ...] = ()
+    # Layers with a dense MLP (a build can have layers with neither: Nemotron-H's mixer-only
+    # layers); None means every non-MoE layer.
+    dense_layer_ids: tuple[int, ...] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -100,6 +103,8 @@ class ModelSpec:
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
+        if self.dense_layer_ids is not None:
+            return self.dense_layer_ids
         moe = set(self.moe_layers)
         return tuple(i for i in range(self.num_layers) if i not in moe)
 
