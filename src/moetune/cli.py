@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -13,24 +14,98 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from moetune import __version__
-from moetune.errors import MoetuneError
+from moetune.errors import ConfigError, MoetuneError
 
 # Before torch loads libgomp: OpenMP threads spinning at barriers slow small CPU training
 # 10x or more whenever another process shares the cores (measured: quickstart 70 s vs
 # > 6 min). Passive waiting costs little; users can still set their own policy.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+console = Console()
+err_console = Console(stderr=True)
+
+
+def print_error(err: MoetuneError) -> None:
+    """A MoetuneError as the one line a user sees: cause, then fix."""
+    msg = f"[bold red]error:[/] {escape(err.cause)}"
+    if err.fix:
+        msg += f" [bold]fix:[/] {escape(err.fix)}"
+    err_console.print(msg, highlight=False, soft_wrap=True)
+
+
+def known_error(err: Exception) -> MoetuneError | None:
+    """Library exceptions whose cause is a user's input, in words (the rest are bugs)."""
+    from huggingface_hub.errors import HFValidationError
+
+    from moetune.errors import ModelSourceError, clip, os_problem
+
+    if isinstance(err, HFValidationError):
+        return ModelSourceError(
+            f"not a valid hub model id: {clip(err, 120)}",
+            "write a hub id as owner/name (at most 96 characters), or pass a local dir",
+        )
+    if isinstance(err, OSError) and err.errno == errno.ENAMETOOLONG:
+        return ConfigError(
+            f"{clip(err.filename, 60)}: {os_problem(err)}",
+            "shorten the path (at most 255 bytes per name, 4096 in all on most systems)",
+        )
+    return None
+
+
+class GuardedGroup(TyperGroup):
+    """The one guard between a command and the user: a MoetuneError prints as one line
+    (exit 2), any other exception as one line naming its type (exit 3) – its traceback
+    only with --debug or MOETUNE_DEBUG=1."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise  # a command's own exit status, or a usage error typer prints itself
+        except MoetuneError as err:
+            print_error(err)
+            raise typer.Exit(err.exit_code) from None
+        except Exception as err:
+            if ctx.params.get("debug") or os.environ.get("MOETUNE_DEBUG") == "1":
+                raise
+            known = known_error(err)
+            if known is not None:
+                print_error(known)
+                raise typer.Exit(known.exit_code) from None
+            from moetune.errors import clip
+
+            err_console.print(
+                f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(clip(err))} "
+                "[bold]hint:[/] rerun with --debug (or MOETUNE_DEBUG=1) for the traceback, "
+                "and report it",
+                highlight=False,
+                soft_wrap=True,
+            )
+            raise typer.Exit(UNEXPECTED) from None
+
+
+UNEXPECTED = 3  # exit status of an error moetune did not foresee (2: a user's input)
 app = typer.Typer(
     name="moetune",
     help="Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    cls=GuardedGroup,
 )
-console = Console()
-err_console = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+@app.callback()
+def root(
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", envvar="MOETUNE_DEBUG", help="Show unexpected errors' tracebacks."),
+    ] = False,
+) -> None:
+    """Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right."""
 
 
 def friendly(fn: F) -> F:
@@ -41,10 +116,7 @@ def friendly(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except MoetuneError as err:
-            msg = f"[bold red]error:[/] {escape(err.cause)}"
-            if err.fix:
-                msg += f" [bold]fix:[/] {escape(err.fix)}"
-            err_console.print(msg, highlight=False, soft_wrap=True)
+            print_error(err)
             raise typer.Exit(err.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
@@ -348,7 +420,6 @@ def eval_cmd(
 ) -> None:
     """Score base and candidate on the same items of every rung, then gate."""
     from moetune.config import load_config
-    from moetune.errors import ConfigError
     from moetune.evaluate import run_eval
 
     if provider != "local":
@@ -462,8 +533,6 @@ def _utc_date(text: str | None) -> float | None:
     import calendar
     import time
 
-    from moetune.errors import ConfigError
-
     if text is None:
         return None
     try:
@@ -477,9 +546,15 @@ def _utc_date(text: str | None) -> float | None:
 def ledger_verify(
     path: LedgerPath = Path(".moetune/ledger.jsonl"), as_json: JsonOpt = False
 ) -> None:
-    """Check every line; exit 1 when any line is torn or invalid."""
-    from moetune.ledger import Ledger
+    """Check every line; exit 1 when any line is torn or invalid, 2 when there is no ledger."""
+    from moetune.errors import clip
+    from moetune.ledger import Ledger, LedgerError
 
+    if not path.exists():
+        raise LedgerError(
+            f"no ledger at {clip(path, 80)}: nothing to verify",
+            "pass --path to a ledger file (a run's is its output.ledger)",
+        )
     got = Ledger(path).read()
     if as_json:
         emit_json({"rows": len(got.rows), "problems": got.problems})

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moetune.errors import MoetuneError
+from moetune.errors import MoetuneError, clip, os_problem
 
 Status = Literal["ok", "failed", "infra-failed", "cancelled"]
 DEFAULT_PATH = Path(".moetune") / "ledger.jsonl"
@@ -101,15 +101,18 @@ class Ledger:
         """Write `row` (redacted) as one whole line, under the lock, and fsync it."""
         clean = LedgerRow.model_validate(redact(row.model_dump(), _env_secrets()))
         line = (json.dumps(clean.model_dump(), sort_keys=True) + "\n").encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            self._heal_torn_tail()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._lock:
+                self._heal_torn_tail()
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as err:
+            raise self._unusable(err) from None
         return clean
 
     def _heal_torn_tail(self) -> None:
@@ -127,15 +130,27 @@ class Ledger:
         out = ReadResult()
         if not self.path.exists():
             return out
-        for number, raw in enumerate(self.path.read_bytes().splitlines(), start=1):
+        try:
+            data = self.path.read_bytes()
+        except OSError as err:
+            raise self._unusable(err) from None
+        for number, raw in enumerate(data.splitlines(), start=1):
             if raw.strip():
                 _parse_line(number, raw, out)
         return out
+
+    def _unusable(self, err: OSError) -> LedgerError:
+        return LedgerError(
+            f"ledger {clip(self.path, 80)}: {os_problem(err)}",
+            "point --path / output.ledger at a ledger file (JSONL), not a folder",
+        )
 
 
 def _parse_line(number: int, raw: bytes, out: ReadResult) -> None:
     try:
         out.rows.append(LedgerRow.model_validate(json.loads(raw)))
+    except UnicodeDecodeError as err:  # before JSONDecodeError: both are ValueErrors
+        out.problems.append((number, f"not UTF-8 text (byte {err.start}); a foreign write?"))
     except json.JSONDecodeError:
         out.problems.append((number, "torn or not JSON (a write interrupted by a crash?)"))
     except ValidationError as err:
@@ -191,5 +206,5 @@ def _write_quietly(write: Any, status: Status, reason: str) -> None:
 
     try:
         write(status, reason)
-    except OSError as err:
+    except (OSError, LedgerError) as err:
         warnings.warn(f"ledger row not written: {err}", stacklevel=3)

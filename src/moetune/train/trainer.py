@@ -187,13 +187,31 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
         return load_quantized_model(cfg, place, dtype, engine)
     try:
         with quiet():
-            model: nn.Module = AutoModelForCausalLM.from_pretrained(cfg.model.id, dtype=dtype)
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                cfg.model.id, dtype=dtype, output_loading_info=True
+            )
+            model, info = loaded
     except OSError as exc:
         raise TrainError(
             f"cannot load the weights of {cfg.model.id}: {str(exc).splitlines()[0]}",
             "point model.id at a directory with config.json and weights, or a hub id",
         ) from None
-    return model
+    except RuntimeError as exc:  # transformers: "size mismatch" / "ignore_mismatched_sizes"
+        if "mismatch" not in str(exc):
+            raise
+        raise weights_mismatch(cfg.model.id, "tensor shapes differ from what it builds") from None
+    if info["missing_keys"]:  # transformers would train on randomly initialised layers
+        first = sorted(info["missing_keys"])[0]
+        missing = f"{len(info['missing_keys'])} tensors it builds are not in the weights ({first})"
+        raise weights_mismatch(cfg.model.id, missing)
+    return cast("nn.Module", model)
+
+
+def weights_mismatch(model_id: str, what: str) -> TrainError:
+    return TrainError(
+        f"config.json of {model_id} does not match its weights: {what}",
+        "use the config.json that was saved with these weights (or the weights it describes)",
+    )
 
 
 def load_quantized_model(
