@@ -287,7 +287,17 @@ def train_cmd(
         bool, typer.Option("--allow-errors", help="Train despite preflight errors (recorded).")
     ] = False,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace a finished run in output.dir.")
+        bool,
+        typer.Option(
+            "--overwrite", help="Replace moetune's files of a finished run in output.dir."
+        ),
+    ] = False,
+    overwrite_promoted: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite-promoted",
+            help="Like --overwrite, and also replace an adapter the gate promoted.",
+        ),
     ] = False,
     engine: Annotated[
         str | None, typer.Option(help="Expert LoRA engine: auto | moetune (split LoRA) | peft.")
@@ -302,7 +312,12 @@ def train_cmd(
 
     cfg = load_config(config, [*(overrides or []), *option_overrides(engine=engine)])
     result = train(
-        cfg, resume=resume, allow_errors=allow_errors, overwrite=overwrite, progress=not as_json
+        cfg,
+        resume=resume,
+        allow_errors=allow_errors,
+        overwrite=overwrite,
+        overwrite_promoted=overwrite_promoted,
+        progress=not as_json,
     )
     if as_json:
         emit_json(result.to_json())
@@ -410,7 +425,8 @@ def eval_cmd(
     ] = None,
     limit: Annotated[int | None, typer.Option(help="Only the first N items per rung.")] = None,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace earlier results in the results dir.")
+        bool,
+        typer.Option("--overwrite", help="Replace moetune's earlier results in the results dir."),
     ] = False,
     provider: Annotated[
         str, typer.Option(help="local: this machine (remote evals run inside `moetune launch`).")

@@ -29,10 +29,8 @@ from moetune.config import RunConfig
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.results import LADDER, RUNGS, publish, refuse_unasked_replace
 from moetune.evaluate.rungs import Item, ItemScore, Rung, make_rung
-from moetune.io import atomic_write_json, atomic_write_text, file_digests, tree_digest
+from moetune.io import PROMOTED, atomic_write_json, atomic_write_text, file_digests, tree_digest
 from moetune.ledger import attempt
-
-PROMOTED = "PROMOTED"  # marker file in a promoted adapter dir
 
 
 @dataclass

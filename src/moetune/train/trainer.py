@@ -118,24 +118,31 @@ def train(
     resume: bool = False,
     allow_errors: bool = False,
     overwrite: bool = False,
+    overwrite_promoted: bool = False,
     progress: bool = True,
 ) -> TrainResult:
     """Train the LoRA adapter `cfg` describes; the module docstring lists the steps.
-    `overwrite` replaces a finished run in output.dir (only after preflight passes).
+    `overwrite` replaces a finished run in output.dir (only after preflight passes; only
+    moetune's files; a promoted adapter only with `overwrite_promoted`).
     Every attempt – finished, failed or interrupted – leaves one ledger row."""
+    replace = (overwrite or overwrite_promoted, overwrite_promoted)
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
-        return _train(cfg, resume, allow_errors, overwrite, progress)
+        return _train(cfg, resume, allow_errors, replace, progress)
     with attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row:
-        result = _train(cfg, resume, allow_errors, overwrite, progress)
+        result = _train(cfg, resume, allow_errors, replace, progress)
         row["metrics"] = result.to_json()
     return result
 
 
 def _train(
-    cfg: RunConfig, resume: bool, allow_errors: bool, overwrite: bool, progress: bool
+    cfg: RunConfig,
+    resume: bool,
+    allow_errors: bool,
+    replace: tuple[bool, bool],  # (overwrite, overwrite_promoted)
+    progress: bool,
 ) -> TrainResult:
     started = time.perf_counter()
-    run = inspect_run(cfg, resume, overwrite)
+    run = inspect_run(cfg, resume, *replace)
     if resume and run.finished:  # nothing left to do: the recorded result
         return TrainResult.from_json(json.loads(run.summary.read_text(encoding="utf-8"))["result"])
     console = Console(stderr=True, quiet=not progress)
