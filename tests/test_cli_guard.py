@@ -131,3 +131,7 @@ def test_moetune_errors_keep_exit_2_and_commands_keep_their_codes(tmp_path: Path
     assert_one_line(code, out, 2, "not found", "fix:")
     assert run("version")[0] == 0
     assert run("lint", "--no-such-option")[0] == 2  # typer's usage error, untouched
+
+
+def test_nul_byte_in_a_path() -> None:
+    assert_one_line(*run("lint", "a\x00b.yaml"), 2, "NUL byte", "fix:")

@@ -52,7 +52,26 @@ def known_error(err: Exception) -> MoetuneError | None:
             f"{clip(err.filename, 60)}: {os_problem(err)}",
             "shorten the path (at most 255 bytes per name, 4096 in all on most systems)",
         )
+    if isinstance(err, ValueError) and "null byte" in str(err):  # os calls refuse "\0"
+        return ConfigError(f"a path or id contains a NUL byte ({clip(err, 60)})", "remove it")
     return None
+
+
+def report_error(err: Exception) -> int:
+    """Print `err` as the one line a user sees; returns the exit status."""
+    from moetune.errors import clip
+
+    known = err if isinstance(err, MoetuneError) else known_error(err)
+    if known is not None:
+        print_error(known)
+        return known.exit_code
+    err_console.print(
+        f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(clip(err))} "
+        "[bold]hint:[/] rerun with --debug (or MOETUNE_DEBUG=1) for the traceback, and report it",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return UNEXPECTED
 
 
 class GuardedGroup(TyperGroup):
@@ -65,26 +84,11 @@ class GuardedGroup(TyperGroup):
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise  # a command's own exit status, or a usage error typer prints itself
-        except MoetuneError as err:
-            print_error(err)
-            raise typer.Exit(err.exit_code) from None
         except Exception as err:
-            if ctx.params.get("debug") or os.environ.get("MOETUNE_DEBUG") == "1":
+            debug = ctx.params.get("debug") or os.environ.get("MOETUNE_DEBUG") == "1"
+            if debug and not isinstance(err, MoetuneError):
                 raise
-            known = known_error(err)
-            if known is not None:
-                print_error(known)
-                raise typer.Exit(known.exit_code) from None
-            from moetune.errors import clip
-
-            err_console.print(
-                f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(clip(err))} "
-                "[bold]hint:[/] rerun with --debug (or MOETUNE_DEBUG=1) for the traceback, "
-                "and report it",
-                highlight=False,
-                soft_wrap=True,
-            )
-            raise typer.Exit(UNEXPECTED) from None
+            raise typer.Exit(report_error(err)) from None
 
 
 UNEXPECTED = 3  # exit status of an error moetune did not foresee (2: a user's input)

@@ -147,8 +147,8 @@ class Ledger:
 
 
 def _parse_line(number: int, raw: bytes, out: ReadResult) -> None:
-    try:
-        out.rows.append(LedgerRow.model_validate(json.loads(raw)))
+    try:  # decoded as UTF-8 first: json.loads would guess UTF-16 from stray BOM-like bytes
+        out.rows.append(LedgerRow.model_validate(json.loads(raw.decode("utf-8"))))
     except UnicodeDecodeError as err:  # before JSONDecodeError: both are ValueErrors
         out.problems.append((number, f"not UTF-8 text (byte {err.start}); a foreign write?"))
     except json.JSONDecodeError:

@@ -99,7 +99,7 @@ def read_ladder(results: Path) -> tuple[dict[str, Any], LadderDoc]:
 
 
 def read_items(results: Path, rung: RungDoc) -> list[ItemRow]:
-    """The rung's per-item rows, each scored by base and candidate, ids checked."""
+    """The rung's per-item rows in id order, each scored by base and candidate, ids checked."""
     path = results / rung.items_file
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -110,7 +110,7 @@ def read_items(results: Path, rung: RungDoc) -> list[ItemRow]:
     problem = id_problem([r.i for r in rows], rung.n)
     if problem:
         raise GateError(f"rung {rung.name!r}: {path} {problem}", REDO)
-    return rows
+    return sorted(rows, key=lambda r: r.i)  # in id order: the same sums whatever the file order
 
 
 def _few(ids: list[int]) -> str:
