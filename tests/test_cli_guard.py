@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from moetune.cli import UNEXPECTED, app
+from moetune.cli import app
+from moetune.cli_guard import UNEXPECTED
 from moetune.demo.base import SHIPPED_DIR
 
 runner = CliRunner()
@@ -135,3 +136,17 @@ def test_moetune_errors_keep_exit_2_and_commands_keep_their_codes(tmp_path: Path
 
 def test_nul_byte_in_a_path() -> None:
     assert_one_line(*run("lint", "a\x00b.yaml"), 2, "NUL byte", "fix:")
+
+
+def test_quickstart_steps_below_one_refused(tmp_path: Path) -> None:
+    code, out = run("quickstart", "--steps", "0", "--out", str(tmp_path / "qs"))
+    assert_one_line(code, out, 2, "--steps 0", "fix:")
+    assert not (tmp_path / "qs").exists()
+
+
+def test_permission_denied_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def denied() -> None:
+        raise PermissionError(13, "Permission denied", "/srv/runs/x")
+
+    monkeypatch.setattr("moetune.doctor.run_doctor", denied)
+    assert_one_line(*run("doctor"), 2, "/srv/runs/x: permission denied", "fix:")

@@ -198,3 +198,14 @@ def yaml_with(config: Path, tmp: Path, results: Path) -> Path:
     path = tmp / "run.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
+
+
+def test_results_dir_that_is_a_file_is_refused_before_scoring(
+    evaluated: dict[str, Path], tmp_path: Path
+) -> None:
+    blocker = tmp_path / "eval"
+    blocker.write_text("a file of the user's")
+    cfg = yaml_with(evaluated["config"], tmp_path, blocker)
+    out = invoke("eval", str(cfg), "--adapter", str(evaluated["adapter"]))
+    assert out.exit_code == 2 and "is a file" in out.output and "Traceback" not in out.output
+    assert blocker.read_text() == "a file of the user's"

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from moetune.cli import app
 from moetune.config import RungArgs, dump_config, load_config, parse_config
 from moetune.errors import MoetuneError
-from moetune.evaluate import GateError, gate_results
+from moetune.evaluate import gate_results
 from moetune.ledger import Ledger, LedgerRow
 from moetune.train.data import read_checked
 
@@ -168,6 +168,38 @@ def test_data_rows_check_or_are_refused_in_one_line(lines: list[str], suffix: st
         assert rows and all(set(row) == set(fmt.keys) for _, row in rows)
 
 
+item_value = st.one_of(st.text(max_size=6), st.lists(st.text(max_size=4), max_size=3), scalars)
+eval_item = st.dictionaries(
+    st.sampled_from(["prompt", "answer", "choices", "text", "completion"]), item_value, max_size=4
+)
+eval_line = st.one_of(eval_item.map(json.dumps), data_line)
+
+
+@FUZZ
+@given(
+    lines=st.lists(eval_line, max_size=5),
+    kind=st.sampled_from(["loss", "exact_match", "multiple_choice"]),
+    limit=st.one_of(st.none(), st.integers(1, 3)),
+)
+def test_eval_items_load_or_are_refused_in_one_line(
+    lines: list[str], kind: str, limit: int | None
+) -> None:
+    from moetune.evaluate import make_rung
+
+    with workdir() as tmp:
+        path = tmp / "items.jsonl"
+        path.write_text("\n".join(lines), encoding="utf-8")
+        rung = make_rung(RungArgs(name="r", kind=kind, data=str(path)))
+        try:
+            items = rung.load(limit)
+        except MoetuneError as err:
+            assert_one_line(err)
+            assert "rung 'r'" in err.cause  # the refusal names the rung
+            return
+        assert items and len(items) <= (limit or len(items))
+        assert all(isinstance(item, dict) for item in items)
+
+
 def test_data_row_refusal_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "train.jsonl"
     path.write_text('{"text": "ok"}\n{"text": "ok"}\n{"prompt": "a", "completion": "b"}\n')
@@ -213,17 +245,19 @@ def test_gate_decides_only_on_exactly_the_ladders_items(rows: list[Any] | bytes,
     with workdir() as tmp:
         results = write_results(tmp, rows, n)
         before = sorted(p.name for p in results.rglob("*"))
-        try:
-            doc = gate_results(results, ledger=tmp / "l.jsonl")
-        except GateError as err:
-            assert_one_line(err)
+        args = ["gate", str(results), "--ledger", str(tmp / "l.jsonl"), "--json"]
+        result = runner.invoke(app, args)
+        assert_cli_refused_or_ok(result, 0, 1)  # GO, NO-GO / INCONCLUSIVE, or refused
+        if result.exit_code == 2:
             assert not (results / "verdict.json").exists()  # a refusal writes no verdict
             assert sorted(p.name for p in results.rglob("*")) == before
             return
         assert isinstance(rows, list)  # decided: the file held each id 0..n-1 exactly once
         assert sorted(r["i"] for r in rows) == list(range(n))
         assert all(math.isfinite(float(r[k])) for r in rows for k in ("base", "candidate"))
-        assert doc["rungs"][0]["n"] == n and (results / "verdict.json").is_file()
+        doc = json.loads(result.stdout)
+        assert doc["rungs"][0]["n"] == n and (doc["verdict"] == "GO") == (result.exit_code == 0)
+        assert json.loads((results / "verdict.json").read_text())["hash"] == doc["hash"]
 
 
 @FEW

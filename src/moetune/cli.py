@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -14,9 +13,9 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
-from typer.core import TyperGroup
 
 from moetune import __version__
+from moetune.cli_guard import GuardedGroup, err_console, print_error
 from moetune.errors import ConfigError, MoetuneError
 
 # Before torch loads libgomp: OpenMP threads spinning at barriers slow small CPU training
@@ -25,73 +24,6 @@ from moetune.errors import ConfigError, MoetuneError
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 console = Console()
-err_console = Console(stderr=True)
-
-
-def print_error(err: MoetuneError) -> None:
-    """A MoetuneError as the one line a user sees: cause, then fix."""
-    msg = f"[bold red]error:[/] {escape(err.cause)}"
-    if err.fix:
-        msg += f" [bold]fix:[/] {escape(err.fix)}"
-    err_console.print(msg, highlight=False, soft_wrap=True)
-
-
-def known_error(err: Exception) -> MoetuneError | None:
-    """Library exceptions whose cause is a user's input, in words (the rest are bugs)."""
-    from huggingface_hub.errors import HFValidationError
-
-    from moetune.errors import ModelSourceError, clip, os_problem
-
-    if isinstance(err, HFValidationError):
-        return ModelSourceError(
-            f"not a valid hub model id: {clip(err, 120)}",
-            "write a hub id as owner/name (at most 96 characters), or pass a local dir",
-        )
-    if isinstance(err, OSError) and err.errno == errno.ENAMETOOLONG:
-        return ConfigError(
-            f"{clip(err.filename, 60)}: {os_problem(err)}",
-            "shorten the path (at most 255 bytes per name, 4096 in all on most systems)",
-        )
-    if isinstance(err, ValueError) and "null byte" in str(err):  # os calls refuse "\0"
-        return ConfigError(f"a path or id contains a NUL byte ({clip(err, 60)})", "remove it")
-    return None
-
-
-def report_error(err: Exception) -> int:
-    """Print `err` as the one line a user sees; returns the exit status."""
-    from moetune.errors import clip
-
-    known = err if isinstance(err, MoetuneError) else known_error(err)
-    if known is not None:
-        print_error(known)
-        return known.exit_code
-    err_console.print(
-        f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(clip(err))} "
-        "[bold]hint:[/] rerun with --debug (or MOETUNE_DEBUG=1) for the traceback, and report it",
-        highlight=False,
-        soft_wrap=True,
-    )
-    return UNEXPECTED
-
-
-class GuardedGroup(TyperGroup):
-    """The one guard between a command and the user: a MoetuneError prints as one line
-    (exit 2), any other exception as one line naming its type (exit 3) – its traceback
-    only with --debug or MOETUNE_DEBUG=1."""
-
-    def invoke(self, ctx: Any) -> Any:
-        try:
-            return super().invoke(ctx)
-        except (typer.Exit, typer.Abort, typer.TyperException):
-            raise  # a command's own exit status, or a usage error typer prints itself
-        except Exception as err:
-            debug = ctx.params.get("debug") or os.environ.get("MOETUNE_DEBUG") == "1"
-            if debug and not isinstance(err, MoetuneError):
-                raise
-            raise typer.Exit(report_error(err)) from None
-
-
-UNEXPECTED = 3  # exit status of an error moetune did not foresee (2: a user's input)
 app = typer.Typer(
     name="moetune",
     help="Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right.",
@@ -396,6 +328,8 @@ def quickstart(
     from moetune.demo.quickstart import QuickstartArgs, run_quickstart
     from moetune.render import quickstart_table
 
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps {steps} is not a positive number", "pass --steps N >= 1")
     args = QuickstartArgs()
     if out is not None:
         args = replace(args, out_dir=out)

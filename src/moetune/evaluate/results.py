@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, TypeAdapter, ValidationError
 
 from moetune.config import GateArgs, RungArgs
+from moetune.errors import clip, os_problem
 from moetune.evaluate.errors import EvalError, GateError
 
 LADDER, VERDICT, RUNGS = "ladder.json", "verdict.json", "rungs"
@@ -71,8 +72,9 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:  # ValueError: bad JSON and non-UTF-8 bytes alike
+        why = os_problem(err) if isinstance(err, OSError) else _first_line(err)
         raise GateError(
-            f"cannot read {path}: {_first_line(err)}",
+            f"cannot read {clip(path, 100)}: {why}",
             "point at a results dir written by `moetune eval` (it holds ladder.json)",
         ) from None
 
@@ -106,6 +108,7 @@ def read_items(results: Path, rung: RungDoc) -> list[ItemRow]:
         rows = _ROWS.validate_python([json.loads(line) for line in lines if line.strip()])
     except (OSError, ValueError) as err:  # ValidationError is a ValueError too
         why = _where(err) if isinstance(err, ValidationError) else _first_line(err)
+        why = os_problem(err) if isinstance(err, OSError) else why
         raise GateError(f"cannot read {path}: {why}", REDO) from None
     problem = id_problem([r.i for r in rows], rung.n)
     if problem:
@@ -154,6 +157,10 @@ def owned_files(results: Path) -> list[Path]:
 
 def refuse_unasked_replace(results: Path, overwrite: bool) -> None:
     """Earlier results are never replaced silently; a folder of other files is fine."""
+    if results.exists() and not results.is_dir():
+        raise EvalError(
+            f"results dir {clip(results, 100)} is a file", "set eval.results_dir to a folder"
+        )
     if owned_files(results) and not overwrite:
         raise EvalError(
             f"{results} already holds eval results; they are never silently replaced",
