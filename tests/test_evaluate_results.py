@@ -112,6 +112,9 @@ def test_id_problem_accepts_any_order_and_names_the_first_problem() -> None:
     assert id_problem(list(range(2, 10)), 10) == (
         "holds 8 of the ladder's 10 items (missing ids: 0, 1)"
     )
+    assert id_problem([0, 1], 10**15) == (  # an edited n is answered at once, not enumerated
+        f"holds 2 of the ladder's {10**15} items (missing ids: 2, 3, 4, 5, 6 and {10**15 - 7} more)"
+    )
 
 
 # ---------------------------------------------------------------- eval's counts

@@ -68,7 +68,7 @@ def report_error(err: Exception) -> int:
         return known.exit_code
     err_console.print(
         f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(clip(err))} "
-        "[bold]hint:[/] rerun with --debug (or MOETUNE_DEBUG=1) for the traceback, and report it",
+        "[bold]hint:[/] rerun as `moetune --debug …` (or with MOETUNE_DEBUG=1) for the traceback",
         highlight=False,
         soft_wrap=True,
     )

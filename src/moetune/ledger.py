@@ -9,6 +9,7 @@ No secret ever lands in a row: values are redacted before they are written.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -112,7 +113,7 @@ class Ledger:
                 finally:
                     os.close(fd)
         except OSError as err:
-            raise self._unusable(err) from None
+            raise self.unusable(err) from None
         return clean
 
     def _heal_torn_tail(self) -> None:
@@ -133,13 +134,13 @@ class Ledger:
         try:
             data = self.path.read_bytes()
         except OSError as err:
-            raise self._unusable(err) from None
+            raise self.unusable(err) from None
         for number, raw in enumerate(data.splitlines(), start=1):
             if raw.strip():
                 _parse_line(number, raw, out)
         return out
 
-    def _unusable(self, err: OSError) -> LedgerError:
+    def unusable(self, err: OSError) -> LedgerError:
         return LedgerError(
             f"ledger {clip(self.path, 80)}: {os_problem(err)}",
             "point --path / output.ledger at a ledger file (JSONL), not a folder",
@@ -183,6 +184,8 @@ def attempt(path: Path | str, kind: str, **fields: Any) -> Iterator[dict[str, An
     …). A ledger that cannot be written warns and never hides the block's own error."""
     row: dict[str, Any] = {"metrics": {}, **fields}
     started = time.perf_counter()
+    if Path(path).is_dir():  # refused before the work, not after it (the ok row would fail)
+        raise Ledger(path).unusable(IsADirectoryError(errno.EISDIR, "", str(path)))
 
     def write(status: Status, reason: str = "") -> None:
         seconds = round(time.perf_counter() - started, 3)

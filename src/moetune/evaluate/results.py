@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from itertools import islice
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -116,23 +117,26 @@ def read_items(results: Path, rung: RungDoc) -> list[ItemRow]:
     return sorted(rows, key=lambda r: r.i)  # in id order: the same sums whatever the file order
 
 
-def _few(ids: list[int]) -> str:
-    return ", ".join(map(str, ids[:5])) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+def _few(ids: list[int], total: int | None = None) -> str:
+    more = (total if total is not None else len(ids)) - 5
+    return ", ".join(map(str, ids[:5])) + (f" and {more} more" if more > 0 else "")
 
 
 def id_problem(ids: list[int], n: int) -> str | None:
-    """What is wrong with a per-item file's ids against the ladder's 0..n-1, or None."""
+    """What is wrong with a per-item file's ids against the ladder's 0..n-1, or None.
+    Never builds range(n): an edited ladder.json may claim any n."""
     counts = Counter(ids)
     repeated = sorted(i for i, k in counts.items() if k > 1)
     if repeated:
         first = repeated[0]
         return f"scores item {first} {counts[first]} times (repeated ids: {_few(repeated)})"
-    unknown = sorted(set(counts) - set(range(n)))
-    missing = sorted(set(range(n)) - set(counts))
+    unknown = sorted(i for i in counts if not 0 <= i < n)
     if unknown:
         return f"has ids outside the ladder's 0..{n - 1}: {_few(unknown)}"
-    if missing:
-        return f"holds {n - len(missing)} of the ladder's {n} items (missing ids: {_few(missing)})"
+    if len(counts) < n:
+        missing = list(islice((i for i in range(n) if i not in counts), 5))
+        gone = _few(missing, n - len(counts))
+        return f"holds {len(counts)} of the ladder's {n} items (missing ids: {gone})"
     return None
 
 
