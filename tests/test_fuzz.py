@@ -159,12 +159,15 @@ def test_data_rows_check_or_are_refused_in_one_line(lines: list[str], suffix: st
     with workdir() as tmp:
         path = tmp / f"train{suffix}"
         path.write_text("\n".join(lines), encoding="utf-8")
+        before = path.read_bytes()
         try:
             fmt, rows = read_checked(path)
         except MoetuneError as err:
             assert_one_line(err)
             assert str(path) in err.cause  # the refusal names the file (and the line)
             return
+        finally:
+            assert path.read_bytes() == before and len(list(tmp.iterdir())) == 1
         assert rows and all(set(row) == set(fmt.keys) for _, row in rows)
 
 
@@ -258,6 +261,7 @@ def test_gate_decides_only_on_exactly_the_ladders_items(rows: list[Any] | bytes,
         doc = json.loads(result.stdout)
         assert doc["rungs"][0]["n"] == n and (doc["verdict"] == "GO") == (result.exit_code == 0)
         assert json.loads((results / "verdict.json").read_text())["hash"] == doc["hash"]
+        assert not [p for p in tmp.rglob("*") if p.name.endswith(".tmp")]  # no temp file left
 
 
 @FEW
