@@ -143,7 +143,7 @@ class Ledger:
     def unusable(self, err: OSError) -> LedgerError:
         return LedgerError(
             f"ledger {clip(self.path, 80)}: {os_problem(err)}",
-            "point --path / output.ledger at a ledger file (JSONL), not a folder",
+            "point --path / output.ledger at a ledger file (JSONL) that you may write",
         )
 
 
@@ -181,7 +181,8 @@ def select(
 def attempt(path: Path | str, kind: str, **fields: Any) -> Iterator[dict[str, Any]]:
     """Ledger one row for the block: ok when it completes, cancelled on Ctrl-C, failed on
     an error (its cause as the reason). The block fills the yielded dict (metrics, run_id,
-    …). A ledger that cannot be written warns and never hides the block's own error."""
+    …). A ledger path that is a folder is refused before the block runs; a failed or
+    cancelled row that cannot be written warns and never hides the block's own error."""
     row: dict[str, Any] = {"metrics": {}, **fields}
     started = time.perf_counter()
     if Path(path).is_dir():  # refused before the work, not after it (the ok row would fail)
