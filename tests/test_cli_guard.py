@@ -150,3 +150,19 @@ def test_permission_denied_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr("moetune.doctor.run_doctor", denied)
     assert_one_line(*run("doctor"), 2, "/srv/runs/x: permission denied", "fix:")
+
+
+def test_the_real_entry_point_prints_one_line(tmp_path: Path) -> None:
+    """`python -m moetune` (what the console script and pods run), not only CliRunner."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "run.yaml"
+    config.write_bytes(b"\xff\xfe\x00\x01 not yaml")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "moetune", "lint", str(config)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert_one_line(done.returncode, done.stdout + done.stderr, 2, "not UTF-8 text", "fix:")
