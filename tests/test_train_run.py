@@ -375,12 +375,36 @@ def test_overwrite_replaces_a_finished_run_only_when_asked(done, tmp_path):
 
     copy = tmp_path / "again"
     shutil.copytree(done.run, copy)
-    (copy / "stale.txt").write_text("from the earlier run")
+    (copy / "notes.txt").write_text("the user's own")
+    (copy / "eval" / "rungs").mkdir(parents=True)
+    (copy / "eval" / "ladder.json").write_text("{}")  # the earlier run's results: moetune's
+    (copy / "eval" / "rungs" / "a.items.jsonl").write_text("")
     cfg = done.cfg.model_copy(deep=True)
     cfg.output.dir = str(copy)
     cfg.train.max_steps = 2
     with one_thread():
         result = train(cfg, overwrite=True, progress=False)
-    assert result.steps == 2 and not (copy / "stale.txt").exists()
+    assert result.steps == 2 and (copy / "notes.txt").read_text() == "the user's own"
     assert _json(copy / "summary.json")["result"]["steps"] == 2
-    assert not list(tmp_path.glob(".again.replaced-*"))  # the old run is gone, not half-kept
+    assert {r["step"] for r in _jsonl(copy / "metrics.jsonl")} == {1, 2}  # old rows gone
+    assert not (copy / "eval").exists()  # its stale results too (the folder was left empty)
+    assert not list(tmp_path.glob("again/.*.replaced-*"))  # the old run is gone, not half-kept
+
+
+def test_overwrite_never_removes_a_promoted_adapter(done, tmp_path):
+    import shutil
+
+    copy = tmp_path / "promoted"
+    shutil.copytree(done.run, copy)
+    (copy / "adapter" / "PROMOTED").write_text('{"verdict_hash": "abc"}')
+    weights = (copy / "adapter" / "adapter_model.safetensors").read_bytes()
+    cfg = done.cfg.model_copy(deep=True)
+    cfg.output.dir = str(copy)
+    cfg.train.max_steps = 1
+    with pytest.raises(TrainError, match=r"promoted adapter.*--overwrite-promoted"):
+        train(cfg, overwrite=True, progress=False)
+    assert (copy / "adapter" / "adapter_model.safetensors").read_bytes() == weights
+    assert (copy / "adapter" / "PROMOTED").is_file()
+    with one_thread():
+        result = train(cfg, overwrite_promoted=True, progress=False)
+    assert result.steps == 1 and not (copy / "adapter" / "PROMOTED").exists()

@@ -15,22 +15,33 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune import __version__
-from moetune.errors import MoetuneError
+from moetune.cli_guard import GuardedGroup, err_console, print_error
+from moetune.errors import ConfigError, MoetuneError
 
 # Before torch loads libgomp: OpenMP threads spinning at barriers slow small CPU training
 # 10x or more whenever another process shares the cores (measured: quickstart 70 s vs
 # > 6 min). Passive waiting costs little; users can still set their own policy.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+console = Console()
 app = typer.Typer(
     name="moetune",
     help="Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    cls=GuardedGroup,
 )
-console = Console()
-err_console = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+@app.callback()
+def root(
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", envvar="MOETUNE_DEBUG", help="Show unexpected errors' tracebacks."),
+    ] = False,
+) -> None:
+    """Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right."""
 
 
 def friendly(fn: F) -> F:
@@ -41,10 +52,7 @@ def friendly(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except MoetuneError as err:
-            msg = f"[bold red]error:[/] {escape(err.cause)}"
-            if err.fix:
-                msg += f" [bold]fix:[/] {escape(err.fix)}"
-            err_console.print(msg, highlight=False, soft_wrap=True)
+            print_error(err)
             raise typer.Exit(err.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
@@ -215,7 +223,17 @@ def train_cmd(
         bool, typer.Option("--allow-errors", help="Train despite preflight errors (recorded).")
     ] = False,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace a finished run in output.dir.")
+        bool,
+        typer.Option(
+            "--overwrite", help="Replace moetune's files of a finished run in output.dir."
+        ),
+    ] = False,
+    overwrite_promoted: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite-promoted",
+            help="Like --overwrite, and also replace an adapter the gate promoted.",
+        ),
     ] = False,
     engine: Annotated[
         str | None, typer.Option(help="Expert LoRA engine: auto | moetune (split LoRA) | peft.")
@@ -230,7 +248,12 @@ def train_cmd(
 
     cfg = load_config(config, [*(overrides or []), *option_overrides(engine=engine)])
     result = train(
-        cfg, resume=resume, allow_errors=allow_errors, overwrite=overwrite, progress=not as_json
+        cfg,
+        resume=resume,
+        allow_errors=allow_errors,
+        overwrite=overwrite,
+        overwrite_promoted=overwrite_promoted,
+        progress=not as_json,
     )
     if as_json:
         emit_json(result.to_json())
@@ -305,6 +328,8 @@ def quickstart(
     from moetune.demo.quickstart import QuickstartArgs, run_quickstart
     from moetune.render import quickstart_table
 
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps {steps} is not a positive number", "pass --steps N >= 1")
     args = QuickstartArgs()
     if out is not None:
         args = replace(args, out_dir=out)
@@ -338,7 +363,8 @@ def eval_cmd(
     ] = None,
     limit: Annotated[int | None, typer.Option(help="Only the first N items per rung.")] = None,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace earlier results in the results dir.")
+        bool,
+        typer.Option("--overwrite", help="Replace moetune's earlier results in the results dir."),
     ] = False,
     provider: Annotated[
         str, typer.Option(help="local: this machine (remote evals run inside `moetune launch`).")
@@ -348,7 +374,6 @@ def eval_cmd(
 ) -> None:
     """Score base and candidate on the same items of every rung, then gate."""
     from moetune.config import load_config
-    from moetune.errors import ConfigError
     from moetune.evaluate import run_eval
 
     if provider != "local":
@@ -462,8 +487,6 @@ def _utc_date(text: str | None) -> float | None:
     import calendar
     import time
 
-    from moetune.errors import ConfigError
-
     if text is None:
         return None
     try:
@@ -477,9 +500,15 @@ def _utc_date(text: str | None) -> float | None:
 def ledger_verify(
     path: LedgerPath = Path(".moetune/ledger.jsonl"), as_json: JsonOpt = False
 ) -> None:
-    """Check every line; exit 1 when any line is torn or invalid."""
-    from moetune.ledger import Ledger
+    """Check every line; exit 1 when any line is torn or invalid, 2 when there is no ledger."""
+    from moetune.errors import clip
+    from moetune.ledger import Ledger, LedgerError
 
+    if not path.exists():
+        raise LedgerError(
+            f"no ledger at {clip(path, 80)}: nothing to verify",
+            "pass --path to a ledger file (a run's is its output.ledger)",
+        )
     got = Ledger(path).read()
     if as_json:
         emit_json({"rows": len(got.rows), "problems": got.problems})

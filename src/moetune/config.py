@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from moetune.errors import ConfigError
+from moetune.errors import ConfigError, clip, os_problem
 
 Target = Literal["attention", "experts", "dense", "shared", "router"]
 DEFAULT_TARGETS: tuple[Target, ...] = ("attention", "experts", "dense", "shared")
@@ -440,7 +440,14 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {key!r} goes through a non-section", "check the path")
-    node[leaf] = yaml.safe_load(raw)
+    try:
+        node[leaf] = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(
+            f"--set {clip(key, 60)}: the value {clip(raw, 60)!r} is not valid YAML ({problem})",
+            "close brackets and quotes, e.g. --set lora.targets=[attention,experts]",
+        ) from None
 
 
 def _describe(err: ValidationError) -> tuple[str, str]:
@@ -467,22 +474,35 @@ def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> Ru
         raise ConfigError(*_describe(err)) from None
 
 
+def read_config_text(path: Path) -> str:
+    """The run config's text; a missing, unreadable or binary file is a ConfigError."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{clip(path, 80)} is not UTF-8 text (byte {err.start} cannot be decoded)",
+            "a run config is a YAML text file saved as UTF-8 (see configs/ for examples)",
+        ) from None
+    except OSError as err:
+        cause = f"run config {clip(path, 80)}: {os_problem(err)}"
+        raise ConfigError(cause, "pass the path of a readable run.yaml") from None
+
+
 def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConfig:
     """Read a run.yaml; errors name the file and the field."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"run config {path} not found", "pass the path of a run.yaml")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(read_config_text(path)) or {}
     except yaml.YAMLError as err:
-        first = f"{path} is not valid YAML: {err}".splitlines()[0]
+        first = f"{clip(path, 80)} is not valid YAML: {err}".splitlines()[0]
         raise ConfigError(first, "fix the YAML syntax") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections", "see configs/ for examples")
+        cause = f"{clip(path, 80)} must hold a mapping of sections"
+        raise ConfigError(cause, "see configs/ for examples")
     try:
         return parse_config(data, overrides)
     except ConfigError as err:
-        raise ConfigError(f"{path}: {err.cause}", err.fix) from None
+        raise ConfigError(f"{clip(path, 80)}: {err.cause}", err.fix) from None
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -8,6 +8,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+PROMOTED = "PROMOTED"  # marker `moetune gate --promote` writes into an adapter dir (train and
+# eval both honour it: --overwrite never removes it, the adapter digest leaves it out)
+
 
 def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)

@@ -9,6 +9,7 @@ No secret ever lands in a row: values are redacted before they are written.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from typing import Any, Literal
 from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moetune.errors import MoetuneError
+from moetune.errors import MoetuneError, clip, os_problem
 
 Status = Literal["ok", "failed", "infra-failed", "cancelled"]
 DEFAULT_PATH = Path(".moetune") / "ledger.jsonl"
@@ -140,15 +141,18 @@ class Ledger:
         secrets = [*env_secrets(), *self.secrets]
         clean = LedgerRow.model_validate(redact(row.model_dump(), secrets))
         line = (json.dumps(clean.model_dump(), sort_keys=True) + "\n").encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            self._heal_torn_tail()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._lock:
+                self._heal_torn_tail()
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as err:
+            raise self.unusable(err) from None
         return clean
 
     def _heal_torn_tail(self) -> None:
@@ -166,15 +170,27 @@ class Ledger:
         out = ReadResult()
         if not self.path.exists():
             return out
-        for number, raw in enumerate(self.path.read_bytes().splitlines(), start=1):
+        try:
+            data = self.path.read_bytes()
+        except OSError as err:
+            raise self.unusable(err) from None
+        for number, raw in enumerate(data.splitlines(), start=1):
             if raw.strip():
                 _parse_line(number, raw, out)
         return out
 
+    def unusable(self, err: OSError) -> LedgerError:
+        return LedgerError(
+            f"ledger {clip(self.path, 80)}: {os_problem(err)}",
+            "point --path / output.ledger at a ledger file (JSONL) that you may write",
+        )
+
 
 def _parse_line(number: int, raw: bytes, out: ReadResult) -> None:
-    try:
-        out.rows.append(LedgerRow.model_validate(json.loads(raw)))
+    try:  # decoded as UTF-8 first: json.loads would guess UTF-16 from stray BOM-like bytes
+        out.rows.append(LedgerRow.model_validate(json.loads(raw.decode("utf-8"))))
+    except UnicodeDecodeError as err:  # before JSONDecodeError: both are ValueErrors
+        out.problems.append((number, f"not UTF-8 text (byte {err.start}); a foreign write?"))
     except json.JSONDecodeError:
         out.problems.append((number, "torn or not JSON (a write interrupted by a crash?)"))
     except ValidationError as err:
@@ -203,11 +219,13 @@ def select(
 @contextmanager
 def attempt(path: Path | str, kind: str, **fields: Any) -> Iterator[dict[str, Any]]:
     """Ledger one row for the block: ok when it completes, cancelled on Ctrl-C or SIGTERM,
-    failed on an error (its cause as the reason). The block fills the yielded dict
-    (metrics, run_id, …). A ledger that cannot be written warns and never hides the
-    block's own error."""
+    failed on an error (its cause as the reason). The block fills the yielded dict (metrics,
+    run_id, …). A ledger path that is a folder is refused before the block runs; a failed or
+    cancelled row that cannot be written warns and never hides the block's own error."""
     row: dict[str, Any] = {"metrics": {}, **fields}
     started = time.perf_counter()
+    if Path(path).is_dir():  # refused before the work, not after it (the ok row would fail)
+        raise Ledger(path).unusable(IsADirectoryError(errno.EISDIR, "", str(path)))
 
     def write(status: Status, reason: str = "") -> None:
         seconds = round(time.perf_counter() - started, 3)
@@ -233,5 +251,5 @@ def _write_quietly(write: Any, status: Status, reason: str) -> None:
 
     try:
         write(status, reason)
-    except OSError as err:
+    except (OSError, LedgerError) as err:
         warnings.warn(f"ledger row not written: {err}", stacklevel=3)

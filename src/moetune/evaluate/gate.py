@@ -30,6 +30,7 @@ from statistics import NormalDist
 from typing import Any, Literal
 
 from moetune.evaluate.errors import GateError
+from moetune.evaluate.results import RungDoc, read_items, read_json, read_ladder
 from moetune.io import atomic_write_json
 
 RungStatus = Literal["pass", "fail", "inconclusive"]
@@ -187,29 +188,16 @@ def verdict_hash(doc: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- results dirs and promotion
 
 
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise GateError(
-            f"cannot read {path}: {str(err).splitlines()[0]}",
-            "point at a results dir written by `moetune eval` (it holds ladder.json)",
-        ) from None
+def read_pairs(results: Path, rung: RungDoc) -> Paired:
+    """The rung's paired statistics, recomputed from its per-item file (the source of truth)
+    once that file is shown to hold exactly the ladder's items."""
+    rows = read_items(results, rung)
+    return paired([r.base for r in rows], [r.candidate for r in rows], rung.unit)
 
 
-def read_pairs(results: Path, rung: dict[str, Any]) -> Paired:
-    """The rung's paired statistics, recomputed from its per-item file (the source of truth)."""
-    path = results / rung["items_file"]
-    try:
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-    except (OSError, json.JSONDecodeError) as err:
-        raise GateError(f"cannot read {path}: {err}", "re-run `moetune eval --overwrite`") from None
-    return paired([r["base"] for r in rows], [r["candidate"] for r in rows], rung["unit"])
-
-
-def rule_of(rung: dict[str, Any]) -> RungRule:
-    args = rung["args"]
-    return RungRule(args["name"], args["role"], args["margin"], args["floor"], args["min_gain"])
+def rule_of(rung: RungDoc) -> RungRule:
+    a = rung.args
+    return RungRule(a.name, a.role, a.margin, a.floor, a.min_gain)
 
 
 def gate_results(
@@ -217,11 +205,11 @@ def gate_results(
 ) -> dict[str, Any]:
     """Decide from a results dir; writes verdict.json there and a `gate` ledger row."""
     results = Path(results)
-    ladder = read_json(results / "ladder.json")
-    alpha = alpha if alpha is not None else ladder["gate"]["alpha"]
-    rungs = ladder["rungs"]
+    ladder, checked = read_ladder(results)
+    alpha = alpha if alpha is not None else checked.gate.alpha
+    rungs = checked.rungs
     doc = decide([rule_of(r) for r in rungs], [read_pairs(results, r) for r in rungs], alpha)
-    doc = {**doc, "adapter": ladder["adapter"], "adapter_sha256": ladder["adapter_sha256"]}
+    doc = {**doc, "adapter": checked.adapter, "adapter_sha256": checked.adapter_sha256}
     doc["hash"] = verdict_hash(doc)
     atomic_write_json(results / "verdict.json", doc)
     metrics = {"verdict": doc["verdict"], "hash": doc["hash"], "results": str(results)}

@@ -27,11 +27,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moetune.config import RunConfig
 from moetune.evaluate.errors import EvalError
+from moetune.evaluate.results import LADDER, RUNGS, publish, refuse_unasked_replace
 from moetune.evaluate.rungs import Item, ItemScore, Rung, make_rung
-from moetune.io import atomic_write_json, atomic_write_text, file_digests, tree_digest
+from moetune.io import PROMOTED, atomic_write_json, atomic_write_text, file_digests, tree_digest
 from moetune.ledger import attempt
-
-PROMOTED = "PROMOTED"  # marker file in a promoted adapter dir
 
 
 @dataclass
@@ -60,11 +59,17 @@ def resolve_adapter(cfg: RunConfig, adapter: str | Path | None) -> Path:
     return path
 
 
-def prepare_results_dir(path: Path, overwrite: bool) -> None:
-    if path.exists() and not overwrite:
+def check_eval_args(limit: int | None, batch_size: int) -> None:
+    """Refuse counts that would silently drop items (a negative slice) or crash mid-scoring."""
+    if limit is not None and limit < 1:
         raise EvalError(
-            f"{path} already holds eval results; they are never silently replaced",
-            "pass --overwrite, or set eval.results_dir to a new folder",
+            f"--limit / eval.limit {limit} is not a positive number of items",
+            "pass --limit N with N >= 1, or leave it out to score every item",
+        )
+    if batch_size < 1:
+        raise EvalError(
+            f"eval.batch_size {batch_size} is not a positive number of items per pass",
+            "set eval.batch_size to 1 or more (e.g. --set eval.batch_size=32)",
         )
 
 
@@ -75,6 +80,7 @@ def load_ladder(cfg: RunConfig, limit: int | None) -> list[Scored]:
             "add eval.rungs: [{name, kind, role, data}] (see `moetune schema`)",
         )
     limit = limit if limit is not None else cfg.eval.limit
+    check_eval_args(limit, cfg.eval.batch_size)
     return [Scored(rung, rung.load(limit)) for rung in map(make_rung, cfg.eval.rungs)]
 
 
@@ -135,7 +141,7 @@ def rung_summary(s: Scored) -> dict[str, Any]:
         "extra": {f"base_{k}": v for k, v in s.rung.extra(base).items()}
         | {f"candidate_{k}": v for k, v in s.rung.extra(cand).items()},
         "args": s.rung.args.model_dump(mode="json"),
-        "items_file": f"rungs/{s.rung.args.name}.items.jsonl",
+        "items_file": f"{RUNGS}/{s.rung.args.name}.items.jsonl",
     }
 
 
@@ -163,18 +169,20 @@ def items_jsonl(s: Scored) -> str:
 
 
 def write_results(path: Path, ladder: list[Scored], meta: dict[str, Any]) -> dict[str, Any]:
-    """Everything into a temp dir, fsynced, then renamed over `path` in one step."""
-    from moetune.train.checkpoint import replace_dir
-
+    """Everything into a temp dir beside `path`, fsynced, then published into `path`
+    (moetune's earlier files replaced, a user's own files kept); no temp dir is left."""
     tmp = path.parent / f".{path.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    for s in ladder:
-        atomic_write_text(tmp / "rungs" / f"{s.rung.args.name}.items.jsonl", items_jsonl(s))
-    doc = {**meta, "results": str(path), "rungs": [rung_summary(s) for s in ladder]}
-    for rung in doc["rungs"]:
-        atomic_write_json(tmp / "rungs" / f"{rung['name']}.json", rung)
-    atomic_write_json(tmp / "ladder.json", doc)
-    replace_dir(tmp, path)
+    try:
+        for s in ladder:
+            atomic_write_text(tmp / RUNGS / f"{s.rung.args.name}.items.jsonl", items_jsonl(s))
+        doc = {**meta, "results": str(path), "rungs": [rung_summary(s) for s in ladder]}
+        for rung in doc["rungs"]:
+            atomic_write_json(tmp / RUNGS / f"{rung['name']}.json", rung)
+        atomic_write_json(tmp / LADDER, doc)
+        publish(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return doc
 
 
@@ -208,7 +216,7 @@ def score_ladder(
     ladder = load_ladder(cfg, limit)  # every item checked before any model loads
     adapter_dir = resolve_adapter(cfg, adapter)
     results = cfg.eval.results_path(cfg.output.dir)
-    prepare_results_dir(results, overwrite)
+    refuse_unasked_replace(results, overwrite)
     model, tokenizer = load_model(cfg)
     score_all(ladder, model, tokenizer, cfg, "base", show)
     with warnings.catch_warnings():  # peft calls a transformers API deprecated for v6

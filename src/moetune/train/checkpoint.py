@@ -42,7 +42,7 @@ import yaml
 from transformers import TrainerCallback
 
 from moetune.config import RunConfig, dump_config
-from moetune.io import atomic_write_text, fsync_path
+from moetune.io import PROMOTED, atomic_write_text, fsync_path
 from moetune.train.errors import TrainError
 
 KEEP_CHECKPOINTS = 2  # committed checkpoints kept; older ones are removed after each commit
@@ -257,25 +257,62 @@ def _check_fresh(run: RunDir) -> None:
         )
 
 
-def inspect_run(cfg: RunConfig, resume: bool, overwrite: bool = False) -> RunDir:
+def inspect_run(
+    cfg: RunConfig, resume: bool, overwrite: bool = False, overwrite_promoted: bool = False
+) -> RunDir:
     """The run dir of `cfg`, checked read-only: refuse to overwrite (unless asked), or to
-    resume differently. A directory that is not a moetune run is never replaced."""
+    resume differently. A directory that is not a moetune run is never replaced, a promoted
+    adapter only when `overwrite_promoted` says so."""
+    overwrite = overwrite or overwrite_promoted
     run = RunDir(Path(cfg.output.dir), replace=overwrite and not resume)
     if resume:
         _check_resume(run, cfg)
     elif run.replace:
         _check_not_foreign(run)
+        _check_not_promoted(run, overwrite_promoted)
     else:
         _check_fresh(run)
     return run
 
 
+# What a run writes (the tree above, plus the default report and eval results); --overwrite
+# removes these and nothing else, so a user's own files in the run dir survive.
+RUN_OWNED = (
+    "summary.json", "config.yaml", "versions.json", "preflight.json", "data.json",
+    "coverage.json", "quant.json", "experts_selected.json", "metrics.jsonl", "routing.jsonl",
+    "report.html", "checkpoints", ".staging", ".adapter.tmp", "adapter",
+    "eval/ladder.json", "eval/verdict.json", "eval/rungs/*.json", "eval/rungs/*.items.jsonl",
+)  # fmt: skip
+
+
+def _check_not_promoted(run: RunDir, allowed: bool) -> None:
+    if (run.adapter / PROMOTED).is_file() and not allowed:
+        raise TrainError(
+            f"{run.adapter} is a promoted adapter ({PROMOTED}); --overwrite never removes one",
+            "choose a new output.dir, or pass --overwrite-promoted to replace it too",
+        )
+
+
+def owned_entries(root: Path) -> list[Path]:
+    """moetune's files and folders in a run dir, summary.json first (a crash mid-removal
+    then never leaves a run that reads as finished)."""
+    found = {p for pattern in RUN_OWNED for p in root.glob(pattern)}
+    return sorted(found, key=lambda p: (p.name != "summary.json", str(p)))
+
+
 def _remove_earlier_run(run: RunDir) -> None:
-    """--overwrite: take the earlier run out of sight in one rename, then delete it."""
-    if run.root.exists() and any(run.root.iterdir()):
-        trash = run.root.with_name(f".{run.root.name}.replaced-{os.getpid()}")
-        os.replace(run.root, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+    """--overwrite: remove the earlier run's files (folders out of sight in one rename
+    first), and folders of moetune's left empty; anything else stays where it is."""
+    for entry in owned_entries(run.root):
+        if entry.is_dir() and not entry.is_symlink():
+            trash = entry.with_name(f".{entry.name}.replaced-{os.getpid()}")
+            os.replace(entry, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    for folder in (run.root / "eval" / "rungs", run.root / "eval"):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty
 
 
 def open_run(run: RunDir, cfg: RunConfig, resume_step: int | None) -> None:

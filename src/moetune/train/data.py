@@ -340,6 +340,14 @@ def _count_overlong(
     return count
 
 
+def read_checked(path: Path) -> tuple[DataFormat, list[tuple[str, Row]]]:
+    """Every row of a data file, read and checked against the format its first row sets
+    (no tokenizer needed: a malformed row fails in milliseconds, before any model loads)."""
+    located = read_rows(path)
+    fmt = detect_format(path, *located[0])
+    return fmt, [(where, check_row(path, where, row, fmt)) for where, row in located]
+
+
 def load_data(
     file: str | Path,
     tok: PreTrainedTokenizerBase,
@@ -351,9 +359,7 @@ def load_data(
     from datasets import Dataset
 
     path = Path(file)
-    located = read_rows(path)
-    fmt = detect_format(path, *located[0])
-    rows = [(where, check_row(path, where, row, fmt)) for where, row in located]
+    fmt, rows = read_checked(path)
     _needs_template(path, fmt, rows[0][1], tok)
     too_long = _count_overlong(path, rows, fmt, tok, seq_len, overlong)
     dataset = Dataset.from_list([row for _, row in rows])

@@ -125,29 +125,36 @@ def train(
     resume: bool = False,
     allow_errors: bool = False,
     overwrite: bool = False,
+    overwrite_promoted: bool = False,
     progress: bool = True,
 ) -> TrainResult:
     """Train the LoRA adapter `cfg` describes; the module docstring lists the steps.
-    `overwrite` replaces a finished run in output.dir (only after preflight passes).
+    `overwrite` replaces a finished run in output.dir (only after preflight passes; only
+    moetune's files; a promoted adapter only with `overwrite_promoted`).
     Every attempt – finished, failed, interrupted or terminated – leaves one ledger row, and
     only one process at a time writes a run dir (lock.py)."""
+    replace = (overwrite or overwrite_promoted, overwrite_promoted)
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
-        return _train(cfg, resume, allow_errors, overwrite, progress)
+        return _train(cfg, resume, allow_errors, replace, progress)
     check_ledger(cfg.output.ledger)
     with (
         attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row,
         hold(Path(cfg.output.dir)),
     ):
-        result = _train(cfg, resume, allow_errors, overwrite, progress)
+        result = _train(cfg, resume, allow_errors, replace, progress)
         row["metrics"] = result.to_json()
     return result
 
 
 def _train(
-    cfg: RunConfig, resume: bool, allow_errors: bool, overwrite: bool, progress: bool
+    cfg: RunConfig,
+    resume: bool,
+    allow_errors: bool,
+    replace: tuple[bool, bool],  # (overwrite, overwrite_promoted)
+    progress: bool,
 ) -> TrainResult:
     started = time.perf_counter()
-    run = inspect_run(cfg, resume, overwrite)
+    run = inspect_run(cfg, resume, *replace)
     if resume and run.finished:  # nothing left to do: the recorded result
         return TrainResult.from_json(json.loads(run.summary.read_text(encoding="utf-8"))["result"])
     console = Console(stderr=True, quiet=not progress)
@@ -209,13 +216,30 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
     try:
         with quiet():
             cls: Any = causal_lm_class(AutoConfig.from_pretrained(cfg.model.id))
-            model: nn.Module = ensure_backbone(cls.from_pretrained(cfg.model.id, dtype=dtype))
+            loaded: Any = cls.from_pretrained(cfg.model.id, dtype=dtype, output_loading_info=True)
+            model, info = loaded
+            ensure_backbone(model)
     except OSError as exc:
         raise TrainError(
             f"cannot load the weights of {cfg.model.id}: {str(exc).splitlines()[0]}",
             "point model.id at a directory with config.json and weights, or a hub id",
         ) from None
-    return model
+    except RuntimeError as exc:  # transformers: "size mismatch" / "ignore_mismatched_sizes"
+        if "mismatch" not in str(exc):
+            raise
+        raise weights_mismatch(cfg.model.id, "tensor shapes differ from what it builds") from None
+    if info["missing_keys"]:  # transformers would train on randomly initialised layers
+        first = sorted(info["missing_keys"])[0]
+        missing = f"{len(info['missing_keys'])} tensors it builds are not in the weights ({first})"
+        raise weights_mismatch(cfg.model.id, missing)
+    return cast("nn.Module", model)
+
+
+def weights_mismatch(model_id: str, what: str) -> TrainError:
+    return TrainError(
+        f"config.json of {model_id} does not match its weights: {what}",
+        "use the config.json that was saved with these weights (or the weights it describes)",
+    )
 
 
 def load_quantized_model(

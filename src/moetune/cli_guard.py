@@ -1,0 +1,92 @@
+"""The CLI's one guard: whatever a command raises reaches the user as one line.
+
+A MoetuneError prints its cause and fix (exit 2, as every user error); a library exception
+whose cause is known to be the user's input (a malformed hub id, a path too long, a NUL
+byte, no permission) is put in the same words; anything else prints one line naming the
+exception type and the hint to rerun with --debug (exit 3). --debug or MOETUNE_DEBUG=1
+lets the traceback through.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
+
+from moetune.errors import ConfigError, MoetuneError
+
+UNEXPECTED = 3  # exit status of an error moetune did not foresee (2: a user's input)
+err_console = Console(stderr=True)
+
+
+def print_error(err: MoetuneError) -> None:
+    """A MoetuneError as the one line a user sees: cause, then fix."""
+    msg = f"[bold red]error:[/] {escape(err.cause)}"
+    if err.fix:
+        msg += f" [bold]fix:[/] {escape(err.fix)}"
+    err_console.print(msg, highlight=False, soft_wrap=True)
+
+
+def known_error(err: Exception) -> MoetuneError | None:
+    """Library exceptions whose cause is a user's input, in words (the rest are bugs)."""
+    from huggingface_hub.errors import HFValidationError
+
+    from moetune.errors import ModelSourceError, clip, os_problem
+
+    if isinstance(err, HFValidationError):
+        return ModelSourceError(
+            f"not a valid hub model id: {clip(err, 120)}",
+            "write a hub id as owner/name (at most 96 characters), or pass a local dir",
+        )
+    if isinstance(err, OSError) and err.errno == errno.ENAMETOOLONG:
+        return ConfigError(
+            f"{clip(err.filename, 60)}: {os_problem(err)}",
+            "shorten the path (at most 255 bytes per name, 4096 in all on most systems)",
+        )
+    if isinstance(err, PermissionError):
+        return ConfigError(
+            f"{clip(err.filename, 80)}: permission denied",
+            "use a path you may write to (e.g. --set output.dir=...), or fix its permissions",
+        )
+    if isinstance(err, ValueError) and "null byte" in str(err):  # os calls refuse "\0"
+        return ConfigError(f"a path or id contains a NUL byte ({clip(err, 60)})", "remove it")
+    return None
+
+
+def report_error(err: Exception) -> int:
+    """Print `err` as the one line a user sees; returns the exit status."""
+    from moetune.errors import clip
+
+    known = err if isinstance(err, MoetuneError) else known_error(err)
+    if known is not None:
+        print_error(known)
+        return known.exit_code
+    err_console.print(
+        f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(clip(err))} "
+        "[bold]hint:[/] rerun as `moetune --debug …` (or with MOETUNE_DEBUG=1) for the traceback",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return UNEXPECTED
+
+
+class GuardedGroup(TyperGroup):
+    """The one guard between a command and the user: a MoetuneError prints as one line
+    (exit 2), any other exception as one line naming its type (exit 3) – its traceback
+    only with --debug or MOETUNE_DEBUG=1."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise  # a command's own exit status, or a usage error typer prints itself
+        except Exception as err:
+            debug = ctx.params.get("debug") or os.environ.get("MOETUNE_DEBUG") == "1"
+            if debug and not isinstance(err, MoetuneError):
+                raise
+            raise typer.Exit(report_error(err)) from None
