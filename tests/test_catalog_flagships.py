@@ -147,7 +147,6 @@ def test_bundled_json_keeps_the_weights_format(model_id: str) -> None:
     assert (quant is None) == (meta["weights_format"] == "bf16")
 
 
-@pytest.mark.xfail(strict=False, reason="generic spec lands in another branch")
 @pytest.mark.parametrize("model_id", sorted(FLAGSHIPS))
 def test_load_spec_counts_the_exact_total(model_id: str) -> None:
     assert load_spec(model_id).total_params == FLAGSHIPS[model_id][0]
