@@ -66,6 +66,8 @@ def _cut(per_layer: list[Any] | str, layers: int) -> list[Any] | str:
     """The first `layers` entries, the last ones swapped for kinds the cut would lose (a
     hybrid model keeps one layer of each mixer or MLP kind)."""
     kept = list(per_layer[:layers])
+    if not all(isinstance(k, str) for k in per_layer):  # indices or flags: a plain cut
+        return kept
     missing = [k for k in dict.fromkeys(per_layer) if k not in kept][: max(0, layers - 1)]
     if missing:
         kept[layers - len(missing) :] = missing
@@ -148,6 +150,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                                "moe_intermediate_size": 32}},
     "hy_v4_vl_text": {"rope_parameters": {"mrope_section": [2, 1, 1]}},
     "hy_v4_vl": {"text_config": {"rope_parameters": {"mrope_section": [2, 1, 1]}}},
+    "glm4v_moe": {"text_config": {"rope_parameters": {"mrope_section": [2, 1, 1]}}},
+    "glm4v_moe_text": {"rope_parameters": {"mrope_section": [2, 1, 1]}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"],
                  "num_dense_layers": 1},
     "granitemoehybrid": {"mamba_d_head": 32},

@@ -99,9 +99,14 @@ def causal_lm_class(config: Any) -> Any:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         pass
-    for candidate in _module_classes(type(config)):
+    for candidate in module_classes(type(config)):
         if candidate.__name__.endswith("ForCausalLM") and _serves(candidate, config):
             return candidate
+    from moetune.model.textlm import text_lm_class, text_model_class
+
+    base = text_model_class(config) if _is_text_of_multimodal(config) else None
+    if base is not None:  # a multimodal checkpoint's language model: its text model + head
+        return text_lm_class(type(config), base)
     raise UnknownFamilyError(
         f"transformers has no causal-LM class for {config.model_type!r} (encoder-decoder "
         "or encoder-only models cannot be fine-tuned as a decoder)",
@@ -113,7 +118,17 @@ def _serves(candidate: type, config: Any) -> bool:
     return getattr(candidate, "config_class", None) is type(config)
 
 
-def _module_classes(config_cls: type) -> list[type]:
+def _is_text_of_multimodal(config: Any) -> bool:
+    """A `text_config` class of some multimodal config (not a vision or audio tower)."""
+    from transformers import CONFIG_MAPPING
+
+    for top in CONFIG_MAPPING.values():
+        if (getattr(top, "sub_configs", None) or {}).get("text_config") is type(config):
+            return True
+    return False
+
+
+def module_classes(config_cls: type) -> list[type]:
     package = config_cls.__module__.rpartition(".")[0]
     try:
         module = importlib.import_module(f"{package}.modeling_{package.rpartition('.')[2]}")
