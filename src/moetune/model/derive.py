@@ -106,7 +106,8 @@ def causal_lm_class(config: Any) -> Any:
 
     base = text_model_class(config) if _is_text_of_multimodal(config) else None
     if base is not None:  # a multimodal checkpoint's language model: its text model + head
-        return text_lm_class(type(config), base)
+        config_cls: Any = type(config)
+        return text_lm_class(config_cls, base)
     raise UnknownFamilyError(
         f"transformers has no causal-LM class for {config.model_type!r} (encoder-decoder "
         "or encoder-only models cannot be fine-tuned as a decoder)",
