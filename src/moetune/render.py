@@ -42,7 +42,16 @@ def spec_summary(spec: Any) -> str:
     return (
         f"{spec.num_layers} layers, {len(layers)} MoE (layers {span}); {spec.num_experts} experts, "
         f"top-{spec.top_k}; {count(spec.total_params)} total, {count(spec.active_params)} active"
+        + _mixers(spec)
     )
+
+
+def _mixers(spec: Any) -> str:
+    """'; mixers: 36 linear_attention, 12 attention' when the layers mix kinds."""
+    kinds = spec.mixer_counts
+    if len(kinds) < 2:
+        return ""
+    return "; mixers: " + ", ".join(f"{n} {k}" for k, n in kinds.items())
 
 
 def plan_components_table(plan: Any) -> Table:

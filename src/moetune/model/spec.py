@@ -92,6 +92,11 @@ class ModelSpec:
         return self.num_experts > 0 and len(self.moe_layers) > 0
 
     @property
+    def mixer_counts(self) -> dict[str, int]:
+        """How many layers have each token-mixer kind, in layer order."""
+        return {k: self.mixers.count(k) for k in dict.fromkeys(self.mixers)}
+
+    @property
     def total_params(self) -> int:
         return self.components.total
 
@@ -130,11 +135,6 @@ class ModelSpec:
             "total_params": self.total_params,
             "active_params": self.active_params,
             "quant_method": self.quant_method,
-            "mixers": _runs(self.mixers),
+            "mixers": self.mixer_counts,
             "components": self.components.as_dict(),
         }
-
-
-def _runs(kinds: tuple[str, ...]) -> dict[str, int]:
-    """How many layers have each mixer kind."""
-    return {k: kinds.count(k) for k in dict.fromkeys(kinds)}
