@@ -221,10 +221,38 @@ def test_unknown_model_type_names_the_installed_transformers() -> None:
 
 
 def test_unbuildable_config_names_what_transformers_said() -> None:
+    bert = {"model_type": "bert", "hidden_size": 8, "num_hidden_layers": 1, "vocab_size": 32,
+            "num_attention_heads": 12}  # fmt: skip
     with pytest.raises(ConfigError) as err:  # bert builds as a causal LM, not with 12 heads of 8
-        spec_from_config({"model_type": "bert", "hidden_size": 8}, "b")
+        spec_from_config(bert, "b")
     assert "not a multiple of the number of attention heads" in err.value.cause
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"num_hidden_layers": 100_000_000}, "num_hidden_layers=100,000,000; it must be at most"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers=0; it must be at least 1"),
+        ({"hidden_size": -16}, "hidden_size=-16; it must be at least 1"),
+        ({"num_experts": 0}, "num_experts=0; it must be at least 1"),
+        ({"num_experts_per_tok": 9}, "top-k 9 exceeds the 4 experts"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok=0; it must be at least 1"),
+    ],
+)
+def test_configs_that_cannot_be_real_are_refused_before_a_build(change: dict, said: str) -> None:
+    cfg = {**tiny_config("qwen3_moe-dense0"), **change}
+    with pytest.raises(ConfigError) as err:
+        spec_from_config(cfg, "q")
+    assert said in err.value.cause
+
+
+def test_missing_size_fields_are_named_not_defaulted() -> None:
+    cfg = tiny_config("qwen3_moe-dense0")
+    del cfg["hidden_size"], cfg["vocab_size"]
+    with pytest.raises(ConfigError) as err:
+        spec_from_config(cfg, "q")
+    assert "does not state hidden_size, vocab_size" in err.value.cause
 
 
 def test_missing_model_type_is_unknown_family() -> None:

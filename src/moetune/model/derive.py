@@ -31,6 +31,7 @@ from moetune.model.counting import (
     quiet_transformers,
 )
 from moetune.model.families import ExpertsLayout, ModulePaths
+from moetune.model.sanity import check_config
 from moetune.model.spec import Components, ModelSpec
 
 if TYPE_CHECKING:
@@ -64,6 +65,10 @@ def derive(raw: dict[str, Any], name: str = "custom") -> Derived:
         )
     kwargs = {k: v for k, v in raw.items() if k not in (*PRIVATE_KEYS, *CHECKPOINT_ONLY_KEYS)}
     config = _text_config(_config_object(model_type, kwargs, name))
+    # Heterogeneous configs (per_layer_config) refuse global reads of per-layer fields; the
+    # spec's summary figures take the global value, the build has every layer's own.
+    config.allow_global_per_layer_attribute_access = True
+    check_config(raw, config, name)
     model = build_language_model(config, name)
     with quiet_transformers():
         return _read_build(model, config, raw, name)
@@ -366,9 +371,6 @@ _MIXER_NEEDLES = (
 
 
 def _read_build(model: nn.Module, config: Any, raw: dict[str, Any], name: str) -> Derived:
-    # Heterogeneous configs (per_layer_config) refuse global reads of per-layer fields; the
-    # spec's summary figures take the global value, the build has every layer's own.
-    config.allow_global_per_layer_attribute_access = True
     prefix, layers = find_layers(model, getattr(config, "num_hidden_layers", None))
     read = [_classify_layer(layer) for layer in layers]
     components = _outside(model, prefix) + _sum_layers(read)
