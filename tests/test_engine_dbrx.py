@@ -168,9 +168,13 @@ def test_the_adapter_is_peft_format_and_merges_to_the_same_logits(tmp_path) -> N
         reloaded = PeftModel.from_pretrained(base, str(tmp_path))
         apply_overrides(reloaded)
         again = reloaded(**batch).logits
+        with model.disable_adapter():  # peft's switch reaches the override: the base again
+            disabled = model(**batch).logits
         merged = model.merge_and_unload()(**batch).logits
     assert torch.equal(again, logits)
     assert _rel(merged, logits.double()) < 1e-5
+    plain = reference(**batch).logits.detach()
+    assert _rel(disabled, plain) < 1e-5 < _rel(logits, plain)
     assert peft_config.target_parameters == [f"ffn.experts.mlp.{s}" for s in STACKS]
 
 
