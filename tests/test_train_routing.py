@@ -163,6 +163,26 @@ def tiny(tmp_path_factory):
     return model, load_spec(str(path))
 
 
+def test_recording_a_scores_only_router_saves_nothing_for_backward(tiny):
+    """llama4's router returns scores and logits only, read through their top-k: done with
+    autograd on, the top-k saved its indices inside the checkpointed layer and backward
+    failed (86 tensors saved in forward, 85 in the recompute)."""
+    model, spec = tiny
+    recorder = RoutingRecorder(model, spec, weights=True)
+    scores = torch.tensor([[0.1, 0.9, 0.0, 0.5], [2.0, 0.0, 1.0, 0.0]], requires_grad=True)
+    packed: list[torch.Tensor] = []
+    recorder.start()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        recorder.record(0, (scores.sigmoid(), scores * 1.0))
+    indices, weights = recorder.routed()[0]
+    recorder.remove()
+    assert len(packed) == 1  # sigmoid's own output; the recording added none
+    assert indices.tolist() == [[1, 3], [0, 2]] and not indices.requires_grad
+    assert weights is not None and not weights.requires_grad
+    expected = scores.detach().sigmoid().softmax(-1).gather(1, indices)  # the first floats
+    assert torch.allclose(weights, expected)
+
+
 def test_recorder_counts_real_tokens_once_per_layer(tiny):
     model, spec = tiny
     recorder = RoutingRecorder(model, spec)

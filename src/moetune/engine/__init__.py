@@ -4,6 +4,7 @@ Importing this package registers the "moetune_lora" experts implementation
 (`experts_lora`): split LoRA for fused MoE experts, trained on peft's own adapter
 parameters, so adapters stay in the peft format. `select`: ESFT-style expert selection
 (LoRA on the experts the training data routes to most; masks for either engine).
+`overrides`: per-model-type forwards for experts peft's wrappers cannot reach (dbrx.py).
 """
 
 from moetune.engine.experts_lora import (

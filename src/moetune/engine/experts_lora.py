@@ -60,7 +60,7 @@ class EngineError(MoetuneError):
 
 
 @dataclass(frozen=True)
-class _Routing:
+class Routing:
     """(token, slot) pairs sorted by expert, as grouped kernels want them."""
 
     ids: torch.Tensor  # expert id of each sorted pair
@@ -93,19 +93,21 @@ def split_lora_experts_forward(
         )
     num_tokens, hidden_dim = hidden_states.shape
     top_k = top_k_index.size(-1)
-    route = _route(top_k_index, top_k_weights, self.num_experts)
-    x = _Dispatch.apply(hidden_states, route.perm, route.inverse, top_k)
+    route = route_pairs(top_k_index, top_k_weights, self.num_experts)
+    x = Dispatch.apply(hidden_states, route.perm, route.inverse, top_k)
     h = _project(self, "gate_up_proj" if self.has_gate else "up_proj", x, route)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     out = _project(self, "down_proj", h, route)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
     out = out * route.weights.unsqueeze(-1)
-    summed = _Combine.apply(out, route.perm, route.inverse, top_k)
+    summed = Combine.apply(out, route.perm, route.inverse, top_k)
     return summed.view(num_tokens, hidden_dim).to(hidden_states.dtype)
 
 
-def _route(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int) -> _Routing:
+def route_pairs(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
+) -> Routing:
     ids, perm = torch.sort(top_k_index.reshape(-1))
     # histc, not bincount: a fixed output shape, so fake-tensor traces work too
     counts_of = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()
@@ -113,10 +115,10 @@ def _route(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: 
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    return _Routing(ids, perm, inverse, offsets, top_k_weights.reshape(-1)[perm])
+    return Routing(ids, perm, inverse, offsets, top_k_weights.reshape(-1)[perm])
 
 
-class _Dispatch(torch.autograd.Function):
+class Dispatch(torch.autograd.Function):
     """Token rows -> (token, slot) pairs in expert order.
 
     Autograd would scatter-add the gradient back (`index_put_` with accumulate: slow and
@@ -138,8 +140,8 @@ class _Dispatch(torch.autograd.Function):
         return summed, None, None, None
 
 
-class _Combine(torch.autograd.Function):
-    """Pairs in expert order -> per-token sums; both directions are gathers (see _Dispatch)."""
+class Combine(torch.autograd.Function):
+    """Pairs in expert order -> per-token sums; both directions are gathers (see Dispatch)."""
 
     @staticmethod
     def forward(ctx: Any, pairs: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor,
@@ -155,7 +157,7 @@ class _Combine(torch.autograd.Function):
         return grad[perm // ctx.top_k], None, None, None
 
 
-def _project(experts: Any, name: str, x: torch.Tensor, route: _Routing) -> torch.Tensor:
+def _project(experts: Any, name: str, x: torch.Tensor, route: Routing) -> torch.Tensor:
     """Base projection of each row by its own expert, plus each active adapter's update."""
     quantized = stacks_of(experts).get(name)
     if quantized is not None:  # never read the attribute: it would dequantise the stack
@@ -165,22 +167,22 @@ def _project(experts: Any, name: str, x: torch.Tensor, route: _Routing) -> torch
         weight = getattr(experts, name)
         x = x.to(weight.dtype)
         stack = weight if experts.is_transposed else weight.transpose(-2, -1)
-        out = _grouped_mm(x, stack, route.offsets)
+        out = grouped_mm(x, stack, route.offsets)
     # in place: grouped_mm's backward does not need its output, so this saves a copy
     if experts.has_bias:
         out.add_(getattr(experts, f"{name}_bias")[route.ids])
     keep = experts.__dict__.get(_KEEP)
     for factors in _active_factors(experts, name, x.dtype):
         if keep is None:
-            low = _grouped_mm(factors.dropout(x), factors.a, route.offsets)
-            out.add_(_grouped_mm(low, factors.b, route.offsets))
+            low = grouped_mm(factors.dropout(x), factors.a, route.offsets)
+            out.add_(grouped_mm(low, factors.b, route.offsets))
         else:
             _add_kept_lora(out, x, factors, route, keep)
     return out
 
 
 def _add_kept_lora(
-    out: torch.Tensor, x: torch.Tensor, factors: _Factors, route: _Routing, keep: torch.Tensor
+    out: torch.Tensor, x: torch.Tensor, factors: _Factors, route: Routing, keep: torch.Tensor
 ) -> None:
     """The LoRA update of the rows routed to the experts `keep` marks; the others get none
     (exact while their ΔW is zero, which engine/select.py asserts and keeps so)."""
@@ -188,8 +190,8 @@ def _add_kept_lora(
     rows = keep[route.ids].nonzero().squeeze(1)  # still grouped by expert: ids are sorted
     counts = torch.diff(route.offsets, prepend=route.offsets.new_zeros(1))
     offsets = torch.cumsum(counts[keep], dim=0, dtype=torch.int32)
-    low = _grouped_mm(factors.dropout(x[rows]), factors.a[keep], offsets)
-    out.index_add_(0, rows, _grouped_mm(low, factors.b[keep], offsets).to(out.dtype))
+    low = grouped_mm(factors.dropout(x[rows]), factors.a[keep], offsets)
+    out.index_add_(0, rows, grouped_mm(low, factors.b[keep], offsets).to(out.dtype))
 
 
 def _active_factors(experts: nn.Module, name: str, dtype: torch.dtype) -> list[_Factors]:
@@ -209,13 +211,13 @@ def _factors(wrapper: Any, adapter: str, dtype: torch.dtype) -> _Factors:
     b = b.view(b.shape[0], -1, experts).permute(2, 1, 0).to(dtype)
     # B is small ([out, r·E]); grouped kernels need it row-major, hence the copy
     b = (b * wrapper.scaling[adapter]).contiguous()
-    return _Factors(*_pad_rank(a, b), wrapper.lora_dropout[adapter])
+    return _Factors(*pad_rank(a, b), wrapper.lora_dropout[adapter])
 
 
 _RANK_ALIGN = 8  # grouped GEMM rows must be 16-byte aligned: 8 bf16 values
 
 
-def _pad_rank(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_rank(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-pad the rank to a multiple of 8, so the (tokens × r) product of every rank runs
     on the grouped kernels (CUDA's, and the meta kernel the planner's trace runs); zero
     columns of A meet zero rows of B, so the update is the same."""
@@ -225,7 +227,7 @@ def _pad_rank(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return F.pad(a, (0, pad)), F.pad(b, (0, 0, 0, pad))
 
 
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x (S, in) sorted by expert, w (E, in, out) -> (S, out): row i meets only its expert."""
     if _grouped_kernel_ok(x, w):
         return F.grouped_mm(x, w, offs=offsets)

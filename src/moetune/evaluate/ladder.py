@@ -210,6 +210,7 @@ def score_ladder(
 ) -> tuple[Path, dict[str, Any]]:
     from peft import PeftModel
 
+    from moetune.engine.overrides import apply_overrides
     from moetune.train.checkpoint import ledger_fields
 
     started = time.perf_counter()
@@ -222,6 +223,7 @@ def score_ladder(
     with warnings.catch_warnings():  # peft calls a transformers API deprecated for v6
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
         candidate = PeftModel.from_pretrained(model, str(adapter_dir))
+    apply_overrides(candidate)  # as trained: dbrx's experts apply their LoRA
     score_all(ladder, candidate, tokenizer, cfg, "candidate", show)
     meta = {
         "model": cfg.model.id,

@@ -223,6 +223,9 @@ def build_step_model(
 
             with peft_targets(model):  # peft sees quantised stacks only through stand-ins
                 model = get_peft_model(model, peft_config)
+            from moetune.engine.overrides import apply_overrides
+
+            apply_overrides(model)  # the experts forward the trainer runs (dbrx)
             if engine == "moetune" and peft_config.target_parameters:
                 from moetune.engine import apply_split_lora
 

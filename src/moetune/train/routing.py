@@ -251,8 +251,20 @@ class RoutingRecorder:
 
     def _hook(self, layer: int) -> Callable[[nn.Module, Any, Any], None]:
         def record(module: nn.Module, args: Any, output: Any) -> None:
-            if not (self.active and self._in_forward):
-                return  # not recording, or gradient checkpointing's recompute
+            if self.active and self._in_forward:  # not gradient checkpointing's recompute
+                self.record(layer, output)
+
+        return record
+
+    def record(self, layer: int, output: Any) -> None:
+        """Keep the decisions in one router call's `output`, padding tokens left out.
+
+        Without autograd: a router that returns only scores is read through its top-k, and
+        a top-k of a grad-requiring tensor saves its indices – in a checkpointed layer the
+        forward then saves one tensor more than the recompute (which records nothing), and
+        backward fails with a CheckpointError (llama4's router).
+        """
+        with torch.no_grad():
             indices = routed_experts(output, self.num_experts, self.top_k)
             if indices is None:
                 return
@@ -261,11 +273,9 @@ class RoutingRecorder:
             if mask is not None and mask.numel() == indices.shape[0]:
                 indices = indices[mask.to(indices.device)]
                 weights = None if weights is None else weights[mask.to(weights.device)]
-            self._seen.setdefault(layer, []).append(indices.detach().cpu())
-            if weights is not None:
-                self._weights.setdefault(layer, []).append(weights.detach().float().cpu())
-
-        return record
+        self._seen.setdefault(layer, []).append(indices.cpu())
+        if weights is not None:
+            self._weights.setdefault(layer, []).append(weights.float().cpu())
 
     def start(self) -> None:
         self._seen, self._weights, self.active = {}, {}, True

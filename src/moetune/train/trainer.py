@@ -295,6 +295,7 @@ def wrap_lora(
     from peft import get_peft_model
     from transformers import set_seed
 
+    from moetune.engine.overrides import apply_overrides
     from moetune.engine.quant import peft_targets
     from moetune.recipe.audit import audit_coverage
     from moetune.recipe.targets import build_peft_config, peft_notes
@@ -307,6 +308,7 @@ def wrap_lora(
         # a fresh config each time: get_peft_model rewrites the one it is given;
         # peft_targets: peft only sees quantised stacks as stand-in Parameters
         wrapped = get_peft_model(model, copy.deepcopy(config))
+    apply_overrides(wrapped)  # families whose experts peft's wrappers cannot reach (dbrx)
     notes = peft_notes(caught, config)
     report = audit_coverage(wrapped, setup.spec, cfg.lora)
     if setup.args.should_save:

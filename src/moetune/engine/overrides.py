@@ -1,0 +1,42 @@
+"""Per-model-type fixes that make a peft-wrapped model really apply its expert LoRA.
+
+peft's `ParamWrapper` adapts a parameter only while the wrapper's own forward runs (a
+parametrization). A family whose experts forward reads its stacks *outside* the wrapped
+module (dbrx: `DbrxExperts` reads `mlp.w1` and passes slices into `mlp(...)`) therefore
+breaks on peft, or would train nothing. An override, registered by model type, gives such
+modules a forward that applies peft's own `lora_A` / `lora_B`, so the adapter stays a
+standard peft adapter. `apply_overrides` runs wherever moetune prepares a peft model (the
+trainer, the planner's trace, the eval ladder); families without one are left as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+Override = Callable[[nn.Module], int]  # transformers model -> how many modules it changed
+OVERRIDES: dict[str, Override] = {}
+
+
+def register_override(model_type: str) -> Callable[[Override], Override]:
+    """Register the override for `model_type` (config.json's model_type)."""
+
+    def add(fix: Override) -> Override:
+        OVERRIDES[model_type] = fix
+        return fix
+
+    return add
+
+
+def apply_overrides(model: nn.Module) -> int:
+    """Apply the override registered for `model`'s type (a PeftModel or the transformers
+    model under it); returns how many modules it changed (0: none registered). Idempotent."""
+    get_base = getattr(model, "get_base_model", None)
+    base: Any = get_base() if callable(get_base) else model
+    fix = OVERRIDES.get(getattr(getattr(base, "config", None), "model_type", ""))
+    return fix(base) if fix is not None else 0
+
+
+from moetune.engine import dbrx as _dbrx  # noqa: E402, F401  (registers its override)
