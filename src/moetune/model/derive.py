@@ -296,9 +296,10 @@ def _router_children(blocks: dict[str, str], layer: nn.Module) -> set[str]:
     out: set[str] = set()
     for block, epath in blocks.items():
         parent = layer.get_submodule(block) if block else layer
-        for child, _ in parent.named_children():
+        for child, module in parent.named_children():
             path = f"{block}.{child}" if block else child
-            if path != epath and _in_block(block, path) == "routers":
+            has_weights = any(True for _ in module.parameters())  # not an activation module
+            if path != epath and has_weights and _in_block(block, path) == "routers":
                 out.add(path)
     return out
 

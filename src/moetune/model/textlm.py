@@ -63,4 +63,7 @@ def text_lm_class(config_cls: Any, base_cls: Any) -> Any:
             return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     TextCausalLM.__name__ = TextCausalLM.__qualname__ = base_cls.__name__ + "ForCausalLM"
+    # transformers reads the class's modeling module to see whether its experts can be
+    # dispatched (experts_implementation=…): point it at the text model's own module
+    TextCausalLM.__module__ = base_cls.__module__
     return TextCausalLM
