@@ -89,7 +89,7 @@ def test_experts_layout_matches_transformers(variant: str) -> None:
     spec, model = _built(variant)
     family = get_family(spec.model_type)
     layout = family.layout
-    first = family.paths.expert_params[0]
+    first = family.paths_of(spec).expert_params[0]
     experts_path = f"{family.layers_prefix}.{spec.moe_layers[0]}.{first.rsplit('.', 1)[0]}"
     experts = model.get_submodule(experts_path)
     flags = [getattr(experts, a, None) for a in ("is_concatenated", "is_transposed", "has_bias")]
