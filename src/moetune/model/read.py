@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from torch import nn
 
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "mlp_block")
+_COMPONENTS = ("attention", "dense_mlp", "routed_experts", "shared_experts", "routers",
+               "norms", "other")  # fmt: skip
+_PARTS = ("attention", "expert_params", "dense_mlp", "shared", "router")
+Experts = list[tuple[str, "nn.Module"]]  # (layer-relative path, module) of each experts module
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -68,7 +72,7 @@ class Layer:
     """One decoder layer's parameters by component, and its parts' paths."""
 
     counts: dict[str, int]
-    experts: list[tuple[str, nn.Module]]
+    experts: Experts
     paths: dict[str, list[str]]
     mixer: str
     module: nn.Module
@@ -76,21 +80,43 @@ class Layer:
 
 
 def classify_layer(layer: nn.Module) -> Layer:
-    from torch import nn
-
-    counts = dict.fromkeys(("attention", "dense_mlp", "routed_experts", "shared_experts",
-                            "routers", "norms", "other"), 0)  # fmt: skip
-    paths: dict[str, list[str]] = {k: [] for k in ("attention", "expert_params", "dense_mlp",
-                                                    "shared", "router")}  # fmt: skip
-    experts = [(p, m) for p, m in layer.named_modules() if p and is_experts(m)]
-    experts = [(p, m) for p, m in experts if not any(p.startswith(f"{q}.") for q, _ in experts)]
+    """One decoder layer by structure: its parameters by component, its parts' paths."""
+    experts = _outermost_experts(layer)
     blocks = {p.rpartition(".")[0]: p for p, _ in experts}
     mixer = _mixer_kind(layer, blocks, experts)
+    counts = _counts(layer, experts, blocks, mixer)
+    paths = _part_paths(layer, experts, blocks, mixer)
+    top_k = next((k for m in layer.modules() if (k := first_int(m, ("top_k",)))), 0)
+    return Layer(counts, experts, paths, mixer, layer, top_k)
+
+
+def _outermost_experts(layer: nn.Module) -> Experts:
+    """The layer's experts modules, none inside another (per-expert MLPs of a ModuleList)."""
+    found = [(p, m) for p, m in layer.named_modules() if p and is_experts(m)]
+    return [(p, m) for p, m in found if not any(p.startswith(f"{q}.") for q, _ in found)]
+
+
+def _counts(
+    layer: nn.Module, experts: Experts, blocks: dict[str, str], mixer: str
+) -> dict[str, int]:
+    """Parameters by component (SSM mixers' own weights in `other`)."""
+    counts = dict.fromkeys(_COMPONENTS, 0)
     for pname, param in layer.named_parameters():
         kind = _kind_of(pname, layer, experts, blocks)
         if mixer == "mamba" and kind in ("attention", "norms") and _in_mixer(layer, pname):
             kind = "other"  # SSM mixers: counted apart, no LoRA target (CUDA kernels read
         counts[kind] += param.numel()  # their weights directly)
+    return counts
+
+
+def _part_paths(
+    layer: nn.Module, experts: Experts, blocks: dict[str, str], mixer: str
+) -> dict[str, list[str]]:
+    """Layer-relative paths of the Linears (and expert stacks) LoRA can target, by part."""
+    from torch import nn
+
+    paths: dict[str, list[str]] = {k: [] for k in _PARTS}
+    routers = _router_children(blocks, layer)
     for mpath, module in layer.named_modules():
         kind = _kind_of(f"{mpath}.weight", layer, experts, blocks)
         if kind == "attention" and mixer == "mamba":
@@ -100,12 +126,11 @@ def classify_layer(layer: nn.Module) -> Layer:
         if isinstance(module, nn.Linear) and kind in ("attention", "dense_mlp", "shared_experts"):
             path = _leaf_if_unique(layer, mpath) if kind == "attention" else mpath
             paths[{"shared_experts": "shared"}.get(kind, kind)].append(path)
-        elif kind == "routers" and mpath in _router_children(blocks, layer):
+        elif kind == "routers" and mpath in routers:
             paths["router"].append(_weight_holder(module, mpath))
     for epath, module in experts:
         paths["expert_params"] += [f"{epath}.{n}" for n in _stack_names(module)]
-    top_k = next((k for m in layer.modules() if (k := first_int(m, ("top_k",)))), 0)
-    return Layer(counts, experts, paths, mixer, layer, top_k)
+    return paths
 
 
 def _in_mixer(layer: nn.Module, pname: str) -> bool:
@@ -153,7 +178,7 @@ def _router_children(blocks: dict[str, str], layer: nn.Module) -> set[str]:
     return out
 
 
-def _kind_of(pname: str, layer: nn.Module, experts: list[tuple[str, Any]], blocks: dict) -> str:
+def _kind_of(pname: str, layer: nn.Module, experts: Experts, blocks: dict[str, str]) -> str:
     module_path = pname.rpartition(".")[0]
     if any(pname.startswith(f"{e}.") for e, _ in experts):
         return "routed_experts"
@@ -196,7 +221,7 @@ def is_norm(module: nn.Module) -> bool:
     return named and all(p.dim() <= 1 for p in module.parameters())
 
 
-def _mixer_kind(layer: nn.Module, blocks: dict[str, str], experts: list) -> str:
+def _mixer_kind(layer: nn.Module, blocks: dict[str, str], experts: Experts) -> str:
     """The token mixer's kind, named from its class: attention, mla, linear_attention,
     mamba, conv (the analytic planner has activation terms for some of them)."""
     names = [
@@ -303,15 +328,17 @@ def layout(read: list[Layer], hidden: int) -> ExpertsLayout:
     if module is None:
         return ExpertsLayout()
     flags = vars(module)
+    decorated = "is_concatenated" in flags
     stacks = dict(module.named_parameters())
-    fused = any("gate_up" in n for n in stacks)
-    down = next((p for n, p in stacks.items() if n.endswith("down_proj") and p.dim() == 3), None)
-    transposed = down is not None and down.shape[1] != hidden  # [E, I, H], not [E, H, I]
+    # undecorated, three stacks are gate, up and down apart (dbrx's w1, v1, w2)
+    fused = "gate_up_proj" in stacks if decorated else len(_stack_names(module)) != 3
+    down = stacks.get("down_proj")
+    transposed = down is not None and down.dim() == 3 and down.shape[1] != hidden  # [E, I, H]
     return ExpertsLayout(
         is_concatenated=bool(flags.get("is_concatenated", fused)),
         is_transposed=bool(flags.get("is_transposed", transposed)),
         has_bias=bool(flags.get("has_bias", False)),
         fused_gate_up=fused,
         flat_2d=not any(p.dim() == 3 for p in stacks.values()),
-        experts_interface="is_concatenated" in flags,
+        experts_interface=decorated,
     )
