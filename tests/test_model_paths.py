@@ -89,7 +89,7 @@ def test_experts_layout_matches_transformers(variant: str) -> None:
     spec, model = _built(variant)
     family = get_family(spec.model_type)
     layout = family.layout
-    first = family.paths.expert_params[0]
+    first = family.paths_of(spec).expert_params[0]
     experts_path = f"{family.layers_prefix}.{spec.moe_layers[0]}.{first.rsplit('.', 1)[0]}"
     experts = model.get_submodule(experts_path)
     flags = [getattr(experts, a, None) for a in ("is_concatenated", "is_transposed", "has_bias")]
@@ -171,6 +171,10 @@ def test_deepseek_paths_follow_q_lora_rank() -> None:
     assert "q_proj" in family.paths_of(lite).attention
     assert "q_a_proj" not in family.paths_of(lite).attention
     assert {"q_a_proj", "q_b_proj"} <= set(family.paths_of(v3).attention)
+    # mlx-lm's keys follow the build: only the projections the model has
+    assert "self_attn.q_proj" in family.paths_of(lite).mlx_attention
+    assert "self_attn.q_a_proj" not in family.paths_of(lite).mlx_attention
+    assert "self_attn.q_proj" not in family.paths_of(v3).mlx_attention
     # transformers' default q_lora_rank (1536) applies when config.json omits it
     cfg = tiny_config("deepseek_v3")
     del cfg["q_lora_rank"]

@@ -1,7 +1,7 @@
 """ModelSpec counts equal a meta-device build of the real transformers model, exactly.
 
 The meta model's parameters are sorted into components here by their names, a rule set
-written independently of moetune's closed-form counting.
+written independently of moetune's structural reading (model.read).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import transformers
 
 from moetune.errors import ConfigError, UnknownFamilyError
 from moetune.model import (
-    FAMILIES,
+    OVERRIDES,
     ModelSpec,
     build_model,
     catalog_ids,
@@ -103,12 +103,12 @@ def test_active_params_count_top_k_experts_per_moe_layer(variant: str) -> None:
     assert spec.active_params < spec.total_params
 
 
-def test_every_registered_family_has_a_tiny_variant() -> None:
+def test_every_override_has_a_tiny_variant() -> None:
     covered = {get_family(cfg["model_type"]).model_type for cfg in TINY_CONFIGS.values()}
-    assert covered == {fam.model_type for fam in FAMILIES.values()}
+    assert covered == {over.model_type for over in OVERRIDES.values()}
 
 
-def test_required_families_are_registered() -> None:
+def test_required_overrides_are_registered() -> None:
     required = [
         "qwen2_moe",
         "qwen3_moe",
@@ -131,7 +131,7 @@ def test_required_families_are_registered() -> None:
         "qwen3",
         "mistral",
     ]
-    assert set(required) <= set(FAMILIES)
+    assert set(required) <= set(OVERRIDES)
 
 
 # --- specific shapes ------------------------------------------------------------------

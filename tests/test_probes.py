@@ -27,19 +27,19 @@ def test_trap_still_reproduces(rule_id: str) -> None:
 
 
 def test_family_peft_automap_flags_match_installed_peft() -> None:
-    """Family.peft_automap ("peft maps gate/up/down_proj onto the experts") feeds the recipe
-    and the rules; it must say what the installed peft does."""
-    from moetune.model import FAMILIES
+    """Override.peft_automap ("peft maps gate/up/down_proj onto the experts") must say what
+    the installed peft does."""
+    from moetune.model import OVERRIDES, get_family
     from moetune.recipe.targets import peft_name_map
 
     glu = {"gate_proj", "up_proj", "down_proj"}
     wrong = {
-        key: fam.peft_automap
-        for key, fam in FAMILIES.items()
-        if fam.paths.expert_params  # dense families: the flag means nothing
-        and fam.peft_automap != (glu <= set(peft_name_map(key)))
+        key: over.peft_automap
+        for key, over in OVERRIDES.items()
+        if get_family(key).paths.expert_params  # dense families: the flag means nothing
+        and over.peft_automap != (glu <= set(peft_name_map(key)))
     }
     assert not wrong, (
-        f"Family.peft_automap disagrees with {versions_of(('peft', 'transformers'))} for "
+        f"Override.peft_automap disagrees with {versions_of(('peft', 'transformers'))} for "
         f"{wrong} (the flag as set; the installed peft says the opposite)"
     )

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetune.model import arch as _arch  # noqa: F401  (registers every family)
+from moetune.model import overrides as _overrides  # noqa: F401  (registers the overrides)
 from moetune.model.build import build_model, to_hf_config
-from moetune.model.families import FAMILIES, ExpertsLayout, Family, ModulePaths, get_family
-from moetune.model.generic import derived_spec
+from moetune.model.derive import derive_cached
+from moetune.model.families import (
+    OVERRIDES,
+    ExpertsLayout,
+    Family,
+    ModulePaths,
+    Override,
+    get_family,
+)
 from moetune.model.sources import catalog_ids, catalog_meta, resolve_config
 from moetune.model.spec import Components, ModelSpec
 
@@ -24,19 +31,20 @@ def load_spec(model: str) -> ModelSpec:
 
 
 def spec_from_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec:
-    """The spec of a config.json dict: a hand-written family's where one is registered,
-    else read off transformers' own meta build (any model type transformers ships).
-    UnknownFamilyError when model_type is missing or transformers does not know it."""
-    return derived_spec(cfg, name)
+    """The spec of a config.json dict, read off transformers' own meta build (any model type
+    transformers ships). UnknownFamilyError when model_type is missing or transformers does
+    not know it."""
+    return derive_cached(cfg, name).spec
 
 
 __all__ = [
-    "FAMILIES",
+    "OVERRIDES",
     "Components",
     "ExpertsLayout",
     "Family",
     "ModelSpec",
     "ModulePaths",
+    "Override",
     "build_model",
     "catalog_ids",
     "catalog_meta",

@@ -1,15 +1,13 @@
-"""Registry of MoE families keyed by config.json `model_type`.
-
-Each family knows how to read its config (aliased spellings included), which layers
-are MoE, how to count parameters by component, and where its modules live for peft
-and mlx-lm. Extend by decorating a Family factory with `@register`.
+"""What moetune knows of a model_type: module paths, expert layout and layer prefix read
+off a tiny transformers build of it, plus an `Override` (model.overrides) for what no build
+shows – mlx-lm's key names, peft's quirks. Any model type gets a Family; none needs an
+override.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from functools import cache
 
 from moetune.model.spec import ModelSpec
 
@@ -26,8 +24,8 @@ class ModulePaths:
     An empty tuple means the family has no such part (or, for mlx, nothing adaptable).
     """
 
-    attention: tuple[str, ...]
-    expert_params: tuple[str, ...]
+    attention: tuple[str, ...] = ()
+    expert_params: tuple[str, ...] = ()
     dense_mlp: tuple[str, ...] = ()
     shared: tuple[str, ...] = ()
     router: tuple[str, ...] = ()
@@ -36,13 +34,13 @@ class ModulePaths:
     mlx_dense: tuple[str, ...] = ()
     mlx_shared: tuple[str, ...] = ()
     mlx_router: tuple[str, ...] = ()
-    # Derived from a build: per decoder layer, the paths above that layer really has
-    # (hybrid models mix mixers and MLP kinds); empty means every layer has every path.
+    # Per decoder layer, the paths above that layer really has (hybrid models mix mixers
+    # and MLP kinds); empty means every layer has every path.
     present: tuple[frozenset[str], ...] = ()
 
     def in_layer(self, layer: int, path: str) -> bool:
-        """Whether decoder layer `layer` should have `path`: always for hand-written tables,
-        and for a path no layer has (a wrong name must be reported, not skipped)."""
+        """Whether decoder layer `layer` should have `path`: always without `present`, and
+        for a path no layer has (a wrong name must be reported, not skipped)."""
         if not self.present or layer >= len(self.present) or path in self.present[layer]:
             return True
         return not any(path in found for found in self.present)  # a path no layer has: a miss
@@ -67,54 +65,77 @@ class ExpertsLayout:
 
 
 @dataclass(frozen=True)
-class Family:
-    """One model_type: config reading, parameter counting and module paths."""
+class Override:
+    """What a build of `model_type` cannot show: mlx-lm's `lora_parameters.keys` per part
+    (mlx-lm's modules are its own), and peft's behaviour on the fused experts."""
 
     model_type: str
-    build_spec: Callable[[dict[str, Any], str], ModelSpec]  # (config dict, name) -> spec
-    paths: ModulePaths
-    layout: ExpertsLayout = ExpertsLayout()
+    mlx_attention: tuple[str, ...] = ()  # kept where the build has that projection
+    mlx_experts: tuple[str, ...] = ()
+    mlx_dense: tuple[str, ...] = ()
+    mlx_shared: tuple[str, ...] = ()
+    mlx_router: tuple[str, ...] = ()
+    mlx_supported: bool = True
     peft_automap: bool = True  # peft >= 0.19 maps gate/up/down_proj names onto fused experts
     # Other target_modules names peft maps onto the fused experts (mixtral: its checkpoint
     # names w1/w2/w3; gate/up/down_proj match nothing there).
     peft_automap_names: tuple[str, ...] = ()
-    mlx_supported: bool = True
-    aliases: tuple[str, ...] = ()  # other model_type strings served by this family
-    # Where the decoder layers live; ModulePaths are relative to `<layers_prefix>.<i>.`.
-    layers_prefix: str = "model.layers"
-    # Config-dependent module names (e.g. DeepSeek's q_proj vs q_a_proj/q_b_proj); `paths`
-    # then holds the union of every variant.
-    paths_for: Callable[[ModelSpec], ModulePaths] | None = None
+    aliases: tuple[str, ...] = ()  # other model_type strings this override serves
 
-    def paths_of(self, spec: ModelSpec) -> ModulePaths:
-        """The module paths that exist in the model `spec` describes: peft's read off the
-        build, mlx-lm's (which no transformers build shows) from this family's table."""
-        own = self.paths_for(spec) if self.paths_for else self.paths
-        if not spec.mixers:  # a spec that did not come from a build
-            return own
-        from moetune.model.derive import derive_cached
-
-        built = derive_cached(spec.hf_config, spec.name).paths
-        mlx = {f: getattr(own, f) for f in _MLX_FIELDS}
+    def merged(self, built: ModulePaths) -> ModulePaths:
+        """`built` (peft's paths, read off a build) with this override's mlx-lm keys; an
+        attention key only where the build has that projection (DeepSeek's q_proj or
+        q_a_proj/q_b_proj, by q_lora_rank)."""
+        mlx = {f: getattr(self, f) for f in _MLX_FIELDS}
+        have = {p.rpartition(".")[2] for p in built.attention}
+        mlx["mlx_attention"] = tuple(k for k in self.mlx_attention if k.rpartition(".")[2] in have)
         return replace(built, **mlx)
 
 
-FAMILIES: dict[str, Family] = {}
+@dataclass(frozen=True)
+class Family(Override):
+    """An override completed by a tiny build of its type (the classes, not the sizes, fix
+    where the layers live and how the experts are stored)."""
+
+    paths: ModulePaths = ModulePaths()  # the tiny build's, the override's mlx keys merged
+    layout: ExpertsLayout = ExpertsLayout()
+    layers_prefix: str = "model.layers"  # ModulePaths are relative to `<layers_prefix>.<i>.`
+
+    def paths_of(self, spec: ModelSpec) -> ModulePaths:
+        """The module paths of the model `spec` describes: peft's read off its own build,
+        mlx-lm's from the override."""
+        if not spec.mixers:  # a spec not read off a build (hand-made): the type's paths
+            return self.paths
+        from moetune.model.derive import derive_cached
+
+        return self.merged(derive_cached(spec.hf_config, spec.name).paths)
 
 
-def register(factory: Callable[[], Family]) -> Callable[[], Family]:
-    """Register the Family a factory returns under its model_type and aliases."""
-    fam = factory()
-    for key in (fam.model_type, *fam.aliases):
-        FAMILIES[key] = fam
-    return factory
+OVERRIDES: dict[str, Override] = {}
 
 
+def register(*overrides: Override) -> None:
+    """Register each override under its model_type and aliases."""
+    for over in overrides:
+        for key in (over.model_type, *over.aliases):
+            OVERRIDES[key] = over
+
+
+@cache
 def get_family(model_type: str) -> Family:
-    """The family for `model_type`: a hand-written override where one is registered,
-    else one derived from transformers' own build (UnknownFamilyError if it has none)."""
-    if model_type in FAMILIES:
-        return FAMILIES[model_type]
-    from moetune.model.generic import generic_family
+    """The family of `model_type`: a tiny build of it, with its override where one is
+    registered (transformers must know the type)."""
+    from moetune.model.census import tiny_config
+    from moetune.model.derive import derive_cached
 
-    return generic_family(model_type)
+    over = OVERRIDES.get(model_type)
+    if over is None:  # nothing known of mlx-lm, and peft's automap left unclaimed
+        over = Override(model_type, mlx_supported=False, peft_automap=False)
+    tiny = derive_cached(tiny_config(model_type), model_type)
+    known = {f.name: getattr(over, f.name) for f in fields(Override)}
+    return Family(
+        **known,
+        paths=over.merged(tiny.paths),
+        layout=tiny.layout,
+        layers_prefix=tiny.layers_prefix,
+    )

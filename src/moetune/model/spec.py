@@ -81,7 +81,7 @@ class ModelSpec:
     # Checkpoint quantization (e.g. "mxfp4", "fp8"); counts and hf_config are for the bf16 model.
     quant_method: str | None = None
     # Token mixer of each layer as built (attention, mla, linear_attention, mamba, conv …);
-    # empty for specs from a hand-written family table.
+    # empty for a spec not read off a build (made by hand).
     mixers: tuple[str, ...] = ()
     # Layers with a dense MLP (a build can have layers with neither: Nemotron-H's mixer-only
     # layers); None means every non-MoE layer.

@@ -86,12 +86,11 @@ def installed_versions() -> dict[str, str]:
 
 
 def _family_of(spec: ModelSpec | None) -> Family | None:
-    """The registered family of `spec` (importing moetune.model registers them all)."""
-    if spec is None:
-        return None
-    from moetune import model as model_pkg
+    """The family of `spec` where an override says what its mlx-lm modules are called
+    (importing moetune.model registers them all); None leaves the path rules silent."""
+    from moetune.model import OVERRIDES, get_family
 
-    return model_pkg.FAMILIES.get(spec.model_type)
+    return get_family(spec.model_type) if spec and spec.model_type in OVERRIDES else None
 
 
 @dataclass
