@@ -429,3 +429,19 @@ def test_engine_moetune_on_an_undispatched_family_is_an_error() -> None:
     assert "dbrx" in f.message and "lora.engine: auto or peft" in f.fix
     assert check("ENGINE-MOETUNE-UNSERVED", _tiny_dbrx()) is None  # auto falls back to peft
     assert check("ENGINE-MOETUNE-UNSERVED", ctx(lora={"engine": "moetune"})) is None
+
+
+def test_checkpointing_a_model_class_that_refuses_it_is_an_error() -> None:
+    from moetune.model import spec_from_config
+    from moetune.model.census import tiny_config
+
+    jetmoe = spec_from_config(tiny_config("jetmoe"), "tiny-jetmoe")
+    on = RunConfig.model_validate({"model": {"id": "x/y"}})
+    f = check("GC-UNSUPPORTED", LintContext(config=on, spec=jetmoe, env={}))
+    assert f and f.severity == "error" and f.field == "train.gradient_checkpointing"
+    assert "JetMoeForCausalLM does not support activation checkpointing" in f.message
+    off = RunConfig.model_validate(
+        {"model": {"id": "x/y"}, "train": {"gradient_checkpointing": False}}
+    )
+    assert check("GC-UNSUPPORTED", LintContext(config=off, spec=jetmoe, env={})) is None
+    assert check("GC-UNSUPPORTED", ctx()) is None  # qwen3_moe checkpoints fine

@@ -38,7 +38,7 @@ _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "
 _FILL: dict[str, int] = {
     "head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "indexer_n_heads": 2,
     "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 16,
-    "indexer_compress_ratio": 4,
+    "indexer_compress_ratio": 4, "sliding_window": 32,
 }  # fmt: skip
 _LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 _SIZE_NAME = re.compile(r"(size|dim|rank|width)s?$")

@@ -389,3 +389,18 @@ def experts_not_dispatched() -> ProbeOutcome:
     served = split_engine_serves(spec_from_config(tiny_config("dbrx"), "tiny-dbrx"))
     verb = "dispatch" if served else "do not dispatch"
     return ProbeOutcome(not served, f"dbrx experts {verb} through ExpertsInterface")
+
+
+def gradient_checkpointing_unsupported() -> ProbeOutcome:
+    """Some causal-LM classes (jetmoe on transformers 5.24) refuse activation checkpointing:
+    `gradient_checkpointing_enable()` raises at the trainer's setup, after the model loaded."""
+    from moetune.model.census import tiny_config
+    from moetune.model.counting import hf_config_object
+    from moetune.model.derive import build_language_model
+
+    model = build_language_model(hf_config_object("jetmoe", tiny_config("jetmoe")), "jetmoe")
+    try:
+        model.gradient_checkpointing_enable()
+    except ValueError as exc:
+        return ProbeOutcome(True, f"jetmoe: {exc}")
+    return ProbeOutcome(False, "jetmoe now supports gradient checkpointing")

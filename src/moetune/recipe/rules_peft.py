@@ -317,3 +317,30 @@ def engine_unserved(ctx: LintContext) -> Hit | None:
     except RecipeError as err:
         return Hit(err.cause, err.fix, "lora.engine")
     return None
+
+
+# -- GC-UNSUPPORTED ----------------------------------------------------------------------------
+
+
+@register_rule(
+    "GC-UNSUPPORTED",
+    "error",
+    "gradient checkpointing on a model class that refuses it",
+    probe=probes.gradient_checkpointing_unsupported,
+    libraries=("transformers",),
+)
+def gc_unsupported(ctx: LintContext) -> Hit | None:
+    if ctx.spec is None or not ctx.config.train.gradient_checkpointing:
+        return None
+    from moetune.model import to_hf_config
+    from moetune.model.derive import causal_lm_class
+
+    cls = causal_lm_class(to_hf_config(ctx.spec))
+    if getattr(cls, "supports_gradient_checkpointing", True):
+        return None
+    return Hit(
+        f"transformers stops with `ValueError: {cls.__name__} does not support activation "
+        "checkpointing.` when the trainer sets the model up",
+        "set train.gradient_checkpointing: false (and re-plan: activations grow)",
+        "train.gradient_checkpointing",
+    )
