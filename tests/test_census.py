@@ -9,6 +9,7 @@ CPU step allocates it. Types that cannot be built as a decoder MoE say why in on
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -137,8 +138,22 @@ def _save_tiny(model_type: str, out):
     return out
 
 
+# Families that do not train here yet, each with why (strict: a fix is noticed).
+CANNOT_TRAIN = {
+    "deepseek_v4": "transformers 5.24's V4 attention un-rotates its output with cos/sin of "
+    "another length under TRL's batches (size 32 vs 256 at dim 3)",
+}
+
+
+def _train_case(model_type: str) -> Any:
+    reason = CANNOT_TRAIN.get(model_type)
+    if reason is None:
+        return model_type
+    return pytest.param(model_type, marks=pytest.mark.xfail(strict=True, reason=reason))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", MOE)
+@pytest.mark.parametrize("model_type", [_train_case(t) for t in MOE])
 def test_five_training_steps_reach_every_expert_with_the_router_unchanged(
     model_type: str, tmp_path
 ) -> None:
@@ -147,7 +162,13 @@ def test_five_training_steps_reach_every_expert_with_the_router_unchanged(
 
     model = _save_tiny(model_type, tmp_path / "model")
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(12))
-    cfg = run_config(model, data, tmp_path / "run", max_steps=5, save_steps=5, seq_len=16)
+    # what lint's GC-UNSUPPORTED tells the user of a class refusing checkpointing (jetmoe)
+    cls = causal_lm_class(to_hf_config(_spec(model_type)))
+    gc = getattr(cls, "supports_gradient_checkpointing", True)
+    cfg = run_config(
+        model, data, tmp_path / "run", max_steps=5, save_steps=5, seq_len=16,
+        gradient_checkpointing=gc,
+    )  # fmt: skip
     with one_thread():
         result = train(cfg, progress=False)
     assert (result.steps, result.coverage, result.router_changed) == (5, 1.0, False)
