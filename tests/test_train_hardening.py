@@ -24,6 +24,7 @@ from moetune.ledger import Ledger, LedgerError
 from moetune.train import TrainError, train
 from moetune.train.lock import hold, lock_path, read_holder
 from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
+from test_train_resume import _wait_for as wait_for
 
 STEPS, SAVE = 6, 2
 
@@ -64,11 +65,7 @@ def _spawn(script: str, *args: str, log: Path) -> subprocess.Popen:
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"the child died early: {log.read_text()[-2000:]}"
-        assert time.monotonic() < deadline, f"no {path} after {timeout:.0f} s"
-        time.sleep(0.05)
+    wait_for(path, proc, log, timeout)
 
 
 # ---------------------------------------------------------------- one writer per run dir
