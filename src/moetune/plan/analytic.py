@@ -35,7 +35,7 @@ from moetune.config import RunConfig
 from moetune.model.spec import ModelSpec
 from moetune.plan.layout import Adapter, AdapterLayout, adapter_layout
 from moetune.plan.overhead import overhead_for
-from moetune.plan.profiles import ActivationProfile, profile_for
+from moetune.plan.profiles import NO_MIXER, ActivationProfile, MixerTerm, layer_terms, profile_for
 
 Method = Literal["lora", "full", "qlora"]
 Optimizer = Literal["fused", "foreach", "for-loop"]
@@ -170,8 +170,10 @@ def estimate_step(spec: ModelSpec, step: Step, layout: AdapterLayout | None) -> 
     """The analytic peak of `step` on `spec` with LoRA `layout` (None: full fine-tuning)."""
     full = step.method == "full" or layout is None
     trainable = spec.total_params if full else layout.trainable_params  # type: ignore[union-attr]
+    terms = layer_terms(spec)
     layers = [
-        _layer_cost(spec, step, _layer_adapters(layout, i), i) for i in range(spec.num_layers)
+        _layer_cost(spec, step, _layer_adapters(layout, i), i, terms[i] or NO_MIXER)
+        for i in range(spec.num_layers)
     ]
     base = _static(spec, step, trainable)
     phases = {"loss": _loss_phase(spec, step, layers, base)}
@@ -235,19 +237,20 @@ def frozen_bytes(spec: ModelSpec, step: Step) -> float:
 
 
 def _layer_cost(
-    spec: ModelSpec, step: Step, adapters: tuple[Adapter, ...] | None, i: int
+    spec: ModelSpec, step: Step, adapters: tuple[Adapter, ...] | None, i: int, mixer: MixerTerm
 ) -> LayerCost:
+    """Layer `i`'s bytes with its token mixer's term (an uncalibrated kind: none)."""
     prof = profile_for(spec.model_type)
     full = adapters is None
     wrapped = () if full else tuple(a for a in adapters if a.via == "param")  # type: ignore[union-attr]
     experts_trained = full or any(a.kind == "experts" for a in wrapped)
-    per_token = _attention_bytes(spec, prof, adapters, i) + _mlp_bytes(
+    per_token = _mixer_bytes(spec, prof, mixer, adapters, i) + _mlp_bytes(
         spec, prof, adapters, i, experts_trained
     )
-    saved = per_token * step.tokens + prof.pairs(spec) * step.pairs * _is_attention(spec, i)
+    saved = per_token * step.tokens + mixer.pairs(spec) * step.pairs
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
-    act_grad, copy_grad = _backward_extra(spec, step, wrapped, i, experts_trained)
+    act_grad, copy_grad = _backward_extra(spec, step, wrapped, (i, mixer), experts_trained)
     if step.split_lora:  # split LoRA never forms W+ΔW nor a full-size weight gradient;
         # its grouped matmuls keep activation-dtype copies of the factors for backward
         copies = sum(_factor_cast(a) for a in wrapped) * _copy_bytes(step)
@@ -276,15 +279,18 @@ def _factor_cast(a: Adapter) -> int:
     return a.lora_numel if a.base_numel > a.in_features * a.out_features else 0
 
 
-def _attention_bytes(
-    spec: ModelSpec, prof: ActivationProfile, adapters: tuple[Adapter, ...] | None, i: int
+def _mixer_bytes(
+    spec: ModelSpec,
+    prof: ActivationProfile,
+    mixer: MixerTerm,
+    adapters: tuple[Adapter, ...] | None,
+    i: int,
 ) -> int:
-    """Norms, the attention core, and every lora.Linear's kept inputs, per token."""
+    """Norms, the token mixer's core, and every lora.Linear's kept inputs, per token."""
     h = spec.hidden_size
-    total = prof.norms * 4 * h
+    total = prof.norms * 4 * h + mixer.per_token(spec)
     if not _is_attention(spec, i):
         return total
-    total += prof.attention(spec)
     if adapters is None:  # full: every weight needs its input and each norm its output
         q = spec.num_attention_heads * spec.head_dim
         return total + 2 * h + 2 * q + prof.norms * 2 * h
@@ -329,7 +335,11 @@ def _glu_bytes(hidden: int, inter: int, weights_trained: bool) -> int:
 
 
 def _backward_extra(
-    spec: ModelSpec, step: Step, wrapped: tuple[Adapter, ...], i: int, experts_trained: bool
+    spec: ModelSpec,
+    step: Step,
+    wrapped: tuple[Adapter, ...],
+    layer: tuple[int, MixerTerm],
+    experts_trained: bool,
 ) -> tuple[int, int]:
     """(activation-gradient bytes, weight-gradient bytes) on top of the layer's saved set.
 
@@ -337,9 +347,8 @@ def _backward_extra(
     the stacks, the down stack's full-size weight gradient next to its input gradient
     (2·k·I per token); for T² attention kernels, the extra probability-sized tensors.
     """
-    t, act = step.tokens, step.act_bytes // 2
-    prof = profile_for(spec.model_type)
-    attention = prof.pair_transient * prof.pairs(spec) * step.pairs * _is_attention(spec, i)
+    (i, mixer), t, act = layer, step.tokens, step.act_bytes // 2
+    attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
     candidates = [(int(attention), 0)]
     if i not in spec.moe_layers:
         inter = spec.dense_intermediate_size

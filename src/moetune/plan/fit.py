@@ -18,7 +18,7 @@ from moetune.plan.analytic import AnalyticEstimate, Step, estimate_step, split_l
 from moetune.plan.hardware import Card, all_cards, get_card
 from moetune.plan.layout import AdapterLayout, adapter_layout
 from moetune.plan.overhead import Overhead, card_overhead, overhead_for
-from moetune.plan.profiles import profile_for
+from moetune.plan.profiles import mixer_notes, profile_for, uncalibrated
 
 Estimator = Literal["trace", "analytic"]
 GiB = 1024**3
@@ -105,6 +105,7 @@ class MemoryPlan:
     best: dict[str, Recommendation] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    requested: Estimator | None = None  # the estimator asked for, when another one ran
 
     @property
     def overhead_bytes(self) -> int:
@@ -118,6 +119,7 @@ class MemoryPlan:
         return {
             "model": self.model,
             "estimator": self.estimator,
+            "estimator_requested": self.requested or self.estimator,
             "settings": dict(self.settings),
             "peak_bytes": self.peak_bytes,
             "components": dict(self.components),
@@ -148,16 +150,18 @@ def make_plan(
     """Plan `cfg` on `spec` for `cards` (default: the whole catalog).
 
     `estimator="trace"` runs the fake-tensor trace of the real step (cached on disk);
-    "analytic" is instant. Recommendations always use the analytic for speed.
+    "analytic" is instant, and traces instead when a layer's mixer kind has no calibrated
+    term (the plan's notes say so). Recommendations always use the analytic for speed.
     """
     chosen = [get_card(c) for c in cards] if cards else all_cards()
     if estimator not in ("trace", "analytic"):
         raise ConfigError(f"unknown estimator {estimator!r}", "use trace or analytic")
-    peak, components, op, phase, trainable = _estimate(spec, cfg, estimator)
+    used, fallback = _choose(spec, cfg, estimator)
+    peak, components, op, phase, trainable = _estimate(spec, cfg, used)
     fits = {c.id: card_fit(c, peak) for c in chosen}
     plan = MemoryPlan(
         model=spec.name,
-        estimator=estimator,
+        estimator=used,
         peak_bytes=peak,
         components=components,
         peak_op=op,
@@ -167,7 +171,8 @@ def make_plan(
         total_params=spec.total_params,
         fits=fits,
         settings=_settings(cfg),
-        notes=_notes(spec, cfg),
+        notes=[*fallback, *_notes(spec, cfg)],
+        requested=estimator if used != estimator else None,
     )
     from moetune.plan.recommend import recommend  # the search re-plans with `analytic`
 
@@ -175,6 +180,24 @@ def make_plan(
     plan.recommendations.extend(recommend(spec, cfg, missing))
     plan.best.update({c.id: _best(plan, c.id) for c in chosen})
     return plan
+
+
+def _choose(spec: ModelSpec, cfg: RunConfig, estimator: Estimator) -> tuple[Estimator, list[str]]:
+    """The estimator that runs, and a note when it is not the one asked for."""
+    kinds = uncalibrated(spec)
+    if estimator == "trace" or not kinds:
+        return estimator, []
+    named = ", ".join(kinds)
+    if cfg.train.method == "qlora" or cfg.train.quantization != "none":  # fake tensors can't
+        return estimator, [
+            f"analytic: no calibrated activation term for {spec.model_type}'s {named} layers, "
+            "and a quantized step cannot be traced: their activations are left out"
+        ]
+    return "trace", [
+        f"analytic has no calibrated activation term for {spec.model_type}'s {named} layers: "
+        "planned with the trace (the real step on fake tensors) instead; recommendations "
+        "are analytic and leave those layers' activations out"
+    ]
 
 
 def _best(plan: MemoryPlan, card: str) -> Recommendation:
@@ -282,4 +305,4 @@ def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
             "adapted Linear otherwise"
         )
     family = profile_for(spec.model_type).notes
-    return [*notes, family] if family else notes
+    return [*notes, *([family] if family else []), *mixer_notes(spec)]
