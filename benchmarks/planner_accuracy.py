@@ -11,7 +11,7 @@ changed. Prints the worst relative error and its case and appends a dated line t
 benchmarks/RESULTS.md.
 
     python benchmarks/planner_accuracy.py [--quick | --flagships] [--json] [--models a,b]
-        [--no-record]
+        [--seqs 2048,8192] [--no-record]
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ class Case:
 ACCEPTANCE = Case("Qwen/Qwen3-30B-A3B", 16, 2048, True, "automap", ("attention", "experts"))
 
 
-def grid(models: tuple[str, ...], name: str) -> list[Case]:
-    ranks, seqs = GRIDS[name]
+def grid(models: tuple[str, ...], name: str, seqs: tuple[int, ...] = ()) -> list[Case]:
+    ranks, default = GRIDS[name]
+    seqs = seqs or default
     cases = [Case(m, r, s, g) for m, r, s, g in itertools.product(models, ranks, seqs, GCS)]
     return [ACCEPTANCE, *cases] if name == "full" else cases
 
@@ -222,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print every case as JSON")
     ap.add_argument("--models", help="comma list of model ids (default: the grid's)")
+    ap.add_argument("--seqs", help="comma list of sequence lengths (default: the grid's)")
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args(argv)
     name = "flagships" if args.flagships else "quick" if args.quick else "full"
     default = {"full": MODELS, "quick": QUICK_MODELS, "flagships": FLAGSHIPS}[name]
     models = tuple(args.models.split(",")) if args.models else default
-    rows = run(grid(models, name), show_progress=not args.json)
+    seqs = tuple(int(s) for s in args.seqs.split(",")) if args.seqs else ()
+    rows = run(grid(models, name, seqs), show_progress=not args.json)
     s = summary(rows, name)
     if args.json:
         print(json.dumps({"summary": s, "cases": rows}, indent=2))

@@ -10,9 +10,10 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   plus the fp32 log-sum-exp per head; grouped KV heads are not expanded.
 - Eager attention (gpt-oss: sinks): q and the repeated k, v, plus the bf16 attention
   probabilities – `2·heads` bytes per query·key pair – and one additive mask per layer type.
-- MLA (DeepSeek) under SDPA: v's head dim differs from q/k's, no fused CPU kernel takes
-  that, and the trace falls back to the math kernel, which upcasts q, k, v and the
-  probabilities to fp32 (`4·heads` per pair). On CUDA the memory-efficient kernel accepts
+- MLA (DeepSeek) under SDPA: where v's head dim differs from q/k's (every released MLA
+  model), no fused CPU kernel takes that, and the trace falls back to the math kernel,
+  which upcasts q, k, v and the probabilities to fp32 (`4·heads` per pair); equal head
+  dims (tiny test models) take the fused kernel. On CUDA the memory-efficient kernel accepts
   a different v dim and keeps none of the pair term: the trace (and so this profile) is
   conservative there.
 - Output-gated attention (Qwen3-Next, Qwen3.5): per-head q/k RMSNorms as Qwen3, plus the
@@ -76,15 +77,33 @@ def _mla(spec: ModelSpec) -> dict[str, Any]:
     return {
         "qk": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]),
         "v": spec.num_attention_heads * c["v_head_dim"],
+        "kv_b": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
         "norms": c.get("kv_lora_rank") or 0,
         "q_norm": c.get("q_lora_rank") or 0,
     }
 
 
-def mla_math(spec: ModelSpec) -> int:
-    """MLA through the math SDPA kernel (fp32 q, k, v) plus the kv_a / q_a RMSNorms."""
+def _mla_math(spec: ModelSpec) -> bool:
+    """No fused CPU kernel takes a v head dim unlike q/k's: SDPA runs the math kernel."""
     m = _mla(spec)
-    return 4 * (2 * m["qk"] + m["v"]) + 4 * (m["norms"] + m["q_norm"])
+    return bool(m["qk"] != m["v"])
+
+
+def mla_attention(spec: ModelSpec) -> int:
+    """MLA's kv_a / q_a RMSNorms plus its SDPA: the math kernel's fp32 q, k, v, or (equal
+    head dims) the fused kernel's bf16 q, k, out, fp32 log-sum-exp per head, and v – a view
+    that keeps kv_b_proj's whole output (k_nope and v) alive."""
+    m = _mla(spec)
+    norms = 4 * (m["norms"] + m["q_norm"])
+    if _mla_math(spec):
+        return norms + 4 * (2 * m["qk"] + m["v"])
+    rstd = 4 * (bool(m["norms"]) + bool(m["q_norm"]))
+    return norms + rstd + 2 * (2 * m["qk"] + m["kv_b"] + m["v"]) + 4 * spec.num_attention_heads
+
+
+def mla_pairs(spec: ModelSpec) -> int:
+    """The math kernel's fp32 probabilities, per query·key pair; the fused kernel: none."""
+    return 4 * spec.num_attention_heads if _mla_math(spec) else 0
 
 
 def sdpa_gated_qk_norm(spec: ModelSpec) -> int:
@@ -128,8 +147,13 @@ class MixerTerm:
     # probability gradient and softmax-backward output), fitted to the trace at s=8192
     pair_transient: float = 0.0
     notes: str = ""
+    fields: tuple[str, ...] = ()  # config fields the term reads (a spec without them: no term)
+
+    def fits(self, spec: ModelSpec) -> bool:
+        return all(spec.hf_config.get(f) is not None for f in self.fields)
 
 
+NO_MIXER = MixerTerm(_zero)
 MLA_NOTE = (
     "MLA attention is sized as the trace runs it (math SDPA, s² per head in fp32); CUDA's "
     "memory-efficient kernel keeps no s² term, so long sequences need less on a GPU"
@@ -138,13 +162,18 @@ DELTA_NOTE = (
     "linear attention is sized as transformers' torch chunked gated-delta kernel keeps it "
     "(what runs without flash-linear-attention); fla's fused kernels keep less"
 )
-GQA = MixerTerm(sdpa_fused)
-MLA = MixerTerm(mla_math, pairs=heads_pairs(4), pair_transient=1.45, notes=MLA_NOTE)
-MIXERS: dict[str, MixerTerm] = {
-    "attention": GQA,
-    "mla": MLA,
-    "linear_attention": MixerTerm(gated_delta_net, notes=DELTA_NOTE),
-}
+_MLA_FIELDS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_DELTA_FIELDS = (
+    "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
+    "linear_value_head_dim",
+)  # fmt: skip
+MLA = MixerTerm(
+    mla_attention, pairs=mla_pairs, pair_transient=1.45, notes=MLA_NOTE, fields=_MLA_FIELDS
+)
+# Only kinds whose kernel is the same across families; linear attention differs by family
+# (gated DeltaNet, KDA, lightning …), so its terms sit in the families' profiles.
+MIXERS: dict[str, MixerTerm] = {"attention": MixerTerm(sdpa_fused), "mla": MLA, "none": NO_MIXER}
+DELTA_NET = MixerTerm(gated_delta_net, notes=DELTA_NOTE, fields=_DELTA_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -162,14 +191,14 @@ class ActivationProfile:
 
     def term(self, kind: str) -> MixerTerm | None:
         """The saved-bytes term of a mixer kind; None when it is not calibrated."""
-        if kind in self.mixers:
-            return self.mixers[kind]
-        return MIXERS.get(kind)
+        return self.mixers[kind] if kind in self.mixers else MIXERS.get(kind)
 
 
 DEFAULT = ActivationProfile()
 QK_NORM = ActivationProfile(mixers={"attention": MixerTerm(sdpa_fused_qk_norm)})
-GATED = ActivationProfile(mixers={"attention": MixerTerm(sdpa_gated_qk_norm)})
+QWEN3_NEXT = ActivationProfile(  # output-gated attention between gated DeltaNet layers
+    mixers={"attention": MixerTerm(sdpa_gated_qk_norm), "linear_attention": DELTA_NET}
+)
 SINKS = MixerTerm(
     eager_repeat_kv,
     pairs=heads_pairs(2),
@@ -185,8 +214,8 @@ PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
     "olmoe": QK_NORM,
     "minimax_m2": QK_NORM,  # full-width q/k norms, as OLMoE
-    "qwen3_next": GATED,
-    "qwen3_5_moe_text": GATED,
+    "qwen3_next": QWEN3_NEXT,
+    "qwen3_5_moe_text": QWEN3_NEXT,
     "qwen2_moe": ActivationProfile(shared_gate=True),
     "mixtral": DEFAULT,
     "gpt_oss": ActivationProfile(
@@ -215,21 +244,23 @@ def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
 
 
 def layer_terms(spec: ModelSpec) -> tuple[MixerTerm | None, ...]:
-    """Each layer's mixer term (a layer without a mixer: the zero term)."""
+    """Each layer's mixer term; None where its kind has no calibrated term for `spec`."""
     prof = profile_for(spec.model_type)
-    return tuple(prof.term(k) if k else NO_MIXER for k in layer_kinds(spec))
+    return tuple(_term(prof, k, spec) for k in layer_kinds(spec))
+
+
+def _term(prof: ActivationProfile, kind: str, spec: ModelSpec) -> MixerTerm | None:
+    term = prof.term(kind) if kind else NO_MIXER
+    return term if term is not None and term.fits(spec) else None
 
 
 def uncalibrated(spec: ModelSpec) -> list[str]:
     """Mixer kinds of `spec` with no calibrated analytic term (the plan traces those)."""
-    prof = profile_for(spec.model_type)
-    return [k for k in dict.fromkeys(layer_kinds(spec)) if k and prof.term(k) is None]
+    kinds, terms = layer_kinds(spec), layer_terms(spec)
+    return list(dict.fromkeys(k for k, t in zip(kinds, terms, strict=True) if t is None))
 
 
 def mixer_notes(spec: ModelSpec) -> list[str]:
     """The notes of the mixer terms `spec` uses, once each."""
     terms = dict.fromkeys(t for t in layer_terms(spec) if t is not None and t.notes)
     return [t.notes for t in terms]
-
-
-NO_MIXER = MixerTerm(_zero)
