@@ -25,6 +25,7 @@ CALIBRATED = [
     ("minimax_m2", "attention", {}),  # full-width q/k norms
     ("glm4_moe_lite", "mla", {}),  # equal q/k and v head dims: the fused SDPA kernel
     ("glm4_moe_lite", "mla", {"v_head_dim": 8}),  # as released: the math kernel, s² fp32
+    ("deepseek_v32", "mla", {}),  # + DSA: a top-k mask per layer, a no-grad indexer
 ]
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 

@@ -8,9 +8,11 @@ steady state (step ≥ 2, Adam moments live through forward and backward):
   knowledge §3), trainable weights (peft upcasts adapters to fp32: 4 B),
 - optimizer state: two Adam moments (fp32 for adapters; param dtype for full),
 - gradients: accumulating layer by layer during backward, all of them in the step,
-- activations: what each decoder layer saves for backward (`plan.profiles`), all layers
-  with gradient checkpointing off; with it on, each layer's input plus one layer's
-  recompute,
+- activations: what each decoder layer saves for backward, its token mixer's term picked
+  by the layer's kind (`ModelSpec.mixers`: attention, mla, linear_attention …; see
+  `plan.profiles`), all layers with gradient checkpointing off; with it on, each layer's
+  input plus one layer's recompute (a kind with no calibrated term adds nothing here, and
+  `plan.fit` traces such a spec instead),
 - expert weight copies: peft's ParamWrapper materialises `W + s·B@A` for every wrapped
   stack on each forward and keeps it for backward, and backward makes a full-size weight
   gradient (knowledge §3); without checkpointing every layer keeps its copy,
@@ -295,7 +297,8 @@ def _mixer_bytes(
         q = spec.num_attention_heads * spec.head_dim
         return total + 2 * h + 2 * q + prof.norms * 2 * h
     # lora.Linear casts its input to fp32 for lora_A and keeps lora_A's output
-    return total + sum(4 * a.in_features + 4 * a.rank for a in adapters if a.via == "linear")
+    kept = [a for a in adapters if a.via == "linear" and not a.name.startswith(mixer.no_grad)]
+    return total + sum(4 * a.in_features + 4 * a.rank for a in kept)
 
 
 def _mlp_bytes(
@@ -349,7 +352,7 @@ def _backward_extra(
     """
     (i, mixer), t, act = layer, step.tokens, step.act_bytes // 2
     attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
-    candidates = [(int(attention), 0)]
+    candidates = [(int(attention), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
     if i not in spec.moe_layers:
         inter = spec.dense_intermediate_size
         candidates.append((4 * inter * t * act, _largest(wrapped) * _copy_bytes(step)))

@@ -23,6 +23,10 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   runs): the causal conv's input and output, fp32 l2-normed q/k repeated to the value
   heads, per 64-token chunk a C×C decay/attention matrix per head and a dk×dv state, and
   the gated RMSNorm on the output – all linear in tokens (C = 64 is the kernel's chunk).
+- DeepSeek sparse attention (V3.2): MLA plus, per layer, the indexer's top-k mask over
+  the keys (bf16 per pair); the indexer runs without grad but makes fp32 scores per index
+  head and pair while the layer runs forward (again in the recompute); LoRA on its
+  Linears keeps no inputs (and gets no gradient).
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -35,6 +39,7 @@ under a mixer kind, or a profile under a model_type.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +131,16 @@ def gated_delta_net(spec: ModelSpec) -> int:
     return 4 * conv + hv * per_head
 
 
+def dsa_pairs(spec: ModelSpec) -> int:
+    """MLA's pairs plus DeepSeek sparse attention's top-k mask (bf16, one per layer)."""
+    return mla_pairs(spec) + 2
+
+
+def indexer_scores(spec: ModelSpec) -> int:
+    """The indexer's fp32 q·k scores per index head, and their scaled / relu'd copy."""
+    return 2 * 4 * spec.hf_config["index_n_heads"]
+
+
 def heads_pairs(bytes_per_head: int) -> SpecInt:
     """Bytes per query·key pair for kernels that materialise the probabilities."""
     return lambda spec: bytes_per_head * spec.num_attention_heads
@@ -146,11 +161,18 @@ class MixerTerm:
     # saved one (eager: scores, masked scores, max-shifted logits; math SDPA: the fp32
     # probability gradient and softmax-backward output), fitted to the trace at s=8192
     pair_transient: float = 0.0
+    # per pair, alive only while the mixer runs forward (or recomputes): DSA's index scores
+    forward_pairs: SpecInt = _zero
+    no_grad: tuple[str, ...] = ()  # submodules run under torch.no_grad: adapters there keep nothing
     notes: str = ""
     fields: tuple[str, ...] = ()  # config fields the term reads (a spec without them: no term)
+    absent: tuple[str, ...] = ()  # fields of a variant the term does not size
 
     def fits(self, spec: ModelSpec) -> bool:
-        return all(spec.hf_config.get(f) is not None for f in self.fields)
+        c = spec.hf_config
+        return all(c.get(f) is not None for f in self.fields) and not any(
+            c.get(f) for f in self.absent
+        )
 
 
 NO_MIXER = MixerTerm(_zero)
@@ -168,7 +190,21 @@ _DELTA_FIELDS = (
     "linear_value_head_dim",
 )  # fmt: skip
 MLA = MixerTerm(
-    mla_attention, pairs=mla_pairs, pair_transient=1.45, notes=MLA_NOTE, fields=_MLA_FIELDS
+    mla_attention,
+    pairs=mla_pairs,
+    pair_transient=1.45,
+    notes=MLA_NOTE,
+    fields=_MLA_FIELDS,
+    absent=("index_n_heads",),  # a DSA indexer: its family's profile sizes it
+)
+DSA = dataclasses.replace(
+    MLA,
+    pairs=dsa_pairs,
+    forward_pairs=indexer_scores,
+    fields=(*_MLA_FIELDS, "index_n_heads"),
+    absent=(),
+    no_grad=("indexer.",),
+    notes=MLA_NOTE + "; the DSA indexer's s² scores per index head are sized in fp32",
 )
 # Only kinds whose kernel is the same across families; linear attention differs by family
 # (gated DeltaNet, KDA, lightning …), so its terms sit in the families' profiles.
@@ -226,6 +262,7 @@ PROFILES: dict[str, ActivationProfile] = {
     ),
     "deepseek_v2": ActivationProfile(kind="mla"),
     "deepseek_v3": ActivationProfile(kind="mla"),
+    "deepseek_v32": ActivationProfile(kind="mla", mixers={"mla": DSA}),
     "gemma4_text": ActivationProfile(mixers={"attention": None}, notes=GEMMA4_NOTE),
 }
 
