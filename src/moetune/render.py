@@ -89,7 +89,7 @@ def best_table(plan: Any) -> Table:
 def print_plan_notes(console: Console, plan: Any) -> None:
     """What the plan's figures assume or could not do (e.g. the analytic's trace fallback)."""
     for note in plan.notes:
-        console.print(f"note: {escape(note)}", highlight=False)
+        console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
 
 
 def print_recommendations(console: Console, plan: Any) -> None:
