@@ -187,11 +187,16 @@ def per_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def record(s: dict[str, Any]) -> None:
-    """Append one dated line under this benchmark's section (never rewrites the file)."""
+    """Add one dated line at the end of this benchmark's section (temp file + rename)."""
     text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
     if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n\n"
-        RESULTS.write_text(text)
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n"
+    tmp = RESULTS.with_suffix(".md.tmp")
+    tmp.write_text(insert_in_section(text, SECTION, result_line(s)))
+    tmp.replace(RESULTS)
+
+
+def result_line(s: dict[str, Any]) -> str:
     line = (
         f"- {s['date']} · {s['machine']} · {s['versions']} · {s['grid']} grid, "
         f"{s['cases']} cases: worst {100 * s['worst_error']:+.1f} % ({s['worst_case']}), "
@@ -202,9 +207,16 @@ def record(s: dict[str, Any]) -> None:
         line += "; per model (worst / mean |error|): " + "; ".join(
             _model_text(m, v) for m, v in s["per_model"].items()
         )
-    line += "\n"
-    with RESULTS.open("a") as fh:
-        fh.write(line)
+    return line
+
+
+def insert_in_section(text: str, section: str, line: str) -> str:
+    """`text` with `line` after the last line of `section` (before the next `## ` header)."""
+    start = text.index(section) + len(section)
+    end = text.find("\n## ", start)
+    end = len(text) if end < 0 else end
+    body, rest = text[:end].rstrip("\n"), text[end:].lstrip("\n")
+    return f"{body}\n\n{line}\n" + (f"\n{rest}" if rest else "")
 
 
 def _model_text(model: str, v: dict[str, Any]) -> str:
