@@ -76,6 +76,23 @@ def test_an_uncalibrated_mixer_kind_plans_with_the_trace_and_says_so() -> None:
     assert doc["notes"][0] == plan.notes[0]
 
 
+def test_a_failed_fallback_trace_keeps_the_analytic_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from moetune.errors import TraceError
+    from moetune.plan import tracecache
+
+    def fail(*_: object, **__: object) -> None:
+        raise TraceError("the training-step trace failed at aten.nonzero", "check the config")
+
+    monkeypatch.setattr(tracecache, "cached_trace", fail)
+    spec, run = tiny("nemotron_h"), cfg(64, True)
+    plan = make_plan(spec, run, cards=["H200"], estimator="analytic")
+    assert plan.estimator == "analytic" and plan.requested is None
+    assert plan.peak_bytes == analytic(spec, run).peak_bytes
+    assert "trace failed" in plan.notes[0] and "aten.nonzero" in plan.notes[0]
+
+
 def test_a_calibrated_spec_stays_analytic() -> None:
     plan = make_plan(tiny("qwen3_next"), cfg(64, True), cards=["H200"], estimator="analytic")
     assert plan.estimator == "analytic" and plan.requested is None

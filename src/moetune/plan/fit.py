@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from moetune.config import RunConfig
-from moetune.errors import ConfigError, MoetuneError
+from moetune.errors import ConfigError, MoetuneError, TraceError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate, Step, estimate_step, split_lora
 from moetune.plan.hardware import Card, all_cards, get_card
@@ -156,8 +156,7 @@ def make_plan(
     chosen = [get_card(c) for c in cards] if cards else all_cards()
     if estimator not in ("trace", "analytic"):
         raise ConfigError(f"unknown estimator {estimator!r}", "use trace or analytic")
-    used, fallback = _choose(spec, cfg, estimator)
-    peak, components, op, phase, trainable = _estimate(spec, cfg, used)
+    used, fallback, (peak, components, op, phase, trainable) = _estimate_as(spec, cfg, estimator)
     fits = {c.id: card_fit(c, peak) for c in chosen}
     plan = MemoryPlan(
         model=spec.name,
@@ -182,22 +181,39 @@ def make_plan(
     return plan
 
 
+def _estimate_as(
+    spec: ModelSpec, cfg: RunConfig, estimator: Estimator
+) -> tuple[Estimator, list[str], tuple[int, dict[str, int], str | None, str, int]]:
+    """The estimate, by `estimator` or the trace it falls back to (then with a note why);
+    a fallback trace that fails leaves the analytic, saying what it leaves out."""
+    used, notes = _choose(spec, cfg, estimator)
+    try:
+        return used, notes, _estimate(spec, cfg, used)
+    except TraceError as exc:
+        if used == estimator:
+            raise
+        note = f"analytic: {_missing(spec)}, and the trace failed ({exc.cause}): their "
+        return estimator, [note + "activations are left out"], _estimate(spec, cfg, estimator)
+
+
 def _choose(spec: ModelSpec, cfg: RunConfig, estimator: Estimator) -> tuple[Estimator, list[str]]:
     """The estimator that runs, and a note when it is not the one asked for."""
-    kinds = uncalibrated(spec)
-    if estimator == "trace" or not kinds:
+    if estimator == "trace" or not uncalibrated(spec):
         return estimator, []
-    named = ", ".join(kinds)
     if cfg.train.method == "qlora" or cfg.train.quantization != "none":  # fake tensors can't
         return estimator, [
-            f"analytic: no calibrated activation term for {spec.model_type}'s {named} layers, "
-            "and a quantized step cannot be traced: their activations are left out"
+            f"analytic: {_missing(spec)}, and a quantized step cannot be traced: their "
+            "activations are left out"
         ]
     return "trace", [
-        f"analytic has no calibrated activation term for {spec.model_type}'s {named} layers: "
-        "planned with the trace (the real step on fake tensors) instead; recommendations "
-        "are analytic and leave those layers' activations out"
+        f"analytic has {_missing(spec)}: planned with the trace (the real step on fake "
+        "tensors) instead; recommendations are analytic and leave those layers' activations out"
     ]
+
+
+def _missing(spec: ModelSpec) -> str:
+    kinds = ", ".join(uncalibrated(spec))
+    return f"no calibrated activation term for {spec.model_type}'s {kinds} layers"
 
 
 def _best(plan: MemoryPlan, card: str) -> Recommendation:
