@@ -8,6 +8,7 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
 - RMSNorm (HF): an fp32 copy of its input (4 B per element) survives for backward.
 - SDPA with a fused kernel (flash / memory-efficient): q, k, v and the output in bf16,
   plus the fp32 log-sum-exp per head; grouped KV heads are not expanded.
+- q/k RMSNorms before it (Qwen3 per head; OLMoE, MiniMax-M2 full width): + fp32 q and k.
 - Eager attention (gpt-oss: sinks): q and the repeated k, v, plus the bf16 attention
   probabilities – `2·heads` bytes per query·key pair – and one additive mask per layer type.
 - MLA (DeepSeek) under SDPA: where v's head dim differs from q/k's (every released MLA
