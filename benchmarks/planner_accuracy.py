@@ -159,6 +159,7 @@ def summary(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
         "versions": versions(),
         "grid": name,
+        "seqs": sorted({r["seq_len"] for r in rows}),
         "cases": len(planned),
         "mean_abs_error": _mean_abs(planned),
         "worst_error": worst["relative_error"],
@@ -198,7 +199,8 @@ def record(s: dict[str, Any]) -> None:
 
 def result_line(s: dict[str, Any]) -> str:
     line = (
-        f"- {s['date']} · {s['machine']} · {s['versions']} · {s['grid']} grid, "
+        f"- {s['date']} · {s['machine']} · {s['versions']} · {s['grid']} grid "
+        f"(seq {', '.join(map(str, s['seqs']))}), "
         f"{s['cases']} cases: worst {100 * s['worst_error']:+.1f} % ({s['worst_case']}), "
         f"mean |error| {100 * s['mean_abs_error']:.2f} %, "
         f"{s['within_10pct']}/{s['cases']} within 10 %"
