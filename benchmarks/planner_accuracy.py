@@ -2,11 +2,16 @@
 
 Runs the grid models × LoRA ranks {8, 16, 64} × sequence lengths {512, 2048, 8192} ×
 gradient checkpointing {on, off} (moetune's default targets, explicit expert mapping),
-plus the vanilla-peft acceptance case, with both estimators. Traces are cached on disk
-(`~/.cache/moetune/traces`), so a rerun only pays for what changed. Prints the worst
-relative error and its case and appends a dated line to benchmarks/RESULTS.md.
+plus the vanilla-peft acceptance case, with both estimators. `--flagships` runs the
+newest families instead (hybrid linear attention, MLA with an indexer, …) at r=16 ×
+seq {2048, 8192} × gc on/off; a flagship whose mixer kind has no calibrated analytic term
+is planned with the trace (`plan.fit`), and its raw analytic error is shown apart.
+Traces are cached on disk (`~/.cache/moetune/traces`), so a rerun only pays for what
+changed. Prints the worst relative error and its case and appends a dated line to
+benchmarks/RESULTS.md.
 
-    python benchmarks/planner_accuracy.py [--quick] [--json] [--models a,b] [--no-record]
+    python benchmarks/planner_accuracy.py [--quick | --flagships] [--json] [--models a,b]
+        [--seqs 2048,8192] [--no-record]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 from moetune.config import RunConfig, parse_config
 from moetune.model import load_spec
 from moetune.plan.fit import analytic
+from moetune.plan.profiles import uncalibrated
 from moetune.plan.tracecache import cached_trace
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -48,7 +54,20 @@ MODELS = (
     "openai/gpt-oss-20b",
 )
 QUICK_MODELS = ("allenai/OLMoE-1B-7B-0924", "deepseek-ai/DeepSeek-V2-Lite", "openai/gpt-oss-20b")
+FLAGSHIPS = (
+    "Qwen/Qwen3.5-35B-A3B",
+    "google/gemma-4-26B-A4B-it",
+    "zai-org/GLM-4.7-Flash",
+    "deepseek-ai/DeepSeek-V3.2",
+    "MiniMaxAI/MiniMax-M2",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct",
+)
 RANKS, SEQS, GCS = (8, 16, 64), (512, 2048, 8192), (True, False)
+GRIDS = {  # name: (ranks, seqs)
+    "full": (RANKS, SEQS),
+    "quick": ((16,), (512, 2048)),
+    "flagships": ((16,), (2048, 8192)),
+}
 
 
 @dataclass(frozen=True)
@@ -81,10 +100,11 @@ class Case:
 ACCEPTANCE = Case("Qwen/Qwen3-30B-A3B", 16, 2048, True, "automap", ("attention", "experts"))
 
 
-def grid(models: tuple[str, ...], quick: bool) -> list[Case]:
-    ranks, seqs = ((16,), (512, 2048)) if quick else (RANKS, SEQS)
+def grid(models: tuple[str, ...], name: str, seqs: tuple[int, ...] = ()) -> list[Case]:
+    ranks, default = GRIDS[name]
+    seqs = seqs or default
     cases = [Case(m, r, s, g) for m, r, s, g in itertools.product(models, ranks, seqs, GCS)]
-    return cases if quick else [ACCEPTANCE, *cases]
+    return [ACCEPTANCE, *cases] if name == "full" else cases
 
 
 def measure(case: Case) -> dict[str, Any]:
@@ -103,6 +123,7 @@ def measure(case: Case) -> dict[str, Any]:
         "trace_op": trace.peak_op,
         "trace_seconds": round(trace.seconds, 1),
         "relative_error": error,
+        "uncalibrated": uncalibrated(spec),  # the plan traces these (no analytic term)
     }
 
 
@@ -129,50 +150,102 @@ def _case(row: dict[str, Any]) -> Case:
     return Case(**{**fields, "targets": tuple(fields["targets"])})
 
 
-def summary(rows: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
-    worst = max(rows, key=lambda r: abs(r["relative_error"]))
-    mean = sum(abs(r["relative_error"]) for r in rows) / len(rows)
+def summary(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Worst and mean error over the cases the analytic plans (uncalibrated ones apart)."""
+    planned = [r for r in rows if not r["uncalibrated"]] or rows
+    worst = max(planned, key=lambda r: abs(r["relative_error"]))
     return {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
         "versions": versions(),
-        "grid": "quick" if quick else "full",
-        "cases": len(rows),
-        "mean_abs_error": mean,
+        "grid": name,
+        "seqs": sorted({r["seq_len"] for r in rows}),
+        "cases": len(planned),
+        "mean_abs_error": _mean_abs(planned),
         "worst_error": worst["relative_error"],
         "worst_case": _case(worst).label(),
-        "within_10pct": sum(abs(r["relative_error"]) <= 0.10 for r in rows),
+        "within_10pct": sum(abs(r["relative_error"]) <= 0.10 for r in planned),
+        "per_model": per_model(rows),
     }
 
 
+def _mean_abs(rows: list[dict[str, Any]]) -> float:
+    return sum(abs(r["relative_error"]) for r in rows) / len(rows)
+
+
+def per_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Worst and mean error per model, and the mixer kinds the plan traces instead."""
+    out = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        worst = max(mine, key=lambda r: abs(r["relative_error"]))
+        out[model] = {
+            "worst_error": worst["relative_error"],
+            "mean_abs_error": _mean_abs(mine),
+            "uncalibrated": mine[0]["uncalibrated"],
+        }
+    return out
+
+
 def record(s: dict[str, Any]) -> None:
-    """Append one dated line under this benchmark's section (never rewrites the file)."""
+    """Add one dated line at the end of this benchmark's section (temp file + rename)."""
     text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
     if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n\n"
-        RESULTS.write_text(text)
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n"
+    tmp = RESULTS.with_suffix(".md.tmp")
+    tmp.write_text(insert_in_section(text, SECTION, result_line(s)))
+    tmp.replace(RESULTS)
+
+
+def result_line(s: dict[str, Any]) -> str:
     line = (
-        f"- {s['date']} · {s['machine']} · {s['versions']} · {s['grid']} grid, "
+        f"- {s['date']} · {s['machine']} · {s['versions']} · {s['grid']} grid "
+        f"(seq {', '.join(map(str, s['seqs']))}), "
         f"{s['cases']} cases: worst {100 * s['worst_error']:+.1f} % ({s['worst_case']}), "
         f"mean |error| {100 * s['mean_abs_error']:.2f} %, "
-        f"{s['within_10pct']}/{s['cases']} within 10 %\n"
+        f"{s['within_10pct']}/{s['cases']} within 10 %"
     )
-    with RESULTS.open("a") as fh:
-        fh.write(line)
+    if s["grid"] == "flagships":
+        line += "; per model (worst / mean |error|): " + "; ".join(
+            _model_text(m, v) for m, v in s["per_model"].items()
+        )
+    return line
+
+
+def insert_in_section(text: str, section: str, line: str) -> str:
+    """`text` with `line` after the last line of `section` (before the next `## ` header)."""
+    start = text.index(section) + len(section)
+    end = text.find("\n## ", start)
+    end = len(text) if end < 0 else end
+    body, rest = text[:end].rstrip("\n"), text[end:].lstrip("\n")
+    return f"{body}\n\n{line}\n" + (f"\n{rest}" if rest else "")
+
+
+def _model_text(model: str, v: dict[str, Any]) -> str:
+    text = f"{model} {100 * v['worst_error']:+.1f} % / {100 * v['mean_abs_error']:.1f} %"
+    if v["uncalibrated"]:
+        kinds = ", ".join(v["uncalibrated"])
+        text += f" (raw analytic; {kinds} uncalibrated: the plan traces it)"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 small models, r=16, seq 512/2048")
+    ap.add_argument(
+        "--flagships", action="store_true", help="the newest families, r=16, seq 2048/8192"
+    )
     ap.add_argument("--json", action="store_true", help="print every case as JSON")
     ap.add_argument("--models", help="comma list of model ids (default: the grid's)")
+    ap.add_argument("--seqs", help="comma list of sequence lengths (default: the grid's)")
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args(argv)
-    models = (
-        tuple(args.models.split(",")) if args.models else (QUICK_MODELS if args.quick else MODELS)
-    )
-    rows = run(grid(models, args.quick), show_progress=not args.json)
-    s = summary(rows, args.quick)
+    name = "flagships" if args.flagships else "quick" if args.quick else "full"
+    default = {"full": MODELS, "quick": QUICK_MODELS, "flagships": FLAGSHIPS}[name]
+    models = tuple(args.models.split(",")) if args.models else default
+    seqs = tuple(int(s) for s in args.seqs.split(",")) if args.seqs else ()
+    rows = run(grid(models, name, seqs), show_progress=not args.json)
+    s = summary(rows, name)
     if args.json:
         print(json.dumps({"summary": s, "cases": rows}, indent=2))
     else:
@@ -180,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{100 * r['relative_error']:+6.1f} %  {r['analytic_bytes'] / GiB:8.2f} "
                 f"vs {r['trace_bytes'] / GiB:8.2f} GiB  {_case(r).label()}"
+                + (" (uncalibrated: plan traces)" if r["uncalibrated"] else "")
             )
         print(f"worst: {100 * s['worst_error']:+.1f} % at {s['worst_case']}; "
               f"mean |error| {100 * s['mean_abs_error']:.2f} %")  # fmt: skip

@@ -146,3 +146,18 @@ def test_plan_prints_the_best_config_per_card() -> None:
     assert code == 0
     assert "best config per card" in out
     assert "RTX-4090: --set lora.engine=moetune --set model.experts_dtype=nf4" in out
+
+
+def test_plan_of_an_uncalibrated_mixer_kind_says_it_traced(tmp_path: Path) -> None:
+    from moetune.model.census import tiny_config
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("nemotron_h")))
+    args = ("plan", str(tmp_path), "--seq", "64", "--card", "H200")
+    code, out, _ = _run(*args)
+    assert code == 0
+    assert "peak memory by component (trace)" in out
+    assert "note: analytic has no calibrated activation term for nemotron_h's mamba" in out
+    code, out, _ = _run(*args, "--json")
+    plan = json.loads(out)
+    assert plan["estimator"] == "trace" and plan["estimator_requested"] == "analytic"
+    assert "mamba" in plan["notes"][0]

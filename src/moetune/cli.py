@@ -138,6 +138,7 @@ def plan(
         fits_table,
         plan_components_table,
         print_findings,
+        print_plan_notes,
         print_recommendations,
     )
 
@@ -160,6 +161,7 @@ def plan(
         emit_json({**result.to_json(), "findings": [f.rule_id for f in findings]})
         return
     console.print(plan_components_table(result))
+    print_plan_notes(console, result)
     console.print(fits_table(result))
     print_recommendations(console, result)
     print_findings(console, findings)

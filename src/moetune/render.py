@@ -95,6 +95,12 @@ def best_table(plan: Any) -> Table:
     return table
 
 
+def print_plan_notes(console: Console, plan: Any) -> None:
+    """What the plan's figures assume or could not do (e.g. the analytic's trace fallback)."""
+    for note in plan.notes:
+        console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
+
+
 def print_recommendations(console: Console, plan: Any) -> None:
     """The best table, each best change as `--set` flags, then the other fitting changes."""
     console.print(best_table(plan))

@@ -8,9 +8,11 @@ steady state (step ≥ 2, Adam moments live through forward and backward):
   knowledge §3), trainable weights (peft upcasts adapters to fp32: 4 B),
 - optimizer state: two Adam moments (fp32 for adapters; param dtype for full),
 - gradients: accumulating layer by layer during backward, all of them in the step,
-- activations: what each decoder layer saves for backward (`plan.profiles`), all layers
-  with gradient checkpointing off; with it on, each layer's input plus one layer's
-  recompute,
+- activations: what each decoder layer saves for backward, its token mixer's term picked
+  by the layer's kind (`ModelSpec.mixers`: attention, mla, linear_attention …; see
+  `plan.profiles`), all layers with gradient checkpointing off; with it on, each layer's
+  input plus one layer's recompute (a kind with no calibrated term adds nothing here, and
+  `plan.fit` traces such a spec instead),
 - expert weight copies: peft's ParamWrapper materialises `W + s·B@A` for every wrapped
   stack on each forward and keeps it for backward, and backward makes a full-size weight
   gradient (knowledge §3); without checkpointing every layer keeps its copy,
@@ -35,7 +37,7 @@ from moetune.config import RunConfig
 from moetune.model.spec import ModelSpec
 from moetune.plan.layout import Adapter, AdapterLayout, adapter_layout
 from moetune.plan.overhead import overhead_for
-from moetune.plan.profiles import ActivationProfile, profile_for
+from moetune.plan.profiles import NO_MIXER, ActivationProfile, MixerTerm, layer_terms, profile_for
 
 Method = Literal["lora", "full", "qlora"]
 Optimizer = Literal["fused", "foreach", "for-loop"]
@@ -170,8 +172,10 @@ def estimate_step(spec: ModelSpec, step: Step, layout: AdapterLayout | None) -> 
     """The analytic peak of `step` on `spec` with LoRA `layout` (None: full fine-tuning)."""
     full = step.method == "full" or layout is None
     trainable = spec.total_params if full else layout.trainable_params  # type: ignore[union-attr]
+    terms = layer_terms(spec)
     layers = [
-        _layer_cost(spec, step, _layer_adapters(layout, i), i) for i in range(spec.num_layers)
+        _layer_cost(spec, step, _layer_adapters(layout, i), i, terms[i] or NO_MIXER)
+        for i in range(spec.num_layers)
     ]
     base = _static(spec, step, trainable)
     phases = {"loss": _loss_phase(spec, step, layers, base)}
@@ -235,19 +239,20 @@ def frozen_bytes(spec: ModelSpec, step: Step) -> float:
 
 
 def _layer_cost(
-    spec: ModelSpec, step: Step, adapters: tuple[Adapter, ...] | None, i: int
+    spec: ModelSpec, step: Step, adapters: tuple[Adapter, ...] | None, i: int, mixer: MixerTerm
 ) -> LayerCost:
+    """Layer `i`'s bytes with its token mixer's term (an uncalibrated kind: none)."""
     prof = profile_for(spec.model_type)
     full = adapters is None
     wrapped = () if full else tuple(a for a in adapters if a.via == "param")  # type: ignore[union-attr]
     experts_trained = full or any(a.kind == "experts" for a in wrapped)
-    per_token = _attention_bytes(spec, prof, adapters, i) + _mlp_bytes(
+    per_token = _mixer_bytes(spec, prof, mixer, adapters, i) + _mlp_bytes(
         spec, prof, adapters, i, experts_trained
     )
-    saved = per_token * step.tokens + prof.pairs(spec) * step.pairs * _is_attention(spec, i)
+    saved = per_token * step.tokens + mixer.pairs(spec) * step.pairs
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
-    act_grad, copy_grad = _backward_extra(spec, step, wrapped, i, experts_trained)
+    act_grad, copy_grad = _backward_extra(spec, step, wrapped, (i, mixer), experts_trained)
     if step.split_lora:  # split LoRA never forms W+ΔW nor a full-size weight gradient;
         # its grouped matmuls keep activation-dtype copies of the factors for backward
         copies = sum(_factor_cast(a) for a in wrapped) * _copy_bytes(step)
@@ -276,20 +281,24 @@ def _factor_cast(a: Adapter) -> int:
     return a.lora_numel if a.base_numel > a.in_features * a.out_features else 0
 
 
-def _attention_bytes(
-    spec: ModelSpec, prof: ActivationProfile, adapters: tuple[Adapter, ...] | None, i: int
+def _mixer_bytes(
+    spec: ModelSpec,
+    prof: ActivationProfile,
+    mixer: MixerTerm,
+    adapters: tuple[Adapter, ...] | None,
+    i: int,
 ) -> int:
-    """Norms, the attention core, and every lora.Linear's kept inputs, per token."""
+    """Norms, the token mixer's core, and every lora.Linear's kept inputs, per token."""
     h = spec.hidden_size
-    total = prof.norms * 4 * h
+    total = prof.norms * 4 * h + mixer.per_token(spec)
     if not _is_attention(spec, i):
         return total
-    total += prof.attention(spec)
     if adapters is None:  # full: every weight needs its input and each norm its output
         q = spec.num_attention_heads * spec.head_dim
         return total + 2 * h + 2 * q + prof.norms * 2 * h
     # lora.Linear casts its input to fp32 for lora_A and keeps lora_A's output
-    return total + sum(4 * a.in_features + 4 * a.rank for a in adapters if a.via == "linear")
+    kept = [a for a in adapters if a.via == "linear" and not a.name.startswith(mixer.no_grad)]
+    return total + sum(4 * a.in_features + 4 * a.rank for a in kept)
 
 
 def _mlp_bytes(
@@ -329,7 +338,11 @@ def _glu_bytes(hidden: int, inter: int, weights_trained: bool) -> int:
 
 
 def _backward_extra(
-    spec: ModelSpec, step: Step, wrapped: tuple[Adapter, ...], i: int, experts_trained: bool
+    spec: ModelSpec,
+    step: Step,
+    wrapped: tuple[Adapter, ...],
+    layer: tuple[int, MixerTerm],
+    experts_trained: bool,
 ) -> tuple[int, int]:
     """(activation-gradient bytes, weight-gradient bytes) on top of the layer's saved set.
 
@@ -337,10 +350,9 @@ def _backward_extra(
     the stacks, the down stack's full-size weight gradient next to its input gradient
     (2·k·I per token); for T² attention kernels, the extra probability-sized tensors.
     """
-    t, act = step.tokens, step.act_bytes // 2
-    prof = profile_for(spec.model_type)
-    attention = prof.pair_transient * prof.pairs(spec) * step.pairs * _is_attention(spec, i)
-    candidates = [(int(attention), 0)]
+    (i, mixer), t, act = layer, step.tokens, step.act_bytes // 2
+    attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
+    candidates = [(int(attention), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
     if i not in spec.moe_layers:
         inter = spec.dense_intermediate_size
         candidates.append((4 * inter * t * act, _largest(wrapped) * _copy_bytes(step)))

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from moetune.config import RunConfig
-from moetune.errors import ConfigError, MoetuneError
+from moetune.errors import ConfigError, MoetuneError, TraceError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate, Step, estimate_step, split_lora
 from moetune.plan.hardware import Card, all_cards, get_card
 from moetune.plan.layout import AdapterLayout, adapter_layout
 from moetune.plan.overhead import Overhead, card_overhead, overhead_for
-from moetune.plan.profiles import profile_for
+from moetune.plan.profiles import mixer_notes, profile_for, uncalibrated
 
 Estimator = Literal["trace", "analytic"]
 GiB = 1024**3
@@ -105,6 +105,7 @@ class MemoryPlan:
     best: dict[str, Recommendation] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    requested: Estimator | None = None  # the estimator asked for, when another one ran
 
     @property
     def overhead_bytes(self) -> int:
@@ -118,6 +119,7 @@ class MemoryPlan:
         return {
             "model": self.model,
             "estimator": self.estimator,
+            "estimator_requested": self.requested or self.estimator,
             "settings": dict(self.settings),
             "peak_bytes": self.peak_bytes,
             "components": dict(self.components),
@@ -148,16 +150,17 @@ def make_plan(
     """Plan `cfg` on `spec` for `cards` (default: the whole catalog).
 
     `estimator="trace"` runs the fake-tensor trace of the real step (cached on disk);
-    "analytic" is instant. Recommendations always use the analytic for speed.
+    "analytic" is instant, and traces instead when a layer's mixer kind has no calibrated
+    term (the plan's notes say so). Recommendations always use the analytic for speed.
     """
     chosen = [get_card(c) for c in cards] if cards else all_cards()
     if estimator not in ("trace", "analytic"):
         raise ConfigError(f"unknown estimator {estimator!r}", "use trace or analytic")
-    peak, components, op, phase, trainable = _estimate(spec, cfg, estimator)
+    used, fallback, (peak, components, op, phase, trainable) = _estimate_as(spec, cfg, estimator)
     fits = {c.id: card_fit(c, peak) for c in chosen}
     plan = MemoryPlan(
         model=spec.name,
-        estimator=estimator,
+        estimator=used,
         peak_bytes=peak,
         components=components,
         peak_op=op,
@@ -167,7 +170,8 @@ def make_plan(
         total_params=spec.total_params,
         fits=fits,
         settings=_settings(cfg),
-        notes=_notes(spec, cfg),
+        notes=[*fallback, *_notes(spec, cfg)],
+        requested=estimator if used != estimator else None,
     )
     from moetune.plan.recommend import recommend  # the search re-plans with `analytic`
 
@@ -175,6 +179,41 @@ def make_plan(
     plan.recommendations.extend(recommend(spec, cfg, missing))
     plan.best.update({c.id: _best(plan, c.id) for c in chosen})
     return plan
+
+
+def _estimate_as(
+    spec: ModelSpec, cfg: RunConfig, estimator: Estimator
+) -> tuple[Estimator, list[str], tuple[int, dict[str, int], str | None, str, int]]:
+    """The estimate, by `estimator` or the trace it falls back to (then with a note why);
+    a fallback trace that fails leaves the analytic, saying what it leaves out."""
+    used, notes = _choose(spec, cfg, estimator)
+    try:
+        return used, notes, _estimate(spec, cfg, used)
+    except TraceError as exc:
+        if used == estimator:
+            raise
+        note = f"analytic: {_missing(spec)}, and the trace failed ({exc.cause}): their "
+        return estimator, [note + "activations are left out"], _estimate(spec, cfg, estimator)
+
+
+def _choose(spec: ModelSpec, cfg: RunConfig, estimator: Estimator) -> tuple[Estimator, list[str]]:
+    """The estimator that runs, and a note when it is not the one asked for."""
+    if estimator == "trace" or not uncalibrated(spec):
+        return estimator, []
+    if cfg.train.method == "qlora" or cfg.train.quantization != "none":  # fake tensors can't
+        return estimator, [
+            f"analytic: {_missing(spec)}, and a quantized step cannot be traced: their "
+            "activations are left out"
+        ]
+    return "trace", [
+        f"analytic has {_missing(spec)}: planned with the trace (the real step on fake "
+        "tensors) instead; recommendations are analytic and leave those layers' activations out"
+    ]
+
+
+def _missing(spec: ModelSpec) -> str:
+    kinds = ", ".join(uncalibrated(spec))
+    return f"no calibrated activation term for {spec.model_type}'s {kinds} layers"
 
 
 def _best(plan: MemoryPlan, card: str) -> Recommendation:
@@ -282,4 +321,4 @@ def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
             "adapted Linear otherwise"
         )
     family = profile_for(spec.model_type).notes
-    return [*notes, family] if family else notes
+    return [*notes, *([family] if family else []), *mixer_notes(spec)]

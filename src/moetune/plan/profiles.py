@@ -8,22 +8,39 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
 - RMSNorm (HF): an fp32 copy of its input (4 B per element) survives for backward.
 - SDPA with a fused kernel (flash / memory-efficient): q, k, v and the output in bf16,
   plus the fp32 log-sum-exp per head; grouped KV heads are not expanded.
+- q/k RMSNorms before it (Qwen3 per head; OLMoE, MiniMax-M2 full width): + fp32 q and k.
 - Eager attention (gpt-oss: sinks): q and the repeated k, v, plus the bf16 attention
   probabilities – `2·heads` bytes per query·key pair – and one additive mask per layer type.
-- MLA (DeepSeek) under SDPA: v's head dim differs from q/k's, no fused CPU kernel takes
-  that, and the trace falls back to the math kernel, which upcasts q, k, v and the
-  probabilities to fp32 (`4·heads` per pair). On CUDA the memory-efficient kernel accepts
+- MLA (DeepSeek) under SDPA: where v's head dim differs from q/k's (every released MLA
+  model), no fused CPU kernel takes that, and the trace falls back to the math kernel,
+  which upcasts q, k, v and the probabilities to fp32 (`4·heads` per pair); equal head
+  dims (tiny test models) take the fused kernel. On CUDA the memory-efficient kernel accepts
   a different v dim and keeps none of the pair term: the trace (and so this profile) is
   conservative there.
+- Output-gated attention (Qwen3-Next, Qwen3.5): per-head q/k RMSNorms as Qwen3, plus the
+  sigmoid gate on the attention output (its input and output, bf16).
+- Gated DeltaNet (`linear_attention`: Qwen3-Next, Qwen3.5) through transformers' torch
+  `chunk_gated_delta_rule` (what runs without flash-linear-attention, and what the trace
+  runs): the causal conv's input and output, fp32 l2-normed q/k repeated to the value
+  heads, per 64-token chunk a C×C decay/attention matrix per head and a dk×dv state, and
+  the gated RMSNorm on the output – all linear in tokens (C = 64 is the kernel's chunk).
+- DeepSeek sparse attention (V3.2): MLA plus, per layer, the indexer's top-k mask over
+  the keys (bf16 per pair); the indexer runs without grad but makes fp32 scores per index
+  head and pair while the layer runs forward (again in the recompute); LoRA on its
+  Linears keeps no inputs (and gets no gradient).
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
 
-Extend by registering a profile under a model_type.
+A layer's token mixer (`ModelSpec.mixers`) picks its term: `MIXERS` by kind, which a
+family's profile overrides where its mixer differs. A kind with no term here is not
+calibrated, and the planner traces instead (`uncalibrated`). Extend by registering a term
+under a mixer kind, or a profile under a model_type.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,15 +83,63 @@ def _mla(spec: ModelSpec) -> dict[str, Any]:
     return {
         "qk": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]),
         "v": spec.num_attention_heads * c["v_head_dim"],
+        "kv_b": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
         "norms": c.get("kv_lora_rank") or 0,
         "q_norm": c.get("q_lora_rank") or 0,
     }
 
 
-def mla_math(spec: ModelSpec) -> int:
-    """MLA through the math SDPA kernel (fp32 q, k, v) plus the kv_a / q_a RMSNorms."""
+def _mla_math(spec: ModelSpec) -> bool:
+    """No fused CPU kernel takes a v head dim unlike q/k's: SDPA runs the math kernel."""
     m = _mla(spec)
-    return 4 * (2 * m["qk"] + m["v"]) + 4 * (m["norms"] + m["q_norm"])
+    return bool(m["qk"] != m["v"])
+
+
+def mla_attention(spec: ModelSpec) -> int:
+    """MLA's kv_a / q_a RMSNorms plus its SDPA: the math kernel's fp32 q, k, v, or (equal
+    head dims) the fused kernel's bf16 q, k, out, fp32 log-sum-exp per head, and v – a view
+    that keeps kv_b_proj's whole output (k_nope and v) alive."""
+    m = _mla(spec)
+    norms = 4 * (m["norms"] + m["q_norm"])
+    if _mla_math(spec):
+        return norms + 4 * (2 * m["qk"] + m["v"])
+    rstd = 4 * (bool(m["norms"]) + bool(m["q_norm"]))
+    return norms + rstd + 2 * (2 * m["qk"] + m["kv_b"] + m["v"]) + 4 * spec.num_attention_heads
+
+
+def mla_pairs(spec: ModelSpec) -> int:
+    """The math kernel's fp32 probabilities, per query·key pair; the fused kernel: none."""
+    return 4 * spec.num_attention_heads if _mla_math(spec) else 0
+
+
+def sdpa_gated_qk_norm(spec: ModelSpec) -> int:
+    """Per-head q/k norms (+ their fp32 rstd) and a sigmoid gate on the output (Qwen3-Next)."""
+    q, _, heads = _dims(spec)
+    return sdpa_fused_qk_norm(spec) + 4 * q + 4 * (heads + spec.num_kv_heads)
+
+
+DELTA_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk size
+
+
+def gated_delta_net(spec: ModelSpec) -> int:
+    """Gated DeltaNet through the torch chunked kernel, per token (see the module docstring)."""
+    c, chunk = spec.hf_config, DELTA_CHUNK
+    hv, hk = c["linear_num_value_heads"], c["linear_num_key_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    conv = 2 * hk * dk + hv * dv  # q, k, v channels through the causal conv
+    # conv in/out · chunk matrices · q/k/w/u per head · v/out/norm · states · gates and norms
+    per_head = 20 * chunk + 32 * dk + 26 * dv + 4 * dk * dv // chunk + 34
+    return 4 * conv + hv * per_head
+
+
+def dsa_pairs(spec: ModelSpec) -> int:
+    """MLA's pairs plus DeepSeek sparse attention's top-k mask (bf16, one per layer)."""
+    return mla_pairs(spec) + 2
+
+
+def indexer_scores(spec: ModelSpec) -> int:
+    """The indexer's fp32 q·k scores per index head, and their scaled / relu'd copy."""
+    return 2 * 4 * spec.hf_config["index_n_heads"]
 
 
 def heads_pairs(bytes_per_head: int) -> SpecInt:
@@ -88,52 +153,152 @@ def layer_type_masks(spec: ModelSpec) -> int:
 
 
 @dataclass(frozen=True)
-class ActivationProfile:
-    """Per-token saved bytes of one family's decoder layer (see the module docstring)."""
+class MixerTerm:
+    """Saved bytes of one token mixer kind (see the module docstring)."""
 
-    attention: SpecInt = sdpa_fused  # attention core, per token
+    per_token: SpecInt  # the mixer core, per token (adapted Linears' inputs come on top)
     pairs: SpecInt = _zero  # per query·key pair (per sequence), for T² kernels
-    masks: SpecInt = _zero  # s×s bf16 masks alive for the whole step
     # backward / recompute of a T² kernel: extra probability-sized tensors beyond the
     # saved one (eager: scores, masked scores, max-shifted logits; math SDPA: the fp32
     # probability gradient and softmax-backward output), fitted to the trace at s=8192
     pair_transient: float = 0.0
-    gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
-    shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
-    norms: int = 2  # RMSNorms per layer (input + post-attention)
+    # per pair, alive only while the mixer runs forward (or recomputes): DSA's index scores
+    forward_pairs: SpecInt = _zero
+    no_grad: tuple[str, ...] = ()  # submodules run under torch.no_grad: adapters there keep nothing
     notes: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    fields: tuple[str, ...] = ()  # config fields the term reads (a spec without them: no term)
+    absent: tuple[str, ...] = ()  # fields of a variant the term does not size
+
+    def fits(self, spec: ModelSpec) -> bool:
+        c = spec.hf_config
+        return all(c.get(f) is not None for f in self.fields) and not any(
+            c.get(f) for f in self.absent
+        )
 
 
-DEFAULT = ActivationProfile()
+NO_MIXER = MixerTerm(_zero)
 MLA_NOTE = (
     "MLA attention is sized as the trace runs it (math SDPA, s² per head in fp32); CUDA's "
     "memory-efficient kernel keeps no s² term, so long sequences need less on a GPU"
 )
+DELTA_NOTE = (
+    "linear attention is sized as transformers' torch chunked gated-delta kernel keeps it "
+    "(what runs without flash-linear-attention); fla's fused kernels keep less"
+)
+_MLA_FIELDS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_DELTA_FIELDS = (
+    "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
+    "linear_value_head_dim",
+)  # fmt: skip
+MLA = MixerTerm(
+    mla_attention,
+    pairs=mla_pairs,
+    pair_transient=1.45,
+    notes=MLA_NOTE,
+    fields=_MLA_FIELDS,
+    absent=("index_n_heads",),  # a DSA indexer: its family's profile sizes it
+)
+DSA = dataclasses.replace(
+    MLA,
+    pairs=dsa_pairs,
+    forward_pairs=indexer_scores,
+    fields=(*_MLA_FIELDS, "index_n_heads"),
+    absent=(),
+    no_grad=("indexer.",),
+    notes=MLA_NOTE + "; the DSA indexer's s² scores per index head are sized in fp32",
+)
+# Only kinds whose kernel is the same across families; linear attention differs by family
+# (gated DeltaNet, KDA, lightning …), so its terms sit in the families' profiles.
+MIXERS: dict[str, MixerTerm] = {"attention": MixerTerm(sdpa_fused), "mla": MLA, "none": NO_MIXER}
+DELTA_NET = MixerTerm(gated_delta_net, notes=DELTA_NOTE, fields=_DELTA_FIELDS)
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Per-token saved bytes of one family's decoder layer (see the module docstring)."""
+
+    # the family's own mixer terms over `MIXERS`; None: this family's kind is not calibrated
+    mixers: dict[str, MixerTerm | None] = field(default_factory=dict)
+    kind: str = "attention"  # every layer's mixer when a spec names none (hand-written tables)
+    masks: SpecInt = _zero  # s×s bf16 masks alive for the whole step
+    gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
+    shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
+    norms: int = 2  # RMSNorms per layer (input + post-attention)
+    notes: str = ""
+
+    def term(self, kind: str) -> MixerTerm | None:
+        """The saved-bytes term of a mixer kind; None when it is not calibrated."""
+        return self.mixers[kind] if kind in self.mixers else MIXERS.get(kind)
+
+
+DEFAULT = ActivationProfile()
+QK_NORM = ActivationProfile(mixers={"attention": MixerTerm(sdpa_fused_qk_norm)})
+QWEN3_NEXT = ActivationProfile(  # output-gated attention between gated DeltaNet layers
+    mixers={"attention": MixerTerm(sdpa_gated_qk_norm), "linear_attention": DELTA_NET}
+)
+SINKS = MixerTerm(
+    eager_repeat_kv,
+    pairs=heads_pairs(2),
+    pair_transient=1.6,
+    notes="attention sinks need eager attention: probabilities are s² per head",
+)
+GEMMA4_NOTE = (
+    "gemma4's sliding-window layers keep an s×s mask each, and a dense MLP runs beside the "
+    "experts: no calibrated analytic term yet"
+)
 
 PROFILES: dict[str, ActivationProfile] = {
-    "qwen3_moe": ActivationProfile(attention=sdpa_fused_qk_norm),
-    "olmoe": ActivationProfile(attention=sdpa_fused_qk_norm),
+    "qwen3_moe": QK_NORM,
+    "olmoe": QK_NORM,
+    "minimax_m2": QK_NORM,  # full-width q/k norms, as OLMoE
+    "qwen3_next": QWEN3_NEXT,
+    "qwen3_5_moe_text": QWEN3_NEXT,
     "qwen2_moe": ActivationProfile(shared_gate=True),
     "mixtral": DEFAULT,
     "gpt_oss": ActivationProfile(
-        attention=eager_repeat_kv,
-        pairs=heads_pairs(2),
+        mixers={"attention": SINKS},
         masks=layer_type_masks,
-        pair_transient=1.6,
         # gate clamp + sigmoid·alpha + (up + 1) products: five k·I tensors beyond gate_up
         gate_saved=14,
-        notes="attention sinks need eager attention: probabilities are s² per head",
     ),
-    "deepseek_v2": ActivationProfile(
-        attention=mla_math, pairs=heads_pairs(4), pair_transient=1.45, notes=MLA_NOTE
-    ),
-    "deepseek_v3": ActivationProfile(
-        attention=mla_math, pairs=heads_pairs(4), pair_transient=1.45, notes=MLA_NOTE
-    ),
+    "deepseek_v2": ActivationProfile(kind="mla"),
+    "deepseek_v3": ActivationProfile(kind="mla"),
+    "deepseek_v32": ActivationProfile(kind="mla", mixers={"mla": DSA}),
+    "gemma4_text": ActivationProfile(mixers={"attention": None}, notes=GEMMA4_NOTE),
 }
 
 
 def profile_for(model_type: str) -> ActivationProfile:
     """The family's profile; fused-SDPA GQA defaults for families without one."""
     return PROFILES.get(model_type, DEFAULT)
+
+
+def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
+    """Each layer's mixer kind: as built, else the profile's kind on attention layers."""
+    if spec.mixers:
+        return spec.mixers
+    kind, attention = profile_for(spec.model_type).kind, set(spec.attention_layers)
+    return tuple(kind if i in attention else "" for i in range(spec.num_layers))
+
+
+def layer_terms(spec: ModelSpec) -> tuple[MixerTerm | None, ...]:
+    """Each layer's mixer term; None where its kind has no calibrated term for `spec`."""
+    prof = profile_for(spec.model_type)
+    return tuple(_term(prof, k, spec) for k in layer_kinds(spec))
+
+
+def _term(prof: ActivationProfile, kind: str, spec: ModelSpec) -> MixerTerm | None:
+    term = prof.term(kind) if kind else NO_MIXER
+    return term if term is not None and term.fits(spec) else None
+
+
+def uncalibrated(spec: ModelSpec) -> list[str]:
+    """Mixer kinds of `spec` with no calibrated analytic term (the plan traces those)."""
+    kinds, terms = layer_kinds(spec), layer_terms(spec)
+    return list(dict.fromkeys(k for k, t in zip(kinds, terms, strict=True) if t is None))
+
+
+def mixer_notes(spec: ModelSpec) -> list[str]:
+    """The notes of the mixer terms `spec` uses, once each."""
+    terms = dict.fromkeys(t for t in layer_terms(spec) if t is not None and t.notes)
+    return [t.notes for t in terms]

@@ -1,0 +1,114 @@
+"""The analytic's activation term by token-mixer kind, against the trace on tiny models of
+each family that uses it, and the trace fallback for a kind with no calibrated term."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from moetune.config import RunConfig, parse_config
+from moetune.model import spec_from_config
+from moetune.model.census import tiny_config
+from moetune.model.spec import ModelSpec
+from moetune.plan import make_plan
+from moetune.plan.fit import analytic
+from moetune.plan.profiles import layer_kinds, uncalibrated
+from moetune.plan.tracecache import cached_trace
+
+# (model_type, the mixer kind its layers calibrate); analytic vs trace: the bytes the layers
+# keep for backward (gc off − gc on) within 5 %, the peak within 2 %
+CALIBRATED = [
+    ("qwen3_next", "linear_attention", {}),  # gated DeltaNet + output-gated attention
+    ("qwen3_5_moe_text", "linear_attention", {}),
+    ("minimax_m2", "attention", {}),  # full-width q/k norms
+    ("glm4_moe_lite", "mla", {}),  # equal q/k and v head dims: the fused SDPA kernel
+    ("glm4_moe_lite", "mla", {"v_head_dim": 8}),  # as released: the math kernel, s² fp32
+    ("deepseek_v32", "mla", {}),  # + DSA: a top-k mask per layer, a no-grad indexer
+]
+KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
+
+
+def cfg(seq: int, gc: bool, **train: object) -> RunConfig:
+    raw = {"lora": {"rank": 4}, "train": {"seq_len": seq, "gradient_checkpointing": gc, **train}}
+    return parse_config(raw)
+
+
+def tiny(model_type: str, **over: Any) -> ModelSpec:
+    return spec_from_config({**tiny_config(model_type), **over}, model_type)
+
+
+@pytest.mark.parametrize(("model_type", "kind", "over"), CALIBRATED)
+def test_each_calibrated_mixer_kind_matches_the_trace(
+    model_type: str, kind: str, over: dict[str, Any]
+) -> None:
+    spec = tiny(model_type, **over)
+    assert kind in layer_kinds(spec) and uncalibrated(spec) == []
+    on, off = cfg(128, True), cfg(128, False)
+    est_on, est_off = analytic(spec, on).peak_bytes, analytic(spec, off).peak_bytes
+    trace_on, trace_off = cached_trace(spec, on).peak_bytes, cached_trace(spec, off).peak_bytes
+    # without checkpointing every layer keeps its saved set: the mixer term dominates this
+    assert est_off - est_on == pytest.approx(trace_off - trace_on, rel=KEPT_TOLERANCE)
+    assert est_off == pytest.approx(trace_off, rel=PEAK_TOLERANCE)
+
+
+def test_linear_attention_is_most_of_what_a_hybrid_keeps() -> None:
+    """Gated DeltaNet layers keep ~5× an attention layer's bytes (chunk matrices, states):
+    the GQA term the family got before left 26 % of the peak out at seq 1024, gc off."""
+    spec = tiny("qwen3_next")
+    run = cfg(128, False)
+    without = dataclasses.replace(spec, mixers=("attention",) * spec.num_layers)
+    assert analytic(spec, run).peak_bytes - analytic(without, run).peak_bytes > 2_000_000
+
+
+def test_an_uncalibrated_mixer_kind_plans_with_the_trace_and_says_so() -> None:
+    spec = tiny("nemotron_h")
+    assert "mamba" in uncalibrated(spec)
+    run = cfg(64, True)
+    plan = make_plan(spec, run, cards=["H200"], estimator="analytic")
+    assert plan.estimator == "trace" and plan.requested == "analytic"
+    assert plan.peak_bytes == cached_trace(spec, run).peak_bytes
+    assert plan.peak_op is not None  # the trace names the op at the peak
+    assert "no calibrated activation term" in plan.notes[0] and "mamba" in plan.notes[0]
+    doc = plan.to_json()
+    assert doc["estimator"] == "trace" and doc["estimator_requested"] == "analytic"
+    assert doc["notes"][0] == plan.notes[0]
+
+
+def test_a_failed_fallback_trace_keeps_the_analytic_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from moetune.errors import TraceError
+    from moetune.plan import tracecache
+
+    def fail(*_: object, **__: object) -> None:
+        raise TraceError("the training-step trace failed at aten.nonzero", "check the config")
+
+    monkeypatch.setattr(tracecache, "cached_trace", fail)
+    spec, run = tiny("nemotron_h"), cfg(64, True)
+    plan = make_plan(spec, run, cards=["H200"], estimator="analytic")
+    assert plan.estimator == "analytic" and plan.requested is None
+    assert plan.peak_bytes == analytic(spec, run).peak_bytes
+    assert "trace failed" in plan.notes[0] and "aten.nonzero" in plan.notes[0]
+
+
+def test_a_calibrated_spec_stays_analytic() -> None:
+    plan = make_plan(tiny("qwen3_next"), cfg(64, True), cards=["H200"], estimator="analytic")
+    assert plan.estimator == "analytic" and plan.requested is None
+    assert plan.to_json()["estimator_requested"] == "analytic"
+    assert any("gated-delta" in n for n in plan.notes)  # which kernel the term sizes
+
+
+def test_a_quantized_step_cannot_trace_and_says_what_the_analytic_leaves_out() -> None:
+    spec = tiny("nemotron_h")
+    plan = make_plan(spec, cfg(64, True, method="qlora"), cards=["H200"], estimator="analytic")
+    assert plan.estimator == "analytic"
+    assert "cannot be traced" in plan.notes[0] and "mamba" in plan.notes[0]
+
+
+def test_an_unknown_kind_in_a_known_family_is_uncalibrated() -> None:
+    spec = tiny("minimax_m2")
+    odd = dataclasses.replace(spec, mixers=("attention", "retention", "attention", "attention"))
+    assert uncalibrated(odd) == ["retention"]
+    assert uncalibrated(dataclasses.replace(spec, mixers=())) == []  # every layer: attention
