@@ -193,21 +193,18 @@ _EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_n
 
 
 def _mentions_experts(model_type: str) -> bool:
-    import importlib
     import inspect
 
     from transformers import CONFIG_MAPPING
+
+    from moetune.model.derive import modeling_module
 
     cls = CONFIG_MAPPING[model_type]
     classes = [cls, *(getattr(cls, "sub_configs", None) or {}).values()]
     if any(_config_fields(c) & set(_EXPERT_FIELDS) for c in classes if isinstance(c, type)):
         return True
-    package = cls.__module__.rpartition(".")[0]
-    try:
-        module = importlib.import_module(f"{package}.modeling_{package.rpartition('.')[2]}")
-    except ImportError:
-        return False
-    return "use_experts_implementation" in inspect.getsource(module)
+    module = modeling_module(cls)
+    return module is not None and "use_experts_implementation" in inspect.getsource(module)
 
 
 def _config_fields(cls: type) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 from moetune.errors import ConfigError, UnknownFamilyError
@@ -87,11 +87,11 @@ def causal_lm_class(config: Any) -> Any:
     except KeyError:
         pass
     for candidate in module_classes(type(config)):
-        if candidate.__name__.endswith("ForCausalLM") and _serves(candidate, config):
+        if candidate.__name__.endswith("ForCausalLM") and serves(candidate, config):
             return candidate
     from moetune.model.textlm import text_lm_class, text_model_class
 
-    base = text_model_class(config) if _is_text_of_multimodal(config) else None
+    base = text_model_class(config) if type(config) in _text_config_classes() else None
     if base is not None:  # a multimodal checkpoint's language model: its text model + head
         config_cls: Any = type(config)
         return text_lm_class(config_cls, base)
@@ -102,27 +102,33 @@ def causal_lm_class(config: Any) -> Any:
     )
 
 
-def _serves(candidate: type, config: Any) -> bool:
+def serves(candidate: type, config: Any) -> bool:
+    """Whether model class `candidate` is built from `config`'s class."""
     return getattr(candidate, "config_class", None) is type(config)
 
 
-def _is_text_of_multimodal(config: Any) -> bool:
-    """A `text_config` class of some multimodal config (not a vision or audio tower)."""
+@cache
+def _text_config_classes() -> frozenset[type]:
+    """The `text_config` classes of multimodal configs (not their vision or audio towers);
+    read once: it touches every config class transformers registers."""
     from transformers import CONFIG_MAPPING
 
-    for top in CONFIG_MAPPING.values():
-        if (getattr(top, "sub_configs", None) or {}).get("text_config") is type(config):
-            return True
-    return False
+    subs = (getattr(top, "sub_configs", None) or {} for top in CONFIG_MAPPING.values())
+    return frozenset(s["text_config"] for s in subs if "text_config" in s)
+
+
+def modeling_module(config_cls: type) -> Any:
+    """The `modeling_<type>` module beside a config class, or None."""
+    package = config_cls.__module__.rpartition(".")[0]
+    try:
+        return importlib.import_module(f"{package}.modeling_{package.rpartition('.')[2]}")
+    except ImportError:
+        return None
 
 
 def module_classes(config_cls: type) -> list[type]:
-    package = config_cls.__module__.rpartition(".")[0]
-    try:
-        module = importlib.import_module(f"{package}.modeling_{package.rpartition('.')[2]}")
-    except ImportError:
-        return []
-    return [v for v in vars(module).values() if isinstance(v, type)]
+    module = modeling_module(config_cls)
+    return [v for v in vars(module).values() if isinstance(v, type)] if module else []
 
 
 def build_language_model(config: Any, name: str = "custom", device: str = "meta", **kw: Any) -> Any:

@@ -16,7 +16,7 @@ def text_model_class(config: Any) -> Any:
     """transformers' base (headless) model class for `config`, or None."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    from moetune.model.derive import module_classes
+    from moetune.model.derive import module_classes, serves
 
     try:
         return MODEL_MAPPING[type(config)]
@@ -24,8 +24,7 @@ def text_model_class(config: Any) -> Any:
         pass
     for cls in module_classes(type(config)):
         name = cls.__name__
-        serves = getattr(cls, "config_class", None) is type(config)
-        if serves and name.endswith("Model") and not name.endswith("PreTrainedModel"):
+        if serves(cls, config) and name.endswith("Model") and not name.endswith("PreTrainedModel"):
             return cls
     return None
 
