@@ -166,3 +166,21 @@ def test_the_real_entry_point_prints_one_line(tmp_path: Path) -> None:
         capture_output=True, text=True, env=env, timeout=120, check=False,
     )  # fmt: skip
     assert_one_line(done.returncode, done.stdout + done.stderr, 2, "not UTF-8 text", "fix:")
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "word"), [(KeyboardInterrupt(), 130, "Ctrl-C"), (None, 143, "SIGTERM")]
+)
+def test_an_interrupt_is_one_line_saying_what_was_kept(
+    monkeypatch: pytest.MonkeyPatch, raised: KeyboardInterrupt | None, code: int, word: str
+) -> None:
+    from moetune.ledger import Terminated
+
+    def stopped() -> None:
+        raise raised if raised is not None else Terminated()
+
+    monkeypatch.setattr("moetune.doctor.run_doctor", stopped)
+    got, out = run("doctor")
+    assert got == code
+    assert word in out and "--resume" in out and "Traceback" not in out
+    assert len(out.strip().splitlines()) == 1

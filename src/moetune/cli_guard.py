@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 from moetune.errors import ConfigError, MoetuneError
 
 UNEXPECTED = 3  # exit status of an error moetune did not foresee (2: a user's input)
+INTERRUPTED, TERMINATED = 130, 143  # 128 + the signal number, as shells report them
 err_console = Console(stderr=True)
 
 
@@ -75,6 +76,21 @@ def report_error(err: Exception) -> int:
     return UNEXPECTED
 
 
+def report_interrupt(err: KeyboardInterrupt) -> int:
+    """Ctrl-C or SIGTERM: one line saying what was kept (click would print a bare "Aborted!")."""
+    from moetune.ledger import Terminated
+
+    what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted (Ctrl-C)"
+    err_console.print(
+        f"[bold yellow]{what}:[/] stopped; finished files and checkpoints are kept and a run "
+        "records the attempt as cancelled in its ledger [bold]fix:[/] rerun the command "
+        "(`moetune train … --resume` continues a run from its last checkpoint)",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return TERMINATED if isinstance(err, Terminated) else INTERRUPTED
+
+
 class GuardedGroup(TyperGroup):
     """The one guard between a command and the user: a MoetuneError prints as one line
     (exit 2), any other exception as one line naming its type (exit 3) – its traceback
@@ -85,6 +101,8 @@ class GuardedGroup(TyperGroup):
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise  # a command's own exit status, or a usage error typer prints itself
+        except KeyboardInterrupt as err:
+            raise typer.Exit(report_interrupt(err)) from None
         except Exception as err:
             debug = ctx.params.get("debug") or os.environ.get("MOETUNE_DEBUG") == "1"
             if debug and not isinstance(err, MoetuneError):
