@@ -179,3 +179,32 @@ def test_five_training_steps_reach_every_expert_with_the_router_unchanged(
     with one_thread():
         result = train(cfg, progress=False)
     assert (result.steps, result.coverage, result.router_changed) == (5, 1.0, False)
+
+
+@pytest.mark.skipif("deepseek_v32" not in MOE, reason="no deepseek_v32 in this transformers")
+def test_no_lora_target_sits_where_autograd_never_reaches() -> None:
+    """DeepSeek-V3.2's indexer runs under @torch.no_grad(): LoRA there is dead weight. The
+    recipe leaves it out, and every LoRA tensor it does place gets a gradient."""
+    from peft import get_peft_model
+
+    from moetune.model.read import runs_without_grad
+
+    spec = _spec("deepseek_v32")
+    config = build_peft_config(spec, LORA)
+    assert not {"wq_b", "wk", "weights_proj"} & set(config.target_modules)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = causal_lm_class(to_hf_config(spec))._from_config(to_hf_config(spec))
+        model = get_peft_model(base, config)
+    assert any(runs_without_grad(m) for m in model.modules())  # the fact the rule rests on
+    for p in model.parameters():  # B starts at 0, which would zero every A's gradient
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.02)
+    ids = torch.randint(0, to_hf_config(spec).vocab_size, (1, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    dead = [
+        n for n, p in model.named_parameters()
+        if p.requires_grad and (p.grad is None or not p.grad.abs().sum())
+    ]  # fmt: skip
+    assert dead == []

@@ -117,9 +117,10 @@ def _part_paths(
 
     paths: dict[str, list[str]] = {k: [] for k in _PARTS}
     routers = _router_children(blocks, layer)
+    frozen = gradless_modules(layer)
     for mpath, module in layer.named_modules():
         kind = _kind_of(f"{mpath}.weight", layer, experts, blocks)
-        if kind == "attention" and mixer == "mamba":
+        if (kind == "attention" and mixer == "mamba") or _under(mpath, frozen):
             continue
         if module.__class__ is nn.Linear and module.out_features == 1:
             continue  # a scalar gate (qwen2_moe's shared_expert_gate), not a projection
@@ -131,6 +132,29 @@ def _part_paths(
     for epath, module in experts:
         paths["expert_params"] += [f"{epath}.{n}" for n in _stack_names(module)]
     return paths
+
+
+def runs_without_grad(module: nn.Module) -> bool:
+    """Its forward is decorated with `@torch.no_grad()` (DeepSeek-V3.2's lightning indexer,
+    which only picks the keys each query attends to): LoRA inside it would never learn."""
+    import torch
+
+    forward = type(module).forward
+    cells = zip(forward.__code__.co_freevars, forward.__closure__ or (), strict=False)
+    return any(
+        name == "ctx_factory" and isinstance(getattr(cell.cell_contents, "__self__", None),
+                                             torch.no_grad)
+        for name, cell in cells
+    )  # fmt: skip
+
+
+def gradless_modules(layer: nn.Module) -> tuple[str, ...]:
+    """Layer-relative paths of the submodules whose forward runs without autograd."""
+    return tuple(p for p, m in layer.named_modules() if p and runs_without_grad(m))
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(f"{r}.") for r in roots)
 
 
 def _in_mixer(layer: nn.Module, pname: str) -> bool:
