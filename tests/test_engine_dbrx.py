@@ -19,7 +19,7 @@ from peft.tuners.lora.layer import ParamWrapper
 from torch.func import functional_call
 
 from moetune.config import LoraArgs
-from moetune.engine.overrides import OVERRIDES, apply_overrides
+from moetune.engine.overrides import ENGINE_OVERRIDES, apply_overrides
 from moetune.model import spec_from_config, to_hf_config
 from moetune.model.census import tiny_config
 from moetune.model.derive import causal_lm_class
@@ -181,7 +181,7 @@ def test_the_adapter_is_peft_format_and_merges_to_the_same_logits(tmp_path) -> N
 def test_override_is_registered_and_idempotent() -> None:
     model, _, _ = _models()
     classes = {type(m) for m in model.modules() if type(m).__name__.endswith("DbrxExperts")}
-    assert "dbrx" in OVERRIDES
+    assert "dbrx" in ENGINE_OVERRIDES
     assert apply_overrides(model) == _spec().num_layers
     assert {type(m) for m in model.modules() if type(m).__name__.endswith("DbrxExperts")} == classes
     assert [c.__name__ for c in classes] == ["LoraDbrxExperts"]

@@ -16,15 +16,15 @@ from typing import Any
 
 from torch import nn
 
-Override = Callable[[nn.Module], int]  # transformers model -> how many modules it changed
-OVERRIDES: dict[str, Override] = {}
+EngineFix = Callable[[nn.Module], int]  # transformers model -> how many modules it changed
+ENGINE_OVERRIDES: dict[str, EngineFix] = {}
 
 
-def register_override(model_type: str) -> Callable[[Override], Override]:
+def register_override(model_type: str) -> Callable[[EngineFix], EngineFix]:
     """Register the override for `model_type` (config.json's model_type)."""
 
-    def add(fix: Override) -> Override:
-        OVERRIDES[model_type] = fix
+    def add(fix: EngineFix) -> EngineFix:
+        ENGINE_OVERRIDES[model_type] = fix
         return fix
 
     return add
@@ -35,7 +35,7 @@ def apply_overrides(model: nn.Module) -> int:
     model under it); returns how many modules it changed (0: none registered). Idempotent."""
     get_base = getattr(model, "get_base_model", None)
     base: Any = get_base() if callable(get_base) else model
-    fix = OVERRIDES.get(getattr(getattr(base, "config", None), "model_type", ""))
+    fix = ENGINE_OVERRIDES.get(getattr(getattr(base, "config", None), "model_type", ""))
     return fix(base) if fix is not None else 0
 
 
