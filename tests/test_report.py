@@ -216,9 +216,30 @@ def test_partial_run_dir_renders_what_it_has(trained, tmp_path):
     assert "2 logged steps" in html  # the torn last line is skipped
     assert "24 MoE layers, showing 8 evenly spaced: 0, 3, 7, 10, 13, 16, 20, 23" in html
     assert "routing collapse in layer 5" in html
+    assert "the base&#39;s routing was not measured" in html  # summary.json unreadable
     assert 'Memory</h2>\n<p class="na">not available (no memory plan' in html
     assert "unfinished (no summary.json yet)" not in html  # a summary exists, though corrupt
     assert len(_pngs(html)) == 2  # loss and expert load
+
+
+def test_a_collapse_the_base_already_had_is_not_blamed_on_the_fine_tune(trained, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(trained / "config.yaml", run / "config.yaml")
+    base = [{"layer": 0, "top1_share": 0.55}, {"layer": 1, "top1_share": 0.2}]
+    routing = {"base": base, "drifted_layers": [1]}
+    (run / "summary.json").write_text(json.dumps({"routing": routing}))
+    layers = [{"layer": i, "tokens_per_expert": [9, 1, 1, 1], "collapsed": True} for i in (0, 1)]
+    (run / "routing.jsonl").write_text(json.dumps({"step": 3, "layers": layers}) + "\n")
+    text = unescape(build_report(run).read_text())
+    assert (
+        "layer 0 (one expert the first choice of > 50 % of tokens) at steps 3 – as the base "
+        "already routed (base 55%): not the fine-tune's doing" in text
+    )
+    assert (
+        "layer 1 (one expert the first choice of > 50 % of tokens) at steps 3 – drifted "
+        "from the base (base 20%)" in text
+    )
 
 
 def test_pick_layers_caps_and_spreads_evenly():

@@ -325,6 +325,7 @@ def routing_section(inp: Inputs) -> dict[str, Any]:
     steps = [int(row["step"]) for row in inp.routing]
     fractions: dict[int, list[list[float]]] = {}
     collapsed: dict[int, list[int]] = {}
+    base = _base_routing(inp)
     for j, row in enumerate(inp.routing):
         for load in row["layers"]:
             counts = load["tokens_per_expert"]
@@ -341,8 +342,30 @@ def routing_section(inp: Inputs) -> dict[str, Any]:
     return {
         "plot": plots.routing_plot(steps, {layer: fractions[layer] for layer in shown}),
         "caption": caption,
-        "collapsed": [(layer, show(s)) for layer, s in sorted(collapsed.items())],
+        "collapsed": [
+            (layer, show(s), against_base(layer, base)) for layer, s in sorted(collapsed.items())
+        ],
     }
+
+
+def _base_routing(inp: Inputs) -> dict[int, dict[str, Any]]:
+    """The base's routing and the drifted layers the run measured (summary.json)."""
+    drift = inp.get("summary.json").get("routing") or {}
+    base = {int(b["layer"]): dict(b) for b in drift.get("base") or [] if "layer" in b}
+    for layer in drift.get("drifted_layers") or []:
+        base.setdefault(int(layer), {})["drifted"] = True
+    return base
+
+
+def against_base(layer: int, base: dict[int, dict[str, Any]]) -> str:
+    """A collapse is the fine-tune's only where the base did not already route that way."""
+    seen = base.get(layer, {})
+    if "top1_share" not in seen:
+        return "the base's routing was not measured"
+    share = f"base {float(seen['top1_share']):.0%}"
+    if seen.get("drifted"):
+        return f"drifted from the base ({share})"
+    return f"as the base already routed ({share}): not the fine-tune's doing"
 
 
 def ladder_section(inp: Inputs) -> dict[str, Any]:
