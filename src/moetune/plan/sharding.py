@@ -278,11 +278,18 @@ def plan_devices(
     )
 
 
-def per_rank_bytes(spec: ModelSpec, cfg: RunConfig, gpus: int, strategy: str) -> dict[str, int]:
+def per_rank_bytes(
+    spec: ModelSpec,
+    cfg: RunConfig,
+    gpus: int,
+    strategy: str,
+    est: AnalyticEstimate | None = None,
+) -> dict[str, int]:
     """One rank's live bytes by component (no card, no overhead): what a measured per-rank
-    peak (`torch.cuda.max_memory_allocated`, or a byte tracker on CPU) compares with."""
+    peak (`torch.cuda.max_memory_allocated`, or a byte tracker on CPU) compares with.
+    `est`: the single-device estimate to split (default: `analytic(spec, cfg)`)."""
     _check_gpus(gpus)
-    return get_strategy(strategy).components(run_sizes(spec, cfg), gpus)
+    return get_strategy(strategy).components(run_sizes(spec, cfg, est), gpus)
 
 
 def fewest_gpus(
