@@ -18,6 +18,7 @@ import datetime
 import os
 import sys
 import tempfile
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from moetune.config import RunConfig, parse_config
 from moetune.model import spec_from_config
 from moetune.plan.analytic import Step, estimate_step
 from moetune.plan.sharding import per_rank_bytes
-from moetune.plan.tracker import FROZEN, GRADIENTS, OPTIMIZER, TRAINABLE, ByteTracker, Peak
+from moetune.plan.tracker import FROZEN, GRADIENTS, OPTIMIZER, TRAINABLE, ByteTracker
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 SECTION = "## Per-device planner: FSDP2 per-rank peak, 2 processes (gloo, CPU)"
@@ -55,18 +56,42 @@ def run_config() -> RunConfig:
 
 
 class ShardTracker(ByteTracker):
-    """ByteTracker that counts a DTensor by its local shard (FSDP2's sharded parameters,
-    gradients and Adam moments are DTensors; a wrapper has no storage of its own)."""
+    """ByteTracker for FSDP2: a DTensor counts by its local shard (sharded parameters,
+    gradients and Adam moments are DTensors; a wrapper has no storage of its own), and live
+    bytes are re-summed from each storage's current size after every op, because FSDP2
+    frees and re-allocates its all-gather buffers in place (`storage.resize_(0)` / back),
+    which no op and no finalizer reports."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.true_peak = 0
+        self.true_at_peak: dict[str, int] = {}
+
+    def _add(self, storage: torch.UntypedStorage, category: str) -> bool:
+        added = super()._add(storage, category)
+        if added:
+            self._refs[self._live[storage._cdata]] = weakref.ref(storage)
+        return added
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         self.last_op = func
-        grew = False
         for tensor in _local(out):
-            grew |= self._add(tensor.untyped_storage(), "activations")
-        if grew and self.live_bytes > self.peak.bytes:
-            self.peak = Peak(self.live_bytes, str(func), self.phase, self.step, self._tick)
+            self._add(tensor.untyped_storage(), "activations")
+        self._resum()
         return out
+
+    def _resum(self) -> None:
+        by_category: dict[str, int] = {}
+        for index in self._live.values():
+            storage = self._refs[index]()
+            if storage is not None:
+                category = self._category[index]
+                by_category[category] = by_category.get(category, 0) + storage.nbytes()
+        total = sum(by_category.values())
+        if total > self.true_peak:
+            self.true_peak, self.true_at_peak = total, by_category
 
 
 def _local(out: Any) -> list[torch.Tensor]:
@@ -124,9 +149,9 @@ def measure(rank: int, world: int) -> int:
         tracker.register(_local(states), OPTIMIZER)
         tracker.step = 2
         _step(model, opt, ids, tracker)
-    print(f"world {world} rank {rank} at peak ({tracker.peak.op}):",
-          {k: round(v / 2**20, 2) for k, v in tracker.at_peak().items()}, flush=True)  # fmt: skip
-    return tracker.peak.bytes
+    parts = {k: round(v / 2**20, 2) for k, v in tracker.true_at_peak.items()}
+    print(f"world {world} rank {rank} at peak:", parts, flush=True)
+    return tracker.true_peak
 
 
 def _worker(rank: int, world: int, init_file: str, queue: Any) -> None:
