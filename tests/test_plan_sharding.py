@@ -154,3 +154,15 @@ def test_cli_plan_gpus_json_and_errors() -> None:
     assert bad.exit_code == 2 and "unknown strategy" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
     assert "Traceback" not in bad.stderr
+
+
+def test_device_report_says_what_the_analytic_leaves_out() -> None:
+    from moetune.model import spec_from_config
+    from moetune.model.tiny import tiny_config
+    from moetune.plan.sharding import device_report
+
+    spec = spec_from_config(tiny_config("jamba"), "tiny-jamba")  # Mamba layers: no term
+    report = device_report(spec, parse_config({"lora": {"rank": 4}}), ["H200"], 2, "fsdp")
+    assert report.fewest["H200"] == 1 and report.plans["H200"].fits
+    assert any("mamba" in n and "left out" in n for n in report.notes)
+    assert report.to_json()["notes"] == list(report.notes)

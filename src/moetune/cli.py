@@ -178,6 +178,8 @@ def plan(
 
         console.print(device_components_table(devices))
         console.print(device_fits_table(devices))
+        for note in devices.notes:
+            console.print(f"[dim]note:[/] {escape(note)}")
 
 
 def _devices(spec: Any, cfg: Any, cards: list[str], gpus: int | None, strategy: str | None) -> Any:

@@ -148,12 +148,16 @@ def _at_tp(
     return ServePlan(
         engine="vllm", model=spec.name, card=card.id, fits=fits, weights_bytes=weights,
         kv_cache_bytes=kv_bytes, components=components, budget_bytes=budget,
-        tensor_parallel=tp, settings=settings, notes=_notes(spec, inv, tp, fits, loras),
+        tensor_parallel=tp, settings=settings, notes=_notes(spec, card, inv, tp, fits, loras),
     )  # fmt: skip
 
 
-def _notes(spec: ModelSpec, inv: Inventory, tp: int, fits: bool, loras: int) -> tuple[str, ...]:
+def _notes(
+    spec: ModelSpec, card: Card, inv: Inventory, tp: int, fits: bool, loras: int
+) -> tuple[str, ...]:
     notes = list(inv.notes)
+    if card.kind == "mps":
+        notes.append(f"{card.id}: vLLM has no Apple Metal backend (serve with llama.cpp or mlx-lm)")
     flags = f"--tensor-parallel-size {tp}" + (" --enable-lora" if loras else "")
     notes.append(f"vllm serve {spec.name} {flags}" if fits else f"does not fit at TP {tp}")
     notes.append("activations (profile run) and the CUDA-graph pool are approximate")

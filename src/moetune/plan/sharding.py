@@ -321,6 +321,7 @@ class DeviceReport:
     gpus: int
     plans: dict[str, DevicePlan]
     fewest: dict[str, int | None]
+    notes: tuple[str, ...] = ()
 
     @property
     def components(self) -> dict[str, int]:
@@ -336,6 +337,7 @@ class DeviceReport:
             "cards": {
                 c: {**p.to_json(), "fewest_gpus": self.fewest[c]} for c, p in self.plans.items()
             },
+            "notes": list(self.notes),
         }
 
 
@@ -348,4 +350,17 @@ def device_report(
     sizes = run_sizes(spec, cfg)
     plans = {c: plan_devices(spec, cfg, c, gpus, strategy, sizes) for c in cards}
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
-    return DeviceReport(get_strategy(strategy).name, gpus, plans, fewest)
+    return DeviceReport(get_strategy(strategy).name, gpus, plans, fewest, _report_notes(spec))
+
+
+def _report_notes(spec: ModelSpec) -> tuple[str, ...]:
+    """The per-device split is of the analytic: say what it leaves out for this model."""
+    from moetune.plan.profiles import uncalibrated
+
+    kinds = uncalibrated(spec)
+    if not kinds:
+        return ()
+    return (
+        f"per-device figures split the analytic, which has no calibrated activation term for "
+        f"{spec.model_type}'s {', '.join(kinds)} layers: their activations are left out",
+    )
