@@ -194,7 +194,8 @@ def test_cli_serve_plan_json_and_one_line_errors() -> None:
     assert cards["RTX-4090"]["n_cpu_moe"] > 0 and cards["DGX-Spark"]["n_cpu_moe"] == 0
     vllm = runner.invoke(app, [*base, "--engine", "vllm", "--json"])
     assert json.loads(vllm.stdout)["cards"]["RTX-4090"]["tensor_parallel"] == 4
-    for bad in (["--engine", "sglang"], ["--engine", "vllm", "--card", "H900"]):
-        result = runner.invoke(app, [*base, *bad])
+    gguf = ["serve-plan", "Qwen3-30B-A3B-Q4_K_M.gguf", "--engine", "llama.cpp"]
+    for bad in (["--engine", "sglang"], ["--engine", "vllm", "--card", "H900"], gguf):
+        result = runner.invoke(app, bad if bad is gguf else [*base, *bad])
         assert result.exit_code == 2
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

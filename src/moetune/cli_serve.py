@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moetune.cli import JsonOpt, app, console, emit_json, friendly
+from moetune.errors import ConfigError, clip
 from moetune.units import gib
 
 
@@ -42,6 +43,11 @@ def serve_plan(
     from moetune.plan.serve import get_engine, serve_plans
 
     get_engine(engine)  # a bad engine is reported before the model is read
+    if model.lower().endswith(".gguf"):
+        raise ConfigError(
+            f"serve-plan reads a model's config.json, not a GGUF file ({clip(model, 80)})",
+            "pass the model the GGUF was made from (dir, catalog id or hub id) with --quant",
+        )
     spec = load_spec(model)
     plans = serve_plans(
         spec, card or card_ids(), engine, quant=quant, ctx=ctx, kv_type=kv_type,
