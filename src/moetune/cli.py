@@ -126,6 +126,12 @@ def plan(
     experts_dtype: Annotated[
         str | None, typer.Option(help="Frozen experts: bf16 | int8 | nf4 (moetune engine).")
     ] = None,
+    gpus: Annotated[
+        int | None, typer.Option(help="Plan each of N data-parallel GPUs (per-device peak).")
+    ] = None,
+    strategy: Annotated[
+        str | None, typer.Option(help="With --gpus: ddp | fsdp (FSDP2) | zero3 (DeepSpeed).")
+    ] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -157,14 +163,32 @@ def plan(
     spec = load_spec(cfg.model.id)
     result = make_plan(spec, cfg, cards=card, estimator=estimator)  # type: ignore[arg-type]
     findings = lint(lint_context(cfg, spec, result))
+    devices = _devices(spec, cfg, list(result.fits), gpus, strategy)
     if as_json:
-        emit_json({**result.to_json(), "findings": [f.rule_id for f in findings]})
+        extra = {"devices": devices.to_json()} if devices else {}
+        emit_json({**result.to_json(), "findings": [f.rule_id for f in findings], **extra})
         return
     console.print(plan_components_table(result))
     print_plan_notes(console, result)
     console.print(fits_table(result))
     print_recommendations(console, result)
     print_findings(console, findings)
+    if devices:
+        from moetune.render_devices import device_components_table, device_fits_table
+
+        console.print(device_components_table(devices))
+        console.print(device_fits_table(devices))
+        for note in devices.notes:
+            console.print(f"[dim]note:[/] {escape(note)}")
+
+
+def _devices(spec: Any, cfg: Any, cards: list[str], gpus: int | None, strategy: str | None) -> Any:
+    """The per-device report when --gpus or --strategy is given (defaults 1 GPU, fsdp)."""
+    if gpus is None and strategy is None:
+        return None
+    from moetune.plan.sharding import device_report
+
+    return device_report(spec, cfg, cards, 1 if gpus is None else gpus, strategy or "fsdp")
 
 
 @app.command(name="lint")
@@ -523,3 +547,4 @@ def ledger_verify(
 
 
 import moetune.cli_lane  # noqa: E402,F401  (registers launch, pods and workflow on `app`)
+from moetune import cli_serve  # noqa: E402,F401  (registers serve-plan on `app`)

@@ -1,0 +1,168 @@
+"""The per-device planner: sharded terms scale 1/N, FSDP2 on one GPU is the single-device
+plan plus its stated transient, the fewest GPUs are minimal, bad input is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.config import RunConfig, parse_config
+from moetune.errors import ConfigError, UnknownCardError
+from moetune.model import load_spec
+from moetune.model.spec import ModelSpec
+from moetune.plan.fit import analytic
+from moetune.plan.sharding import (
+    SHARDED,
+    STRATEGIES,
+    fewest_gpus,
+    per_rank_bytes,
+    plan_devices,
+    run_sizes,
+)
+
+GiB = 1024**3
+LORA = {"lora": {"rank": 16, "targets": ["attention", "experts"]}, "train": {"seq_len": 2048}}
+FULL = {"train": {"method": "full", "seq_len": 2048}}
+
+
+@pytest.fixture(scope="module")
+def qwen30b() -> ModelSpec:
+    return load_spec("Qwen/Qwen3-30B-A3B")
+
+
+@pytest.fixture(scope="module")
+def qwen235b() -> ModelSpec:
+    return load_spec("Qwen/Qwen3-235B-A22B")
+
+
+@pytest.fixture(scope="module")
+def lora() -> RunConfig:
+    return parse_config(json.loads(json.dumps(LORA)))
+
+
+def test_qwen3_235b_total_is_the_published_235b(qwen235b: ModelSpec) -> None:
+    assert abs(qwen235b.total_params - 235e9) / 235e9 < 0.01
+
+
+def test_fsdp_on_one_gpu_is_the_single_device_plan_plus_its_transient(
+    qwen30b: ModelSpec, lora: RunConfig
+) -> None:
+    single = analytic(qwen30b, lora)
+    sizes = run_sizes(qwen30b, lora)
+    plan = plan_devices(qwen30b, lora, "H200", 1, "fsdp")
+    transient = sizes.root + 2 * sizes.largest_layer  # root unit + running and prefetched layer
+    comm = 2 * sizes.largest_layer_grads  # full-size layer gradient + its 1/1 shard
+    assert plan.components["gathered_transient"] == transient
+    assert plan.components["communication_buffers"] == comm
+    assert plan.peak_bytes == single.peak_bytes + transient + comm
+    for name, value in single.components.items():
+        assert plan.components[name] == value
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+@pytest.mark.parametrize("gpus", [2, 3, 8])
+def test_sharded_terms_scale_one_over_n(
+    qwen30b: ModelSpec, lora: RunConfig, strategy: str, gpus: int
+) -> None:
+    single = analytic(qwen30b, lora).components
+    per_rank = per_rank_bytes(qwen30b, lora, gpus, strategy)
+    for name, value in single.items():
+        expected = -(-value // gpus) if name in SHARDED else value  # ceil: a rank's shard
+        assert per_rank[name] == expected, name
+    assert per_rank["frozen_weights"] * gpus - single["frozen_weights"] < gpus
+
+
+def test_ddp_replicates_everything_and_adds_the_gradient_buckets(
+    qwen30b: ModelSpec, lora: RunConfig
+) -> None:
+    single = analytic(qwen30b, lora)
+    per_rank = per_rank_bytes(qwen30b, lora, 8, "ddp")
+    assert {k: per_rank[k] for k in single.components} == single.components
+    assert per_rank["communication_buffers"] == single.trainable_params * 4  # fp32 LoRA grads
+
+
+def test_full_finetune_layer_and_root_bytes_by_hand(qwen235b: ModelSpec) -> None:
+    cfg = parse_config(json.loads(json.dumps(FULL)))
+    sizes = run_sizes(qwen235b, cfg)
+    h, heads, kv, d, experts, inter, vocab = 4096, 64, 4, 128, 128, 1536, 151_936
+    attention = h * heads * d + 2 * h * kv * d + heads * d * h + 2 * d  # q k v o, q/k norm
+    layer = attention + 2 * h + experts * 3 * h * inter + experts * h  # + 2 norms, router
+    assert sizes.largest_layer == layer * 2  # bf16
+    assert sizes.largest_layer_grads == layer * 2  # bf16 gradients of a full fine-tune
+    assert sizes.root == (2 * vocab * h + h) * 2  # embeddings, LM head, final norm
+    assert sizes.largest_module == experts * 3 * h * inter  # one layer's expert stacks
+
+
+def _assert_fewest_minimal(spec: ModelSpec, cfg: RunConfig, strategy: str) -> dict[str, int]:
+    found = {}
+    for card in ("H100-80GB", "H200"):
+        n = fewest_gpus(spec, cfg, card, strategy)
+        assert n is not None and n > 1  # a 235B model fits no single card
+        assert plan_devices(spec, cfg, card, n, strategy).fits
+        assert not plan_devices(spec, cfg, card, n - 1, strategy).fits
+        found[card] = n
+    assert found["H200"] <= found["H100-80GB"]
+    return found
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_fewest_gpus_is_minimal_full_finetune(qwen235b: ModelSpec, strategy: str) -> None:
+    cfg = parse_config(json.loads(json.dumps(FULL)))
+    found = _assert_fewest_minimal(qwen235b, cfg, strategy)
+    # bf16 weights + bf16 grads + two bf16 Adam moments: 8 B per parameter, 1.75 TiB in all
+    assert found["H200"] >= 8 * qwen235b.total_params // (140 * GiB)
+    assert fewest_gpus(qwen235b, cfg, "H200", "ddp") is None  # replicas never shrink
+
+
+@pytest.mark.slow  # peft's meta build of 94 layers for the LoRA layout: ~30 s cold
+def test_fewest_gpus_is_minimal_lora_235b(qwen235b: ModelSpec, lora: RunConfig) -> None:
+    found = _assert_fewest_minimal(qwen235b, lora, "fsdp")
+    assert found["H200"] < found["H100-80GB"] <= 8  # the README example
+
+
+def test_per_device_peak_falls_with_more_gpus(qwen30b: ModelSpec, lora: RunConfig) -> None:
+    for strategy in ("fsdp", "zero3"):
+        peaks = [sum(per_rank_bytes(qwen30b, lora, n, strategy).values()) for n in (1, 2, 4, 8)]
+        assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
+
+
+def test_bad_strategy_gpus_and_card_are_user_errors(qwen30b: ModelSpec, lora: RunConfig) -> None:
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        plan_devices(qwen30b, lora, "H200", 2, "zero2")
+    with pytest.raises(ConfigError, match="--gpus"):
+        plan_devices(qwen30b, lora, "H200", 0, "fsdp")
+    with pytest.raises(UnknownCardError):
+        fewest_gpus(qwen30b, lora, "H900", "fsdp")
+    assert set(STRATEGIES) == {"ddp", "fsdp", "zero3"}
+
+
+def test_cli_plan_gpus_json_and_errors() -> None:
+    runner = CliRunner()
+    args = ["plan", "Qwen/Qwen3-30B-A3B", "--card", "RTX-4090", "--card", "H200", "--seq", "2048"]
+    result = runner.invoke(app, [*args, "--gpus", "2", "--strategy", "fsdp", "--json"])
+    assert result.exit_code == 0, result.stderr
+    devices = json.loads(result.stdout)["devices"]
+    assert devices["gpus"] == 2 and devices["strategy"] == "fsdp"
+    assert devices["peak_bytes"] == sum(devices["components"].values())
+    four = devices["cards"]["RTX-4090"]["fewest_gpus"]
+    assert four is not None and four > 2 and not devices["cards"]["RTX-4090"]["fits"]
+    assert devices["cards"]["H200"]["fits"]
+    bad = runner.invoke(app, [*args, "--gpus", "2", "--strategy", "tp"])
+    assert bad.exit_code == 2 and "unknown strategy" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in bad.stderr
+
+
+def test_device_report_says_what_the_analytic_leaves_out() -> None:
+    from moetune.model import spec_from_config
+    from moetune.model.tiny import tiny_config
+    from moetune.plan.sharding import device_report
+
+    spec = spec_from_config(tiny_config("jamba"), "tiny-jamba")  # Mamba layers: no term
+    report = device_report(spec, parse_config({"lora": {"rank": 4}}), ["H200"], 2, "fsdp")
+    assert report.fewest["H200"] == 1 and report.plans["H200"].fits
+    assert any("mamba" in n and "left out" in n for n in report.notes)
+    assert report.to_json()["notes"] == list(report.notes)
