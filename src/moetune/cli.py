@@ -523,3 +523,4 @@ def ledger_verify(
 
 
 import moetune.cli_lane  # noqa: E402,F401  (registers launch, pods and workflow on `app`)
+from moetune import cli_bench  # noqa: E402,F401  (registers `bench gm1` on `app`)
