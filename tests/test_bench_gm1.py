@@ -111,7 +111,7 @@ def test_t_interval_matches_a_hand_computation() -> None:
 def test_cli_json_fields_and_files(tmp_path: Path) -> None:
     out = tmp_path / "gm1"
     args = ["bench", "gm1", "--size", "tiny", "--seeds", "2", "--steps", "6",
-            "--arms", "dense,moe-top1", "--out", str(out), "--json"]  # fmt: skip
+            "--arms", "moe-top1", "--out", str(out), "--json"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
@@ -131,6 +131,7 @@ def test_cli_json_fields_and_files(tmp_path: Path) -> None:
         layer
     )
     assert doc["config"]["steps"] == 6 and doc["machine"]["cpu_count"]
+    assert sorted(doc["arms"]) == ["dense", "moe-top1"]  # dense always: the reference
     assert len(doc["curves"]["dense"]["steps"]) == len(doc["curves"]["dense"]["heldout_ce"])
 
 

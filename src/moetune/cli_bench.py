@@ -98,21 +98,22 @@ def gm1(
     arms: Annotated[
         list[str] | None,
         typer.Option(
-            help="Comma list: dense, moe-top1, moe-top2, moe-matched-total, moe-top1-aux."
+            help="Comma list of moe-top1, moe-top2, moe-matched-total, moe-top1-aux (+ dense)."
         ),
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Results dir (default ./gm1-<time>).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """GM-1: dense vs top-1/top-2 MoE at matched active parameters, from scratch."""
-    from moetune.bench.arms import DEFAULT_ARMS
+    from moetune.bench.arms import DEFAULT_ARMS, get_arms
     from moetune.bench.gm1 import BenchConfig, run_bench
     from moetune.bench.summary import plot, summarize
     from moetune.io import atomic_write_json
 
     names = _arm_names(arms) or DEFAULT_ARMS
     config = BenchConfig(size=size, seeds=seeds, steps=steps, tokens=tokens, arms=names)
-    total = config.validated().resolved_steps() * config.seeds * len(set(names))
+    runs = config.validated().seeds * len(get_arms(list(names)))
+    total = config.resolved_steps() * runs
     target = _out_dir(out)
     with _progress(total, as_json) as bar:
         task = bar.add_task("", total=total)

@@ -100,12 +100,11 @@ def get_size(name: str) -> Size:
 
 
 def get_arms(names: list[str]) -> list[Arm]:
+    """The arms to train, dense first and always (every gap is measured against it)."""
     unknown = [n for n in names if n not in ARMS]
     if unknown:
         raise BenchError(f"unknown arm {unknown[0]!r}", f"use some of {', '.join(ARMS)}")
-    if not names:
-        raise BenchError("no arms to run", f"pass --arms with some of {', '.join(ARMS)}")
-    return [ARMS[n] for n in dict.fromkeys(names)]
+    return [ARMS[n] for n in dict.fromkeys(["dense", *names])]
 
 
 def config_dict(size: Size, top_k: int, width: int, aux_coef: float = 0.0) -> dict[str, Any]:
