@@ -158,3 +158,10 @@ def test_an_existing_result_is_never_overwritten(tmp_path: Path) -> None:
     result = runner.invoke(app, ["bench", "gm1", "--size", "tiny", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "already holds a GM-1 result" in result.stderr
     assert (tmp_path / "results.json").read_text() == "{}"
+
+
+def test_a_token_budget_becomes_whole_steps() -> None:
+    tiny = SIZES["tiny"]
+    config = BenchConfig(size="tiny", tokens=1000)
+    assert config.resolved_steps() == math.ceil(1000 / (tiny.batch * tiny.seq))
+    assert BenchConfig(size="tiny").resolved_steps() == tiny.steps
