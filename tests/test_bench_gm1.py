@@ -165,3 +165,24 @@ def test_a_token_budget_becomes_whole_steps() -> None:
     config = BenchConfig(size="tiny", tokens=1000)
     assert config.resolved_steps() == math.ceil(1000 / (tiny.batch * tiny.seq))
     assert BenchConfig(size="tiny").resolved_steps() == tiny.steps
+
+
+def _router_grad(normalise: bool) -> float:
+    from moetune.bench.arms import config_dict
+    from moetune.model import spec_from_config
+
+    cfg = {**config_dict(SIZES["tiny"], 1, 16), "norm_topk_prob": normalise}
+    torch.manual_seed(0)
+    model = build_model(spec_from_config(cfg, "probe"), device="cpu", dtype=torch.float32)
+    x = token_rows(0, "train", 2, 16)
+    model(input_ids=x, labels=x).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(grads) == SIZES["tiny"].layers and all(g is not None for g in grads)
+    return max(float(g.abs().max()) for g in grads if g is not None)
+
+
+def test_top1_router_learns_only_without_renormalising() -> None:
+    """Why top-1 arms set norm_topk_prob off: a renormalised single weight is exactly 1,
+    so the language-model loss sends the router no gradient (probes transformers)."""
+    raw, renormalised = _router_grad(False), _router_grad(True)
+    assert raw > 1e-6 and renormalised < 1e-6 * raw  # rounding noise only
