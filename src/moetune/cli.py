@@ -548,3 +548,4 @@ def ledger_verify(
 
 import moetune.cli_lane  # noqa: E402,F401  (registers launch, pods and workflow on `app`)
 from moetune import cli_serve  # noqa: E402,F401  (registers serve-plan on `app`)
+from moetune import cli_bench  # noqa: E402,F401  (registers `bench gm1` on `app`)
