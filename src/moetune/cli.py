@@ -106,7 +106,8 @@ def plan(
     card: Annotated[
         list[str] | None, typer.Option("--card", help="Card id (repeatable; default: all).")
     ] = None,
-    method: Annotated[str | None, typer.Option(help="lora | full | qlora (analytic).")] = None,
+    tuning: Annotated[str | None, typer.Option(help="lora | full | qlora (analytic).")] = None,
+    method: Annotated[str | None, typer.Option(help="Objective: sft | dpo | grpo.")] = None,
     rank: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
     seq: Annotated[int | None, typer.Option(help="Sequence length in tokens.")] = None,
     batch: Annotated[int | None, typer.Option(help="Micro-batch size.")] = None,
@@ -143,6 +144,7 @@ def plan(
     )
 
     opts = option_overrides(
+        tuning=tuning,
         method=method,
         rank=rank,
         seq=seq,

@@ -200,7 +200,7 @@ def _choose(spec: ModelSpec, cfg: RunConfig, estimator: Estimator) -> tuple[Esti
     """The estimator that runs, and a note when it is not the one asked for."""
     if estimator == "trace" or not uncalibrated(spec):
         return estimator, []
-    if cfg.train.method == "qlora" or cfg.train.quantization != "none":  # fake tensors can't
+    if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":  # fake tensors can't
         return estimator, [
             f"analytic: {_missing(spec)}, and a quantized step cannot be traced: their "
             "activations are left out"
@@ -246,7 +246,7 @@ def analytic(spec: ModelSpec, cfg: RunConfig) -> AnalyticEstimate:
 
 
 def _layout(spec: ModelSpec, cfg: RunConfig) -> AdapterLayout | None:
-    if cfg.train.method == "full":
+    if cfg.train.tuning == "full":
         return None
     lora = cfg.lora
     kinds = frozenset(lora.targets) | ({"router"} if lora.train_router else frozenset())
@@ -288,6 +288,7 @@ def _plan_overhead(cards: list[Card], peak: int) -> Overhead:
 
 def _settings(cfg: RunConfig) -> dict[str, Any]:
     return {
+        "tuning": cfg.train.tuning,
         "method": cfg.train.method,
         "rank": cfg.lora.rank,
         "expert_rank": cfg.lora.experts_rank,
@@ -308,13 +309,13 @@ def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     notes = []
     if split_lora(spec, cfg):
         notes.append("engine moetune: split LoRA – no full-size expert W+ΔW or its gradient")
-    if cfg.train.method == "qlora" or cfg.train.quantization != "none":
+    if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":
         notes.append(
             "bitsandbytes quantizes nn.Linear only: the fused experts stay bf16 and "
             "prepare_model_for_kbit_training upcasts them to fp32 – on an MoE this uses "
             "more memory than bf16 LoRA (analytic only)"
         )
-    if cfg.lora.dropout and cfg.train.method != "full":
+    if cfg.lora.dropout and cfg.train.tuning != "full":
         notes.append(
             f"sized with lora.dropout=0: peft refuses dropout={cfg.lora.dropout} on "
             "ParamWrapper (expert) targets, and dropout adds one input-sized tensor per "
