@@ -6,9 +6,11 @@ data formats it reads, its own TRL arguments and the extra trainer inputs (rewar
     grpo   GRPOTrainer   prompt rows (other columns reach the rewards), rewards.py
 
 The reference policy of DPO (and of GRPO with beta > 0) is the base with the adapter
-disabled, inside the one model that trains: TRL copies a PeftModel's adapter into a
-second "ref" adapter, which `drop_reference_copy` removes so TRL falls back to
-`disable_adapter()` – the adapter starts at zero (LoRA B = 0), so both are the base.
+disabled, inside the one model that trains. Given a PeftModel without a reference, TRL
+1.16 would add a second "ref" adapter copied from the first (peft cannot add one beside
+split/target_parameters expert LoRA, and it costs an adapter's memory); each method's
+`build` keeps TRL off that path, and then TRL's reference pass is `disable_adapter()` –
+the adapter starts at zero (LoRA B = 0), so that is the base. `reference_of` says which.
 """
 
 from __future__ import annotations
@@ -34,6 +36,36 @@ def _no_kwargs(cfg: RunConfig) -> dict[str, Any]:
     return {}
 
 
+def _plain_build(trainer: type, kwargs: dict[str, Any]) -> Any:
+    return trainer(**kwargs)
+
+
+def _dpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
+    """A reference is passed only to keep TRL from adding its "ref" adapter copy: an empty
+    stand-in (no weights), cleared right after, so the reference pass runs the policy with
+    its adapter disabled."""
+    import torch
+
+    stand_in = torch.nn.Module()
+    stand_in.config = kwargs["model"].config  # TRL patches its forward: it reads the config
+    built = trainer(**kwargs, ref_model=stand_in)
+    built.ref_model = None
+    return built
+
+
+def _grpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
+    """GRPO adds the "ref" copy only for beta > 0: build with beta 0, then set it back
+    (TRL reads trainer.beta each step and, with no ref_model, disables the adapter)."""
+    args, beta = kwargs["args"], kwargs["args"].beta
+    args.beta = 0.0
+    try:
+        built = trainer(**kwargs)
+    finally:
+        args.beta = beta
+    built.beta = beta
+    return built
+
+
 @dataclass(frozen=True)
 class Method:
     """One objective: what it reads, how TRL is configured for it, what it adds."""
@@ -47,6 +79,7 @@ class Method:
     check: Callable[[RunConfig, TrainData], None] = _none  # data/config checks, before writing
     tokenized_rows: bool = True  # the collator yields model inputs (routing base, ESFT)
     rollout: bool = False  # samples completions each step (routing shift, generation plan)
+    build: Callable[[type, dict[str, Any]], Any] = _plain_build  # the trainer from its kwargs
 
     def classes(self) -> tuple[type, type]:
         """(trainer class, config class) from TRL, imported on use."""
@@ -133,10 +166,10 @@ METHODS: dict[str, Method] = {
     for m in (
         Method("sft", "SFTTrainer", "SFTConfig", ("messages", "prompt/completion", "text"),
                _sft_args),
-        Method("dpo", "DPOTrainer", "DPOConfig", ("preference",), _dpo_args),
+        Method("dpo", "DPOTrainer", "DPOConfig", ("preference",), _dpo_args, build=_dpo_build),
         Method("grpo", "GRPOTrainer", "GRPOConfig", ("prompt",), _grpo_args,
                trainer_kwargs=_grpo_rewards, check=_grpo_check, tokenized_rows=False,
-               rollout=True),
+               rollout=True, build=_grpo_build),
     )
 }  # fmt: skip
 
@@ -145,11 +178,12 @@ def method_of(cfg: RunConfig) -> Method:
     return METHODS[cfg.train.method]
 
 
-def drop_reference_copy(model: nn.Module) -> bool:
-    """Remove the "ref" adapter TRL adds beside a PeftModel's own; its reference pass then
-    runs the base with the adapter disabled (same weights, no copy). True when removed."""
-    configs = getattr(model, "peft_config", {})
-    if "ref" not in configs:
-        return False
-    model.delete_adapter("ref")  # type: ignore[operator]
-    return True
+def reference_of(trainer: Any) -> str:
+    """How the trainer computes its reference policy: "none" (sft, grpo with beta 0),
+    "adapter disabled", or what else TRL set up (a copy – never with moetune's build)."""
+    if getattr(trainer, "ref_model", None) is not None:
+        return "separate model"
+    if "ref" in getattr(trainer.model, "peft_config", {}):
+        return "ref adapter copy"
+    uses = hasattr(trainer, "ref_model") and getattr(trainer, "beta", 1.0) != 0.0
+    return "adapter disabled" if uses else "none"

@@ -65,7 +65,7 @@ from moetune.train.checkpoint import (
 )
 from moetune.train.errors import TrainError
 from moetune.train.lock import hold
-from moetune.train.methods import drop_reference_copy, method_of
+from moetune.train.methods import method_of
 from moetune.train.recovery import disk_full_stops
 from moetune.train.routing import (
     RoutingCallback,
@@ -386,16 +386,16 @@ def build_trainer(
     from transformers import PrinterCallback
 
     method = method_of(cfg)
+    kwargs = {
+        "model": cast(PeftModel, model),
+        "args": setup.args,
+        "train_dataset": setup.data.dataset,
+        "eval_dataset": setup.eval_data.dataset if setup.eval_data else None,
+        "processing_class": setup.tokenizer,
+        **method.trainer_kwargs(cfg),
+    }
     with quiet():
-        trainer = method.classes()[0](
-            model=cast(PeftModel, model),
-            args=setup.args,
-            train_dataset=setup.data.dataset,
-            eval_dataset=setup.eval_data.dataset if setup.eval_data else None,
-            processing_class=setup.tokenizer,
-            **method.trainer_kwargs(cfg),
-        )
-    drop_reference_copy(model)
+        trainer = method.build(method.classes()[0], kwargs)
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the bar for log printing
     routing = RoutingCallback(
         RoutingRecorder(model, setup.spec),
