@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 from moetune.train.errors import DataError, TrainError
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from moetune.config import RunConfig
     from moetune.train.data import TrainData
 
