@@ -120,8 +120,8 @@ DEMOS: dict[str, Demo] = {
     "grpo": Demo(prompt_rows,
                  {"method": "grpo", "grpo": {"num_generations": 8, "max_completion_length": 12,
                                              "beta": 0.04}},
-                 {"new_skill": "last", "steps": 120, "batch_size": 32, "learning_rate": 2e-3,
-                  "rows": 4800, "overfit": False}),
+                 {"new_skill": "last", "steps": 120, "batch_size": 32, "learning_rate": 3e-3,
+                  "rows": 4800, "new_share": 0.25, "overfit": False}),
 }  # fmt: skip
 
 

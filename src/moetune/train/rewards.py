@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from moetune.errors import MoetuneError
+from moetune.train.errors import TrainError
 
 if TYPE_CHECKING:
     from moetune.config import GrpoArgs, RewardArgs
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 RewardFunc = Callable[..., list[float]]
 
 
-class RewardError(MoetuneError):
+class RewardError(TrainError):
     """A GRPO reward that cannot be built: unknown name, bad import, missing setting."""
 
 
