@@ -191,6 +191,11 @@ class DpoArgs(_Section):
     label_smoothing: Fraction = Field(
         0.0, description="robust: the probability that a preference label is flipped."
     )
+    sft_weight: NonNegativeFloat = Field(
+        0.0,
+        description="Add TRL's sft loss on the chosen answer with this weight (RPO); a "
+        "skill the base cannot do at all needs it, pure DPO mostly lowers the rejected.",
+    )
 
 
 class RewardArgs(_Section):

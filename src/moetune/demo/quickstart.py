@@ -115,8 +115,8 @@ def _sft_rows(items: list[Item]) -> list[dict[str, str]]:
 # dpo learns `dup` from right-vs-copied pairs.
 DEMOS: dict[str, Demo] = {
     "sft": Demo(_sft_rows),
-    "dpo": Demo(preference_rows, {"method": "dpo", "dpo": {"beta": 0.1}},
-                {"steps": 150, "learning_rate": 1e-3, "overfit": False}),
+    "dpo": Demo(preference_rows, {"method": "dpo", "dpo": {"beta": 0.1, "sft_weight": 1.0}},
+                {"steps": 200, "learning_rate": 2e-3, "overfit": False}),
     "grpo": Demo(prompt_rows,
                  {"method": "grpo", "grpo": {"num_generations": 8, "max_completion_length": 12,
                                              "beta": 0.04}},

@@ -95,7 +95,8 @@ def _dpo_args(cfg: RunConfig, data: TrainData) -> dict[str, Any]:
     return {
         "max_length": cfg.train.seq_len,
         "beta": d.beta,
-        "loss_type": [d.loss_type],
+        "loss_type": [d.loss_type, "sft"] if d.sft_weight else [d.loss_type],
+        "loss_weights": [1.0, d.sft_weight] if d.sft_weight else None,
         "label_smoothing": d.label_smoothing,
         "precompute_ref_log_probs": False,  # resume must not depend on a cached pass
     }
