@@ -118,10 +118,9 @@ DEMOS: dict[str, Demo] = {
     "dpo": Demo(preference_rows, {"method": "dpo", "dpo": {"beta": 0.1, "sft_weight": 1.0}},
                 {"steps": 200, "learning_rate": 2e-3, "overfit": False}),
     "grpo": Demo(prompt_rows,
-                 {"method": "grpo", "grpo": {"num_generations": 8, "max_completion_length": 12,
-                                             "beta": 0.04}},
-                 {"new_skill": "last", "steps": 120, "batch_size": 32, "learning_rate": 3e-3,
-                  "rows": 4800, "new_share": 0.25, "overfit": False}),
+                 {"method": "grpo", "grpo": {"num_generations": 8, "max_completion_length": 12}},
+                 {"new_skill": "last", "steps": 150, "batch_size": 32, "learning_rate": 3e-3,
+                  "rows": 4800, "overfit": False}),
 }  # fmt: skip
 
 
