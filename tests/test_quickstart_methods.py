@@ -66,3 +66,14 @@ def test_grpo_quickstart_learns_the_new_skill_from_an_exact_match_reward(tmp_pat
     # GO is not reached on 2 cores (RL forgets `sum`, RESULTS.md); whatever the verdict, only
     # a GO is promoted
     assert (summary["verdict"] == "GO") == (summary["promoted"] is not None)
+
+
+@pytest.mark.slow
+def test_dpo_quickstart_learns_dup_and_passes_the_gate(tmp_path):
+    summary = _run(tmp_path, "dpo")
+    target = summary["target"]
+    assert target["base"] < 0.2 and target["candidate"] > 0.8  # measured: 0.00 -> 0.97
+    assert summary["mean_routing_shift"] is None  # no rollout in DPO
+    assert summary["verdict"] == "GO" and summary["promoted"] is not None
+    for name in ("copy", "rev", "first"):
+        assert summary["scores"][name]["candidate"] >= summary["scores"][name]["base"] - 0.1
