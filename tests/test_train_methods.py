@@ -149,6 +149,8 @@ def test_grpo_trains_and_records_the_routing_shift(grpo):
     assert all(0.0 <= x["shift"] <= 1.0 for r in rows for x in r["layers"])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["routing_shift"]["steps"] == 4
+    # the base's routing was measured on the prompts, so collapse is judged against it
+    assert [b["layer"] for b in summary["routing"]["base"]] == [0, 1]
     assert result.routing_shift == summary["routing_shift"]["mean_shift"]
     assert "reward" in _jsonl(run / "metrics.jsonl")[-1]
 

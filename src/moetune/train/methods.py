@@ -64,6 +64,24 @@ def _grpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
     return built
 
 
+def _trainer_rows(trainer: Any, tok: Any) -> tuple[Any, Callable[[list[Any]], Any]]:
+    return trainer.train_dataset, trainer.data_collator
+
+
+def _prompt_rows(trainer: Any, tok: Any) -> tuple[Any, Callable[[list[Any]], Any]]:
+    """GRPO's rows are prompts: the base's routing is measured on them, tokenised as the
+    rollout feeds them (plain text, or the chat template with a generation prompt)."""
+
+    def ids(prompt: Any) -> dict[str, Any]:
+        if isinstance(prompt, str):
+            return {"input_ids": tok(prompt, add_special_tokens=False)["input_ids"]}
+        out = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+        return {"input_ids": list(out["input_ids"] if hasattr(out, "keys") else out)}
+
+    rows = [ids(p) for p in trainer.train_dataset["prompt"]]
+    return rows, lambda batch: dict(tok.pad(batch, return_tensors="pt"))
+
+
 @dataclass(frozen=True)
 class Method:
     """One objective: what it reads, how TRL is configured for it, what it adds."""
@@ -75,9 +93,11 @@ class Method:
     args: Callable[[RunConfig, TrainData], dict[str, Any]]  # its own TRL config fields
     trainer_kwargs: Callable[[RunConfig], dict[str, Any]] = _no_kwargs
     check: Callable[[RunConfig, TrainData], None] = _none  # data/config checks, before writing
-    tokenized_rows: bool = True  # the collator yields model inputs (routing base, ESFT)
+    tokenized_rows: bool = True  # the collator yields model inputs (ESFT scores them)
     rollout: bool = False  # samples completions each step (routing shift, generation plan)
     build: Callable[[type, dict[str, Any]], Any] = _plain_build  # the trainer from its kwargs
+    # (rows, collate) the base's routing is measured on before the first step
+    routing_rows: Callable[[Any, Any], tuple[Any, Callable[[list[Any]], Any]]] = _trainer_rows
 
     def classes(self) -> tuple[type, type]:
         """(trainer class, config class) from TRL, imported on use."""
@@ -168,7 +188,7 @@ METHODS: dict[str, Method] = {
         Method("dpo", "DPOTrainer", "DPOConfig", ("preference",), _dpo_args, build=_dpo_build),
         Method("grpo", "GRPOTrainer", "GRPOConfig", ("prompt",), _grpo_args,
                trainer_kwargs=_grpo_rewards, check=_grpo_check, tokenized_rows=False,
-               rollout=True, build=_grpo_build),
+               rollout=True, build=_grpo_build, routing_rows=_prompt_rows),
     )
 }  # fmt: skip
 

@@ -169,10 +169,8 @@ def _train(
     router_before = router_weights(model, setup.spec)
     trainer, routing = build_trainer(cfg, setup, run, model, console)
     shift = callback_of(trainer, ShiftCallback)
-    if method_of(cfg).tokenized_rows:  # GRPO's rows are prompts: no base pass to compare
-        routing.measure_base(
-            model, trainer.train_dataset, trainer.data_collator, cfg.train.batch_size
-        )
+    rows, collate = method_of(cfg).routing_rows(trainer, setup.tokenizer)
+    routing.measure_base(model, rows, collate, cfg.train.batch_size)
     setup.selection = select_experts(cfg, setup, run, model, trainer, console)
     with disk_full_stops(run):
         fit(trainer, setup, console)
