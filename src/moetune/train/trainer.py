@@ -1,4 +1,5 @@
-"""`train(cfg)`: LoRA SFT of an MoE model that provably reaches the experts.
+"""`train(cfg)`: LoRA SFT, DPO or GRPO (train.method) of an MoE model that provably
+reaches the experts.
 
 The run, top to bottom:
 
@@ -16,8 +17,10 @@ The run, top to bottom:
 4. with lora.expert_selection (ESFT), the frozen base scores the experts on the trainer's
    tokenised rows and only the chosen experts' LoRA trains (engine/select.py;
    experts_selected.json, reused on resume);
-5. TRL's SFTTrainer trains with moetune's callbacks (metrics, routing judged against the
-   base's own routing measured just before, atomic checkpoints, progress). The aux loss
+5. train.method's TRL trainer (methods.py: SFTTrainer, DPOTrainer, GRPOTrainer; the
+   reference policy is the adapter disabled, never a copy) trains with moetune's callbacks
+   (metrics, routing judged against the base's own routing measured just before, GRPO's
+   rollout → training routing shift, atomic checkpoints, progress). The aux loss
    is on only when train.aux_loss says so or, left unset, when lora.train_router – TRL
    would otherwise turn it on for every MoE by itself;
 6. the adapter is saved in peft format (temp dir, then rename), the router's effective
