@@ -57,7 +57,7 @@ def test_more_rank_longer_seq_or_no_checkpointing_never_costs_less(olmoe: ModelS
 
 def test_full_costs_more_than_lora(olmoe: ModelSpec) -> None:
     lora = analytic(olmoe, cfg(seq_len=2048))
-    full = analytic(olmoe, cfg(seq_len=2048, method="full"))
+    full = analytic(olmoe, cfg(seq_len=2048, tuning="full"))
     assert full.trainable_params == olmoe.total_params
     assert full.components["frozen_weights"] == 0
     # bf16 weights + bf16 grads + two bf16 moments = 8 B per parameter at least
@@ -66,7 +66,7 @@ def test_full_costs_more_than_lora(olmoe: ModelSpec) -> None:
 
 def test_qlora_on_moe_costs_more_than_bf16_lora(olmoe: ModelSpec) -> None:
     lora = analytic(olmoe, cfg(seq_len=2048))
-    qlora = analytic(olmoe, cfg(seq_len=2048, method="qlora"))
+    qlora = analytic(olmoe, cfg(seq_len=2048, tuning="qlora"))
     # bnb leaves the fused experts bf16 and prepare_model_for_kbit_training upcasts them
     experts = olmoe.components.routed_experts
     assert qlora.components["frozen_weights"] > experts * 4

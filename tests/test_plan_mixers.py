@@ -102,7 +102,7 @@ def test_a_calibrated_spec_stays_analytic() -> None:
 
 def test_a_quantized_step_cannot_trace_and_says_what_the_analytic_leaves_out() -> None:
     spec = tiny("nemotron_h")
-    plan = make_plan(spec, cfg(64, True, method="qlora"), cards=["H200"], estimator="analytic")
+    plan = make_plan(spec, cfg(64, True, tuning="qlora"), cards=["H200"], estimator="analytic")
     assert plan.estimator == "analytic"
     assert "cannot be traced" in plan.notes[0] and "mamba" in plan.notes[0]
 

@@ -167,7 +167,7 @@ def test_dropout_silent_when_fixed(lora: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    "train", [{"method": "qlora"}, {"quantization": "bnb-4bit"}, {"quantization": "bnb-8bit"}]
+    "train", [{"tuning": "qlora"}, {"quantization": "bnb-4bit"}, {"quantization": "bnb-8bit"}]
 )
 def test_bnb_on_moe_costs_more_than_bf16(train: dict[str, Any]) -> None:
     f = check("MOE-4BIT-BNB", ctx(train=train))
@@ -178,15 +178,15 @@ def test_bnb_on_moe_costs_more_than_bf16(train: dict[str, Any]) -> None:
 def test_bnb_is_a_warning_when_quantizing_still_saves_memory() -> None:
     """A (hypothetical) MoE whose experts are a small share: 4-bit still beats bf16."""
     small = replace(spec(QWEN3), components=Components(attention=10 * 10**9, routed_experts=10**9))
-    context = ctx(train={"method": "qlora"})
+    context = ctx(train={"tuning": "qlora"})
     context.spec = small
     f = check("MOE-4BIT-BNB", context)
     assert f and f.severity == "warn" and "9 %" in f.message
 
 
 def test_bnb_silent_for_bf16_lora_and_for_dense_models() -> None:
-    assert check("MOE-4BIT-BNB", ctx(train={"method": "lora"})) is None
-    assert check("MOE-4BIT-BNB", ctx(LLAMA, train={"method": "qlora"})) is None
+    assert check("MOE-4BIT-BNB", ctx(train={"tuning": "lora"})) is None
+    assert check("MOE-4BIT-BNB", ctx(LLAMA, train={"tuning": "qlora"})) is None
 
 
 def test_automap_drops_dense_and_shared_on_deepseek() -> None:
@@ -409,7 +409,7 @@ def test_ci_step_timeout_shorter_than_job_is_fine() -> None:
 
 def test_no_spec_keeps_spec_rules_silent() -> None:
     """Without a spec (e.g. a GGUF path) only config-level rules can speak."""
-    context = ctx(None, lane={"provider": "runpod"}, train={"method": "qlora"})
+    context = ctx(None, lane={"provider": "runpod"}, train={"tuning": "qlora"})
     ids = {f.rule_id for f in lint(context)}
     assert not ids & {"MOE-4BIT-BNB", "VOLUME-TOO-SMALL", "HUB-XET-ENABLED", "LORA-NO-EXPERTS"}
 

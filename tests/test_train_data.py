@@ -94,8 +94,9 @@ def test_parquet(tmp_path, tok):
     assert (data.format, data.rows) == ("prompt/completion", 4)
 
 
-def test_registry_lists_the_three_trl_conventions():
-    assert list(FORMATS) == ["messages", "prompt/completion", "text"]
+def test_registry_lists_the_trl_conventions_in_detection_order():
+    # sft reads the first three; dpo preference rows; grpo prompt rows (matched last)
+    assert list(FORMATS) == ["messages", "prompt/completion", "text", "preference", "prompt"]
 
 
 # ---------------------------------------------------------------- bad input

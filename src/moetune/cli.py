@@ -106,7 +106,8 @@ def plan(
     card: Annotated[
         list[str] | None, typer.Option("--card", help="Card id (repeatable; default: all).")
     ] = None,
-    method: Annotated[str | None, typer.Option(help="lora | full | qlora (analytic).")] = None,
+    tuning: Annotated[str | None, typer.Option(help="lora | full | qlora (analytic).")] = None,
+    method: Annotated[str | None, typer.Option(help="Objective: sft | dpo | grpo.")] = None,
     rank: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
     seq: Annotated[int | None, typer.Option(help="Sequence length in tokens.")] = None,
     batch: Annotated[int | None, typer.Option(help="Micro-batch size.")] = None,
@@ -149,6 +150,7 @@ def plan(
     )
 
     opts = option_overrides(
+        tuning=tuning,
         method=method,
         rank=rank,
         seq=seq,
@@ -346,21 +348,17 @@ def schema(as_json: JsonOpt = False) -> None:
 def quickstart(
     out: Annotated[Path | None, typer.Option(help="Output dir (default: runs/qs-<time>).")] = None,
     steps: Annotated[int | None, typer.Option(help="Fine-tune optimizer steps.")] = None,
+    method: Annotated[str, typer.Option(help="train.method: sft | dpo | grpo.")] = "sft",
     as_json: JsonOpt = False,
 ) -> None:
     """The whole local pipeline on the embedded tiny MoE: train, eval, gate, promote, report."""
-    from dataclasses import replace
-
-    from moetune.demo.quickstart import QuickstartArgs, run_quickstart
+    from moetune.demo.quickstart import demo_args, run_quickstart
     from moetune.render import quickstart_table
 
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps {steps} is not a positive number", "pass --steps N >= 1")
-    args = QuickstartArgs()
-    if out is not None:
-        args = replace(args, out_dir=out)
-    if steps is not None:
-        args = replace(args, steps=steps)
+    given = {"out_dir": out, "steps": steps}
+    args = demo_args(method, **{k: v for k, v in given.items() if v is not None})
     summary = run_quickstart(args, progress=not as_json)
     if as_json:
         emit_json(summary)

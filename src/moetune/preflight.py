@@ -52,6 +52,7 @@ def _ledger_problem(path: Path) -> str | None:
 def option_overrides(**options: Any) -> list[str]:
     """CLI options as `--set` assignments; None means "not given" so YAML/defaults win."""
     paths = {
+        "tuning": "train.tuning",
         "method": "train.method",
         "rank": "lora.rank",
         "seq": "train.seq_len",

@@ -149,8 +149,11 @@ def quickstart_table(summary: dict[str, Any]) -> Group:
         delta_text = f"[{style}]{delta:+.2f}[/]" if style else f"{delta:+.2f}"
         table.add_row(label, f"{s['base']:.2f}", f"{s['candidate']:.2f}", delta_text)
     router = "changed" if summary["router_changed"] else "unchanged (frozen)"
+    shift = summary.get("mean_routing_shift")
+    shift_text = f" · routing shift {shift:.2%}" if shift is not None else ""
     lines = [
-        f"LoRA coverage {summary['coverage']:.0%} · router {router} · {summary['steps']} steps · "
+        f"{summary.get('method', 'sft')}{shift_text} · LoRA coverage {summary['coverage']:.0%} · "
+        f"router {router} · {summary['steps']} steps · "
         f"peak {human_bytes(summary['peak_memory_bytes'])} · {summary['seconds']:.0f} s in all",
         f"gate: {_verdict_text(summary)} · adapter {escape(summary['adapter_dir'])}",
     ]

@@ -12,13 +12,17 @@ Both verdicts are what training really produced; nothing is configured to come o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetune.config import RunConfig, parse_config
 from moetune.io import atomic_write_json
+
+if TYPE_CHECKING:
+    from moetune.demo.skills import Item
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class QuickstartArgs:
     min_gain: float = 0.5  # the new skill must gain at least this much
     seed: int = 0
     run_name: str = "finetune"  # the run dir under out_dir (also the ledger's run id)
-    overfit: bool = True  # also run the over-trained counter-example
+    overfit: bool = True  # also run the over-trained counter-example (sft only)
+    method: str = "sft"  # train.method: sft | dpo | grpo (DEMOS)
 
 
 def overfit_args(args: QuickstartArgs) -> QuickstartArgs:
@@ -49,16 +54,83 @@ def overfit_args(args: QuickstartArgs) -> QuickstartArgs:
     )  # fmt: skip
 
 
-def training_rows(args: QuickstartArgs) -> list[dict[str, str]]:
-    """New-skill rows mixed with replayed base-skill rows (train split only, seeded)."""
-    from moetune.demo.skills import base_skills, stream, to_prompt_completion
+def training_items(args: QuickstartArgs) -> list[Item]:
+    """New-skill items mixed with replayed base-skill items (train split only, seeded)."""
+    from moetune.demo.skills import base_skills, stream
 
     n_new = int(args.rows * args.new_share)
     new = islice(stream([args.new_skill], args.seed, "train"), n_new)
     old = islice(stream(base_skills(), args.seed, "train"), args.rows - n_new)
-    rows = to_prompt_completion([*new, *old])
+    items = [*new, *old]
     # interleave deterministically so every batch sees both kinds
-    return rows[::2] + rows[1::2]
+    return items[::2] + items[1::2]
+
+
+def training_rows(args: QuickstartArgs) -> list[dict[str, str]]:
+    return DEMOS[args.method].rows(training_items(args))
+
+
+def wrong_answer(item: Item) -> str:
+    """A plausible wrong answer: the argument copied (dup's classic miss), else reversed,
+    else the answer with its last character repeated."""
+    arg = item.prompt.split(":", 1)[1].rstrip(">")
+    for guess in (arg, item.answer[::-1]):
+        if guess != item.answer:
+            return guess
+    return item.answer + item.answer[-1]
+
+
+def preference_rows(items: list[Item]) -> list[dict[str, str]]:
+    """DPO rows: chosen = the right answer, rejected = a plausible wrong one (both end in EOS)."""
+    from moetune.demo.tokenizer import EOS
+
+    return [
+        {"prompt": it.prompt, "chosen": it.answer + EOS, "rejected": wrong_answer(it) + EOS}
+        for it in items
+    ]
+
+
+def prompt_rows(items: list[Item]) -> list[dict[str, str]]:
+    """GRPO rows: the prompt and the answer the exact-match reward compares with."""
+    return [{"prompt": it.prompt, "answer": it.answer} for it in items]
+
+
+@dataclass(frozen=True)
+class Demo:
+    """One train.method in the quickstart: its rows, its train.* settings, its defaults."""
+
+    rows: Callable[[list[Item]], list[dict[str, str]]]
+    train: dict[str, Any] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)  # QuickstartArgs overrides
+
+
+def _sft_rows(items: list[Item]) -> list[dict[str, str]]:
+    from moetune.demo.skills import to_prompt_completion
+
+    return to_prompt_completion(items)
+
+
+# Measured on 2 shared CPU cores (benchmarks/RESULTS.md): grpo learns `last` (a sampled
+# completion is right often enough for an exact-match reward to start from; dup is not),
+# dpo learns `dup` from right-vs-copied pairs.
+DEMOS: dict[str, Demo] = {
+    "sft": Demo(_sft_rows),
+    "dpo": Demo(preference_rows, {"method": "dpo", "dpo": {"beta": 0.1, "sft_weight": 1.0}},
+                {"steps": 200, "learning_rate": 2e-3, "overfit": False}),
+    "grpo": Demo(prompt_rows,
+                 {"method": "grpo", "grpo": {"num_generations": 8, "max_completion_length": 12}},
+                 {"new_skill": "last", "steps": 150, "batch_size": 32, "learning_rate": 3e-3,
+                  "rows": 4800, "overfit": False}),
+}  # fmt: skip
+
+
+def demo_args(method: str, **over: Any) -> QuickstartArgs:
+    """QuickstartArgs for `method` (its defaults, then `over`); ConfigError when unknown."""
+    from moetune.errors import ConfigError
+
+    if method not in DEMOS:
+        raise ConfigError(f"unknown method {method!r}", f"use one of {', '.join(DEMOS)}")
+    return replace(QuickstartArgs(), method=method, **{**DEMOS[method].defaults, **over})
 
 
 def ladder_files(args: QuickstartArgs, data_dir: Path) -> dict[str, Path]:
@@ -114,6 +186,7 @@ def run_config(
                 "seed": args.seed,
                 "device": "cpu",
                 "logging_steps": 10,
+                **DEMOS[args.method].train,
             },
             "eval": {"rungs": rungs(args, files), "batch_size": 64},
         }
@@ -134,7 +207,15 @@ def pipeline(args: QuickstartArgs, ledger: Path, progress: bool) -> dict[str, An
     verdict = run_eval(cfg, progress=progress)
     results = cfg.eval.results_path(cfg.output.dir)
     promoted = promote(results) if verdict["verdict"] == "GO" else None
+    target = next(r for r in verdict["rungs"] if r["name"] == args.new_skill)
     return {
+        "method": args.method,
+        "target": {
+            "name": args.new_skill,
+            "base": target["base_score"],
+            "candidate": target["candidate_score"],
+        },
+        "routing_shift": result.routing_shift,
         "adapter_dir": result.adapter_dir,
         "coverage": result.coverage,
         "router_changed": result.router_changed,
@@ -161,6 +242,7 @@ def run_quickstart(args: QuickstartArgs, progress: bool = True) -> dict[str, Any
     ledger = args.out_dir / "ledger.jsonl"
     summary = pipeline(args, ledger, progress)
     summary.update(new_skill=args.new_skill, ledger=str(ledger))
+    summary["mean_routing_shift"] = summary["routing_shift"]
     if args.overfit:
         summary["overfit"] = pipeline(overfit_args(args), ledger, progress)
     summary["seconds"] = round(time.perf_counter() - started, 1)

@@ -91,13 +91,13 @@ class Step:
     @classmethod
     def from_config(cls, cfg: RunConfig, spec: ModelSpec, optimizer: Optimizer = "fused") -> Step:
         quant = cfg.train.quantization
-        if cfg.train.method == "qlora" and quant == "none":
+        if cfg.train.tuning == "qlora" and quant == "none":
             quant = "bnb-4bit"
         return cls(
             seq_len=cfg.train.seq_len,
             batch_size=cfg.train.batch_size,
             gradient_checkpointing=cfg.train.gradient_checkpointing,
-            method=cfg.train.method,
+            method=cfg.train.tuning,
             optimizer=optimizer,
             quantization=quant,
             weight_bytes=DTYPE_BYTES[cfg.model.dtype],
@@ -111,7 +111,7 @@ def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
     """Whether the step runs moetune's split-LoRA experts (`lora.engine` resolved on `spec`)."""
     from moetune.engine.resolve import resolve_engine
 
-    return cfg.train.method != "full" and resolve_engine(spec, cfg.lora) == "moetune"
+    return cfg.train.tuning != "full" and resolve_engine(spec, cfg.lora) == "moetune"
 
 
 @dataclass(frozen=True)

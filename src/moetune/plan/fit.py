@@ -8,7 +8,7 @@ it re-plans every candidate with `analytic` below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from moetune.config import RunConfig
@@ -17,6 +17,7 @@ from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate, Step, estimate_step, split_lora
 from moetune.plan.hardware import Card, all_cards, get_card
 from moetune.plan.layout import AdapterLayout, adapter_layout
+from moetune.plan.methods import as_trained, method_notes, method_terms, with_rollout
 from moetune.plan.overhead import Overhead, card_overhead, overhead_for
 from moetune.plan.profiles import mixer_notes, profile_for, uncalibrated
 
@@ -200,7 +201,7 @@ def _choose(spec: ModelSpec, cfg: RunConfig, estimator: Estimator) -> tuple[Esti
     """The estimator that runs, and a note when it is not the one asked for."""
     if estimator == "trace" or not uncalibrated(spec):
         return estimator, []
-    if cfg.train.method == "qlora" or cfg.train.quantization != "none":  # fake tensors can't
+    if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":  # fake tensors can't
         return estimator, [
             f"analytic: {_missing(spec)}, and a quantized step cannot be traced: their "
             "activations are left out"
@@ -234,19 +235,36 @@ def _estimate(
     if estimator == "trace":
         from moetune.plan.tracecache import cached_trace
 
-        t = cached_trace(spec, cfg)
-        return t.peak_bytes, dict(t.at_peak), t.peak_op, t.peak_phase, t.trainable_params
+        t = cached_trace(spec, as_trained(cfg, spec))  # the step train.method really trains
+        peak, at_peak, phase = with_rollout(
+            method_terms(cfg, spec), t.peak_bytes, dict(t.at_peak), t.peak_phase
+        )
+        return (
+            peak,
+            at_peak,
+            t.peak_op if phase == t.peak_phase else None,
+            phase,
+            t.trainable_params,
+        )
     est = analytic(spec, cfg)
     return est.peak_bytes, est.components, None, est.peak_phase, est.trainable_params
 
 
 def analytic(spec: ModelSpec, cfg: RunConfig) -> AnalyticEstimate:
-    """The analytic estimate of `cfg` (LoRA layouts cached; target drops filter them)."""
-    return estimate_step(spec, Step.from_config(cfg, spec), _layout(spec, cfg))
+    """The analytic estimate of `cfg` (LoRA layouts cached; target drops filter them), for
+    the step train.method trains and, where it samples, its rollout (plan/methods.py)."""
+    est = estimate_step(spec, Step.from_config(as_trained(cfg, spec), spec), _layout(spec, cfg))
+    peak, components, phase = with_rollout(
+        method_terms(cfg, spec), est.peak_bytes, est.components, est.peak_phase
+    )
+    if phase == est.peak_phase:
+        return est
+    phases = {**est.phases, "rollout": peak}
+    return replace(est, components=components, peak_bytes=peak, peak_phase=phase, phases=phases)
 
 
 def _layout(spec: ModelSpec, cfg: RunConfig) -> AdapterLayout | None:
-    if cfg.train.method == "full":
+    if cfg.train.tuning == "full":
         return None
     lora = cfg.lora
     kinds = frozenset(lora.targets) | ({"router"} if lora.train_router else frozenset())
@@ -288,6 +306,7 @@ def _plan_overhead(cards: list[Card], peak: int) -> Overhead:
 
 def _settings(cfg: RunConfig) -> dict[str, Any]:
     return {
+        "tuning": cfg.train.tuning,
         "method": cfg.train.method,
         "rank": cfg.lora.rank,
         "expert_rank": cfg.lora.experts_rank,
@@ -305,16 +324,16 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
-    notes = []
+    notes = method_notes(cfg, spec)
     if split_lora(spec, cfg):
         notes.append("engine moetune: split LoRA – no full-size expert W+ΔW or its gradient")
-    if cfg.train.method == "qlora" or cfg.train.quantization != "none":
+    if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":
         notes.append(
             "bitsandbytes quantizes nn.Linear only: the fused experts stay bf16 and "
             "prepare_model_for_kbit_training upcasts them to fp32 – on an MoE this uses "
             "more memory than bf16 LoRA (analytic only)"
         )
-    if cfg.lora.dropout and cfg.train.method != "full":
+    if cfg.lora.dropout and cfg.train.tuning != "full":
         notes.append(
             f"sized with lora.dropout=0: peft refuses dropout={cfg.lora.dropout} on "
             "ParamWrapper (expert) targets, and dropout adds one input-sized tensor per "

@@ -83,7 +83,7 @@ def _model(cfg: RunConfig, **update: Any) -> RunConfig:
 
 def _drop(kind: str) -> Callable[[RunConfig], RunConfig | None]:
     def apply(cfg: RunConfig) -> RunConfig | None:
-        if kind not in cfg.lora.targets or cfg.train.method == "full":
+        if kind not in cfg.lora.targets or cfg.train.tuning == "full":
             return None
         if len(cfg.lora.targets) == 1:  # nothing would be left to train
             return None
@@ -102,10 +102,10 @@ def _targets_said(kind: str) -> Callable[[RunConfig, RunConfig], tuple[str, str]
 MOVES: tuple[Move, ...] = (
     Move(
         "qlora→lora",
-        lambda c: _train(c, method="lora", quantization="none")
-        if c.train.method == "qlora" or c.train.quantization != "none" else None,
+        lambda c: _train(c, tuning="lora", quantization="none")
+        if c.train.tuning == "qlora" or c.train.quantization != "none" else None,
         lambda o, n: ("bf16 LoRA instead of bitsandbytes (its fused experts end up fp32)",
-                      "train.method=lora"),
+                      "train.tuning=lora"),
     ),
     Move(
         "engine",
@@ -117,7 +117,7 @@ MOVES: tuple[Move, ...] = (
     Move(
         "explicit",
         lambda c: _lora(c, expert_mapping="explicit")
-        if c.lora.expert_mapping == "automap" and c.train.method != "full" else None,
+        if c.lora.expert_mapping == "automap" and c.train.tuning != "full" else None,
         lambda o, n: ("explicit expert targets (rank r on gate_up, not peft's 2r)",
                       "lora.expert_mapping=explicit"),
     ),
@@ -136,8 +136,8 @@ MOVES: tuple[Move, ...] = (
     ),
     Move(
         "full→lora",
-        lambda c: _train(c, method="lora") if c.train.method == "full" else None,
-        lambda o, n: ("LoRA instead of full fine-tuning", "train.method=lora"),
+        lambda c: _train(c, tuning="lora") if c.train.tuning == "full" else None,
+        lambda o, n: ("LoRA instead of full fine-tuning", "train.tuning=lora"),
     ),
     Move("dense", _drop("dense"), _targets_said("dense")),
     Move("shared", _drop("shared"), _targets_said("shared")),
@@ -350,7 +350,7 @@ _Step = tuple[RunConfig, list[str], list[str]]  # the config, changes in words, 
 def _with_storage(spec: ModelSpec, storage: Storage | None, c: RunConfig) -> _Step | None:
     if storage is None:
         return c, [], []
-    if not spec.is_moe or c.train.method != "lora" or c.train.quantization != "none":
+    if not spec.is_moe or c.train.tuning != "lora" or c.train.quantization != "none":
         return None  # quantised frozen experts: LoRA on moetune's engine only
     sets = [] if c.lora.engine == "moetune" else ["lora.engine=moetune"]
     sets += [f"model.experts_dtype={storage.dtype}"]
@@ -364,7 +364,7 @@ def _with_storage(spec: ModelSpec, storage: Storage | None, c: RunConfig) -> _St
 def _with_ranks(cfg: RunConfig, e: int, r: int, c: RunConfig) -> _Step | None:
     if not (e or r):
         return c, [], []
-    if c.train.method == "full" or (e and c.lora.expert_mapping != "explicit"):
+    if c.train.tuning == "full" or (e and c.lora.expert_mapping != "explicit"):
         return None  # lora.expert_rank needs explicit expert targets
     words, sets = [], []
     if r:

@@ -63,7 +63,7 @@ def trace_key(spec: ModelSpec, cfg: RunConfig, optimizer: str) -> str:
         "model": spec.hf_config,
         "dtype": cfg.model.dtype,
         "experts": [cfg.model.experts_dtype, cfg.model.experts_double_quant],
-        "lora": None if cfg.train.method == "full" else cfg.lora.model_dump(mode="json"),
+        "lora": None if cfg.train.tuning == "full" else cfg.lora.model_dump(mode="json"),
         "train": cfg.train.model_dump(mode="json"),
         "optimizer": optimizer,
         "steps": STEPS,
@@ -83,13 +83,13 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
     from moetune.plan.trace import trace_step
     from moetune.recipe.targets import build_peft_config
 
-    if cfg.train.method == "qlora" or cfg.train.quantization != "none":
+    if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":
         raise ConfigError(
             "the trace estimator cannot run quantized (bitsandbytes) steps on fake tensors",
             "use --estimator analytic for qlora / bnb quantization",
         )
     peft_config = None
-    if cfg.train.method != "full":  # sized without dropout: see fit.make_plan's notes
+    if cfg.train.tuning != "full":  # sized without dropout: see fit.make_plan's notes
         peft_config = build_peft_config(spec, cfg.lora.model_copy(update={"dropout": 0.0}))
     return trace_step(
         to_hf_config(spec),

@@ -82,7 +82,7 @@ def _bnb_mode(ctx: LintContext) -> str | None:
     train = ctx.config.train
     if train.quantization != "none":
         return train.quantization
-    return "bnb-4bit" if train.method == "qlora" else None
+    return "bnb-4bit" if train.tuning == "qlora" else None
 
 
 def _kbit_frozen_bytes(ctx: LintContext, mode: str) -> tuple[int, int]:
@@ -113,9 +113,9 @@ def bnb_on_moe(ctx: LintContext) -> Hit | None:
         f"{mode} quantizes only nn.Linear: the fused experts ({count(experts)} params, "
         f"{share:.0f} %) stay bf16 and prepare_model_for_kbit_training upcasts them to fp32 – "
         f"frozen weights ≈ {gib(kbit)} vs {gib(bf16)} for bf16 LoRA",
-        "train bf16 LoRA instead: train.method: lora, train.quantization: none "
+        "train bf16 LoRA instead: train.tuning: lora, train.quantization: none "
         "(`moetune plan` shows which card fits)",
-        "train.quantization" if ctx.config.train.quantization != "none" else "train.method",
+        "train.quantization" if ctx.config.train.quantization != "none" else "train.tuning",
         None if worse else "warn",
     )
 

@@ -53,7 +53,8 @@ VERDICT_BADGES = {"GO": "go", "NO-GO": "nogo", "INCONCLUSIVE": "inconclusive"}
 CONFIG_FIELDS = (  # (label, dotted path in config.yaml) of the config summary
     ("model", "model.id"),
     ("model dtype", "model.dtype"),
-    ("method", "train.method"),
+    ("objective", "train.method"),
+    ("tuning", "train.tuning"),
     ("LoRA rank", "lora.rank"),
     ("LoRA expert rank", "lora.expert_rank"),
     ("LoRA alpha", "lora.alpha"),

@@ -75,6 +75,12 @@ _KEEP = {  # TRL/HF log key -> metrics.jsonl field
     "aux_loss": "aux_loss",
     "mean_token_accuracy": "token_accuracy",
     "eval_loss": "eval_loss",
+    "reward": "reward",  # grpo: mean summed reward of the sampled group
+    "reward_std": "reward_std",
+    "completions/mean_length": "completion_length",
+    "kl": "kl",
+    "rewards/accuracies": "reward_accuracy",  # dpo: share of pairs with chosen > rejected
+    "rewards/margins": "reward_margin",
 }
 
 

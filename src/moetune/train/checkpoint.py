@@ -10,6 +10,7 @@
       experts_selected.json  lora.expert_selection: the experts trained per layer, scores
       metrics.jsonl       one row per logging step
       routing.jsonl       one row per routing record
+      routing_shift.jsonl rollout → training routing shift per step (grpo)
       checkpoints/step-N  complete checkpoints only
       adapter/            the peft adapter (adapter_config.json + adapter_model.safetensors)
       summary.json        written last: a run with a summary is finished
@@ -159,6 +160,10 @@ class RunDir:
         return JsonlLog(self.root / "routing.jsonl")
 
     @property
+    def shift(self) -> JsonlLog:
+        return JsonlLog(self.root / "routing_shift.jsonl")
+
+    @property
     def finished(self) -> bool:
         return self.summary.is_file()
 
@@ -280,7 +285,7 @@ def inspect_run(
 RUN_OWNED = (
     "summary.json", "config.yaml", "versions.json", "preflight.json", "data.json",
     "coverage.json", "quant.json", "experts_selected.json", "metrics.jsonl", "routing.jsonl",
-    "report.html", "checkpoints", ".staging", ".adapter.tmp", "adapter",
+    "routing_shift.jsonl", "report.html", "checkpoints", ".staging", ".adapter.tmp", "adapter",
     "eval/ladder.json", "eval/verdict.json", "eval/rungs/*.json", "eval/rungs/*.items.jsonl",
 )  # fmt: skip
 
@@ -322,7 +327,7 @@ def open_run(run: RunDir, cfg: RunConfig, resume_step: int | None) -> None:
     _check_writable(run.root)
     shutil.rmtree(run.staging, ignore_errors=True)  # torn saves of a killed run
     atomic_write_text(run.config, dump_config(cfg))
-    for log in (run.metrics, run.routing):
+    for log in (run.metrics, run.routing, run.shift):
         if log.path.exists():
             log.truncate_after(resume_step or 0)
 

@@ -154,6 +154,22 @@ def _check_text(row: Row) -> str | None:
     return None if isinstance(text, str) and text.strip() else "'text' must be a non-empty string"
 
 
+def _check_preference(row: Row) -> str | None:
+    prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+    if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
+        return "'chosen' and 'rejected' are the same" if chosen == rejected else None
+    if all(_is_messages(v) for v in (prompt, chosen, rejected)):
+        return None
+    return "'prompt', 'chosen' and 'rejected' must all be strings or all be message lists"
+
+
+def _check_prompt(row: Row) -> str | None:
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return None if prompt else "'prompt' is empty"
+    return None if _is_messages(prompt) else "'prompt' must be a string or a message list"
+
+
 def _has_generation_tags(tok: PreTrainedTokenizerBase) -> bool:
     template = tok.chat_template if isinstance(tok.chat_template, str) else ""
     return bool(_GENERATION_TAG.search(template))
@@ -188,6 +204,14 @@ def _text_loss(completion_only: bool, tok: PreTrainedTokenizerBase) -> Loss:
     return Loss({"completion_only_loss": False}, "all tokens (text rows have no completion)")
 
 
+def _preference_loss(completion_only: bool, tok: PreTrainedTokenizerBase) -> Loss:
+    return Loss({}, "chosen vs rejected completions (DPO)")
+
+
+def _prompt_loss(completion_only: bool, tok: PreTrainedTokenizerBase) -> Loss:
+    return Loss({}, "sampled completions, weighted by their rewards (GRPO)")
+
+
 def _chat_ids(tok: PreTrainedTokenizerBase, turns: list[Row]) -> list[int]:
     out: Any = tok.apply_chat_template(turns, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in v5
@@ -204,6 +228,17 @@ def _pc_length(row: Row, tok: PreTrainedTokenizerBase) -> int:
     return len(_chat_ids(tok, row["prompt"] + row["completion"]))
 
 
+def _ids(row: Row, tok: PreTrainedTokenizerBase, *keys: str) -> int:
+    """Tokens of the row's `keys` joined (text) or concatenated (message lists)."""
+    if isinstance(row[keys[0]], str):
+        return len(_text_ids(tok, "".join(row[k] for k in keys)))
+    return len(_chat_ids(tok, [m for k in keys for m in row[k]]))
+
+
+def _preference_length(row: Row, tok: PreTrainedTokenizerBase) -> int:
+    return max(_ids(row, tok, "prompt", "chosen"), _ids(row, tok, "prompt", "rejected"))
+
+
 def _uses_chat(row: Row) -> bool:
     """Rows rendered through the chat template: messages, or prompt/completion as turns."""
     return "messages" in row or ("prompt" in row and not isinstance(row["prompt"], str))
@@ -218,6 +253,7 @@ class DataFormat:
     check: Callable[[Row], str | None]  # what is wrong with a row of this format, or None
     loss: Callable[[bool, PreTrainedTokenizerBase], Loss]
     length: Callable[[Row, PreTrainedTokenizerBase], int]
+    extras: bool = False  # keep the row's other columns (GRPO rewards read them)
 
 
 FORMATS: dict[str, DataFormat] = {
@@ -229,36 +265,50 @@ FORMATS: dict[str, DataFormat] = {
                    _prompt_completion_loss, _pc_length),
         DataFormat("text", ("text",), _check_text, _text_loss,
                    lambda r, t: len(_text_ids(t, r["text"]))),
+        DataFormat("preference", ("prompt", "chosen", "rejected"), _check_preference,
+                   _preference_loss, _preference_length),
+        # last: any row with a prompt matches it; GRPO keeps the other columns for rewards
+        DataFormat("prompt", ("prompt",), _check_prompt, _prompt_loss,
+                   lambda r, t: _ids(r, t, "prompt"), extras=True),
     )
 }  # fmt: skip
 
 
-def _format_of(row: Row) -> DataFormat | None:
-    return next((f for f in FORMATS.values() if all(k in row for k in f.keys)), None)
+SFT_FORMATS = ("messages", "prompt/completion", "text")  # what train.method sft reads
 
 
-def _expected() -> str:
-    return " | ".join("+".join(f.keys) for f in FORMATS.values())
+def _format_of(row: Row, allowed: tuple[str, ...] = SFT_FORMATS) -> DataFormat | None:
+    """The first allowed format whose keys the row has (FORMATS' order decides)."""
+    candidates = (f for f in FORMATS.values() if f.name in allowed)
+    return next((f for f in candidates if all(k in row for k in f.keys)), None)
 
 
-def detect_format(path: Path, where: str, row: Any) -> DataFormat:
+def _expected(allowed: tuple[str, ...] = SFT_FORMATS) -> str:
+    return " | ".join("+".join(FORMATS[name].keys) for name in allowed)
+
+
+def detect_format(
+    path: Path, where: str, row: Any, allowed: tuple[str, ...] = SFT_FORMATS
+) -> DataFormat:
     """The format of a file from its first row; DataError naming the keys when none fits."""
     if not isinstance(row, dict):
         raise DataError(
             f"{path} {where}: a row must be a JSON object, got {type(row).__name__}",
-            f"write one object per row with keys {_expected()}",
+            f"write one object per row with keys {_expected(allowed)}",
         )
-    fmt = _format_of(row)
+    fmt = _format_of(row, allowed)
     if fmt is None:
         keys = ", ".join(sorted(row)) or "none"
+        other = _format_of(row, tuple(FORMATS))
+        what = f"{other.name} rows, not for this train.method" if other else "unknown data format"
         raise DataError(
-            f"{path} {where}: unknown data format (keys: {keys})",
-            f"use TRL's row conventions: {_expected()}",
+            f"{path} {where}: {what} (keys: {keys})",
+            f"use TRL's row conventions for this method: {_expected(allowed)}",
         )
     return fmt
 
 
-def check_row(path: Path, where: str, row: Any, fmt: DataFormat) -> Row:
+def check_row(path: Path, where: str, row: Any, fmt: DataFormat, columns: Any = None) -> Row:
     """The row, or DataError saying what is wrong with it (missing keys, mixed formats, types)."""
     if not isinstance(row, dict):
         raise DataError(f"{path} {where}: not a JSON object", f"write {fmt.name} rows")
@@ -272,10 +322,20 @@ def check_row(path: Path, where: str, row: Any, fmt: DataFormat) -> Row:
             f"({fmt.name} rows need {', '.join(fmt.keys)})"
         )
         raise DataError(cause, f"give every row the keys {', '.join(fmt.keys)}")
-    problem = fmt.check(row)
+    problem = fmt.check(row) or _column_problem(row, fmt, columns)
     if problem:
         raise DataError(f"{path} {where}: {problem}", f"fix that row ({fmt.name} format)")
-    return {k: _plain(row[k]) for k in fmt.keys}
+    keys = sorted(row) if fmt.extras else fmt.keys
+    return {k: _plain(row[k]) if k in fmt.keys else row[k] for k in keys}
+
+
+def _column_problem(row: Row, fmt: DataFormat, columns: Any) -> str | None:
+    """Rows that keep extra columns must all have the first row's (`datasets` needs one
+    schema)."""
+    if not fmt.extras or columns is None or set(row) == set(columns):
+        return None
+    missing = sorted(set(columns) - set(row)) or sorted(set(row) - set(columns))
+    return f"columns differ from the first row's ({', '.join(missing)})"
 
 
 def _plain(value: Any) -> Any:
@@ -340,12 +400,15 @@ def _count_overlong(
     return count
 
 
-def read_checked(path: Path) -> tuple[DataFormat, list[tuple[str, Row]]]:
+def read_checked(
+    path: Path, allowed: tuple[str, ...] = SFT_FORMATS
+) -> tuple[DataFormat, list[tuple[str, Row]]]:
     """Every row of a data file, read and checked against the format its first row sets
     (no tokenizer needed: a malformed row fails in milliseconds, before any model loads)."""
     located = read_rows(path)
-    fmt = detect_format(path, *located[0])
-    return fmt, [(where, check_row(path, where, row, fmt)) for where, row in located]
+    fmt = detect_format(path, *located[0], allowed)
+    first = located[0][1]
+    return fmt, [(where, check_row(path, where, row, fmt, first)) for where, row in located]
 
 
 def load_data(
@@ -354,12 +417,13 @@ def load_data(
     seq_len: int,
     completion_only: bool = True,
     overlong: Overlong = "truncate",
+    allowed: tuple[str, ...] = SFT_FORMATS,
 ) -> TrainData:
     """Read and check every row of `file`, then build the dataset TRL trains on."""
     from datasets import Dataset
 
     path = Path(file)
-    fmt, rows = read_checked(path)
+    fmt, rows = read_checked(path, allowed)
     _needs_template(path, fmt, rows[0][1], tok)
     too_long = _count_overlong(path, rows, fmt, tok, seq_len, overlong)
     dataset = Dataset.from_list([row for _, row in rows])
@@ -369,19 +433,22 @@ def load_data(
 
 
 def load_train_data(
-    data: DataArgs, tok: PreTrainedTokenizerBase, seq_len: int
-) -> tuple[TrainData, TrainData | None]:
-    """The training set and the optional eval set (same format) of a run config."""
+    data: DataArgs, tok: PreTrainedTokenizerBase, seq_len: int,
+    allowed: tuple[str, ...] = SFT_FORMATS,
+) -> tuple[TrainData, TrainData | None]:  # fmt: skip
+    """The training set and the optional eval set (same format) of a run config; `allowed`:
+    the formats the run's train.method reads."""
     if not data.train_file:
         raise DataError(
             "data.train_file is not set: nothing to train on",
             "set data.train_file (or --set data.train_file=path/to/train.jsonl)",
         )
     policy: Overlong = data.overlong
-    train = load_data(data.train_file, tok, seq_len, data.completion_only_loss, policy)
+    only = data.completion_only_loss
+    train = load_data(data.train_file, tok, seq_len, only, policy, allowed)
     if not data.eval_file:
         return train, None
-    held_out = load_data(data.eval_file, tok, seq_len, data.completion_only_loss, policy)
+    held_out = load_data(data.eval_file, tok, seq_len, only, policy, allowed)
     if held_out.format != train.format:
         raise DataError(
             f"{data.eval_file} holds {held_out.format} rows but {data.train_file} {train.format}",

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -21,6 +21,7 @@ from moetune.io import atomic_write_json
 from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.data import TrainData, load_train_data
 from moetune.train.errors import TrainError
+from moetune.train.methods import method_of
 from moetune.train.recovery import ResumePoint, resume_point_of, set_aside
 
 if TYPE_CHECKING:
@@ -159,9 +160,11 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     findings, plan, overridden = preflight(cfg, place, allow_errors)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)  # after the lint said why
     tokenizer = load_tokenizer(cfg.model.id)
-    data, eval_data = load_train_data(cfg.data, tokenizer, cfg.train.seq_len)
+    method = method_of(cfg)
+    data, eval_data = load_train_data(cfg.data, tokenizer, cfg.train.seq_len, method.formats)
+    method.check(cfg, data)
     aux = aux_choice(cfg, spec)
-    args = sft_args(cfg, run, place, aux, data, eval_data is not None)
+    args = trl_args(cfg, run, place, aux, data, eval_data is not None)
     point = resume_point(run, data) if resume else None
     setup = Setup(
         place=place,
@@ -232,14 +235,23 @@ def _checkpointing(on: bool) -> dict[str, Any]:
     return {new if new in names else "gradient_checkpointing": on}
 
 
-def sft_args(
+def trl_args(
     cfg: RunConfig, run: RunDir, place: Placement, aux: AuxChoice, data: TrainData, has_eval: bool
 ) -> SFTConfig:
-    """SFTConfig for the run. Checkpoints go to the staging dir (see checkpoint.py)."""
-    from trl import SFTConfig
+    """The TRL config of the run's train.method (SFTConfig, DPOConfig, GRPOConfig): the
+    fields they share, then the method's own. Checkpoints go to the staging dir."""
+    method = method_of(cfg)
+    config = method.classes()[1]
+    fields = shared_args(cfg, run, place, aux, has_eval) | method.args(cfg, data)
+    return cast("SFTConfig", config(**fields))
 
+
+def shared_args(
+    cfg: RunConfig, run: RunDir, place: Placement, aux: AuxChoice, has_eval: bool
+) -> dict[str, Any]:
+    """TrainingArguments fields every method's TRL config takes."""
     t = cfg.train
-    return SFTConfig(
+    return dict(
         output_dir=str(run.staging),
         per_device_train_batch_size=t.batch_size,
         gradient_accumulation_steps=t.grad_accum,
@@ -258,14 +270,11 @@ def sft_args(
         save_steps=t.save_steps,
         eval_strategy="steps" if has_eval else "no",
         eval_steps=t.save_steps,
-        max_length=t.seq_len,
-        packing=cfg.data.packing,
         router_aux_loss_coef=aux.coef,
         include_num_input_tokens_seen="non_padding",  # tokens/s, restored on resume
         report_to=[],
         disable_tqdm=True,  # moetune draws its own progress bar
         **_checkpointing(t.gradient_checkpointing),
-        **data.loss.sft,
     )
 
 

@@ -1,4 +1,5 @@
-"""`train(cfg)`: LoRA SFT of an MoE model that provably reaches the experts.
+"""`train(cfg)`: LoRA SFT, DPO or GRPO (train.method) of an MoE model that provably
+reaches the experts.
 
 The run, top to bottom:
 
@@ -16,8 +17,10 @@ The run, top to bottom:
 4. with lora.expert_selection (ESFT), the frozen base scores the experts on the trainer's
    tokenised rows and only the chosen experts' LoRA trains (engine/select.py;
    experts_selected.json, reused on resume);
-5. TRL's SFTTrainer trains with moetune's callbacks (metrics, routing judged against the
-   base's own routing measured just before, atomic checkpoints, progress). The aux loss
+5. train.method's TRL trainer (methods.py: SFTTrainer, DPOTrainer, GRPOTrainer; the
+   reference policy is the adapter disabled, never a copy) trains with moetune's callbacks
+   (metrics, routing judged against the base's own routing measured just before, GRPO's
+   rollout → training routing shift, atomic checkpoints, progress). The aux loss
    is on only when train.aux_loss says so or, left unset, when lora.train_router – TRL
    would otherwise turn it on for every MoE by itself;
 6. the adapter is saved in peft format (temp dir, then rename), the router's effective
@@ -65,6 +68,7 @@ from moetune.train.checkpoint import (
 )
 from moetune.train.errors import TrainError
 from moetune.train.lock import hold
+from moetune.train.methods import method_of
 from moetune.train.recovery import disk_full_stops
 from moetune.train.routing import (
     RoutingCallback,
@@ -73,6 +77,7 @@ from moetune.train.routing import (
     router_weights,
     summarize,
 )
+from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
 from moetune.train.setup import Placement, Setup, prepare
 
 if TYPE_CHECKING:
@@ -97,6 +102,8 @@ class TrainResult:
     peak_memory_bytes: int  # measured: CUDA max allocated, else the process peak RSS
     planned_peak_bytes: int | None  # the memory plan's prediction for this run
     aux_loss: bool = False
+    method: str = "sft"  # train.method
+    routing_shift: float | None = None  # grpo: mean rollout → training top-k set shift
     resumed_from_step: int | None = None
     errors_overridden: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -141,6 +148,7 @@ def train(
         attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row,
         hold(Path(cfg.output.dir)),
     ):
+        row["metrics"]["method"] = cfg.train.method  # failed attempts say what they trained
         result = _train(cfg, resume, allow_errors, replace, progress)
         row["metrics"] = result.to_json()
     return result
@@ -163,11 +171,15 @@ def _train(
     announce(console, cfg, setup)
     router_before = router_weights(model, setup.spec)
     trainer, routing = build_trainer(cfg, setup, run, model, console)
-    routing.measure_base(model, trainer.train_dataset, trainer.data_collator, cfg.train.batch_size)
+    shift = callback_of(trainer, ShiftCallback)
+    rows, collate = method_of(cfg).routing_rows(trainer, setup.tokenizer)
+    routing.measure_base(model, rows, collate, cfg.train.batch_size)
     setup.selection = select_experts(cfg, setup, run, model, trainer, console)
     with disk_full_stops(run):
         fit(trainer, setup, console)
         routing.recorder.remove()
+        if shift:
+            shift.recorder.remove()
         save_adapter(trainer, run)
     if routing.every:
         console.print(escape(routing.drift()["line"]), highlight=False)
@@ -183,16 +195,20 @@ def _train(
         peak_memory_bytes=peak_memory()[0],
         planned_peak_bytes=setup.planned_peak_bytes,
         aux_loss=setup.aux.enabled,
+        method=cfg.train.method,
+        routing_shift=shift.summary()["mean_shift"] if shift else None,
         resumed_from_step=setup.resume_from[0] if setup.resume_from else None,
         errors_overridden=setup.overridden,
         warnings=setup.notes
         + routing.warnings
         + router_warnings(router)
-        + selection_warnings(model, setup),
+        + selection_warnings(model, setup)
+        + (shift.warnings if shift else []),
         **throughput(cfg, setup, trainer),
     )
     if setup.args.should_save:
-        write_summary(run, result, {"router": router, "routing_drift": routing.drift()}, setup)
+        checks = {"router": router, "routing_drift": routing.drift()}
+        write_summary(run, result, checks | ({"shift": shift.summary()} if shift else {}), setup)
     return result
 
 
@@ -365,19 +381,22 @@ def announce(console: Console, cfg: RunConfig, setup: Setup) -> None:
 def build_trainer(
     cfg: RunConfig, setup: Setup, run: RunDir, model: nn.Module, console: Console
 ) -> tuple[SFTTrainer, RoutingCallback]:
-    """TRL's SFTTrainer on the wrapped model, with moetune's callbacks instead of printing."""
+    """train.method's TRL trainer (methods.py) on the wrapped model, with moetune's
+    callbacks instead of printing; its reference policy is the adapter disabled."""
     from peft import PeftModel
     from transformers import PrinterCallback
-    from trl import SFTTrainer
 
+    method = method_of(cfg)
+    kwargs = {
+        "model": cast(PeftModel, model),
+        "args": setup.args,
+        "train_dataset": setup.data.dataset,
+        "eval_dataset": setup.eval_data.dataset if setup.eval_data else None,
+        "processing_class": setup.tokenizer,
+        **method.trainer_kwargs(cfg),
+    }
     with quiet():
-        trainer = SFTTrainer(
-            model=cast(PeftModel, model),
-            args=setup.args,
-            train_dataset=setup.data.dataset,
-            eval_dataset=setup.eval_data.dataset if setup.eval_data else None,
-            processing_class=setup.tokenizer,
-        )
+        trainer = method.build(method.classes()[0], kwargs)
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the bar for log printing
     routing = RoutingCallback(
         RoutingRecorder(model, setup.spec),
@@ -386,10 +405,27 @@ def build_trainer(
         lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
     )
     metrics = MetricsCallback(run.metrics.append)
-    callbacks = (metrics, routing, CheckpointCommitter(run), RichProgress(metrics, console))
+    shift = rollout_shift(cfg, setup, run, model, console)
+    callbacks = (metrics, routing, *shift, CheckpointCommitter(run), RichProgress(metrics, console))
     for callback in callbacks:  # in this order: the bar shows the row metrics just made
         trainer.add_callback(callback)
     return trainer, routing
+
+
+def rollout_shift(
+    cfg: RunConfig, setup: Setup, run: RunDir, model: nn.Module, console: Console
+) -> tuple[ShiftCallback, ...]:
+    """Methods that sample (grpo): the rollout → training routing shift, per step."""
+    if not method_of(cfg).rollout:
+        return ()
+    return (
+        ShiftCallback(
+            ShiftRecorder(model, setup.spec),
+            cfg.train.grpo.shift_warn,
+            run.shift.append,
+            lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
+        ),
+    )
 
 
 def select_experts(
@@ -516,6 +552,8 @@ def write_summary(run: RunDir, result: TrainResult, checks: dict[str, Any], setu
         "coverage_by_kind": setup.coverage.to_json()["by_kind"] if setup.coverage else {},
         "engine": setup.engine,  # lora.engine as resolved (auto -> moetune | peft)
     }
+    if "shift" in checks:  # grpo: rollout → training routing shift (routing_shift.jsonl)
+        summary["routing_shift"] = checks["shift"]
     if setup.selection is not None:  # experts_selected.json has the scores per layer
         summary["expert_selection"] = setup.selection.summary()
     quant = run.root / "quant.json"  # quantised experts: bytes and output error per layer

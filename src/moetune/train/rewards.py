@@ -1,0 +1,128 @@
+"""GRPO reward functions: a registry of named builders, or a user's `module:function`.
+
+Each reward is built from its `RewardArgs` into a callable with TRL's reward signature,
+`f(prompts, completions, **columns) -> list[float]`, where `columns` are the prompt rows'
+other data columns, one value per completion. A completion is a string (plain prompts)
+or a list of messages (conversational ones); rewards score its text.
+
+    exact_match   1.0 when the completion, stripped, equals the row's `column` column
+    regex         1.0 when the completion matches `pattern` (re.fullmatch, DOTALL)
+    length        1 - |chars - target_chars| / target_chars, at least 0
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from moetune.train.errors import TrainError
+
+if TYPE_CHECKING:
+    from moetune.config import GrpoArgs, RewardArgs
+
+RewardFunc = Callable[..., list[float]]
+
+
+class RewardError(TrainError):
+    """A GRPO reward that cannot be built: unknown name, bad import, missing setting."""
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: a string, or the content of its last message."""
+    if isinstance(completion, str):
+        return completion
+    return str(completion[-1]["content"]) if completion else ""
+
+
+def _exact_match(args: RewardArgs) -> RewardFunc:
+    column = args.column
+
+    def exact_match(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        answers = columns[column]
+        return [
+            float(completion_text(c).strip() == str(a).strip())
+            for c, a in zip(completions, answers, strict=True)
+        ]
+
+    return exact_match
+
+
+def _regex(args: RewardArgs) -> RewardFunc:
+    if not args.pattern:
+        raise RewardError(
+            "reward regex needs a pattern", "set pattern: in that train.grpo.rewards entry"
+        )
+    try:
+        compiled = re.compile(args.pattern, re.DOTALL)
+    except re.error as exc:
+        raise RewardError(
+            f"reward regex: {args.pattern!r} is not a valid pattern ({exc})", "fix the pattern"
+        ) from None
+
+    def regex(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        return [float(compiled.fullmatch(completion_text(c)) is not None) for c in completions]
+
+    return regex
+
+
+def _length(args: RewardArgs) -> RewardFunc:
+    target = args.target_chars
+    if target is None:
+        raise RewardError(
+            "reward length needs target_chars", "set target_chars: in that rewards entry"
+        )
+
+    def length(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        return [max(0.0, 1 - abs(len(completion_text(c)) - target) / target) for c in completions]
+
+    return length
+
+
+REWARDS: dict[str, Callable[[RewardArgs], RewardFunc]] = {
+    "exact_match": _exact_match,
+    "regex": _regex,
+    "length": _length,
+}
+
+
+def _imported(spec: str) -> RewardFunc:
+    """`package.module:function`, imported; RewardError naming what is missing."""
+    module_name, _, attr = spec.partition(":")
+    fix = "write module:function with the module importable (on PYTHONPATH)"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(f"reward {spec}: cannot import {module_name} ({exc})", fix) from None
+    func = getattr(module, attr, None)
+    if func is None:
+        raise RewardError(f"reward {spec}: {module_name} has no {attr!r}", fix)
+    if not callable(func):
+        raise RewardError(f"reward {spec}: {attr} is a {type(func).__name__}, not a function", fix)
+    return func  # type: ignore[no-any-return]
+
+
+def build_reward(args: RewardArgs) -> RewardFunc:
+    """One reward function, from the registry or imported."""
+    if ":" in args.name:
+        return _imported(args.name)
+    builder = REWARDS.get(args.name)
+    if builder is None:
+        raise RewardError(
+            f"unknown reward {args.name!r}",
+            f"use one of {', '.join(REWARDS)} or module:function",
+        )
+    return builder(args)
+
+
+def build_rewards(grpo: GrpoArgs) -> tuple[list[RewardFunc], list[float]]:
+    """Every configured reward and its weight, in order."""
+    if not grpo.rewards:
+        raise RewardError("train.grpo.rewards is empty", "add a reward, e.g. name: exact_match")
+    return [build_reward(r) for r in grpo.rewards], [r.weight for r in grpo.rewards]
+
+
+def reward_columns(grpo: GrpoArgs) -> list[str]:
+    """The data columns the registered rewards read (exact_match's answer field)."""
+    return sorted({r.column for r in grpo.rewards if r.name == "exact_match"})

@@ -1,0 +1,217 @@
+"""Routing shift between the rollout and the training pass of an RL step (GRPO).
+
+An RL step runs the policy twice over the same tokens: once while sampling (generate, with
+a KV cache, no grad) and once to train on them (one forward over prompt + completion). An
+MoE may route the same token to a different top-k expert set in the two passes (cache and
+batch numerics, dropout, a policy that moved between rollout and update) – the known source
+of MoE RL instability. `ShiftRecorder` hooks the routers, keeps the rollout's top-k per
+token and, when the training pass sees the same sequence, counts per layer the share of
+tokens whose top-k *set* differs.
+
+A base forward is a rollout call when it carries a KV cache (generate passes one, training
+passes none) and a training call when autograd records it in train mode; reference and
+old-log-prob passes (no grad) are neither. Rollout rows are matched to training rows by
+their tokens, so shuffled or re-padded micro-batches still line up; the last generated
+token is never fed back during generation, so it has no rollout routing and is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import TrainerCallback
+
+from moetune.train.routing import routed_experts, router_modules
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
+    from moetune.model.spec import ModelSpec
+
+
+@dataclass
+class _Rollout:
+    """One generate call: per row the tokens fed so far and, per layer, their top-k."""
+
+    tokens: list[list[torch.Tensor]] = field(default_factory=list)  # row -> chunks
+    routes: dict[int, list[list[torch.Tensor]]] = field(default_factory=dict)  # layer -> row ->
+
+    def rows(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            (torch.cat(tok), torch.cat(self.routes[layer][b]))
+            for b, tok in enumerate(self.tokens)
+            if layer in self.routes
+        ]
+
+
+@dataclass
+class LayerShift:
+    layer: int
+    tokens: int  # matched tokens compared
+    differ: int  # of those, tokens whose top-k expert set differs
+
+    @property
+    def share(self) -> float:
+        return self.differ / self.tokens if self.tokens else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.layer, "tokens": self.tokens, "shift": round(self.share, 6)}
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per token, whether two [tokens, k] index tensors hold the same expert set."""
+    return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
+
+
+class ShiftRecorder:
+    """Hooks a (peft-wrapped) MoE's routers; `take()` returns the shift counted so far."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec) -> None:
+        self.num_experts, self.top_k = spec.num_experts, spec.top_k
+        get_base = getattr(model, "get_base_model", None)
+        base: nn.Module = get_base() if callable(get_base) else model
+        self._phase: str | None = None
+        self._shape: tuple[torch.Tensor, torch.Tensor] | None = None  # ids, mask of the call
+        self._calls: dict[int, torch.Tensor] = {}
+        self._rollouts: list[_Rollout] = []
+        self._counts: dict[int, list[int]] = {}
+        self._handles: list[RemovableHandle] = [
+            base.register_forward_pre_hook(self._begin, with_kwargs=True),
+            base.register_forward_hook(self._end),
+        ]
+        for layer, router in router_modules(model, spec).items():
+            self._handles.append(router.register_forward_hook(self._hook(layer)))
+
+    def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._phase = None
+        if not isinstance(ids, torch.Tensor):
+            return
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24: cache
+        if cache is not None:
+            self._phase = "rollout"
+        elif torch.is_grad_enabled() and module.training:
+            self._phase = "train"
+        mask = kwargs.get("attention_mask")
+        mask = mask if isinstance(mask, torch.Tensor) else torch.ones_like(ids)
+        self._shape, self._calls = (ids, mask[:, -ids.shape[1] :].bool()), {}
+        if self._phase == "rollout" and (not self._rollouts or _cache_empty(cache)):
+            self._rollouts = [*self._rollouts[-7:], _Rollout()]  # a new generate call
+
+    def _hook(self, layer: int) -> Callable[[nn.Module, Any, Any], None]:
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            if self._phase is None or self._shape is None:
+                return
+            with torch.no_grad():
+                indices = routed_experts(output, self.num_experts, self.top_k)
+            ids = self._shape[0]
+            if indices is not None and indices.shape[0] == ids.numel():
+                self._calls[layer] = indices.reshape(*ids.shape, -1).cpu()
+
+        return record
+
+    def _end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        phase, self._phase = self._phase, None
+        if phase == "rollout":
+            self._keep_rollout()
+        elif phase == "train":
+            self._compare()
+
+    def _keep_rollout(self) -> None:
+        assert self._shape is not None
+        ids, mask = (t.cpu() for t in self._shape)
+        rollout = self._rollouts[-1]
+        if not rollout.tokens:
+            rollout.tokens = [[] for _ in range(ids.shape[0])]
+        for b in range(ids.shape[0]):
+            rollout.tokens[b].append(ids[b][mask[b]])
+            for layer, routes in self._calls.items():
+                per_row = rollout.routes.setdefault(layer, [[] for _ in range(ids.shape[0])])
+                per_row[b].append(routes[b][mask[b]])
+
+    def _compare(self) -> None:
+        assert self._shape is not None
+        ids, mask = (t.cpu() for t in self._shape)
+        for layer, routes in self._calls.items():
+            candidates = [row for r in self._rollouts for row in r.rows(layer)]
+            for b in range(ids.shape[0]):
+                tokens, train = ids[b][mask[b]][:-1], routes[b][mask[b]][:-1]
+                match = _matching(candidates, tokens)
+                if match is not None:
+                    count = self._counts.setdefault(layer, [0, 0])
+                    count[0] += len(tokens)
+                    count[1] += int((~same_sets(train, match[: len(tokens)])).sum())
+
+    def take(self) -> list[LayerShift]:
+        """The shift per layer since the last take (layers with matched tokens only)."""
+        out = [LayerShift(layer, n, d) for layer, (n, d) in sorted(self._counts.items())]
+        self._counts = {}
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _cache_empty(cache: Any) -> bool:
+    length = getattr(cache, "get_seq_length", None)
+    return bool(callable(length) and length() == 0)
+
+
+def _matching(rows: list[tuple[torch.Tensor, torch.Tensor]], tokens: torch.Tensor) -> Any:
+    """The rollout routing of the first row fed exactly these tokens first, or None."""
+    n = len(tokens)
+    for fed, routes in rows:
+        if len(fed) >= n and torch.equal(fed[:n], tokens):
+            return routes
+    return None
+
+
+class ShiftCallback(TrainerCallback):
+    """Writes the rollout→training routing shift per logged step; warns once per layer when
+    its share exceeds `warn_at` (all warnings also in `.warnings`)."""
+
+    def __init__(
+        self,
+        recorder: ShiftRecorder,
+        warn_at: float,
+        write: Callable[[dict[str, Any]], None],
+        warn: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        self.recorder, self.warn_at, self.write, self.warn = recorder, warn_at, write, warn
+        self.warnings: list[str] = []
+        self.shares: list[float] = []  # mean share over layers, per step with matches
+        self._warned: set[int] = set()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        layers = self.recorder.take()
+        if not layers:
+            return
+        mean = sum(x.share for x in layers) / len(layers)
+        self.shares.append(mean)
+        if args.should_save:
+            row = {"step": state.global_step, "mean_shift": round(mean, 6)}
+            self.write({**row, "layers": [x.to_json() for x in layers]})
+        for x in layers:
+            if x.share > self.warn_at and x.layer not in self._warned:
+                self._warned.add(x.layer)
+                self.warnings.append(
+                    f"routing shift at step {state.global_step}: layer {x.layer} routes "
+                    f"{x.share:.0%} of tokens to other experts in training than in the "
+                    f"rollout (> {self.warn_at:.0%})"
+                )
+                self.warn(self.warnings[-1])
+
+    def summary(self) -> dict[str, Any]:
+        mean = sum(self.shares) / len(self.shares) if self.shares else None
+        return {
+            "steps": len(self.shares),
+            "mean_shift": round(mean, 6) if mean is not None else None,
+            "max_step_shift": round(max(self.shares), 6) if self.shares else None,
+            "warn_at": self.warn_at,
+        }

@@ -1,0 +1,79 @@
+"""`moetune quickstart --method dpo|grpo`: the demo's rows per method, and (slow) the whole
+pipeline – what each method really reaches on the tiny base is in benchmarks/RESULTS.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.demo.quickstart import DEMOS, demo_args, training_rows, wrong_answer
+from moetune.demo.skills import SKILLS, make_items
+from moetune.errors import ConfigError
+
+
+def test_every_skill_gets_a_plausible_wrong_answer_that_differs():
+    for name in SKILLS:
+        for item in make_items([name], 50, 0, "train"):
+            assert wrong_answer(item) != item.answer, item
+    dup = make_items(["dup"], 1, 0, "train")[0]
+    assert wrong_answer(dup) == dup.prompt.removeprefix("dup:").rstrip(">")  # the copy
+
+
+def test_demo_rows_per_method():
+    dpo = training_rows(demo_args("dpo", rows=20))
+    assert set(dpo[0]) == {"prompt", "chosen", "rejected"}
+    assert all(r["chosen"].endswith("<eos>") and r["chosen"] != r["rejected"] for r in dpo)
+    grpo = demo_args("grpo", rows=20)
+    rows = training_rows(grpo)
+    assert set(rows[0]) == {"prompt", "answer"} and len(rows) == 20
+    assert sum(r["prompt"].startswith(f"{grpo.new_skill}:") for r in rows) == 10  # half new
+    assert list(DEMOS) == ["sft", "dpo", "grpo"]
+
+
+def test_unknown_method_is_one_line():
+    with pytest.raises(ConfigError, match="unknown method 'ppo'"):
+        demo_args("ppo")
+    result = CliRunner().invoke(app, ["quickstart", "--method", "ppo", "--json"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def _run(tmp_path: Path, method: str) -> dict:
+    out = tmp_path / method
+    result = CliRunner().invoke(
+        app, ["quickstart", "--method", method, "--out", str(out), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["method"] == method and summary["verdict"] in ("GO", "NO-GO", "INCONCLUSIVE")
+    assert summary["coverage"] == 1.0 and summary["router_changed"] is False
+    target = summary["target"]
+    assert target["name"] == summary["new_skill"]
+    assert target == {"name": target["name"], **summary["scores"][target["name"]]}
+    return summary
+
+
+@pytest.mark.slow
+def test_grpo_quickstart_learns_the_new_skill_from_an_exact_match_reward(tmp_path):
+    summary = _run(tmp_path, "grpo")
+    target = summary["target"]
+    assert target["base"] < 0.2 and target["candidate"] > 0.8  # measured: 0.08 -> 0.995
+    shift = summary["mean_routing_shift"]
+    assert shift is not None and 0.0 <= shift < 0.05  # fp32 CPU: rollout and update agree
+    # GO is not reached on 2 cores (RL forgets `sum`, RESULTS.md); whatever the verdict, only
+    # a GO is promoted
+    assert (summary["verdict"] == "GO") == (summary["promoted"] is not None)
+
+
+@pytest.mark.slow
+def test_dpo_quickstart_learns_dup_and_passes_the_gate(tmp_path):
+    summary = _run(tmp_path, "dpo")
+    target = summary["target"]
+    assert target["base"] < 0.2 and target["candidate"] > 0.8  # measured: 0.00 -> 0.97
+    assert summary["mean_routing_shift"] is None  # no rollout in DPO
+    assert summary["verdict"] == "GO" and summary["promoted"] is not None
+    for name in ("copy", "rev", "first"):
+        assert summary["scores"][name]["candidate"] >= summary["scores"][name]["base"] - 0.1
