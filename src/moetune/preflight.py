@@ -87,7 +87,7 @@ def lint_context(cfg: RunConfig, spec: Any, plan: Any = None) -> Any:
             ctx.card_id, ctx.card_usable_bytes = cfg.hardware.card, fit.usable_bytes
             ctx.peak_bytes = fit.required_bytes
     if spec is not None and cfg.hardware.card:
-        from moetune.lane.estimate import estimate
+        from moetune.plan.estimate import estimate
         from moetune.plan.hardware import get_card
 
         # the launch's own estimate: a rate measured on this card (ledger) beats FLOPs

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import RunConfig
-from moetune.lane import walls as W
 from moetune.lane.cards import CardChoice, choose_card
-from moetune.lane.estimate import Estimate, estimate, launch_signature, measured_cards
 from moetune.lane.phases import PHASES, Lane, Walls
 from moetune.lane.providers.base import PROVIDERS, LaneError, PodSpec, Provider
 from moetune.lane.state import LaneState
 from moetune.ledger import public_env
+from moetune.plan import walls as W
+from moetune.plan.estimate import Estimate, estimate, launch_signature, measured_cards
 
 
 def make_provider(cfg: RunConfig, state_dir: Path) -> Provider:

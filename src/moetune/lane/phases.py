@@ -361,8 +361,8 @@ def fetch_base(lane: Lane) -> None:
     """Hub bases download on the pod, hf-xet off, after checking the disk can hold them."""
     if not lane.pod_work_left() or Path(lane.cfg.model.id).exists():
         return
-    from moetune.lane.walls import snapshot_bytes
     from moetune.model import load_spec
+    from moetune.plan.walls import snapshot_bytes
 
     need = snapshot_bytes(load_spec(lane.cfg.model.id))
     free = int(lane.run_on_pod("df -B1 --output=avail . | tail -1").strip() or 0)

@@ -100,7 +100,7 @@ class TrainResult:
     resumed_from_step: int | None = None
     errors_overridden: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    # What the next launch sizes its training time from (lane/estimate.py): the loop's
+    # What the next launch sizes its training time from (plan/estimate.py): the loop's
     # non-padding tokens (this attempt's, all processes) over its wall time, the device and
     # its catalog card (None when not in plan/cards.json), and the step it was measured on.
     tokens: int | None = None
@@ -440,7 +440,7 @@ def callback_of(trainer: SFTTrainer, kind: type[_C]) -> _C | None:
 def throughput(cfg: RunConfig, setup: Setup, trainer: SFTTrainer) -> dict[str, Any]:
     """The TrainResult fields a launch estimates from: tokens/s of the loop, on which device
     and card, for which step (`step_signature`)."""
-    from moetune.lane.estimate import step_signature
+    from moetune.plan.estimate import step_signature
     from moetune.plan.hardware import card_for_device
 
     metrics = callback_of(trainer, MetricsCallback)
