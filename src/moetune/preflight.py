@@ -62,6 +62,8 @@ def option_overrides(**options: Any) -> list[str]:
         "card": "hardware.card",
         "engine": "lora.engine",
         "experts_dtype": "model.experts_dtype",
+        "nproc": "train.nproc",
+        "strategy": "train.strategy",
     }
     out = []
     for name, value in options.items():

@@ -384,7 +384,10 @@ def train(lane: Lane) -> None:
     if lane.state.banked:
         return
     resume = f"test -d {REMOTE_RUN}/checkpoints && echo --resume || true"
-    command = lane.moetune(f"train {REMOTE_CONFIG} $({resume})")
+    # a multi-GPU pod trains on all its GPUs (accelerate; train.nproc as configured wins)
+    gpus = lane.spec.gpu_count if lane.cfg.train.nproc == 1 and lane.spec.gpu_count > 1 else 0
+    nproc = f" --nproc {gpus}" if gpus else ""
+    command = lane.moetune(f"train {REMOTE_CONFIG}{nproc} $({resume})")
     lane.attach_or_start("train.log", command, on_poll=lane.sync_checkpoints)
 
 
