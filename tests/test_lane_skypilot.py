@@ -27,7 +27,7 @@ from moetune.lane.providers.skypilot import (
     task_yaml,
 )
 
-SKY_VENV = Path("/work/venvs/skypilot/bin/python")
+SKY_VENV = Path(os.environ.get("MOETUNE_SKY_PYTHON", "/work/venvs/skypilot/bin/python"))
 TOKEN = "hf_" + "Q" * 34  # what a leaked hub token would look like
 
 
@@ -211,3 +211,10 @@ def test_skypilots_own_parser_reads_the_task(tmp_path):
     assert parsed["autostop"]["down"] is True and parsed["autostop"]["idle_minutes"] == 120
     assert parsed["envs"]["HF_HUB_DISABLE_XET"] == "1"
     assert parsed["run"].endswith("moetune train run.yaml --nproc 2")
+    broken = yaml.safe_load(path.read_text())
+    broken["resources"]["autostop"]["wait_for"] = "never"  # the parser really validates
+    path.write_text(yaml.safe_dump(broken))
+    refused = subprocess.run(
+        [str(SKY_VENV), "-c", _PARSE, str(path)], capture_output=True, text=True, env=env
+    )
+    assert refused.returncode != 0 and "wait_for" in refused.stderr

@@ -216,3 +216,13 @@ def _wait_released(root: Path, timeout: float = 120.0) -> None:
         except TrainError:
             assert time.monotonic() < deadline, "the ranks still hold the run dir"
             time.sleep(0.2)
+
+
+def test_train_refuses_nproc_outside_a_launch(tiny, tmp_path, monkeypatch):
+    from moetune.train import train
+
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(TrainError, match="not a launched rank"):
+        train(_cfg(tiny, tmp_path / "r", nproc=2), progress=False)
+    assert not (tmp_path / "r").exists()

@@ -23,9 +23,10 @@ The run, top to bottom:
 6. the adapter is saved in peft format (temp dir, then rename), the router's effective
    weights are compared with their state before training, and summary.json comes last.
 
-Multi-GPU is accelerate's job: `accelerate launch "$(command -v moetune)" train run.yaml`
-runs this unchanged (data-parallel; each process trains on its shard). Only the main
-process writes the run dir; checkpoints are committed after every process saved its part.
+Multi-GPU is accelerate's job: `moetune train run.yaml --nproc N` (distributed.py) or
+`accelerate launch -m moetune train run.yaml` runs this unchanged on every rank. Only the
+main process ledgers and writes the run dir; checkpoints are committed after every process
+saved its part.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def train(
     Every attempt – finished, failed, interrupted or terminated – leaves one ledger row, and
     only one process at a time writes a run dir (lock.py)."""
     replace = (overwrite or overwrite_promoted, overwrite_promoted)
+    require_launcher(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
         return _train(cfg, resume, allow_errors, replace, progress)
     check_ledger(cfg.output.ledger)
@@ -144,6 +146,17 @@ def train(
         result = _train(cfg, resume, allow_errors, replace, progress)
         row["metrics"] = result.to_json()
     return result
+
+
+def require_launcher(cfg: RunConfig) -> None:
+    """train.nproc > 1 runs in the processes a launcher starts, never silently in one."""
+    from moetune.train.distributed import launched
+
+    if cfg.train.nproc > 1 and not launched():
+        raise TrainError(
+            f"train.nproc={cfg.train.nproc} but this is a single process, not a launched rank",
+            "run `moetune train run.yaml` (it starts the processes) or `accelerate launch`",
+        )
 
 
 def _train(
