@@ -155,9 +155,11 @@ def _train(config: Path, *flags: str, log: Path) -> dict:
     return json.loads(log.read_text())  # one JSON document: the ranks print nothing
 
 
-def _write(tiny, name: str, **over) -> Path:
+def _write(tiny, name: str, experts_dtype: str = "bf16", **over) -> Path:
     config = tiny.root / f"{name}.yaml"
-    config.write_text(dump_config(_cfg(tiny, tiny.root / name, max_steps=8, **over)))
+    cfg = _cfg(tiny, tiny.root / name, **{"max_steps": 8, **over})
+    cfg.model.experts_dtype = experts_dtype  # type: ignore[assignment]
+    config.write_text(dump_config(cfg))
     return config
 
 
@@ -226,3 +228,14 @@ def test_train_refuses_nproc_outside_a_launch(tiny, tmp_path, monkeypatch):
     with pytest.raises(TrainError, match="not a launched rank"):
         train(_cfg(tiny, tmp_path / "r", nproc=2), progress=False)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_quantised_experts_train_under_ddp_like_one_process(tiny):
+    """int8 expert stacks (moetune's engine) with 2 DDP ranks: the 1-process adapter."""
+    q2 = _write(tiny, "q2", "int8", batch_size=2, nproc=2, max_steps=2)
+    two = _train(q2, log=tiny.root / "q2.log")
+    one = _train(_write(tiny, "q1", "int8", batch_size=4, max_steps=2), log=tiny.root / "q1.log")
+    assert two["coverage"] == one["coverage"] == 1.0
+    assert json.loads((tiny.root / "q2" / "quant.json").read_text())  # really quantised
+    assert _rel_diff(tiny.root / "q2", tiny.root / "q1") < 1e-4
