@@ -239,3 +239,17 @@ def test_quantised_experts_train_under_ddp_like_one_process(tiny):
     assert two["coverage"] == one["coverage"] == 1.0
     assert json.loads((tiny.root / "q2" / "quant.json").read_text())  # really quantised
     assert _rel_diff(tiny.root / "q2", tiny.root / "q1") < 1e-4
+
+
+def test_a_run_saved_before_nproc_existed_still_resumes(tiny, tmp_path):
+    """config.yaml written by a moetune without train.nproc/strategy: same run at defaults."""
+    import yaml
+
+    from moetune.train.checkpoint import config_diff
+
+    cfg = _cfg(tiny, tmp_path / "r")
+    old = yaml.safe_load(dump_config(cfg))
+    del old["train"]["nproc"], old["train"]["strategy"]
+    assert config_diff(yaml.safe_dump(old), cfg) == []
+    cfg.train.nproc = 2
+    assert config_diff(yaml.safe_dump(old), cfg) == ["train.nproc (None -> 2)"]

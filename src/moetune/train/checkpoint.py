@@ -205,7 +205,10 @@ def config_diff(old_yaml: str, cfg: RunConfig) -> list[str]:
             "restore config.yaml as moetune wrote it, or start a new output.dir",
         ) from None
     new = _flatten(yaml.safe_load(dump_config(cfg)))  # as saved: secrets masked alike
-    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    # a field added since the run started, left at its default, changes nothing
+    defaults = _flatten(yaml.safe_load(dump_config(RunConfig())))
+    added = {k for k in new.keys() - old.keys() if k in defaults and new[k] == defaults[k]}
+    keys = sorted(k for k in old.keys() | new.keys() - added if old.get(k) != new.get(k))
     return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys]
 
 
