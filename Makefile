@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup quickstart test test-slow lint format bench clean
+.PHONY: setup quickstart test test-slow lint format bench clean setup-skypilot test-skypilot
 
 setup: $(BIN)/moetune
 
@@ -15,6 +15,15 @@ $(BIN)/moetune: pyproject.toml
 	$(BIN)/pip install "torch==2.13.0" || $(BIN)/pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 	$(BIN)/pip install -e ".[dev]"
 	touch $@
+
+# SkyPilot in its own venv (its pins are not ours); the provider calls its `sky` CLI.
+SKY_VENV ?= /work/venvs/skypilot
+setup-skypilot:
+	$(PY) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/pip install "skypilot>=0.14,<0.15"
+
+test-skypilot: setup setup-skypilot
+	$(BIN)/pytest -q -m skypilot
 
 quickstart: setup
 	$(BIN)/moetune quickstart

@@ -16,13 +16,13 @@ import yaml
 
 from moetune.config import RunConfig, parse_config
 from moetune.errors import ConfigError
-from moetune.lane import walls
 from moetune.lane.workflows import (
     SETUP_MINUTES,
     check_timeouts,
     ci_timeouts,
     github_workflow,
 )
+from moetune.plan import walls
 
 FAKE_KEY = "rpa_" + "Z" * 40  # what a leaked RunPod key would look like
 

@@ -1,4 +1,4 @@
-"""Sizing for the four infrastructure walls (moetune.lane.walls)."""
+"""Sizing for the four infrastructure walls (moetune.plan.walls)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from moetune.lane import walls
+from moetune.plan import walls
 
 
 @dataclass(frozen=True)

@@ -266,23 +266,28 @@ def train_cmd(
     engine: Annotated[
         str | None, typer.Option(help="Expert LoRA engine: auto | moetune (split LoRA) | peft.")
     ] = None,
+    nproc: Annotated[
+        int | None, typer.Option(help="Processes (one per GPU), launched through accelerate.")
+    ] = None,
+    strategy: Annotated[
+        str | None, typer.Option(help="With --nproc: ddp | fsdp (FSDP2) | zero3 (DeepSpeed).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     from moetune.config import load_config
     from moetune.preflight import option_overrides
     from moetune.train import train
+    from moetune.train.distributed import launch_or_train, quiet_rank
     from moetune.units import human_bytes
 
-    cfg = load_config(config, [*(overrides or []), *option_overrides(engine=engine)])
-    result = train(
-        cfg,
-        resume=resume,
-        allow_errors=allow_errors,
-        overwrite=overwrite,
-        overwrite_promoted=overwrite_promoted,
-        progress=not as_json,
-    )
+    sets = [*(overrides or []), *option_overrides(engine=engine, nproc=nproc, strategy=strategy)]
+    cfg = load_config(config, sets)
+    flags = {"resume": resume, "allow_errors": allow_errors, "overwrite": overwrite}
+    flags |= {"overwrite_promoted": overwrite_promoted, "json": as_json}
+    result = launch_or_train(cfg, config, sets, flags, train)
+    if quiet_rank():  # a rank of a launch: the launcher or the main process reports
+        return
     if as_json:
         emit_json(result.to_json())
         return
@@ -544,6 +549,5 @@ def ledger_verify(
         raise typer.Exit(1)
 
 
-import moetune.cli_lane  # noqa: E402,F401  (registers launch, pods and workflow on `app`)
-from moetune import cli_serve  # noqa: E402,F401  (registers serve-plan on `app`)
-from moetune import cli_bench  # noqa: E402,F401  (registers `bench gm1` on `app`)
+# Each registers its commands on `app`: launch/pods/workflow, sky-task, serve-plan, bench.
+from moetune import cli_bench, cli_lane, cli_serve, cli_sky  # noqa: E402,F401

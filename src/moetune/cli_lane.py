@@ -208,8 +208,8 @@ def workflow_github(
     """A GitHub Actions workflow: step timeout inside the job's, upload + teardown always."""
     from moetune.io import atomic_write_text
     from moetune.lane.launch import launch_plan
-    from moetune.lane.walls import DEFAULT_WATCHDOG_S
     from moetune.lane.workflows import github_workflow
+    from moetune.plan.walls import DEFAULT_WATCHDOG_S
 
     cfg = _config(config, None, overrides)
     total = launch_plan(cfg).estimate.total_s

@@ -323,6 +323,17 @@ class TrainArgs(_Section):
         default_factory=GrpoArgs,  # type: ignore[arg-type]
         description="train.method grpo: its settings.",
     )
+    nproc: PositiveInt = Field(
+        1,
+        description="Processes (one per GPU) `moetune train` starts through accelerate; "
+        "train.batch_size is per process, so the global batch is batch_size × grad_accum × nproc.",
+    )
+    strategy: Literal["ddp", "fsdp", "zero3"] = Field(
+        "ddp",
+        description="How nproc > 1 processes split the work: ddp (every process holds the "
+        "model; CPU too, over gloo), fsdp (accelerate FSDP2, GPUs) or zero3 (DeepSpeed ZeRO-3, "
+        "GPUs, needs deepspeed).",
+    )
 
 
 class DataArgs(_Section):
@@ -384,13 +395,35 @@ class RunpodArgs(_Section):
     container_disk_gb: PositiveInt = Field(
         30, description="Container disk (the volume is separate)."
     )
-    gpu_count: PositiveInt = Field(1, description="GPUs per pod.")
+    gpu_count: PositiveInt | None = Field(
+        None,
+        description="GPUs per pod; default: train.nproc when > 1, else the fewest GPUs the "
+        "per-device planner says the run fits on (1 without one).",
+    )
+
+
+class SkypilotArgs(_Section):
+    """SkyPilot settings for provider `skypilot`; credentials stay SkyPilot's own (`sky check`)."""
+
+    sky: str = Field(
+        "sky", description="The SkyPilot CLI: a name on PATH or a path (e.g. its own venv)."
+    )
+    cloud: str | None = Field(None, description="Restrict to one cloud (aws, gcp, …); default any.")
+    use_spot: bool = Field(False, description="Spot instances (cheaper; may be preempted).")
+    image: str | None = Field(
+        None, description="Docker image for the task (image_id docker:…); default the cloud's."
+    )
+    ssh_user: str = Field(
+        "ubuntu", description="Login user on the cluster (SkyPilot's ~/.ssh/config alias)."
+    )
 
 
 class LaneArgs(_Section):
     """Remote-run infrastructure: where the pod comes from, the four walls, the cost guard."""
 
-    provider: Literal["local", "ssh", "runpod"] = Field("local", description="Where to run.")
+    provider: Literal["local", "ssh", "runpod", "skypilot"] = Field(
+        "local", description="Where to run."
+    )
     volume_gb: PositiveInt | None = Field(
         None, description="Pod volume size in GB (default: sized from the model)."
     )
@@ -435,6 +468,10 @@ class LaneArgs(_Section):
     runpod: RunpodArgs = Field(
         default_factory=RunpodArgs,  # type: ignore[arg-type]
         description="Provider runpod: pod settings.",
+    )
+    skypilot: SkypilotArgs = Field(
+        default_factory=SkypilotArgs,  # type: ignore[arg-type]
+        description="Provider skypilot: the CLI, cloud, spot and image of the cluster.",
     )
 
 

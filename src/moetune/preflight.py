@@ -63,6 +63,8 @@ def option_overrides(**options: Any) -> list[str]:
         "card": "hardware.card",
         "engine": "lora.engine",
         "experts_dtype": "model.experts_dtype",
+        "nproc": "train.nproc",
+        "strategy": "train.strategy",
     }
     out = []
     for name, value in options.items():
@@ -88,7 +90,7 @@ def lint_context(cfg: RunConfig, spec: Any, plan: Any = None) -> Any:
             ctx.card_id, ctx.card_usable_bytes = cfg.hardware.card, fit.usable_bytes
             ctx.peak_bytes = fit.required_bytes
     if spec is not None and cfg.hardware.card:
-        from moetune.lane.estimate import estimate
+        from moetune.plan.estimate import estimate
         from moetune.plan.hardware import get_card
 
         # the launch's own estimate: a rate measured on this card (ledger) beats FLOPs

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import RunConfig
-from moetune.lane import walls as W
 from moetune.lane.cards import CardChoice, choose_card
-from moetune.lane.estimate import Estimate, estimate, launch_signature, measured_cards
 from moetune.lane.phases import PHASES, Lane, Walls
 from moetune.lane.providers.base import PROVIDERS, LaneError, PodSpec, Provider
 from moetune.lane.state import LaneState
 from moetune.ledger import public_env
+from moetune.plan import walls as W
+from moetune.plan.estimate import Estimate, estimate, launch_signature, measured_cards
 
 
 def make_provider(cfg: RunConfig, state_dir: Path) -> Provider:
@@ -98,6 +98,22 @@ def size_walls(cfg: RunConfig, spec: Any, plan: Any, est: Estimate) -> tuple[Wal
     return Walls(volume, watchdog, env), why
 
 
+def pod_gpu_count(cfg: RunConfig, spec: Any, card: Any) -> int:
+    """GPUs per pod: lane.runpod.gpu_count, else train.nproc when > 1, else the fewest GPUs
+    the per-device planner (plan.sharding) fits the run on – 1 when there is none."""
+    if cfg.lane.runpod.gpu_count:
+        return cfg.lane.runpod.gpu_count
+    if cfg.train.nproc > 1:
+        return cfg.train.nproc
+    if card is None:
+        return 1
+    try:
+        from moetune.plan.sharding import fewest_gpus  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # no per-device planner installed: one GPU, as before
+        return 1
+    return int(fewest_gpus(spec, cfg, card, cfg.train.strategy) or 1)
+
+
 def launch_plan(
     cfg: RunConfig, run_id: str | None = None, accept_thin_margin: bool = False
 ) -> LaunchPlan:
@@ -116,7 +132,7 @@ def launch_plan(
         name=f"moetune-{run_id}-{secrets.token_hex(3)}",
         card=getattr(card, "id", None),
         gpu_type_id=getattr(card, "runpod_gpu_type_id", None),
-        gpu_count=cfg.lane.runpod.gpu_count,
+        gpu_count=pod_gpu_count(cfg, spec, card),
         image=cfg.lane.runpod.image,
         volume_gb=walls.volume_gb,
         container_disk_gb=cfg.lane.runpod.container_disk_gb,

@@ -361,8 +361,8 @@ def fetch_base(lane: Lane) -> None:
     """Hub bases download on the pod, hf-xet off, after checking the disk can hold them."""
     if not lane.pod_work_left() or Path(lane.cfg.model.id).exists():
         return
-    from moetune.lane.walls import snapshot_bytes
     from moetune.model import load_spec
+    from moetune.plan.walls import snapshot_bytes
 
     need = snapshot_bytes(load_spec(lane.cfg.model.id))
     free = int(lane.run_on_pod("df -B1 --output=avail . | tail -1").strip() or 0)
@@ -384,7 +384,10 @@ def train(lane: Lane) -> None:
     if lane.state.banked:
         return
     resume = f"test -d {REMOTE_RUN}/checkpoints && echo --resume || true"
-    command = lane.moetune(f"train {REMOTE_CONFIG} $({resume})")
+    # a multi-GPU pod trains on all its GPUs (accelerate; train.nproc as configured wins)
+    gpus = lane.spec.gpu_count if lane.cfg.train.nproc == 1 and lane.spec.gpu_count > 1 else 0
+    nproc = f" --nproc {gpus}" if gpus else ""
+    command = lane.moetune(f"train {REMOTE_CONFIG}{nproc} $({resume})")
     lane.attach_or_start("train.log", command, on_poll=lane.sync_checkpoints)
 
 

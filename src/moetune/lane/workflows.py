@@ -21,7 +21,7 @@ import yaml
 
 from moetune.config import RunConfig
 from moetune.errors import ConfigError
-from moetune.lane import walls
+from moetune.plan import walls
 
 SETUP_MINUTES = 10  # checkout + setup-python + pip install on a hosted runner
 TEARDOWN_STEP_MINUTES = 10  # the sweep; the rest of CI_TEARDOWN_MINUTES is the upload's

@@ -7,8 +7,8 @@ when a trap stops reproducing, so a fixed library prompts a review instead of a 
 
     findings = lint(LintContext(config=cfg, spec=spec, family=None))
 
-Rules live in `rules_peft.py`, `rules_mlx.py` and `rules_infra.py`; add one by decorating
-its check with `@register_rule(...)` – the engine has no per-rule branches.
+Rules live in `rules_peft.py`, `rules_mlx.py`, `rules_infra.py` and `rules_dist.py`; add
+one by decorating its check with `@register_rule(...)` – the engine has no per-rule branches.
 """
 
 from __future__ import annotations
@@ -200,4 +200,4 @@ def versions_of(libraries: tuple[str, ...], versions: Mapping[str, str] | None =
 
 
 # Registration happens on import; these modules import the names above.
-from moetune.recipe import rules_infra, rules_mlx, rules_peft  # noqa: E402, F401
+from moetune.recipe import rules_dist, rules_infra, rules_mlx, rules_peft  # noqa: E402, F401

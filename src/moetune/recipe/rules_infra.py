@@ -1,10 +1,10 @@
-"""Rules for the machine and the four walls of a rented pod (sizing in moetune.lane.walls)."""
+"""Rules for the machine and the four walls of a rented pod (sizing in moetune.plan.walls)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from moetune.lane import walls
+from moetune.plan import walls
 from moetune.recipe import probes
 from moetune.recipe.rules import Hit, LintContext, register_rule
 from moetune.units import gib

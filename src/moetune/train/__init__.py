@@ -11,9 +11,10 @@ SFTTrainer, adapter, summary); `data` reads TRL's row conventions from local fil
 `routing` records expert load; `checkpoint` owns the run directory (atomic files,
 committed checkpoints, resume); `callbacks` writes metrics and draws the progress bar.
 
-Multi-GPU is accelerate's job and needs no code here:
+Multi-GPU is accelerate's job: `moetune train run.yaml --nproc 4` (distributed.py writes
+the accelerate config and launches), or directly
 
-    accelerate launch --num_processes 4 "$(command -v moetune)" train run.yaml
+    accelerate launch --num_processes 4 -m moetune train run.yaml
 
 runs the same `train()` on every process (data-parallel, each process on its shard of
 every batch); only the main process writes the run directory, and a checkpoint is

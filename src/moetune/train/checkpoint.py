@@ -14,6 +14,7 @@
       checkpoints/step-N  complete checkpoints only
       adapter/            the peft adapter (adapter_config.json + adapter_model.safetensors)
       summary.json        written last: a run with a summary is finished
+      accelerate.yaml     --nproc N: the accelerate config the ranks were launched with
 
 Checkpoints: HF Trainer writes `checkpoint-N` into `.staging/`, not atomically; once it is
 done the directory is fsynced and renamed to `checkpoints/step-N` in one step, so every
@@ -46,6 +47,8 @@ from moetune.config import RunConfig, dump_config
 from moetune.io import PROMOTED, atomic_write_text, fsync_path
 from moetune.train.errors import TrainError
 
+# Written by `moetune train --nproc` before the ranks start (distributed.py): not foreign.
+LAUNCH_FILES = ("accelerate.yaml",)
 KEEP_CHECKPOINTS = 2  # committed checkpoints kept; older ones are removed after each commit
 STEP_PREFIX = "step-"
 _LIBRARIES = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "moetune")
@@ -207,7 +210,10 @@ def config_diff(old_yaml: str, cfg: RunConfig) -> list[str]:
             "restore config.yaml as moetune wrote it, or start a new output.dir",
         ) from None
     new = _flatten(yaml.safe_load(dump_config(cfg)))  # as saved: secrets masked alike
-    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    # a field added since the run started, left at its default, changes nothing
+    defaults = _flatten(yaml.safe_load(dump_config(RunConfig())))
+    added = {k for k in new.keys() - old.keys() if k in defaults and new[k] == defaults[k]}
+    keys = sorted(k for k in old.keys() | new.keys() - added if old.get(k) != new.get(k))
     return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys]
 
 
@@ -226,6 +232,7 @@ def _check_writable(root: Path) -> None:
 def _check_not_foreign(run: RunDir) -> None:
     """A non-empty directory without moetune's config.yaml belongs to someone else."""
     found = sorted(p.name for p in run.root.iterdir()) if run.root.is_dir() else []
+    found = [name for name in found if name not in LAUNCH_FILES]
     if found and not run.config.is_file():
         raise TrainError(
             f"{run.root} is not empty and holds no moetune run ({', '.join(found[:3])})",

@@ -26,9 +26,10 @@ The run, top to bottom:
 6. the adapter is saved in peft format (temp dir, then rename), the router's effective
    weights are compared with their state before training, and summary.json comes last.
 
-Multi-GPU is accelerate's job: `accelerate launch "$(command -v moetune)" train run.yaml`
-runs this unchanged (data-parallel; each process trains on its shard). Only the main
-process writes the run dir; checkpoints are committed after every process saved its part.
+Multi-GPU is accelerate's job: `moetune train run.yaml --nproc N` (distributed.py) or
+`accelerate launch -m moetune train run.yaml` runs this unchanged on every rank. Only the
+main process ledgers and writes the run dir; checkpoints are committed after every process
+saved its part.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class TrainResult:
     resumed_from_step: int | None = None
     errors_overridden: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    # What the next launch sizes its training time from (lane/estimate.py): the loop's
+    # What the next launch sizes its training time from (plan/estimate.py): the loop's
     # non-padding tokens (this attempt's, all processes) over its wall time, the device and
     # its catalog card (None when not in plan/cards.json), and the step it was measured on.
     tokens: int | None = None
@@ -141,6 +142,7 @@ def train(
     Every attempt – finished, failed, interrupted or terminated – leaves one ledger row, and
     only one process at a time writes a run dir (lock.py)."""
     replace = (overwrite or overwrite_promoted, overwrite_promoted)
+    require_launcher(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
         return _train(cfg, resume, allow_errors, replace, progress)
     check_ledger(cfg.output.ledger)
@@ -152,6 +154,17 @@ def train(
         result = _train(cfg, resume, allow_errors, replace, progress)
         row["metrics"] = result.to_json()
     return result
+
+
+def require_launcher(cfg: RunConfig) -> None:
+    """train.nproc > 1 runs in the processes a launcher starts, never silently in one."""
+    from moetune.train.distributed import launched
+
+    if cfg.train.nproc > 1 and not launched():
+        raise TrainError(
+            f"train.nproc={cfg.train.nproc} but this is a single process, not a launched rank",
+            "run `moetune train run.yaml` (it starts the processes) or `accelerate launch`",
+        )
 
 
 def _train(
@@ -476,7 +489,7 @@ def callback_of(trainer: SFTTrainer, kind: type[_C]) -> _C | None:
 def throughput(cfg: RunConfig, setup: Setup, trainer: SFTTrainer) -> dict[str, Any]:
     """The TrainResult fields a launch estimates from: tokens/s of the loop, on which device
     and card, for which step (`step_signature`)."""
-    from moetune.lane.estimate import step_signature
+    from moetune.plan.estimate import step_signature
     from moetune.plan.hardware import card_for_device
 
     metrics = callback_of(trainer, MetricsCallback)

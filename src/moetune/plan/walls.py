@@ -45,7 +45,7 @@ CI_TEARDOWN_MINUTES = 15  # time the `if: always()` bank/teardown steps need aft
 
 
 class _Sized(Protocol):
-    """What the sizing needs from a ModelSpec (kept structural so lane code can pass stubs)."""
+    """What the sizing needs from a ModelSpec (structural, so callers can pass stubs)."""
 
     @property
     def total_params(self) -> int: ...

@@ -136,7 +136,7 @@ def launch_signature(spec: Any, cfg: RunConfig) -> dict[str, Any]:
     from moetune.engine.resolve import resolve_engine
 
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)
-    return step_signature(cfg, engine, cfg.lane.runpod.gpu_count)
+    return step_signature(cfg, engine, cfg.lane.runpod.gpu_count or cfg.train.nproc)
 
 
 @dataclass(frozen=True)

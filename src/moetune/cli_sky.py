@@ -1,0 +1,38 @@
+"""`moetune sky-task`: the run as a SkyPilot task YAML, for `sky launch` by hand.
+
+Registered on moetune's one typer app (imported at the end of cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from moetune.cli import JsonOpt, SetOpt, app, console, emit_json, friendly
+
+
+@app.command(name="sky-task")
+@friendly
+def sky_task_cmd(
+    config: Annotated[Path, typer.Argument(help="The run.yaml to launch.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Folder for task.yaml and the pod's run.yaml.")
+    ] = Path("sky-task"),
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """A SkyPilot task for the run: resources from the plan, walls, mounts, autostop(down)."""
+    from moetune.config import load_config
+    from moetune.lane.providers.skypilot import write_task
+
+    path, task = write_task(load_config(config, overrides or []), out)
+    if as_json:
+        emit_json({"task_yaml": str(path), "task": task})
+        return
+    resources = task["resources"]
+    console.print(f"task: {escape(str(path))} · {resources['accelerators']} · disk "
+                  f"{resources['disk_size']} GB · autostop {resources['autostop']['idle_minutes']} "
+                  "min (down)")  # fmt: skip
+    console.print(f"launch: sky launch -c {task['name']} {escape(str(path))}")

@@ -1,0 +1,63 @@
+"""Probes of the multi-process traps (rules_dist.py): what accelerate really runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import util
+
+from moetune.recipe.rules import ProbeOutcome, ProbeUnavailable
+
+# The rank builds the Accelerator a CPU TrainingArguments builds (cpu=True) with an FSDP2
+# plugin, as `accelerate launch` with distributed_type FSDP would, and prints what it got.
+_FSDP_CPU_SCRIPT = """
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+if acc.is_main_process:
+    print(acc.state.distributed_type, acc.state.backend)
+"""
+
+
+def fsdp_on_cpu() -> ProbeOutcome:
+    """A CPU rank asking accelerate for FSDP2 gets plain MULTI_CPU (DDP over gloo) instead.
+    One rank of a world of one (the env torchrun sets) shows it without a second process."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    rank = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env = {**os.environ, **rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env |= {"ACCELERATE_USE_FSDP": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _FSDP_CPU_SCRIPT],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if "DistributedType" in line]
+    if done.returncode != 0 or not lines:
+        raise ProbeUnavailable(f"the gloo rank failed: {done.stderr.strip()[-300:]}")
+    return ProbeOutcome("FSDP" not in lines[0], f"a CPU rank with an FSDP2 plugin: {lines[0]}")
+
+
+def deepspeed_missing() -> ProbeOutcome:
+    """accelerate's ZeRO-3 needs the deepspeed package, which moetune does not install."""
+    if util.find_spec("deepspeed") is not None:
+        raise ProbeUnavailable("deepspeed is installed here, so the trap cannot show")
+    from accelerate.utils import is_deepspeed_available
+
+    return ProbeOutcome(
+        not is_deepspeed_available(), "accelerate.utils.is_deepspeed_available() is False"
+    )
+
+
+def engine_sharded() -> ProbeOutcome:
+    """Split LoRA / quantised stacks under FSDP2 or ZeRO-3: only a multi-GPU run can show it."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        raise ProbeUnavailable(
+            "needs 2 CUDA devices: accelerate shards (FSDP2, ZeRO-3) on GPUs only (fsdp_on_cpu)"
+        )
+    raise ProbeUnavailable("not validated yet on multi-GPU hardware: the rule stays an error")

@@ -1,0 +1,211 @@
+"""`moetune train RUN --nproc N`: the same run on N processes, started by accelerate.
+
+moetune writes no distributed code of its own. The launcher writes an accelerate config
+into the run dir (`accelerate.yaml`, one strategy per registered writer) and runs
+`python -m accelerate.commands.launch --config_file … -m moetune train …` – the very
+command line it was given – in which every rank runs `train()` unchanged: the main
+process alone ledgers, locks the run dir and writes its files (trainer.py, setup.py,
+checkpoint.py), the others train their shard of each global batch.
+
+Facts this rests on (accelerate 1.15, checked by the DIST-* rules' probes):
+- A CPU process (TrainingArguments.use_cpu) is MULTI_CPU over gloo whatever the config
+  says: accelerate enters FSDP or DeepSpeed only on GPU-like devices. So CPU runs are DDP;
+  fsdp / zero3 on CPU are refused in preflight rather than silently run as DDP.
+- `accelerate launch` with `use_cpu` has no multi-process launcher except mpirun; the
+  torchrun-based one (distributed_type MULTI_GPU / FSDP / DEEPSPEED) spawns the ranks, and
+  each rank then picks its own backend (gloo on CPU, nccl on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moetune.config import RunConfig
+from moetune.io import atomic_write_text
+from moetune.train.errors import TrainError
+
+CONFIG_NAME = "accelerate.yaml"  # in the run dir, beside config.yaml
+HEADER = "# written by `moetune train --nproc` for accelerate launch; regenerated on each launch\n"
+LAUNCHED_ENV = "MOETUNE_LAUNCHED"  # set for the ranks: they print nothing, the launcher does
+
+Writer = Callable[[RunConfig, list[str]], dict[str, Any]]
+STRATEGIES: dict[str, Writer] = {}
+
+
+def strategy(name: str) -> Callable[[Writer], Writer]:
+    """Register the accelerate config section writer of a train.strategy."""
+
+    def decorate(writer: Writer) -> Writer:
+        STRATEGIES[name] = writer
+        return writer
+
+    return decorate
+
+
+@strategy("ddp")
+def _ddp(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
+    # MULTI_GPU selects accelerate's torchrun launcher; a CPU rank still runs gloo DDP.
+    return {"distributed_type": "MULTI_GPU"}
+
+
+@strategy("fsdp")
+def _fsdp(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
+    return {
+        "distributed_type": "FSDP",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": ",".join(layers),
+            "fsdp_state_dict_type": "FULL_STATE_DICT",  # the peft adapter is saved whole
+            "fsdp_reshard_after_forward": True,
+            "fsdp_offload_params": False,
+            "fsdp_cpu_ram_efficient_loading": False,
+            # the trainer checkpoints through TrainingArguments, not FSDP's own
+            "fsdp_activation_checkpointing": False,
+        },
+    }
+
+
+@strategy("zero3")
+def _zero3(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
+    return {
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {
+            "zero_stage": 3,
+            "gradient_accumulation_steps": cfg.train.grad_accum,
+            "zero3_init_flag": False,
+            "zero3_save_16bit_model": False,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "none",
+        },
+    }
+
+
+def decoder_layers(model_id: str) -> list[str]:
+    """The classes FSDP wraps one by one: the causal-LM class's `_no_split_modules`
+    (its decoder layer, e.g. Qwen3MoeDecoderLayer), read off the class without building it."""
+    from transformers import AutoConfig
+
+    from moetune.model.derive import causal_lm_class
+
+    cls = causal_lm_class(AutoConfig.from_pretrained(model_id))
+    return sorted(getattr(cls, "_no_split_modules", None) or [])
+
+
+def accelerate_config(cfg: RunConfig, port: int, layers: list[str]) -> dict[str, Any]:
+    """The accelerate config file's content for cfg.train.nproc processes on this machine."""
+    t = cfg.train
+    precision = "bf16" if t.precision == "bf16" else "no"  # fp32 and auto: the trainer decides
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "num_machines": 1,
+        "machine_rank": 0,
+        "num_processes": t.nproc,
+        "main_process_port": port,
+        "mixed_precision": precision,
+        "use_cpu": False,  # True would pick accelerate's single-process launcher
+        "rdzv_backend": "static",
+        **STRATEGIES[t.strategy](cfg, layers),
+    }
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the rendezvous of this launch)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launched() -> bool:
+    """True inside a rank of a distributed launch (torchrun/accelerate set LOCAL_RANK)."""
+    return "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ
+
+
+def write_config(cfg: RunConfig, root: Path) -> Path:
+    """accelerate.yaml in the run dir; a file of that name moetune did not write stays."""
+    path = root / CONFIG_NAME
+    if path.is_file() and not path.read_text(encoding="utf-8").startswith(HEADER):
+        raise TrainError(
+            f"{path} exists and was not written by moetune; it is never overwritten",
+            "move it away, or run `accelerate launch --config_file it -m moetune train …`",
+        )
+    content = accelerate_config(cfg, free_port(), decoder_layers(cfg.model.id))
+    atomic_write_text(path, HEADER + yaml.safe_dump(content, sort_keys=True))
+    return path
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the launcher dies, kill -9 included (Linux prctl), so a
+    killed launch leaves no ranks behind holding the run dir."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[str, Any]:
+    """Run `moetune <argv>` on cfg.train.nproc processes; the result summary.json records.
+    `check` is the read-only run-dir check, done before anything is written."""
+    check()
+    root = Path(cfg.output.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    config = write_config(cfg, root)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    env = {**os.environ, LAUNCHED_ENV: "1"}
+    proc = subprocess.Popen([*cmd, "-m", "moetune", *argv], env=env, preexec_fn=_die_with_parent)
+    try:
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:  # Ctrl-C here: the ranks go too
+            proc.terminate()
+            proc.wait()
+    if code != 0:
+        raise TrainError(
+            f"the {cfg.train.nproc} training processes failed (exit {code}); their error is above",
+            "fix that cause, then run the same command with --resume to continue",
+        )
+    summary = json.loads((root / "summary.json").read_text(encoding="utf-8"))
+    return dict(summary["result"])
+
+
+def rank_argv(config: Path, sets: list[str], flags: dict[str, bool]) -> list[str]:
+    """The `moetune train` command line every rank runs (the settings as `--set`s)."""
+    argv = ["train", str(config), *(arg for s in sets for arg in ("--set", s))]
+    return argv + [f"--{name.replace('_', '-')}" for name, on in flags.items() if on]
+
+
+def quiet_rank() -> bool:
+    """A rank that reports nothing: any rank of a `--nproc` launch (the launcher reports),
+    and the non-main ranks of a plain `accelerate launch`."""
+    return bool(os.environ.get(LAUNCHED_ENV)) or int(os.environ.get("RANK", "0")) != 0
+
+
+def launch_or_train(
+    cfg: RunConfig, config: Path, sets: list[str], flags: dict[str, bool], train: Any
+) -> Any:
+    """`train(cfg, …)` here, or – train.nproc > 1 outside a launch – on nproc processes,
+    after the same read-only run-dir check and preflight a rank would do first."""
+    from moetune.train.trainer import TrainResult
+
+    opts = {k: v for k, v in flags.items() if k != "json"}
+    if cfg.train.nproc == 1 or launched():
+        return train(cfg, progress=not flags.get("json"), **opts)
+
+    def check() -> None:
+        from moetune.train.checkpoint import inspect_run
+        from moetune.train.setup import preflight, resolve_placement
+
+        inspect_run(cfg, opts["resume"], opts["overwrite"], opts["overwrite_promoted"])
+        preflight(cfg, resolve_placement(cfg.train), opts["allow_errors"])
+
+    return TrainResult.from_json(launch(cfg, rank_argv(config, sets, flags), check))

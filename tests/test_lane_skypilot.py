@@ -1,0 +1,220 @@
+"""Provider `skypilot` (moetune.lane.providers.skypilot): the task YAML from the run, the
+cost guard's layers as SkyPilot's (autostop down, `sky status`, `sky down NAME`), multi-GPU
+pods from the plan – and, opt-in (-m skypilot), SkyPilot's own parser reading the YAML."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.config import parse_config
+from moetune.lane.launch import pod_gpu_count
+from moetune.lane.providers.base import LaneError, PodSpec
+from moetune.lane.providers.skypilot import (
+    SkypilotProvider,
+    parse_status,
+    run_task,
+    task_yaml,
+)
+
+SKY_VENV = Path(os.environ.get("MOETUNE_SKY_PYTHON", "/work/venvs/skypilot/bin/python"))
+TOKEN = "hf_" + "Q" * 34  # what a leaked hub token would look like
+
+
+def _cfg(tmp_path: Path, **lane) -> object:
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n')
+    return parse_config({
+        "model": {"id": "Qwen/Qwen3-30B-A3B"},
+        "data": {"train_file": str(data)},
+        "output": {"dir": str(tmp_path / "run"), "ledger": str(tmp_path / "ledger.jsonl")},
+        "train": {"max_steps": 100},
+        "lane": {"provider": "skypilot", **lane},
+    })  # fmt: skip
+
+
+def _spec(**over) -> PodSpec:
+    base = {"name": "moetune-r1-abc123", "card": "H100-80GB", "gpu_count": 2, "volume_gb": 200}
+    return PodSpec(**{**base, **over})
+
+
+def test_task_carries_the_plan_and_every_wall(tmp_path):
+    env = {"HF_TOKEN": TOKEN, "WANDB_MODE": "offline"}
+    sky = _cfg(tmp_path).lane.skypilot
+    task = task_yaml(_spec(env=env), 7 * 3600 + 1, ["pip install moetune"], "true", {}, sky)
+    res = task["resources"]
+    assert res["accelerators"] == "H100:2"
+    assert res["disk_size"] == 200 + 30  # volume wall + container disk: one VM disk
+    # the watchdog as a hard deadline that tears down, not an idle timer that only stops
+    assert res["autostop"] == {"idle_minutes": 421, "down": True, "wait_for": "none"}
+    assert task["envs"]["HF_HUB_DISABLE_XET"] == "1" and task["envs"]["WANDB_MODE"] == "offline"
+    assert "HF_TOKEN" in task["envs"] and task["envs"]["HF_TOKEN"] is None
+    assert TOKEN not in yaml.safe_dump(task)  # secrets never in the file
+    assert task["setup"].splitlines() == ["set -e", "pip install moetune"]
+
+
+def test_a_card_skypilot_cannot_name_is_refused():
+    with pytest.raises(LaneError, match="no SkyPilot accelerator"):
+        task_yaml(_spec(card="M3-Max-128GB"), 3600, [], "true", {}, types.SimpleNamespace())
+
+
+def test_run_task_mounts_what_is_staged_and_trains_on_every_gpu(tmp_path):
+    cfg = _cfg(tmp_path)
+    pod_config = tmp_path / "pod.yaml"
+    pod_config.write_text("{}")
+    task = run_task(cfg, _spec(gpu_count=4), 3600, pod_config)
+    root = "~/moetune-runs/moetune-r1-abc123"
+    assert task["file_mounts"] == {
+        f"{root}/data/train_file.jsonl": str((tmp_path / "train.jsonl").resolve()),
+        f"{root}/run.yaml": str(pod_config.resolve()),
+    }
+    assert task["run"] == f"cd {root} && moetune train run.yaml --nproc 4"
+
+
+def test_gpu_count_comes_from_config_then_nproc_then_the_planner(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path)
+    assert pod_gpu_count(cfg, None, object()) == 1  # no per-device planner here: one GPU
+    calls = []
+    planner = types.ModuleType("moetune.plan.sharding")
+    planner.fewest_gpus = lambda spec, c, card, strategy: calls.append(strategy) or 4  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "moetune.plan.sharding", planner)
+    assert pod_gpu_count(cfg, None, object()) == 4 and calls == ["ddp"]
+    cfg.train.nproc = 2
+    assert pod_gpu_count(cfg, None, object()) == 2
+    cfg.lane.runpod.gpu_count = 8
+    assert pod_gpu_count(cfg, None, object()) == 8
+
+
+STATUS = """Clusters
+NAME                    LAUNCHED     RESOURCES                  STATUS   AUTOSTOP   COMMAND
+moetune-r1-abc123       10 mins ago  1x AWS(p5.48xlarge, ...)   UP       421m (down) sky launch ...
+someone-elses           2 hrs ago    1x GCP(a3-highgpu-8g)      STOPPED  -          sky launch ...
+
+Managed jobs
+ID  TASK  NAME      RESOURCES  SUBMITTED  TOT. DURATION  JOB DURATION  #RECOVERIES  STATUS
+3   -     finetune  1x[H100:8] 1 hr ago   1h             1h            0            RUNNING
+"""
+
+
+def test_sky_status_lists_clusters_only():
+    pods = parse_status(STATUS, "moetune-runs")
+    assert [(p.id, p.status) for p in pods] == [
+        ("moetune-r1-abc123", "running"),
+        ("someone-elses", "exited"),
+    ]
+
+
+def _fake_sky(tmp_path: Path, status_text: str) -> Path:
+    """A `sky` executable that records its argv and answers `status` with `status_text`."""
+    log = tmp_path / "sky.argv"
+    script = tmp_path / "sky"
+    script.write_text(
+        f"#!{sys.executable}\nimport sys, json\n"
+        f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        f"if sys.argv[1] == 'status': print({status_text!r})\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_down_goes_by_the_recorded_cluster_name(tmp_path):
+    sky = _fake_sky(tmp_path, STATUS)
+    provider = SkypilotProvider(_cfg(tmp_path, skypilot={"sky": str(sky)}).lane, tmp_path)
+    assert provider.status("moetune-r1-abc123").status == "running"
+    provider.terminate("moetune-r1-abc123")
+    calls = [json.loads(line) for line in (tmp_path / "sky.argv").read_text().splitlines()]
+    assert calls[-1] == ["down", "--yes", "moetune-r1-abc123"]
+    with pytest.raises(LaneError):
+        provider.terminate("moetune-*")  # never a pattern
+
+
+def test_launch_passes_secrets_by_environment_only(tmp_path):
+    sky = _fake_sky(tmp_path, STATUS)
+    provider = SkypilotProvider(_cfg(tmp_path, skypilot={"sky": str(sky)}).lane, tmp_path)
+    provider.create(_spec(env={"HF_TOKEN": TOKEN}))
+    launch = json.loads((tmp_path / "sky.argv").read_text().splitlines()[0])
+    assert launch[:5] == ["launch", "-c", "moetune-r1-abc123", "--yes", "--detach-run"]
+    assert launch[5:7] == ["--env", "HF_TOKEN"] and TOKEN not in json.dumps(launch)
+    written = (tmp_path / "moetune-r1-abc123.sky.yaml").read_text()
+    assert TOKEN not in written and "H100:2" in written
+
+
+def test_a_missing_sky_cli_says_how_to_install_it(tmp_path):
+    lane = _cfg(tmp_path, skypilot={"sky": str(tmp_path / "no-such-sky")}).lane
+    with pytest.raises(LaneError, match="not on PATH") as err:
+        SkypilotProvider(lane, tmp_path).list()
+    assert "pip install skypilot" in err.value.fix
+
+
+def test_cli_writes_the_task_and_never_overwrites(tmp_path):
+    from moetune.config import dump_config
+    from test_train_helpers import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model")
+    cfg = _cfg(tmp_path, skypilot={"cloud": "aws"})
+    cfg.model.id, cfg.hardware.card = str(model), "H200"
+    config, out = tmp_path / "run.yaml", tmp_path / "task"
+    config.write_text(dump_config(cfg))
+    args = ["sky-task", str(config), "--out", str(out), "--json"]
+    got = CliRunner().invoke(app, args)
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.output)
+    on_disk = yaml.safe_load((out / "task.yaml").read_text())
+    assert on_disk == doc["task"] and on_disk["resources"]["accelerators"] == "H200:1"
+    assert on_disk["resources"]["cloud"] == "aws"
+    root = f"~/moetune-runs/{on_disk['name']}"
+    assert on_disk["file_mounts"][f"{root}/model"] == str(model.resolve())  # a local base
+    pod = yaml.safe_load((out / "run.yaml").read_text())
+    assert pod["model"]["id"] == "model" and pod["lane"]["provider"] == "local"
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 2 and "never overwritten" in again.output
+
+
+_PARSE = """
+import json, sys
+import sky
+task = sky.Task.from_yaml(sys.argv[1])
+(res,) = list(task.resources)
+print(json.dumps({"accelerators": res.accelerators, "disk_size": res.disk_size,
+    "autostop": res.autostop_config.to_yaml_config() if res.autostop_config else None,
+    "envs": task.envs, "mounts": task.file_mounts, "run": task.run}))
+"""
+
+
+@pytest.mark.skypilot
+def test_skypilots_own_parser_reads_the_task(tmp_path):
+    if not SKY_VENV.exists():
+        pytest.skip(f"SkyPilot lives in its own venv ({SKY_VENV}); make setup-skypilot")
+    cfg = _cfg(tmp_path)
+    pod_config = tmp_path / "pod.yaml"
+    pod_config.write_text("{}")
+    path = tmp_path / "task.yaml"
+    path.write_text(yaml.safe_dump(run_task(cfg, _spec(), 7200, pod_config)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(SKY_VENV), "-c", _PARSE, str(path)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed["accelerators"] == {"H100": 2}
+    assert parsed["disk_size"] == 230
+    assert parsed["autostop"]["down"] is True and parsed["autostop"]["idle_minutes"] == 120
+    assert parsed["envs"]["HF_HUB_DISABLE_XET"] == "1"
+    assert parsed["run"].endswith("moetune train run.yaml --nproc 2")
+    broken = yaml.safe_load(path.read_text())
+    broken["resources"]["autostop"]["wait_for"] = "never"  # the parser really validates
+    path.write_text(yaml.safe_dump(broken))
+    refused = subprocess.run(
+        [str(SKY_VENV), "-c", _PARSE, str(path)], capture_output=True, text=True, env=env
+    )
+    assert refused.returncode != 0 and "wait_for" in refused.stderr

@@ -1,0 +1,255 @@
+"""`moetune train RUN --nproc N` (moetune.train.distributed): accelerate's own launcher, a
+config file accelerate's own parser reads, strategies refused where accelerate cannot run
+them, and – slow – 2 gloo processes on CPU that end with the adapter of 1 process at the
+same global batch, one ledger row, and a resume after kill -9 of the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.config import dump_config
+from moetune.ledger import Ledger
+from moetune.preflight import lint_run
+from moetune.train import TrainError
+from moetune.train import distributed as D
+from moetune.train.checkpoint import inspect_run
+from moetune.train.lock import hold
+from test_train_helpers import reverse_rows, run_config, save_tiny_model, write_jsonl
+
+SRC = Path(D.__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    model = save_tiny_model(root / "model")
+    data = write_jsonl(root / "train.jsonl", reverse_rows(24))
+    return types.SimpleNamespace(root=root, model=model, data=data)
+
+
+def _cfg(tiny, out: Path, **over):
+    return run_config(tiny.model, tiny.data, out, **{"max_steps": 6, "save_steps": 2, **over})
+
+
+def _load_accelerate(path: Path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    return load_config_from_file(str(path))
+
+
+# ---------------------------------------------------------------- the accelerate config
+
+
+@pytest.mark.parametrize(
+    ("strategy", "kind"), [("ddp", "MULTI_GPU"), ("fsdp", "FSDP"), ("zero3", "DEEPSPEED")]
+)
+def test_accelerate_parses_the_generated_config(tiny, tmp_path, strategy, kind):
+    cfg = _cfg(tiny, tmp_path / "run", nproc=2, strategy=strategy)
+    path = D.write_config(cfg, tmp_path / "run")
+    parsed = _load_accelerate(path)
+    assert str(parsed.distributed_type).endswith(kind)
+    assert parsed.num_processes == 2 and parsed.num_machines == 1 and not parsed.use_cpu
+    if strategy == "fsdp":
+        assert parsed.fsdp_config["fsdp_version"] == 2
+        # auto-wrap by the decoder layer class of the model's own transformers class
+        assert parsed.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "Qwen3MoeDecoderLayer"
+    if strategy == "zero3":
+        assert parsed.deepspeed_config["zero_stage"] == 3
+
+
+def test_a_users_accelerate_yaml_is_never_overwritten(tiny, tmp_path):
+    mine = tmp_path / "run" / D.CONFIG_NAME
+    mine.parent.mkdir()
+    mine.write_text("distributed_type: NO\n")
+    with pytest.raises(TrainError, match="not written by moetune"):
+        D.write_config(_cfg(tiny, mine.parent, nproc=2), mine.parent)
+    assert mine.read_text() == "distributed_type: NO\n"
+
+
+def test_the_launch_config_does_not_make_the_run_dir_foreign(tiny, tmp_path):
+    cfg = _cfg(tiny, tmp_path / "run", nproc=2)
+    D.write_config(cfg, tmp_path / "run")
+    assert inspect_run(cfg, resume=False).root == tmp_path / "run"  # fresh, not "not empty"
+
+
+def test_rank_argv_carries_the_settings_and_flags(tmp_path):
+    argv = D.rank_argv(tmp_path / "r.yaml", ["train.nproc=2"], {"resume": True, "json": False})
+    assert argv == ["train", str(tmp_path / "r.yaml"), "--set", "train.nproc=2", "--resume"]
+
+
+# ---------------------------------------------------------------- refused in preflight
+
+
+def _dist_errors(cfg) -> set[str]:
+    findings, _ = lint_run(cfg)
+    return {f.rule_id for f in findings if f.rule_id.startswith("DIST-") and f.severity == "error"}
+
+
+def test_sharding_on_cpu_is_refused_with_the_reason(tiny, tmp_path):
+    for strategy in ("fsdp", "zero3"):
+        cfg = _cfg(tiny, tmp_path / "r", nproc=2, strategy=strategy, lora__engine="peft")
+        assert "DIST-SHARDED-CPU" in _dist_errors(cfg)
+    assert _dist_errors(_cfg(tiny, tmp_path / "r", nproc=2, strategy="ddp")) == set()
+    assert _dist_errors(_cfg(tiny, tmp_path / "r", strategy="fsdp")) == set()  # one process
+
+
+def test_split_lora_and_quantised_experts_are_refused_sharded(tiny, tmp_path):
+    split = _cfg(tiny, tmp_path / "r", nproc=2, strategy="fsdp", lora__engine="moetune")
+    peft = _cfg(tiny, tmp_path / "r", nproc=2, strategy="fsdp", lora__engine="peft")
+    assert "DIST-ENGINE-SHARDED" in _dist_errors(split)
+    assert "DIST-ENGINE-SHARDED" not in _dist_errors(peft)
+    quant = peft.model_copy(deep=True)
+    quant.model.experts_dtype = "int8"
+    quant.lora.engine = "auto"
+    assert "DIST-ENGINE-SHARDED" in _dist_errors(quant)
+
+
+@pytest.mark.skipif(bool(find_spec("deepspeed")), reason="deepspeed is installed here")
+def test_zero3_without_deepspeed_is_refused(tiny, tmp_path):
+    cfg = _cfg(tiny, tmp_path / "r", nproc=2, strategy="zero3", lora__engine="peft")
+    assert "DIST-DEEPSPEED-MISSING" in _dist_errors(cfg)
+
+
+def test_cli_refuses_before_any_process_starts(tiny, tmp_path):
+    out = tmp_path / "never"
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, out)))
+    got = CliRunner().invoke(app, ["train", str(config), "--nproc", "2", "--strategy", "fsdp"])
+    assert got.exit_code == 2, got.output
+    assert "DIST-SHARDED-CPU" in got.output and "Traceback" not in got.output
+    assert not out.exists()  # nothing written: no accelerate.yaml, no run dir
+
+
+# ---------------------------------------------------------------- 2 gloo processes (slow)
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _moetune(*args: str, log: Path) -> subprocess.Popen:
+    """`moetune ARGS` in a subprocess; stdout to `log`, stderr beside it (files, not pipes:
+    a full pipe would block the ranks)."""
+    with log.open("wb") as out, log.with_suffix(".err").open("wb") as err:
+        cmd = [sys.executable, "-m", "moetune", *args]
+        return subprocess.Popen(cmd, env=_env(), stdout=out, stderr=err)
+
+
+def _train(config: Path, *flags: str, log: Path) -> dict:
+    proc = _moetune("train", str(config), "--json", *flags, log=log)
+    assert proc.wait(timeout=600) == 0, log.with_suffix(".err").read_text()[-3000:]
+    return json.loads(log.read_text())  # one JSON document: the ranks print nothing
+
+
+def _write(tiny, name: str, experts_dtype: str = "bf16", **over) -> Path:
+    config = tiny.root / f"{name}.yaml"
+    cfg = _cfg(tiny, tiny.root / name, **{"max_steps": 8, **over})
+    cfg.model.experts_dtype = experts_dtype  # type: ignore[assignment]
+    config.write_text(dump_config(cfg))
+    return config
+
+
+def _rel_diff(run: Path, reference: Path) -> float:
+    got = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    want = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    assert got.keys() == want.keys() and any("experts" in k for k in got)
+    return max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
+
+
+@pytest.fixture(scope="module")
+def two(tiny):
+    """An uninterrupted 2-process run, batch 2 per process (global batch 4)."""
+    result = _train(_write(tiny, "two", batch_size=2, nproc=2), log=tiny.root / "two.log")
+    return types.SimpleNamespace(result=result, run=tiny.root / "two")
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_adapter_of_one(tiny, two):
+    one = _train(_write(tiny, "one", batch_size=4), log=tiny.root / "one.log")
+    assert two.result["steps"] == one["steps"] == 8
+    assert two.result["signature"]["devices"] == 2
+    assert _rel_diff(two.run, tiny.root / "one") < 1e-4
+    rows = [r for r in Ledger(tiny.root / "ledger.jsonl").read().rows if r.kind == "train"]
+    mine = [r for r in rows if r.metrics.get("run_dir") == str(two.run)]
+    assert len(mine) == 1 and mine[0].status == "ok"  # rank 0 alone ledgers
+    assert json.loads((two.run / "coverage.json").read_text())["coverage"] == 1.0
+    assert json.loads((two.run / "summary.json").read_text())["router"]["changed"] is False
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_then_resume(tiny, two):
+    config = _write(tiny, "killed", batch_size=2, nproc=2)
+    out, log = tiny.root / "killed", tiny.root / "killed.log"
+    proc = _moetune("train", str(config), log=log)
+    deadline = time.monotonic() + 600
+    while not (out / "checkpoints" / "step-2").exists():
+        assert proc.poll() is None, log.with_suffix(".err").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "summary.json").exists(), "the run ended before the kill"
+    _wait_released(out)  # the ranks die with the launcher (PDEATHSIG) and free the lock
+    result = _train(config, "--resume", log=tiny.root / "resumed.log")
+    assert result["resumed_from_step"] is not None and result["steps"] == 8
+    assert _rel_diff(out, two.run) < 1e-4
+
+
+def _wait_released(root: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with hold(root):
+                return
+        except TrainError:
+            assert time.monotonic() < deadline, "the ranks still hold the run dir"
+            time.sleep(0.2)
+
+
+def test_train_refuses_nproc_outside_a_launch(tiny, tmp_path, monkeypatch):
+    from moetune.train import train
+
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(TrainError, match="not a launched rank"):
+        train(_cfg(tiny, tmp_path / "r", nproc=2), progress=False)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_quantised_experts_train_under_ddp_like_one_process(tiny):
+    """int8 expert stacks (moetune's engine) with 2 DDP ranks: the 1-process adapter."""
+    q2 = _write(tiny, "q2", "int8", batch_size=2, nproc=2, max_steps=2)
+    two = _train(q2, log=tiny.root / "q2.log")
+    one = _train(_write(tiny, "q1", "int8", batch_size=4, max_steps=2), log=tiny.root / "q1.log")
+    assert two["coverage"] == one["coverage"] == 1.0
+    assert json.loads((tiny.root / "q2" / "quant.json").read_text())  # really quantised
+    assert _rel_diff(tiny.root / "q2", tiny.root / "q1") < 1e-4
+
+
+def test_a_run_saved_before_nproc_existed_still_resumes(tiny, tmp_path):
+    """config.yaml written by a moetune without train.nproc/strategy: same run at defaults."""
+    import yaml
+
+    from moetune.train.checkpoint import config_diff
+
+    cfg = _cfg(tiny, tmp_path / "r")
+    old = yaml.safe_load(dump_config(cfg))
+    del old["train"]["nproc"], old["train"]["strategy"]
+    assert config_diff(yaml.safe_dump(old), cfg) == []
+    cfg.train.nproc = 2
+    assert config_diff(yaml.safe_dump(old), cfg) == ["train.nproc (None -> 2)"]
