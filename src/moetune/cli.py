@@ -295,6 +295,10 @@ def doctor(as_json: JsonOpt = False) -> None:
     console.print(f"free disk at {report.cache_dir}: {gib(report.free_disk_bytes)}")
     accel = ", ".join(str(a["name"]) for a in report.accelerators) or "none (CPU only)"
     console.print(f"accelerators: {accel}")
+    mlx = report.mlx
+    if mlx.get("mlx_lm"):
+        where = mlx["device"] or f"no backend ({mlx['error']})"
+        console.print(f"mlx-lm {mlx['mlx_lm']} on mlx {mlx['mlx'] or '(absent)'}: {where}")
     for p in report.problems:
         console.print(f"[red]known bad:[/] {p['message']} – fix: {p['fix']}")
 

@@ -1,0 +1,75 @@
+"""mlx-lm's backend: the MLX-NO-BACKEND rule, `moetune doctor`'s mlx line, and the MLX
+probes really running wherever the `mlx` extra installs (CI sets MOETUNE_REQUIRE_MLX=1)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.config import RunConfig
+from moetune.recipe import rules_mlx
+from moetune.recipe.rules import RULES, LintContext, ProbeUnavailable
+from moetune.recipe.rules_mlx import MlxBackend
+
+NO_BACKEND = MlxBackend("0.32.2", None, None, None, "No module named 'mlx'")
+MLX_RULES = sorted(r for r in RULES if r.startswith("MLX-"))
+
+
+def _check(stack: str, found: MlxBackend, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    monkeypatch.setattr(rules_mlx, "mlx_backend", lambda: found)
+    cfg = RunConfig.model_validate({"model": {"id": "x/y"}, "lora": {"stack": stack}})
+    finding = RULES["MLX-NO-BACKEND"].check(LintContext(config=cfg, env={}, versions={}))
+    return None if finding is None else f"{finding.severity}: {finding.message} | {finding.fix}"
+
+
+def test_mlx_lm_without_backend_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _check("mlx", NO_BACKEND, monkeypatch)
+    assert text is not None and text.startswith("error: mlx-lm 0.32.2 is installed without")
+    assert "No module named 'mlx'" in text and "mlx[cpu]" in text
+
+
+def test_mlx_lm_absent_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _check("mlx", MlxBackend(None, None, None, None, "No module named 'mlx'"), monkeypatch)
+    assert text is not None and "mlx-lm is not installed" in text and "moetune[mlx]" in text
+
+
+def test_backend_present_or_peft_stack_is_silent(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (
+        _check("mlx", MlxBackend("0.32.2", "0.32.4", "cpu", "Device(cpu, 0)"), monkeypatch) is None
+    )
+    assert _check("peft", NO_BACKEND, monkeypatch) is None
+
+
+def test_installed_backend_is_detected() -> None:
+    found = rules_mlx.mlx_backend()
+    if found.mlx_lm is None:
+        pytest.skip("mlx-lm not installed (pip install 'moetune[mlx]')")
+    import mlx.core as mx
+
+    assert found.backend in ("cpu", "metal", "cuda") and found.device == str(mx.default_device())
+
+
+def test_doctor_reports_the_mlx_backend() -> None:
+    result = CliRunner().invoke(app, ["doctor", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["mlx"] == rules_mlx.mlx_backend().to_json()
+    plain = CliRunner().invoke(app, ["doctor"])
+    found = rules_mlx.mlx_backend()
+    if found.mlx_lm:
+        assert f"mlx-lm {found.mlx_lm} on mlx {found.mlx}: {found.device}" in plain.stdout
+
+
+@pytest.mark.parametrize("rule_id", MLX_RULES)
+def test_mlx_probes_run_where_required(rule_id: str) -> None:
+    """CI installs the mlx extra: there the probes must run, not skip."""
+    if os.environ.get("MOETUNE_REQUIRE_MLX") != "1":
+        pytest.skip("MOETUNE_REQUIRE_MLX is not set (CI sets it)")
+    try:
+        outcome = RULES[rule_id].probe()
+    except ProbeUnavailable as why:
+        pytest.fail(f"{rule_id} did not run: {why}")
+    assert outcome.trap_present, outcome.evidence
