@@ -206,7 +206,7 @@ def recipe(
 
     opts = option_overrides(stack=stack, rank=rank, targets=targets)
     cfg = resolve_run(model, [*(overrides or []), *opts])
-    result = recipe_for(load_spec(cfg.model.id), cfg.lora)
+    result = recipe_for(load_spec(cfg.model.id), cfg.lora, cfg)
     if as_json:
         emit_json(result)
     else:
