@@ -180,7 +180,8 @@ def make_mlx_recipe(
         "dropout": lora.dropout,
         "keys": keys,
     }
-    fields, notes = mlx_train_fields(train or TrainArgs(), data or DataArgs(), rows)
+    train, data = train or TrainArgs.model_validate({}), data or DataArgs.model_validate({})
+    fields, notes = mlx_train_fields(train, data, rows)
     config |= fields
     notes += [f"{kind}: not present ({why})" for kind, why in absent.items()]
     return {
