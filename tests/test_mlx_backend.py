@@ -73,3 +73,25 @@ def test_mlx_probes_run_where_required(rule_id: str) -> None:
     except ProbeUnavailable as why:
         pytest.fail(f"{rule_id} did not run: {why}")
     assert outcome.trap_present, outcome.evidence
+
+
+def _fused_finding(model_dir: str, stack: str = "peft") -> str | None:
+    cfg = RunConfig.model_validate({"model": {"id": model_dir}, "lora": {"stack": stack}})
+    finding = RULES["MLX-FUSED-KEYS"].check(LintContext(config=cfg, env={}, versions={}))
+    return None if finding is None else f"{finding.severity}: {finding.message}"
+
+
+def test_fused_mlx_checkpoint_is_refused_for_transformers(tmp_path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    fused, plain = tmp_path / "fused", tmp_path / "plain"
+    fused.mkdir(), plain.mkdir()
+    save_file({"model.layers.0.mlp.switch_mlp.up_proj.weight": torch.zeros(2, 3, 4)},
+              str(fused / "model.safetensors"))  # fmt: skip
+    save_file({"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(3, 4)},
+              str(plain / "model.safetensors"))  # fmt: skip
+    text = _fused_finding(str(fused))
+    assert text is not None and text.startswith("error:") and "switch_mlp.up_proj" in text
+    assert _fused_finding(str(plain)) is None
+    assert _fused_finding(str(fused), stack="mlx") is None  # mlx-lm reads its own layout

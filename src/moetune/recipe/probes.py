@@ -364,6 +364,32 @@ def mlx_no_backend() -> ProbeOutcome:
     return ProbeOutcome(darwin_only and fails, evidence)
 
 
+def mlx_fused_keys() -> ProbeOutcome:
+    """A model saved in mlx-lm's layout (what mlx_lm.fuse writes: stacked switch_mlp
+    experts) loads in transformers without an error, its experts missing (random)."""
+    _need_mlx()
+    from mlx_lm.models import qwen3_moe
+    from mlx_lm.utils import save_config, save_model
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as out:
+        save_model(out, qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(_MLX_TINY)))
+        save_config(dict(_MLX_TINY), f"{out}/config.json")
+        try:
+            with _quiet():
+                loaded: Any = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+                info: dict[str, list[str]] = loaded[1]
+        except Exception as err:  # a loud failure: the silent trap is gone
+            return ProbeOutcome(False, f"transformers refused the mlx layout: {err!r}"[:300])
+    missing = sorted(k for k in info["missing_keys"] if ".experts." in k)
+    unexpected = sorted(k for k in info["unexpected_keys"] if ".switch_mlp." in k)
+    evidence = (
+        f"loaded without error; {len(missing)} expert tensors missing (random), e.g. "
+        f"{missing[:1]}; {len(unexpected)} switch_mlp tensors unused, e.g. {unexpected[:1]}"
+    )
+    return ProbeOutcome(bool(missing), evidence)
+
+
 # -- GGUF -------------------------------------------------------------------------------
 
 

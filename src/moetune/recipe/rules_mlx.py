@@ -238,3 +238,45 @@ def gguf(ctx: LintContext) -> Hit | None:
         "model.format: hf; convert the trained adapter with llama.cpp convert_lora_to_gguf.py",
         "model.id",
     )
+
+
+def fused_mlx_keys(model_id: str) -> list[str]:
+    """Stacked `switch_mlp` expert tensors in a local checkpoint (an mlx_lm.fuse output)."""
+    from pathlib import Path
+
+    root = Path(model_id)
+    if not root.is_dir():
+        return []
+    from safetensors import safe_open
+
+    found: list[str] = []
+    for path in sorted(root.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "np") as fh:
+                found += [k for k in fh.keys() if ".switch_mlp." in k]  # noqa: SIM118
+        except Exception:  # an unreadable file is the loader's error to report
+            continue
+    return found
+
+
+@register_rule(
+    "MLX-FUSED-KEYS",
+    "error",
+    "an mlx_lm.fuse output loads in transformers with random experts",
+    probe=probes.mlx_fused_keys,
+    libraries=("transformers", "mlx-lm"),
+)
+def fused_keys(ctx: LintContext) -> Hit | None:
+    if ctx.config.lora.stack == "mlx":  # mlx-lm reads its own layout
+        return None
+    stacked = fused_mlx_keys(ctx.config.model.id)
+    if not stacked:
+        return None
+    return Hit(
+        f"{ctx.config.model.id} holds mlx-lm's stacked expert tensors ({stacked[0]}, "
+        f"{len(stacked)} in all): transformers loads it without an error but with every "
+        "expert randomly initialised",
+        "convert it first: moetune.export.mlx_models.fused_to_hf(FUSED_DIR, OUT_DIR) "
+        "(or use lora.stack=mlx)",
+        "model.id",
+    )
