@@ -3,7 +3,6 @@ trained: on tiny random qwen3_moe (with a dense first layer), olmoe and mixtral,
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -130,9 +129,14 @@ def test_hf_to_mlx_fills_the_fields_mlx_lm_needs(tmp_path: Path) -> None:
 
 
 def _fuse(mlx_base: Path, mlx_adapter: Path, out: Path) -> Path:
-    cmd = [sys.executable, "-m", "mlx_lm", "fuse", "--model", str(mlx_base)]
-    cmd += ["--adapter-path", str(mlx_adapter), "--save-path", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    """`mlx_lm.fuse --model … --adapter-path … --save-path …`, run in this process."""
+    from unittest import mock
+
+    from mlx_lm import fuse
+
+    argv = ["mlx_lm.fuse", "--model", str(mlx_base), "--adapter-path", str(mlx_adapter)]
+    with mock.patch.object(sys, "argv", [*argv, "--save-path", str(out)]):
+        fuse.main()
     return out
 
 
