@@ -14,13 +14,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moetune.config import LoraArgs
-from moetune.export.mlx import MlxExportError, mlx_to_peft, peft_to_mlx
-from moetune.export.mlx_models import (
+from moetune.export.mlx import (
+    MlxExportError,
     _relative,
     fused_to_hf,
     hf_to_mlx,
     mlx_logits,
+    mlx_to_peft,
     peft_logits,
+    peft_to_mlx,
     served_matches_trained,
 )
 from moetune.model import spec_from_config

@@ -1,22 +1,14 @@
-"""transformers/peft <-> mlx-lm: adapters both ways, fused models back, served == trained.
+"""peft adapters for mlx-lm, fused mlx-lm models back to transformers, served == trained.
 
-Layouts (knowledge.md §3, §5):
-- peft, a fused expert stack (ParamWrapper): A `[E·r, in]` viewed `(E, r, in)`, B `[out, E·r]`
-  viewed `(out, r, E)` (expert index fastest); ΔW_e = s · B_e @ A_e in `(out, in)`
-  orientation whatever the stack's storage. gate_up_proj holds gate and up as halves (or
-  interleaved `[::2]`/`[1::2]`, gpt_oss). Two parameters of one module nest: the first in
-  the adapter config's `target_parameters` is the inner `base_layer`.
-- mlx-lm, `LoRASwitchLinear` per projection: `lora_a (E, r, in)`, `lora_b (E, out, r)`;
-  `LoRALinear`: `lora_a (in, r)`, `lora_b (r, out)`; one `rank` and one direct `scale`
-  for the whole adapter (peft: alpha/r per module).
-So peft -> mlx splits B's rows into gate and up (same A, exact), and mlx -> peft stacks
-gate and up into a rank-2r block-diagonal gate_up (exact). Both directions recognise the
-other's construction and undo it, so round trips give the original tensors back. Ranks or
-scales that differ per module are padded with zeros / folded into B (exact).
-
-`mlx_lm.fuse` writes stacked `switch_mlp.*` expert keys that transformers 5 loads without
-error but with random experts (MLX-FUSED-KEYS); `fused_to_hf` rebuilds transformers' own
-model from them and lets transformers save its checkpoint layout.
+- `peft_to_mlx`: a peft adapter as an mlx-lm adapter dir (adapters.safetensors +
+  adapter_config.json, LoRASwitchLinear layout; layouts in moetune.train.mlx_format).
+- `mlx_to_peft`, `hf_to_mlx` (re-exported): an mlx-lm adapter as a peft adapter; a
+  transformers base as an mlx-lm model dir (the mlx lane uses both, so they live in train/).
+- `fused_to_hf`: an `mlx_lm.fuse` output (stacked `switch_mlp.*` experts, which transformers
+  5 loads without error but with random experts: MLX-FUSED-KEYS) rebuilt as transformers'
+  own model and saved by transformers, so it loads exactly.
+- `served_matches_trained`: the peft adapter in transformers and its mlx-lm conversion in
+  mlx-lm give the same logits on the same tokens (float32, relative norm).
 """
 
 from __future__ import annotations
@@ -25,118 +17,37 @@ import json
 import math
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetune.errors import MoetuneError
-from moetune.model import ModelSpec, get_family, load_spec
+from moetune.model import ModelSpec, load_spec, spec_from_config
+from moetune.train.mlx_base import SIDE_FILES, hf_to_mlx
+from moetune.train.mlx_format import (
+    MLX_CONFIG,
+    MLX_KEY,
+    MLX_WEIGHTS,
+    PEFT_CONFIG,
+    PEFT_KEY,
+    PEFT_PREFIX,
+    PEFT_WEIGHTS,
+    MlxFormatError,
+    MlxNames,
+    commit_dir,
+    fresh_dir,
+    load_tensors,
+    mlx_names,
+    mlx_to_peft,
+    read_json,
+)
 
 if TYPE_CHECKING:
     import torch
 
-PEFT_PREFIX = "base_model.model."
-MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
-PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
-_PEFT_KEY = re.compile(
-    r"^(?P<layers>.+\.layers)\.(?P<i>\d+)\.(?P<rel>.+?)\.(?P<nest>(?:base_layer\.)*)"
-    r"lora_(?P<ab>[AB])\.weight$"
-)
-_MLX_KEY = re.compile(r"^(?P<layers>.+\.layers)\.(?P<i>\d+)\.(?P<rel>.+)\.lora_(?P<ab>[ab])$")
-
-
-class MlxExportError(MoetuneError):
-    """An adapter or model that cannot be converted between peft and mlx-lm."""
-
-
-# ---------------------------------------------------------------- names per family
-
-
-@dataclass(frozen=True)
-class MlxNames:
-    """Layer-relative names of one model in transformers/peft and in mlx-lm."""
-
-    linears: dict[str, str]  # HF Linear path -> mlx path where they differ (dense, shared)
-    stacks: dict[str, tuple[str, ...]]  # HF fused expert parameter -> mlx switch paths
-    blocks: tuple[str, str]  # the MoE block: (HF, mlx), e.g. ("mlp", "block_sparse_moe")
-    interleaved: bool  # gate/up interleaved in gate_up_proj (gpt_oss) instead of halves
-    transposed: bool = False  # transformers stores the stacks [E, in, out] (gpt_oss)
-
-    def to_mlx(self, rel: str) -> str:
-        if rel in self.linears:
-            return self.linears[rel]
-        hf, mlx = self.blocks
-        return mlx + rel[len(hf) :] if rel.startswith(hf + ".") else rel
-
-    def to_hf(self, rel: str) -> str:
-        back = {v: k for k, v in self.linears.items()}
-        if rel in back:
-            return back[rel]
-        hf, mlx = self.blocks
-        return hf + rel[len(mlx) :] if rel.startswith(mlx + ".") else rel
-
-
-def mlx_names(spec: ModelSpec) -> MlxNames:
-    """The name map of `spec`'s family; refuses families mlx-lm has no SwitchGLU for."""
-    family = get_family(spec.model_type)
-    layout, paths = family.layout, family.paths_of(spec)
-    if not family.mlx_supported or layout.flat_2d or not layout.fused_gate_up:
-        raise MlxExportError(
-            f"{spec.name}: moetune has no mlx-lm layout for the {spec.model_type} family",
-            "use the peft adapter with transformers, or export a merged model",
-        )
-    linears = {k: v for k, v in _pairs(paths.dense_mlp, paths.mlx_dense) if k != v}
-    linears |= {k: v for k, v in _pairs(paths.shared, paths.mlx_shared) if k != v}
-    stacks: dict[str, tuple[str, ...]] = {}
-    if paths.expert_params and paths.mlx_experts:
-        gate_up, down = paths.expert_params
-        gate, up, mlx_down = paths.mlx_experts
-        stacks = {gate_up: (gate, up), down: (mlx_down,)}
-    hf_block = paths.expert_params[0].rsplit(".experts", 1)[0] if stacks else "mlp"
-    mlx_block = paths.mlx_experts[0].rsplit(".", 2)[0] if stacks else "mlp"
-    blocks = (hf_block, mlx_block)
-    return MlxNames(linears, stacks, blocks, not layout.is_concatenated, layout.is_transposed)
-
-
-def _pairs(a: tuple[str, ...], b: tuple[str, ...]) -> list[tuple[str, str]]:
-    return list(zip(a, b, strict=True)) if len(a) == len(b) else []
-
-
-# ---------------------------------------------------------------- file helpers
-
-
-def _fresh(out_dir: Path, overwrite: bool) -> Path:
-    """A temp dir beside `out_dir`; an existing `out_dir` is an error unless `overwrite`."""
-    if out_dir.exists() and not overwrite:
-        raise MlxExportError(
-            f"{out_dir} already exists", "choose a new output dir (or pass overwrite=True)"
-        )
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _commit(tmp: Path, out_dir: Path) -> Path:
-    from moetune.train.checkpoint import replace_dir
-
-    replace_dir(tmp, out_dir)
-    return out_dir
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise MlxExportError(f"{path} does not exist", "point at the adapter or model directory")
-    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    return data
-
-
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise MlxExportError(f"{path} does not exist", "point at the adapter directory")
-    return {k: v.float() for k, v in load_file(str(path)).items()}
+__all__ = ["fused_to_hf", "hf_to_mlx", "mlx_to_peft", "peft_to_mlx", "served_matches_trained"]
+_LAYER_KEY = re.compile(r"^(?P<layers>.+\.layers)\.(?P<i>\d+)\.(?P<rel>.+)\.(?P<leaf>weight|bias)$")
+MlxExportError = MlxFormatError  # one error class for every mlx conversion
 
 
 # ---------------------------------------------------------------- peft -> mlx
@@ -159,7 +70,7 @@ def _peft_factors(tensors: dict[str, torch.Tensor]) -> dict[tuple[str, int, str,
     """(layers prefix, layer, module, nesting depth) -> {"A": …, "B": …}."""
     found: dict[tuple[str, int, str, int], dict] = {}
     for key, value in tensors.items():
-        match = _PEFT_KEY.match(key.removeprefix(PEFT_PREFIX))
+        match = PEFT_KEY.match(key.removeprefix(PEFT_PREFIX))
         if match is None:
             raise MlxExportError(
                 f"adapter tensor {key} is not a LoRA factor moetune can convert",
@@ -214,11 +125,11 @@ def _split_gate_up(a: Any, b: Any, names: MlxNames) -> tuple[tuple[Any, Any], tu
 
 def peft_deltas(adapter_dir: Path, spec: ModelSpec) -> dict[str, Delta]:
     """Every LoRA factor pair of a peft adapter as mlx-lm module -> Delta."""
-    config = _read_json(adapter_dir / PEFT_CONFIG)
+    config = read_json(adapter_dir / PEFT_CONFIG)
     names, experts = mlx_names(spec), spec.num_experts
     deltas: dict[str, Delta] = {}
     for (layers, i, rel, depth), ab in _peft_factors(
-        _load_tensors(adapter_dir / PEFT_WEIGHTS)
+        load_tensors(adapter_dir / PEFT_WEIGHTS)
     ).items():
         A, B = ab["A"], ab["B"]
         param = _stack_param(config, names, rel, depth)
@@ -270,11 +181,11 @@ def peft_to_mlx(
     from safetensors.torch import save_file
 
     src, out = Path(adapter_dir), Path(out_dir)
-    config = _read_json(src / PEFT_CONFIG)
+    config = read_json(src / PEFT_CONFIG)
     spec = load_spec(base or config["base_model_name_or_path"])
     rank, scale, tensors = _uniform(peft_deltas(src, spec))
-    keys = sorted({_MLX_KEY.match(k)["rel"] for k in tensors})  # type: ignore[index]
-    tmp = _fresh(out, overwrite)
+    keys = sorted({MLX_KEY.match(k)["rel"] for k in tensors})  # type: ignore[index]
+    tmp = fresh_dir(out, overwrite)
     save_file(tensors, str(tmp / MLX_WEIGHTS), metadata={"format": "mlx"})
     mlx_config = {
         "fine_tune_type": "lora",
@@ -283,129 +194,143 @@ def peft_to_mlx(
         "model": base or config["base_model_name_or_path"],
     }
     (tmp / MLX_CONFIG).write_text(json.dumps(mlx_config, indent=2), encoding="utf-8")
-    return _commit(tmp, out)
+    return commit_dir(tmp, out)
 
 
-# ---------------------------------------------------------------- mlx -> peft
+# ---------------------------------------------------------------- fused mlx -> transformers
 
 
-def _mlx_factors(tensors: dict[str, torch.Tensor]) -> dict[tuple[str, int], dict[str, dict]]:
-    """(layers prefix, layer) -> mlx module -> {"a": …, "b": …}."""
-    found: dict[tuple[str, int], dict[str, dict]] = {}
-    for key, value in tensors.items():
-        match = _MLX_KEY.match(key)
-        if match is None:
-            raise MlxExportError(
-                f"mlx adapter tensor {key} is not a LoRA factor",
-                "convert LoRA adapters (fine_tune_type lora; DoRA and full fine-tunes are not)",
-            )
-        layer = found.setdefault((match["layers"], int(match["i"])), {})
-        layer.setdefault(match["rel"], {})[match["ab"]] = value
-    return found
+def _hf_key(key: str, names: MlxNames) -> str:
+    match = _LAYER_KEY.match(key)
+    if match is None:
+        return key
+    return f"{match['layers']}.{match['i']}.{names.to_hf(match['rel'])}.{match['leaf']}"
 
 
-def _join_gate_up(gate: dict | None, up: dict | None, names: MlxNames) -> tuple[Any, Any]:
-    """mlx gate and up factors -> one gate_up (a (E, r, in), b (E, out, r)): a shared `a`
-    (what peft_to_mlx writes) stays rank r, else a rank-2r block diagonal."""
+def _hf_state(weights: dict[str, torch.Tensor], names: MlxNames) -> dict[str, torch.Tensor]:
+    """mlx keys -> transformers state-dict keys: switch_mlp stacks joined into the fused
+    expert parameters, the MoE block renamed (mixtral: block_sparse_moe -> mlp)."""
     import torch
 
-    ref = gate or up
-    assert ref is not None
-    zero = {"a": torch.zeros_like(ref["a"]), "b": torch.zeros_like(ref["b"])}
-    g, u = gate or zero, up or zero
-    rows = g["b"].shape[1] + u["b"].shape[1]
-    gate_rows = slice(0, rows, 2) if names.interleaved else slice(0, rows // 2)
-    up_rows = slice(1, rows, 2) if names.interleaved else slice(rows // 2, rows)
-    r = g["a"].shape[1]
-    shared = gate is not None and up is not None and torch.equal(g["a"], u["a"])
-    b = g["b"].new_zeros(g["b"].shape[0], rows, r if shared else 2 * r)
-    b[:, gate_rows, :r] = g["b"]
-    b[:, up_rows, (0 if shared else r) :] = u["b"]
-    return (g["a"] if shared else torch.cat([g["a"], u["a"]], dim=1)), b
+    mlx_to_param = {t: p for p, targets in names.stacks.items() for t in targets}
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for key, value in weights.items():
+        match = _LAYER_KEY.match(key)
+        if match is None or match["rel"] not in mlx_to_param or match["leaf"] != "weight":
+            state[_hf_key(key, names)] = value
+            continue
+        param = mlx_to_param[match["rel"]]
+        slots = parts.setdefault(f"{match['layers']}.{match['i']}.{param}", {})
+        slots[names.stacks[param].index(match["rel"])] = value
+    for key, slots in parts.items():
+        tensors = [slots[i] for i in sorted(slots)]
+        if len(tensors) == 2 and names.interleaved:  # gate/up alternate along the rows
+            state[key] = torch.stack(tensors, dim=2).flatten(1, 2)
+        else:
+            state[key] = torch.cat(tensors, dim=1)
+    return state
 
 
-def _peft_stack(a: Any, b: Any) -> tuple[Any, Any]:
-    """(E, r, in), (E, out, r) -> peft's A [E·r, in], B [out, r·E] (expert index fastest)."""
-    experts, r, inner = a.shape
-    return a.reshape(experts * r, inner), b.permute(1, 2, 0).reshape(b.shape[1], r * experts)
+def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise MlxExportError(f"{model_dir} has no model*.safetensors", "point at a model dir")
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
 
 
-def _peft_tensors(
-    factors: dict[tuple[str, int], dict[str, dict]], names: MlxNames
-) -> tuple[dict[str, Any], dict[str, int], set[str], set[str]]:
-    """peft tensors, the rank of each stack parameter, the Linear paths, the stacks used."""
-    tensors: dict[str, Any] = {}
-    stack_rank: dict[str, int] = {}
-    linears: set[str] = set()
-    params = list(names.stacks)
-    for (layers, i), modules in factors.items():
-        prefix = f"{PEFT_PREFIX}{layers}.{i}."
-        claimed: set[str] = set()
-        for k, (param, targets) in enumerate(names.stacks.items()):
-            got = [modules.get(t) for t in targets]
-            if not any(got):
-                continue
-            claimed |= set(targets)
-            a, b = _join_gate_up(got[0], got[1], names) if len(targets) == 2 else (
-                got[0]["a"], got[0]["b"])  # type: ignore[index]  # fmt: skip
-            stack_rank[param] = a.shape[1]
-            nest = "base_layer." * (len(params) - 1 - k)
-            module = prefix + param.rsplit(".", 1)[0] + "." + nest
-            tensors[module + "lora_A.weight"], tensors[module + "lora_B.weight"] = _peft_stack(a, b)
-        for rel, ab in modules.items():
-            if rel in claimed:
-                continue
-            hf = names.to_hf(rel)
-            linears.add(hf)
-            tensors[f"{prefix}{hf}.lora_A.weight"] = ab["a"].T.contiguous()
-            tensors[f"{prefix}{hf}.lora_B.weight"] = ab["b"].T.contiguous()
-    return tensors, stack_rank, linears, set(stack_rank)
+def fused_to_hf(fused_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """An `mlx_lm.fuse` output (stacked `switch_mlp.*` experts) as a transformers
+    checkpoint: transformers' own model is built from the config, given these weights
+    (every tensor must find its place) and saved by transformers."""
+    import torch
+    from transformers import AutoConfig
 
+    from moetune.model.derive import causal_lm_class
 
-def mlx_to_peft(
-    adapter_dir: str | Path, out_dir: str | Path, base: str, *, overwrite: bool = False
-) -> Path:
-    """An mlx-lm LoRA adapter dir as a peft adapter for the HF model `base` (loads with plain
-    `PeftModel.from_pretrained`, same ΔW)."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    src, out = Path(adapter_dir), Path(out_dir)
-    config = _read_json(src / MLX_CONFIG)
-    params = config.get("lora_parameters") or {}
-    if config.get("fine_tune_type", "lora") != "lora" or "scale" not in params:
-        raise MlxExportError(
-            f"{src} is not an mlx-lm LoRA adapter (fine_tune_type "
-            f"{config.get('fine_tune_type')!r})",
-            "convert adapters trained with fine_tune_type: lora",
-        )
-    spec, scale = load_spec(base), float(params["scale"])
+    src, out = Path(fused_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    if "quantization" in config or "quantization_config" in config:
+        raise MlxExportError(f"{src} is quantised", "fuse with `mlx_lm.fuse --dequantize` first")
+    spec = spec_from_config(config, str(src))
     names = mlx_names(spec)
-    factors = _mlx_factors(_load_tensors(src / MLX_WEIGHTS))
-    tensors, stack_rank, linears, stacks = _peft_tensors(factors, names)
-    rank = int(params["rank"])
-    attention = sorted(p for p in linears if p.startswith("self_attn."))
-    weights = sorted(f"{p}.weight" for p in linears if not p.startswith("self_attn."))
-    layers = sorted({i for _, i in factors})
-    lora = LoraConfig(
-        r=rank,
-        lora_alpha=_num(scale * rank),
-        lora_dropout=0.0,
-        target_modules=attention or None,
-        # stacks first, in the family's order: that order decides the nesting peft loads
-        target_parameters=[p for p in names.stacks if p in stacks] + weights or None,
-        rank_pattern={p: r for p, r in stack_rank.items() if r != rank},
-        alpha_pattern={p: _num(scale * r) for p, r in stack_rank.items() if r != rank},
-        layers_to_transform=layers if len(layers) < spec.num_layers else None,
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=base,
-    )
-    tmp = _fresh(out, overwrite)
-    lora.save_pretrained(str(tmp))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / PEFT_WEIGHTS))
-    return _commit(tmp, out)
+    if names.transposed:
+        raise MlxExportError(
+            f"{spec.model_type}: moetune does not rebuild transposed expert stacks from mlx",
+            "merge the peft adapter in transformers instead (merge_and_unload)",
+        )
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "model_type"},
+                                     model_type=config["model_type"])  # fmt: skip
+    with torch.device("meta"):
+        model = causal_lm_class(hf_config)(hf_config)
+    state = _hf_state(_read_weights(src), names)
+    if spec.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (spec.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise MlxExportError(
+            f"{src}: {len(missing)} transformers tensors not in the mlx weights "
+            f"({missing[:2]}), {len(unexpected)} mlx tensors without a place ({unexpected[:2]})",
+            "fuse with `mlx_lm.fuse --dequantize`, from a model moetune converted",
+        )
+    if spec.tie_word_embeddings:
+        model.tie_weights()
+    tmp = fresh_dir(out, overwrite)
+    model.save_pretrained(str(tmp))
+    for path in src.iterdir():
+        if SIDE_FILES.fullmatch(path.name):
+            shutil.copy(path, tmp / path.name)
+    return commit_dir(tmp, out)
 
 
-def _num(value: float) -> Any:
-    return int(value) if float(value).is_integer() else value
+# ---------------------------------------------------------------- served == trained
+
+
+def _relative(a: Any, b: Any) -> float:
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(x - y)) / max(float(np.linalg.norm(y)), 1e-30)
+
+
+def peft_logits(base_dir: str | Path, adapter_dir: str | Path, tokens: list[list[int]]) -> Any:
+    """Logits of the peft adapter on `base_dir` in transformers (float32, CPU)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base: Any = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def mlx_logits(mlx_dir: str | Path, adapter_dir: str | Path | None, tokens: list[list[int]]) -> Any:
+    """Logits of the mlx-lm model (with its mlx-lm adapter) on the same tokens."""
+    import mlx.core as mx  # type: ignore[import-not-found]
+    import numpy as np
+    from mlx_lm.utils import load  # type: ignore[import-not-found]
+
+    model = load(str(mlx_dir), adapter_path=str(adapter_dir) if adapter_dir else None)[0]
+    logits = model(mx.array(tokens)).astype(mx.float32)
+    mx.eval(logits)
+    return np.array(logits)
+
+
+def served_matches_trained(
+    base_dir: str | Path, adapter_dir: str | Path, tokens: list[list[int]],
+    tolerance: float = 1e-4,
+) -> dict[str, Any]:  # fmt: skip
+    """Convert base and adapter for mlx-lm (float32) and compare its logits with peft's in
+    transformers on `tokens`: relative norm of the difference, and whether it is within
+    `tolerance`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mlx_base = hf_to_mlx(base_dir, Path(tmp) / "base", dtype="float32")
+        mlx_adapter = peft_to_mlx(adapter_dir, Path(tmp) / "adapter", str(base_dir))
+        served = mlx_logits(mlx_base, mlx_adapter, tokens)
+    trained = peft_logits(base_dir, adapter_dir, tokens)
+    rel = _relative(served, trained)
+    return {"relative_error": rel, "tolerance": tolerance, "ok": rel <= tolerance}

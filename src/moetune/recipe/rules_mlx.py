@@ -276,7 +276,7 @@ def fused_keys(ctx: LintContext) -> Hit | None:
         f"{ctx.config.model.id} holds mlx-lm's stacked expert tensors ({stacked[0]}, "
         f"{len(stacked)} in all): transformers loads it without an error but with every "
         "expert randomly initialised",
-        "convert it first: moetune.export.mlx_models.fused_to_hf(FUSED_DIR, OUT_DIR) "
+        "convert it first: moetune.export.mlx.fused_to_hf(FUSED_DIR, OUT_DIR) "
         "(or use lora.stack=mlx)",
         "model.id",
     )
