@@ -326,6 +326,9 @@ def schema(as_json: JsonOpt = False) -> None:
 def quickstart(
     out: Annotated[Path | None, typer.Option(help="Output dir (default: runs/qs-<time>).")] = None,
     steps: Annotated[int | None, typer.Option(help="Fine-tune optimizer steps.")] = None,
+    stack: Annotated[str, typer.Option(help="Training stack: peft (TRL) | mlx (mlx-lm).")] = (
+        "peft"
+    ),
     as_json: JsonOpt = False,
 ) -> None:
     """The whole local pipeline on the embedded tiny MoE: train, eval, gate, promote, report."""
@@ -336,7 +339,9 @@ def quickstart(
 
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps {steps} is not a positive number", "pass --steps N >= 1")
-    args = QuickstartArgs()
+    if stack not in ("peft", "mlx"):
+        raise ConfigError(f"--stack {stack} is not a training stack", "pass --stack peft or mlx")
+    args = QuickstartArgs(stack=stack)
     if out is not None:
         args = replace(args, out_dir=out)
     if steps is not None:

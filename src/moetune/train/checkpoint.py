@@ -280,7 +280,7 @@ def inspect_run(
 RUN_OWNED = (
     "summary.json", "config.yaml", "versions.json", "preflight.json", "data.json",
     "coverage.json", "quant.json", "experts_selected.json", "metrics.jsonl", "routing.jsonl",
-    "report.html", "checkpoints", ".staging", ".adapter.tmp", "adapter",
+    "report.html", "checkpoints", ".staging", ".adapter.tmp", "adapter", "mlx",
     "eval/ladder.json", "eval/verdict.json", "eval/rungs/*.json", "eval/rungs/*.items.jsonl",
 )  # fmt: skip
 
