@@ -99,3 +99,19 @@ def test_resume_is_refused(mlx_run, tmp_path: Path) -> None:
     (tmp_path / "run" / "config.yaml").write_text("x: 1\n")
     with pytest.raises(TrainError):
         train(cfg, resume=True, progress=False)
+
+
+def test_prompt_completion_rows_tokenize_as_trl_does(mlx_run) -> None:
+    """mlx-lm renders string prompt/completion rows through the plain template: prompt,
+    completion, one EOS (the demo's completions already end with it), loss offset at the
+    prompt's end – the token ids TRL trains on."""
+    from mlx_lm.tuner.datasets import CompletionsDataset
+    from mlx_lm.utils import load_tokenizer
+
+    _, _, tmp = mlx_run
+    tok = load_tokenizer(tmp / "run" / "mlx" / "model")
+    row = {"prompt": "copy:abc>", "completion": "abc<eos>"}
+    ids, offset = CompletionsDataset([row], tok, "prompt", "completion", True).process(row)
+    assert ids == tok.encode("copy:abc>abc<eos>") and offset == len(tok.encode("copy:abc>"))
+    bare = {"prompt": "copy:abc>", "completion": "abc"}
+    assert CompletionsDataset([bare], tok, "prompt", "completion", True).process(bare)[0] == ids

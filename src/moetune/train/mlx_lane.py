@@ -46,10 +46,12 @@ from moetune.train.mlx_format import mlx_to_peft
 from moetune.train.setup import Setup, prepare
 from moetune.train.trainer import TrainResult, require_full_coverage
 
-# prompt + completion + EOS, nothing else: what TRL trains on for string prompt/completion
+# prompt + completion + EOS (unless the completion ends with it), nothing else: what TRL
+# 1.16 trains on for string prompt/completion rows
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if m['role'] == 'assistant' and not m['content'].endswith(eos_token) %}"
+    "{{ eos_token }}{% endif %}{% endfor %}"
 )
 VALID_ROWS = 64  # mlx-lm needs a validation set; without data.eval_file, the first rows
 
