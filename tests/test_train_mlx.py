@@ -115,3 +115,12 @@ def test_prompt_completion_rows_tokenize_as_trl_does(mlx_run) -> None:
     assert ids == tok.encode("copy:abc>abc<eos>") and offset == len(tok.encode("copy:abc>"))
     bare = {"prompt": "copy:abc>", "completion": "abc"}
     assert CompletionsDataset([bare], tok, "prompt", "completion", True).process(bare)[0] == ids
+
+
+def test_stacks_pick_their_lane() -> None:
+    from moetune.train import trainer
+    from moetune.train.lanes import lane_for
+    from moetune.train.mlx_lane import train_mlx
+
+    assert lane_for("peft", trainer._train) is trainer._train
+    assert lane_for("mlx", trainer._train) is train_mlx
