@@ -17,6 +17,7 @@ from moetune.config import LoraArgs
 from moetune.export.mlx import (
     MlxExportError,
     _relative,
+    export_mlx,
     fused_to_hf,
     hf_to_mlx,
     mlx_logits,
@@ -170,3 +171,11 @@ def test_refusals(tmp_path: Path, family) -> None:
     with pytest.raises(MlxExportError, match="does not exist"):
         mlx_to_peft(tmp_path / "nothing", tmp_path / "out", str(base))
     assert not (tmp_path / "out").exists()
+
+
+def test_export_format_writes_model_adapters_and_checks(family) -> None:
+    _, root, base, adapter = family
+    out = export_mlx(adapter, root / "export", str(base), tokens=TOKENS)
+    assert out["check"]["ok"] and out["check"]["relative_error"] < 1e-5
+    assert Path(out["model"], "config.json").is_file()
+    assert Path(out["adapters"], "adapters.safetensors").is_file()

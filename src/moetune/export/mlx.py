@@ -45,7 +45,14 @@ from moetune.train.mlx_format import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["fused_to_hf", "hf_to_mlx", "mlx_to_peft", "peft_to_mlx", "served_matches_trained"]
+__all__ = [
+    "export_mlx",
+    "fused_to_hf",
+    "hf_to_mlx",
+    "mlx_to_peft",
+    "peft_to_mlx",
+    "served_matches_trained",
+]
 _LAYER_KEY = re.compile(r"^(?P<layers>.+\.layers)\.(?P<i>\d+)\.(?P<rel>.+)\.(?P<leaf>weight|bias)$")
 MlxExportError = MlxFormatError  # one error class for every mlx conversion
 
@@ -334,3 +341,20 @@ def served_matches_trained(
     trained = peft_logits(base_dir, adapter_dir, tokens)
     rel = _relative(served, trained)
     return {"relative_error": rel, "tolerance": tolerance, "ok": rel <= tolerance}
+
+
+def export_mlx(
+    adapter_dir: str | Path, out_dir: str | Path, base: str | None = None, *,
+    tokens: list[list[int]] | None = None, overwrite: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """The `mlx` export format: OUT/model (the base for mlx-lm), OUT/adapters (the adapter
+    in mlx-lm's layout) – `mlx_lm.generate --model OUT/model --adapter-path OUT/adapters` –
+    and the served == trained check on `tokens` (default: ids 1..16)."""
+    src, out = Path(adapter_dir), Path(out_dir)
+    base = base or read_json(src / PEFT_CONFIG)["base_model_name_or_path"]
+    model = hf_to_mlx(base, out / "model", overwrite=overwrite)
+    adapters = peft_to_mlx(src, out / "adapters", base, overwrite=overwrite)
+    probe = tokens or [list(range(1, 17))]
+    served = _relative(mlx_logits(model, adapters, probe), peft_logits(base, src, probe))
+    check = {"relative_error": served, "tolerance": 1e-4, "ok": served <= 1e-4}
+    return {"format": "mlx", "model": str(model), "adapters": str(adapters), "check": check}
