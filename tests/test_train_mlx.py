@@ -52,6 +52,11 @@ def test_metrics_are_mlx_lm_losses(mlx_run) -> None:
     assert result.final_loss == losses[-1]["loss"] and result.steps == 12
     assert any("eval_loss" in r for r in rows)  # mlx-lm's validation reports too
     assert losses[-1]["lr"] < 1e-3  # the run's cosine schedule, not mlx-lm's constant 1e-5
+    import yaml
+
+    config = yaml.safe_load((tmp / "run" / "mlx" / "lora.yaml").read_text())
+    assert config["learning_rate"] == 1e-3 and config["iters"] == 12 and config["batch_size"] == 4
+    assert config["data"] == str(tmp / "run" / "mlx" / "data") and config["mask_prompt"] is True
 
 
 def test_coverage_from_mlx_lm_trainable_parameters(mlx_run) -> None:

@@ -31,7 +31,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.markup import escape
 
@@ -108,7 +107,7 @@ def train_mlx(
 
 def write_inputs(cfg: RunConfig, setup: Setup, work: Path) -> dict[str, Any]:
     """mlx/model, mlx/data and mlx/lora.yaml; returns the YAML's config."""
-    from moetune.recipe.mlx import make_mlx_recipe
+    from moetune.recipe.mlx import make_mlx_recipe, mlx_yaml
 
     assert cfg.data.train_file is not None  # prepare() refused a run without one
     fmt, rows = read_checked(Path(cfg.data.train_file))
@@ -128,8 +127,7 @@ def write_inputs(cfg: RunConfig, setup: Setup, work: Path) -> dict[str, Any]:
         "val_batches": 1,
     }
     config["steps_per_eval"] = config.get("iters", 1000)  # validate at the start and the end
-    header = recipe["yaml"].split("\n" + "model:")[0]  # the recipe's comments
-    atomic_write_text(work / "lora.yaml", header + "\n" + yaml.safe_dump(config, sort_keys=False))
+    atomic_write_text(work / "lora.yaml", mlx_yaml(config, recipe["notes"]))
     return config
 
 
