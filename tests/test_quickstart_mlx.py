@@ -27,10 +27,7 @@ def test_quickstart_mlx_learns_the_skill_and_gets_a_verdict(tmp_path: Path) -> N
     assert new["base"] < 0.2 and new["candidate"] > 0.8  # learned through mlx-lm
     for name in ("copy", "rev", "first"):
         assert summary["scores"][name]["candidate"] >= summary["scores"][name]["base"] - 0.1
-    # the gate decides on paired differences: GO, or INCONCLUSIVE when a protected rung's
-    # bound straddles the margin (measured once: sum 0.87 -> 0.82 on 200 items); never NO-GO
-    assert summary["verdict"] in ("GO", "INCONCLUSIVE")
-    assert bool(summary["promoted"]) == (summary["verdict"] == "GO")
+    assert summary["verdict"] == "GO" and summary["promoted"]  # measured: all 6 rungs pass
     config = (out / "finetune" / "mlx" / "lora.yaml").read_text()
     assert "learning_rate: 0.001" in config and "iters: 300" in config
     assert summary["overfit"]["verdict"] == "NO-GO"
