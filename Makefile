@@ -13,7 +13,8 @@ $(BIN)/moetune: pyproject.toml
 	$(BIN)/pip install --upgrade pip
 	# CPU build of torch first, so nothing pulls a multi-GB CUDA wheel.
 	$(BIN)/pip install "torch==2.13.0" || $(BIN)/pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
-	$(BIN)/pip install -e ".[dev]"
+	# mlx extra: mlx-lm with its CPU backend on Linux x86-64, Metal on Apple silicon (markers).
+	$(BIN)/pip install -e ".[dev,mlx]"
 	touch $@
 
 # SkyPilot in its own venv (its pins are not ours); the provider calls its `sky` CLI.

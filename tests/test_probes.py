@@ -6,6 +6,8 @@ behaviour the rule warns about, so the rule needs a review – never a silent pa
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from moetune.recipe.rules import RULES, ProbeUnavailable, versions_of
@@ -17,6 +19,8 @@ def test_trap_still_reproduces(rule_id: str) -> None:
     try:
         outcome = rule.probe()
     except ProbeUnavailable as why:
+        if rule_id.startswith("MLX-") and os.environ.get("MOETUNE_REQUIRE_MLX") == "1":
+            pytest.fail(f"{rule_id} must run here (CI installs the mlx extra): {why}")
         pytest.skip(f"{rule_id}: {why}")
     assert outcome.evidence, f"{rule_id}: a probe must say what it saw"
     if not outcome.trap_present:

@@ -3,6 +3,8 @@ lora_parameters field is present, and the router never gets a key."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -86,3 +88,45 @@ def test_recipe_for_dispatches_on_stack() -> None:
     out = recipe_for(_spec("olmoe"), LoraArgs(stack="mlx", targets=["attention", "experts"]))
     assert out["stack"] == "mlx"
     assert out["config"]["lora_parameters"]["keys"] == ATTENTION + _under("mlp.switch_mlp")
+
+
+@pytest.mark.parametrize("columns", ["40", "200"])
+def test_recipe_stdout_is_yaml_with_the_run_hyperparameters(columns: str) -> None:
+    """`moetune recipe --stack mlx` prints YAML mlx_lm.lora can read at any terminal width,
+    notes as comments, with the run's learning rate (mlx-lm's own 1e-5 learns nothing)."""
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+    from moetune.demo.base import SHIPPED_DIR
+
+    sets = ["train.max_steps=200", "train.learning_rate=1e-3", "train.warmup_ratio=0.05"]
+    args = ["recipe", str(SHIPPED_DIR), "--stack", "mlx", "--rank", "8"]
+    args += [a for s in sets for a in ("--set", s)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": columns})
+    assert result.exit_code == 0, result.output
+    config = yaml.safe_load(result.stdout)
+    assert config["learning_rate"] == 1e-3 and config["iters"] == 200
+    assert config["lora_parameters"]["rank"] == 8 and config["batch_size"] == 1
+    assert config["lr_schedule"] == {
+        "name": "cosine_decay",
+        "arguments": [1e-3, 190, 0.0],
+        "warmup": 10,
+        "warmup_init": 0.0,
+    }
+    notes = [line for line in result.stdout.splitlines() if line.startswith("# note:")]
+    assert any("shared: not present" in n for n in notes)
+    json_out = CliRunner().invoke(app, [*args, "--json"], env={"COLUMNS": columns})
+    assert yaml.safe_load(result.stdout) == json.loads(json_out.stdout)["config"]
+
+
+def test_iters_from_epochs_and_the_schedules() -> None:
+    from moetune.config import DataArgs, TrainArgs
+    from moetune.recipe.mlx import mlx_train_fields
+
+    train = TrainArgs(epochs=2, batch_size=4, grad_accum=2, lr_scheduler="linear")
+    fields, notes = mlx_train_fields(train, DataArgs(completion_only_loss=False), rows=100)
+    assert fields["iters"] == 25 and not notes and fields["mask_prompt"] is False
+    assert fields["lr_schedule"]["name"] == "linear_schedule"
+    assert fields["lr_schedule"]["arguments"] == [2e-4, 0.0, 25]
+    _, unknown = mlx_train_fields(TrainArgs(), DataArgs())
+    assert unknown == ["iters: mlx-lm's default (1000); set train.max_steps to choose"]

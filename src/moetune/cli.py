@@ -232,7 +232,7 @@ def recipe(
 
     opts = option_overrides(stack=stack, rank=rank, targets=targets)
     cfg = resolve_run(model, [*(overrides or []), *opts])
-    result = recipe_for(load_spec(cfg.model.id), cfg.lora)
+    result = recipe_for(load_spec(cfg.model.id), cfg.lora, cfg)
     if as_json:
         emit_json(result)
     else:
@@ -326,6 +326,10 @@ def doctor(as_json: JsonOpt = False) -> None:
     console.print(f"free disk at {report.cache_dir}: {gib(report.free_disk_bytes)}")
     accel = ", ".join(str(a["name"]) for a in report.accelerators) or "none (CPU only)"
     console.print(f"accelerators: {accel}")
+    mlx = report.mlx
+    if mlx.get("mlx_lm"):
+        where = mlx["device"] or f"no backend ({mlx['error']})"
+        console.print(f"mlx-lm {mlx['mlx_lm']} on mlx {mlx['mlx'] or '(absent)'}: {where}")
     for p in report.problems:
         console.print(f"[red]known bad:[/] {p['message']} – fix: {p['fix']}")
 
@@ -354,6 +358,9 @@ def quickstart(
     out: Annotated[Path | None, typer.Option(help="Output dir (default: runs/qs-<time>).")] = None,
     steps: Annotated[int | None, typer.Option(help="Fine-tune optimizer steps.")] = None,
     method: Annotated[str, typer.Option(help="train.method: sft | dpo | grpo.")] = "sft",
+    stack: Annotated[str, typer.Option(help="Training stack: peft (TRL) | mlx (mlx-lm).")] = (
+        "peft"
+    ),
     as_json: JsonOpt = False,
 ) -> None:
     """The whole local pipeline on the embedded tiny MoE: train, eval, gate, promote, report."""
@@ -362,8 +369,10 @@ def quickstart(
 
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps {steps} is not a positive number", "pass --steps N >= 1")
+    if stack not in ("peft", "mlx"):
+        raise ConfigError(f"--stack {stack} is not a training stack", "pass --stack peft or mlx")
     given = {"out_dir": out, "steps": steps}
-    args = demo_args(method, **{k: v for k, v in given.items() if v is not None})
+    args = demo_args(method, stack=stack, **{k: v for k, v in given.items() if v is not None})
     summary = run_quickstart(args, progress=not as_json)
     if as_json:
         emit_json(summary)

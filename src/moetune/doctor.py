@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moetune.recipe.rules import installed_versions
-from moetune.recipe.rules_mlx import pin_problems, version_tuple
+from moetune.recipe.rules_mlx import backend_fix, mlx_backend, pin_problems, version_tuple
 
 PEFT_MIN = (0, 17)  # ParamWrapper (LoRA on fused expert parameters) arrived in peft 0.17
 
@@ -18,6 +18,9 @@ def known_bad(versions: Mapping[str, str]) -> list[dict[str, str]]:
     """Known-bad combinations among `versions`: the mlx pins (shared with the
     MLX-TRANSFORMERS-PIN rule) and a peft too old to reach fused experts."""
     problems = [{"message": t.message, "fix": t.fix} for t in pin_problems(versions)]
+    if "mlx-lm" in versions and mlx_backend().backend is None:  # MLX-NO-BACKEND's trap
+        message = f"mlx-lm {versions['mlx-lm']} has no mlx backend ({mlx_backend().error})"
+        problems.append({"message": message, "fix": backend_fix()})
     if "peft" in versions and version_tuple(versions["peft"]) < PEFT_MIN:
         problems.append(
             {
@@ -37,6 +40,8 @@ class DoctorReport:
     free_disk_bytes: int
     cache_dir: str
     accelerators: list[dict[str, object]] = field(default_factory=list)
+    # mlx-lm's stack: versions and the device mlx computes on (None: no backend; why)
+    mlx: dict[str, str | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -76,4 +81,5 @@ def run_doctor() -> DoctorReport:
         free_disk_bytes=shutil.disk_usage(probe).free,
         cache_dir=str(cache),
         accelerators=accelerators(),
+        mlx=mlx_backend().to_json(),
     )

@@ -44,6 +44,7 @@ class QuickstartArgs:
     run_name: str = "finetune"  # the run dir under out_dir (also the ledger's run id)
     overfit: bool = True  # also run the over-trained counter-example (sft only)
     method: str = "sft"  # train.method: sft | dpo | grpo (DEMOS)
+    stack: str = "peft"  # lora.stack: peft (TRL) or mlx (mlx-lm; Apple silicon or Linux CPU)
 
 
 def overfit_args(args: QuickstartArgs) -> QuickstartArgs:
@@ -167,7 +168,7 @@ def run_config(
     return parse_config(
         {
             "model": {"id": str(SHIPPED_DIR), "dtype": "float32"},
-            "lora": {"rank": args.rank, "targets": ["attention", "experts"]},
+            "lora": {"rank": args.rank, "targets": ["attention", "experts"], "stack": args.stack},
             "data": {"train_file": str(train_file)},
             "output": {
                 "dir": str(args.out_dir / args.run_name),

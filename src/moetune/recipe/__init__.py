@@ -16,28 +16,34 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from moetune.config import LoraArgs
+    from moetune.config import LoraArgs, RunConfig
     from moetune.model.spec import ModelSpec
 
 
-def _peft(spec: ModelSpec, lora: LoraArgs) -> dict[str, Any]:
+def _peft(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
     from moetune.recipe.targets import make_recipe
 
     return make_recipe(spec, lora).to_json()
 
 
-def _mlx(spec: ModelSpec, lora: LoraArgs) -> dict[str, Any]:
+def _mlx(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
     from moetune.recipe.mlx import make_mlx_recipe
 
-    return make_mlx_recipe(spec, lora)
+    if run is None:
+        return make_mlx_recipe(spec, lora)
+    return make_mlx_recipe(spec, lora, run.train, run.data)
 
 
-STACKS: dict[str, Callable[[ModelSpec, LoraArgs], dict[str, Any]]] = {"peft": _peft, "mlx": _mlx}
+STACKS: dict[str, Callable[[ModelSpec, LoraArgs, RunConfig | None], dict[str, Any]]] = {
+    "peft": _peft,
+    "mlx": _mlx,
+}
 
 
-def recipe_for(spec: ModelSpec, lora: LoraArgs) -> dict[str, Any]:
-    """The recipe for `lora.stack` as a JSON-ready dict (`stack` says which)."""
-    return STACKS[lora.stack](spec, lora)
+def recipe_for(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None = None) -> dict[str, Any]:
+    """The recipe for `lora.stack` as a JSON-ready dict (`stack` says which); `run` gives
+    the stacks whose config carries them (mlx-lm) the training hyperparameters."""
+    return STACKS[lora.stack](spec, lora, run)
 
 
 def _grouped(rows: list[list[str]]) -> list[list[str]]:
@@ -56,10 +62,8 @@ def render_recipe(console: Console, result: dict[str, Any]) -> None:
     from rich.syntax import Syntax
     from rich.table import Table
 
-    if result["stack"] == "mlx":
-        console.print(Syntax(result["yaml"], "yaml"))
-        for kind, why in result["not_present"].items():
-            console.print(f"  {kind}: not present ({why})")
+    if result["stack"] == "mlx":  # raw: valid YAML at any terminal width (notes are comments)
+        console.file.write(result["yaml"])
         return
     console.print(Syntax(result["snippet"], "python"))
     cov = result["coverage"]

@@ -8,15 +8,21 @@ B·A directly, so peft's alpha maps to scale = alpha / rank. Supplying
 `lora_parameters` without all of rank, scale and dropout raises KeyError in mlx-lm,
 hence all four keys are always written. That one rank applies to every key (mlx-lm's
 `linear_to_lora_layers`), so a separate expert rank cannot be expressed.
+
+The run's training hyperparameters go into the YAML too (`mlx_train_fields`): without a
+`learning_rate` mlx-lm uses 1e-5, and a short run learns nothing. Notes are YAML
+comments, so the printed text parses whatever the terminal width.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
-from moetune.config import LoraArgs
+from moetune.config import DataArgs, LoraArgs, TrainArgs
 from moetune.errors import RecipeError
 from moetune.model.families import Family, get_family
 from moetune.model.spec import ModelSpec
@@ -99,8 +105,67 @@ def _without_router(keys: list[str], router: tuple[str, ...]) -> list[str]:
     return keys
 
 
-def make_mlx_recipe(spec: ModelSpec, lora: LoraArgs) -> dict[str, Any]:
-    """The mlx_lm.lora config for `lora` on `spec` (dict; see `mlx_yaml` for the text)."""
+def mlx_iters(train: TrainArgs, rows: int | None) -> int | None:
+    """Optimizer steps as the peft trainer counts them: max_steps, else epochs over `rows`."""
+    if train.max_steps is not None:
+        return train.max_steps
+    if rows is None:
+        return None
+    per_step = train.batch_size * train.grad_accum
+    return max(1, math.ceil(train.epochs * rows / per_step))
+
+
+def mlx_schedule(train: TrainArgs, iters: int) -> dict[str, Any]:
+    """train.lr_scheduler after train.warmup_ratio as mlx-lm's `lr_schedule` (its
+    optimizers.schedulers by name; warmup is linear from 0, as in transformers)."""
+    lr, warmup = train.learning_rate, math.ceil(train.warmup_ratio * iters)
+    rest = max(1, iters - warmup)
+    shapes = {
+        "cosine": ("cosine_decay", [lr, rest, 0.0]),
+        "linear": ("linear_schedule", [lr, 0.0, rest]),
+        "constant": ("linear_schedule", [lr, lr, rest]),
+    }
+    name, arguments = shapes[train.lr_scheduler]
+    return {"name": name, "arguments": arguments, "warmup": warmup, "warmup_init": 0.0}
+
+
+def mlx_train_fields(
+    train: TrainArgs, data: DataArgs, rows: int | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """mlx_lm.lora's fields for the run's hyperparameters, and notes on what it cannot take."""
+    fields: dict[str, Any] = {
+        "seed": train.seed,
+        "batch_size": train.batch_size,
+        "grad_accumulation_steps": train.grad_accum,
+        "learning_rate": train.learning_rate,
+        "optimizer": "adamw",
+        "optimizer_config": {"adamw": {"weight_decay": train.weight_decay}},
+        "max_seq_length": train.seq_len,
+        "grad_checkpoint": train.gradient_checkpointing,
+        "steps_per_report": train.logging_steps,
+        "save_every": train.save_steps,
+        "mask_prompt": data.completion_only_loss,  # loss on completions only
+    }
+    notes = []
+    iters = mlx_iters(train, rows)
+    if iters is None:
+        notes.append("iters: mlx-lm's default (1000); set train.max_steps to choose")
+    else:
+        fields["iters"] = iters
+        fields["lr_schedule"] = mlx_schedule(train, iters)
+    return fields, notes
+
+
+def make_mlx_recipe(
+    spec: ModelSpec,
+    lora: LoraArgs,
+    train: TrainArgs | None = None,
+    data: DataArgs | None = None,
+    rows: int | None = None,
+) -> dict[str, Any]:
+    """The mlx_lm.lora config for `lora` on `spec`, with the hyperparameters of `train`
+    (defaults when None; `rows`: training rows, for iters from epochs) as a dict and as
+    YAML text (`mlx_yaml`)."""
     _check_expert_rank(lora)
     keys, absent = mlx_keys(spec, lora)
     if not keys:
@@ -115,10 +180,23 @@ def make_mlx_recipe(spec: ModelSpec, lora: LoraArgs) -> dict[str, Any]:
         "dropout": lora.dropout,
         "keys": keys,
     }
-    return {"stack": "mlx", "config": config, "yaml": mlx_yaml(config), "not_present": absent}
+    train, data = train or TrainArgs.model_validate({}), data or DataArgs.model_validate({})
+    fields, notes = mlx_train_fields(train, data, rows)
+    config |= fields
+    notes += [f"{kind}: not present ({why})" for kind, why in absent.items()]
+    return {
+        "stack": "mlx",
+        "config": config,
+        "yaml": mlx_yaml(config, notes),
+        "not_present": absent,
+        "notes": notes,
+    }
 
 
-def mlx_yaml(config: dict[str, Any]) -> str:
-    """YAML text for `mlx_lm.lora --config`, with a header saying how to run it."""
-    header = "# mlx_lm.lora --config this.yaml --data <dir with train.jsonl, valid.jsonl>\n"
-    return header + yaml.safe_dump(config, sort_keys=False)
+def mlx_yaml(config: dict[str, Any], notes: Sequence[str] = ()) -> str:
+    """YAML text for `mlx_lm.lora --config`: a header saying how to run it, the notes as
+    comments (one line each, never wrapped into the YAML), then the config."""
+    lines = ["mlx_lm.lora --config this.yaml --data <dir with train.jsonl, valid.jsonl>"]
+    lines += [f"note: {note}" for note in notes]
+    header = "".join(f"# {' '.join(line.split())}\n" for line in lines)
+    return header + yaml.safe_dump(config, sort_keys=False, width=10**6)

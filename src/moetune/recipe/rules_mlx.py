@@ -1,10 +1,14 @@
-"""Rules for the other stacks: mlx-lm (Apple silicon) and GGUF bases (llama.cpp)."""
+"""Rules for the other stacks: mlx-lm (Apple silicon and Linux CPU) and GGUF bases."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from functools import cache
+from importlib import metadata, util
 
+import moetune.recipe.rules  # noqa: F401  (first: probes needs it whole; safe entry point)
 from moetune.model.families import ModulePaths
 from moetune.recipe import probes
 from moetune.recipe.rules import Hit, LintContext, register_rule
@@ -58,6 +62,53 @@ def pin_problems(versions: Mapping[str, str]) -> list[PinTrap]:
     if "mlx-lm" not in versions or versions["mlx-lm"] == "absent":
         return []
     return [trap for trap in PIN_TRAPS if trap.applies(versions)]
+
+
+@dataclass(frozen=True)
+class MlxBackend:
+    """Whether mlx-lm can run here: mlx-lm's version, mlx's, and the device mlx computes on
+    (metal / cuda / cpu), or why there is none."""
+
+    mlx_lm: str | None
+    mlx: str | None
+    backend: str | None
+    device: str | None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, str | None]:
+        return asdict(self)
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@cache
+def mlx_backend() -> MlxBackend:
+    """Import mlx.core (cheap: ~20 ms) and ask it for its device; never raises."""
+    lm, core = _dist_version("mlx-lm"), _dist_version("mlx")
+    if util.find_spec("mlx") is None:
+        return MlxBackend(lm, core, None, None, "No module named 'mlx'")
+    try:
+        import mlx.core as mx  # type: ignore[import-not-found]
+    except ImportError as exc:  # mlx without its backend wheel (mlx-cpu / mlx-metal)
+        return MlxBackend(lm, core, None, None, str(exc).splitlines()[0])
+    kinds = [("metal", mx.metal), ("cuda", getattr(mx, "cuda", None))]
+    gpu = next((name for name, mod in kinds if mod is not None and mod.is_available()), None)
+    return MlxBackend(lm, core, gpu or "cpu", str(mx.default_device()))
+
+
+_INSTALL = "pip install 'moetune[mlx]' (mlx-lm with its backend), or use lora.stack=peft"
+
+
+def backend_fix() -> str:
+    """The install line that brings mlx-lm's backend on this platform."""
+    if sys.platform == "darwin":
+        return "pip install mlx (Apple silicon), or pip install 'moetune[mlx]'"
+    return "pip install 'mlx[cpu]' (Linux x86-64, glibc >= 2.35), or pip install 'moetune[mlx]'"
 
 
 def _is_mlx(ctx: LintContext) -> bool:
@@ -146,6 +197,30 @@ def transformers_pin(ctx: LintContext) -> Hit | None:
 
 
 @register_rule(
+    "MLX-NO-BACKEND",
+    "error",
+    "mlx-lm installed without an mlx backend",
+    probe=probes.mlx_no_backend,
+    libraries=("mlx-lm",),
+)
+def no_backend(ctx: LintContext) -> Hit | None:
+    if not _is_mlx(ctx):
+        return None
+    found = mlx_backend()
+    if found.backend is not None:
+        return None
+    if found.mlx_lm is None:
+        return Hit("lora.stack=mlx but mlx-lm is not installed", _INSTALL, "lora.stack")
+    return Hit(
+        f"mlx-lm {found.mlx_lm} is installed without an mlx backend ({found.error}): "
+        "`import mlx_lm` fails before training (plain `pip install mlx-lm` brings mlx only "
+        "on macOS)",
+        backend_fix(),
+        "lora.stack",
+    )
+
+
+@register_rule(
     "GGUF-NOT-TRAINABLE",
     "error",
     "a GGUF base cannot be fine-tuned",
@@ -161,5 +236,47 @@ def gguf(ctx: LintContext) -> Hit | None:
         "and a dequantized GGUF is a lossy copy of the original weights",
         "set model.id to the original safetensors repo (e.g. Qwen/Qwen3-30B-A3B) and "
         "model.format: hf; convert the trained adapter with llama.cpp convert_lora_to_gguf.py",
+        "model.id",
+    )
+
+
+def fused_mlx_keys(model_id: str) -> list[str]:
+    """Stacked `switch_mlp` expert tensors in a local checkpoint (an mlx_lm.fuse output)."""
+    from pathlib import Path
+
+    root = Path(model_id)
+    if not root.is_dir():
+        return []
+    from safetensors import safe_open
+
+    found: list[str] = []
+    for path in sorted(root.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "np") as fh:
+                found += [k for k in fh.keys() if ".switch_mlp." in k]  # noqa: SIM118
+        except Exception:  # an unreadable file is the loader's error to report
+            continue
+    return found
+
+
+@register_rule(
+    "MLX-FUSED-KEYS",
+    "error",
+    "an mlx_lm.fuse output loads in transformers with random experts",
+    probe=probes.mlx_fused_keys,
+    libraries=("transformers", "mlx-lm"),
+)
+def fused_keys(ctx: LintContext) -> Hit | None:
+    if ctx.config.lora.stack == "mlx":  # mlx-lm reads its own layout
+        return None
+    stacked = fused_mlx_keys(ctx.config.model.id)
+    if not stacked:
+        return None
+    return Hit(
+        f"{ctx.config.model.id} holds mlx-lm's stacked expert tensors ({stacked[0]}, "
+        f"{len(stacked)} in all): transformers loads it without an error but with every "
+        "expert randomly initialised",
+        "convert it first: moetune.export.mlx.fused_to_hf(FUSED_DIR, OUT_DIR) "
+        "(or use lora.stack=mlx)",
         "model.id",
     )

@@ -68,6 +68,7 @@ from moetune.train.checkpoint import (
     replace_dir,
 )
 from moetune.train.errors import TrainError
+from moetune.train.lanes import lane_for
 from moetune.train.lock import hold
 from moetune.train.methods import method_of
 from moetune.train.recovery import disk_full_stops
@@ -143,15 +144,16 @@ def train(
     only one process at a time writes a run dir (lock.py)."""
     replace = (overwrite or overwrite_promoted, overwrite_promoted)
     require_launcher(cfg)
+    run_lane = lane_for(cfg.lora.stack, _train)  # lora.stack: peft here, others in lanes.py
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
-        return _train(cfg, resume, allow_errors, replace, progress)
+        return cast(TrainResult, run_lane(cfg, resume, allow_errors, replace, progress))
     check_ledger(cfg.output.ledger)
     with (
         attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row,
         hold(Path(cfg.output.dir)),
     ):
         row["metrics"]["method"] = cfg.train.method  # failed attempts say what they trained
-        result = _train(cfg, resume, allow_errors, replace, progress)
+        result = cast(TrainResult, run_lane(cfg, resume, allow_errors, replace, progress))
         row["metrics"] = result.to_json()
     return result
 
