@@ -106,6 +106,19 @@ def test_resume_is_refused(mlx_run, tmp_path: Path) -> None:
         train(cfg, resume=True, progress=False)
 
 
+@pytest.mark.parametrize(("over", "named"), [({"method": "dpo"}, "train.method=dpo"),
+                                             ({"nproc": 2}, "train.nproc=2")])  # fmt: skip
+def test_what_mlx_lm_cannot_train_is_refused_before_a_file_is_written(
+    tmp_path: Path, over: dict[str, object], named: str
+) -> None:
+    from moetune.train.errors import TrainError
+    from moetune.train.mlx_lane import train_mlx
+
+    with pytest.raises(TrainError, match=named):
+        train_mlx(_config(tmp_path, **over), False, False, (False, False), False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_prompt_completion_rows_tokenize_as_trl_does(mlx_run) -> None:
     """mlx-lm renders string prompt/completion rows through the plain template: prompt,
     completion, one EOS (the demo's completions already end with it), loss offset at the
