@@ -522,4 +522,5 @@ def ledger_verify(
         raise typer.Exit(1)
 
 
+import moetune.cli_export  # noqa: E402  (registers export on `app`)
 import moetune.cli_lane  # noqa: E402,F401  (registers launch, pods and workflow on `app`)
