@@ -155,14 +155,14 @@ def verdict_reason(r: CheckResult) -> str:
             f"the adapter's expert LoRA moves logits by only {r.expert_effect:.2g}: a consumer "
             "that drops it cannot be told apart"
         )
-    if r.logits_rel > r.tolerance:
-        return (
-            f"logits differ from the peft adapter by {r.logits_rel:.3g} (tolerance {r.tolerance:g})"
-        )
     if r.logits_rel > EFFECT_SHARE * r.expert_effect:
         return (
             f"logits differ by {r.logits_rel:.3g}, not small next to the expert LoRA's own effect "
             f"{r.expert_effect:.3g}: expert LoRA is not served as trained"
+        )
+    if r.logits_rel > r.tolerance:
+        return (
+            f"logits differ from the peft adapter by {r.logits_rel:.3g} (tolerance {r.tolerance:g})"
         )
     if r.greedy_match < r.min_greedy:
         return f"greedy outputs agree on {r.greedy_match:.0%} of items (needed {r.min_greedy:.0%})"
