@@ -36,6 +36,9 @@ def export_cmd(
         typer.Option(help="JSONL of prompt/text rows to check on (default: the run's eval items)."),
     ] = None,
     limit: Annotated[int, typer.Option(min=1, help="Eval items the check uses.")] = 16,
+    vllm_layout: Annotated[
+        str, typer.Option(help="vllm: auto (what the family's wrapper reads) | fused (peft's).")
+    ] = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Export an adapter for serving and check that what is served equals what was trained."""
@@ -43,7 +46,9 @@ def export_cmd(
     from moetune.export.check import CheckOptions
     from moetune.export.pipeline import export
 
-    opts = ExportOptions.model_validate({"dtype": dtype, "max_shard_size": max_shard_size})
+    opts = ExportOptions.model_validate(
+        {"dtype": dtype, "max_shard_size": max_shard_size, "extra": {"vllm_layout": vllm_layout}}
+    )
     check_opts = CheckOptions(items=limit, items_file=items) if check else None
     doc = export(source, fmt, out, opts, check_opts, base)
     if as_json:

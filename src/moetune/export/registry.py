@@ -39,7 +39,12 @@ class ExportOptions(BaseModel):
     )
     max_shard_size: str = Field("5GB", description="Largest safetensors shard the merge writes.")
     family: str | None = Field(None, description="vLLM / llama.cpp architecture override.")
-    extra: dict[str, Any] = Field(default_factory=dict, description="Format-specific options.")
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Format-specific options (vllm_layout: auto | fused)."
+    )
+    destination: str | None = Field(
+        None, description="The --out the temp dir becomes (for paths written into files)."
+    )
 
 
 @dataclass(frozen=True)
