@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,27 +35,9 @@ from moetune.export.registry import (
     Source,
     register,
 )
+from moetune.model.serving import GGUF_FAMILIES, GgufFamily
 
 ADAPTER_FILE = "adapter.gguf"
-
-
-@dataclass(frozen=True)
-class GgufFamily:
-    """How llama.cpp names one transformers family: its GGUF architecture and how its
-    converter splits the fused gate_up expert stack ("halves" or "interleaved")."""
-
-    arch: str
-    gate_up: str = "halves"
-
-
-# model_type -> llama.cpp's conversion of it (convert_hf_to_gguf.py: conversion/qwen.py,
-# olmo.py, gpt_oss.py): none of these permutes q/k, so attention LoRA maps 1:1.
-GGUF_FAMILIES: dict[str, GgufFamily] = {
-    "qwen3_moe": GgufFamily("QWEN3MOE"),
-    "qwen2_moe": GgufFamily("QWEN2MOE"),
-    "olmoe": GgufFamily("OLMOE"),
-    "gpt_oss": GgufFamily("GPT_OSS", gate_up="interleaved"),
-}
 
 
 def family_of(base: str) -> GgufFamily:

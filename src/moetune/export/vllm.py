@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,44 +32,9 @@ from moetune.export.registry import (
     register,
 )
 from moetune.io import atomic_write_text
+from moetune.model.serving import VLLM_FAMILIES, VllmFamily
 
 MIXED_FLAG = "--enable-mixed-moe-lora-format"
-IGNORED = "users report adapters that load and change nothing"
-
-
-@dataclass(frozen=True)
-class VllmFamily:
-    """vLLM's model class for a family and how it takes expert LoRA:
-    "3d" (is_3d_moe_weight: peft's fused adapter as is), "2d" (per-expert keys),
-    "ignored" (expert LoRA loads and changes nothing – refused)."""
-
-    vllm_class: str
-    experts: str
-    why: str = ""
-
-
-# From vLLM's model files (vllm/model_executor/models/*.py: `is_3d_moe_weight`, SupportsLoRA).
-VLLM_FAMILIES: dict[str, VllmFamily] = {
-    "qwen3_moe": VllmFamily("Qwen3MoeForCausalLM", "2d"),
-    "qwen2_moe": VllmFamily("Qwen2MoeForCausalLM", "2d"),
-    "olmoe": VllmFamily("OlmoeForCausalLM", "2d"),
-    "mixtral": VllmFamily("MixtralForCausalLM", "2d"),
-    "deepseek_v2": VllmFamily("DeepseekV2ForCausalLM", "2d"),
-    "deepseek_v3": VllmFamily("DeepseekV3ForCausalLM", "2d"),
-    "gpt_oss": VllmFamily("GptOssForCausalLM", "3d"),
-    "qwen3_5_moe": VllmFamily("Qwen3_5MoeForConditionalGeneration", "3d"),
-    "gemma4": VllmFamily(
-        "Gemma4ForConditionalGeneration",
-        "ignored",
-        "users report its MoE LoRA loads and changes nothing",
-    ),
-    "nemotron_h": VllmFamily(
-        "NemotronHForCausalLM", "ignored", "users report its MoE LoRA loads and changes nothing"
-    ),
-    "kimi_linear": VllmFamily(
-        "KimiLinearForCausalLM", "ignored", "users report its MoE LoRA loads and changes nothing"
-    ),
-}
 
 
 def family_of(base: str) -> tuple[str, VllmFamily]:
