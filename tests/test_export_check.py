@@ -60,3 +60,14 @@ def test_report_shows_the_export_check(tmp_path: Path) -> None:
     assert _export(run, tmp_path / "merged")[0] == 0
     html = build_report(run).read_text()
     assert "served == trained" in html and str(tmp_path / "merged") in html
+
+
+def test_format_without_a_consumer_here_is_exported_and_marked_unchecked(tmp_path: Path) -> None:
+    run = make_run(tmp_path, "olmoe")
+    args = ["export", str(run), "--format", "vllm", "--out", str(tmp_path / "v"), "--json"]
+    got = CliRunner().invoke(app, args)
+    assert got.exit_code == 0, got.output
+    assert "no consumer of vllm runs here" in json.loads(got.stdout)["check"]["skipped"]
+    (row,) = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert row["status"] == "ok" and "skipped" in row["metrics"]
+    assert not (tmp_path / "v" / "check.json").exists()

@@ -36,6 +36,10 @@ class CheckFailed(MoetuneError):
     exit_code = 1
 
 
+class ConsumerUnavailable(Exception):
+    """The format's consumer cannot run here (not installed, an input missing): not checked."""
+
+
 @dataclass
 class Served:
     """What a consumer returned: logits per item `[T, V]` and greedy new tokens per item."""
@@ -258,10 +262,13 @@ class CheckOptions:
 
 def check_export(
     source: Source, fmt: str, out: Path, dtype: str, opts: CheckOptions
-) -> CheckResult | None:
-    """Run `fmt`'s consumer on `out` and compare with the adapter; None when there is none."""
+) -> CheckResult:
+    """Run `fmt`'s consumer on `out` and compare with the adapter (ConsumerUnavailable when
+    none runs here)."""
+    if fmt == "gguf":
+        import moetune.export.llamacpp  # noqa: F401  (registers the llama.cpp consumer)
     if fmt not in CONSUMERS:
-        return None
+        raise ConsumerUnavailable(f"no consumer of {fmt} runs here")
     name, consume = CONSUMERS[fmt]
     tokenizer = tokenizer_of(source)
     prompts = [

@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from moetune.export import ExportOptions, resolve_source, run_export
-from moetune.export.check import CheckFailed, CheckOptions, check_export
-from moetune.export.registry import Source
+from moetune.export.check import (
+    CheckFailed,
+    CheckOptions,
+    CheckResult,
+    ConsumerUnavailable,
+    check_export,
+)
+from moetune.export.registry import ExportResult, Source
 from moetune.io import atomic_write_json
 from moetune.ledger import DEFAULT_PATH, attempt
 
@@ -48,14 +54,7 @@ def export(
             "adapter": str(source.adapter_dir),
             "base": source.base,
         }
-        verdict = None
-        if check is not None:
-            verdict = check_export(
-                source, fmt, out, str(result.details.get("dtype", "float32")), check
-            )
-        doc["check"] = (
-            verdict.to_json() if verdict else {"skipped": f"no consumer of {fmt} runs here"}
-        )
+        verdict, doc["check"] = run_check(source, fmt, out, result, check)
         if verdict is not None:
             atomic_write_json(out / "check.json", doc["check"])
         record_in_run(source, fmt, doc)
@@ -65,6 +64,20 @@ def export(
                 f"served != trained ({verdict.consumer}): {verdict.reason}", fix_for(fmt)
             )
     return doc
+
+
+def run_check(
+    source: Source, fmt: str, out: Path, result: ExportResult, check: CheckOptions | None
+) -> tuple[CheckResult | None, dict[str, Any]]:
+    """The check's result and its JSON; (None, why) when it is off or no consumer runs here."""
+    if check is None:
+        return None, {"skipped": "--no-check"}
+    dtype = str(result.details.get("dtype", "float32"))
+    try:
+        verdict = check_export(source, fmt, out, dtype, check)
+    except ConsumerUnavailable as why:
+        return None, {"skipped": str(why)}
+    return verdict, verdict.to_json()
 
 
 def ledger_metrics(fmt: str, out: Path, check: dict[str, Any]) -> dict[str, Any]:
