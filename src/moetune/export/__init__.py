@@ -54,7 +54,9 @@ def run_export(source: Source, fmt: str, out: Path, opts: ExportOptions) -> Expo
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        result = chosen.export(source, tmp, opts.model_copy(update={"destination": str(out)}))
+        result = chosen.export(
+            source, tmp, opts.model_copy(update={"destination": str(out.resolve())})
+        )
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)

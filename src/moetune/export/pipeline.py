@@ -61,7 +61,8 @@ def export(
         row["metrics"] = ledger_metrics(fmt, out, doc["check"])
         if verdict is not None and not verdict.passed:
             raise CheckFailed(
-                f"served != trained ({verdict.consumer}): {verdict.reason}", fix_for(fmt)
+                f"served != trained ({verdict.consumer}): {verdict.reason}",
+                fix_for(fmt, str(result.details.get("dtype", ""))),
             )
     return doc
 
@@ -85,11 +86,13 @@ def ledger_metrics(fmt: str, out: Path, check: dict[str, Any]) -> dict[str, Any]
     return {"format": fmt, "out": str(out), **{k: check[k] for k in keep if k in check}}
 
 
-def fix_for(fmt: str) -> str:
-    return (
-        f"do not serve this {fmt} export; the exported files stay in --out for inspection "
-        "(OUT/check.json has the per-item figures)"
-    )
+def fix_for(fmt: str, dtype: str) -> str:
+    if fmt == "merged" and dtype != "float32":
+        return (
+            f"W + ΔW rounded to {dtype} can lose a ΔW this small: re-export with --dtype float32 "
+            "(twice the bytes), or serve the adapter unmerged"
+        )
+    return f"do not serve this {fmt} export; OUT/check.json has the per-item figures"
 
 
 def record_in_run(source: Source, fmt: str, doc: dict[str, Any]) -> None:

@@ -117,7 +117,7 @@ def serve_options(base: str, out: Path, layout: str, rank: int) -> dict[str, Any
     return {"layout": layout, "engine_flags": flags, "lora_request": request, "serve": serve}
 
 
-def readme(model_type: str, family: VllmFamily, opts: dict[str, Any]) -> str:
+def readme(base: str, model_type: str, family: VllmFamily, opts: dict[str, Any]) -> str:
     args = ", ".join(f"{k}={v!r}" for k, v in opts["lora_request"].items())
     rank = opts["engine_flags"][1].split()[-1]
     mixed = ["enable_mixed_moe_lora_format=True"] if MIXED_FLAG in opts["engine_flags"] else []
@@ -126,7 +126,7 @@ def readme(model_type: str, family: VllmFamily, opts: dict[str, Any]) -> str:
         f"# vLLM adapter ({model_type}, {family.vllm_class}: {family.experts} expert LoRA)\n\n"
         f"Layout: {opts['layout']}.\n\n```bash\n{opts['serve']}\n```\n\n"
         f"```python\nfrom vllm import LLM\nfrom vllm.lora.request import LoRARequest\n"
-        f"llm = LLM(model=..., {engine})\n"
+        f"llm = LLM(model={base!r}, {engine})\n"
         f"llm.generate(prompts, lora_request=LoRARequest({args}))\n```\n"
     )
 
@@ -141,7 +141,7 @@ def export_vllm(source: Source, out: Path, opts: ExportOptions) -> ExportResult:
         layout, details = "per-expert", write_per_expert(source, out)
     final = Path(opts.destination or out)
     options = serve_options(source.base, final, layout, int(details["rank"]))
-    atomic_write_text(out / "README.md", readme(model_type, family, options))
+    atomic_write_text(out / "README.md", readme(source.base, model_type, family, options))
     atomic_write_text(out / "vllm.json", json.dumps(options, indent=2))
     result = ExportResult("vllm", out, files=sorted(p.name for p in out.iterdir()))
     result.details = {"family": model_type, "vllm_class": family.vllm_class, **details, **options}
