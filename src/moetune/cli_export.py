@@ -69,5 +69,6 @@ def _print(doc: dict[str, Any]) -> None:
         f"check ({check['consumer']}): [bold green]served == trained[/] on {check['items']} "
         f"items · logits rel {check['logits_rel']:.2g} (tolerance {check['tolerance']:g}) · "
         f"expert LoRA effect {check['expert_effect']:.2g} · greedy equal "
-        f"{check['greedy_match']:.0%} (medians over items; worst item {check['logits_rel_max']:.2g})"
+        f"{check['greedy_match']:.0%} (medians over items; worst item "
+        f"{check['logits_rel_max']:.2g})"
     )
