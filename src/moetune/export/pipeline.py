@@ -48,6 +48,7 @@ def export(
     source = resolve_source(path, base)
     ledger, fields = ledger_of(source)
     with attempt(ledger, "export", **fields) as row:
+        row["metrics"] = {"format": fmt, "out": str(out)}  # a failed export says what it was
         result = run_export(source, fmt, out, opts)
         doc: dict[str, Any] = {
             **result.to_json(),
