@@ -143,3 +143,20 @@ def test_refuses_adapter_tensors_it_cannot_place(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="map to no LoRA layer"):
         run_export(resolve_source(adapter, str(base)), "merged", tmp_path / "out", ExportOptions())
     assert not (tmp_path / "out").exists()
+
+
+def test_lora_on_a_tied_lm_head_is_refused(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    base = make_base(tmp_path, "qwen3_moe-tied-local_experts")
+    model, _ = _load(base)
+    wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    wrapped.save_pretrained(str(tmp_path / "adapter"))
+    source = resolve_source(tmp_path / "adapter", str(base))
+    with pytest.raises(ExportError, match="lm_head.weight is tied to model.embed_tokens.weight"):
+        run_export(source, "merged", tmp_path / "out", ExportOptions())
+    assert not (tmp_path / "out").exists()
