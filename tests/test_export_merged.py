@@ -157,6 +157,6 @@ def test_lora_on_a_tied_lm_head_is_refused(tmp_path: Path) -> None:
                 param.normal_()
     wrapped.save_pretrained(str(tmp_path / "adapter"))
     source = resolve_source(tmp_path / "adapter", str(base))
-    with pytest.raises(ExportError, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight"):
+    with pytest.raises(ExportError, match=r"lm_head\.weight is tied to model\.embed_tokens"):
         run_export(source, "merged", tmp_path / "out", ExportOptions())
     assert not (tmp_path / "out").exists()
