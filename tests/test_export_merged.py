@@ -83,13 +83,18 @@ def test_merged_loads_and_serves_the_adapter(tmp_path: Path, variant: str) -> No
     assert (out / "tokenizer.json").is_file()
 
 
-def test_bf16_default_keeps_the_base_dtype(tmp_path: Path) -> None:
+def test_bf16_default_keeps_the_base_dtype_shard_by_shard(tmp_path: Path) -> None:
     base = make_base(tmp_path, "olmoe", torch.bfloat16)
     adapter = make_adapter(base, tmp_path / "adapter")
     out = tmp_path / "merged"
-    result = run_export(resolve_source(adapter, str(base)), "merged", out, ExportOptions())
+    opts = ExportOptions(max_shard_size="10KB")
+    result = run_export(resolve_source(adapter, str(base)), "merged", out, opts)
     assert result.details["dtype"] == "bfloat16"
-    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (out / "model.safetensors.index.json").is_file()
+    assert {t.dtype for s in shards for t in load_file(str(s)).values()} == {torch.bfloat16}
+    _, info = _load(out)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
 
 
 def test_cli_export_checks_served_equals_trained(tmp_path: Path) -> None:
