@@ -22,10 +22,11 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PROMPTS = ["copy:abc>", "rev:hello>", "first:xyz>", "sum:123>", "copy:moe>", "rev:lora>"]
 
 
-def make_base(root: Path, variant: str, dtype: torch.dtype = torch.float32) -> Path:
+def make_base(root: Path, variant: str, dtype: torch.dtype = torch.float32, **over: Any) -> Path:
     """A tiny random base of `variant` saved in `dtype` with the demo tokenizer (vocab 64)."""
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**{**tiny_config(variant), "vocab_size": 64})
+    fields = {**tiny_config(variant), "vocab_size": 64, **over}
+    config = transformers.AutoConfig.for_model(**fields)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
@@ -57,9 +58,11 @@ def make_adapter(
     return out
 
 
-def make_run(root: Path, variant: str, **adapter: Any) -> Path:
+def make_run(
+    root: Path, variant: str, base_over: dict[str, Any] | None = None, **adapter: Any
+) -> Path:
     """A run dir like `moetune train` leaves: config.yaml, adapter/, and its eval items."""
-    base = make_base(root, variant)
+    base = make_base(root, variant, **(base_over or {}))
     run = root / f"run-{variant}"
     make_adapter(base, run / "adapter", **adapter)
     data = root / "eval.jsonl"

@@ -54,10 +54,13 @@ class Served:
 # consumer(export dir, source, sequences to score, prompts, new tokens) -> Served
 Consumer = Callable[[Path, Source, list[list[int]], list[list[int]], int], Served]
 CONSUMERS: dict[str, tuple[str, Consumer]] = {}  # format -> (consumer name, run)
+FLOOR: dict[str, float] = {}  # format -> the consumer's own numerics (its kernels) as a floor
 
 
-def register_consumer(fmt: str, name: str, run: Consumer) -> None:
+def register_consumer(fmt: str, name: str, run: Consumer, floor: float = 0.0) -> None:
+    """`floor`: the smallest tolerance this consumer can meet (its own kernels differ)."""
     CONSUMERS[fmt] = (name, run)
+    FLOOR[fmt] = floor
 
 
 @dataclass
@@ -142,7 +145,7 @@ def compare(
     errors = [rel(g, r) for g, r in zip(got.logits, ref.served.logits, strict=True)]
     effects = [rel(w, r) for w, r in zip(ref.without_experts, ref.served.logits, strict=True)]
     same = [g == r for g, r in zip(got.greedy, ref.served.greedy, strict=True)]
-    tol = TOLERANCE.get(dtype, 3e-2)
+    tol = max(TOLERANCE.get(dtype, 3e-2), FLOOR.get(fmt, 0.0))
     shares = [e / max(x, 1e-30) for e, x in zip(errors, effects, strict=True)]
     result = CheckResult(
         format=fmt, consumer=consumer, passed=False, items=len(errors),
