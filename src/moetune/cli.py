@@ -558,5 +558,5 @@ def ledger_verify(
         raise typer.Exit(1)
 
 
-# Each registers its commands on `app`: launch/pods/workflow, sky-task, serve-plan, bench.
-from moetune import cli_bench, cli_lane, cli_serve, cli_sky  # noqa: E402,F401
+# Each registers its commands on `app`: export, launch/pods/workflow, sky-task, serve-plan, bench.
+from moetune import cli_bench, cli_export, cli_lane, cli_serve, cli_sky  # noqa: E402,F401

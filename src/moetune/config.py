@@ -361,6 +361,11 @@ class OutputArgs(_Section):
     ledger: str = Field(
         ".moetune/ledger.jsonl", description="Append-only ledger: one row per attempt."
     )
+    serve_with: list[Literal["vllm", "llama.cpp", "peft"]] = Field(
+        default_factory=list,
+        description="Stacks the adapter will be served with (lint warns about their traps; "
+        "`moetune export` writes for them): vllm, llama.cpp, peft (unmerged).",
+    )
 
 
 class HardwareArgs(_Section):

@@ -358,3 +358,58 @@ def export_mlx(
     served = _relative(mlx_logits(model, adapters, probe), peft_logits(base, src, probe))
     check = {"relative_error": served, "tolerance": 1e-4, "ok": served <= 1e-4}
     return {"format": "mlx", "model": str(model), "adapters": str(adapters), "check": check}
+
+
+# ---------------------------------------------------------------- `moetune export --format mlx`
+
+
+def export_format(source: Any, out: Path, opts: Any) -> Any:
+    """The registry's `mlx` entry: OUT/model and OUT/adapters, for
+    `mlx_lm.generate --model OUT/model --adapter-path OUT/adapters`; the served == trained
+    check runs through the mlx-lm consumer below on the run's eval items."""
+    from moetune.export.registry import ExportResult
+
+    from moetune.train.mlx_base import mlx_dtype
+
+    dtype = mlx_dtype(None if opts.dtype == "auto" else opts.dtype)  # float32 on mlx's CPU
+    model = hf_to_mlx(source.base, out / "model", dtype=dtype)
+    adapters = peft_to_mlx(source.adapter_dir, out / "adapters", source.base)
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    use = f"mlx_lm.generate --model {model.name} --adapter-path {adapters.name}"
+    notes = [f"serve: {use} (paths inside --out)"]
+    return ExportResult("mlx", out, files, notes, details={"dtype": dtype or "bfloat16"})
+
+
+def mlx_consumer(
+    out: Path, source: Any, sequences: list[list[int]], prompts: list[list[int]], new: int
+) -> Any:
+    """The export as mlx-lm serves it: logits per sequence and greedy continuations."""
+    import mlx.core as mx  # type: ignore[import-not-found]
+    import numpy as np
+    import torch
+    from mlx_lm.utils import load  # type: ignore[import-not-found]
+
+    from moetune.export.check import Served, greedy
+
+    model = load(str(out / "model"), adapter_path=str(out / "adapters"))[0]
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        got = model(mx.array([ids])).astype(mx.float32)
+        mx.eval(got)
+        return torch.from_numpy(np.array(got)[0]).double()
+
+    return Served(
+        logits=[logits(s) for s in sequences],
+        greedy=[greedy(lambda ids: logits(ids)[-1], p, new) for p in prompts],
+    )
+
+
+def _register() -> None:
+    from moetune.export.check import register_consumer
+    from moetune.export.registry import Exporter, register
+
+    register(Exporter("mlx", export_format, "mlx-lm model + adapter (switch_mlp layout)"))
+    register_consumer("mlx", "mlx-lm", mlx_consumer)
+
+
+_register()

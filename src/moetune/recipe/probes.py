@@ -394,21 +394,51 @@ def mlx_fused_keys() -> ProbeOutcome:
 
 
 def gguf_not_trainable() -> ProbeOutcome:
-    """transformers cannot read a .gguf here (no gguf package) – nothing to train on."""
+    """transformers cannot read a .gguf without the gguf package; with it (moetune's export
+    installs it) it only dequantizes: a Q8_0 tensor comes back as float32 that differs from
+    the weights it was quantized from – a lossy copy, never the original to train."""
+    if util.find_spec("gguf") is None:
+        return ProbeOutcome(True, "no gguf package: transformers cannot read a .gguf at all")
+    with tempfile.TemporaryDirectory() as tmp:
+        error, dtype = _dequantized_q8_error(f"{tmp}/tiny.gguf")
+    evidence = f"gguf {_version('gguf')}: Q8_0 loads as {dtype}, max abs error {error:.3g}"
+    return ProbeOutcome(error > 0 and "float" in dtype, evidence)
+
+
+def _dequantized_q8_error(path: str) -> tuple[float, str]:
+    """Write a 1-layer llama GGUF with one Q8_0 tensor, load it with transformers; (max abs
+    error against the original, the loaded dtype)."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    with tempfile.NamedTemporaryFile(suffix=".gguf") as fh:
-        fh.write(b"GGUF" + bytes(60))
-        fh.flush()
-        try:
-            with _quiet():
-                load_gguf_checkpoint(fh.name)
-        except ImportError as err:
-            return ProbeOutcome(True, f"load_gguf_checkpoint raised ImportError: {err}")
-        except Exception as err:  # gguf is installed: the reader ran and rejected the stub
-            evidence = f"gguf {_version('gguf')} installed; transformers dequantizes: {err!r}"
-            return ProbeOutcome(False, evidence)
-    return ProbeOutcome(False, "transformers read a stub .gguf")
+    weights = np.random.default_rng(0).standard_normal((32, 32)).astype(np.float32)
+    writer = gguf.GGUFWriter(path, "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 8),
+                       (writer.add_embedding_length, 32), (writer.add_feed_forward_length, 32),
+                       (writer.add_head_count, 1)):  # fmt: skip
+        add(value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}" for i in range(4)])
+    writer.add_token_scores([0.0] * 4)
+    writer.add_token_types([1] * 4)
+    q8 = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", q8, raw_shape=q8.shape,
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with _quiet():
+        config = load_gguf_checkpoint(path)["config"]
+        fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+        loaded = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+    tensor = torch.as_tensor(loaded["tensors"]["model.layers.0.self_attn.q_proj.weight"])
+    return float((tensor.float() - torch.from_numpy(weights)).abs().max()), str(tensor.dtype)
 
 
 # -- infrastructure walls ----------------------------------------------------------------------

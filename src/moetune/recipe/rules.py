@@ -200,4 +200,10 @@ def versions_of(libraries: tuple[str, ...], versions: Mapping[str, str] | None =
 
 
 # Registration happens on import; these modules import the names above.
-from moetune.recipe import rules_dist, rules_infra, rules_mlx, rules_peft  # noqa: E402, F401
+from moetune.recipe import (  # noqa: E402, F401
+    rules_dist,
+    rules_infra,
+    rules_mlx,
+    rules_peft,
+    rules_serve,
+)

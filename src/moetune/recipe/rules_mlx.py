@@ -235,7 +235,8 @@ def gguf(ctx: LintContext) -> Hit | None:
         f"{model.id} is a GGUF (llama.cpp inference format): peft and mlx-lm cannot train it, "
         "and a dequantized GGUF is a lossy copy of the original weights",
         "set model.id to the original safetensors repo (e.g. Qwen/Qwen3-30B-A3B) and "
-        "model.format: hf; convert the trained adapter with llama.cpp convert_lora_to_gguf.py",
+        "model.format: hf; then moetune export RUN --format gguf (llama.cpp's own "
+        "convert_lora_to_gguf.py stops on expert LoRA)",
         "model.id",
     )
 

@@ -28,6 +28,7 @@ from markupsafe import Markup
 from moetune.errors import MoetuneError
 from moetune.io import atomic_write_text
 from moetune.report import plots
+from moetune.report.exports import exports_section
 from moetune.units import human_bytes
 
 
@@ -476,6 +477,7 @@ SECTIONS: dict[str, Callable[[Inputs], dict[str, Any]]] = {
     "routing": routing_section,
     "ladder": ladder_section,
     "gate": gate_section,
+    "exports": exports_section,
 }
 
 

@@ -1,0 +1,74 @@
+"""`moetune export`: a trained adapter as a merged checkpoint, a vLLM adapter, a GGUF LoRA
+(or mlx), then the served == trained check. Registered on moetune's one typer app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from moetune.cli import JsonOpt, app, console, emit_json, friendly
+
+
+@app.command("export")
+@friendly
+def export_cmd(
+    source: Annotated[Path, typer.Argument(help="A run dir (output.dir) or a peft adapter dir.")],
+    fmt: Annotated[str, typer.Option("--format", help="merged | vllm | gguf | mlx.")],
+    out: Annotated[Path, typer.Option("--out", help="New folder to write (refused if not empty).")],
+    base: Annotated[
+        str | None, typer.Option(help="Base model dir or id (default: the run's / adapter's).")
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option(help="auto (the base's own) | bfloat16 | float16 | float32.")
+    ] = "auto",
+    max_shard_size: Annotated[
+        str, typer.Option(help="Largest safetensors shard (merged).")
+    ] = "5GB",
+    check: Annotated[
+        bool,
+        typer.Option("--check/--no-check", help="Run the consumer and compare with the adapter."),
+    ] = True,
+    items: Annotated[
+        Path | None,
+        typer.Option(help="JSONL of prompt/text rows to check on (default: the run's eval items)."),
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Eval items the check uses.")] = 16,
+    vllm_layout: Annotated[
+        str, typer.Option(help="vllm: auto (what the family's wrapper reads) | fused (peft's).")
+    ] = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Export an adapter for serving and check that what is served equals what was trained."""
+    from moetune.export import ExportOptions
+    from moetune.export.check import CheckOptions
+    from moetune.export.pipeline import export
+
+    opts = ExportOptions.model_validate(
+        {"dtype": dtype, "max_shard_size": max_shard_size, "extra": {"vllm_layout": vllm_layout}}
+    )
+    check_opts = CheckOptions(items=limit, items_file=items) if check else None
+    doc = export(source, fmt, out, opts, check_opts, base)
+    if as_json:
+        emit_json(doc)
+    else:
+        _print(doc)
+
+
+def _print(doc: dict[str, Any]) -> None:
+    console.print(f"[bold]{doc['format']}[/] → {escape(doc['out'])} ({len(doc['files'])} files)")
+    for note in doc["notes"]:
+        console.print(f"  note: {escape(note)}")
+    check = doc["check"]
+    if "skipped" in check:
+        console.print(f"check: skipped – {escape(check['skipped'])}")
+        return
+    console.print(
+        f"check ({check['consumer']}): [bold green]served == trained[/] on {check['items']} "
+        f"items · logits rel {check['logits_rel']:.2g} (tolerance {check['tolerance']:g}) · "
+        f"expert LoRA effect {check['expert_effect']:.2g} · greedy equal "
+        f"{check['greedy_match']:.0%} (medians over items; worst item "
+        f"{check['logits_rel_max']:.2g})"
+    )

@@ -1,0 +1,62 @@
+"""The gguf format's consumer for the served == trained check: llama.cpp through
+llama-cpp-python, in its own venv (MOETUNE_LLAMACPP_PYTHON=<that venv's python>).
+
+It scores base.gguf + adapter.gguf (the LoRA as llama.cpp applies it, stacked *_exps
+experts included) – and merged.gguf where the export wrote one – on the reference's token
+ids (no tokenizer round trip), in a subprocess, one JSON document each way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from moetune.export.check import ConsumerUnavailable, Served, register_consumer
+from moetune.export.registry import Source
+
+RUNNER = Path(__file__).with_name("llamacpp_runner.py")
+
+
+def llamacpp_python() -> str:
+    python = os.environ.get("MOETUNE_LLAMACPP_PYTHON", "")
+    if not python or not Path(python).is_file():
+        raise ConsumerUnavailable(
+            "llama.cpp is not installed here (set MOETUNE_LLAMACPP_PYTHON to the python of a "
+            "venv with llama-cpp-python)"
+        )
+    return python
+
+
+def run_llamacpp(
+    model: Path, lora: Path | None, sequences: list[list[int]], prompts: list[list[int]], new: int
+) -> Served:
+    job = {"model": str(model), "lora": str(lora) if lora else None, "sequences": sequences,
+           "prompts": prompts, "new_tokens": new}  # fmt: skip
+    done = subprocess.run(
+        [llamacpp_python(), str(RUNNER)], input=json.dumps(job), capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConsumerUnavailable(f"llama.cpp could not run {model.name}: {last[:160]}")
+    doc = json.loads(done.stdout)
+    return Served([torch.tensor(x, dtype=torch.float64) for x in doc["logits"]], doc["greedy"])
+
+
+def gguf_consumer(
+    out: Path, source: Source, sequences: list[list[int]], prompts: list[list[int]], new: int
+) -> Served:
+    """base.gguf + adapter.gguf in llama.cpp (base.gguf comes from llama.cpp's converter)."""
+    if not (out / "base.gguf").is_file():
+        raise ConsumerUnavailable(
+            "no base.gguf beside the LoRA (set MOETUNE_LLAMA_CPP so the export converts the base)"
+        )
+    return run_llamacpp(out / "base.gguf", out / "adapter.gguf", sequences, prompts, new)
+
+
+# llama.cpp's own kernels (gpt-oss: sinks, clamped SwiGLU, YaRN) differ from transformers'
+# by up to ~2e-4 relative in float32 – far below any expert LoRA's effect (~1 here).
+register_consumer("gguf", "llama.cpp (base.gguf + adapter.gguf)", gguf_consumer, floor=1e-3)

@@ -1,0 +1,174 @@
+"""`--format merged`: the base with every LoRA ΔW added, saved by transformers itself.
+
+One copy of the model in memory: the base is loaded in the target dtype, each layer's ΔW
+is computed from the adapter's A/B in float32 and added to its parameter in place (one
+parameter's temporary at a time), and `save_pretrained` writes shard by shard in the
+on-disk layout transformers uses for the family (fused expert stacks split back into
+`experts.N.*` keys where the checkpoint format has them). A ΔW on a tied weight (an adapted
+lm_head sharing the embedding) cannot be represented by one tensor and is refused.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetune.errors import clip
+from moetune.export.deltas import iter_deltas
+from moetune.export.registry import (
+    Exporter,
+    ExportError,
+    ExportOptions,
+    ExportResult,
+    Source,
+    register,
+)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+
+
+def resolve_dtype(base: str, requested: str) -> torch.dtype:
+    """`requested`, or for auto the dtype the base's config.json states (bf16 when none)."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ExportError(
+                f"unknown dtype {requested!r}", f"use auto or one of {', '.join(DTYPES)}"
+            )
+        return DTYPES[requested]
+    from transformers import AutoConfig
+
+    stated = getattr(AutoConfig.from_pretrained(base), "dtype", None)
+    named = str(stated).removeprefix("torch.") if stated is not None else "bfloat16"
+    return DTYPES.get(named, torch.bfloat16)
+
+
+def load_base(base: str, dtype: torch.dtype) -> Any:
+    """The base's causal LM with its real weights; refuses a checkpoint with missing tensors."""
+    from transformers import AutoConfig
+
+    from moetune.model.derive import causal_lm_class
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls = causal_lm_class(AutoConfig.from_pretrained(base))
+        model, info = cls.from_pretrained(base, dtype=dtype, output_loading_info=True)
+    if info["missing_keys"]:
+        raise ExportError(
+            f"the base {clip(base, 60)} lacks {len(info['missing_keys'])} tensors it builds",
+            "point --base at the checkpoint the adapter was trained on",
+        )
+    return model.eval()
+
+
+def tied_names(model: Any) -> dict[str, list[str]]:
+    """Parameter name -> the other names sharing its storage (tied embeddings)."""
+    by_ptr: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_ptr.setdefault(param.data_ptr(), []).append(name)
+    return {
+        n: [o for o in names if o != n]
+        for names in by_ptr.values()
+        for n in names
+        if len(names) > 1
+    }
+
+
+def merge_into(model: Any, source: Source) -> dict[str, Any]:
+    """Add every ΔW of the adapter to `model` in place; counts of what was merged."""
+    tied = tied_names(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    counts = {"layers": 0, "expert_layers": 0, "delta_norm": 0.0, "expert_delta_norm": 0.0}
+    with torch.no_grad():
+        for target, a, b in iter_deltas(source.adapter_dir, source.base, torch.float32):
+            if target.param in tied:
+                raise ExportError(
+                    f"{target.param} is tied to {tied[target.param][0]}: one merged tensor "
+                    "cannot hold both",
+                    "train without LoRA on tied embeddings / lm_head, or untie them first",
+                )
+            add_delta(params[target.param], target, a, b, counts)
+    return counts
+
+
+def add_delta(
+    param: torch.nn.Parameter, target: Any, a: torch.Tensor, b: torch.Tensor, counts: dict[str, Any]
+) -> None:
+    from moetune.export.deltas import delta
+
+    d = delta(target, a, b)
+    if d.shape != param.shape:
+        raise ExportError(
+            f"ΔW of {target.param} is {tuple(d.shape)}, the parameter {tuple(param.shape)}",
+            "export with the base the adapter was trained on (--base)",
+        )
+    param.copy_((param.float() + d).to(param.dtype))
+    norm = float(d.norm())
+    counts["layers"] += 1
+    counts["delta_norm"] += norm
+    if target.is_experts:
+        counts["expert_layers"] += 1
+        counts["expert_delta_norm"] += norm
+
+
+def copy_tokenizer(source: Source, out: Path) -> list[str]:
+    """Tokenizer files from the base dir (or, failing that, the adapter dir) into `out`."""
+    copied = []
+    for folder in (Path(source.base), source.adapter_dir):
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file() and not (out / name).exists():
+                shutil.copy2(folder / name, out / name)
+                copied.append(name)
+    return copied
+
+
+def saved_layout(folder: Path) -> dict[str, tuple[list[int], str]]:
+    """Tensor name -> (shape, dtype) of every safetensors file in `folder` (headers only)."""
+    from safetensors import safe_open
+
+    layout = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118  (safe_open has no __contains__/__iter__)
+                sl = f.get_slice(key)
+                layout[key] = (list(sl.get_shape()), str(sl.get_dtype()))
+    return layout
+
+
+def export_merged(source: Source, out: Path, opts: ExportOptions) -> ExportResult:
+    dtype = resolve_dtype(source.base, opts.dtype)
+    model = load_base(source.base, dtype)
+    counts = merge_into(model, source)
+    model.save_pretrained(str(out), max_shard_size=opts.max_shard_size)
+    tokenizer = copy_tokenizer(source, out)
+    result = ExportResult("merged", out, files=sorted(p.name for p in out.iterdir()))
+    result.details = {"dtype": str(dtype).removeprefix("torch."), **counts, "tokenizer": tokenizer}
+    result.details["layout"] = layout_vs_base(source.base, out)
+    if not tokenizer:
+        result.notes.append("no tokenizer files next to the base or the adapter: copy them in")
+    return result
+
+
+def layout_vs_base(base: str, out: Path) -> dict[str, Any]:
+    """Whether the merged files hold exactly the base checkpoint's tensor names and shapes."""
+    if not Path(base).is_dir() or not any(Path(base).glob("*.safetensors")):
+        return {"compared": False}
+    mine, theirs = saved_layout(out), saved_layout(Path(base))
+    same_shapes = all(mine[k][0] == theirs[k][0] for k in mine.keys() & theirs.keys())
+    return {
+        "compared": True, "same_names": mine.keys() == theirs.keys(), "same_shapes": same_shapes,
+        "only_merged": sorted(mine.keys() - theirs.keys())[:5],
+        "only_base": sorted(theirs.keys() - mine.keys())[:5],
+    }  # fmt: skip
+
+
+register(
+    Exporter("merged", export_merged, "the base with the LoRA merged in (transformers layout)")
+)

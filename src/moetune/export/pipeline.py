@@ -1,0 +1,109 @@
+"""`moetune export`: resolve the source, export, check served == trained, ledger it.
+
+The check's verdict is written to OUT/check.json and, for a run dir, into RUN_DIR/exports.json
+(what `moetune report` shows); every attempt lands in the ledger as kind "export" – a
+failed check as a failed row, with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moetune.export import ExportOptions, resolve_source, run_export
+from moetune.export.check import (
+    CheckFailed,
+    CheckOptions,
+    CheckResult,
+    ConsumerUnavailable,
+    check_export,
+)
+from moetune.export.registry import ExportResult, Source
+from moetune.io import atomic_write_json
+from moetune.ledger import DEFAULT_PATH, attempt
+
+
+def ledger_of(source: Source) -> tuple[Path, dict[str, Any]]:
+    """The run's ledger and row fields (run id, config hash, versions), or the default ledger."""
+    if source.run_dir is None:
+        return DEFAULT_PATH, {"run_id": source.adapter_dir.resolve().parent.name}
+    from moetune.config import load_config
+    from moetune.train.checkpoint import ledger_fields
+
+    cfg = load_config(source.run_dir / "config.yaml")
+    return Path(cfg.output.ledger), ledger_fields(cfg)
+
+
+def export(
+    path: Path,
+    fmt: str,
+    out: Path,
+    opts: ExportOptions,
+    check: CheckOptions | None,
+    base: str | None = None,
+) -> dict[str, Any]:
+    """Export (and check unless `check` is None); the summary. A failed check raises
+    CheckFailed after check.json and the ledger row are written."""
+    source = resolve_source(path, base)
+    ledger, fields = ledger_of(source)
+    with attempt(ledger, "export", **fields) as row:
+        row["metrics"] = {"format": fmt, "out": str(out)}  # a failed export says what it was
+        result = run_export(source, fmt, out, opts)
+        doc: dict[str, Any] = {
+            **result.to_json(),
+            "adapter": str(source.adapter_dir),
+            "base": source.base,
+        }
+        verdict, doc["check"] = run_check(source, fmt, out, result, check)
+        if verdict is not None:
+            atomic_write_json(out / "check.json", doc["check"])
+        record_in_run(source, fmt, doc)
+        row["metrics"] = ledger_metrics(fmt, out, doc["check"])
+        if verdict is not None and not verdict.passed:
+            raise CheckFailed(
+                f"served != trained ({verdict.consumer}): {verdict.reason}",
+                fix_for(fmt, str(result.details.get("dtype", ""))),
+            )
+    return doc
+
+
+def run_check(
+    source: Source, fmt: str, out: Path, result: ExportResult, check: CheckOptions | None
+) -> tuple[CheckResult | None, dict[str, Any]]:
+    """The check's result and its JSON; (None, why) when it is off or no consumer runs here."""
+    if check is None:
+        return None, {"skipped": "--no-check"}
+    dtype = str(result.details.get("dtype", "float32"))
+    try:
+        verdict = check_export(source, fmt, out, dtype, check)
+    except ConsumerUnavailable as why:
+        return None, {"skipped": str(why)}
+    return verdict, verdict.to_json()
+
+
+def ledger_metrics(fmt: str, out: Path, check: dict[str, Any]) -> dict[str, Any]:
+    keep = ("consumer", "passed", "items", "logits_rel", "expert_effect", "greedy_match", "skipped")
+    return {"format": fmt, "out": str(out), **{k: check[k] for k in keep if k in check}}
+
+
+def fix_for(fmt: str, dtype: str) -> str:
+    if fmt == "merged" and dtype != "float32":
+        return (
+            f"W + ΔW rounded to {dtype} can lose a ΔW this small: re-export with --dtype float32 "
+            "(twice the bytes), or serve the adapter unmerged"
+        )
+    return f"do not serve this {fmt} export; OUT/check.json has the per-item figures"
+
+
+def record_in_run(source: Source, fmt: str, doc: dict[str, Any]) -> None:
+    """RUN_DIR/exports.json: format -> the latest export's out dir and check (for the report)."""
+    if source.run_dir is None:
+        return
+    path = source.run_dir / "exports.json"
+    try:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        known = {}
+    known[fmt] = {"out": doc["out"], "files": doc["files"], "check": doc["check"]}
+    atomic_write_json(path, known)

@@ -1,0 +1,50 @@
+"""Resolve what `moetune export` was given: a run dir (config.yaml + adapter/) or an adapter
+dir (adapter_config.json), and the base model it was trained on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moetune.errors import clip
+from moetune.export.registry import ExportError, Source
+
+
+def resolve_source(path: Path, base: str | None = None) -> Source:
+    """The adapter and base behind `path`; `base` overrides the one the run or adapter names."""
+    if (path / "config.yaml").is_file() and (path / "adapter").is_dir():
+        return _from_run(path, base)
+    if (path / "adapter_config.json").is_file():
+        named = _adapter_config(path).get("base_model_name_or_path")
+        return Source(adapter_dir=path, base=_need_base(base or named, path))
+    raise ExportError(
+        f"{clip(path, 80)} is neither a run dir (config.yaml + adapter/) nor a peft adapter",
+        "pass the run's output.dir or its adapter/ folder (with adapter_config.json)",
+    )
+
+
+def _from_run(run_dir: Path, base: str | None) -> Source:
+    from moetune.config import load_config
+
+    cfg = load_config(run_dir / "config.yaml")
+    return Source(adapter_dir=run_dir / "adapter", base=base or cfg.model.id, run_dir=run_dir)
+
+
+def _adapter_config(adapter_dir: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((adapter_dir / "adapter_config.json").read_text()))
+    except (OSError, ValueError) as err:
+        raise ExportError(
+            f"cannot read {clip(adapter_dir, 60)}/adapter_config.json: {clip(err, 80)}",
+            "point at a folder written by peft's save_pretrained",
+        ) from None
+
+
+def _need_base(base: str | None, adapter_dir: Path) -> str:
+    if not base:
+        raise ExportError(
+            f"{clip(adapter_dir, 80)} does not name its base model",
+            "pass --base DIR_OR_HUB_ID (the model the adapter was trained on)",
+        )
+    return base

@@ -1,0 +1,56 @@
+"""How serving stacks take each family's expert LoRA: facts read off vLLM's and llama.cpp's
+sources, kept here so both the exporters (moetune.export) and the lint rules
+(moetune.recipe.rules_serve) use one table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IGNORED = "users report adapters that load and change nothing"
+
+
+@dataclass(frozen=True)
+class VllmFamily:
+    """vLLM's model class for a family and how it takes expert LoRA: "3d" (the class sets
+    is_3d_moe_weight: peft's fused adapter as is), "2d" (per-expert keys
+    `experts.N.gate_proj.lora_A`; a fused adapter needs --enable-mixed-moe-lora-format and
+    is_3d_lora_weight=True), "ignored" (expert LoRA loads and changes nothing)."""
+
+    vllm_class: str
+    experts: str
+    why: str = ""
+
+
+# vllm/model_executor/models/*.py (0.32): `is_3d_moe_weight` and SupportsLoRA per class.
+VLLM_FAMILIES: dict[str, VllmFamily] = {
+    "qwen3_moe": VllmFamily("Qwen3MoeForCausalLM", "2d"),
+    "qwen2_moe": VllmFamily("Qwen2MoeForCausalLM", "2d"),
+    "olmoe": VllmFamily("OlmoeForCausalLM", "2d"),
+    "mixtral": VllmFamily("MixtralForCausalLM", "2d"),
+    "deepseek_v2": VllmFamily("DeepseekV2ForCausalLM", "2d"),
+    "deepseek_v3": VllmFamily("DeepseekV3ForCausalLM", "2d"),
+    "gpt_oss": VllmFamily("GptOssForCausalLM", "3d"),
+    "qwen3_5_moe": VllmFamily("Qwen3_5MoeForConditionalGeneration", "3d"),
+    "gemma4": VllmFamily("Gemma4ForConditionalGeneration", "ignored", IGNORED),
+    "nemotron_h": VllmFamily("NemotronHForCausalLM", "ignored", IGNORED),
+    "kimi_linear": VllmFamily("KimiLinearForCausalLM", "ignored", IGNORED),
+}
+
+
+@dataclass(frozen=True)
+class GgufFamily:
+    """How llama.cpp names one transformers family: its gguf MODEL_ARCH member and how its
+    converter splits the fused gate_up expert stack ("halves" or "interleaved")."""
+
+    arch: str
+    gate_up: str = "halves"
+
+
+# convert_hf_to_gguf.py (conversion/qwen.py, olmo.py, gpt_oss.py): none of these permutes
+# q/k, so attention LoRA maps 1:1; experts become blk.N.ffn_{gate,up,down}_exps.
+GGUF_FAMILIES: dict[str, GgufFamily] = {
+    "qwen3_moe": GgufFamily("QWEN3MOE"),
+    "qwen2_moe": GgufFamily("QWEN2MOE"),
+    "olmoe": GgufFamily("OLMOE"),
+    "gpt_oss": GgufFamily("GPT_OSS", gate_up="interleaved"),
+}

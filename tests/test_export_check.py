@@ -1,0 +1,73 @@
+"""The served == trained check: a consumer that drops expert LoRA fails it (exit 1, a failed
+ledger row, check.json says why) and the report shows each export's verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from export_fixtures import make_run
+from moetune.cli import app
+from moetune.export import merged
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _export(run: Path, out: Path) -> tuple[int, str]:
+    args = ["export", str(run), "--format", "merged", "--out", str(out), "--json"]
+    got = CliRunner().invoke(app, args)
+    return got.exit_code, got.output
+
+
+def test_a_merge_that_drops_expert_lora_fails_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = make_run(tmp_path, "gpt_oss")
+    real = merged.add_delta
+
+    def attention_only(param, target, a, b, counts):  # type: ignore[no-untyped-def]
+        if not target.is_experts:  # what a converter that skips the expert stacks serves
+            real(param, target, a, b, counts)
+
+    monkeypatch.setattr(merged, "add_delta", attention_only)
+    code, output = _export(run, tmp_path / "merged")
+    assert code == 1, output
+    check = json.loads((tmp_path / "merged" / "check.json").read_text())
+    assert not check["passed"] and "expert LoRA is not served" in check["reason"]
+    assert check["effect_share"] > 0.25 and check["logits_rel_max"] >= check["logits_rel"]
+    (row,) = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert (
+        row["kind"] == "export"
+        and row["status"] == "failed"
+        and "served != trained" in row["reason"]
+    )
+
+
+def test_an_adapter_without_expert_effect_cannot_pass(tmp_path: Path) -> None:
+    run = make_run(tmp_path, "olmoe", experts=["mlp.experts.down_proj"], scale=1e-7)
+    assert _export(run, tmp_path / "merged")[0] == 1
+    check = json.loads((tmp_path / "merged" / "check.json").read_text())
+    assert "cannot be told apart" in check["reason"]
+
+
+def test_report_shows_the_export_check(tmp_path: Path) -> None:
+    from moetune.report import build_report
+
+    run = make_run(tmp_path, "qwen3_moe-dense0")
+    assert _export(run, tmp_path / "merged")[0] == 0
+    html = build_report(run).read_text()
+    assert "served == trained" in html and str(tmp_path / "merged") in html
+
+
+def test_format_without_a_consumer_here_is_exported_and_marked_unchecked(tmp_path: Path) -> None:
+    run = make_run(tmp_path, "olmoe")
+    args = ["export", str(run), "--format", "vllm", "--out", str(tmp_path / "v"), "--json"]
+    got = CliRunner().invoke(app, args)
+    assert got.exit_code == 0, got.output
+    assert "no consumer of vllm runs here" in json.loads(got.stdout)["check"]["skipped"]
+    (row,) = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert row["status"] == "ok" and "skipped" in row["metrics"]
+    assert not (tmp_path / "v" / "check.json").exists()

@@ -1,0 +1,90 @@
+"""`--format gguf`: read back with gguf.GGUFReader, every tensor name and shape is what
+llama.cpp's loader and build_lora_mm_id expect, and alpha/r · B@A per expert equals peft's
+own ΔW (float64) – for qwen3_moe (halves), gpt_oss (interleaved, transposed) and olmoe."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from peft import PeftModel
+from peft.tuners.lora.layer import LoraLayer
+
+from export_fixtures import FAMILIES, make_adapter, make_base
+from moetune.export import ExportError, ExportOptions, resolve_source, run_export
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _peft_deltas(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
+    """peft's own ΔW (float64) per adapted parameter, stored layout."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float64)
+        wrapped = PeftModel.from_pretrained(model, str(adapter))
+    out = {}
+    for name, module in wrapped.named_modules():
+        if isinstance(module, LoraLayer) and "default" in module.lora_A:
+            key = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            param = getattr(module, "parameter_name", "weight")
+            out[f"{key}.{param}"] = module.get_delta_weight("default")
+    return out
+
+
+def _llama_view(name: str, d: torch.Tensor, model_type: str) -> dict[str, torch.Tensor]:
+    """ΔW as llama.cpp's tensors hold it: [out, in] per expert, gate_up split its way."""
+    layer = name.split(".")[2]
+    if name.endswith("q_proj.weight"):
+        return {f"blk.{layer}.attn_q.weight": d}
+    if name.endswith("o_proj.weight"):
+        return {f"blk.{layer}.attn_output.weight": d}
+    w = d.transpose(1, 2) if model_type == "gpt_oss" else d  # [E, out, in]
+    if name.endswith("down_proj"):
+        return {f"blk.{layer}.ffn_down_exps.weight": w}
+    gate, up = (w[:, 0::2], w[:, 1::2]) if model_type == "gpt_oss" else w.chunk(2, dim=1)
+    return {f"blk.{layer}.ffn_gate_exps.weight": gate, f"blk.{layer}.ffn_up_exps.weight": up}
+
+
+def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, object]]:
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: np.array(t.data, dtype=np.float64) for t in reader.tensors}
+    keys = ("general.type", "general.architecture", "adapter.type", "adapter.lora.alpha")
+    return tensors, {k: reader.fields[k].contents() for k in keys}
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_gguf_lora_equals_peft_per_expert(tmp_path: Path, variant: str) -> None:
+    base = make_base(tmp_path, variant)
+    fold = {"rank_pattern": {"down_proj": 3}, "alpha_pattern": {"down_proj": 8}}
+    lora = fold if variant == "olmoe" else {}  # its own alpha/r: folded into B
+    adapter = make_adapter(base, tmp_path / "adapter", **lora)
+    run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
+    tensors, meta = _read(tmp_path / "out" / "adapter.gguf")
+    arch = {"qwen3_moe-dense0": "qwen3moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe"}[variant]
+    assert meta == {"general.type": "adapter", "general.architecture": arch,
+                    "adapter.type": "lora", "adapter.lora.alpha": 4.0}  # fmt: skip
+    expected: dict[str, torch.Tensor] = {}
+    model_type = variant.split("-")[0]
+    for name, d in _peft_deltas(base, adapter).items():
+        expected.update(_llama_view(name, d, model_type))
+    assert {f"{n}.lora_{x}" for n in expected for x in "ab"} == set(tensors)
+    assert any("_exps" in n for n in expected)
+    for name, want in expected.items():
+        a, b = (torch.from_numpy(tensors[f"{name}.lora_{x}"]) for x in "ab")
+        rank = b.shape[-1]  # llama.cpp: rank = b->ne[0], scale = alpha / rank
+        got = (4.0 / rank) * (b @ a)
+        assert got.shape == want.shape, name
+        assert float((got - want).norm() / want.norm()) < 1e-6, name
+
+
+def test_unmapped_family_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    base = make_base(tmp_path, "mixtral")
+    adapter = make_adapter(base, tmp_path / "adapter")
+    with pytest.raises(ExportError, match="no GGUF tensor mapping for 'mixtral'") as err:
+        run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
+    assert "--format merged" in err.value.fix and not (tmp_path / "out").exists()

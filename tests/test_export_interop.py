@@ -1,0 +1,102 @@
+"""Opt-in (`-m interop`): the exports through the real consumers, served == trained.
+
+llama.cpp: llama-cpp-python built from source in its own venv (MOETUNE_LLAMACPP_PYTHON,
+default /work/venvs/llamacpp/bin/python) and a llama.cpp checkout for its converter
+(MOETUNE_LLAMA_CPP, e.g. the sdist's vendor/llama.cpp). For each family: the GGUF LoRA on
+base.gguf and the merged GGUF give the peft adapter's logits and greedy outputs, and a
+GGUF LoRA without its expert tensors (what an attention-only conversion serves) fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+
+from export_fixtures import make_run
+from moetune.export import ExportOptions, resolve_source, run_export
+from moetune.export.check import CheckOptions, check_export, compare, reference, tokenizer_of
+from moetune.export.llamacpp import run_llamacpp
+
+LLAMA_PY = os.environ.setdefault("MOETUNE_LLAMACPP_PYTHON", "/work/venvs/llamacpp/bin/python")
+LLAMA_CPP = os.environ.get("MOETUNE_LLAMA_CPP", "")
+CONVERT = Path(__file__).with_name("gguf_convert_tiny.py")
+
+pytestmark = [
+    pytest.mark.interop,
+    pytest.mark.filterwarnings("ignore"),
+    pytest.mark.skipif(
+        not Path(LLAMA_PY).is_file() or not (Path(LLAMA_CPP) / "convert_hf_to_gguf.py").is_file(),
+        reason="needs llama-cpp-python's venv (MOETUNE_LLAMACPP_PYTHON) and MOETUNE_LLAMA_CPP",
+    ),
+]
+# llama.cpp's qwen3moe has no o_proj bias and always renormalises the top-k weights (as
+# the released Qwen3 MoE checkpoints do), its olmoe has no GQA (k_norm over n_embd): the
+# tiny variants are made to match.
+FAMILIES = {
+    "qwen3_moe-tied-local_experts": {"attention_bias": False, "norm_topk_prob": True},
+    "gpt_oss": {},
+    "olmoe": {"num_key_value_heads": 4},
+}
+
+
+def _convert(model: Path, outfile: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(CONVERT), LLAMA_CPP, str(model), str(outfile)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _drop_experts(src: Path, dst: Path) -> None:
+    """The GGUF LoRA minus its *_exps tensors: an attention-only conversion."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(reader.fields["adapter.lora.alpha"].contents()))
+    for t in reader.tensors:
+        if "_exps" not in t.name:
+            writer.add_tensor(t.name, t.data.copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_llamacpp_serves_what_was_trained(
+    tmp_path: Path, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MOETUNE_LLAMA_CPP")  # converted below, with the tiny models' vocab
+    run = make_run(tmp_path, variant, FAMILIES[variant])
+    source = resolve_source(run)
+    out, merged = tmp_path / "gguf", tmp_path / "merged"
+    run_export(source, "gguf", out, ExportOptions())
+    run_export(source, "merged", merged, ExportOptions(dtype="float32"))
+    _convert(Path(source.base), out / "base.gguf")
+    _convert(merged, out / "merged.gguf")
+
+    lora = check_export(source, "gguf", out, "float32", CheckOptions())
+    assert lora.passed, lora.reason
+
+    tok = tokenizer_of(source)
+    prompts = [list(tok(p)["input_ids"]) for p in ("copy:abc>", "rev:hello>", "sum:123>")]
+    ref = reference(source, prompts, 8)
+    served = run_llamacpp(out / "merged.gguf", None, ref.sequences, prompts, 8)
+    full = compare("gguf", "llama.cpp merged.gguf", ref, served, "float32", 0.9)
+    assert full.passed, full.reason
+
+    _drop_experts(out / "adapter.gguf", out / "attention-only.gguf")
+    dropped = run_llamacpp(
+        out / "base.gguf", out / "attention-only.gguf", ref.sequences, prompts, 8
+    )
+    partial = compare("gguf", "attention-only", ref, dropped, "float32", 0.9)
+    assert not partial.passed
+    print(f"\n{variant}: lora {lora.logits_rel:.2g} (greedy {lora.greedy_match:.0%}), merged "
+          f"{full.logits_rel:.2g} (greedy {full.greedy_match:.0%}), attention-only "
+          f"{partial.logits_rel:.2g}, expert effect {lora.expert_effect:.2g}")  # fmt: skip
