@@ -71,3 +71,21 @@ def test_format_without_a_consumer_here_is_exported_and_marked_unchecked(tmp_pat
     (row,) = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert row["status"] == "ok" and "skipped" in row["metrics"]
     assert not (tmp_path / "v" / "check.json").exists()
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe-dense0", "olmoe"])
+def test_mlx_format_serves_what_was_trained_in_mlx_lm(tmp_path: Path, variant: str) -> None:
+    """`--format mlx` through the registry: mlx-lm itself runs the export on the run's eval
+    items and matches the peft adapter (float32 on the CPU backend)."""
+    pytest.importorskip("mlx_lm")
+    run = make_run(tmp_path, variant)
+    out = tmp_path / "mlx"
+    got = CliRunner().invoke(
+        app, ["export", str(run), "--format", "mlx", "--out", str(out), "--json"]
+    )
+    assert got.exit_code == 0, got.output
+    check = json.loads((out / "check.json").read_text())
+    assert (check["consumer"], check["passed"]) == ("mlx-lm", True)
+    assert check["logits_rel"] < 1e-4 < check["expert_effect"]
+    assert (out / "adapters" / "adapters.safetensors").is_file()
+    assert (out / "model" / "config.json").is_file()
