@@ -368,7 +368,6 @@ def export_format(source: Any, out: Path, opts: Any) -> Any:
     `mlx_lm.generate --model OUT/model --adapter-path OUT/adapters`; the served == trained
     check runs through the mlx-lm consumer below on the run's eval items."""
     from moetune.export.registry import ExportResult
-
     from moetune.train.mlx_base import mlx_dtype
 
     dtype = mlx_dtype(None if opts.dtype == "auto" else opts.dtype)  # float32 on mlx's CPU

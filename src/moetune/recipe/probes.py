@@ -16,7 +16,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import metadata
+from importlib import metadata, util
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 from unittest import mock
