@@ -4,65 +4,35 @@
 from __future__ import annotations
 
 import copy
-import math
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
 )
 
+from moetune.config_base import (
+    DEFAULT_TARGETS,
+    FiniteFloat,
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Target,
+    _Section,
+)
+
+# Sections kept in their own modules, importable from here as before.
+from moetune.config_lane import LaneArgs, RunpodArgs, SkypilotArgs, SshArgs  # noqa: F401
+from moetune.config_methods import DpoArgs, GrpoArgs, RewardArgs  # noqa: F401
 from moetune.errors import ConfigError, clip, os_problem
-
-Target = Literal["attention", "experts", "dense", "shared", "router"]
-DEFAULT_TARGETS: tuple[Target, ...] = ("attention", "experts", "dense", "shared")
-
-
-def _rule(ok: Callable[[Any], bool], rule: str) -> AfterValidator:
-    """A numeric constraint whose error says what a valid value is (NaN never passes)."""
-
-    def check(v: Any) -> Any:
-        if not ok(v):
-            raise ValueError(rule)
-        return v
-
-    return AfterValidator(check)
-
-
-def _finite(v: float) -> bool:
-    return math.isfinite(v)
-
-
-# Numbers a run config can hold; a value outside them cannot describe a real run.
-PositiveInt = Annotated[int, _rule(lambda v: v > 0, "must be a positive integer (> 0)")]
-NonNegativeInt = Annotated[int, _rule(lambda v: v >= 0, "must be an integer >= 0")]
-PositiveFloat = Annotated[
-    float, _rule(lambda v: _finite(v) and v > 0, "must be a finite number > 0")
-]
-NonNegativeFloat = Annotated[
-    float, _rule(lambda v: _finite(v) and v >= 0, "must be a finite number >= 0")
-]
-FiniteFloat = Annotated[float, _rule(_finite, "must be a finite number")]
-Fraction = Annotated[  # a share of the steps: 1.0 would be read by HF as "1 step"
-    float, _rule(lambda v: _finite(v) and 0 <= v < 1, "must be a fraction in [0, 1)")
-]
-Percent = Annotated[
-    float, _rule(lambda v: _finite(v) and 0 <= v <= 100, "must be a percentage in [0, 100]")
-]
-Port = Annotated[int, _rule(lambda v: 0 < v < 65536, "must be a TCP port (1-65535)")]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelArgs(_Section):
@@ -176,83 +146,6 @@ class LoraArgs(_Section):
 
 
 TUNING_KINDS = ("lora", "full", "qlora")
-
-
-class DpoArgs(_Section):
-    """train.method: dpo – preference pairs (prompt/chosen/rejected) through TRL's DPOTrainer.
-    The reference policy is the base with the adapter disabled: no second model copy."""
-
-    beta: PositiveFloat = Field(
-        0.1, description="How far the policy may move from the reference (higher: less)."
-    )
-    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "apo_zero", "sigmoid_norm"] = Field(
-        "sigmoid", description="DPO loss variant (TRL's loss_type; sigmoid is the paper's)."
-    )
-    label_smoothing: Fraction = Field(
-        0.0, description="robust: the probability that a preference label is flipped."
-    )
-    sft_weight: NonNegativeFloat = Field(
-        0.0,
-        description="Add TRL's sft loss on the chosen answer with this weight (RPO); a "
-        "skill the base cannot do at all needs it, pure DPO mostly lowers the rejected.",
-    )
-
-
-class RewardArgs(_Section):
-    """One GRPO reward: a registered name (exact_match, regex, length) or `module:function`."""
-
-    name: str = Field(
-        description="exact_match | regex | length, or `package.module:function` taking "
-        "(prompts, completions, **columns) and returning one float per completion."
-    )
-    weight: FiniteFloat = Field(1.0, description="Weight of this reward in the sum.")
-    column: str = Field(
-        "answer", description="exact_match: the data column holding the right answer."
-    )
-    pattern: str | None = Field(None, description="regex: the pattern a completion must match.")
-    target_chars: PositiveInt | None = Field(
-        None, description="length: the completion length (characters) that scores 1.0."
-    )
-
-
-class GrpoArgs(_Section):
-    """train.method: grpo – prompt rows, sampled groups scored by rewards, TRL's GRPOTrainer."""
-
-    num_generations: Annotated[
-        int, _rule(lambda v: v >= 2, "must be an integer >= 2 (a group needs two samples)")
-    ] = Field(4, description="Completions sampled per prompt (the group).")
-    max_completion_length: PositiveInt = Field(
-        16, description="Longest generated completion, in tokens."
-    )
-    temperature: PositiveFloat = Field(1.0, description="Sampling temperature of the rollout.")
-    top_p: PositiveFloat = Field(1.0, description="Nucleus sampling share of the rollout.")
-    beta: NonNegativeFloat = Field(
-        0.0,
-        description="KL coefficient to the reference (the adapter disabled); 0 skips the "
-        "reference pass (TRL's default).",
-    )
-    epsilon: PositiveFloat = Field(0.2, description="PPO-style clipping range of the ratio.")
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field(
-        "dapo", description="How token losses are averaged (TRL's loss_type)."
-    )
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Normalise advantages by the group's (or batch's) std, or not."
-    )
-    rewards: list[RewardArgs] = Field(
-        default_factory=lambda: [RewardArgs.model_validate({"name": "exact_match"})],
-        description="Reward functions, summed with their weights.",
-    )
-    shift_warn: Annotated[float, _rule(lambda v: 0 < v <= 1, "must be a share in (0, 1]")] = Field(
-        0.2,
-        description="Warn when the share of tokens whose top-k experts differ between the "
-        "rollout and the training pass exceeds this in any layer.",
-    )
-    use_vllm: bool = Field(
-        False, description="CUDA only: generate with TRL's vLLM mode (needs vllm installed)."
-    )
-    vllm_mode: Literal["colocate", "server"] = Field(
-        "colocate", description="vLLM in this process (colocate) or a `trl vllm-serve` server."
-    )
 
 
 def _moved_method(v: Any) -> Any:
@@ -372,112 +265,6 @@ class HardwareArgs(_Section):
     """Where the run is meant to happen."""
 
     card: str | None = Field(None, description="Card id from `moetune plan` (e.g. H100-80GB).")
-
-
-class SshArgs(_Section):
-    """An SSH host for provider `ssh` (OpenSSH; the host key is pinned per run on first use)."""
-
-    host: str | None = Field(None, description="Host name or IP.")
-    port: Port = Field(22, description="sshd port.")
-    user: str = Field("root", description="Login user.")
-    identity: str | None = Field(None, description="Private key file (ssh -i).")
-
-
-class RunpodArgs(_Section):
-    """RunPod pod settings for provider `runpod`; the API key is read, never logged."""
-
-    api_key_env: str = Field("RUNPOD_API_KEY", description="Env var holding the API key.")
-    config_file: str = Field(
-        "~/.runpod/config.toml",
-        description='File with `apikey = "..."` used when the env var is unset.',
-    )
-    api_url: str = Field("https://api.runpod.io/graphql", description="GraphQL endpoint.")
-    image: str = Field(
-        "runpod/pytorch:2.8.0-py3.11-cuda12.8.1-cudnn-devel-ubuntu22.04",
-        description="Container image of the pod.",
-    )
-    cloud_type: Literal["ALL", "SECURE", "COMMUNITY"] = Field("ALL", description="Cloud.")
-    container_disk_gb: PositiveInt = Field(
-        30, description="Container disk (the volume is separate)."
-    )
-    gpu_count: PositiveInt | None = Field(
-        None,
-        description="GPUs per pod; default: train.nproc when > 1, else the fewest GPUs the "
-        "per-device planner says the run fits on (1 without one).",
-    )
-
-
-class SkypilotArgs(_Section):
-    """SkyPilot settings for provider `skypilot`; credentials stay SkyPilot's own (`sky check`)."""
-
-    sky: str = Field(
-        "sky", description="The SkyPilot CLI: a name on PATH or a path (e.g. its own venv)."
-    )
-    cloud: str | None = Field(None, description="Restrict to one cloud (aws, gcp, …); default any.")
-    use_spot: bool = Field(False, description="Spot instances (cheaper; may be preempted).")
-    image: str | None = Field(
-        None, description="Docker image for the task (image_id docker:…); default the cloud's."
-    )
-    ssh_user: str = Field(
-        "ubuntu", description="Login user on the cluster (SkyPilot's ~/.ssh/config alias)."
-    )
-
-
-class LaneArgs(_Section):
-    """Remote-run infrastructure: where the pod comes from, the four walls, the cost guard."""
-
-    provider: Literal["local", "ssh", "runpod", "skypilot"] = Field(
-        "local", description="Where to run."
-    )
-    volume_gb: PositiveInt | None = Field(
-        None, description="Pod volume size in GB (default: sized from the model)."
-    )
-    watchdog_s: PositiveInt | None = Field(
-        None, description="In-pod watchdog deadline in seconds (default: sized from the plan)."
-    )
-    env: dict[str, str] = Field(default_factory=dict, description="Env vars set in the pod.")
-    ci_job_timeout_minutes: PositiveInt | None = Field(None, description="CI job timeout-minutes.")
-    ci_step_timeout_minutes: PositiveInt | None = Field(
-        None, description="Step-level timeout-minutes on the launch step."
-    )
-    estimated_eval_s: NonNegativeInt = Field(
-        1800, description="Expected eval time on the pod, seconds."
-    )
-    max_usd: PositiveFloat | None = Field(
-        None, description="Budget: at this spend, bank what exists, terminate, ledger row."
-    )
-    idle_gpu_percent: Percent = Field(
-        5.0, description="GPU-idle watchdog: utilisation below this counts as idle."
-    )
-    idle_minutes: PositiveFloat = Field(
-        20.0, description="GPU-idle watchdog: idle this long terminates the pod."
-    )
-    poll_s: PositiveFloat = Field(30.0, description="Seconds between controller checks of the pod.")
-    ready_timeout_s: PositiveFloat = Field(
-        900.0, description="Longest wait for a pod to accept SSH."
-    )
-    remote_moetune: str = Field(
-        "moetune", description="Command that runs moetune on the pod (after lane.setup)."
-    )
-    setup: list[str] = Field(
-        default_factory=list,
-        description="Shell commands run first on the pod (e.g. pip install moetune).",
-    )
-    workdir: str = Field(
-        "moetune-runs", description="Base dir of run files on the pod (relative: under home)."
-    )
-    ssh: SshArgs = Field(
-        default_factory=SshArgs,  # type: ignore[arg-type]
-        description="Provider ssh: the host.",
-    )
-    runpod: RunpodArgs = Field(
-        default_factory=RunpodArgs,  # type: ignore[arg-type]
-        description="Provider runpod: pod settings.",
-    )
-    skypilot: SkypilotArgs = Field(
-        default_factory=SkypilotArgs,  # type: ignore[arg-type]
-        description="Provider skypilot: the CLI, cloud, spot and image of the cluster.",
-    )
 
 
 RungRole = Literal["target", "protected"]
