@@ -98,7 +98,7 @@ def test_where_auto_picks_moetune_it_matches_peft(variant: str) -> None:
 
 def test_dropout_reaches_every_lora_layer_on_moetunes_engine() -> None:
     from moetune.config import RunConfig
-    from moetune.train.trainer import _split_and_dropout
+    from moetune.train.model import _split_and_dropout
 
     spec = _spec("qwen3_moe-dense0")
     cfg = RunConfig.model_validate({"lora": {"dropout": 0.1, "targets": ["attention", "experts"]}})

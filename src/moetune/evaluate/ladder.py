@@ -90,8 +90,8 @@ def load_model(cfg: RunConfig) -> tuple[Any, Any]:
 
     from moetune.engine.resolve import resolve_engine
     from moetune.model import load_spec
+    from moetune.train.model import load_model as load_weights
     from moetune.train.setup import load_tokenizer, resolve_placement
-    from moetune.train.trainer import load_model as load_weights
 
     place = resolve_placement(cfg.train)
     tokenizer = load_tokenizer(cfg.model.id)

@@ -42,8 +42,9 @@ from moetune.train.data import read_checked
 from moetune.train.errors import TrainError
 from moetune.train.mlx_base import hf_to_mlx
 from moetune.train.mlx_format import mlx_to_peft
+from moetune.train.model import require_full_coverage
 from moetune.train.setup import Setup, prepare
-from moetune.train.trainer import TrainResult, require_full_coverage
+from moetune.train.trainer import TrainResult
 
 # prompt + completion + EOS (unless the completion ends with it), nothing else: what TRL
 # 1.16 trains on for string prompt/completion rows

@@ -34,18 +34,15 @@ saved its part.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
 import shutil
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-import torch
 from rich.console import Console
 from rich.markup import escape
 
@@ -71,6 +68,7 @@ from moetune.train.errors import TrainError
 from moetune.train.lanes import lane_for
 from moetune.train.lock import hold
 from moetune.train.methods import method_of
+from moetune.train.model import load_model, wrap_lora
 from moetune.train.recovery import disk_full_stops
 from moetune.train.routing import (
     RoutingCallback,
@@ -80,14 +78,13 @@ from moetune.train.routing import (
     summarize,
 )
 from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
-from moetune.train.setup import Placement, Setup, prepare
+from moetune.train.setup import Setup, prepare
 
 if TYPE_CHECKING:
     from torch import nn
     from trl import SFTTrainer
 
     from moetune.engine.select import ExpertSelection
-    from moetune.recipe.audit import CoverageReport
 
 
 @dataclass(frozen=True)
@@ -225,148 +222,6 @@ def _train(
         checks = {"router": router, "routing_drift": routing.drift()}
         write_summary(run, result, checks | ({"shift": shift.summary()} if shift else {}), setup)
     return result
-
-
-# ---------------------------------------------------------------- model and LoRA
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-_QUANT_REPORT = "_moetune_quant_report"  # on a model loaded with quantised experts
-
-
-def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
-    """The base as `engine` (the resolved lora.engine) trains it."""
-    from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class, ensure_backbone
-
-    dtype = _DTYPES[place.load_dtype(cfg.model.dtype)]
-    if cfg.model.experts_dtype != "bf16":
-        return load_quantized_model(cfg, place, dtype, engine)
-    try:
-        with quiet():
-            cls: Any = causal_lm_class(AutoConfig.from_pretrained(cfg.model.id))
-            loaded: Any = cls.from_pretrained(cfg.model.id, dtype=dtype, output_loading_info=True)
-            model, info = loaded
-            ensure_backbone(model)
-    except OSError as exc:
-        raise TrainError(
-            f"cannot load the weights of {cfg.model.id}: {str(exc).splitlines()[0]}",
-            "point model.id at a directory with config.json and weights, or a hub id",
-        ) from None
-    except RuntimeError as exc:  # transformers: "size mismatch" / "ignore_mismatched_sizes"
-        if "mismatch" not in str(exc):
-            raise
-        raise weights_mismatch(cfg.model.id, "tensor shapes differ from what it builds") from None
-    if info["missing_keys"]:  # transformers would train on randomly initialised layers
-        first = sorted(info["missing_keys"])[0]
-        missing = f"{len(info['missing_keys'])} tensors it builds are not in the weights ({first})"
-        raise weights_mismatch(cfg.model.id, missing)
-    return cast("nn.Module", model)
-
-
-def weights_mismatch(model_id: str, what: str) -> TrainError:
-    return TrainError(
-        f"config.json of {model_id} does not match its weights: {what}",
-        "use the config.json that was saved with these weights (or the weights it describes)",
-    )
-
-
-def load_quantized_model(
-    cfg: RunConfig, place: Placement, dtype: torch.dtype, engine: str
-) -> nn.Module:
-    """The base with its expert stacks quantised while loading; its QuantReport rides along."""
-    from moetune.engine import IMPLEMENTATION, register
-    from moetune.engine.quant import require_split_engine
-    from moetune.engine.quant_load import load_quantized
-
-    require_split_engine(engine, cfg.model.experts_dtype)  # also under --allow-errors
-    with quiet():
-        model, report = load_quantized(
-            _model_dir(cfg.model.id), cfg.model.experts_dtype, place.device, dtype,
-            double_quant=cfg.model.experts_double_quant,
-        )  # fmt: skip
-    register()  # every quantised stack, LoRA or not, goes one expert at a time
-    model.set_experts_implementation(IMPLEMENTATION)
-    model.__dict__[_QUANT_REPORT] = report
-    return model
-
-
-def _model_dir(model_id: str) -> str:
-    """A local checkpoint dir: the id itself, or its hub snapshot (cached when offline)."""
-    if os.path.isdir(model_id):
-        return model_id
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(model_id, allow_patterns=["*.json", "*.safetensors"])
-    except Exception as exc:  # hub errors have no common base beyond OSError/ValueError
-        raise TrainError(
-            f"cannot fetch the weights of {model_id}: {str(exc).splitlines()[0]}",
-            "point model.id at a directory with config.json and *.safetensors",
-        ) from None
-
-
-def _split_and_dropout(wrapped: nn.Module, cfg: RunConfig, engine: str, built: float) -> None:
-    """moetune's engine: split expert LoRA with its dropout, and the dropout peft's config
-    could not carry (ParamWrapper refuses it) on every other LoRA layer."""
-    from moetune.engine import apply_lora_dropout, apply_split_lora
-
-    if engine == "moetune" and "experts" in cfg.lora.targets:
-        apply_split_lora(wrapped, dropout=cfg.lora.dropout)  # same peft params, split forward
-    if cfg.lora.dropout != built:
-        apply_lora_dropout(wrapped, cfg.lora.dropout)
-
-
-def wrap_lora(
-    model: nn.Module, cfg: RunConfig, run: RunDir, setup: Setup
-) -> tuple[nn.Module, CoverageReport]:
-    """Apply the recipe's LoRA (seeded), audit it into coverage.json, refuse any gap."""
-    from peft import get_peft_model
-    from transformers import set_seed
-
-    from moetune.engine.overrides import apply_overrides
-    from moetune.engine.quant import peft_targets
-    from moetune.recipe.audit import audit_coverage
-    from moetune.recipe.targets import build_peft_config, peft_notes
-
-    set_seed(cfg.train.seed)  # the LoRA A matrices are initialised here
-    quant = model.__dict__.get(_QUANT_REPORT)
-    config = build_peft_config(setup.spec, cfg.lora)
-    with warnings.catch_warnings(record=True) as caught, peft_targets(model):
-        warnings.simplefilter("always")
-        # a fresh config each time: get_peft_model rewrites the one it is given;
-        # peft_targets: peft only sees quantised stacks as stand-in Parameters
-        wrapped = get_peft_model(model, copy.deepcopy(config))
-    apply_overrides(wrapped)  # families whose experts peft's wrappers cannot reach (dbrx)
-    notes = peft_notes(caught, config)
-    report = audit_coverage(wrapped, setup.spec, cfg.lora)
-    if setup.args.should_save:
-        atomic_write_json(run.coverage, {**report.to_json(), "peft_warnings": notes})
-        if quant is not None:
-            atomic_write_json(run.root / "quant.json", quant.to_json())
-    require_full_coverage(report)
-    _split_and_dropout(wrapped, cfg, setup.engine, config.lora_dropout)  # audited first
-    return wrapped, report
-
-
-def require_full_coverage(report: CoverageReport) -> None:
-    """Every requested target adapted, and the router untouched unless it was requested."""
-    unrequested_router = report.router_adapted and "router" not in report.kinds
-    if report.expected and report.coverage == 1.0 and not unrequested_router:
-        return
-    if unrequested_router:
-        cause = "the router got LoRA/training although lora.train_router is off"
-    else:
-        cause = (
-            f"only {report.adapted}/{report.expected} requested LoRA targets are adapted "
-            f"({report.coverage:.0%}); missed: {report.missed_summary() or 'everything'}"
-        )
-    raise TrainError(
-        f"{report.model}: {cause}; nothing was trained (see coverage.json)",
-        "use lora.expert_mapping: explicit, or report the model if it still misses targets",
-    )
 
 
 def announce(console: Console, cfg: RunConfig, setup: Setup) -> None:
