@@ -82,12 +82,18 @@ def test_run_task_mounts_what_is_staged_and_trains_on_every_gpu(tmp_path):
 
 
 def test_gpu_count_comes_from_config_then_nproc_then_the_planner(tmp_path, monkeypatch):
+    from moetune.model import load_spec
+    from moetune.plan.hardware import get_card
+
     cfg = _cfg(tmp_path)
-    assert pod_gpu_count(cfg, None, object()) == 1  # no per-device planner here: one GPU
+    spec = load_spec(cfg.model.id)
+    assert pod_gpu_count(cfg, spec, None) == 1  # no card to plan for
+    assert pod_gpu_count(cfg, spec, get_card("H200")) == 1  # a 30B-A3B LoRA fits one H200
     calls = []
-    planner = types.ModuleType("moetune.plan.sharding")
-    planner.fewest_gpus = lambda spec, c, card, strategy: calls.append(strategy) or 4  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "moetune.plan.sharding", planner)
+    monkeypatch.setattr(
+        "moetune.plan.sharding.fewest_gpus",
+        lambda spec, c, card, strategy: calls.append(strategy) or 4,
+    )
     assert pod_gpu_count(cfg, None, object()) == 4 and calls == ["ddp"]
     cfg.train.nproc = 2
     assert pod_gpu_count(cfg, None, object()) == 2

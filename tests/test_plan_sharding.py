@@ -25,7 +25,7 @@ from moetune.plan.sharding import (
 
 GiB = 1024**3
 LORA = {"lora": {"rank": 16, "targets": ["attention", "experts"]}, "train": {"seq_len": 2048}}
-FULL = {"train": {"method": "full", "seq_len": 2048}}
+FULL = {"train": {"tuning": "full", "seq_len": 2048}}
 
 
 @pytest.fixture(scope="module")

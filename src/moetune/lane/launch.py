@@ -100,18 +100,16 @@ def size_walls(cfg: RunConfig, spec: Any, plan: Any, est: Estimate) -> tuple[Wal
 
 def pod_gpu_count(cfg: RunConfig, spec: Any, card: Any) -> int:
     """GPUs per pod: lane.runpod.gpu_count, else train.nproc when > 1, else the fewest GPUs
-    the per-device planner (plan.sharding) fits the run on – 1 when there is none."""
+    the per-device planner (plan.sharding) fits the run on (1 without a card)."""
     if cfg.lane.runpod.gpu_count:
         return cfg.lane.runpod.gpu_count
     if cfg.train.nproc > 1:
         return cfg.train.nproc
     if card is None:
         return 1
-    try:
-        from moetune.plan.sharding import fewest_gpus  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:  # no per-device planner installed: one GPU, as before
-        return 1
-    return int(fewest_gpus(spec, cfg, card, cfg.train.strategy) or 1)
+    from moetune.plan.sharding import fewest_gpus
+
+    return int(fewest_gpus(spec, cfg, card, cfg.train.strategy) or 1)  # None: fits no count
 
 
 def launch_plan(
