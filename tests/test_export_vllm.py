@@ -52,7 +52,7 @@ def test_2d_families_get_per_expert_keys_equal_to_peft(tmp_path: Path, variant: 
                 checked += 1
     assert checked == 4 * 3 * (2 if variant == "qwen3_moe-dense0" else 3)
     readme = (out / "README.md").read_text()
-    assert "vllm serve" in readme and "--enable-lora" in readme and "--max-lora-rank 3" in readme
+    assert "vllm serve" in readme and "--enable-lora" in readme and "--max-lora-rank 8" in readme
     assert "mixed-moe" not in readme and str(out) in readme
 
 

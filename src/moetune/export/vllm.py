@@ -35,6 +35,16 @@ from moetune.io import atomic_write_text
 from moetune.model.serving import VLLM_FAMILIES, VllmFamily
 
 MIXED_FLAG = "--enable-mixed-moe-lora-format"
+# the only --max-lora-rank values vLLM 0.32's LoRAConfig accepts (2 is refused at startup)
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds `rank`."""
+    fits = [r for r in VLLM_RANKS if r >= rank]
+    if not fits:
+        raise ExportError(f"LoRA rank {rank} is above vLLM's largest, 512", "train with r ≤ 512")
+    return fits[0]
 
 
 def family_of(base: str) -> tuple[str, VllmFamily]:
@@ -108,7 +118,7 @@ def copy_peft(source: Source, out: Path) -> dict[str, Any]:
 def serve_options(base: str, out: Path, layout: str, rank: int) -> dict[str, Any]:
     """The exact engine flags and LoRARequest fields this adapter needs."""
     mixed = layout == "fused-mixed"
-    flags = ["--enable-lora", f"--max-lora-rank {rank}", *([MIXED_FLAG] if mixed else [])]
+    flags = ["--enable-lora", f"--max-lora-rank {engine_rank(rank)}"] + [MIXED_FLAG] * mixed
     module: dict[str, Any] = {"name": "moetune", "path": str(out), "base_model_name": base}
     request: dict[str, Any] = {"lora_name": "moetune", "lora_int_id": 1, "lora_path": str(out)}
     if mixed:
