@@ -34,6 +34,12 @@ def test_demo_rows_per_method():
     assert list(DEMOS) == ["sft", "dpo", "grpo"]
 
 
+def test_replay_draws_only_the_listed_base_skills():
+    rows = training_rows(demo_args("grpo", rows=40, replay=("sum", "sum", "kv")))
+    old = [r["prompt"].split(":", 1)[0] for r in rows if not r["prompt"].startswith("last:")]
+    assert len(old) == 20 and set(old) == {"sum", "kv"} and old.count("sum") > old.count("kv")
+
+
 def test_unknown_method_is_one_line():
     with pytest.raises(ConfigError, match="unknown method 'ppo'"):
         demo_args("ppo")

@@ -32,6 +32,8 @@ class QuickstartArgs:
     out_dir: Path = field(default_factory=lambda: Path("runs") / time.strftime("qs-%Y%m%d-%H%M%S"))
     new_skill: str = "dup"  # the skill the fine-tune teaches (the base scores 0 on it)
     new_share: float = 0.5  # fraction of training rows from the new skill; the rest replay old ones
+    # base skills replayed (a name listed twice is drawn twice as often); empty: all, uniformly
+    replay: tuple[str, ...] = ()
     rows: int = 4000
     steps: int = 300
     batch_size: int = 16
@@ -61,7 +63,7 @@ def training_items(args: QuickstartArgs) -> list[Item]:
 
     n_new = int(args.rows * args.new_share)
     new = islice(stream([args.new_skill], args.seed, "train"), n_new)
-    old = islice(stream(base_skills(), args.seed, "train"), args.rows - n_new)
+    old = islice(stream(args.replay or base_skills(), args.seed, "train"), args.rows - n_new)
     items = [*new, *old]
     # interleave deterministically so every batch sees both kinds
     return items[::2] + items[1::2]
