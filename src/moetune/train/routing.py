@@ -220,6 +220,26 @@ def compare_router(
     }
 
 
+def hook_routing(
+    model: nn.Module,
+    spec: ModelSpec,
+    begin: Callable[..., None],
+    end: Callable[..., None],
+    router_hook: Callable[[int], Callable[[nn.Module, Any, Any], None]],
+) -> list[RemovableHandle]:
+    """Hooks around each forward of the (peft-wrapped) model's base – `begin` sees its
+    kwargs – and `router_hook(layer)` on every MoE layer's router; the handles."""
+    get_base = getattr(model, "get_base_model", None)
+    base: nn.Module = get_base() if callable(get_base) else model
+    handles = [
+        base.register_forward_pre_hook(begin, with_kwargs=True),
+        base.register_forward_hook(end),
+    ]
+    for layer, router in router_modules(model, spec).items():
+        handles.append(router.register_forward_hook(router_hook(layer)))
+    return handles
+
+
 class RoutingRecorder:
     """Counts routed tokens per MoE layer while started; hooks stay until `remove()`.
     With `weights`, each decision's routing weight is kept as well (see `routed`)."""
@@ -232,14 +252,7 @@ class RoutingRecorder:
         self._mask: torch.Tensor | None = None
         self._seen: dict[int, list[torch.Tensor]] = {}
         self._weights: dict[int, list[torch.Tensor]] = {}
-        get_base = getattr(model, "get_base_model", None)
-        base: nn.Module = get_base() if callable(get_base) else model
-        self._handles: list[RemovableHandle] = [
-            base.register_forward_pre_hook(self._begin, with_kwargs=True),
-            base.register_forward_hook(self._end),
-        ]
-        for layer, router in router_modules(model, spec).items():
-            self._handles.append(router.register_forward_hook(self._hook(layer)))
+        self._handles = hook_routing(model, spec, self._begin, self._end, self._hook)
 
     def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._in_forward = True

@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
-from moetune.train.routing import routed_experts, router_modules
+from moetune.train.routing import hook_routing, routed_experts
 
 if TYPE_CHECKING:
     from torch import nn
-    from torch.utils.hooks import RemovableHandle
 
     from moetune.model.spec import ModelSpec
 
@@ -72,19 +71,12 @@ class ShiftRecorder:
 
     def __init__(self, model: nn.Module, spec: ModelSpec) -> None:
         self.num_experts, self.top_k = spec.num_experts, spec.top_k
-        get_base = getattr(model, "get_base_model", None)
-        base: nn.Module = get_base() if callable(get_base) else model
         self._phase: str | None = None
         self._shape: tuple[torch.Tensor, torch.Tensor] | None = None  # ids, mask of the call
         self._calls: dict[int, torch.Tensor] = {}
         self._rollouts: list[_Rollout] = []
         self._counts: dict[int, list[int]] = {}
-        self._handles: list[RemovableHandle] = [
-            base.register_forward_pre_hook(self._begin, with_kwargs=True),
-            base.register_forward_hook(self._end),
-        ]
-        for layer, router in router_modules(model, spec).items():
-            self._handles.append(router.register_forward_hook(self._hook(layer)))
+        self._handles = hook_routing(model, spec, self._begin, self._end, self._hook)
 
     def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
