@@ -18,6 +18,9 @@ served without it: that fails too, with the reason.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +44,26 @@ class CheckFailed(MoetuneError):
 
 class ConsumerUnavailable(Exception):
     """The format's consumer cannot run here (not installed, an input missing): not checked."""
+
+
+def run_in_venv(
+    env_var: str, missing: str, args: list[str], job: dict[str, Any], failed: str,
+    limit: int = 160, env: dict[str, str] | None = None,
+) -> str:  # fmt: skip
+    """Run a consumer's runner script with the python of its own venv (named by `env_var`),
+    the job as JSON on stdin; its stdout. ConsumerUnavailable with `missing` when there is no
+    such python, with `failed` and its last stderr line when the runner fails."""
+    python = os.environ.get(env_var, "")
+    if not python or not Path(python).is_file():
+        raise ConsumerUnavailable(missing)
+    done = subprocess.run(
+        [python, *args], input=json.dumps(job), capture_output=True, text=True, check=False,
+        env=env,
+    )  # fmt: skip
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConsumerUnavailable(f"{failed}: {last[:limit]}")
+    return done.stdout
 
 
 @dataclass
@@ -275,8 +298,9 @@ def check_export(
 ) -> CheckResult:
     """Run `fmt`'s consumer on `out` and compare with the adapter (ConsumerUnavailable when
     none runs here)."""
-    if fmt == "gguf":
-        import moetune.export.llamacpp  # noqa: F401  (registers the llama.cpp consumer)
+    from moetune.export import load_formats
+
+    load_formats()  # each format module registers its consumer with itself
     if fmt not in CONSUMERS:
         raise ConsumerUnavailable(f"no consumer of {fmt} runs here")
     name, consume = CONSUMERS[fmt]

@@ -194,3 +194,4 @@ def convert_with_merge(script: Path, source: Source, out: Path, opts: ExportOpti
 
 
 register(Exporter("gguf", export_gguf, "llama.cpp LoRA (stacked *_exps experts) + merged GGUF"))
+import moetune.export.llamacpp  # noqa: E402,F401  (registers the llama.cpp consumer of gguf)

@@ -8,26 +8,14 @@ ids (no tokenizer round trip), in a subprocess, one JSON document each way."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 
-from moetune.export.check import ConsumerUnavailable, Served, register_consumer
+from moetune.export.check import ConsumerUnavailable, Served, register_consumer, run_in_venv
 from moetune.export.registry import Source
 
 RUNNER = Path(__file__).with_name("llamacpp_runner.py")
-
-
-def llamacpp_python() -> str:
-    python = os.environ.get("MOETUNE_LLAMACPP_PYTHON", "")
-    if not python or not Path(python).is_file():
-        raise ConsumerUnavailable(
-            "llama.cpp is not installed here (set MOETUNE_LLAMACPP_PYTHON to the python of a "
-            "venv with llama-cpp-python)"
-        )
-    return python
 
 
 def run_llamacpp(
@@ -35,14 +23,13 @@ def run_llamacpp(
 ) -> Served:
     job = {"model": str(model), "lora": str(lora) if lora else None, "sequences": sequences,
            "prompts": prompts, "new_tokens": new}  # fmt: skip
-    done = subprocess.run(
-        [llamacpp_python(), str(RUNNER)], input=json.dumps(job), capture_output=True, text=True,
-        check=False,
+    stdout = run_in_venv(
+        "MOETUNE_LLAMACPP_PYTHON",
+        "llama.cpp is not installed here (set MOETUNE_LLAMACPP_PYTHON to the python of a "
+        "venv with llama-cpp-python)",
+        [str(RUNNER)], job, f"llama.cpp could not run {model.name}",
     )  # fmt: skip
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ConsumerUnavailable(f"llama.cpp could not run {model.name}: {last[:160]}")
-    doc = json.loads(done.stdout)
+    doc = json.loads(stdout)
     return Served([torch.tensor(x, dtype=torch.float64) for x in doc["logits"]], doc["greedy"])
 
 

