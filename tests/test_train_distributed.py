@@ -98,23 +98,48 @@ def _dist_errors(cfg) -> set[str]:
     return {f.rule_id for f in findings if f.rule_id.startswith("DIST-") and f.severity == "error"}
 
 
-def test_sharding_on_cpu_is_refused_with_the_reason(tiny, tmp_path):
-    for strategy in ("fsdp", "zero3"):
-        cfg = _cfg(tiny, tmp_path / "r", nproc=2, strategy=strategy, lora__engine="peft")
-        assert "DIST-SHARDED-CPU" in _dist_errors(cfg)
-    assert _dist_errors(_cfg(tiny, tmp_path / "r", nproc=2, strategy="ddp")) == set()
-    assert _dist_errors(_cfg(tiny, tmp_path / "r", strategy="fsdp")) == set()  # one process
+def test_zero3_on_cpu_is_refused_with_the_reason_fsdp_is_not(tiny, tmp_path):
+    zero3 = _cfg(tiny, tmp_path / "r", nproc=2, strategy="zero3", lora__engine="peft")
+    assert "DIST-SHARDED-CPU" in _dist_errors(zero3)
+    for strategy in ("ddp", "fsdp"):  # fsdp: accelerate's FSDP2 over gloo (shard_on_cpu)
+        assert _dist_errors(_cfg(tiny, tmp_path / "r", nproc=2, strategy=strategy)) == set()
+    assert _dist_errors(_cfg(tiny, tmp_path / "r", strategy="zero3")) == set()  # one process
 
 
-def test_split_lora_and_quantised_experts_are_refused_sharded(tiny, tmp_path):
-    split = _cfg(tiny, tmp_path / "r", nproc=2, strategy="fsdp", lora__engine="moetune")
-    peft = _cfg(tiny, tmp_path / "r", nproc=2, strategy="fsdp", lora__engine="peft")
+def test_split_lora_and_quantised_experts_are_refused_under_zero3_only(tiny, tmp_path):
+    split = _cfg(tiny, tmp_path / "r", nproc=2, strategy="zero3", lora__engine="moetune")
+    peft = _cfg(tiny, tmp_path / "r", nproc=2, strategy="zero3", lora__engine="peft")
     assert "DIST-ENGINE-SHARDED" in _dist_errors(split)
     assert "DIST-ENGINE-SHARDED" not in _dist_errors(peft)
     quant = peft.model_copy(deep=True)
     quant.model.experts_dtype = "int8"
     quant.lora.engine = "auto"
     assert "DIST-ENGINE-SHARDED" in _dist_errors(quant)
+    fsdp = quant.model_copy(deep=True)
+    fsdp.train.strategy = "fsdp"
+    assert "DIST-ENGINE-SHARDED" not in _dist_errors(fsdp)  # tested: slow tests below
+
+
+_SWITCH = """
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+from moetune.train.distributed import fsdp_on_cpu
+fsdp_on_cpu()
+acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+print(acc.state.distributed_type.value, acc.is_fsdp2, acc.state.backend)
+"""
+
+
+def test_a_cpu_rank_of_an_fsdp_launch_runs_accelerates_fsdp2(tmp_path):
+    """Stock accelerate leaves a CPU rank MULTI_CPU (the DIST-SHARDED-CPU probe); after
+    fsdp_on_cpu() the same Accelerator is FSDP2 over gloo. One rank of a world of one."""
+    rank = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env = _env() | rank | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(D.free_port())}
+    env["ACCELERATE_USE_FSDP"] = "true"  # what `accelerate launch` sets for an FSDP config
+    done = subprocess.run([sys.executable, "-c", _SWITCH], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["FSDP", "True", "gloo"]
 
 
 @pytest.mark.skipif(bool(find_spec("deepspeed")), reason="deepspeed is installed here")
@@ -127,7 +152,7 @@ def test_cli_refuses_before_any_process_starts(tiny, tmp_path):
     out = tmp_path / "never"
     config = tmp_path / "run.yaml"
     config.write_text(dump_config(_cfg(tiny, out)))
-    got = CliRunner().invoke(app, ["train", str(config), "--nproc", "2", "--strategy", "fsdp"])
+    got = CliRunner().invoke(app, ["train", str(config), "--nproc", "2", "--strategy", "zero3"])
     assert got.exit_code == 2, got.output
     assert "DIST-SHARDED-CPU" in got.output and "Traceback" not in got.output
     assert not out.exists()  # nothing written: no accelerate.yaml, no run dir
@@ -170,16 +195,27 @@ def _rel_diff(run: Path, reference: Path) -> float:
     return max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
 
 
+# what accelerate runs per strategy on CPU, and each rank's share of the model
+RAN = {"ddp": ("MULTI_CPU", 1.0), "fsdp": ("FSDP", 0.5)}
+
+
 @pytest.fixture(scope="module")
-def two(tiny):
+def one(tiny):
+    """The reference: 1 process, batch 4."""
+    return _train(_write(tiny, "one", batch_size=4), log=tiny.root / "one.log")
+
+
+@pytest.fixture(scope="module", params=["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def two(tiny, request):
     """An uninterrupted 2-process run, batch 2 per process (global batch 4)."""
-    result = _train(_write(tiny, "two", batch_size=2, nproc=2), log=tiny.root / "two.log")
-    return types.SimpleNamespace(result=result, run=tiny.root / "two")
+    name = f"two-{request.param}"
+    config = _write(tiny, name, batch_size=2, nproc=2, strategy=request.param)
+    result = _train(config, log=tiny.root / f"{name}.log")
+    return types.SimpleNamespace(result=result, run=tiny.root / name, strategy=request.param)
 
 
-@pytest.mark.slow
-def test_two_processes_train_the_adapter_of_one(tiny, two):
-    one = _train(_write(tiny, "one", batch_size=4), log=tiny.root / "one.log")
+def test_two_processes_train_the_adapter_of_one(tiny, one, two):
+    """FSDP2 (accelerate's, over gloo) and DDP: the adapter of one process, from rank 0."""
     assert two.result["steps"] == one["steps"] == 8
     assert two.result["signature"]["devices"] == 2
     assert _rel_diff(two.run, tiny.root / "one") < 1e-4
@@ -187,13 +223,18 @@ def test_two_processes_train_the_adapter_of_one(tiny, two):
     mine = [r for r in rows if r.metrics.get("run_dir") == str(two.run)]
     assert len(mine) == 1 and mine[0].status == "ok"  # rank 0 alone ledgers
     assert json.loads((two.run / "coverage.json").read_text())["coverage"] == 1.0
-    assert json.loads((two.run / "summary.json").read_text())["router"]["changed"] is False
+    summary = json.loads((two.run / "summary.json").read_text())
+    assert summary["router"]["changed"] is False
+    ran = summary["distributed"]
+    assert (ran["accelerate"], ran["local_share"]) == RAN[two.strategy]  # really sharded
+    assert ran["sharded_parameters"] == (ran["parameters"] if two.strategy == "fsdp" else 0)
 
 
 @pytest.mark.slow
 def test_kill_9_of_the_launcher_then_resume(tiny, two):
-    config = _write(tiny, "killed", batch_size=2, nproc=2)
-    out, log = tiny.root / "killed", tiny.root / "killed.log"
+    name = f"killed-{two.strategy}"
+    config = _write(tiny, name, batch_size=2, nproc=2, strategy=two.strategy)
+    out, log = tiny.root / name, tiny.root / f"{name}.log"
     proc = _moetune("train", str(config), log=log)
     deadline = time.monotonic() + 600
     while not (out / "checkpoints" / "step-2").exists():
@@ -204,7 +245,7 @@ def test_kill_9_of_the_launcher_then_resume(tiny, two):
     proc.wait()
     assert not (out / "summary.json").exists(), "the run ended before the kill"
     _wait_released(out)  # the ranks die with the launcher (PDEATHSIG) and free the lock
-    result = _train(config, "--resume", log=tiny.root / "resumed.log")
+    result = _train(config, "--resume", log=tiny.root / f"resumed-{two.strategy}.log")
     assert result["resumed_from_step"] is not None and result["steps"] == 8
     assert _rel_diff(out, two.run) < 1e-4
 
@@ -231,14 +272,24 @@ def test_train_refuses_nproc_outside_a_launch(tiny, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_quantised_experts_train_under_ddp_like_one_process(tiny):
-    """int8 expert stacks (moetune's engine) with 2 DDP ranks: the 1-process adapter."""
-    q2 = _write(tiny, "q2", "int8", batch_size=2, nproc=2, max_steps=2)
-    two = _train(q2, log=tiny.root / "q2.log")
-    one = _train(_write(tiny, "q1", "int8", batch_size=4, max_steps=2), log=tiny.root / "q1.log")
-    assert two["coverage"] == one["coverage"] == 1.0
-    assert json.loads((tiny.root / "q2" / "quant.json").read_text())  # really quantised
-    assert _rel_diff(tiny.root / "q2", tiny.root / "q1") < 1e-4
+@pytest.mark.parametrize(
+    ("strategy", "experts_dtype", "engine"),
+    [("ddp", "int8", "auto"), ("fsdp", "int8", "auto"), ("fsdp", "nf4", "auto"),
+     ("fsdp", "bf16", "peft")],
+)  # fmt: skip
+def test_engine_variants_train_sharded_like_one_process(tiny, strategy, experts_dtype, engine):
+    """Quantised expert stacks (moetune's engine) and peft's ParamWrapper on 2 ranks: the
+    1-process adapter (split LoRA in bf16 is the default run above)."""
+    name = f"{strategy}-{experts_dtype}-{engine}"
+    over = {"max_steps": 2, "lora__engine": engine}
+    two = _write(tiny, f"{name}-2", experts_dtype, batch_size=2, nproc=2, strategy=strategy, **over)
+    got = _train(two, log=tiny.root / f"{name}-2.log")
+    one = _train(_write(tiny, f"{name}-1", experts_dtype, batch_size=4, **over),
+                 log=tiny.root / f"{name}-1.log")  # fmt: skip
+    assert got["coverage"] == one["coverage"] == 1.0
+    if experts_dtype != "bf16":
+        assert json.loads((tiny.root / f"{name}-2" / "quant.json").read_text())  # quantised
+    assert _rel_diff(tiny.root / f"{name}-2", tiny.root / f"{name}-1") < 1e-4
 
 
 def test_a_run_saved_before_nproc_existed_still_resumes(tiny, tmp_path):

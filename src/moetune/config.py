@@ -224,8 +224,9 @@ class TrainArgs(_Section):
     strategy: Literal["ddp", "fsdp", "zero3"] = Field(
         "ddp",
         description="How nproc > 1 processes split the work: ddp (every process holds the "
-        "model; CPU too, over gloo), fsdp (accelerate FSDP2, GPUs) or zero3 (DeepSpeed ZeRO-3, "
-        "GPUs, needs deepspeed).",
+        "model; CPU too, over gloo), fsdp (accelerate FSDP2: each process holds 1/nproc of "
+        "weights, grads and optimizer state; GPUs, and CPU over gloo) or zero3 (DeepSpeed "
+        "ZeRO-3, GPUs only, needs deepspeed).",
     )
 
 

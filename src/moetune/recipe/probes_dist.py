@@ -21,8 +21,10 @@ if acc.is_main_process:
 
 
 def fsdp_on_cpu() -> ProbeOutcome:
-    """A CPU rank asking accelerate for FSDP2 gets plain MULTI_CPU (DDP over gloo) instead.
-    One rank of a world of one (the env torchrun sets) shows it without a second process."""
+    """A CPU rank asking stock accelerate for a sharded strategy gets plain MULTI_CPU (DDP over
+    gloo): its FSDP and DeepSpeed paths are for GPU-like devices only. moetune switches an
+    FSDP rank over (train.distributed.shard_on_cpu); DeepSpeed it cannot. One rank of a world
+    of one (the env torchrun sets) shows it without a second process."""
     import socket
 
     with socket.socket() as sock:
@@ -53,11 +55,11 @@ def deepspeed_missing() -> ProbeOutcome:
 
 
 def engine_sharded() -> ProbeOutcome:
-    """Split LoRA / quantised stacks under FSDP2 or ZeRO-3: only a multi-GPU run can show it."""
+    """Split LoRA / quantised stacks under ZeRO-3: only a multi-GPU run can show it."""
     import torch
 
     if torch.cuda.device_count() < 2:
         raise ProbeUnavailable(
-            "needs 2 CUDA devices: accelerate shards (FSDP2, ZeRO-3) on GPUs only (fsdp_on_cpu)"
+            "needs 2 CUDA devices: accelerate runs DeepSpeed on GPUs only (fsdp_on_cpu)"
         )
     raise ProbeUnavailable("not validated yet on multi-GPU hardware: the rule stays an error")

@@ -1,5 +1,5 @@
 """Rules for train.nproc > 1 (train/distributed.py): strategies accelerate cannot run here,
-and engine features not validated under sharding, refused before any process starts."""
+and engine features not validated under ZeRO-3, refused before any process starts."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from moetune.recipe.rules import Hit, LintContext, register_rule
 SHARDED = ("fsdp", "zero3")
 
 
-def _sharded(ctx: LintContext) -> bool:
+def _sharded(ctx: LintContext, strategies: tuple[str, ...] = SHARDED) -> bool:
     t = ctx.config.train
-    return t.nproc > 1 and t.strategy in SHARDED
+    return t.nproc > 1 and t.strategy in strategies
 
 
 def _on_cpu(ctx: LintContext) -> bool:
@@ -28,17 +28,18 @@ def _on_cpu(ctx: LintContext) -> bool:
 @register_rule(
     "DIST-SHARDED-CPU",
     "error",
-    "FSDP2 / ZeRO-3 requested for CPU processes, which accelerate runs as plain DDP",
+    "ZeRO-3 requested for CPU processes, which accelerate runs as plain DDP",
     probe=probes_dist.fsdp_on_cpu,
     libraries=("accelerate", "torch"),
 )
 def sharded_cpu(ctx: LintContext) -> Hit | None:
-    if not _sharded(ctx) or not _on_cpu(ctx):
+    # fsdp is fine: a CPU rank is switched to accelerate's FSDP2 path (distributed.shard_on_cpu)
+    if not _sharded(ctx, ("zero3",)) or not _on_cpu(ctx):
         return None
     return Hit(
-        f"train.strategy {ctx.config.train.strategy} on CPU processes: accelerate enters "
-        "FSDP/DeepSpeed only on GPUs, so every CPU rank would hold the whole model (DDP)",
-        "set train.strategy: ddp (--strategy ddp) on CPU; fsdp / zero3 need GPUs",
+        "train.strategy zero3 on CPU processes: accelerate enters DeepSpeed only on GPUs, so "
+        "every CPU rank would hold the whole model (DDP)",
+        "set train.strategy: fsdp (FSDP2 shards over gloo on CPU) or ddp; zero3 needs GPUs",
         "train.strategy",
     )
 
@@ -77,17 +78,18 @@ def _engine_feature(ctx: LintContext) -> str | None:
 @register_rule(
     "DIST-ENGINE-SHARDED",
     "error",
-    "split LoRA or quantised experts under FSDP2 / ZeRO-3, not validated",
+    "split LoRA or quantised experts under ZeRO-3, not validated",
     probe=probes_dist.engine_sharded,
     libraries=("accelerate", "torch"),
 )
 def engine_sharded(ctx: LintContext) -> Hit | None:
-    feature = _engine_feature(ctx) if _sharded(ctx) else None
+    # under fsdp both equal the 1-process run (tests/test_train_distributed.py, gloo)
+    feature = _engine_feature(ctx) if _sharded(ctx, ("zero3",)) else None
     if feature is None:
         return None
     return Hit(
         f"{feature} with train.strategy {ctx.config.train.strategy}: its expert stacks were "
-        "never validated sharded (only DDP, where every rank holds them whole, is tested)",
-        "set train.strategy: ddp, or lora.engine: peft with model.experts_dtype: bf16",
+        "never validated under DeepSpeed's partitioning (DDP and FSDP2 are tested)",
+        "set train.strategy: fsdp or ddp, or lora.engine: peft with model.experts_dtype: bf16",
         "train.strategy",
     )

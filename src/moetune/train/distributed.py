@@ -9,8 +9,10 @@ checkpoint.py), the others train their shard of each global batch.
 
 Facts this rests on (accelerate 1.15, checked by the DIST-* rules' probes):
 - A CPU process (TrainingArguments.use_cpu) is MULTI_CPU over gloo whatever the config
-  says: accelerate enters FSDP or DeepSpeed only on GPU-like devices. So CPU runs are DDP;
-  fsdp / zero3 on CPU are refused in preflight rather than silently run as DDP.
+  says: accelerate enters FSDP or DeepSpeed only on GPU-like devices. torch's FSDP2
+  (fully_shard) runs on CPU over gloo all the same, so a CPU rank of an FSDP launch is
+  switched to accelerate's FSDP path (shard_on_cpu) – that is how fsdp is tested here;
+  zero3 on CPU is refused in preflight (DIST-SHARDED-CPU) rather than silently run as DDP.
 - `accelerate launch` with `use_cpu` has no multi-process launcher except mpirun; the
   torchrun-based one (distributed_type MULTI_GPU / FSDP / DEEPSPEED) spawns the ranks, and
   each rank then picks its own backend (gloo on CPU, nccl on CUDA).
@@ -176,6 +178,64 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
         )
     summary = json.loads((root / "summary.json").read_text(encoding="utf-8"))
     return dict(summary["result"])
+
+
+def shard_on_cpu(cfg: RunConfig) -> None:
+    """In a CPU rank of a launch: fsdp_on_cpu(), so an FSDP config (ours or a user's
+    `accelerate launch` one) really shards instead of silently running DDP."""
+    if launched() and _cpu_rank(cfg):
+        fsdp_on_cpu()
+
+
+def fsdp_on_cpu() -> None:
+    """Let accelerate's own FSDP2 path run on CPU over gloo. accelerate 1.15 enters FSDP
+    only for GPU-like distributed types and leaves a CPU rank MULTI_CPU (plain DDP), while
+    torch's fully_shard runs on CPU/gloo. So the one change is the distributed type, set
+    to FSDP with the plugin accelerate built from the launch config – the sharding,
+    gathering and state dicts stay accelerate's and torch's. Idempotent."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+    if getattr(original, "_moetune", False):
+        return
+
+    def init(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    init._moetune = True  # type: ignore[attr-defined]
+    AcceleratorState.__init__ = init  # type: ignore[method-assign]
+
+
+def sharding(trainer: Any) -> dict[str, Any] | None:
+    """What accelerate ran on this rank (None for one process): its distributed type and
+    how much of the model this rank holds – FSDP2 keeps a DTensor shard of each parameter."""
+    if trainer.args.world_size == 1:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    params = list(trainer.model_wrapped.parameters())
+    shards = [p for p in params if isinstance(p, DTensor)]
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    return {
+        "accelerate": str(trainer.accelerator.distributed_type.value),
+        "world_size": trainer.args.world_size,
+        "sharded_parameters": len(shards),
+        "parameters": len(params),
+        "local_share": round(local / sum(p.numel() for p in params), 4),
+    }
+
+
+def _cpu_rank(cfg: RunConfig) -> bool:
+    if cfg.train.device != "auto":
+        return cfg.train.device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def rank_argv(config: Path, sets: list[str], flags: dict[str, bool]) -> list[str]:

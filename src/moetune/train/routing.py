@@ -192,9 +192,16 @@ def router_weights(model: nn.Module, spec: ModelSpec) -> dict[int, torch.Tensor]
     """MoE layer -> a CPU fp32 copy of its router's effective weight."""
     with torch.no_grad():
         return {
-            layer: effective_weight(module).cpu().clone()
+            layer: whole(effective_weight(module)).cpu().clone()
             for layer, module in router_modules(model, spec).items()
         }
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP2 shard (a DTensor; a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _digest(weights: dict[int, torch.Tensor]) -> str:

@@ -64,6 +64,7 @@ from moetune.train.checkpoint import (
     ledger_fields,
     replace_dir,
 )
+from moetune.train.distributed import shard_on_cpu, sharding
 from moetune.train.errors import TrainError
 from moetune.train.lanes import lane_for
 from moetune.train.lock import hold
@@ -141,6 +142,7 @@ def train(
     only one process at a time writes a run dir (lock.py)."""
     replace = (overwrite or overwrite_promoted, overwrite_promoted)
     require_launcher(cfg)
+    shard_on_cpu(cfg)
     run_lane = lane_for(cfg.lora.stack, _train)  # lora.stack: peft here, others in lanes.py
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
         return cast(TrainResult, run_lane(cfg, resume, allow_errors, replace, progress))
@@ -219,7 +221,7 @@ def _train(
         **throughput(cfg, setup, trainer),
     )
     if setup.args.should_save:
-        checks = {"router": router, "routing_drift": routing.drift()}
+        checks = {"router": router, "routing_drift": routing.drift(), "dist": sharding(trainer)}
         write_summary(run, result, checks | ({"shift": shift.summary()} if shift else {}), setup)
     return result
 
@@ -422,6 +424,8 @@ def write_summary(run: RunDir, result: TrainResult, checks: dict[str, Any], setu
         "coverage_by_kind": setup.coverage.to_json()["by_kind"] if setup.coverage else {},
         "engine": setup.engine,  # lora.engine as resolved (auto -> moetune | peft)
     }
+    if checks["dist"]:  # --nproc: what accelerate ran and this rank's share of the model
+        summary["distributed"] = checks["dist"]
     if "shift" in checks:  # grpo: rollout → training routing shift (routing_shift.jsonl)
         summary["routing_shift"] = checks["shift"]
     if setup.selection is not None:  # experts_selected.json has the scores per layer
