@@ -242,6 +242,27 @@ def test_a_collapse_the_base_already_had_is_not_blamed_on_the_fine_tune(trained,
     )
 
 
+def test_grpo_routing_shift_is_plotted_with_the_layers_over_the_warning(trained, tmp_path):
+    run = tmp_path / "grpo"
+    run.mkdir()
+    shutil.copy(trained / "config.yaml", run / "config.yaml")
+    shares = {1: (0.01, 0.02), 2: (0.03, 0.3), 3: (0.01, 0.04)}  # layer 2 crosses 0.2
+    rows = [
+        {"step": s, "mean_shift": sum(v[j] for v in shares.values()) / 3,
+         "layers": [{"layer": k, "tokens": 50, "shift": v[j]} for k, v in shares.items()]}
+        for j, s in enumerate((1, 2))
+    ]  # fmt: skip
+    (run / "routing_shift.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = build_report(run).read_text()
+    section = html[html.index("<h2>Routing shift</h2>") : html.index("<h2>Eval ladder</h2>")]
+    assert "2 steps; mean shift 6.83%, worst step 12.00%; 3 MoE layers" in section
+    assert "above the warning line in layer 2</p>" in section and "layer 3</p>" not in section
+    assert "train.grpo.shift_warn (0.2)" in section
+    assert len(_pngs(section)) == 1
+    plain = build_report(trained, out=tmp_path / "sft.html").read_text()  # sft: no rollouts
+    assert "the method samples no rollouts (only grpo does)" in plain
+
+
 def test_pick_layers_caps_and_spreads_evenly():
     assert pick_layers(list(range(5))) == [0, 1, 2, 3, 4]
     picked = pick_layers(list(range(48)))

@@ -29,6 +29,7 @@ from moetune.errors import MoetuneError
 from moetune.io import atomic_write_text
 from moetune.report import plots
 from moetune.report.exports import exports_section
+from moetune.report.shift import shift_section
 from moetune.units import human_bytes
 
 
@@ -475,6 +476,7 @@ SECTIONS: dict[str, Callable[[Inputs], dict[str, Any]]] = {
     "memory": memory_section,
     "loss": loss_section,
     "routing": routing_section,
+    "shift": shift_section,
     "ladder": ladder_section,
     "gate": gate_section,
     "exports": exports_section,

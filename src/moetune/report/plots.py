@@ -64,6 +64,30 @@ def loss_plot(rows: Sequence[dict[str, Any]]) -> str:
     return to_data_uri(fig)
 
 
+def shift_plot(
+    steps: Sequence[int],
+    mean: Sequence[float],
+    layers: dict[int, Sequence[float]],
+    warn_at: float | None,
+) -> str:
+    """Rollout → training routing shift per step: the mean over MoE layers (bold), the
+    shown layers (thin), and the warning threshold (dashed)."""
+    fig = new_figure(7, 3.0)
+    ax = fig.add_subplot()
+    for layer, shares in layers.items():
+        ax.plot(steps, [100 * v for v in shares], linewidth=0.8, alpha=0.6, label=f"layer {layer}")
+    ax.plot(steps, [100 * v for v in mean], color="black", linewidth=2, label="mean")
+    if warn_at:
+        ax.axhline(100 * warn_at, linestyle="--", color="#d62728", linewidth=1, label="warn")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens routed differently (%)")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    return to_data_uri(fig)
+
+
 def memory_plot(bars: Sequence[tuple[str, int]]) -> str:
     """Horizontal bars of planned vs measured bytes; log scale when they differ > 20x."""
     fig = new_figure(7, 0.5 + 0.45 * len(bars))
