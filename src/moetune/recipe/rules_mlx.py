@@ -10,7 +10,7 @@ from importlib import metadata, util
 
 import moetune.recipe.rules  # noqa: F401  (first: probes needs it whole; safe entry point)
 from moetune.model.families import ModulePaths
-from moetune.recipe import probes
+from moetune.recipe import probes, probes_mlx
 from moetune.recipe.rules import Hit, LintContext, register_rule
 
 # Module names mlx-lm matches at model level (its second pass over model.named_modules()).
@@ -130,7 +130,7 @@ def suggested_mlx_keys(p: ModulePaths) -> list[str]:
     "MLX-DEFAULT-KEYS",
     "warn",
     "mlx-lm without explicit keys adapts every Linear, router included",
-    probe=probes.mlx_default_keys,
+    probe=probes_mlx.mlx_default_keys,
     libraries=("mlx-lm",),
 )
 def default_keys(ctx: LintContext) -> Hit | None:
@@ -149,7 +149,7 @@ def default_keys(ctx: LintContext) -> Hit | None:
     "MLX-KEYS-NO-MATCH",
     "error",
     "mlx-lm keys that match no module are silently ignored",
-    probe=probes.mlx_keys_no_match,
+    probe=probes_mlx.mlx_keys_no_match,
     libraries=("mlx-lm",),
 )
 def keys_no_match(ctx: LintContext) -> Hit | None:
@@ -178,7 +178,7 @@ def keys_no_match(ctx: LintContext) -> Hit | None:
     "MLX-TRANSFORMERS-PIN",
     "error",
     "known-bad mlx-lm / transformers version combination",
-    probe=probes.mlx_transformers_pin,
+    probe=probes_mlx.mlx_transformers_pin,
     libraries=("mlx-lm", "transformers"),
 )
 def transformers_pin(ctx: LintContext) -> Hit | None:
@@ -200,7 +200,7 @@ def transformers_pin(ctx: LintContext) -> Hit | None:
     "MLX-NO-BACKEND",
     "error",
     "mlx-lm installed without an mlx backend",
-    probe=probes.mlx_no_backend,
+    probe=probes_mlx.mlx_no_backend,
     libraries=("mlx-lm",),
 )
 def no_backend(ctx: LintContext) -> Hit | None:
@@ -264,7 +264,7 @@ def fused_mlx_keys(model_id: str) -> list[str]:
     "MLX-FUSED-KEYS",
     "error",
     "an mlx_lm.fuse output loads in transformers with random experts",
-    probe=probes.mlx_fused_keys,
+    probe=probes_mlx.mlx_fused_keys,
     libraries=("transformers", "mlx-lm"),
 )
 def fused_keys(ctx: LintContext) -> Hit | None:
