@@ -1,0 +1,90 @@
+"""`moetune ledger show|verify`: the append-only ledger of every attempt.
+Registered on moetune's one typer app (imported at the end of cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from moetune.cli import JsonOpt, app, console, emit_json, err_console, friendly
+from moetune.errors import ConfigError
+
+ledger_app = typer.Typer(help="The append-only ledger of every attempt.", no_args_is_help=True)
+app.add_typer(ledger_app, name="ledger")
+LedgerPath = Annotated[Path, typer.Option("--path", help="Ledger file.")]
+
+
+@ledger_app.command("show")
+@friendly
+def ledger_show(
+    path: LedgerPath = Path(".moetune/ledger.jsonl"),
+    run: Annotated[str | None, typer.Option(help="Only this run id.")] = None,
+    kind: Annotated[str | None, typer.Option(help="Only this kind.")] = None,
+    status: Annotated[
+        str | None, typer.Option(help="ok | failed | infra-failed | cancelled")
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Only rows from this UTC date on (YYYY-MM-DD).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Rows of the ledger, filtered; skipped (torn or invalid) lines are reported."""
+    import time
+
+    from rich.table import Table
+
+    from moetune.ledger import Ledger, select
+
+    got = Ledger(path).read()
+    rows = select(got.rows, run_id=run, kind=kind, status=status, since=_utc_date(since))
+    if as_json:
+        emit_json({"rows": [r.model_dump() for r in rows], "problems": got.problems})
+        return
+    table = Table("time", "kind", "status", "run", "cost $", "reason", title=str(path))
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(r.time))
+        cost = "-" if r.cost_usd is None else f"{r.cost_usd:.2f}"
+        table.add_row(when, r.kind, r.status, r.run_id or "-", cost, escape(r.reason))
+    console.print(table)
+    for line, problem in got.problems:
+        err_console.print(f"[yellow]line {line} skipped:[/] {problem}")
+
+
+def _utc_date(text: str | None) -> float | None:
+    import calendar
+    import time
+
+    if text is None:
+        return None
+    try:
+        return float(calendar.timegm(time.strptime(text, "%Y-%m-%d")))
+    except ValueError:
+        raise ConfigError(f"--since {text!r} is not a date", "write it as YYYY-MM-DD") from None
+
+
+@ledger_app.command("verify")
+@friendly
+def ledger_verify(
+    path: LedgerPath = Path(".moetune/ledger.jsonl"), as_json: JsonOpt = False
+) -> None:
+    """Check every line; exit 1 when any line is torn or invalid, 2 when there is no ledger."""
+    from moetune.errors import clip
+    from moetune.ledger import Ledger, LedgerError
+
+    if not path.exists():
+        raise LedgerError(
+            f"no ledger at {clip(path, 80)}: nothing to verify",
+            "pass --path to a ledger file (a run's is its output.ledger)",
+        )
+    got = Ledger(path).read()
+    if as_json:
+        emit_json({"rows": len(got.rows), "problems": got.problems})
+    else:
+        console.print(f"{len(got.rows)} valid rows, {len(got.problems)} problem lines")
+        for line, problem in got.problems:
+            console.print(f"  line {line}: {problem}")
+    if got.problems:
+        raise typer.Exit(1)
