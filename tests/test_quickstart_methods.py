@@ -29,8 +29,11 @@ def test_demo_rows_per_method():
     assert all(r["chosen"].endswith("<eos>") and r["chosen"] != r["rejected"] for r in dpo)
     grpo = demo_args("grpo", rows=20)
     rows = training_rows(grpo)
-    assert set(rows[0]) == {"prompt", "answer"} and len(rows) == 20
-    assert sum(r["prompt"].startswith(f"{grpo.new_skill}:") for r in rows) == 10  # half new
+    assert set(rows[0]) == {"prompt", "answer", "completion"} and len(rows) == 20
+    new = [r for r in rows if r["prompt"].startswith(f"{grpo.new_skill}:")]
+    assert len(new) == 10 and all(r["completion"] == "" for r in new)  # half new, RL only
+    old = [r for r in rows if r not in new]  # replayed: the answer to imitate (sft_weight)
+    assert all(r["completion"] == r["answer"] + "<eos>" for r in old)
     assert list(DEMOS) == ["sft", "dpo", "grpo"]
 
 

@@ -94,8 +94,17 @@ def preference_rows(items: list[Item]) -> list[dict[str, str]]:
 
 
 def prompt_rows(items: list[Item]) -> list[dict[str, str]]:
-    """GRPO rows: the prompt and the answer the exact-match reward compares with."""
-    return [{"prompt": it.prompt, "answer": it.answer} for it in items]
+    """GRPO rows: the prompt and the answer the exact-match reward compares with; replayed
+    base-skill rows also carry it as the `completion` train.grpo.sft_weight imitates (the
+    new skill's are empty: it is learnt from the reward alone)."""
+    from moetune.demo.skills import SKILLS
+    from moetune.demo.tokenizer import EOS
+
+    return [
+        {"prompt": it.prompt, "answer": it.answer,
+         "completion": "" if SKILLS[it.skill].new else it.answer + EOS}
+        for it in items
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
