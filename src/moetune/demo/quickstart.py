@@ -129,10 +129,14 @@ DEMOS: dict[str, Demo] = {
     "sft": Demo(_sft_rows),
     "dpo": Demo(preference_rows, {"method": "dpo", "dpo": {"beta": 0.1, "sft_weight": 1.0}},
                 {"steps": 200, "learning_rate": 2e-3, "overfit": False}),
+    # grpo: `last` from the reward alone; the replayed rows' answers anchor the base skills
+    # through the sft term (exact-match RL alone erodes the fragile `sum`, weighted 3× here)
     "grpo": Demo(prompt_rows,
-                 {"method": "grpo", "grpo": {"num_generations": 8, "max_completion_length": 12}},
-                 {"new_skill": "last", "steps": 150, "batch_size": 32, "learning_rate": 3e-3,
-                  "rows": 4800, "overfit": False}),
+                 {"method": "grpo", "grpo": {"num_generations": 8, "max_completion_length": 12,
+                                             "sft_weight": 2.0}},
+                 {"new_skill": "last", "steps": 250, "batch_size": 32, "learning_rate": 3e-3,
+                  "rows": 4800, "overfit": False,
+                  "replay": ("sum", "sum", "sum", "first", "copy", "rev", "kv")}),
 }  # fmt: skip
 
 
