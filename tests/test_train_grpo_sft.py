@@ -13,7 +13,7 @@ import torch
 from moetune.train import train
 from moetune.train import trainer as trainer_mod
 from moetune.train.errors import DataError
-from moetune.train.grpo_sft import SftTerm, sft_batch, with_sft_term
+from moetune.train.grpo_sft import SftTerm, completion_problem, sft_batch, with_sft_term
 from test_train_helpers import one_thread, run_config, save_tiny_model, write_jsonl
 
 
@@ -28,6 +28,17 @@ def tiny(tmp_path_factory):
 
 def _ids(tok: Any, text: str) -> list[int]:
     return list(tok(text=text, add_special_tokens=False)["input_ids"])
+
+
+def test_a_completion_must_match_its_prompt_kind():
+    chat = [{"role": "user", "content": "hi"}]
+    assert (
+        completion_problem(["a>", chat, "b>"], ["x", [{"role": "assistant", "content": "y"}], ""])
+        is None
+    )
+    assert completion_problem(["a>", chat], ["x", "y"]) == (
+        "row 2: 'completion' must be a list of messages like its prompt, or empty"
+    )
 
 
 def test_labels_are_the_completion_and_eos_once_per_prompt(tiny):

@@ -16,9 +16,14 @@ per generation batch (its first copy), so the term does not grow with the group 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from moetune.train.errors import DataError
+
+if TYPE_CHECKING:
+    from moetune.train.data import TrainData
 
 SFT_COLUMN = "completion"
 _KEYS = ("sft_ids", "sft_mask", "sft_labels")  # carried through TRL's buffered batches
@@ -38,6 +43,31 @@ def sft_rows(tok: Any, prompt: Any, completion: Any) -> tuple[list[int], int]:
     if tok.eos_token_id is not None and ids[-1] != tok.eos_token_id:
         ids.append(tok.eos_token_id)
     return ids, len(head)
+
+
+def completion_problem(prompts: list[Any], completions: list[Any]) -> str | None:
+    """Why the `completion` column cannot be imitated, or None: each one empty, or of its
+    prompt's kind (a string for a string prompt, a message list for a conversation)."""
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        kind = str if isinstance(prompt, str) else list
+        if completion and not isinstance(completion, kind):
+            want = "a string" if kind is str else "a list of messages"
+            return f"row {i + 1}: 'completion' must be {want} like its prompt, or empty"
+    return None
+
+
+def check_sft_rows(data: TrainData) -> None:
+    """DataError unless every row has a `completion` the term can imitate (or an empty one)."""
+    columns = data.dataset.column_names
+    if SFT_COLUMN not in columns:
+        raise DataError(
+            f"{data.path}: train.grpo.sft_weight trains on a {SFT_COLUMN!r} column, which "
+            f"the rows lack (columns: {', '.join(sorted(columns))})",
+            f"give every row a {SFT_COLUMN!r} (empty for RL-only rows), or sft_weight: 0",
+        )
+    problem = completion_problem(data.dataset["prompt"], data.dataset[SFT_COLUMN])
+    if problem:
+        raise DataError(f"{data.path} {problem}", "fix that row's completion")
 
 
 def _chat_ids(tok: Any, messages: list[Any], add_generation_prompt: bool) -> list[int]:

@@ -156,8 +156,9 @@ def _grpo_rewards(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
-    """The group must divide the batch, the rewards must build and find their columns."""
-    from moetune.train.grpo_sft import SFT_COLUMN
+    """The group must divide the batch, the rewards must build and find their columns (and
+    the sft term its completions)."""
+    from moetune.train.grpo_sft import check_sft_rows
     from moetune.train.rewards import build_rewards, reward_columns
 
     g, t = cfg.train.grpo, cfg.train
@@ -178,12 +179,8 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
         )
     build_rewards(g)  # a bad reward fails here, before anything is written
     columns = set(data.dataset.column_names)
-    if g.sft_weight and SFT_COLUMN not in columns:
-        raise DataError(
-            f"{data.path}: train.grpo.sft_weight trains on a {SFT_COLUMN!r} column, which "
-            f"the rows lack (columns: {', '.join(sorted(columns))})",
-            f"give every row a {SFT_COLUMN!r} (empty for RL-only rows), or sft_weight: 0",
-        )
+    if g.sft_weight:
+        check_sft_rows(data)
     for name in reward_columns(g):
         if name not in columns:
             raise DataError(
