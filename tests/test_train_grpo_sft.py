@@ -14,7 +14,7 @@ from moetune.train import train
 from moetune.train import trainer as trainer_mod
 from moetune.train.errors import DataError
 from moetune.train.grpo_sft import SftTerm, completion_problem, sft_batch, with_sft_term
-from test_train_helpers import one_thread, run_config, save_tiny_model, write_jsonl
+from test_train_helpers import GEN_TEMPLATE, one_thread, run_config, save_tiny_model, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,19 @@ def test_labels_are_the_completion_and_eos_once_per_prompt(tiny):
     assert batch["sft_ids"][3].tolist() == head + labels[3]
     first = len(tok(text="rev:ab>")["input_ids"]) + len(labels[0])
     assert batch["sft_mask"].sum(1).tolist() == [first, 1, 1, len(head) + len(labels[3])]
+
+
+def test_a_conversation_trains_on_the_assistant_turn_after_the_rendered_prompt():
+    from moetune.demo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = GEN_TEMPLATE  # user turns end in ">", assistant turns in "<eos>"
+    user = [{"role": "user", "content": "rev:ab"}]
+    rows = [{"prompt": user, "completion": [{"role": "assistant", "content": "ba"}]}]
+    batch = sft_batch(tok, rows, "cpu")
+    labels = [t for t in batch["sft_labels"][0].tolist() if t != -100]
+    assert labels == [*_ids(tok, "ba"), tok.eos_token_id]  # the template's EOS, not doubled
+    assert batch["sft_ids"][0].tolist() == [*_ids(tok, "rev:ab>"), *labels]
 
 
 class _FakeGrpo:
