@@ -77,6 +77,12 @@ class GrpoArgs(_Section):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="Normalise advantages by the group's (or batch's) std, or not."
     )
+    sft_weight: NonNegativeFloat = Field(
+        0.0,
+        description="Add this weight × the NLL of a row's `completion` column (an answer to "
+        "imitate; empty: the row is RL only) to the GRPO loss – an anchor for skills the "
+        "reward alone erodes, e.g. replayed ones; 0 is plain GRPO.",
+    )
     rewards: list[RewardArgs] = Field(
         default_factory=lambda: [RewardArgs.model_validate({"name": "exact_match"})],
         description="Reward functions, summed with their weights.",

@@ -94,8 +94,17 @@ def preference_rows(items: list[Item]) -> list[dict[str, str]]:
 
 
 def prompt_rows(items: list[Item]) -> list[dict[str, str]]:
-    """GRPO rows: the prompt and the answer the exact-match reward compares with."""
-    return [{"prompt": it.prompt, "answer": it.answer} for it in items]
+    """GRPO rows: the prompt and the answer the exact-match reward compares with; replayed
+    base-skill rows also carry it as the `completion` train.grpo.sft_weight imitates (the
+    new skill's are empty: it is learnt from the reward alone)."""
+    from moetune.demo.skills import SKILLS
+    from moetune.demo.tokenizer import EOS
+
+    return [
+        {"prompt": it.prompt, "answer": it.answer,
+         "completion": "" if SKILLS[it.skill].new else it.answer + EOS}
+        for it in items
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,10 +129,14 @@ DEMOS: dict[str, Demo] = {
     "sft": Demo(_sft_rows),
     "dpo": Demo(preference_rows, {"method": "dpo", "dpo": {"beta": 0.1, "sft_weight": 1.0}},
                 {"steps": 200, "learning_rate": 2e-3, "overfit": False}),
+    # grpo: `last` from the reward alone; the replayed rows' answers anchor the base skills
+    # through the sft term (exact-match RL alone erodes the fragile `sum`, weighted 3× here)
     "grpo": Demo(prompt_rows,
-                 {"method": "grpo", "grpo": {"num_generations": 8, "max_completion_length": 12}},
-                 {"new_skill": "last", "steps": 150, "batch_size": 32, "learning_rate": 3e-3,
-                  "rows": 4800, "overfit": False}),
+                 {"method": "grpo", "grpo": {"num_generations": 8, "max_completion_length": 12,
+                                             "sft_weight": 2.0}},
+                 {"new_skill": "last", "steps": 250, "batch_size": 32, "learning_rate": 3e-3,
+                  "rows": 4800, "overfit": False,
+                  "replay": ("sum", "sum", "sum", "first", "copy", "rev", "kv")}),
 }  # fmt: skip
 
 

@@ -3,7 +3,8 @@ data formats it reads, its own TRL arguments and the extra trainer inputs (rewar
 
     sft    SFTTrainer    messages | prompt/completion | text rows
     dpo    DPOTrainer    prompt/chosen/rejected rows (plain or conversational)
-    grpo   GRPOTrainer   prompt rows (other columns reach the rewards), rewards.py
+    grpo   GRPOTrainer   prompt rows (other columns reach the rewards), rewards.py;
+                         with sft_weight, an NLL term on rows' `completion` (grpo_sft.py)
 
 The reference policy of DPO (and of GRPO with beta > 0) is the base with the adapter
 disabled, inside the one model that trains. Given a PeftModel without a reference, TRL
@@ -53,7 +54,12 @@ def _dpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
 
 def _grpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
     """GRPO adds the "ref" copy only for beta > 0: build with beta 0, then set it back
-    (TRL reads trainer.beta each step and, with no ref_model, disables the adapter)."""
+    (TRL reads trainer.beta each step and, with no ref_model, disables the adapter). With
+    train.grpo.sft_weight the trainer gains the SFT term on rows' completions (grpo_sft)."""
+    from moetune.train.grpo_sft import with_sft_term
+
+    kwargs = dict(kwargs)
+    trainer = with_sft_term(trainer, kwargs.pop("sft_weight", 0.0))
     args, beta = kwargs["args"], kwargs["args"].beta
     args.beta = 0.0
     try:
@@ -146,11 +152,13 @@ def _grpo_rewards(cfg: RunConfig) -> dict[str, Any]:
     from moetune.train.rewards import build_rewards
 
     funcs, _ = build_rewards(cfg.train.grpo)
-    return {"reward_funcs": funcs}
+    return {"reward_funcs": funcs, "sft_weight": cfg.train.grpo.sft_weight}
 
 
 def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
-    """The group must divide the batch, the rewards must build and find their columns."""
+    """The group must divide the batch, the rewards must build and find their columns (and
+    the sft term its completions)."""
+    from moetune.train.grpo_sft import check_sft_rows
     from moetune.train.rewards import build_rewards, reward_columns
 
     g, t = cfg.train.grpo, cfg.train
@@ -171,6 +179,8 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
         )
     build_rewards(g)  # a bad reward fails here, before anything is written
     columns = set(data.dataset.column_names)
+    if g.sft_weight:
+        check_sft_rows(data)
     for name in reward_columns(g):
         if name not in columns:
             raise DataError(
