@@ -41,7 +41,11 @@ FAMILIES = {
     "qwen3_moe-tied-local_experts": {"attention_bias": False, "norm_topk_prob": True},
     "gpt_oss": {},
     "olmoe": {"num_key_value_heads": 4},
+    "mixtral": {},  # LLAMA arch, GQA (4 heads, 2 kv): q/k LoRA rows permuted
 }
+# The adapter's attention modules per variant (default q/o): mixtral's k_proj checks that
+# its permutation uses the kv heads.
+MODULES = {"mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
 def _convert(model: Path, outfile: Path) -> None:
@@ -73,7 +77,7 @@ def test_llamacpp_serves_what_was_trained(
     tmp_path: Path, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MOETUNE_LLAMA_CPP")  # converted below, with the tiny models' vocab
-    run = make_run(tmp_path, variant, FAMILIES[variant])
+    run = make_run(tmp_path, variant, FAMILIES[variant], modules=MODULES.get(variant))
     source = resolve_source(run)
     out, merged = tmp_path / "gguf", tmp_path / "merged"
     run_export(source, "gguf", out, ExportOptions())
