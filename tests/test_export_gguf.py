@@ -22,7 +22,10 @@ from moetune.export import ExportError, ExportOptions, resolve_source, run_expor
 pytestmark = pytest.mark.filterwarnings("ignore")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 GGUF_ATTN = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}
-ARCH = {"qwen3_moe-dense0": "qwen3moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe", "mixtral": "llama"}
+ARCH = {"qwen3_moe-dense0": "qwen3moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe", "mixtral": "llama",
+        "granitemoe-bias": "granitemoe"}  # fmt: skip
+GRANITE_EXPERTS = ["block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"]
+PERMUTED = {"mixtral", "granitemoe"}  # LLAMA-style converters
 
 
 def _rope_order(rows: int, n_head: int) -> list[int]:
@@ -77,11 +80,13 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, object]]:
     return tensors, {k: reader.fields[k].contents() for k in keys}
 
 
-@pytest.mark.parametrize("variant", [*FAMILIES, "mixtral"])
+@pytest.mark.parametrize("variant", [*FAMILIES, "mixtral", "granitemoe-bias"])
 def test_gguf_lora_equals_peft_per_expert(tmp_path: Path, variant: str) -> None:
     base = make_base(tmp_path, variant)
     fold = {"rank_pattern": {"down_proj": 3}, "alpha_pattern": {"down_proj": 8}}
     lora = fold if variant == "olmoe" else {}  # its own alpha/r: folded into B
+    if variant.startswith("granitemoe"):
+        lora["experts"] = GRANITE_EXPERTS
     adapter = make_adapter(base, tmp_path / "adapter", modules=ATTENTION, **lora)
     run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
     tensors, meta = _read(tmp_path / "out" / "adapter.gguf")
@@ -89,7 +94,7 @@ def test_gguf_lora_equals_peft_per_expert(tmp_path: Path, variant: str) -> None:
                     "adapter.type": "lora", "adapter.lora.alpha": 4.0}  # fmt: skip
     expected: dict[str, torch.Tensor] = {}
     model_type = variant.split("-")[0]
-    heads = (4, 2) if model_type == "mixtral" else None  # tiny.py: 4 heads, 2 kv heads
+    heads = (4, 2) if model_type in PERMUTED else None  # tiny.py: 4 heads, 2 kv heads
     for name, d in _peft_deltas(base, adapter).items():
         expected.update(_llama_view(name, d, model_type, heads))
     assert {f"{n}.lora_{x}" for n in expected for x in "ab"} == set(tensors)

@@ -131,6 +131,8 @@ def lora_tensors(source: Source, family: GgufFamily) -> tuple[float, dict[str, A
         alpha = target.scaling * rank if alpha is None else alpha
         fold = target.scaling * rank / alpha  # llama.cpp scales by alpha / r
         for hf_name, pa, pb in pieces(target, a, b, family):
+            if family.rename is not None:
+                hf_name = hf_name.replace(*family.rename)
             name = names.get_name(hf_name, try_suffixes=(".weight",))
             if name is None:
                 raise ExportError(
