@@ -1,7 +1,7 @@
 """`--format gguf`: read back with gguf.GGUFReader, every tensor name and shape is what
 llama.cpp's loader and build_lora_mm_id expect, and alpha/r · B@A per expert equals peft's
-own ΔW (float64) – for qwen3_moe (halves), gpt_oss (interleaved, transposed), olmoe and
-mixtral (LLAMA arch: q/k rows in the converter's rope order, k with the GQA kv heads)."""
+own ΔW (float64) – for qwen3_moe (halves), gpt_oss (interleaved, transposed), olmoe,
+mixtral and granitemoe (LLAMA-style converters: q/k rows in the rope order, k by kv heads)."""
 
 from __future__ import annotations
 
