@@ -8,7 +8,9 @@ peft's fused expert adapters (`Unprocessed experts`), so moetune writes the file
 with the `gguf` package: attention / dense LoRA as A `[r, in]`, B `[out, r]`, the fused
 gate_up stack split like llama.cpp's converter splits the weight (halves for most
 families, interleaved even/odd rows for gpt-oss). Each layer's own peft scaling is folded
-into B where it differs from the file-wide alpha / r, so rank patterns stay exact.
+into B where it differs from the file-wide alpha / r, so rank patterns stay exact. Where the
+converter permutes q/k rows into llama.cpp's rope layout (LLAMA: mixtral, granitemoe), B's
+rows are permuted the same way, since permuting W's rows permutes B's in ΔW = B @ A.
 
 Where llama.cpp's `convert_hf_to_gguf.py` is found (MOETUNE_LLAMA_CPP=<llama.cpp dir>),
 the base and the merged model are converted too (base.gguf, merged.gguf).
