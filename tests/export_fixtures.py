@@ -37,15 +37,21 @@ def make_base(root: Path, variant: str, dtype: torch.dtype = torch.float32, **ov
 
 
 def make_adapter(
-    base: Path, out: Path, scale: float = 0.3, experts: list[str] | None = None, **lora: Any
+    base: Path,
+    out: Path,
+    scale: float = 0.3,
+    experts: list[str] | None = None,
+    modules: list[str] | None = None,
+    **lora: Any,
 ) -> Path:
-    """A peft adapter on q/o + the expert stacks, every B random (seeded) so ΔW ≠ 0."""
+    """A peft adapter on q/o (or `modules`) + the expert stacks, every B random (seeded)
+    so ΔW ≠ 0."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
         config = LoraConfig(
             r=lora.pop("r", 2), lora_alpha=lora.pop("lora_alpha", 4),
-            target_modules=["q_proj", "o_proj"],
+            target_modules=modules or ["q_proj", "o_proj"],
             target_parameters=EXPERTS if experts is None else experts, **lora,
         )  # fmt: skip
         wrapped = get_peft_model(model, config)

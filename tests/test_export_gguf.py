@@ -1,6 +1,7 @@
 """`--format gguf`: read back with gguf.GGUFReader, every tensor name and shape is what
 llama.cpp's loader and build_lora_mm_id expect, and alpha/r · B@A per expert equals peft's
-own ΔW (float64) – for qwen3_moe (halves), gpt_oss (interleaved, transposed) and olmoe."""
+own ΔW (float64) – for qwen3_moe (halves), gpt_oss (interleaved, transposed), olmoe,
+mixtral and granitemoe (LLAMA-style converters: q/k rows in the rope order, k by kv heads)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,27 @@ from export_fixtures import FAMILIES, make_adapter, make_base
 from moetune.export import ExportError, ExportOptions, resolve_source, run_export
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+GGUF_ATTN = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}
+ARCH = {"qwen3_moe-dense0": "qwen3moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe", "mixtral": "llama",
+        "granitemoe-bias": "granitemoe"}  # fmt: skip
+GRANITE_EXPERTS = ["block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"]
+PERMUTED = {"mixtral", "granitemoe"}  # LLAMA-style converters
+
+
+def _rope_order(rows: int, n_head: int) -> list[int]:
+    """Row i of the converted q/k is row order[i] of transformers' (conversion/llama.py
+    LlamaModel.permute): per head of d rows, the halves [0, d/2) and [d/2, d) interleaved."""
+    d = rows // n_head
+    return [h * d + j * (d // 2) + i for h in range(n_head) for i in range(d // 2) for j in (0, 1)]
+
+
+def _converted(name: str, w: torch.Tensor, heads: tuple[int, int] | None) -> torch.Tensor:
+    """A q/k weight (or its ΔW) the way llama.cpp's LLAMA converter writes it."""
+    if heads is None or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        return w
+    n = heads[0] if name.endswith("q_proj.weight") else heads[1]
+    return w[_rope_order(w.shape[0], n)]
 
 
 def _peft_deltas(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
@@ -36,13 +58,14 @@ def _peft_deltas(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _llama_view(name: str, d: torch.Tensor, model_type: str) -> dict[str, torch.Tensor]:
+def _llama_view(
+    name: str, d: torch.Tensor, model_type: str, heads: tuple[int, int] | None = None
+) -> dict[str, torch.Tensor]:
     """ΔW as llama.cpp's tensors hold it: [out, in] per expert, gate_up split its way."""
     layer = name.split(".")[2]
-    if name.endswith("q_proj.weight"):
-        return {f"blk.{layer}.attn_q.weight": d}
-    if name.endswith("o_proj.weight"):
-        return {f"blk.{layer}.attn_output.weight": d}
+    for proj, gguf_name in GGUF_ATTN.items():
+        if name.endswith(f"{proj}_proj.weight"):
+            return {f"blk.{layer}.{gguf_name}.weight": _converted(name, d, heads)}
     w = d.transpose(1, 2) if model_type == "gpt_oss" else d  # [E, out, in]
     if name.endswith("down_proj"):
         return {f"blk.{layer}.ffn_down_exps.weight": w}
@@ -57,21 +80,23 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, object]]:
     return tensors, {k: reader.fields[k].contents() for k in keys}
 
 
-@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("variant", [*FAMILIES, "mixtral", "granitemoe-bias"])
 def test_gguf_lora_equals_peft_per_expert(tmp_path: Path, variant: str) -> None:
     base = make_base(tmp_path, variant)
     fold = {"rank_pattern": {"down_proj": 3}, "alpha_pattern": {"down_proj": 8}}
     lora = fold if variant == "olmoe" else {}  # its own alpha/r: folded into B
-    adapter = make_adapter(base, tmp_path / "adapter", **lora)
+    if variant.startswith("granitemoe"):
+        lora["experts"] = GRANITE_EXPERTS
+    adapter = make_adapter(base, tmp_path / "adapter", modules=ATTENTION, **lora)
     run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
     tensors, meta = _read(tmp_path / "out" / "adapter.gguf")
-    arch = {"qwen3_moe-dense0": "qwen3moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe"}[variant]
-    assert meta == {"general.type": "adapter", "general.architecture": arch,
+    assert meta == {"general.type": "adapter", "general.architecture": ARCH[variant],
                     "adapter.type": "lora", "adapter.lora.alpha": 4.0}  # fmt: skip
     expected: dict[str, torch.Tensor] = {}
     model_type = variant.split("-")[0]
+    heads = (4, 2) if model_type in PERMUTED else None  # tiny.py: 4 heads, 2 kv heads
     for name, d in _peft_deltas(base, adapter).items():
-        expected.update(_llama_view(name, d, model_type))
+        expected.update(_llama_view(name, d, model_type, heads))
     assert {f"{n}.lora_{x}" for n in expected for x in "ab"} == set(tensors)
     assert any("_exps" in n for n in expected)
     for name, want in expected.items():
@@ -82,9 +107,39 @@ def test_gguf_lora_equals_peft_per_expert(tmp_path: Path, variant: str) -> None:
         assert float((got - want).norm() / want.norm()) < 1e-6, name
 
 
-def test_unmapped_family_is_refused_with_the_way_out(tmp_path: Path) -> None:
+def test_mixtral_lora_on_the_converted_base_is_the_converted_merge(tmp_path: Path) -> None:
+    """llama.cpp adds the LoRA to the converter-permuted base: permute(W) + ΔW_gguf must be
+    permute(W + ΔW) for q and k (GQA: k has fewer heads), in float64."""
     base = make_base(tmp_path, "mixtral")
+    config = transformers.AutoConfig.from_pretrained(str(base))
+    heads = (config.num_attention_heads, config.num_key_value_heads)
+    assert heads[1] < heads[0]
+    adapter = make_adapter(base, tmp_path / "adapter", modules=ATTENTION)
+    run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
+    tensors, _ = _read(tmp_path / "out" / "adapter.gguf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float64)
+    weights = dict(model.named_parameters())
+    checked = 0
+    for name, d in _peft_deltas(base, adapter).items():
+        if not name.endswith(("q_proj.weight", "k_proj.weight")):
+            continue
+        w = weights[name].detach()
+        gguf_name = f"blk.{name.split('.')[2]}.attn_{name.split('.')[-2][0]}.weight"
+        a, b = (torch.from_numpy(tensors[f"{gguf_name}.lora_{x}"]) for x in "ab")
+        served = _converted(name, w, heads) + (4.0 / b.shape[-1]) * (b @ a)
+        merged = _converted(name, w + d, heads)
+        assert float((served - merged).norm() / d.norm()) < 1e-6, name
+        unpermuted = _converted(name, w, heads) + d  # the 1:1 mapping of the other families
+        assert float((unpermuted - merged).norm() / d.norm()) > 0.5, name
+        checked += 1
+    assert checked == 2 * config.num_hidden_layers
+
+
+def test_unmapped_family_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    base = make_base(tmp_path, "deepseek_v2-lite-like")
     adapter = make_adapter(base, tmp_path / "adapter")
-    with pytest.raises(ExportError, match="no GGUF tensor mapping for 'mixtral'") as err:
+    with pytest.raises(ExportError, match="no GGUF tensor mapping for 'deepseek_v2'") as err:
         run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
     assert "--format merged" in err.value.fix and not (tmp_path / "out").exists()

@@ -41,6 +41,18 @@ FAMILIES = {
     "qwen3_moe-tied-local_experts": {"attention_bias": False, "norm_topk_prob": True},
     "gpt_oss": {},
     "olmoe": {"num_key_value_heads": 4},
+    "mixtral": {},  # LLAMA arch, GQA (4 heads, 2 kv): q/k LoRA rows permuted
+    "granitemoe-bias": {},  # GRANITE_MOE, a LlamaModel to the converter: permuted too
+}
+# The adapter per variant where it differs (default: q/o + mlp.experts.*): k_proj checks
+# that the permutation uses the kv heads; granitemoe's experts sit in block_sparse_moe.
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ADAPTERS = {
+    "mixtral": {"modules": ATTENTION},
+    "granitemoe-bias": {
+        "modules": ATTENTION,
+        "experts": ["block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"],
+    },
 }
 
 
@@ -73,7 +85,7 @@ def test_llamacpp_serves_what_was_trained(
     tmp_path: Path, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MOETUNE_LLAMA_CPP")  # converted below, with the tiny models' vocab
-    run = make_run(tmp_path, variant, FAMILIES[variant])
+    run = make_run(tmp_path, variant, FAMILIES[variant], **ADAPTERS.get(variant, {}))
     source = resolve_source(run)
     out, merged = tmp_path / "gguf", tmp_path / "merged"
     run_export(source, "gguf", out, ExportOptions())

@@ -7,13 +7,22 @@ from typing import Any
 
 import pytest
 
-from test_rules import check, ctx
+from test_rules import DSV2, check, ctx
 
 
 def _serve(stack: str, model: str = "Qwen/Qwen3-30B-A3B", **lora: Any) -> Any:
     return ctx(
         model, output={"serve_with": [stack]}, lora={"targets": ["attention", "experts"], **lora}
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "export"),
+    [("mistralai/Mixtral-8x7B-v0.1", "--format gguf"), (DSV2, "--format merged")],
+)
+def test_gguf_rule_points_at_the_export_the_family_has(model: str, export: str) -> None:
+    f = check("SERVE-GGUF-CONVERTER", _serve("llama.cpp", model))
+    assert f and f.fix.startswith(f"moetune export RUN {export}")
 
 
 def test_vllm_2d_family_warns_with_the_per_expert_export() -> None:

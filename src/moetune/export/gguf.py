@@ -8,7 +8,9 @@ peft's fused expert adapters (`Unprocessed experts`), so moetune writes the file
 with the `gguf` package: attention / dense LoRA as A `[r, in]`, B `[out, r]`, the fused
 gate_up stack split like llama.cpp's converter splits the weight (halves for most
 families, interleaved even/odd rows for gpt-oss). Each layer's own peft scaling is folded
-into B where it differs from the file-wide alpha / r, so rank patterns stay exact.
+into B where it differs from the file-wide alpha / r, so rank patterns stay exact. Where the
+converter permutes q/k rows into llama.cpp's rope layout (LLAMA: mixtral, granitemoe), B's
+rows are permuted the same way, since permuting W's rows permutes B's in ΔW = B @ A.
 
 Where llama.cpp's `convert_hf_to_gguf.py` is found (MOETUNE_LLAMA_CPP=<llama.cpp dir>),
 the base and the merged model are converted too (base.gguf, merged.gguf).
@@ -20,6 +22,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +46,45 @@ ADAPTER_FILE = "adapter.gguf"
 def family_of(base: str) -> GgufFamily:
     from transformers import AutoConfig
 
-    model_type = AutoConfig.from_pretrained(base).model_type
-    if model_type not in GGUF_FAMILIES:
+    config = AutoConfig.from_pretrained(base)
+    if config.model_type not in GGUF_FAMILIES:
         known = ", ".join(sorted(GGUF_FAMILIES))
         raise ExportError(
-            f"no GGUF tensor mapping for {model_type!r} (mapped: {known})",
+            f"no GGUF tensor mapping for {config.model_type!r} (mapped: {known})",
             "export --format merged and convert it with llama.cpp's convert_hf_to_gguf.py",
         )
-    return GGUF_FAMILIES[model_type]
+    family = GGUF_FAMILIES[config.model_type]
+    if not family.permute_qk:
+        return family
+    text = config.get_text_config()
+    n_head = int(text.num_attention_heads)
+    n_kv = int(getattr(text, "num_key_value_heads", None) or n_head)
+    return replace(family, heads=(n_head, n_kv))
+
+
+def rope_rows(b: torch.Tensor, n_head: int) -> torch.Tensor:
+    """B's rows in the order LLAMA's converter puts W's q/k rows: per head, the two rope
+    halves interleaved. W's rows move, so B's rows do (ΔW = B @ A)."""
+    rows = b.shape[0]
+    if rows % (2 * n_head):
+        raise ExportError(
+            f"{rows} q/k rows do not split into {n_head} heads of two rope halves",
+            "export --format merged",
+        )
+    return b.reshape(n_head, 2, rows // n_head // 2, -1).swapaxes(1, 2).reshape(b.shape)
+
+
+def permuted(param: str, b: torch.Tensor, family: GgufFamily) -> torch.Tensor:
+    """B of an attention LoRA as llama.cpp's converted base needs it (q with n_head, k with
+    n_head_kv, as conversion/llama.py permutes them); other weights unchanged."""
+    if family.heads is None:
+        return b
+    n_head, n_kv = family.heads
+    if param.endswith("q_proj.weight"):
+        return rope_rows(b, n_head)
+    if param.endswith("k_proj.weight"):
+        return rope_rows(b, n_kv)
+    return b
 
 
 def split_gate_up(b: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +100,7 @@ def pieces(
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(transformers weight name, A, B) in llama.cpp's orientation (W = B @ A per expert)."""
     if not target.is_experts:
-        yield target.param, a, b
+        yield target.param, a, permuted(target.param, b, family)
         return
     per_a, per_b = expert_factors(target, a, b)
     stem, _, which = target.param.rpartition(".")
@@ -99,6 +133,8 @@ def lora_tensors(source: Source, family: GgufFamily) -> tuple[float, dict[str, A
         alpha = target.scaling * rank if alpha is None else alpha
         fold = target.scaling * rank / alpha  # llama.cpp scales by alpha / r
         for hf_name, pa, pb in pieces(target, a, b, family):
+            if family.rename is not None:
+                hf_name = hf_name.replace(*family.rename)
             name = names.get_name(hf_name, try_suffixes=(".weight",))
             if name is None:
                 raise ExportError(

@@ -39,18 +39,34 @@ VLLM_FAMILIES: dict[str, VllmFamily] = {
 
 @dataclass(frozen=True)
 class GgufFamily:
-    """How llama.cpp names one transformers family: its gguf MODEL_ARCH member and how its
-    converter splits the fused gate_up expert stack ("halves" or "interleaved")."""
+    """How llama.cpp names one transformers family: its gguf MODEL_ARCH member, how its
+    converter splits the fused gate_up expert stack ("halves" or "interleaved"), and whether
+    it permutes the q/k rows (LLAMA's rope layout) – then `heads` holds the model's
+    (n_head, n_head_kv), read from its config at export time – and `rename` (transformers'
+    module path, the path gguf's tensor map knows) where the two differ."""
 
     arch: str
     gate_up: str = "halves"
+    permute_qk: bool = False
+    heads: tuple[int, int] | None = None
+    rename: tuple[str, str] | None = None
 
 
-# convert_hf_to_gguf.py (conversion/qwen.py, olmo.py, gpt_oss.py): none of these permutes
-# q/k, so attention LoRA maps 1:1; experts become blk.N.ffn_{gate,up,down}_exps.
+# convert_hf_to_gguf.py (conversion/qwen.py, olmo.py, gpt_oss.py): these keep q/k as they
+# are, so attention LoRA maps 1:1; experts become blk.N.ffn_{gate,up,down}_exps.
+# conversion/llama.py takes MixtralForCausalLM as LLAMA: q rows permuted per head
+# (reshape(n_head, 2, d/2, in).swapaxes(1, 2)), k the same with n_head_kv; experts w1/w3/w2
+# stacked to ffn_gate/up/down_exps (transformers fuses them as gate_up = [w1; w3]).
+# conversion/granite.py: GraniteMoe is a LlamaModel (same q/k permutation); its converter
+# splits input_linear (transformers: block_sparse_moe.experts.gate_up_proj) in halves,
+# gate first, names the halves itself; the tensor map knows the mlp.experts.* spelling.
 GGUF_FAMILIES: dict[str, GgufFamily] = {
     "qwen3_moe": GgufFamily("QWEN3MOE"),
     "qwen2_moe": GgufFamily("QWEN2MOE"),
     "olmoe": GgufFamily("OLMOE"),
     "gpt_oss": GgufFamily("GPT_OSS", gate_up="interleaved"),
+    "mixtral": GgufFamily("LLAMA", permute_qk=True),
+    "granitemoe": GgufFamily(
+        "GRANITE_MOE", permute_qk=True, rename=(".block_sparse_moe.experts.", ".mlp.experts.")
+    ),
 }

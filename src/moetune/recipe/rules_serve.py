@@ -4,7 +4,7 @@ experts (the default config serves nothing, so it stays quiet)."""
 
 from __future__ import annotations
 
-from moetune.model.serving import VLLM_FAMILIES
+from moetune.model.serving import GGUF_FAMILIES, VLLM_FAMILIES
 from moetune.recipe import probes_serve
 from moetune.recipe.rules import Hit, LintContext, register_rule
 
@@ -59,11 +59,18 @@ def vllm_3d(ctx: LintContext) -> Hit | None:
 def gguf_converter(ctx: LintContext) -> Hit | None:
     if not _serves_experts(ctx, "llama.cpp"):
         return None
+    mapped = ctx.spec is None or ctx.spec.model_type in GGUF_FAMILIES
+    fix = (
+        "moetune export RUN --format gguf --out DIR (stacked ffn_*_exps LoRA llama.cpp "
+        "applies), or --format merged and convert_hf_to_gguf.py"
+        if mapped
+        else "moetune export RUN --format merged --out DIR and convert it with llama.cpp's "
+        "convert_hf_to_gguf.py (--format gguf has no tensor mapping for this family)"
+    )
     return Hit(
         "llama.cpp's convert_lora_to_gguf.py raises 'Unprocessed experts' on peft's expert "
         "stacks; an attention-only GGUF LoRA loses the fine-tune",
-        "moetune export RUN --format gguf --out DIR (stacked ffn_*_exps LoRA llama.cpp "
-        "applies), or --format merged and convert_hf_to_gguf.py",
+        fix,
         "output.serve_with",
     )
 
