@@ -89,3 +89,16 @@ def test_mlx_format_serves_what_was_trained_in_mlx_lm(tmp_path: Path, variant: s
     assert check["logits_rel"] < 1e-4 < check["expert_effect"]
     assert (out / "adapters" / "adapters.safetensors").is_file()
     assert (out / "model" / "config.json").is_file()
+
+
+def test_an_adapter_without_eval_items_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    import shutil
+
+    run = make_run(tmp_path, "olmoe")
+    adapter = shutil.copytree(run / "adapter", tmp_path / "lone-adapter")  # no run around it
+    args = ["export", str(adapter), "--base", str(tmp_path / "base-olmoe")]
+    got = CliRunner().invoke(app, [*args, "--format", "merged", "--out", str(tmp_path / "m")])
+    assert got.exit_code == 1 and "no eval items" in got.output and "--items" in got.output
+    assert not (tmp_path / "m").exists()  # nothing half-written

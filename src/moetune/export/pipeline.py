@@ -18,6 +18,7 @@ from moetune.export.check import (
     CheckResult,
     ConsumerUnavailable,
     check_export,
+    eval_texts,
 )
 from moetune.export.registry import ExportResult, Source
 from moetune.io import atomic_write_json
@@ -49,6 +50,8 @@ def export(
     ledger, fields = ledger_of(source)
     with attempt(ledger, "export", **fields) as row:
         row["metrics"] = {"format": fmt, "out": str(out)}  # a failed export says what it was
+        if check is not None:  # no items to check on: refused before anything is written
+            eval_texts(source, check.items_file, check.items)
         result = run_export(source, fmt, out, opts)
         doc: dict[str, Any] = {
             **result.to_json(),
