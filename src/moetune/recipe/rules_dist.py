@@ -16,31 +16,28 @@ def _sharded(ctx: LintContext, strategies: tuple[str, ...] = SHARDED) -> bool:
     return t.nproc > 1 and t.strategy in strategies
 
 
-def _on_cpu(ctx: LintContext) -> bool:
-    device = ctx.config.train.device
-    if device != "auto":
-        return device == "cpu"
-    import torch  # only for a sharded multi-process run
-
-    return not torch.cuda.is_available()
-
-
 @register_rule(
     "DIST-SHARDED-CPU",
     "error",
-    "ZeRO-3 requested for CPU processes, which accelerate runs as plain DDP",
+    "ZeRO-3 on CPU processes of a host with a GPU, which accelerate runs as plain DDP",
     probe=probes_dist.fsdp_on_cpu,
     libraries=("accelerate", "torch"),
 )
 def sharded_cpu(ctx: LintContext) -> Hit | None:
-    # fsdp is fine: a CPU rank is switched to accelerate's FSDP2 path (distributed.shard_on_cpu)
-    if not _sharded(ctx, ("zero3",)) or not _on_cpu(ctx):
+    # fsdp is fine: a CPU rank is switched to accelerate's FSDP2 path (distributed.shard_on_cpu);
+    # zero3 too on a host without CUDA: its ranks are use_cpu=False over gloo (device_args)
+    if not _sharded(ctx, ("zero3",)) or ctx.config.train.device != "cpu":
+        return None
+    import torch  # only for a zero3 multi-process run on device cpu
+
+    if not torch.cuda.is_available():
         return None
     return Hit(
-        "train.strategy zero3 on CPU processes: accelerate enters DeepSpeed only on GPUs, so "
-        "every CPU rank would hold the whole model (DDP)",
-        "set train.strategy: fsdp (FSDP2 shards over gloo on CPU) or ddp; zero3 needs GPUs",
-        "train.strategy",
+        "train.strategy zero3 with train.device cpu beside a GPU: accelerate enters DeepSpeed "
+        "only without use_cpu, which would take the GPU, so every CPU rank would hold the "
+        "whole model (DDP)",
+        "set train.device: auto (ZeRO-3 on the GPUs), or train.strategy: fsdp for CPU ranks",
+        "train.device",
     )
 
 
