@@ -1,5 +1,6 @@
 """Rules for train.nproc > 1 (train/distributed.py): strategies accelerate cannot run here,
-and engine features not validated under ZeRO-3, refused before any process starts."""
+refused before any process starts. Split LoRA and quantised experts need no rule: under
+FSDP2 and ZeRO-3 they train the 1-process adapter (tests/test_train_distributed.py, gloo)."""
 
 from __future__ import annotations
 
@@ -54,39 +55,6 @@ def deepspeed_missing(ctx: LintContext) -> Hit | None:
         return None
     return Hit(
         "train.strategy zero3 needs DeepSpeed, which is not installed: every rank fails at start",
-        "pip install deepspeed on the GPU machine, or set train.strategy: fsdp",
-        "train.strategy",
-    )
-
-
-def _engine_feature(ctx: LintContext) -> str | None:
-    """What of moetune's engine the run uses that sharding was not validated with."""
-    if ctx.config.model.experts_dtype != "bf16":
-        return f"quantised experts (model.experts_dtype {ctx.config.model.experts_dtype})"
-    if ctx.spec is None or "experts" not in ctx.config.lora.targets:
-        return None
-    from moetune.engine.resolve import resolve_engine
-
-    if resolve_engine(ctx.spec, ctx.config.lora, ctx.config.model.experts_dtype) == "moetune":
-        return "split LoRA (lora.engine moetune)"
-    return None
-
-
-@register_rule(
-    "DIST-ENGINE-SHARDED",
-    "error",
-    "split LoRA or quantised experts under ZeRO-3, not validated",
-    probe=probes_dist.engine_sharded,
-    libraries=("accelerate", "torch"),
-)
-def engine_sharded(ctx: LintContext) -> Hit | None:
-    # under fsdp both equal the 1-process run (tests/test_train_distributed.py, gloo)
-    feature = _engine_feature(ctx) if _sharded(ctx, ("zero3",)) else None
-    if feature is None:
-        return None
-    return Hit(
-        f"{feature} with train.strategy {ctx.config.train.strategy}: its expert stacks were "
-        "never validated under DeepSpeed's partitioning (DDP and FSDP2 are tested)",
-        "set train.strategy: fsdp or ddp, or lora.engine: peft with model.experts_dtype: bf16",
+        "pip install 'deepspeed>=0.19.8,<0.20' where moetune runs, or set train.strategy: fsdp",
         "train.strategy",
     )
