@@ -105,7 +105,7 @@ def test_zero3_on_cpu_is_refused_only_beside_a_gpu(tiny, tmp_path, monkeypatch):
 
     zero3 = _cfg(tiny, tmp_path / "r", nproc=2, strategy="zero3", lora__engine="moetune")
     zero3.model.experts_dtype = "int8"  # split LoRA and quantised stacks shard as well
-    assert not {"DIST-SHARDED-CPU", "DIST-ENGINE-SHARDED"} & _dist_errors(zero3)
+    assert "DIST-SHARDED-CPU" not in _dist_errors(zero3)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "DIST-SHARDED-CPU" in _dist_errors(zero3)
     for strategy in ("ddp", "fsdp"):  # fsdp: accelerate's FSDP2 over gloo (shard_on_cpu)

@@ -11,8 +11,15 @@ Facts this rests on (accelerate 1.15, checked by the DIST-* rules' probes):
 - A CPU process (TrainingArguments.use_cpu) is MULTI_CPU over gloo whatever the config
   says: accelerate enters FSDP or DeepSpeed only on GPU-like devices. torch's FSDP2
   (fully_shard) runs on CPU over gloo all the same, so a CPU rank of an FSDP launch is
-  switched to accelerate's FSDP path (shard_on_cpu) – that is how fsdp is tested here;
-  zero3 on CPU is refused in preflight (DIST-SHARDED-CPU) rather than silently run as DDP.
+  switched to accelerate's FSDP path (shard_on_cpu) – that is how fsdp is tested here.
+- DeepSpeed is entered for use_cpu=False only; on a host without CUDA such a rank is a CPU
+  rank all the same, and with the gloo backend (device_args) accelerate counts the world
+  right and DeepSpeed's CPU accelerator runs ZeRO-3 over gloo – how zero3 is tested here.
+  Beside a GPU, device cpu + zero3 is refused (DIST-SHARDED-CPU). On a machine's first
+  ZeRO-3 run the CPU accelerator JIT-compiles its shm_comm op (~4 min on 2 loaded cores);
+  a rank killed mid-build leaves torch's lock file, on which every later rank waits for
+  ever (the hang seen before: py-spy shows FileBaton.wait under build_shm_op), so `make
+  setup-deepspeed` builds it once.
 - `accelerate launch` with `use_cpu` has no multi-process launcher except mpirun; the
   torchrun-based one (distributed_type MULTI_GPU / FSDP / DEEPSPEED) spawns the ranks, and
   each rank then picks its own backend (gloo on CPU, nccl on CUDA).
