@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup quickstart test test-slow lint format bench clean setup-skypilot test-skypilot
+.PHONY: setup quickstart test test-slow lint format bench clean setup-skypilot test-skypilot \
+	setup-deepspeed test-deepspeed
 
 setup: $(BIN)/moetune
 
@@ -25,6 +26,19 @@ setup-skypilot:
 
 test-skypilot: setup setup-skypilot
 	$(BIN)/pytest -q -m skypilot
+
+# DeepSpeed (train.strategy zero3) in its own venv: an sdist with its own JIT-built C++ ops,
+# opt-in like the serving stacks. The CPU accelerator's shm_comm op is built once here, so
+# no rank compiles it (a rank killed mid-build leaves torch's lock file and the next waits).
+DS_VENV ?= /work/venvs/ds
+setup-deepspeed:
+	$(PY) -m venv $(DS_VENV)
+	$(DS_VENV)/bin/pip install "torch==2.13.0"  # the CPU build, as setup does
+	$(DS_VENV)/bin/pip install -e ".[dev]" "deepspeed>=0.19.8,<0.20"
+	$(DS_VENV)/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+
+test-deepspeed: setup-deepspeed
+	OMP_NUM_THREADS=1 $(DS_VENV)/bin/pytest -q -m deepspeed tests/test_train_distributed.py
 
 quickstart: setup
 	$(BIN)/moetune quickstart

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -277,15 +278,18 @@ def train_cmd(
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     from moetune.config import load_config
     from moetune.preflight import option_overrides
-    from moetune.train import train
-    from moetune.train.distributed import launch_or_train, quiet_rank
     from moetune.units import human_bytes
 
     sets = [*(overrides or []), *option_overrides(engine=engine, nproc=nproc, strategy=strategy)]
     cfg = load_config(config, sets)
     flags = {"resume": resume, "allow_errors": allow_errors, "overwrite": overwrite}
     flags |= {"overwrite_promoted": overwrite_promoted, "json": as_json}
-    result = launch_or_train(cfg, config, sets, flags, train)
+    # stdout is the report: DeepSpeed's logger (imported with transformers) writes to stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        from moetune.train import train
+        from moetune.train.distributed import launch_or_train, quiet_rank
+
+        result = launch_or_train(cfg, config, sets, flags, train)
     if quiet_rank():  # a rank of a launch: the launcher or the main process reports
         return
     if as_json:

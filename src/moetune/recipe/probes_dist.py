@@ -23,8 +23,9 @@ if acc.is_main_process:
 def fsdp_on_cpu() -> ProbeOutcome:
     """A CPU rank asking stock accelerate for a sharded strategy gets plain MULTI_CPU (DDP over
     gloo): its FSDP and DeepSpeed paths are for GPU-like devices only. moetune switches an
-    FSDP rank over (train.distributed.shard_on_cpu); DeepSpeed it cannot. One rank of a world
-    of one (the env torchrun sets) shows it without a second process."""
+    FSDP rank over (train.distributed.shard_on_cpu); a ZeRO-3 rank is given use_cpu=False,
+    which is the CPU only on a host without CUDA (train.distributed.device_args). One rank of
+    a world of one (the env torchrun sets) shows it without a second process."""
     import socket
 
     with socket.socket() as sock:
@@ -52,14 +53,3 @@ def deepspeed_missing() -> ProbeOutcome:
     return ProbeOutcome(
         not is_deepspeed_available(), "accelerate.utils.is_deepspeed_available() is False"
     )
-
-
-def engine_sharded() -> ProbeOutcome:
-    """Split LoRA / quantised stacks under ZeRO-3: only a multi-GPU run can show it."""
-    import torch
-
-    if torch.cuda.device_count() < 2:
-        raise ProbeUnavailable(
-            "needs 2 CUDA devices: accelerate runs DeepSpeed on GPUs only (fsdp_on_cpu)"
-        )
-    raise ProbeUnavailable("not validated yet on multi-GPU hardware: the rule stays an error")

@@ -1,5 +1,6 @@
 """Rules for train.nproc > 1 (train/distributed.py): strategies accelerate cannot run here,
-and engine features not validated under ZeRO-3, refused before any process starts."""
+refused before any process starts. Split LoRA and quantised experts need no rule: under
+FSDP2 and ZeRO-3 they train the 1-process adapter (tests/test_train_distributed.py, gloo)."""
 
 from __future__ import annotations
 
@@ -16,31 +17,28 @@ def _sharded(ctx: LintContext, strategies: tuple[str, ...] = SHARDED) -> bool:
     return t.nproc > 1 and t.strategy in strategies
 
 
-def _on_cpu(ctx: LintContext) -> bool:
-    device = ctx.config.train.device
-    if device != "auto":
-        return device == "cpu"
-    import torch  # only for a sharded multi-process run
-
-    return not torch.cuda.is_available()
-
-
 @register_rule(
     "DIST-SHARDED-CPU",
     "error",
-    "ZeRO-3 requested for CPU processes, which accelerate runs as plain DDP",
+    "ZeRO-3 on CPU processes of a host with a GPU, which accelerate runs as plain DDP",
     probe=probes_dist.fsdp_on_cpu,
     libraries=("accelerate", "torch"),
 )
 def sharded_cpu(ctx: LintContext) -> Hit | None:
-    # fsdp is fine: a CPU rank is switched to accelerate's FSDP2 path (distributed.shard_on_cpu)
-    if not _sharded(ctx, ("zero3",)) or not _on_cpu(ctx):
+    # fsdp is fine: a CPU rank is switched to accelerate's FSDP2 path (distributed.shard_on_cpu);
+    # zero3 too on a host without CUDA: its ranks are use_cpu=False over gloo (device_args)
+    if not _sharded(ctx, ("zero3",)) or ctx.config.train.device != "cpu":
+        return None
+    import torch  # only for a zero3 multi-process run on device cpu
+
+    if not torch.cuda.is_available():
         return None
     return Hit(
-        "train.strategy zero3 on CPU processes: accelerate enters DeepSpeed only on GPUs, so "
-        "every CPU rank would hold the whole model (DDP)",
-        "set train.strategy: fsdp (FSDP2 shards over gloo on CPU) or ddp; zero3 needs GPUs",
-        "train.strategy",
+        "train.strategy zero3 with train.device cpu beside a GPU: accelerate enters DeepSpeed "
+        "only without use_cpu, which would take the GPU, so every CPU rank would hold the "
+        "whole model (DDP)",
+        "set train.device: auto (ZeRO-3 on the GPUs), or train.strategy: fsdp for CPU ranks",
+        "train.device",
     )
 
 
@@ -57,39 +55,6 @@ def deepspeed_missing(ctx: LintContext) -> Hit | None:
         return None
     return Hit(
         "train.strategy zero3 needs DeepSpeed, which is not installed: every rank fails at start",
-        "pip install deepspeed on the GPU machine, or set train.strategy: fsdp",
-        "train.strategy",
-    )
-
-
-def _engine_feature(ctx: LintContext) -> str | None:
-    """What of moetune's engine the run uses that sharding was not validated with."""
-    if ctx.config.model.experts_dtype != "bf16":
-        return f"quantised experts (model.experts_dtype {ctx.config.model.experts_dtype})"
-    if ctx.spec is None or "experts" not in ctx.config.lora.targets:
-        return None
-    from moetune.engine.resolve import resolve_engine
-
-    if resolve_engine(ctx.spec, ctx.config.lora, ctx.config.model.experts_dtype) == "moetune":
-        return "split LoRA (lora.engine moetune)"
-    return None
-
-
-@register_rule(
-    "DIST-ENGINE-SHARDED",
-    "error",
-    "split LoRA or quantised experts under ZeRO-3, not validated",
-    probe=probes_dist.engine_sharded,
-    libraries=("accelerate", "torch"),
-)
-def engine_sharded(ctx: LintContext) -> Hit | None:
-    # under fsdp both equal the 1-process run (tests/test_train_distributed.py, gloo)
-    feature = _engine_feature(ctx) if _sharded(ctx, ("zero3",)) else None
-    if feature is None:
-        return None
-    return Hit(
-        f"{feature} with train.strategy {ctx.config.train.strategy}: its expert stacks were "
-        "never validated under DeepSpeed's partitioning (DDP and FSDP2 are tested)",
-        "set train.strategy: fsdp or ddp, or lora.engine: peft with model.experts_dtype: bf16",
+        "pip install 'deepspeed>=0.19.8,<0.20' where moetune runs, or set train.strategy: fsdp",
         "train.strategy",
     )

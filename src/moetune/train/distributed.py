@@ -11,8 +11,15 @@ Facts this rests on (accelerate 1.15, checked by the DIST-* rules' probes):
 - A CPU process (TrainingArguments.use_cpu) is MULTI_CPU over gloo whatever the config
   says: accelerate enters FSDP or DeepSpeed only on GPU-like devices. torch's FSDP2
   (fully_shard) runs on CPU over gloo all the same, so a CPU rank of an FSDP launch is
-  switched to accelerate's FSDP path (shard_on_cpu) – that is how fsdp is tested here;
-  zero3 on CPU is refused in preflight (DIST-SHARDED-CPU) rather than silently run as DDP.
+  switched to accelerate's FSDP path (shard_on_cpu) – that is how fsdp is tested here.
+- DeepSpeed is entered for use_cpu=False only; on a host without CUDA such a rank is a CPU
+  rank all the same, and with the gloo backend (device_args) accelerate counts the world
+  right and DeepSpeed's CPU accelerator runs ZeRO-3 over gloo – how zero3 is tested here.
+  Beside a GPU, device cpu + zero3 is refused (DIST-SHARDED-CPU). On a machine's first
+  ZeRO-3 run the CPU accelerator JIT-compiles its shm_comm op (~4 min on 2 loaded cores);
+  a rank killed mid-build leaves torch's lock file, on which every later rank waits for
+  ever (the hang seen before: py-spy shows FileBaton.wait under build_shm_op), so `make
+  setup-deepspeed` builds it once.
 - `accelerate launch` with `use_cpu` has no multi-process launcher except mpirun; the
   torchrun-based one (distributed_type MULTI_GPU / FSDP / DEEPSPEED) spawns the ranks, and
   each rank then picks its own backend (gloo on CPU, nccl on CUDA).
@@ -28,7 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +95,50 @@ def _zero3(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
             "zero_stage": 3,
             "gradient_accumulation_steps": cfg.train.grad_accum,
             "zero3_init_flag": False,
-            "zero3_save_16bit_model": False,
+            # the adapter is saved whole (gathered); a step's checkpoint is DeepSpeed's own
+            "zero3_save_16bit_model": True,
             "offload_optimizer_device": "none",
             "offload_param_device": "none",
         },
     }
+
+
+def deepspeed_rank() -> bool:
+    """A rank of a DeepSpeed launch (`accelerate launch` sets this for distributed_type
+    DEEPSPEED)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def device_args(device: str) -> dict[str, Any]:
+    """TrainingArguments' device fields for a rank on `device`. accelerate skips its
+    DeepSpeed path for use_cpu, yet on a host without CUDA a use_cpu=False rank runs on
+    the CPU all the same; given the gloo backend (else accelerate counts a world of one),
+    DeepSpeed's CPU accelerator then runs ZeRO-3 over gloo. DIST-SHARDED-CPU refuses
+    device cpu beside a GPU, where use_cpu=False would take the GPU."""
+    import torch
+
+    if device == "cpu" and deepspeed_rank() and not torch.cuda.is_available():
+        return {"use_cpu": False, "ddp_backend": "gloo"}
+    return {"use_cpu": device == "cpu"}
+
+
+@contextlib.contextmanager
+def whole_load(args: Any) -> Iterator[None]:
+    """Build the model whole on every rank of a ZeRO-3 run (zero3_init_flag false): while
+    accelerate's DeepSpeed config is registered with transformers, from_pretrained partitions
+    the weights at load (deepspeed.zero.Init), and moetune reads them before training (LoRA
+    wrapping, routing baseline, router snapshot). DeepSpeed partitions in prepare()."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # what accelerate registered, back for the trainer
 
 
 def decoder_layers(model_id: str) -> list[str]:
@@ -164,7 +210,10 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
     config = write_config(cfg, root)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     env = {**os.environ, LAUNCHED_ENV: "1"}
-    proc = subprocess.Popen([*cmd, "-m", "moetune", *argv], env=env, preexec_fn=_die_with_parent)
+    # the ranks' stdout (DeepSpeed prints there) goes to stderr: stdout is the launcher's report
+    proc = subprocess.Popen(
+        [*cmd, "-m", "moetune", *argv], env=env, stdout=2, preexec_fn=_die_with_parent
+    )
     try:
         code = proc.wait()
     finally:
@@ -213,21 +262,29 @@ def fsdp_on_cpu() -> None:
 
 def sharding(trainer: Any) -> dict[str, Any] | None:
     """What accelerate ran on this rank (None for one process): its distributed type and
-    how much of the model this rank holds – FSDP2 keeps a DTensor shard of each parameter."""
+    how much of the model this rank holds – FSDP2 keeps a DTensor shard of each parameter,
+    ZeRO-3 a flat partition (ds_tensor) of each."""
     if trainer.args.world_size == 1:
         return None
-    from torch.distributed.tensor import DTensor
-
-    params = list(trainer.model_wrapped.parameters())
-    shards = [p for p in params if isinstance(p, DTensor)]
-    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    sizes = [_share(p) for p in trainer.model_wrapped.parameters()]
     return {
         "accelerate": str(trainer.accelerator.distributed_type.value),
         "world_size": trainer.args.world_size,
-        "sharded_parameters": len(shards),
-        "parameters": len(params),
-        "local_share": round(local / sum(p.numel() for p in params), 4),
+        "sharded_parameters": sum(sharded for _, _, sharded in sizes),
+        "parameters": len(sizes),
+        "local_share": round(sum(s[0] for s in sizes) / sum(s[1] for s in sizes), 4),
     }
+
+
+def _share(param: Any) -> tuple[int, int, bool]:
+    """(elements this rank holds, elements of the whole parameter, whether it is sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        return param.to_local().numel(), param.numel(), True
+    if hasattr(param, "ds_id"):  # DeepSpeed ZeRO-3 (its partition may carry padding)
+        return param.ds_tensor.numel(), param.ds_numel, True
+    return param.numel(), param.numel(), False
 
 
 def _cpu_rank(cfg: RunConfig) -> bool:

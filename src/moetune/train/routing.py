@@ -31,6 +31,7 @@ share.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -190,11 +191,22 @@ def effective_weight(module: nn.Module) -> torch.Tensor:
 
 def router_weights(model: nn.Module, spec: ModelSpec) -> dict[int, torch.Tensor]:
     """MoE layer -> a CPU fp32 copy of its router's effective weight."""
-    with torch.no_grad():
+    routers = router_modules(model, spec)
+    with torch.no_grad(), gathered([p for m in routers.values() for p in m.parameters()]):
         return {
             layer: whole(effective_weight(module)).cpu().clone()
-            for layer, module in router_modules(model, spec).items()
+            for layer, module in routers.items()
         }
+
+
+def gathered(params: list[torch.nn.Parameter]) -> contextlib.AbstractContextManager[Any]:
+    """DeepSpeed ZeRO-3 parameters whole for reading (GatheredParameters, a collective: every
+    rank enters it); anything else as it is."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

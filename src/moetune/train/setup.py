@@ -20,6 +20,7 @@ from moetune.config import RunConfig, TrainArgs
 from moetune.io import atomic_write_json
 from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.data import TrainData, load_train_data
+from moetune.train.distributed import device_args
 from moetune.train.errors import TrainError
 from moetune.train.methods import method_of
 from moetune.train.recovery import ResumePoint, resume_point_of, set_aside
@@ -264,7 +265,7 @@ def shared_args(
         seed=t.seed,
         data_seed=t.seed,
         bf16=place.precision == "bf16",
-        use_cpu=place.device == "cpu",
+        **device_args(place.device),
         logging_steps=t.logging_steps,
         save_strategy="steps",
         save_steps=t.save_steps,

@@ -64,7 +64,7 @@ from moetune.train.checkpoint import (
     ledger_fields,
     replace_dir,
 )
-from moetune.train.distributed import shard_on_cpu, sharding
+from moetune.train.distributed import shard_on_cpu, sharding, whole_load
 from moetune.train.errors import TrainError
 from moetune.train.lanes import lane_for
 from moetune.train.lock import hold
@@ -181,7 +181,9 @@ def _train(
         return TrainResult.from_json(json.loads(run.summary.read_text(encoding="utf-8"))["result"])
     console = Console(stderr=True, quiet=not progress)
     setup = prepare(cfg, run, resume, allow_errors)
-    model, setup.coverage = wrap_lora(load_model(cfg, setup.place, setup.engine), cfg, run, setup)
+    with whole_load(setup.args):  # ZeRO-3 partitions it in trainer.train, not at load
+        base = load_model(cfg, setup.place, setup.engine)
+        model, setup.coverage = wrap_lora(base, cfg, run, setup)
     announce(console, cfg, setup)
     router_before = router_weights(model, setup.spec)
     trainer, routing = build_trainer(cfg, setup, run, model, console)
