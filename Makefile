@@ -33,7 +33,7 @@ test-skypilot: setup setup-skypilot
 DS_VENV ?= /work/venvs/ds
 setup-deepspeed:
 	$(PY) -m venv $(DS_VENV)
-	$(DS_VENV)/bin/pip install "torch==2.13.0"  # the CPU build, as setup does
+	$(DS_VENV)/bin/pip install "torch==2.13.0" || $(DS_VENV)/bin/pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 	$(DS_VENV)/bin/pip install -e ".[dev]" "deepspeed>=0.19.8,<0.20"
 	$(DS_VENV)/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 
