@@ -11,10 +11,15 @@ import pytest
 import torch
 
 from moetune.train import train
-from moetune.train import trainer as trainer_mod
 from moetune.train.errors import DataError
 from moetune.train.grpo_sft import SftTerm, completion_problem, sft_batch, with_sft_term
-from test_train_helpers import GEN_TEMPLATE, one_thread, run_config, save_tiny_model, write_jsonl
+from test_train_helpers import (
+    GEN_TEMPLATE,
+    run_config,
+    save_tiny_model,
+    train_capturing,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -157,18 +162,8 @@ def test_grpo_run_with_the_term_and_its_refusal(tiny, tmp_path):
     grpo = {"num_generations": 4, "max_completion_length": 6, "sft_weight": 1.0}
     cfg = run_config(path, data, tmp_path / "run", method="grpo", max_steps=2, batch_size=8,
                      grpo=grpo)  # fmt: skip
-    built: dict[str, Any] = {}
-    real = trainer_mod.build_trainer
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        built["trainer"], routing = real(*args, **kwargs)
-        return built["trainer"], routing
-
-    with pytest.MonkeyPatch.context() as mp, one_thread():
-        mp.setattr(trainer_mod, "build_trainer", spy)
-        result = train(cfg, progress=False)
+    result, trainer = train_capturing(cfg)
     assert (result.method, result.steps, result.coverage) == ("grpo", 2, 1.0)
-    trainer = built["trainer"]
     assert isinstance(trainer, SftTerm) and trainer.sft_weight == 1.0
     assert [r["sft_nll"] > 0 for r in trainer.state.log_history if "sft_nll" in r] == [True] * 2
     plain = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]

@@ -110,3 +110,22 @@ def write_small_moe_config(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def train_capturing(cfg: RunConfig) -> tuple[Any, Any]:
+    """train(cfg) on one thread, and the TRL trainer it built (captured at build time)."""
+    import pytest
+
+    from moetune.train import train
+    from moetune.train import trainer as trainer_mod
+
+    built: dict[str, Any] = {}
+    real = trainer_mod.build_trainer
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        built["trainer"], routing = real(*args, **kwargs)
+        return built["trainer"], routing
+
+    with pytest.MonkeyPatch.context() as mp, one_thread():
+        mp.setattr(trainer_mod, "build_trainer", spy)
+        return train(cfg, progress=False), built["trainer"]

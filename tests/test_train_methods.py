@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from moetune.train import TrainError, train
-from moetune.train import trainer as trainer_mod
 from moetune.train.errors import DataError
 from moetune.train.methods import reference_of
 from moetune.train.routing_shift import ShiftRecorder
-from test_train_helpers import WORDS, one_thread, run_config, save_tiny_model, write_jsonl
+from test_train_helpers import WORDS, run_config, save_tiny_model, train_capturing, write_jsonl
 
 
 def save_tiny_family(out: Path, variant: str) -> Path:
@@ -64,20 +63,6 @@ def files(tmp_path_factory):
     )
 
 
-def _train(cfg: Any) -> tuple[Any, Any]:
-    """train(cfg), and the TRL trainer it built (captured at build time)."""
-    built: dict[str, Any] = {}
-    real = trainer_mod.build_trainer
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        built["trainer"], routing = real(*args, **kwargs)
-        return built["trainer"], routing
-
-    with pytest.MonkeyPatch.context() as mp, one_thread():
-        mp.setattr(trainer_mod, "build_trainer", spy)
-        return train(cfg, progress=False), built["trainer"]
-
-
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -85,7 +70,7 @@ def _jsonl(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def dpo(files):
     cfg = run_config(files.qwen, files.pref, files.root / "dpo", method="dpo", max_steps=4)
-    return (*_train(cfg), cfg)
+    return (*train_capturing(cfg), cfg)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +79,7 @@ def grpo(files):
         files.qwen, files.prompts, files.root / "grpo", method="grpo", max_steps=4,
         batch_size=8, grpo=GRPO,
     )  # fmt: skip
-    return (*_train(cfg), cfg)
+    return (*train_capturing(cfg), cfg)
 
 
 def _base_param_count(model_dir: Path) -> int:
@@ -160,7 +145,7 @@ def test_grpo_on_mixtral_with_a_kl_reference(files):
         files.mixtral, files.prompts, files.root / "grpo-mixtral", method="grpo", max_steps=2,
         batch_size=4, grpo={**GRPO, "beta": 0.04},
     )  # fmt: skip
-    result, trainer = _train(cfg)
+    result, trainer = train_capturing(cfg)
     assert (result.steps, result.coverage, result.router_changed) == (2, 1.0, False)
     assert reference_of(trainer) == "adapter disabled" and trainer.beta == 0.04
     assert list(trainer.model.peft_config) == ["default"]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moetune.train.methods import reference_of
-from test_train_helpers import run_config, save_tiny_model, write_jsonl
-from test_train_methods import GRPO, _train, preference_rows, prompt_rows
+from test_train_helpers import run_config, save_tiny_model, train_capturing, write_jsonl
+from test_train_methods import GRPO, preference_rows, prompt_rows
 
 # a length reward: sampled lengths differ, so the group has advantages to learn from even on
 # a random base (exact match is 0 for every sample there, and nothing would move)
@@ -36,7 +36,7 @@ def test_preference_and_rl_train_quantised_experts(files, method, experts_dtype,
     data = write_jsonl(root / f"{method}.jsonl", rows)
     cfg = run_config(model, data, root / method, method=method, max_steps=2, **extra)
     cfg.model.experts_dtype = experts_dtype  # type: ignore[assignment]
-    result, trainer = _train(cfg)
+    result, trainer = train_capturing(cfg)
     assert (result.method, result.steps, result.coverage) == (method, 2, 1.0)
     assert result.router_changed is False
     quant = json.loads((Path(result.run_dir) / "quant.json").read_text())
