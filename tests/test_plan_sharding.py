@@ -166,3 +166,20 @@ def test_device_report_says_what_the_analytic_leaves_out() -> None:
     assert report.fewest["H200"] == 1 and report.plans["H200"].fits
     assert any("mamba" in n and "left out" in n for n in report.notes)
     assert report.to_json()["notes"] == list(report.notes)
+
+
+def test_sharded_plans_name_the_host_ram_every_rank_loads_the_base_into(
+    qwen235b: ModelSpec, lora: RunConfig
+) -> None:
+    from moetune.plan.sharding import device_report, run_sizes
+    from moetune.units import human_bytes
+
+    single = run_sizes(qwen235b, lora).single
+    whole = single["frozen_weights"] + single["trainable_weights"]
+    assert whole > 400 * 2**30  # the 235B base in bf16
+    for strategy in ("fsdp", "zero3"):
+        notes = device_report(qwen235b, lora, ["H200"], 8, strategy).notes
+        (load,) = [n for n in notes if "host RAM" in n]
+        assert f"8 × {human_bytes(whole)} = {human_bytes(8 * whole)}" in load
+    ddp = device_report(qwen235b, lora, ["H200"], 8, "ddp").notes
+    assert not any("host RAM" in n for n in ddp)

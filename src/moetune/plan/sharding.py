@@ -47,6 +47,7 @@ from moetune.plan.analytic import ADAPTER_BYTES, AnalyticEstimate, Step, expert_
 from moetune.plan.fit import CardFit, analytic, card_fit
 from moetune.plan.hardware import Card, get_card
 from moetune.plan.layout import adapter_layout
+from moetune.units import human_bytes
 
 SHARDED = ("frozen_weights", "trainable_weights", "gradients", "optimizer_state",
            "optimizer_transients")  # fmt: skip
@@ -350,7 +351,22 @@ def device_report(
     sizes = run_sizes(spec, cfg)
     plans = {c: plan_devices(spec, cfg, c, gpus, strategy, sizes) for c in cards}
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
-    return DeviceReport(get_strategy(strategy).name, gpus, plans, fewest, _report_notes(spec))
+    notes = _report_notes(spec) + _load_notes(sizes, gpus, strategy)
+    return DeviceReport(get_strategy(strategy).name, gpus, plans, fewest, notes)
+
+
+def _load_notes(sizes: Sizes, gpus: int, strategy: str) -> tuple[str, ...]:
+    """moetune reads the base before training (LoRA wrapping, routing baseline, router
+    snapshot), so each rank builds it whole in host RAM and accelerate shards it afterwards
+    (no cpu_ram_efficient_loading / zero3_init): a wall of the node, not of the GPUs."""
+    if gpus == 1 or strategy == "ddp":
+        return ()
+    whole = sizes.single.get("frozen_weights", 0) + sizes.single.get("trainable_weights", 0)
+    return (
+        f"at load each of the {gpus} ranks builds the whole base in host RAM before "
+        f"{strategy} shards it: the node needs about {gpus} × {human_bytes(whole)} = "
+        f"{human_bytes(gpus * whole)} of RAM (plus the OS)",
+    )
 
 
 def _report_notes(spec: ModelSpec) -> tuple[str, ...]:
