@@ -67,16 +67,20 @@ def vllm_deltas(model: str, out: Path, drop_flags: tuple[str, ...] = ()) -> dict
     return {name: torch.tensor(d, dtype=torch.float64) for name, d in doc["deltas"].items()}
 
 
-def peft_deltas(source: Source) -> dict[str, torch.Tensor]:
-    """The same names from peft's adapter (float64): experts split per expert and projection."""
+def peft_deltas(source: Source, fused_gate_up: bool = False) -> dict[str, torch.Tensor]:
+    """The same names from peft's adapter (float64): experts split per expert and projection
+    (`fused_gate_up`: gate_up_proj whole, as vLLM's 3-D MoE wrapper holds it as w13)."""
     out: dict[str, torch.Tensor] = {}
     for target, a, b in iter_deltas(source.adapter_dir, source.base, torch.float64):
         d = delta(target, a, b)
+        if target.transposed:  # stored [E, in, out]: vLLM holds every stack [E, out, in]
+            d = d.transpose(1, 2)
         if not target.is_experts:
             out[target.param.removesuffix(".weight")] = d
             continue
         stem, _, which = target.param.rpartition(".")
-        parts = {"gate_up_proj": ("gate_proj", "up_proj")}.get(which, (which,))
+        split = {} if fused_gate_up else {"gate_up_proj": ("gate_proj", "up_proj")}
+        parts = split.get(which, (which,))
         for e in range(target.experts):
             for name, half in zip(parts, d[e].chunk(len(parts), dim=0), strict=True):
                 out[f"{stem}.{e}.{name}"] = half

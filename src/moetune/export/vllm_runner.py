@@ -10,6 +10,7 @@ import json
 import sys
 
 MOE_PARTS = ("gate_proj", "down_proj", "up_proj")  # vLLM's packed MoE order: w1, w2, w3
+MOE_3D_PARTS = ("gate_up_proj", "down_proj")  # its 3-D wrapper (e.g. gpt_oss): w13 fused, w2
 
 
 def held_deltas(worker):
@@ -24,14 +25,15 @@ def held_deltas(worker):
 
 def module_deltas(name, weights, packed):
     """ΔW = B @ A (what set_lora copies: vLLM has folded every scaling into B by now);
-    packed layers (qkv_proj, MoE w1/w2/w3 as [E, r, in] / [E, out, r]) split into parts."""
+    packed layers (qkv_proj, MoE w1/w2/w3 as [E, r, in] / [E, out, r]; the 3-D wrapper's
+    w13/w2) split into parts."""
     a, b = weights.lora_a, weights.lora_b
     if not isinstance(a, list):
         return {name: (b.double() @ a.double()).tolist()}
     stem, _, leaf = name.rpartition(".")
     out = {}
     if a[0] is not None and a[0].dim() == 3:
-        for part, ai, bi in zip(MOE_PARTS, a, b, strict=True):
+        for part, ai, bi in zip(MOE_PARTS if len(a) == 3 else MOE_3D_PARTS, a, b, strict=True):
             for e in range(ai.shape[0]):
                 out[f"{name}.{e}.{part}"] = (bi[e].double() @ ai[e].double()).tolist()
         return out
