@@ -108,7 +108,7 @@ def test_zero3_on_cpu_is_refused_only_beside_a_gpu(tiny, tmp_path, monkeypatch):
     assert "DIST-SHARDED-CPU" not in _dist_errors(zero3)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "DIST-SHARDED-CPU" in _dist_errors(zero3)
-    for strategy in ("ddp", "fsdp"):  # fsdp: accelerate's FSDP2 over gloo (shard_on_cpu)
+    for strategy in ("ddp", "fsdp"):  # fsdp: accelerate's FSDP2 over gloo (fsdp_on_cpu)
         assert _dist_errors(_cfg(tiny, tmp_path / "r", nproc=2, strategy=strategy)) == set()
     assert _dist_errors(_cfg(tiny, tmp_path / "r", strategy="zero3")) == set()  # one process
 

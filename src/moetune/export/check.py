@@ -294,10 +294,11 @@ class CheckOptions:
 
 
 def check_export(
-    source: Source, fmt: str, out: Path, dtype: str, opts: CheckOptions
-) -> CheckResult:
+    source: Source, fmt: str, out: Path, dtype: str, opts: CheckOptions,
+    texts: list[str] | None = None,
+) -> CheckResult:  # fmt: skip
     """Run `fmt`'s consumer on `out` and compare with the adapter (ConsumerUnavailable when
-    none runs here)."""
+    none runs here); on `texts`, else the eval texts of `opts`."""
     from moetune.export import load_formats
 
     load_formats()  # each format module registers its consumer with itself
@@ -305,9 +306,9 @@ def check_export(
         raise ConsumerUnavailable(f"no consumer of {fmt} runs here")
     name, consume = CONSUMERS[fmt]
     tokenizer = tokenizer_of(source)
-    prompts = [
-        list(tokenizer(t)["input_ids"]) for t in eval_texts(source, opts.items_file, opts.items)
-    ]
+    if texts is None:
+        texts = eval_texts(source, opts.items_file, opts.items)
+    prompts = [list(tokenizer(t)["input_ids"]) for t in texts]
     ref = reference(source, prompts, opts.new_tokens)
     got = consume(out, source, ref.sequences, prompts, opts.new_tokens)
     return compare(fmt, name, ref, got, dtype, opts.min_greedy)

@@ -50,15 +50,15 @@ def export(
     ledger, fields = ledger_of(source)
     with attempt(ledger, "export", **fields) as row:
         row["metrics"] = {"format": fmt, "out": str(out)}  # a failed export says what it was
-        if check is not None:  # no items to check on: refused before anything is written
-            eval_texts(source, check.items_file, check.items)
+        # no items to check on: refused before anything is written
+        texts = eval_texts(source, check.items_file, check.items) if check else None
         result = run_export(source, fmt, out, opts)
         doc: dict[str, Any] = {
             **result.to_json(),
             "adapter": str(source.adapter_dir),
             "base": source.base,
         }
-        verdict, doc["check"] = run_check(source, fmt, out, result, check)
+        verdict, doc["check"] = run_check(source, fmt, out, result, check, texts)
         if verdict is not None:
             atomic_write_json(out / "check.json", doc["check"])
         record_in_run(source, fmt, doc)
@@ -72,14 +72,15 @@ def export(
 
 
 def run_check(
-    source: Source, fmt: str, out: Path, result: ExportResult, check: CheckOptions | None
-) -> tuple[CheckResult | None, dict[str, Any]]:
+    source: Source, fmt: str, out: Path, result: ExportResult, check: CheckOptions | None,
+    texts: list[str] | None,
+) -> tuple[CheckResult | None, dict[str, Any]]:  # fmt: skip
     """The check's result and its JSON; (None, why) when it is off or no consumer runs here."""
     if check is None:
         return None, {"skipped": "--no-check"}
     dtype = str(result.details.get("dtype", "float32"))
     try:
-        verdict = check_export(source, fmt, out, dtype, check)
+        verdict = check_export(source, fmt, out, dtype, check, texts)
     except ConsumerUnavailable as why:
         return None, {"skipped": str(why)}
     return verdict, verdict.to_json()

@@ -23,7 +23,7 @@ if acc.is_main_process:
 def fsdp_on_cpu() -> ProbeOutcome:
     """A CPU rank asking stock accelerate for a sharded strategy gets plain MULTI_CPU (DDP over
     gloo): its FSDP and DeepSpeed paths are for GPU-like devices only. moetune switches an
-    FSDP rank over (train.distributed.shard_on_cpu); a ZeRO-3 rank is given use_cpu=False,
+    FSDP rank over (train.distributed.fsdp_on_cpu); a ZeRO-3 rank is given use_cpu=False,
     which is the CPU only on a host without CUDA (train.distributed.device_args). One rank of
     a world of one (the env torchrun sets) shows it without a second process."""
     import socket

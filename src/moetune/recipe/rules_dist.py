@@ -9,12 +9,10 @@ from importlib import util
 from moetune.recipe import probes_dist
 from moetune.recipe.rules import Hit, LintContext, register_rule
 
-SHARDED = ("fsdp", "zero3")
 
-
-def _sharded(ctx: LintContext, strategies: tuple[str, ...] = SHARDED) -> bool:
+def _zero3(ctx: LintContext) -> bool:
     t = ctx.config.train
-    return t.nproc > 1 and t.strategy in strategies
+    return t.nproc > 1 and t.strategy == "zero3"
 
 
 @register_rule(
@@ -25,9 +23,9 @@ def _sharded(ctx: LintContext, strategies: tuple[str, ...] = SHARDED) -> bool:
     libraries=("accelerate", "torch"),
 )
 def sharded_cpu(ctx: LintContext) -> Hit | None:
-    # fsdp is fine: a CPU rank is switched to accelerate's FSDP2 path (distributed.shard_on_cpu);
+    # fsdp is fine: a CPU rank is switched to accelerate's FSDP2 path (distributed.fsdp_on_cpu);
     # zero3 too on a host without CUDA: its ranks are use_cpu=False over gloo (device_args)
-    if not _sharded(ctx, ("zero3",)) or ctx.config.train.device != "cpu":
+    if not _zero3(ctx) or ctx.config.train.device != "cpu":
         return None
     import torch  # only for a zero3 multi-process run on device cpu
 

@@ -11,7 +11,7 @@ Facts this rests on (accelerate 1.15, checked by the DIST-* rules' probes):
 - A CPU process (TrainingArguments.use_cpu) is MULTI_CPU over gloo whatever the config
   says: accelerate enters FSDP or DeepSpeed only on GPU-like devices. torch's FSDP2
   (fully_shard) runs on CPU over gloo all the same, so a CPU rank of an FSDP launch is
-  switched to accelerate's FSDP path (shard_on_cpu) – that is how fsdp is tested here.
+  switched to accelerate's FSDP path (fsdp_on_cpu) – that is how fsdp is tested here.
 - DeepSpeed is entered for use_cpu=False only; on a host without CUDA such a rank is a CPU
   rank all the same, and with the gloo backend (device_args) accelerate counts the world
   right and DeepSpeed's CPU accelerator runs ZeRO-3 over gloo – how zero3 is tested here.
@@ -229,19 +229,13 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
     return dict(summary["result"])
 
 
-def shard_on_cpu(cfg: RunConfig) -> None:
-    """In a CPU rank of a launch: fsdp_on_cpu(), so an FSDP config (ours or a user's
-    `accelerate launch` one) really shards instead of silently running DDP."""
-    if launched() and _cpu_rank(cfg):
-        fsdp_on_cpu()
-
-
 def fsdp_on_cpu() -> None:
     """Let accelerate's own FSDP2 path run on CPU over gloo. accelerate 1.15 enters FSDP
     only for GPU-like distributed types and leaves a CPU rank MULTI_CPU (plain DDP), while
     torch's fully_shard runs on CPU/gloo. So the one change is the distributed type, set
     to FSDP with the plugin accelerate built from the launch config – the sharding,
-    gathering and state dicts stay accelerate's and torch's. Idempotent."""
+    gathering and state dicts stay accelerate's and torch's. It acts only where accelerate
+    says MULTI_CPU with an FSDP plugin (a GPU rank is FSDP already). Idempotent."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -285,14 +279,6 @@ def _share(param: Any) -> tuple[int, int, bool]:
     if hasattr(param, "ds_id"):  # DeepSpeed ZeRO-3 (its partition may carry padding)
         return param.ds_tensor.numel(), param.ds_numel, True
     return param.numel(), param.numel(), False
-
-
-def _cpu_rank(cfg: RunConfig) -> bool:
-    if cfg.train.device != "auto":
-        return cfg.train.device == "cpu"
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def rank_argv(config: Path, sets: list[str], flags: dict[str, bool]) -> list[str]:

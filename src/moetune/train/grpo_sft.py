@@ -92,11 +92,10 @@ def sft_batch(tok: Any, rows: list[dict[str, Any]], device: Any) -> dict[str, to
     width = max(len(ids) for ids, _ in encoded)
     ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
     for b, (row_ids, start) in enumerate(encoded):
         ids[b, : len(row_ids)] = torch.tensor(row_ids)
         labels[b, start : len(row_ids)] = ids[b, start : len(row_ids)]
-    mask = torch.zeros_like(ids)
-    for b, (row_ids, _) in enumerate(encoded):
         mask[b, : len(row_ids)] = 1
     return {"sft_ids": ids.to(device), "sft_mask": mask.to(device), "sft_labels": labels.to(device)}
 

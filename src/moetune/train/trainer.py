@@ -64,7 +64,7 @@ from moetune.train.checkpoint import (
     ledger_fields,
     replace_dir,
 )
-from moetune.train.distributed import shard_on_cpu, sharding, whole_load
+from moetune.train.distributed import fsdp_on_cpu, launched, sharding, whole_load
 from moetune.train.errors import TrainError
 from moetune.train.lanes import lane_for
 from moetune.train.lock import hold
@@ -142,7 +142,8 @@ def train(
     only one process at a time writes a run dir (lock.py)."""
     replace = (overwrite or overwrite_promoted, overwrite_promoted)
     require_launcher(cfg)
-    shard_on_cpu(cfg)
+    if launched():  # an FSDP launch's CPU ranks shard for real, not silently as DDP
+        fsdp_on_cpu()
     run_lane = lane_for(cfg.lora.stack, _train)  # lora.stack: peft here, others in lanes.py
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
         return cast(TrainResult, run_lane(cfg, resume, allow_errors, replace, progress))
@@ -159,8 +160,6 @@ def train(
 
 def require_launcher(cfg: RunConfig) -> None:
     """train.nproc > 1 runs in the processes a launcher starts, never silently in one."""
-    from moetune.train.distributed import launched
-
     if cfg.train.nproc > 1 and not launched():
         raise TrainError(
             f"train.nproc={cfg.train.nproc} but this is a single process, not a launched rank",
