@@ -23,8 +23,15 @@ from moetune.config import dump_config
 from moetune.ledger import Ledger, LedgerError
 from moetune.train import TrainError, train
 from moetune.train.lock import hold, lock_path, read_holder
-from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
-from test_train_resume import _wait_for as wait_for
+from test_train_helpers import (
+    one_thread,
+    reverse_rows,
+    run_config,
+    save_tiny_model,
+    slowed,
+    wait_for,
+    write_jsonl,
+)
 
 STEPS, SAVE = 6, 2
 
@@ -64,10 +71,6 @@ def _spawn(script: str, *args: str, log: Path) -> subprocess.Popen:
         )
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
-    wait_for(path, proc, log, timeout)
-
-
 # ---------------------------------------------------------------- one writer per run dir
 
 _HOLDER = """
@@ -88,7 +91,7 @@ def test_second_writer_is_refused_naming_the_holder_and_writes_nothing(files, tm
     ready, log = tmp_path / "held", tmp_path / "holder.log"
     holder = _spawn(_HOLDER, str(out), str(ready), log=log)
     try:
-        _wait_for(ready, holder, log, timeout=60)
+        wait_for(ready, holder, log, timeout=60)
         result = CliRunner().invoke(app, ["train", str(config)])
     finally:
         holder.kill()
@@ -115,22 +118,8 @@ def test_a_held_lock_refuses_in_process_too(tmp_path):
 
 # ---------------------------------------------------------------- SIGTERM and the ledger
 
-_TRAINER = """
-import sys, time, torch
-from moetune.cli import app
-from trl import SFTTrainer
-
-torch.set_num_threads(1)
-real_step = SFTTrainer.training_step
-
-def slow_step(self, *args, **kwargs):  # leave the parent time to signal after a checkpoint
-    if self.state.global_step >= 2:
-        time.sleep(0.5)
-    return real_step(self, *args, **kwargs)
-
-SFTTrainer.training_step = slow_step
-app(["train", sys.argv[1]])  # the real CLI, as a user runs it
-"""
+# the real CLI, as a user runs it
+_TRAINER = slowed('from moetune.cli import app\napp(["train", sys.argv[1]])', pause=0.5)
 
 
 def test_sigterm_mid_train_leaves_a_cancelled_row_and_a_resumable_run(files, tmp_path):
@@ -141,7 +130,7 @@ def test_sigterm_mid_train_leaves_a_cancelled_row_and_a_resumable_run(files, tmp
     log = tmp_path / "child.log"
     child = _spawn(_TRAINER, str(config), log=log)
     try:
-        _wait_for(out / "checkpoints" / "step-2", child, log)
+        wait_for(out / "checkpoints" / "step-2", child, log)
         # a second, real writer while the first trains: refused, naming the trainer
         refused = CliRunner().invoke(app, ["train", str(config), "--resume"])
         child.send_signal(signal.SIGTERM)

@@ -129,3 +129,40 @@ def train_capturing(cfg: RunConfig) -> tuple[Any, Any]:
     with pytest.MonkeyPatch.context() as mp, one_thread():
         mp.setattr(trainer_mod, "build_trainer", spy)
         return train(cfg, progress=False), built["trainer"]
+
+
+# the child's run line of slowed(): train the config given as its first argument
+TRAIN_CONFIG = """from moetune.config import load_config
+from moetune.train import train
+train(load_config(sys.argv[1]), progress=False)"""
+
+
+def slowed(run: str, trainer: str = "SFTTrainer", from_step: int = 2, pause: float = 0.5) -> str:
+    """A child script whose `trainer` (a TRL class) sleeps `pause` s in each step from
+    `from_step` on – leaving the parent time to act between checkpoints – then runs `run`."""
+    return f"""
+import sys, time, torch, trl
+
+torch.set_num_threads(1)
+cls = trl.{trainer}
+real_step = cls.training_step
+
+def slow_step(self, *args, **kwargs):  # leave the parent time to act between checkpoints
+    if self.state.global_step >= {from_step}:
+        time.sleep({pause})
+    return real_step(self, *args, **kwargs)
+
+cls.training_step = slow_step
+{run}
+"""
+
+
+def wait_for(path: Path, proc: Any, log: Path, timeout: float = 180.0) -> None:
+    """Until `path` exists; fails when the child `proc` died first (its `log`) or at timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the run died early: {log.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"no {path} after {timeout:.0f} s"
+        time.sleep(0.05)

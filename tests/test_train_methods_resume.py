@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,7 +17,15 @@ from safetensors.torch import load_file
 
 from moetune.config import dump_config
 from moetune.train import train
-from test_train_helpers import one_thread, run_config, save_tiny_model, write_jsonl
+from test_train_helpers import (
+    TRAIN_CONFIG,
+    one_thread,
+    run_config,
+    save_tiny_model,
+    slowed,
+    wait_for,
+    write_jsonl,
+)
 from test_train_methods import preference_rows, prompt_rows
 
 STEPS, SAVE = 6, 2
@@ -28,24 +35,6 @@ METHODS = {
              {"batch_size": 4, "grpo": {"num_generations": 4, "max_completion_length": 5}}),
 }  # fmt: skip
 
-_CHILD = """
-import sys, time, torch, trl
-from moetune.config import load_config
-from moetune.train import train
-
-torch.set_num_threads(1)
-cls = getattr(trl, sys.argv[2])
-real_step = cls.training_step
-
-def slow_step(self, *args, **kwargs):  # leave the parent time to kill between checkpoints
-    if self.state.global_step >= 2:
-        time.sleep(1.0)
-    return real_step(self, *args, **kwargs)
-
-cls.training_step = slow_step
-train(load_config(sys.argv[1]), progress=False)
-"""
-
 
 def _cfg(model: Path, data: Path, out: Path, method: str):
     over = METHODS[method][2]
@@ -54,27 +43,19 @@ def _cfg(model: Path, data: Path, out: Path, method: str):
     )
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"the run died early: {log.read_text()[-2000:]}"
-        assert time.monotonic() < deadline, f"no {path} after {timeout:.0f} s"
-        time.sleep(0.05)
-
-
 def _kill_mid_run(cfg, trainer: str, tmp: Path) -> None:
     config = tmp / "run.yaml"
     config.write_text(dump_config(cfg))
     script = tmp / "child.py"
-    script.write_text(textwrap.dedent(_CHILD))
+    script.write_text(slowed(TRAIN_CONFIG, trainer, from_step=2, pause=1.0))
     log = tmp / "child.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("wb") as sink:  # a file, not a pipe: a full pipe would block the child
         proc = subprocess.Popen(
-            [sys.executable, str(script), str(config), trainer], env=env, stdout=sink, stderr=sink
+            [sys.executable, str(script), str(config)], env=env, stdout=sink, stderr=sink
         )
     try:
-        _wait_for(Path(cfg.output.dir) / "checkpoints" / "step-2", proc, log)
+        wait_for(Path(cfg.output.dir) / "checkpoints" / "step-2", proc, log)
         time.sleep(0.5)  # inside step 3: work past the checkpoint is lost
     finally:
         os.kill(proc.pid, signal.SIGKILL)

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import types
 from pathlib import Path
@@ -21,7 +20,16 @@ from transformers import TrainerCallback
 
 from moetune.train import TrainError, train
 from moetune.train import trainer as trainer_mod
-from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
+from test_train_helpers import (
+    TRAIN_CONFIG,
+    one_thread,
+    reverse_rows,
+    run_config,
+    save_tiny_model,
+    slowed,
+    wait_for,
+    write_jsonl,
+)
 
 STEPS, SAVE = 8, 2
 
@@ -125,32 +133,6 @@ def test_resume_refuses_changed_data(base, tmp_path):
 
 # ---------------------------------------------------------------- a real kill -9
 
-_CHILD = """
-import sys, time, torch
-from moetune.config import load_config
-from moetune.train import train
-from trl import SFTTrainer
-
-torch.set_num_threads(1)
-real_step = SFTTrainer.training_step
-
-def slow_step(self, *args, **kwargs):  # leave the parent time to kill between checkpoints
-    if self.state.global_step >= 4:
-        time.sleep(0.5)
-    return real_step(self, *args, **kwargs)
-
-SFTTrainer.training_step = slow_step
-train(load_config(sys.argv[1]), progress=False)
-"""
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"the run died early: {log.read_text()[-2000:]}"
-        assert time.monotonic() < deadline, f"no {path} after {timeout:.0f} s"
-        time.sleep(0.05)
-
 
 def test_kill_9_mid_run_then_resume(base, tmp_path):
     from moetune.config import dump_config
@@ -160,7 +142,7 @@ def test_kill_9_mid_run_then_resume(base, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(dump_config(cfg))
     script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent(_CHILD))
+    script.write_text(slowed(TRAIN_CONFIG, from_step=4, pause=0.5))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "child.log"
     with log.open("wb") as sink:  # a file, not a pipe: a full pipe would block the child
@@ -168,7 +150,7 @@ def test_kill_9_mid_run_then_resume(base, tmp_path):
             [sys.executable, str(script), str(config)], env=env, stdout=sink, stderr=sink
         )
     try:
-        _wait_for(out / "checkpoints" / "step-4", proc, log)
+        wait_for(out / "checkpoints" / "step-4", proc, log, timeout=120)
         time.sleep(0.3)  # inside step 5 or 6: work past the checkpoint is lost
     finally:
         os.kill(proc.pid, signal.SIGKILL)
