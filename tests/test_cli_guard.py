@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune.cli import app
-from moetune.cli_guard import UNEXPECTED
+from moetune.cli.common import UNEXPECTED
 from moetune.demo.base import SHIPPED_DIR
 
 runner = CliRunner()
@@ -106,7 +106,7 @@ def broken_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom() -> None:
         raise ZeroDivisionError("an internal slip\nsecond line")
 
-    monkeypatch.setattr("moetune.doctor.run_doctor", boom)
+    monkeypatch.setattr("moetune.lint.doctor.run_doctor", boom)
 
 
 @pytest.mark.usefixtures("broken_doctor")
@@ -148,7 +148,7 @@ def test_permission_denied_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> N
     def denied() -> None:
         raise PermissionError(13, "Permission denied", "/srv/runs/x")
 
-    monkeypatch.setattr("moetune.doctor.run_doctor", denied)
+    monkeypatch.setattr("moetune.lint.doctor.run_doctor", denied)
     assert_one_line(*run("doctor"), 2, "/srv/runs/x: permission denied", "fix:")
 
 
@@ -179,7 +179,7 @@ def test_an_interrupt_is_one_line_saying_what_was_kept(
     def stopped() -> None:
         raise raised if raised is not None else Terminated()
 
-    monkeypatch.setattr("moetune.doctor.run_doctor", stopped)
+    monkeypatch.setattr("moetune.lint.doctor.run_doctor", stopped)
     got, out = run("doctor")
     assert got == code
     assert word in out and "--resume" in out and "Traceback" not in out

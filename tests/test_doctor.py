@@ -3,8 +3,8 @@ import json
 from typer.testing import CliRunner
 
 from moetune.cli import app
-from moetune.doctor import known_bad
-from moetune.recipe.rules import installed_versions
+from moetune.lint.doctor import known_bad
+from moetune.lint.rules import installed_versions
 
 
 def _problems(versions: dict[str, str]) -> list[str]:

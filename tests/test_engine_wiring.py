@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.config import parse_config
-from moetune.recipe.rules import lint
+from moetune.lint.rules import lint
 from moetune.train import train
 from test_train_helpers import (
     one_thread,
@@ -50,8 +50,8 @@ def test_train_with_split_lora_and_expert_dropout(tiny: tuple[Path, Path], tmp_p
 
 
 def test_dropout_rule_and_recipe_know_the_engine() -> None:
+    from moetune.lint.preflight import lint_context
     from moetune.model import load_spec
-    from moetune.preflight import lint_context
 
     spec = load_spec("Qwen/Qwen3-30B-A3B")
     for engine, fires in (("peft", True), ("moetune", False)):

@@ -1,4 +1,4 @@
-"""ESFT-style expert selection (engine/select.py): the selection math, scores on routers
+"""ESFT-style expert selection (train/select.py): the selection math, scores on routers
 whose choice is known, gradient masks on both engines, and `train()` end to end.
 
 Layouts are checked independently of select.py's masks: peft keeps lora_A [r·E, in] as
@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from moetune.engine import apply_split_lora, experts_lora
-from moetune.engine.select import (
+from moetune.errors import ConfigError
+from moetune.model import load_spec, spec_from_config
+from moetune.model.tiny import tiny_config
+from moetune.train import train
+from moetune.train.routing import routed_weights
+from moetune.train.select import (
     ExpertSelection,
     LayerChoice,
     choose,
@@ -28,11 +33,6 @@ from moetune.engine.select import (
     score_experts,
     token_share,
 )
-from moetune.errors import ConfigError
-from moetune.model import load_spec, spec_from_config
-from moetune.model.tiny import tiny_config
-from moetune.train import train
-from moetune.train.routing import routed_weights
 from test_engine_experts_lora import _ids, _peft, _rel, _step
 from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
 

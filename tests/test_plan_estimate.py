@@ -129,7 +129,7 @@ def test_the_pod_train_row_keeps_its_rate_under_the_launched_model_id(
 def test_lint_sizes_the_watchdog_rule_with_the_measured_rate(
     run: tuple[RunConfig, Any], tmp_path: Path
 ) -> None:
-    from moetune.preflight import lint_context
+    from moetune.lint.preflight import lint_context
 
     cfg, spec = run
     ledger = ledger_with(tmp_path / "l.jsonl", train_row(cfg, spec))

@@ -10,9 +10,7 @@ from typing import Any
 import pytest
 
 from moetune.config import RunConfig
-from moetune.model import load_spec
-from moetune.model.spec import Components, ModelSpec
-from moetune.recipe.rules import (
+from moetune.lint.rules import (
     RULES,
     Finding,
     Hit,
@@ -22,6 +20,8 @@ from moetune.recipe.rules import (
     register_rule,
     rule_table,
 )
+from moetune.model import load_spec
+from moetune.model.spec import Components, ModelSpec
 from moetune.units import GiB
 
 QWEN3 = "Qwen/Qwen3-30B-A3B"

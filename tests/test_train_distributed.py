@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from moetune.cli import app
 from moetune.config import dump_config
 from moetune.ledger import Ledger
-from moetune.preflight import lint_run
+from moetune.lint.preflight import lint_run
 from moetune.train import TrainError
 from moetune.train import distributed as D
 from moetune.train.checkpoint import inspect_run

@@ -272,16 +272,16 @@ def test_preflight_error_stops_the_run_before_writing(files, tmp_path):
 
 
 def test_allow_errors_trains_and_records_the_override(files, tmp_path, monkeypatch):
-    import moetune.preflight
-    from moetune.recipe.rules import Finding
+    import moetune.lint.preflight
+    from moetune.lint.rules import Finding
 
-    real = moetune.preflight.lint_run
+    real = moetune.lint.preflight.lint_run
 
     def with_error(cfg, estimator="analytic"):
         findings, plan = real(cfg, estimator)
         return [Finding("TEST-ERR", "error", "a test error", "ignore it"), *findings], plan
 
-    monkeypatch.setattr(moetune.preflight, "lint_run", with_error)
+    monkeypatch.setattr(moetune.lint.preflight, "lint_run", with_error)
     cfg = run_config(files.model, files.data, tmp_path / "o", max_steps=1, routing_every=0)
     with pytest.raises(TrainError, match=r"\[TEST-ERR\] a test error"):
         train(cfg, progress=False)

@@ -23,7 +23,7 @@ The factors stay where peft keeps them (the wrappers' `lora_A` / `lora_B`), so
   peft's adapter switching, `disable_adapter()` and merging keep working;
 * each wrapper becomes a `SplitParamWrapper`, whose forward no longer parametrizes the
   weight (the experts forward applies the factors instead);
-* `train_only` limits the LoRA compute to some experts (expert selection, engine/select.py).
+* `train_only` limits the LoRA compute to some experts (expert selection, train/select.py).
 
 peft's layout (0.21, `ParamWrapper.get_delta_factors`), E experts, rank r per expert:
 `lora_A.weight` is [r·E, in] = (E, r, in), expert-major, but `lora_B.weight` is
@@ -185,7 +185,7 @@ def _add_kept_lora(
     out: torch.Tensor, x: torch.Tensor, factors: _Factors, route: Routing, keep: torch.Tensor
 ) -> None:
     """The LoRA update of the rows routed to the experts `keep` marks; the others get none
-    (exact while their ΔW is zero, which engine/select.py asserts and keeps so)."""
+    (exact while their ΔW is zero, which train/select.py asserts and keeps so)."""
     keep = keep.to(x.device)
     rows = keep[route.ids].nonzero().squeeze(1)  # still grouped by expert: ids are sorted
     counts = torch.diff(route.offsets, prepend=route.offsets.new_zeros(1))
@@ -355,7 +355,7 @@ def _switch(wrapper: ParamWrapper, dropout: float) -> bool:
 def train_only(experts: nn.Module, keep: torch.Tensor | None) -> None:
     """Run only the LoRA of the experts `keep` ([E] bool) marks on the split path; None: all.
 
-    For expert selection (engine/select.py), whose gradient masks keep the other experts'
+    For expert selection (train/select.py), whose gradient masks keep the other experts'
     ΔW exactly zero, so skipping their update changes nothing but the work done.
     """
     if keep is None or bool(keep.all()):

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from moetune.config import LoraArgs
-from moetune.errors import RecipeError
-from moetune.model.families import Family, ModulePaths, get_family
+from moetune.model.families import ModulePaths, get_family
+from moetune.model.layers import decoder_layers
 from moetune.model.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -292,24 +292,6 @@ def _holds(module: nn.Module, param: str) -> bool:
     from moetune.engine.quant import stacks_of  # torch: imported only when auditing
 
     return param in module._parameters or param in stacks_of(module)
-
-
-def decoder_layers(model: nn.Module, spec: ModelSpec, family: Family) -> list[nn.Module]:
-    """The decoder layers of a (peft-wrapped) transformers model."""
-    from torch import nn
-
-    get_base = getattr(model, "get_base_model", None)
-    base: nn.Module = get_base() if callable(get_base) else model
-    try:
-        layers = base.get_submodule(family.layers_prefix)
-    except AttributeError:
-        layers = None
-    if isinstance(layers, nn.ModuleList) and len(layers) == spec.num_layers:
-        return list(layers)
-    raise RecipeError(
-        f"cannot find {spec.num_layers} decoder layers at {family.layers_prefix!r} in {spec.name}",
-        f"fix layers_prefix of the {family.model_type} family in moetune.model",
-    )
 
 
 def _router_state(modules: dict[str, nn.Module], paths: tuple[str, ...]) -> str:

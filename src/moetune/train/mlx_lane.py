@@ -162,7 +162,7 @@ def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _backend() -> str:
-    from moetune.recipe.rules_mlx import mlx_backend
+    from moetune.lint.rules_mlx import mlx_backend
 
     return mlx_backend().backend or "none"
 
@@ -319,7 +319,7 @@ def _quiet_stdout(show: bool) -> Any:
 
 def write_summary(run: RunDir, result: TrainResult, setup: Setup, report: CoverageReport) -> None:
     """summary.json, last: its presence marks the run finished."""
-    from moetune.recipe.rules_mlx import mlx_backend
+    from moetune.lint.rules_mlx import mlx_backend
 
     summary = {
         "result": result.to_json(),

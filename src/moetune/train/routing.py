@@ -42,7 +42,7 @@ import torch
 from transformers import TrainerCallback
 
 from moetune.model.families import get_family
-from moetune.recipe.audit import decoder_layers
+from moetune.model.layers import decoder_layers
 
 if TYPE_CHECKING:
     from torch import nn
@@ -437,7 +437,7 @@ class RoutingCallback(TrainerCallback):
         does; call it before the first step (routing off: nothing to compare, not measured)."""
         if not self.every:
             return
-        from moetune.engine.select import batches, sample_rows
+        from moetune.train.select import batches, sample_rows
 
         rows = sample_rows(len(dataset), BASE_ROWS)
         device = next(model.parameters()).device

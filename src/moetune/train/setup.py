@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from trl import SFTConfig
 
-    from moetune.engine.select import ExpertSelection
     from moetune.model.spec import ModelSpec
     from moetune.recipe.audit import CoverageReport
+    from moetune.train.select import ExpertSelection
 
 
 # ---------------------------------------------------------------- device and precision
@@ -152,8 +152,8 @@ class Setup:
 def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Setup:
     """Placement, preflight, data and TRL arguments; then the run dir's first files."""
     from moetune.engine.resolve import resolve_engine
-    from moetune.engine.select import check_selection
     from moetune.model import load_spec
+    from moetune.train.select import check_selection
 
     place = resolve_placement(cfg.train)
     spec = load_spec(cfg.model.id)
@@ -192,7 +192,7 @@ def preflight(
     cfg: RunConfig, place: Placement, allow_errors: bool
 ) -> tuple[list[Any], Any, list[str]]:
     """Lint and plan the run as it will really run (its dtype); an error finding stops it."""
-    from moetune.preflight import lint_run
+    from moetune.lint.preflight import lint_run
 
     dtype = place.load_dtype(cfg.model.dtype)
     as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})

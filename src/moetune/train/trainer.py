@@ -15,7 +15,7 @@ The run, top to bottom:
 3. the model is loaded, wrapped with the recipe's LoRA config and audited: coverage.json,
    and the run stops unless every requested target got LoRA;
 4. with lora.expert_selection (ESFT), the frozen base scores the experts on the trainer's
-   tokenised rows and only the chosen experts' LoRA trains (engine/select.py;
+   tokenised rows and only the chosen experts' LoRA trains (train/select.py;
    experts_selected.json, reused on resume);
 5. train.method's TRL trainer (methods.py: SFTTrainer, DPOTrainer, GRPOTrainer; the
    reference policy is the adapter disabled, never a copy) trains with moetune's callbacks
@@ -49,7 +49,7 @@ from rich.markup import escape
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
 from moetune.ledger import attempt
-from moetune.preflight import check_ledger
+from moetune.lint.preflight import check_ledger
 from moetune.train.callbacks import (
     MetricsCallback,
     RichProgress,
@@ -85,7 +85,7 @@ if TYPE_CHECKING:
     from torch import nn
     from trl import SFTTrainer
 
-    from moetune.engine.select import ExpertSelection
+    from moetune.train.select import ExpertSelection
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ def select_experts(
     let only the chosen ones' LoRA train. A resumed run keeps the experts it started with."""
     if cfg.lora.expert_selection == "all":
         return None
-    from moetune.engine import select
+    from moetune.train import select
 
     path = run.root / select.FILE
     if setup.resume_from and path.is_file():
@@ -387,7 +387,7 @@ def selection_warnings(model: nn.Module, setup: Setup) -> list[str]:
     """An unselected expert whose LoRA moved: its update is no longer zero as promised."""
     if setup.selection is None:
         return []
-    from moetune.engine.select import changed_unselected
+    from moetune.train.select import changed_unselected
 
     layers = changed_unselected(model, setup.spec, setup.selection)
     return [f"unselected experts' LoRA changed (layers {layers})"] if layers else []

@@ -1,4 +1,7 @@
-"""The CLI's one guard: whatever a command raises reaches the user as one line.
+"""What every command shares: the typer app and its root options, the consoles, the
+common options (--json, --set), `friendly` and `emit_json`, and the CLI's one guard.
+
+The guard: whatever a command raises reaches the user as one line.
 
 A MoetuneError prints its cause and fix (exit 2, as every user error); a library exception
 whose cause is known to be the user's input (a malformed hub id, a path too long, a NUL
@@ -10,14 +13,19 @@ lets the traceback through.
 from __future__ import annotations
 
 import errno
+import json
 import os
-from typing import Any
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from moetune import __version__
 from moetune.errors import ConfigError, MoetuneError
 
 UNEXPECTED = 3  # exit status of an error moetune did not foresee (2: a user's input)
@@ -108,3 +116,64 @@ class GuardedGroup(TyperGroup):
             if debug and not isinstance(err, MoetuneError):
                 raise
             raise typer.Exit(report_error(err)) from None
+
+
+# Before torch loads libgomp: OpenMP threads spinning at barriers slow small CPU training
+# 10x or more whenever another process shares the cores (measured: quickstart 70 s vs
+# > 6 min). Passive waiting costs little; users can still set their own policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+console = Console()
+app = typer.Typer(
+    name="moetune",
+    help="Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    cls=GuardedGroup,
+)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@app.callback()
+def root(
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", envvar="MOETUNE_DEBUG", help="Show unexpected errors' tracebacks."),
+    ] = False,
+) -> None:
+    """Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right."""
+
+
+def friendly(fn: F) -> F:
+    """Print a MoetuneError as one line (cause + fix) and exit non-zero, no traceback."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MoetuneError as err:
+            print_error(err)
+            raise typer.Exit(err.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def emit_json(payload: Any) -> None:
+    """Machine-readable output: one JSON document on stdout."""
+    sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+@app.command()
+def version() -> None:
+    """Print moetune's version."""
+    console.print(__version__)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a config field: section.field=value.")
+]

@@ -4,9 +4,9 @@ experts (the default config serves nothing, so it stays quiet)."""
 
 from __future__ import annotations
 
+from moetune.lint import probes_serve
+from moetune.lint.rules import Hit, LintContext, register_rule
 from moetune.model.serving import GGUF_FAMILIES, VLLM_FAMILIES
-from moetune.recipe import probes_serve
-from moetune.recipe.rules import Hit, LintContext, register_rule
 
 
 def _serves_experts(ctx: LintContext, stack: str) -> bool:

@@ -7,8 +7,9 @@ when a trap stops reproducing, so a fixed library prompts a review instead of a 
 
     findings = lint(LintContext(config=cfg, spec=spec, family=None))
 
-Rules live in `rules_peft.py`, `rules_mlx.py`, `rules_infra.py` and `rules_dist.py`; add
-one by decorating its check with `@register_rule(...)` – the engine has no per-rule branches.
+Rules live in `rules_peft.py`, `rules_mlx.py`, `rules_infra.py`, `rules_dist.py` and
+`rules_serve.py`; add one by decorating its check with `@register_rule(...)` and importing
+its module in `moetune/lint/__init__.py` – this registry imports none of them.
 """
 
 from __future__ import annotations
@@ -197,13 +198,3 @@ def versions_of(libraries: tuple[str, ...], versions: Mapping[str, str] | None =
     """'peft 0.21.2, transformers 5.24.0' for messages; absent libraries say so."""
     found = installed_versions() if versions is None else versions
     return ", ".join(f"{lib} {found.get(lib, '(absent)')}" for lib in libraries) or "-"
-
-
-# Registration happens on import; these modules import the names above.
-from moetune.recipe import (  # noqa: E402, F401
-    rules_dist,
-    rules_infra,
-    rules_mlx,
-    rules_peft,
-    rules_serve,
-)

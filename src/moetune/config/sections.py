@@ -1,38 +1,31 @@
-"""The run config: typed sections grouped by concern, loaded from YAML with
-`--set section.field=value` overrides (CLI beats YAML beats defaults)."""
+"""The run config's typed sections, grouped by concern; every field documented."""
 
 from __future__ import annotations
 
-import copy
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
-    BaseModel,
     BeforeValidator,
     Field,
-    ValidationError,
     field_validator,
 )
 
-from moetune.config_base import (
+from moetune.config.base import (
     DEFAULT_TARGETS,
     FiniteFloat,
     Fraction,
     NonNegativeFloat,
     NonNegativeInt,
+    Port,
     PositiveFloat,
     PositiveInt,
     Target,
     _Section,
 )
-
-# Sections kept in their own modules, importable from here as before.
-from moetune.config_lane import LaneArgs, RunpodArgs, SkypilotArgs, SshArgs  # noqa: F401
-from moetune.config_methods import DpoArgs, GrpoArgs, RewardArgs  # noqa: F401
-from moetune.errors import ConfigError, clip, os_problem
+from moetune.config.lane import LaneArgs
+from moetune.config.methods import DpoArgs, GrpoArgs
 
 
 class ModelArgs(_Section):
@@ -228,6 +221,23 @@ class TrainArgs(_Section):
         "weights, grads and optimizer state; GPUs, and CPU over gloo) or zero3 (DeepSpeed "
         "ZeRO-3, GPUs only, needs deepspeed).",
     )
+    offload: Literal["none", "cpu", "disk"] = Field(
+        "none",
+        description="Where frozen base weights wait between uses: none (on the device), cpu "
+        "(host RAM, pinned on CUDA) or disk (the memory-mapped safetensors files); they reach "
+        "the device a layer at a time, prefetched one layer ahead. LoRA factors, their "
+        "gradients and optimizer state stay on the device.",
+    )
+    nnodes: PositiveInt = Field(
+        1, description="Nodes in a multi-node run (train.nproc processes on each)."
+    )
+    node_rank: NonNegativeInt = Field(
+        0, description="This node's rank in a multi-node run (0 writes the run dir and ledger)."
+    )
+    master_addr: str | None = Field(
+        None, description="Address of node 0 in a multi-node run (required when nnodes > 1)."
+    )
+    master_port: Port = Field(29500, description="Port node 0 listens on in a multi-node run.")
 
 
 class DataArgs(_Section):
@@ -266,6 +276,14 @@ class HardwareArgs(_Section):
     """Where the run is meant to happen."""
 
     card: str | None = Field(None, description="Card id from `moetune plan` (e.g. H100-80GB).")
+    host_ram_gb: PositiveFloat | None = Field(
+        None,
+        description="Host RAM per node in GB, for the offload and sharded-load plans "
+        "(default: this machine's when planning locally, the card's typical host otherwise).",
+    )
+    disk_gb: PositiveFloat | None = Field(
+        None, description="Free disk per node in GB for train.offload: disk (default: measured)."
+    )
 
 
 RungRole = Literal["target", "protected"]
@@ -369,120 +387,3 @@ class RunConfig(_Section):
     hardware: HardwareArgs = Field(default_factory=HardwareArgs)  # type: ignore[arg-type]
     lane: LaneArgs = Field(default_factory=LaneArgs)  # type: ignore[arg-type]
     eval: EvalArgs = Field(default_factory=EvalArgs)  # type: ignore[arg-type]
-
-
-def _apply_override(data: dict[str, Any], assignment: str) -> None:
-    key, sep, raw = assignment.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"bad override {assignment!r}", "write --set section.field=value")
-    node = data
-    *parents, leaf = key.strip().split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {key!r} goes through a non-section", "check the path")
-    try:
-        node[leaf] = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        problem = getattr(err, "problem", None) or type(err).__name__
-        raise ConfigError(
-            f"--set {clip(key, 60)}: the value {clip(raw, 60)!r} is not valid YAML ({problem})",
-            "close brackets and quotes, e.g. --set lora.targets=[attention,experts]",
-        ) from None
-
-
-def _describe(err: ValidationError) -> tuple[str, str]:
-    """(`field: what a valid value is (got what was given)`, the fix) for the first error."""
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    schema = "`moetune schema` lists every field and its meaning"
-    if first["type"] == "extra_forbidden":
-        return f"unknown key {where!r} in run config", f"check the spelling; {schema}"
-    msg = first["msg"].removeprefix("Value error, ")
-    valid = msg.removeprefix("must be ")
-    fix = f"set {where} to {valid}" if valid != msg else "set it to a valid value"
-    return f"{where}: {msg} (got {first.get('input')})", f"{fix}; {schema}"
-
-
-def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
-    """Validate a config dict (plus overrides) into a RunConfig, or raise ConfigError."""
-    data = copy.deepcopy(data)  # overrides must not leak into the caller's dicts
-    for assignment in overrides or []:
-        _apply_override(data, assignment)
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(*_describe(err)) from None
-
-
-def read_config_text(path: Path) -> str:
-    """The run config's text; a missing, unreadable or binary file is a ConfigError."""
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(
-            f"{clip(path, 80)} is not UTF-8 text (byte {err.start} cannot be decoded)",
-            "a run config is a YAML text file saved as UTF-8 (see configs/ for examples)",
-        ) from None
-    except OSError as err:
-        cause = f"run config {clip(path, 80)}: {os_problem(err)}"
-        raise ConfigError(cause, "pass the path of a readable run.yaml") from None
-
-
-def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConfig:
-    """Read a run.yaml; errors name the file and the field."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(read_config_text(path)) or {}
-    except yaml.YAMLError as err:
-        first = f"{clip(path, 80)} is not valid YAML: {err}".splitlines()[0]
-        raise ConfigError(first, "fix the YAML syntax") from None
-    if not isinstance(data, dict):
-        cause = f"{clip(path, 80)} must hold a mapping of sections"
-        raise ConfigError(cause, "see configs/ for examples")
-    try:
-        return parse_config(data, overrides)
-    except ConfigError as err:
-        raise ConfigError(f"{clip(path, 80)}: {err.cause}", err.fix) from None
-
-
-def dump_config(cfg: RunConfig) -> str:
-    """The resolved config as YAML (written beside every run's outputs), secret lane.env
-    values masked: they reach a pod through its environment, never through a file."""
-    from moetune.ledger import public_env
-
-    doc = cfg.model_dump(mode="json")
-    doc["lane"]["env"] = public_env(doc["lane"]["env"])
-    return yaml.safe_dump(doc, sort_keys=False)
-
-
-def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:
-    """The section class a field holds (directly or as list items), and the path suffix."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation, ""
-    args = getattr(annotation, "__args__", ())
-    if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
-        return args[0], "[]"
-    return None, ""
-
-
-def _rows(cls: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:
-    rows = []
-    for name, field in cls.model_fields.items():
-        path = f"{prefix}{name}"
-        nested, suffix = _nested_model(field.annotation)
-        if nested is not None:  # a section (or list of them): document its fields instead
-            rows.extend(_rows(nested, f"{path}{suffix}."))
-            continue
-        default = (
-            "(required)"
-            if field.is_required()
-            else repr(field.get_default(call_default_factory=True))
-        )
-        rows.append((path, default, field.description or ""))
-    return rows
-
-
-def schema_rows() -> list[tuple[str, str, str]]:
-    """(field path, default, description) for every field: the documentation of run.yaml."""
-    return _rows(RunConfig, "")

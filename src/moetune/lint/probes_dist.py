@@ -7,7 +7,7 @@ import subprocess
 import sys
 from importlib import util
 
-from moetune.recipe.rules import ProbeOutcome, ProbeUnavailable
+from moetune.lint.rules import ProbeOutcome, ProbeUnavailable
 
 # The rank builds the Accelerator a CPU TrainingArguments builds (cpu=True) with an FSDP2
 # plugin, as `accelerate launch` with distributed_type FSDP would, and prints what it got.

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, cast
 
-from moetune.recipe.rules import ProbeOutcome, ProbeUnavailable
+from moetune.lint.rules import ProbeOutcome, ProbeUnavailable
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 VIEWS = ("transpose", "set_", "view", "alias", "detach", "permute", "expand", "slice")
@@ -47,7 +47,7 @@ def tiny_run(root: Path, model_type: str = "qwen3_moe") -> tuple[Path, Path]:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from moetune.recipe.probes import _quiet, tiny_model
+    from moetune.lint.probes import _quiet, tiny_model
 
     model: Any = tiny_model(model_type, device="cpu", dtype=torch.float32)
     model.save_pretrained(str(root / "base"))
@@ -95,7 +95,7 @@ def unmerged_expert_stack() -> ProbeOutcome:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from moetune.recipe.probes import _quiet
+    from moetune.lint.probes import _quiet
 
     with tempfile.TemporaryDirectory() as tmp:
         base, adapter = tiny_run(Path(tmp))

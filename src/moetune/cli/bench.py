@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from moetune.cli import JsonOpt, app, console, emit_json, err_console, friendly
+from moetune.cli.common import JsonOpt, app, console, emit_json, err_console, friendly
 
 bench_app = typer.Typer(help="Research benches, trained from scratch on CPU.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")

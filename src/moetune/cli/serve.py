@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from moetune.cli import JsonOpt, app, console, emit_json, friendly
+from moetune.cli.common import JsonOpt, app, console, emit_json, friendly
 from moetune.errors import ConfigError, clip
 from moetune.units import gib
 

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from moetune.config_base import (
+from moetune.config.base import (
     FiniteFloat,
     Fraction,
     NonNegativeFloat,

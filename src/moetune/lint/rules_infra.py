@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moetune.lint import probes
+from moetune.lint.rules import Hit, LintContext, register_rule
 from moetune.plan import walls
-from moetune.recipe import probes
-from moetune.recipe.rules import Hit, LintContext, register_rule
 from moetune.units import gib
 
 

@@ -296,7 +296,7 @@ def expert_wrappers(model: nn.Module, spec: ModelSpec) -> dict[int, list[Any]]:
     from peft.tuners.lora.layer import ParamWrapper
 
     from moetune.model.families import get_family
-    from moetune.recipe.audit import decoder_layers
+    from moetune.model.layers import decoder_layers
 
     layers = decoder_layers(model, spec, get_family(spec.model_type))
     return {

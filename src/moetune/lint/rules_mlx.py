@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass
 from functools import cache
 from importlib import metadata, util
 
-import moetune.recipe.rules  # noqa: F401  (first: probes needs it whole; safe entry point)
+import moetune.lint.rules  # noqa: F401  (first: probes needs it whole; safe entry point)
+from moetune.lint import probes, probes_mlx
+from moetune.lint.rules import Hit, LintContext, register_rule
 from moetune.model.families import ModulePaths
-from moetune.recipe import probes, probes_mlx
-from moetune.recipe.rules import Hit, LintContext, register_rule
 
 # Module names mlx-lm matches at model level (its second pass over model.named_modules()).
 MLX_MODEL_LEVEL = ("lm_head", "model.embed_tokens")

@@ -79,7 +79,7 @@ def option_overrides(**options: Any) -> list[str]:
 
 def lint_context(cfg: RunConfig, spec: Any, plan: Any = None) -> Any:
     """The rules' view of a run: config, spec and – when planned – the peak on the named card."""
-    from moetune.recipe.rules import LintContext
+    from moetune.lint.rules import LintContext
 
     ctx = LintContext(config=cfg, spec=spec)
     if plan is not None:
@@ -101,9 +101,9 @@ def lint_context(cfg: RunConfig, spec: Any, plan: Any = None) -> Any:
 
 def lint_run(cfg: RunConfig, estimator: str = "analytic") -> tuple[list[Any], Any]:
     """Run every rule on `cfg` with its spec and its plan (on `hardware.card` when named)."""
+    from moetune.lint.rules import lint
     from moetune.model import load_spec
     from moetune.plan import make_plan
-    from moetune.recipe.rules import lint
 
     if cfg.model.is_gguf:
         return lint(lint_context(cfg, None)), None

@@ -1,85 +1,26 @@
-"""The moetune command line: one typer app; each command calls one entry function."""
+"""The pipeline's commands: inspect, plan, lint, recipe, train, doctor, schema, quickstart,
+eval, gate, report – each calls one entry function."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import sys
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from moetune import __version__
-from moetune.cli_guard import GuardedGroup, err_console, print_error
-from moetune.errors import ConfigError, MoetuneError
-
-# Before torch loads libgomp: OpenMP threads spinning at barriers slow small CPU training
-# 10x or more whenever another process shares the cores (measured: quickstart 70 s vs
-# > 6 min). Passive waiting costs little; users can still set their own policy.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-console = Console()
-app = typer.Typer(
-    name="moetune",
-    help="Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    cls=GuardedGroup,
+from moetune.cli.common import (
+    JsonOpt,
+    SetOpt,
+    app,
+    console,
+    emit_json,
+    err_console,
+    friendly,
 )
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-@app.callback()
-def root(
-    debug: Annotated[
-        bool,
-        typer.Option("--debug", envvar="MOETUNE_DEBUG", help="Show unexpected errors' tracebacks."),
-    ] = False,
-) -> None:
-    """Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right."""
-
-
-def friendly(fn: F) -> F:
-    """Print a MoetuneError as one line (cause + fix) and exit non-zero, no traceback."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except MoetuneError as err:
-            print_error(err)
-            raise typer.Exit(err.exit_code) from None
-
-    return wrapper  # type: ignore[return-value]
-
-
-def emit_json(payload: Any) -> None:
-    """Machine-readable output: one JSON document on stdout."""
-    sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
-
-
-@app.command()
-def version() -> None:
-    """Print moetune's version."""
-    console.print(__version__)
-
-
-def main() -> None:  # pragma: no cover - console entry
-    app()
-
-
-# ---------------------------------------------------------------- preflight commands
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
-SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", help="Override a config field: section.field=value.")
-]
+from moetune.errors import ConfigError
 
 
 @app.command()
@@ -89,8 +30,8 @@ def inspect(
     as_json: JsonOpt = False,
 ) -> None:
     """What a model is: MoE layout and exact parameters by component."""
+    from moetune.cli.render import spec_summary, spec_table
     from moetune.model import load_spec
-    from moetune.render import spec_summary, spec_table
 
     spec = load_spec(model)
     if as_json:
@@ -138,17 +79,17 @@ def plan(
     as_json: JsonOpt = False,
 ) -> None:
     """Peak memory by component, fit per card, and per card the best config that fits."""
-    from moetune.model import load_spec
-    from moetune.plan import make_plan
-    from moetune.preflight import lint_context, option_overrides, resolve_run
-    from moetune.recipe.rules import lint
-    from moetune.render import (
+    from moetune.cli.render import (
         fits_table,
         plan_components_table,
         print_findings,
         print_plan_notes,
         print_recommendations,
     )
+    from moetune.lint.preflight import lint_context, option_overrides, resolve_run
+    from moetune.lint.rules import lint
+    from moetune.model import load_spec
+    from moetune.plan import make_plan
 
     opts = option_overrides(
         tuning=tuning,
@@ -177,7 +118,7 @@ def plan(
     print_recommendations(console, result)
     print_findings(console, findings)
     if devices:
-        from moetune.render_devices import device_components_table, device_fits_table
+        from moetune.cli.render import device_components_table, device_fits_table
 
         console.print(device_components_table(devices))
         console.print(device_fits_table(devices))
@@ -202,8 +143,8 @@ def lint_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Every known trap in a run config, with what happens and the fix. Exit 1 on errors."""
-    from moetune.preflight import lint_run, resolve_run
-    from moetune.render import print_findings
+    from moetune.cli.render import print_findings
+    from moetune.lint.preflight import lint_run, resolve_run
 
     findings, _ = lint_run(resolve_run(target, overrides))
     if as_json:
@@ -227,8 +168,8 @@ def recipe(
     as_json: JsonOpt = False,
 ) -> None:
     """The exact LoRA configuration that reaches the experts, audited on a built model."""
+    from moetune.lint.preflight import option_overrides, resolve_run
     from moetune.model import load_spec
-    from moetune.preflight import option_overrides, resolve_run
     from moetune.recipe import recipe_for, render_recipe
 
     opts = option_overrides(stack=stack, rank=rank, targets=targets)
@@ -277,7 +218,7 @@ def train_cmd(
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     from moetune.config import load_config
-    from moetune.preflight import option_overrides
+    from moetune.lint.preflight import option_overrides
     from moetune.units import human_bytes
 
     sets = [*(overrides or []), *option_overrides(engine=engine, nproc=nproc, strategy=strategy)]
@@ -314,7 +255,7 @@ def train_cmd(
 @friendly
 def doctor(as_json: JsonOpt = False) -> None:
     """Installed versions, known-bad combinations, hub settings, disk and accelerators."""
-    from moetune.doctor import run_doctor
+    from moetune.lint.doctor import run_doctor
     from moetune.units import gib
 
     report = run_doctor()
@@ -368,8 +309,8 @@ def quickstart(
     as_json: JsonOpt = False,
 ) -> None:
     """The whole local pipeline on the embedded tiny MoE: train, eval, gate, promote, report."""
+    from moetune.cli.render import quickstart_table
     from moetune.demo.quickstart import demo_args, run_quickstart
-    from moetune.render import quickstart_table
 
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps {steps} is not a positive number", "pass --steps N >= 1")
@@ -388,8 +329,8 @@ def quickstart(
 
 
 def _print_verdict(doc: dict[str, Any], results: Path) -> None:
+    from moetune.cli.render import ladder_table, verdict_table
     from moetune.evaluate.gate import read_json
-    from moetune.render import ladder_table, verdict_table
 
     console.print(ladder_table(read_json(results / "ladder.json")))
     console.print(verdict_table(doc))
@@ -482,8 +423,3 @@ def report(
         emit_json({"report": str(path)})
     else:
         console.print(f"report: {escape(str(path))}")
-
-
-# Each registers its commands on `app`: export, launch/pods/workflow, sky-task, serve-plan, bench,
-# ledger.
-from moetune import cli_bench, cli_export, cli_lane, cli_ledger, cli_serve, cli_sky  # noqa: E402,F401

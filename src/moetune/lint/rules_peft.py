@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from moetune.errors import RecipeError
-from moetune.recipe import probes
-from moetune.recipe.rules import Hit, LintContext, Severity, register_rule
+from moetune.lint import probes
+from moetune.lint.rules import Hit, LintContext, Severity, register_rule
 from moetune.units import count, gib
 
 PEFT_LIBS = ("peft", "transformers")

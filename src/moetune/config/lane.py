@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from moetune.config_base import (
+from moetune.config.base import (
     NonNegativeInt,
     Percent,
     Port,

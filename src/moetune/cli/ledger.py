@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from moetune.cli import JsonOpt, app, console, emit_json, err_console, friendly
+from moetune.cli.common import JsonOpt, app, console, emit_json, err_console, friendly
 from moetune.errors import ConfigError
 
 ledger_app = typer.Typer(help="The append-only ledger of every attempt.", no_args_is_help=True)

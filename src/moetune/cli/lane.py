@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from moetune.cli import JsonOpt, SetOpt, app, console, emit_json, err_console, friendly
+from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, err_console, friendly
 
 ProviderOpt = Annotated[
     str | None, typer.Option("--provider", help="local | ssh | runpod (default: lane.provider).")

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
-from moetune.recipe.rules import ProbeOutcome, ProbeUnavailable
+from moetune.lint.rules import ProbeOutcome, ProbeUnavailable
 
 if TYPE_CHECKING:
     from torch import nn

@@ -10,12 +10,12 @@ import tempfile
 from importlib import metadata
 from typing import Any
 
-from moetune.recipe.probes import _TINY, _TINY_MOE, _quiet, _version
-from moetune.recipe.rules import ProbeOutcome, ProbeUnavailable
+from moetune.lint.probes import _TINY, _TINY_MOE, _quiet, _version
+from moetune.lint.rules import ProbeOutcome, ProbeUnavailable
 
 
 def _need_mlx() -> None:
-    from moetune.recipe.rules_mlx import backend_fix, mlx_backend
+    from moetune.lint.rules_mlx import backend_fix, mlx_backend
 
     found = mlx_backend()
     if found.mlx_lm is None:
@@ -104,7 +104,7 @@ def mlx_transformers_pin() -> ProbeOutcome:
     (the trap), and a pair the table clears imports mlx_lm and loads a tiny model – a
     failure there is a bad pair the table does not know yet (review the rule)."""
     _need_mlx()
-    from moetune.recipe.rules_mlx import pin_problems
+    from moetune.lint.rules_mlx import pin_problems
 
     versions = {lib: _version(lib) for lib in ("mlx-lm", "transformers")}
     predicted_bad = bool(pin_problems(versions))

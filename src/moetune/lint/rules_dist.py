@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from importlib import util
 
-from moetune.recipe import probes_dist
-from moetune.recipe.rules import Hit, LintContext, register_rule
+from moetune.lint import probes_dist
+from moetune.lint.rules import Hit, LintContext, register_rule
 
 
 def _zero3(ctx: LintContext) -> bool:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from moetune.cli import JsonOpt, app, console, emit_json, friendly
+from moetune.cli.common import JsonOpt, app, console, emit_json, friendly
 
 
 @app.command("export")

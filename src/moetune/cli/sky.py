@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from moetune.cli import JsonOpt, SetOpt, app, console, emit_json, friendly
+from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, friendly
 
 
 @app.command(name="sky-task")

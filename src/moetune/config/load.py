@@ -1,0 +1,131 @@
+"""Loading the run config: YAML + `--set section.field=value` overrides (CLI beats YAML
+beats defaults), the resolved copy written beside a run, and the field documentation."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from moetune.config.sections import RunConfig
+from moetune.errors import ConfigError, clip, os_problem
+
+
+def _apply_override(data: dict[str, Any], assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"bad override {assignment!r}", "write --set section.field=value")
+    node = data
+    *parents, leaf = key.strip().split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r} goes through a non-section", "check the path")
+    try:
+        node[leaf] = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(
+            f"--set {clip(key, 60)}: the value {clip(raw, 60)!r} is not valid YAML ({problem})",
+            "close brackets and quotes, e.g. --set lora.targets=[attention,experts]",
+        ) from None
+
+
+def _describe(err: ValidationError) -> tuple[str, str]:
+    """(`field: what a valid value is (got what was given)`, the fix) for the first error."""
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    schema = "`moetune schema` lists every field and its meaning"
+    if first["type"] == "extra_forbidden":
+        return f"unknown key {where!r} in run config", f"check the spelling; {schema}"
+    msg = first["msg"].removeprefix("Value error, ")
+    valid = msg.removeprefix("must be ")
+    fix = f"set {where} to {valid}" if valid != msg else "set it to a valid value"
+    return f"{where}: {msg} (got {first.get('input')})", f"{fix}; {schema}"
+
+
+def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """Validate a config dict (plus overrides) into a RunConfig, or raise ConfigError."""
+    data = copy.deepcopy(data)  # overrides must not leak into the caller's dicts
+    for assignment in overrides or []:
+        _apply_override(data, assignment)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(*_describe(err)) from None
+
+
+def read_config_text(path: Path) -> str:
+    """The run config's text; a missing, unreadable or binary file is a ConfigError."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{clip(path, 80)} is not UTF-8 text (byte {err.start} cannot be decoded)",
+            "a run config is a YAML text file saved as UTF-8 (see configs/ for examples)",
+        ) from None
+    except OSError as err:
+        cause = f"run config {clip(path, 80)}: {os_problem(err)}"
+        raise ConfigError(cause, "pass the path of a readable run.yaml") from None
+
+
+def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConfig:
+    """Read a run.yaml; errors name the file and the field."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(read_config_text(path)) or {}
+    except yaml.YAMLError as err:
+        first = f"{clip(path, 80)} is not valid YAML: {err}".splitlines()[0]
+        raise ConfigError(first, "fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        cause = f"{clip(path, 80)} must hold a mapping of sections"
+        raise ConfigError(cause, "see configs/ for examples")
+    try:
+        return parse_config(data, overrides)
+    except ConfigError as err:
+        raise ConfigError(f"{clip(path, 80)}: {err.cause}", err.fix) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (written beside every run's outputs), secret lane.env
+    values masked: they reach a pod through its environment, never through a file."""
+    from moetune.ledger import public_env
+
+    doc = cfg.model_dump(mode="json")
+    doc["lane"]["env"] = public_env(doc["lane"]["env"])
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:
+    """The section class a field holds (directly or as list items), and the path suffix."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, ""
+    args = getattr(annotation, "__args__", ())
+    if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0], "[]"
+    return None, ""
+
+
+def _rows(cls: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:
+    rows = []
+    for name, field in cls.model_fields.items():
+        path = f"{prefix}{name}"
+        nested, suffix = _nested_model(field.annotation)
+        if nested is not None:  # a section (or list of them): document its fields instead
+            rows.extend(_rows(nested, f"{path}{suffix}."))
+            continue
+        default = (
+            "(required)"
+            if field.is_required()
+            else repr(field.get_default(call_default_factory=True))
+        )
+        rows.append((path, default, field.description or ""))
+    return rows
+
+
+def schema_rows() -> list[tuple[str, str, str]]:
+    """(field path, default, description) for every field: the documentation of run.yaml."""
+    return _rows(RunConfig, "")
