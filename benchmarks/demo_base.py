@@ -6,6 +6,7 @@ match on held-out items every `--eval-every` steps. Training seconds exclude eva
 
     python benchmarks/demo_base.py mixed --skill last --steps 600 --lr 1e-3
     python benchmarks/demo_base.py overfit --skill last --rows 30 --steps 300 --lr 2e-2
+    python benchmarks/demo_base.py mixed --smoke     # 2 steps: the script still runs
 
 `mixed`: half the rows are the new skill, half spread over the base skills.
 `overfit`: a tiny pack of only the new skill, repeated for many epochs.
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_env
 import torch
 from datasets import Dataset
 from peft import LoraConfig
@@ -143,13 +145,16 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-n", type=int, default=100, help="held-out items per skill")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    bench_env.add_argument(p)
     p.add_argument("--base", type=Path, default=None, help="default: the shipped base")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--smoke", action="store_true", help="2 steps, 4 rows, 2 items (seconds)")
     opts = p.parse_args()
+    if opts.smoke:
+        opts.steps, opts.rows, opts.batch_size, opts.eval_every, opts.eval_n = 2, 4, 2, 2, 2
     if opts.rows is None:
         opts.rows = 30 if opts.mode == "overfit" else opts.steps * opts.batch_size
-    torch.set_num_threads(opts.threads)
+    bench_env.apply()
     result = run(opts)
     if opts.json:
         opts.json.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -54,6 +54,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import bench_env
 import torch
 
 from moetune.engine import IMPLEMENTATION, apply_split_lora, register, restore_peft_lora
@@ -352,6 +353,7 @@ def machine(device: torch.device) -> str:
         where = torch.cuda.get_device_name(device)
     else:
         where = f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    where += f", {bench_env.describe()}"
     versions = f"torch {torch.__version__}, peft {metadata.version('peft')}"
     return f"{where}, {versions}, transformers {metadata.version('transformers')}"
 
@@ -412,11 +414,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "nf4, nf4dq; each against peft on the float stack")  # fmt: skip
     parser.add_argument("--gc", default="off,on", help="model case: off, on or off,on")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true",
+                        help="quick layer case, bf16+int8, 1 repeat; no record")  # fmt: skip
+    bench_env.add_argument(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.quick, args.repeats, args.record = True, 1, False
+        args.cases, args.experts_dtype, args.gc = "layer", "bf16,int8", "off"
+    return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(argv)
+    bench_env.apply()
     cases = choices(args.cases, list(CASES), "--cases")
     dtypes = choices(args.experts_dtype, [*FLOAT, *QUANT], "--experts-dtype")
     gcs = choices(args.gc, GC, "--gc")

@@ -47,6 +47,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import bench_env
 import torch
 
 # A sibling: `python benchmarks/gpu_validate.py` puts benchmarks/ first on sys.path.
@@ -173,7 +174,7 @@ def machine(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {n: metadata.version(n) for n in names}
     info |= {"host": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
              "date": datetime.date.today().isoformat(),
-             "triton": is_triton_available()}  # fmt: skip
+             "triton": is_triton_available(), "threads": bench_env.describe()}  # fmt: skip
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         info |= {"device": torch.cuda.get_device_name(device), "cuda": torch.version.cuda,
@@ -290,6 +291,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="gpu_validate.json and .md go here (default $OUT or ./gpu_validate_out)",
     )
+    bench_env.add_argument(ap)
     ap.add_argument(
         "--results",
         type=Path,
@@ -337,6 +339,7 @@ def record_from(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    bench_env.apply()
     if args.record_from is not None:
         return record_from(args)
     start = time.perf_counter()

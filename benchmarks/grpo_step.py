@@ -19,6 +19,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import bench_env
 import trl
 from transformers import GenerationMixin
 
@@ -56,7 +57,7 @@ def timed(steps: list[float], generation: list[float]):
         trl.GRPOTrainer.training_step, GenerationMixin.generate = real_step, real_generate  # type: ignore[method-assign]
 
 
-def config(root: Path, steps: int, completion: int) -> Any:
+def config(root: Path, steps: int, completion: int, batch: int = 32) -> Any:
     rows = prompt_rows(list(islice(stream(["last"], 0, "train"), 400)))
     data = write_jsonl(root / "prompts.jsonl", rows)
     return parse_config(
@@ -66,7 +67,7 @@ def config(root: Path, steps: int, completion: int) -> Any:
             "data": {"train_file": str(data)},
             "output": {"dir": str(root / f"run-{completion}"), "ledger": str(root / "l.jsonl")},
             "train": {
-                "method": "grpo", "seq_len": MAX_LEN, "batch_size": 32, "max_steps": steps,
+                "method": "grpo", "seq_len": MAX_LEN, "batch_size": batch, "max_steps": steps,
                 "gradient_checkpointing": False, "learning_rate": 2e-3, "device": "cpu",
                 "save_steps": 1000, "routing_every": 0,
                 "grpo": {"num_generations": 8, "max_completion_length": completion,
@@ -76,11 +77,11 @@ def config(root: Path, steps: int, completion: int) -> Any:
     )  # fmt: skip
 
 
-def measure(steps: int, completion: int) -> dict[str, float]:
+def measure(steps: int, completion: int, batch: int = 32) -> dict[str, float]:
     step_s: list[float] = []
     gen_s: list[float] = []
     with tempfile.TemporaryDirectory() as tmp, timed(step_s, gen_s):
-        train(config(Path(tmp), steps, completion), progress=False)
+        train(config(Path(tmp), steps, completion, batch), progress=False)
     step_mean = statistics.mean(step_s[1:])
     gen_mean = statistics.mean(gen_s[1:])
     return {
@@ -96,11 +97,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--completion", type=int, nargs="+", default=[12, 32])
+    parser.add_argument("--smoke", action="store_true", help="2 steps of 1 prompt x 8 (seconds)")
+    bench_env.add_argument(parser)
     opts = parser.parse_args()
+    bench_env.apply()
+    batch = 8 if opts.smoke else 32
+    if opts.smoke:
+        opts.steps, opts.completion = 2, [4]
+    print(f"[{bench_env.describe()}]")
     print("| max_completion_length | step s | generation s | training s | generation share |")
     print("|---|---|---|---|---|")
     for completion in opts.completion:
-        r = measure(opts.steps, completion)
+        r = measure(opts.steps, completion, batch)
         print(
             f"| {completion} | {r['step_s']:.3f} | {r['generation_s']:.3f} | "
             f"{r['training_s']:.3f} | {r['generation_share']:.0%} |"

@@ -29,7 +29,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import bench_env
+
 from moetune.config import RunConfig, parse_config
+from moetune.demo.base import SHIPPED_DIR
 from moetune.model import load_spec
 from moetune.plan.fit import analytic
 from moetune.plan.profiles import uncalibrated
@@ -67,6 +70,7 @@ GRIDS = {  # name: (ranks, seqs)
     "full": (RANKS, SEQS),
     "quick": ((16,), (512, 2048)),
     "flagships": ((16,), (2048, 8192)),
+    "smoke": ((8,), (64,)),  # the shipped demo base: the script still runs, in seconds
 }
 
 
@@ -156,7 +160,8 @@ def summary(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
     worst = max(planned, key=lambda r: abs(r["relative_error"]))
     return {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
+        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores, "
+        f"{bench_env.describe()}",
         "versions": versions(),
         "grid": name,
         "seqs": sorted({r["seq_len"] for r in rows}),
@@ -239,9 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", help="comma list of model ids (default: the grid's)")
     ap.add_argument("--seqs", help="comma list of sequence lengths (default: the grid's)")
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--smoke", action="store_true", help="the demo base only; never records")
+    bench_env.add_argument(ap)
     args = ap.parse_args(argv)
+    bench_env.apply()
     name = "flagships" if args.flagships else "quick" if args.quick else "full"
-    default = {"full": MODELS, "quick": QUICK_MODELS, "flagships": FLAGSHIPS}[name]
+    name = "smoke" if args.smoke else name
+    args.no_record = args.no_record or args.smoke
+    smoke = (str(SHIPPED_DIR),)
+    default = {"full": MODELS, "quick": QUICK_MODELS, "flagships": FLAGSHIPS, "smoke": smoke}[name]
     models = tuple(args.models.split(",")) if args.models else default
     seqs = tuple(int(s) for s in args.seqs.split(",")) if args.seqs else ()
     rows = run(grid(models, name, seqs), show_progress=not args.json)

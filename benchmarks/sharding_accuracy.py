@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import bench_env
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -43,6 +44,12 @@ CONFIG: dict[str, Any] = {
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
 SEQ = 256
+# --smoke: a narrower model and shorter sequence (the spawned ranks see it through the env)
+SMOKE = "--smoke" in sys.argv[1:] or os.environ.get("MOETUNE_BENCH_SMOKE") == "1"
+if SMOKE:
+    CONFIG |= {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+               "num_hidden_layers": 2, "head_dim": 16, "vocab_size": 512}  # fmt: skip
+    SEQ = 32
 GRANULE = 1 << 10
 
 
@@ -50,7 +57,7 @@ def run_config() -> RunConfig:
     return parse_config(
         {
             "model": {"dtype": "float32"},
-            "train": {"method": "full", "seq_len": SEQ, "gradient_checkpointing": False},
+            "train": {"tuning": "full", "seq_len": SEQ, "gradient_checkpointing": False},
         }
     )
 
@@ -178,7 +185,13 @@ def measure_world(world: int) -> list[int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-record", action="store_true", help="Do not append to RESULTS.md.")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model; never records")
+    bench_env.add_argument(parser)
     args = parser.parse_args()
+    bench_env.apply()
+    if args.smoke:
+        os.environ["MOETUNE_BENCH_SMOKE"] = "1"
+        args.no_record = True
     spec, cfg = spec_from_config(dict(CONFIG), "bench-moe"), run_config()
     # the step here takes the model's own loss (full logits), not TRL's fused LM head
     step = replace(Step.from_config(cfg, spec), fused_head=False)
@@ -205,7 +218,8 @@ def _record(params: int, rows: list[tuple[int, int, int, int, float]]) -> None:
         f"N={w} rank {r}: measured {m / 2**20:.1f} MiB, planned {p / 2**20:.1f} MiB ({e:+.1%})"
         for w, r, m, p, e in rows
     )
-    line = (f"- {today}, 2 shared CPU cores, torch {torch.__version__}: Qwen3-MoE "
+    line = (f"- {today}, {os.cpu_count()} shared CPU cores ({bench_env.describe()}), "
+            f"torch {torch.__version__}: Qwen3-MoE "
             f"{params / 1e6:.1f} M params, full fine-tune fp32, seq {SEQ}, fused AdamW, "
             f"step 2 – {cases}\n")  # fmt: skip
     text = RESULTS.read_text() if RESULTS.exists() else ""

@@ -21,11 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_env
+
 RESULTS = Path(__file__).with_name("RESULTS.md")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 
 # The bundled catalog's config.json (moetune.model) is the one source of these models.
 MODELS: dict[str, str] = {"30b": "Qwen/Qwen3-30B-A3B", "235b": "Qwen/Qwen3-235B-A22B"}
+# --smoke: the shipped demo base (a tiny qwen3_moe), found without importing moetune.demo
+MODELS["demo"] = str(Path(__file__).resolve().parents[1] / "src/moetune/demo/base_model")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -55,7 +59,8 @@ def trace_one(key: str, seq_len: int) -> dict[str, Any]:
 
 def run_isolated(key: str, seq_len: int) -> dict[str, Any]:
     """Trace in a child process, so each model's max RSS is its own."""
-    cmd = [sys.executable, __file__, "--child", key, "--seq", str(seq_len)]
+    cmd = [sys.executable, __file__, "--child", key, "--seq", str(seq_len),
+           "--threads", str(bench_env.THREADS)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"trace of {key} failed:\n{done.stderr[-4000:]}")
@@ -67,7 +72,8 @@ def machine() -> str:
 
     cores = os.cpu_count()
     load = os.getloadavg()[0]  # wall seconds stretch when the cores are shared
-    return f"{platform.machine()}, {cores} cores, torch {torch.__version__}, load {load:.1f}"
+    return (f"{platform.machine()}, {cores} cores, torch {torch.__version__}, load {load:.1f}, "
+            f"{bench_env.describe()}")  # fmt: skip
 
 
 def record(rows: list[dict[str, Any]]) -> None:
@@ -92,8 +98,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--no-record", action="store_true", help="don't append to RESULTS.md")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--smoke", action="store_true", help="the demo base at seq 64; never records"
+    )
+    bench_env.add_argument(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.models, args.seq, args.no_record = "demo", 64, True
     if args.child:
+        bench_env.apply()
         print(json.dumps(trace_one(args.child, args.seq)))
         return
     rows = [run_isolated(key, args.seq) for key in args.models.split(",")]

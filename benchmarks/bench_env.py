@@ -1,0 +1,60 @@
+"""Thread settings every benchmark pins before torch loads, so a figure does not depend on
+who else uses the machine.
+
+OpenMP threads that spin at barriers (the default active wait) slow small CPU kernels 10×
+or more whenever another process shares the cores: the engine benchmark measured split
+LoRA at 0.77× of peft with active wait and 2.12× with passive wait on one loaded machine.
+So a benchmark imports this module first (ruff's isort keeps it on top: `force-to-top`):
+it sets OMP_WAIT_POLICY=PASSIVE and OMP/MKL thread counts from the script's `--threads N`
+(default DEFAULT_THREADS) before torch reads them, and `apply()` sets torch's intra-op
+threads once torch is loaded. Imported where torch is already loaded (a test calling a
+benchmark's main in-process), it changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_THREADS = 2
+
+
+def _threads_from(argv: list[str]) -> int:
+    for i, arg in enumerate(argv):
+        if arg == "--threads" and i + 1 < len(argv):
+            return max(1, int(argv[i + 1]))
+        if arg.startswith("--threads="):
+            return max(1, int(arg.split("=", 1)[1]))
+    return DEFAULT_THREADS
+
+
+THREADS = _threads_from(sys.argv[1:])
+PINNED = "torch" not in sys.modules
+if PINNED:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(THREADS)
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """The `--threads` option every benchmark takes (read above, before argparse runs)."""
+    parser.add_argument(
+        "--threads", type=int, default=DEFAULT_THREADS,
+        help=f"CPU threads for torch and OpenMP (default {DEFAULT_THREADS}; wait policy passive)",
+    )  # fmt: skip
+
+
+def apply() -> int:
+    """torch's intra-op threads as pinned (only in a benchmark's own process)."""
+    if PINNED:
+        import torch  # loaded by now in every benchmark; imported here so this module stays first
+
+        torch.set_num_threads(THREADS)
+    return THREADS
+
+
+def describe() -> str:
+    """For RESULTS.md lines: how the threads were set when this figure was measured."""
+    wait = os.environ.get("OMP_WAIT_POLICY", "(unset: active)")
+    return f"{THREADS} threads, OMP_WAIT_POLICY={wait}"
