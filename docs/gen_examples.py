@@ -81,12 +81,18 @@ def keep(lines: list[str], cut: str | None, n: int) -> list[str]:
 
 @contextmanager
 def _fresh_shell() -> Iterator[None]:
-    saved = {name: os.environ.pop(name) for name in UNSET if name in os.environ}
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    saved = {name: os.environ.get(name) for name in (*UNSET, "HF_HUB_OFFLINE")}
+    for name in UNSET:
+        os.environ.pop(name, None)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # catalog ids only: never the network
     try:
         yield
     finally:
-        os.environ.update(saved)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @cache
@@ -97,9 +103,13 @@ def output(command: str) -> list[str]:
     from moetune.cli import app
     from moetune.cli.common import console
 
+    saved = console._width  # rich has no public "width for a while"; put it back after
     console.width = WIDTH
-    with _fresh_shell():
-        result = CliRunner().invoke(app, shlex.split(command)[1:], catch_exceptions=False)
+    try:
+        with _fresh_shell():
+            result = CliRunner().invoke(app, shlex.split(command)[1:], catch_exceptions=False)
+    finally:
+        console._width = saved
     if result.exit_code not in (0, 1):  # 1: lint's error findings, by design
         raise SystemExit(f"`{command}` exited {result.exit_code}: {result.stderr.strip()}")
     return [line.rstrip() for line in result.stdout.rstrip("\n").splitlines()]

@@ -5,6 +5,7 @@ docs and docstrings make (package floors, source paths, knowledge sections) stil
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 import unicodedata
@@ -122,6 +123,18 @@ def test_example_has_the_commands_shape(ex: object) -> None:
     assert shape(shown) == shape(fresh), "stale example: run python docs/gen_examples.py"
     if ex.command.split()[1] == "inspect":  # type: ignore[attr-defined]
         assert shown == fresh  # parameter counts are facts of the model, not estimates
+
+
+def test_an_example_leaves_the_console_and_environment_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from moetune.cli.common import console
+
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    before = console.width
+    lines = gen.output.__wrapped__("moetune inspect src/moetune/demo/base_model")
+    assert lines[0].startswith("src/moetune/demo/base_model (qwen3_moe)")
+    assert console.width == before and os.environ["HF_HUB_DISABLE_XET"] == "1"
 
 
 def test_shape_tells_tables_apart() -> None:
