@@ -175,3 +175,29 @@ def test_docstrings_cite_knowledge_sections_that_exist() -> None:
         for refs in re.findall(r"docs/knowledge\.md ((?:§\d+b?(?:, )?)+)", text):
             cited |= set(re.findall(r"§(\d+b?)", refs))
     assert cited and cited <= sections
+
+
+def _all_pages() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
+
+
+def test_every_command_and_subcommand_is_documented() -> None:
+    import typer.main
+
+    from moetune.cli import app
+
+    text = _all_pages()
+    missing = []
+    for name, command in typer.main.get_command(app).commands.items():  # type: ignore[attr-defined]
+        lines = "\n".join(line for line in text.splitlines() if f"moetune {name}" in line)
+        missing += [] if lines else [name]
+        subs = getattr(command, "commands", {}) or {}
+        missing += [f"{name} {sub}" for sub in subs if not re.search(rf"\b{sub}\b", lines)]
+    assert missing == []
+
+
+def test_every_lint_rule_is_on_the_lint_page() -> None:
+    from moetune.lint import RULES
+
+    page = (ROOT / "docs" / "lint.md").read_text()
+    assert len(RULES) > 20 and sorted(rule for rule in RULES if rule not in page) == []
