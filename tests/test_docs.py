@@ -201,3 +201,19 @@ def test_every_lint_rule_is_on_the_lint_page() -> None:
 
     page = (ROOT / "docs" / "lint.md").read_text()
     assert len(RULES) > 20 and sorted(rule for rule in RULES if rule not in page) == []
+
+
+def test_every_yaml_block_in_the_docs_is_a_valid_run_config() -> None:
+    import yaml
+
+    from moetune.config import parse_config
+
+    blocks = re.findall(r"```yaml\n(.*?)```", _all_pages(), re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        data = yaml.safe_load(block)
+        cfg = parse_config(data)  # raises a ConfigError naming the field on a stale one
+        for section, fields in data.items():
+            for name, value in fields.items():
+                if isinstance(value, str | int | float):
+                    assert getattr(getattr(cfg, section), name) == value, f"{section}.{name}"
