@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup quickstart test test-slow lint format bench clean setup-skypilot test-skypilot \
+.PHONY: setup quickstart test test-slow lint format docs bench clean setup-skypilot test-skypilot \
 	setup-deepspeed test-deepspeed
 
 setup: $(BIN)/moetune
@@ -50,17 +50,24 @@ test-slow: setup
 	$(BIN)/pytest -q -m slow
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs
+	$(BIN)/ruff format --check src tests benchmarks docs
 	$(BIN)/mypy
+	$(MAKE) docs
+
+# The docs site, strict: a broken link, a missing anchor or a page left out of nav fails.
+# (examples in it are checked against the CLI by tests/test_docs.py; python
+# docs/gen_examples.py rewrites them.) Not --quiet: it hides the warnings strict counts.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 format: setup
-	$(BIN)/ruff format src tests benchmarks
-	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks docs
+	$(BIN)/ruff check --fix src tests benchmarks docs
 
 bench: setup
 	$(BIN)/python benchmarks/planner_accuracy.py --quick
 	$(BIN)/python benchmarks/trace_speed.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

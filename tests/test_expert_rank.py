@@ -139,7 +139,7 @@ def test_qwen3_30b_a3b_rank_16_experts_4() -> None:
     small = analytic(spec, cfg)
     assert small.trainable_params == 170_655_744
     full = analytic(spec, _cfg(rank=16, targets=["attention", "experts"]))
-    assert full.trainable_params == 642_514_944  # knowledge §3: unchanged without it
+    assert full.trainable_params == 642_514_944  # docs/knowledge.md §3: unchanged without it
     # fp32 adapter weights and two Adam moments (steady state) for each trainable parameter
     assert small.components["trainable_weights"] == 4 * 170_655_744
     assert small.components["optimizer_state"] == 8 * 170_655_744

@@ -142,7 +142,7 @@ def test_peft_automap_flag_matches_installed_peft(variant: str) -> None:
 
 
 def test_qwen2_moe_names_reach_only_the_shared_expert() -> None:
-    """knowledge.md §3: qwen2_moe is not auto-mapped; only shared_expert gets LoRA."""
+    """docs/knowledge.md §3: qwen2_moe is not auto-mapped; only shared_expert gets LoRA."""
     from peft import LoraConfig, get_peft_model
 
     spec = spec_from_config(tiny_config("qwen2_moe-shared-dense0"))

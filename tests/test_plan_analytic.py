@@ -78,7 +78,7 @@ def test_vanilla_peft_doubles_gate_up_rank() -> None:
     targets = ["attention", "experts"]
     auto = analytic(spec, cfg(lora={"rank": 16, "targets": targets, "expert_mapping": "automap"}))
     explicit = analytic(spec, cfg(lora={"rank": 16, "targets": targets}))
-    assert auto.trainable_params == 994_836_480  # knowledge §3
+    assert auto.trainable_params == 994_836_480  # docs/knowledge.md §3
     assert explicit.trainable_params == 642_514_944
     assert auto.peak_bytes - explicit.peak_bytes > 16 * (994_836_480 - 642_514_944) * 0.9
 

@@ -1,4 +1,4 @@
-"""mlx-lm recipes: keys match mlx-lm's module names per family (knowledge.md §5), every
+"""mlx-lm recipes: keys match mlx-lm's module names per family (docs/knowledge.md §5), every
 lora_parameters field is present, and the router never gets a key."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _under(prefix: str) -> list[str]:
     return [f"{prefix}.{n}" for n in GLU]
 
 
-# knowledge.md §5: where mlx-lm keeps each family's expert stack (and shared expert)
+# docs/knowledge.md §5: where mlx-lm keeps each family's expert stack (and shared expert)
 EXPERT_KEYS = {
     "qwen3_moe-dense0": _under("mlp.switch_mlp"),
     "olmoe": _under("mlp.switch_mlp"),

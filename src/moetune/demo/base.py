@@ -43,7 +43,7 @@ IGNORE = -100  # label value the loss skips (prompt and padding)
 
 @dataclass(frozen=True)
 class Arch:
-    """Shape of the demo model (knowledge §11: depth and steps matter more than width)."""
+    """Shape of the demo model (docs/knowledge.md §11: depth and steps matter more than width)."""
 
     layers: int = 3
     hidden: int = 128

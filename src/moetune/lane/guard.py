@@ -1,5 +1,5 @@
 """The cost guard: the layers that keep a rented pod from billing after its work is done
-(knowledge.md §8).
+(docs/knowledge.md §8).
 
 In the pod: a dead-man switch armed first (sleep until the deadline, then terminate itself)
 and a GPU-idle watchdog; both are plain POSIX sh, so they need nothing installed and keep

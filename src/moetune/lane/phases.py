@@ -34,7 +34,7 @@ from moetune.ledger import Ledger, LedgerRow, Status
 PhaseFn = Callable[["Lane"], None]
 PHASES: dict[str, PhaseFn] = {}
 LOCAL_RESULTS = ("bank", "fetch_results", "gate", "promote")  # survive a lost pod
-# Infra failures people search for (knowledge.md §8): recorded as the row's signature.
+# Infra failures people search for (docs/knowledge.md §8): recorded as the row's signature.
 SIGNATURES = (
     "Disk quota exceeded", "No space left on device", "Background writer channel closed",
     "CUDA out of memory", "Connection closed", "Connection refused", "Killed",

@@ -1,4 +1,4 @@
-"""GitHub Actions workflows that run `moetune launch` with wall 4 handled (knowledge.md §8).
+"""GitHub Actions workflows that run `moetune launch` with wall 4 handled (docs/knowledge.md §8).
 
 A job-level `timeout-minutes` cancels the whole job, and a cancelled job gives its
 `if: always()` steps no time: the adapter is never uploaded and the pod keeps billing. So the

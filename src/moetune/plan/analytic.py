@@ -5,7 +5,7 @@ steady state (step ≥ 2, Adam moments live through forward and backward):
 
 - static: frozen weights (dtype bytes; QLoRA: 4-bit Linears, everything else upcast to
   fp32 by `prepare_model_for_kbit_training` – bitsandbytes leaves fused experts bf16,
-  knowledge §3), trainable weights (peft upcasts adapters to fp32: 4 B),
+  docs/knowledge.md §3), trainable weights (peft upcasts adapters to fp32: 4 B),
 - optimizer state: two Adam moments (fp32 for adapters; param dtype for full),
 - gradients: accumulating layer by layer during backward, all of them in the step,
 - activations: what each decoder layer saves for backward, its token mixer's term picked
@@ -15,7 +15,7 @@ steady state (step ≥ 2, Adam moments live through forward and backward):
   `plan.fit` traces such a spec instead),
 - expert weight copies: peft's ParamWrapper materialises `W + s·B@A` for every wrapped
   stack on each forward and keeps it for backward, and backward makes a full-size weight
-  gradient (knowledge §3); without checkpointing every layer keeps its copy,
+  gradient (docs/knowledge.md §3); without checkpointing every layer keeps its copy,
 - logits: moetune trains through TRL's fused LM head, which projects 4096 tokens ×
   32768 vocab entries at a time into one reused tile and accumulates the hidden-state
   gradient in fp32 (plus its cast back): tile + 6 B per token·hidden. With the model's

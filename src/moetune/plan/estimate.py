@@ -30,7 +30,7 @@ TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".txt")  # compressed format
 
 @dataclass(frozen=True)
 class Published:
-    """A published training step rate the default MFU is derived from (knowledge.md §4)."""
+    """A published training step rate the default MFU is derived from (docs/knowledge.md §4)."""
 
     what: str
     card: str  # catalog id of the card it ran on

@@ -1,4 +1,4 @@
-"""Sizing for the four infrastructure walls of a rented-GPU run (knowledge.md §8).
+"""Sizing for the four infrastructure walls of a rented-GPU run (docs/knowledge.md §8).
 
 Each wall cost a whole paid pod when it was found one at a time: hf-xet flaking on big
 pulls, a pod volume smaller than the snapshot, an in-pod watchdog shorter than the work,

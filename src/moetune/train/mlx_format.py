@@ -3,7 +3,7 @@
 The mlx lane (train/mlx_lane.py) trains with mlx-lm and hands back a peft adapter through
 `mlx_to_peft`; moetune.export.mlx holds the other directions.
 
-Layouts (knowledge.md §3, §5):
+Layouts (docs/knowledge.md §3, §5):
 - peft, a fused expert stack (ParamWrapper): A `[E·r, in]` viewed `(E, r, in)`, B `[out, E·r]`
   viewed `(out, r, E)` (expert index fastest); ΔW_e = s · B_e @ A_e in `(out, in)`
   orientation whatever the stack's storage. gate_up_proj holds gate and up as halves (or

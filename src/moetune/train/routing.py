@@ -6,7 +6,7 @@ MoE layer, the experts each real token is sent to – the top-k indices the rout
 attention mask), and so are the router calls that gradient checkpointing re-runs in the
 backward pass: only calls inside the model's own forward count.
 
-`LayerLoad` turns the counts into the numbers that show collapse (knowledge §10):
+`LayerLoad` turns the counts into the numbers that show collapse (docs/knowledge.md §10):
 
 - load fraction per expert: its share of all top-k assignments (they sum to 1);
 - normalised load entropy H/ln E: 1 for an even spread, 0 when one expert takes everything;
