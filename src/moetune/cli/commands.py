@@ -214,14 +214,27 @@ def train_cmd(
     strategy: Annotated[
         str | None, typer.Option(help="With --nproc: ddp | fsdp (FSDP2) | zero3 (DeepSpeed).")
     ] = None,
+    nnodes: Annotated[
+        int | None, typer.Option(help="Nodes of a multi-node run (--nproc ranks on each).")
+    ] = None,
+    node_rank: Annotated[
+        int | None, typer.Option(help="This node's rank, 0 … nnodes-1 (0 writes the run).")
+    ] = None,
+    master_addr: Annotated[
+        str | None, typer.Option(help="Node 0's address, the same on every node.")
+    ] = None,
+    master_port: Annotated[
+        int | None, typer.Option(help="The port node 0 listens on (default 29500).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     from moetune.config import load_config
     from moetune.lint.preflight import option_overrides
-    from moetune.units import human_bytes
 
-    sets = [*(overrides or []), *option_overrides(engine=engine, nproc=nproc, strategy=strategy)]
+    launch = {"nproc": nproc, "strategy": strategy, "nnodes": nnodes, "node_rank": node_rank}
+    launch |= {"master_addr": master_addr, "master_port": master_port}
+    sets = [*(overrides or []), *option_overrides(engine=engine, **launch)]
     cfg = load_config(config, sets)
     flags = {"resume": resume, "allow_errors": allow_errors, "overwrite": overwrite}
     flags |= {"overwrite_promoted": overwrite_promoted, "json": as_json}
@@ -233,8 +246,18 @@ def train_cmd(
         result = launch_or_train(cfg, config, sets, flags, train)
     if quiet_rank():  # a rank of a launch: the launcher or the main process reports
         return
+    _report_train(result, as_json)
+
+
+def _report_train(result: Any, as_json: bool) -> None:
+    from moetune.train.nodes import NodeDone
+    from moetune.units import human_bytes
+
     if as_json:
         emit_json(result.to_json())
+        return
+    if isinstance(result, NodeDone):  # node K > 0: node 0 has the results
+        console.print(result.line())
         return
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "–"
     router = "changed" if result.router_changed else "unchanged"
