@@ -75,6 +75,9 @@ def plan(
     strategy: Annotated[
         str | None, typer.Option(help="With --gpus: ddp | fsdp (FSDP2) | zero3 (DeepSpeed).")
     ] = None,
+    nodes: Annotated[
+        int | None, typer.Option(help="Nodes of --gpus GPUs each (default: train.nnodes).")
+    ] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -107,7 +110,7 @@ def plan(
     spec = load_spec(cfg.model.id)
     result = make_plan(spec, cfg, cards=card, estimator=estimator)  # type: ignore[arg-type]
     findings = lint(lint_context(cfg, spec, result))
-    devices = _devices(spec, cfg, list(result.fits), gpus, strategy)
+    devices = _devices(spec, cfg, list(result.fits), gpus, strategy, nodes)
     if as_json:
         extra = {"devices": devices.to_json()} if devices else {}
         emit_json({**result.to_json(), "findings": [f.rule_id for f in findings], **extra})
@@ -126,13 +129,19 @@ def plan(
             console.print(f"[dim]note:[/] {escape(note)}")
 
 
-def _devices(spec: Any, cfg: Any, cards: list[str], gpus: int | None, strategy: str | None) -> Any:
-    """The per-device report when --gpus or --strategy is given (defaults 1 GPU, fsdp)."""
-    if gpus is None and strategy is None:
+def _devices(
+    spec: Any, cfg: Any, cards: list[str], gpus: int | None, strategy: str | None,
+    nodes: int | None,
+) -> Any:  # fmt: skip
+    """The per-device report when --gpus, --strategy or --nodes is given (defaults 1 GPU
+    per node, fsdp, train.nnodes nodes)."""
+    if gpus is None and strategy is None and nodes is None:
         return None
     from moetune.plan.sharding import device_report
 
-    return device_report(spec, cfg, cards, 1 if gpus is None else gpus, strategy or "fsdp")
+    per_node = 1 if gpus is None else gpus
+    count = cfg.train.nnodes if nodes is None else nodes
+    return device_report(spec, cfg, cards, per_node, strategy or "fsdp", count)
 
 
 @app.command(name="lint")
