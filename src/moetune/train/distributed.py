@@ -5,7 +5,8 @@ into the run dir (`accelerate.yaml`, one strategy per registered writer) and run
 `python -m accelerate.commands.launch --config_file … -m moetune train …` – the very
 command line it was given – in which every rank runs `train()` unchanged: the main
 process alone ledgers, locks the run dir and writes its files (trainer.py, setup.py,
-checkpoint.py), the others train their shard of each global batch.
+checkpoint.py), the others train their shard of each global batch. Several nodes
+(train.nnodes, `--node-rank`, `--master-addr`): the same launch on each, nodes.py.
 
 Facts this rests on (accelerate 1.15, checked by the DIST-* rules' probes):
 - A CPU process (TrainingArguments.use_cpu) is MULTI_CPU over gloo whatever the config
