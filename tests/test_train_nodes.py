@@ -117,6 +117,22 @@ def test_cli_refuses_a_launch_that_cannot_rendezvous(tiny, tmp_path, flags, says
     assert "Traceback" not in got.output and not out.exists()
 
 
+def test_node_0_refuses_a_master_port_in_use(tiny, tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        node0 = _cfg(tiny, tmp_path / "run", **_two_nodes(master_port=port))
+        with pytest.raises(TrainError, match=f"master_port {port} is in use"):
+            N.check_port(node0.train)
+        N.check_port(
+            _cfg(tiny, tmp_path / "run", **_two_nodes(node_rank=1, master_port=port)).train
+        )
+    N.check_port(node0.train)  # free again
+
+
 def test_more_ranks_than_gpus_are_refused(tiny, tmp_path, monkeypatch):
     import torch
 

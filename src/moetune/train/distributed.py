@@ -208,6 +208,7 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
     summary.json records (None on a node other than 0, which has no summary). `check` is
     the read-only run-dir check, done before anything is written."""
     nodes.check_nodes(cfg.train)
+    nodes.check_port(cfg.train)
     check()
     with nodes.config_home(cfg) as home:
         code = _run_ranks(write_config(cfg, home), argv)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +61,21 @@ def check_nodes(t: TrainArgs) -> None:
             f"train.node_rank={t.node_rank} with train.nnodes={t.nnodes}: ranks are 0 to "
             f"{t.nnodes - 1}",
             f"pass --node-rank between 0 and {t.nnodes - 1} (0 on the node at master_addr)",
+        )
+
+
+def check_port(t: TrainArgs) -> None:
+    """Node 0 hosts the rendezvous on master_port: refuse a port something listens on
+    (accelerate would raise ConnectionError with its trace once the launch has begun)."""
+    if t.nnodes == 1 or t.node_rank != 0:
+        return
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        busy = sock.connect_ex(("127.0.0.1", t.master_port)) == 0
+    if busy:
+        raise TrainError(
+            f"train.master_port {t.master_port} is in use on this node (node 0 listens there)",
+            "pass --master-port with a free port, the same on every node",
         )
 
 
