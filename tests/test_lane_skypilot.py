@@ -81,6 +81,53 @@ def test_run_task_mounts_what_is_staged_and_trains_on_every_gpu(tmp_path):
     assert task["run"] == f"cd {root} && moetune train run.yaml --nproc 4"
 
 
+_FAKE_MOETUNE = """#!/bin/sh
+printf '%s\\n' "$@"
+"""
+
+
+def test_several_nodes_train_on_every_node_with_skypilots_env(tmp_path):
+    """num_nodes from train.nnodes; the run line, as bash runs it on node 1 of 2 with the
+    env SkyPilot sets there, gives `moetune train` its rank and the head node as node 0."""
+    cfg = _cfg(tmp_path)
+    cfg.train.nnodes, cfg.train.master_port = 2, 29411
+    fake = tmp_path / "moetune"
+    fake.write_text(_FAKE_MOETUNE)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    cfg.lane.remote_moetune = str(fake)
+    pod_config = tmp_path / "pod.yaml"
+    pod_config.write_text("{}")
+    task = run_task(cfg, _spec(gpu_count=4, nodes=2), 3600, pod_config)
+    assert task["num_nodes"] == 2 and task["resources"]["accelerators"] == "H100:4"
+    _, command = task["run"].split(" && ", 1)
+    env = {"PATH": os.environ["PATH"], "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "2",
+           "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n"}  # fmt: skip
+    done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == [
+        "train", "run.yaml", "--nproc", "4", "--nnodes", "2", "--node-rank", "1",
+        "--master-addr", "10.0.0.5", "--master-port", "29411",
+    ]  # fmt: skip
+    one = run_task(_cfg(tmp_path), _spec(gpu_count=1), 3600, pod_config)
+    assert one["num_nodes"] == 1 and one["run"].endswith("moetune train run.yaml")
+
+
+def test_the_providers_own_task_has_every_node(tmp_path):
+    sky = _cfg(tmp_path).lane.skypilot
+    assert task_yaml(_spec(nodes=3), 3600, [], "true", {}, sky)["num_nodes"] == 3
+
+
+def test_the_lane_refuses_several_nodes_before_anything_is_written(tmp_path):
+    from moetune.lane.launch import launch
+
+    cfg = _cfg(tmp_path)
+    cfg.train.nnodes = 2
+    with pytest.raises(LaneError, match=r"one pod, not train\.nnodes=2") as err:
+        launch(cfg, tmp_path / "run.yaml")
+    assert "moetune sky-task" in err.value.fix
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ledger.jsonl").exists()
+
+
 def test_gpu_count_comes_from_config_then_nproc_then_the_planner(tmp_path, monkeypatch):
     from moetune.model import load_spec
     from moetune.plan.hardware import get_card
@@ -193,7 +240,8 @@ task = sky.Task.from_yaml(sys.argv[1])
 (res,) = list(task.resources)
 print(json.dumps({"accelerators": res.accelerators, "disk_size": res.disk_size,
     "autostop": res.autostop_config.to_yaml_config() if res.autostop_config else None,
-    "envs": task.envs, "mounts": task.file_mounts, "run": task.run}))
+    "envs": task.envs, "mounts": task.file_mounts, "run": task.run,
+    "num_nodes": task.num_nodes}))
 """
 
 
@@ -217,6 +265,7 @@ def test_skypilots_own_parser_reads_the_task(tmp_path):
     assert parsed["autostop"]["down"] is True and parsed["autostop"]["idle_minutes"] == 120
     assert parsed["envs"]["HF_HUB_DISABLE_XET"] == "1"
     assert parsed["run"].endswith("moetune train run.yaml --nproc 2")
+    assert parsed["num_nodes"] == 1
     broken = yaml.safe_load(path.read_text())
     broken["resources"]["autostop"]["wait_for"] = "never"  # the parser really validates
     path.write_text(yaml.safe_dump(broken))
@@ -224,3 +273,22 @@ def test_skypilots_own_parser_reads_the_task(tmp_path):
         [str(SKY_VENV), "-c", _PARSE, str(path)], capture_output=True, text=True, env=env
     )
     assert refused.returncode != 0 and "wait_for" in refused.stderr
+
+
+@pytest.mark.skypilot
+def test_skypilots_own_parser_reads_a_multi_node_task(tmp_path):
+    if not SKY_VENV.exists():
+        pytest.skip(f"SkyPilot lives in its own venv ({SKY_VENV}); make setup-skypilot")
+    cfg = _cfg(tmp_path)
+    cfg.train.nnodes = 2
+    pod_config = tmp_path / "pod.yaml"
+    pod_config.write_text("{}")
+    path = tmp_path / "task.yaml"
+    path.write_text(yaml.safe_dump(run_task(cfg, _spec(nodes=2), 7200, pod_config)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(SKY_VENV), "-c", _PARSE, str(path)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed["num_nodes"] == 2 and '--node-rank "$SKYPILOT_NODE_RANK"' in parsed["run"]

@@ -183,3 +183,38 @@ def test_sharded_plans_name_the_host_ram_every_rank_loads_the_base_into(
         assert f"8 × {human_bytes(whole)} = {human_bytes(8 * whole)}" in load
     ddp = device_report(qwen235b, lora, ["H200"], 8, "ddp").notes
     assert not any("host RAM" in n for n in ddp)
+
+
+def test_several_nodes_plan_each_rank_of_all_and_host_ram_per_node(
+    qwen235b: ModelSpec, lora: RunConfig
+) -> None:
+    """2 nodes × 8 GPUs: each rank holds 1/16 (the plan of 16 ranks); host RAM is per node,
+    for its own 8 ranks – the same as one node of 8, whatever the node count."""
+    from moetune.plan.sharding import device_report, node_host_ram, run_sizes
+    from moetune.units import human_bytes
+
+    two = device_report(qwen235b, lora, ["H200"], 8, "fsdp", nodes=2)
+    sixteen = device_report(qwen235b, lora, ["H200"], 16, "fsdp")
+    assert two.gpus == 16 and two.components == sixteen.components
+    assert two.placement == "2 nodes × 8 GPU(s)" and sixteen.placement == "16 GPU(s)"
+    ram = node_host_ram(run_sizes(qwen235b, lora), 8)
+    (node,) = [n for n in two.notes if n.startswith("2 nodes × 8 GPU(s) = 16 ranks")]
+    assert f"per node: 8 GPU(s) and about {human_bytes(ram)} of host RAM" in node
+    four = device_report(qwen235b, lora, ["H200"], 8, "fsdp", nodes=4)
+    assert human_bytes(ram) in next(n for n in four.notes if "per node" in n)
+    assert two.to_json()["nodes"] == 2 and two.to_json()["gpus_per_node"] == 8
+    with pytest.raises(ConfigError, match="--nodes"):
+        device_report(qwen235b, lora, ["H200"], 8, "fsdp", nodes=0)
+
+
+def test_cli_plan_nodes_defaults_to_the_configs(tmp_path) -> None:
+    runner = CliRunner()
+    args = ["plan", "Qwen/Qwen3-30B-A3B", "--card", "H200", "--json"]
+    got = runner.invoke(app, [*args, "--nodes", "2", "--gpus", "4"])
+    assert got.exit_code == 0, got.stderr
+    devices = json.loads(got.stdout)["devices"]
+    assert (devices["nodes"], devices["gpus_per_node"], devices["gpus"]) == (2, 4, 8)
+    from_config = runner.invoke(app, [*args, "--gpus", "4", "--set", "train.nnodes=3"])
+    assert json.loads(from_config.stdout)["devices"]["gpus"] == 12
+    text = runner.invoke(app, [*args[:-1], "--nodes", "2", "--gpus", "4"])
+    assert "per-device peak on 2 nodes × 4 GPU(s)" in text.stdout

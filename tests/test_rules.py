@@ -447,3 +447,23 @@ def test_checkpointing_a_model_class_that_refuses_it_is_an_error() -> None:
     )
     assert check("GC-UNSUPPORTED", LintContext(config=off, spec=jetmoe, env={})) is None
     assert check("GC-UNSUPPORTED", ctx()) is None  # qwen3_moe checkpoints fine
+
+
+# -- several nodes --------------------------------------------------------------------------
+
+
+def test_several_nodes_need_an_address_of_node_0() -> None:
+    found = check("DIST-MULTINODE-ADDR", ctx(train={"nnodes": 2}))
+    assert found and found.severity == "error" and found.field == "train.master_addr"
+    assert "train.nnodes=2 without train.master_addr" in found.message
+    assert check("DIST-MULTINODE-ADDR", ctx(train={"nnodes": 1})) is None
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "localhost", "::1"])
+def test_a_loopback_node_0_is_wrong_on_a_remote_lane_only(addr: str) -> None:
+    train = {"nnodes": 2, "master_addr": addr}
+    found = check("DIST-MULTINODE-ADDR", ctx(train=train, lane={"provider": "skypilot"}))
+    assert found and "loopback" in found.message and "skypilot lane" in found.message
+    assert check("DIST-MULTINODE-ADDR", ctx(train=train)) is None  # nodes on one machine
+    reachable = {"nnodes": 2, "master_addr": "10.0.0.1"}
+    assert check("DIST-MULTINODE-ADDR", ctx(train=reachable, lane={"provider": "ssh"})) is None

@@ -75,6 +75,9 @@ def plan(
     strategy: Annotated[
         str | None, typer.Option(help="With --gpus: ddp | fsdp (FSDP2) | zero3 (DeepSpeed).")
     ] = None,
+    nodes: Annotated[
+        int | None, typer.Option(help="Nodes of --gpus GPUs each (default: train.nnodes).")
+    ] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -107,7 +110,7 @@ def plan(
     spec = load_spec(cfg.model.id)
     result = make_plan(spec, cfg, cards=card, estimator=estimator)  # type: ignore[arg-type]
     findings = lint(lint_context(cfg, spec, result))
-    devices = _devices(spec, cfg, list(result.fits), gpus, strategy)
+    devices = _devices(spec, cfg, list(result.fits), gpus, strategy, nodes)
     if as_json:
         extra = {"devices": devices.to_json()} if devices else {}
         emit_json({**result.to_json(), "findings": [f.rule_id for f in findings], **extra})
@@ -126,13 +129,19 @@ def plan(
             console.print(f"[dim]note:[/] {escape(note)}")
 
 
-def _devices(spec: Any, cfg: Any, cards: list[str], gpus: int | None, strategy: str | None) -> Any:
-    """The per-device report when --gpus or --strategy is given (defaults 1 GPU, fsdp)."""
-    if gpus is None and strategy is None:
+def _devices(
+    spec: Any, cfg: Any, cards: list[str], gpus: int | None, strategy: str | None,
+    nodes: int | None,
+) -> Any:  # fmt: skip
+    """The per-device report when --gpus, --strategy or --nodes is given (defaults 1 GPU
+    per node, fsdp, train.nnodes nodes)."""
+    if gpus is None and strategy is None and nodes is None:
         return None
     from moetune.plan.sharding import device_report
 
-    return device_report(spec, cfg, cards, 1 if gpus is None else gpus, strategy or "fsdp")
+    per_node = 1 if gpus is None else gpus
+    count = cfg.train.nnodes if nodes is None else nodes
+    return device_report(spec, cfg, cards, per_node, strategy or "fsdp", count)
 
 
 @app.command(name="lint")
@@ -214,14 +223,27 @@ def train_cmd(
     strategy: Annotated[
         str | None, typer.Option(help="With --nproc: ddp | fsdp (FSDP2) | zero3 (DeepSpeed).")
     ] = None,
+    nnodes: Annotated[
+        int | None, typer.Option(help="Nodes of a multi-node run (--nproc ranks on each).")
+    ] = None,
+    node_rank: Annotated[
+        int | None, typer.Option(help="This node's rank, 0 … nnodes-1 (0 writes the run).")
+    ] = None,
+    master_addr: Annotated[
+        str | None, typer.Option(help="Node 0's address, the same on every node.")
+    ] = None,
+    master_port: Annotated[
+        int | None, typer.Option(help="The port node 0 listens on (default 29500).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     from moetune.config import load_config
     from moetune.lint.preflight import option_overrides
-    from moetune.units import human_bytes
 
-    sets = [*(overrides or []), *option_overrides(engine=engine, nproc=nproc, strategy=strategy)]
+    launch = {"nproc": nproc, "strategy": strategy, "nnodes": nnodes, "node_rank": node_rank}
+    launch |= {"master_addr": master_addr, "master_port": master_port}
+    sets = [*(overrides or []), *option_overrides(engine=engine, **launch)]
     cfg = load_config(config, sets)
     flags = {"resume": resume, "allow_errors": allow_errors, "overwrite": overwrite}
     flags |= {"overwrite_promoted": overwrite_promoted, "json": as_json}
@@ -233,8 +255,18 @@ def train_cmd(
         result = launch_or_train(cfg, config, sets, flags, train)
     if quiet_rank():  # a rank of a launch: the launcher or the main process reports
         return
+    _report_train(result, as_json)
+
+
+def _report_train(result: Any, as_json: bool) -> None:
+    from moetune.train.nodes import NodeDone
+    from moetune.units import human_bytes
+
     if as_json:
         emit_json(result.to_json())
+        return
+    if isinstance(result, NodeDone):  # node K > 0: node 0 has the results
+        console.print(result.line())
         return
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "–"
     router = "changed" if result.router_changed else "unchanged"

@@ -209,7 +209,7 @@ def verdict_table(doc: dict[str, Any]) -> Table:
 
 def device_components_table(report: Any) -> Table:
     """One rank's peak by component."""
-    title = f"per-device peak on {report.gpus} GPU(s), {report.strategy} (analytic)"
+    title = f"per-device peak on {report.placement}, {report.strategy} (analytic)"
     table = Table(title=title, title_justify="left")
     table.add_column("component")
     table.add_column("bytes per device", justify="right")
@@ -223,7 +223,7 @@ def device_components_table(report: Any) -> Table:
 
 def device_fits_table(report: Any) -> Table:
     """Per card: the rank's required bytes on N GPUs, its fit, and the fewest GPUs that fit."""
-    table = Table(title=f"fit per card on {report.gpus} GPU(s)", title_justify="left")
+    table = Table(title=f"fit per card on {report.placement}", title_justify="left")
     for col in ("card", "usable", "required", "headroom", "fits", "fewest GPUs"):
         table.add_column(col, justify="left" if col == "card" else "right")
     for card_id, plan in report.plans.items():

@@ -131,6 +131,7 @@ def launch_plan(
         card=getattr(card, "id", None),
         gpu_type_id=getattr(card, "runpod_gpu_type_id", None),
         gpu_count=pod_gpu_count(cfg, spec, card),
+        nodes=cfg.train.nnodes,
         image=cfg.lane.runpod.image,
         volume_gb=walls.volume_gb,
         container_disk_gb=cfg.lane.runpod.container_disk_gb,
@@ -153,6 +154,12 @@ def launch(
     accepted."""
     from rich.console import Console
 
+    if cfg.train.nnodes > 1:  # its phases run on one pod over SSH
+        raise LaneError(
+            f"the lane trains on one pod, not train.nnodes={cfg.train.nnodes} nodes",
+            "write a SkyPilot task with `moetune sky-task run.yaml` and `sky launch` it, or "
+            "run `moetune train --nnodes` on each node",
+        )
     if resume:
         state = LaneState.load(cfg.output.ledger, resume)
         state.pid = os.getpid()

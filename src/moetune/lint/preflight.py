@@ -65,6 +65,10 @@ def option_overrides(**options: Any) -> list[str]:
         "experts_dtype": "model.experts_dtype",
         "nproc": "train.nproc",
         "strategy": "train.strategy",
+        "nnodes": "train.nnodes",
+        "node_rank": "train.node_rank",
+        "master_addr": "train.master_addr",
+        "master_port": "train.master_port",
     }
     out = []
     for name, value in options.items():

@@ -53,3 +53,45 @@ def deepspeed_missing() -> ProbeOutcome:
     return ProbeOutcome(
         not is_deepspeed_available(), "accelerate.utils.is_deepspeed_available() is False"
     )
+
+
+def multinode_addr() -> ProbeOutcome:
+    """Neither accelerate nor torch refuses a multi-node launch without a reachable node 0:
+    accelerate hands torchrun the endpoint "None:PORT" for a missing main_process_ip, and
+    a node whose address names no listening node 0 (a loopback address seen from node 1)
+    retries until the rendezvous timeout (torch's static rendezvous: 600 s) – a long
+    silent wait, not an error. Shown with accelerate's own launch arguments and one
+    TCPStore client given 1.5 s."""
+    import time
+    from datetime import timedelta
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
+
+    argv = ["--multi_gpu", "--num_machines", "2", "--machine_rank", "1", "--num_processes", "2"]
+    args, *_ = _validate_launch_command(launch_command_parser().parse_args([*argv, "x.py"]))
+    prepare_multi_gpu_env(args)
+    port, started = _closed_port(), time.monotonic()
+    try:
+        TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=1.5))
+    except Exception:  # DistNetworkError once the timeout has passed
+        waited = time.monotonic() - started
+    else:
+        raise ProbeUnavailable(f"something listens on 127.0.0.1:{port}")
+    timeout = int(static_tcp_rendezvous._default_timeout_seconds)
+    return ProbeOutcome(
+        str(args.rdzv_endpoint).startswith("None:") and waited >= 1.4,
+        f"accelerate's endpoint without an address: {args.rdzv_endpoint!r}; a TCPStore "
+        f"client of a closed port waited {waited:.1f} s of its 1.5 s before failing; the "
+        f"static rendezvous waits {timeout} s",
+    )
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

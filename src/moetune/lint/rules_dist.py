@@ -56,3 +56,45 @@ def deepspeed_missing(ctx: LintContext) -> Hit | None:
         "pip install 'deepspeed>=0.19.8,<0.20' where moetune runs, or set train.strategy: fsdp",
         "train.strategy",
     )
+
+
+def is_loopback(addr: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: node 0 as seen from node 0 only."""
+    import ipaddress
+
+    if addr.strip().lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(addr.strip()).is_loopback
+    except ValueError:
+        return False  # a host name: each node resolves it
+
+
+@register_rule(
+    "DIST-MULTINODE-ADDR",
+    "error",
+    "several nodes without an address of node 0 that the other nodes can reach",
+    probe=probes_dist.multinode_addr,
+    libraries=("accelerate", "torch"),
+)
+def multinode_addr(ctx: LintContext) -> Hit | None:
+    t, provider = ctx.config.train, ctx.config.lane.provider
+    if t.nnodes == 1:
+        return None
+    if not t.master_addr:
+        return Hit(
+            f"train.nnodes={t.nnodes} without train.master_addr: accelerate gives torchrun "
+            "the endpoint 'None', and every node waits for node 0 until the rendezvous "
+            "times out (10 min)",
+            "set train.master_addr (or --master-addr) to node 0's address, the same on every node",
+            "train.master_addr",
+        )
+    if provider == "local" or not is_loopback(t.master_addr):
+        return None  # loopback is node 0 itself for nodes on one machine
+    return Hit(
+        f"train.master_addr {t.master_addr} is a loopback address on the {provider} lane: on "
+        "every other node it names that node itself, so its ranks wait for a node 0 that "
+        "is not there until the rendezvous times out (10 min)",
+        "set train.master_addr to node 0's address on the network the nodes share",
+        "train.master_addr",
+    )

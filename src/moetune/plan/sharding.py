@@ -319,10 +319,18 @@ class DeviceReport:
     fewest GPUs that fit (None: not even `MAX_GPUS`)."""
 
     strategy: str
-    gpus: int
+    gpus: int  # ranks in all: nodes × GPUs per node
     plans: dict[str, DevicePlan]
     fewest: dict[str, int | None]
     notes: tuple[str, ...] = ()
+    nodes: int = 1
+
+    @property
+    def placement(self) -> str:
+        """ "16 GPU(s)", or "2 nodes × 8 GPU(s)" for several nodes."""
+        if self.nodes == 1:
+            return f"{self.gpus} GPU(s)"
+        return f"{self.nodes} nodes × {self.gpus // self.nodes} GPU(s)"
 
     @property
     def components(self) -> dict[str, int]:
@@ -333,6 +341,8 @@ class DeviceReport:
         return {
             "strategy": self.strategy,
             "gpus": self.gpus,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus // self.nodes,
             "components": dict(self.components),
             "peak_bytes": sum(self.components.values()),
             "cards": {
@@ -343,16 +353,37 @@ class DeviceReport:
 
 
 def device_report(
-    spec: ModelSpec, cfg: RunConfig, cards: list[str], gpus: int, strategy: str
+    spec: ModelSpec, cfg: RunConfig, cards: list[str], gpus: int, strategy: str, nodes: int = 1
 ) -> DeviceReport:
-    """Per card: one rank's plan on `gpus` GPUs with `strategy`, and the fewest that fit."""
+    """Per card: one rank's plan on `nodes` × `gpus` GPUs with `strategy`, and the fewest
+    that fit. Host RAM is a wall per node: each node loads for its own `gpus` ranks."""
     _check_gpus(gpus)
+    if not isinstance(nodes, int) or nodes < 1:
+        raise ConfigError(f"--nodes {nodes!r} is not a positive whole number", "pass --nodes >= 1")
     get_strategy(strategy)
     sizes = run_sizes(spec, cfg)
-    plans = {c: plan_devices(spec, cfg, c, gpus, strategy, sizes) for c in cards}
+    ranks = nodes * gpus
+    plans = {c: plan_devices(spec, cfg, c, ranks, strategy, sizes) for c in cards}
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
     notes = _report_notes(spec) + _load_notes(sizes, gpus, strategy)
-    return DeviceReport(get_strategy(strategy).name, gpus, plans, fewest, notes)
+    notes += _node_notes(sizes, nodes, gpus)
+    return DeviceReport(get_strategy(strategy).name, ranks, plans, fewest, notes, nodes)
+
+
+def node_host_ram(sizes: Sizes, gpus: int) -> int:
+    """Host RAM one node needs at load: each of its `gpus` ranks builds the whole base
+    (the wall `_load_notes` describes); a node's RAM never depends on the other nodes."""
+    return gpus * (sizes.single.get("frozen_weights", 0) + sizes.single.get("trainable_weights", 0))
+
+
+def _node_notes(sizes: Sizes, nodes: int, gpus: int) -> tuple[str, ...]:
+    if nodes == 1:
+        return ()
+    return (
+        f"{nodes} nodes × {gpus} GPU(s) = {nodes * gpus} ranks: each rank's peak above is "
+        f"of the {nodes * gpus}; per node: {gpus} GPU(s) and about "
+        f"{human_bytes(node_host_ram(sizes, gpus))} of host RAM at load (its own {gpus} ranks)",
+    )
 
 
 def _load_notes(sizes: Sizes, gpus: int, strategy: str) -> tuple[str, ...]:

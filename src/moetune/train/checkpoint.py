@@ -46,6 +46,7 @@ from transformers import TrainerCallback
 from moetune.config import RunConfig, dump_config
 from moetune.io import PROMOTED, atomic_write_text, fsync_path
 from moetune.train.errors import TrainError
+from moetune.train.nodes import NODE_KEYS
 
 # Written by `moetune train --nproc` before the ranks start (distributed.py): not foreign.
 LAUNCH_FILES = ("accelerate.yaml",)
@@ -213,7 +214,9 @@ def config_diff(old_yaml: str, cfg: RunConfig) -> list[str]:
     # a field added since the run started, left at its default, changes nothing
     defaults = _flatten(yaml.safe_load(dump_config(RunConfig())))
     added = {k for k in new.keys() - old.keys() if k in defaults and new[k] == defaults[k]}
-    keys = sorted(k for k in old.keys() | new.keys() - added if old.get(k) != new.get(k))
+    # NODE_KEYS: where a node runs (its rank, node 0's address), not what the run trains
+    compared = (old.keys() | new.keys() - added) - set(NODE_KEYS)
+    keys = sorted(k for k in compared if old.get(k) != new.get(k))
     return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys]
 
 

@@ -5,7 +5,8 @@ into the run dir (`accelerate.yaml`, one strategy per registered writer) and run
 `python -m accelerate.commands.launch --config_file … -m moetune train …` – the very
 command line it was given – in which every rank runs `train()` unchanged: the main
 process alone ledgers, locks the run dir and writes its files (trainer.py, setup.py,
-checkpoint.py), the others train their shard of each global batch.
+checkpoint.py), the others train their shard of each global batch. Several nodes
+(train.nnodes, `--node-rank`, `--master-addr`): the same launch on each, nodes.py.
 
 Facts this rests on (accelerate 1.15, checked by the DIST-* rules' probes):
 - A CPU process (TrainingArguments.use_cpu) is MULTI_CPU over gloo whatever the config
@@ -43,6 +44,7 @@ import yaml
 
 from moetune.config import RunConfig
 from moetune.io import atomic_write_text
+from moetune.train import nodes
 from moetune.train.errors import TrainError
 
 CONFIG_NAME = "accelerate.yaml"  # in the run dir, beside config.yaml
@@ -99,6 +101,8 @@ def _zero3(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
             "zero3_save_16bit_model": True,
             "offload_optimizer_device": "none",
             "offload_param_device": "none",
+            # several nodes through torchrun (as ddp / fsdp), not pdsh and a hostfile
+            "deepspeed_multinode_launcher": "standard",
         },
     }
 
@@ -153,15 +157,13 @@ def decoder_layers(model_id: str) -> list[str]:
 
 
 def accelerate_config(cfg: RunConfig, port: int, layers: list[str]) -> dict[str, Any]:
-    """The accelerate config file's content for cfg.train.nproc processes on this machine."""
+    """The accelerate config file's content for cfg.train.nproc processes on this machine,
+    one of cfg.train.nnodes (`port`: this launch's own rendezvous when on one node)."""
     t = cfg.train
     precision = "bf16" if t.precision == "bf16" else "no"  # fp32 and auto: the trainer decides
     return {
         "compute_environment": "LOCAL_MACHINE",
-        "num_machines": 1,
-        "machine_rank": 0,
-        "num_processes": t.nproc,
-        "main_process_port": port,
+        **nodes.machine_fields(t, port),
         "mixed_precision": precision,
         "use_cpu": False,  # True would pick accelerate's single-process launcher
         "rdzv_backend": "static",
@@ -201,13 +203,30 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[str, Any]:
-    """Run `moetune <argv>` on cfg.train.nproc processes; the result summary.json records.
-    `check` is the read-only run-dir check, done before anything is written."""
+def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[str, Any] | None:
+    """Run `moetune <argv>` on cfg.train.nproc processes of this node; the result
+    summary.json records (None on a node other than 0, which has no summary). `check` is
+    the read-only run-dir check, done before anything is written."""
+    nodes.check_nodes(cfg.train)
+    nodes.check_port(cfg.train)
     check()
-    root = Path(cfg.output.dir)
-    root.mkdir(parents=True, exist_ok=True)
-    config = write_config(cfg, root)
+    with nodes.config_home(cfg) as home:
+        code = _run_ranks(write_config(cfg, home), argv)
+    if code != 0:
+        t = cfg.train
+        where = f" of node {t.node_rank} (of {t.nnodes})" if t.nnodes > 1 else ""
+        raise TrainError(
+            f"the {t.nproc} training processes{where} failed (exit {code}); their error is above",
+            "fix that cause, then run the same command with --resume to continue",
+        )
+    if cfg.train.node_rank != 0:
+        return None
+    summary = json.loads((Path(cfg.output.dir) / "summary.json").read_text(encoding="utf-8"))
+    return dict(summary["result"])
+
+
+def _run_ranks(config: Path, argv: list[str]) -> int:
+    """accelerate launch of `moetune <argv>` with `config`; its exit status."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     env = {**os.environ, LAUNCHED_ENV: "1"}
     # the ranks' stdout (DeepSpeed prints there) goes to stderr: stdout is the launcher's report
@@ -215,18 +234,11 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
         [*cmd, "-m", "moetune", *argv], env=env, stdout=2, preexec_fn=_die_with_parent
     )
     try:
-        code = proc.wait()
+        return proc.wait()
     finally:
         if proc.poll() is None:  # Ctrl-C here: the ranks go too
             proc.terminate()
             proc.wait()
-    if code != 0:
-        raise TrainError(
-            f"the {cfg.train.nproc} training processes failed (exit {code}); their error is above",
-            "fix that cause, then run the same command with --resume to continue",
-        )
-    summary = json.loads((root / "summary.json").read_text(encoding="utf-8"))
-    return dict(summary["result"])
 
 
 def fsdp_on_cpu() -> None:
@@ -296,12 +308,13 @@ def quiet_rank() -> bool:
 def launch_or_train(
     cfg: RunConfig, config: Path, sets: list[str], flags: dict[str, bool], train: Any
 ) -> Any:
-    """`train(cfg, …)` here, or – train.nproc > 1 outside a launch – on nproc processes,
-    after the same read-only run-dir check and preflight a rank would do first."""
+    """`train(cfg, …)` here, or – several ranks (train.nproc × train.nnodes) outside a
+    launch – on this node's nproc processes, after the same read-only run-dir check and
+    preflight a rank would do first. A node other than 0 returns a `nodes.NodeDone`."""
     from moetune.train.trainer import TrainResult
 
     opts = {k: v for k, v in flags.items() if k != "json"}
-    if cfg.train.nproc == 1 or launched():
+    if nodes.world(cfg.train) == 1 or launched():
         return train(cfg, progress=not flags.get("json"), **opts)
 
     def check() -> None:
@@ -309,6 +322,11 @@ def launch_or_train(
         from moetune.train.setup import preflight, resolve_placement
 
         inspect_run(cfg, opts["resume"], opts["overwrite"], opts["overwrite_promoted"])
-        preflight(cfg, resolve_placement(cfg.train), opts["allow_errors"])
+        place = resolve_placement(cfg.train)
+        nodes.check_devices(cfg.train, place.device)
+        preflight(cfg, place, opts["allow_errors"])
 
-    return TrainResult.from_json(launch(cfg, rank_argv(config, sets, flags), check))
+    result = launch(cfg, rank_argv(config, sets, flags), check)
+    if result is None:
+        return nodes.NodeDone(cfg.train.node_rank, cfg.train.nnodes, cfg.train.nproc)
+    return TrainResult.from_json(result)

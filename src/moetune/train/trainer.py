@@ -70,6 +70,7 @@ from moetune.train.lanes import lane_for
 from moetune.train.lock import hold
 from moetune.train.methods import method_of
 from moetune.train.model import load_model, wrap_lora
+from moetune.train.nodes import node_loss_stops, world
 from moetune.train.recovery import disk_full_stops
 from moetune.train.routing import (
     RoutingCallback,
@@ -145,24 +146,31 @@ def train(
     if launched():  # an FSDP launch's CPU ranks shard for real, not silently as DDP
         fsdp_on_cpu()
     run_lane = lane_for(cfg.lora.stack, _train)  # lora.stack: peft here, others in lanes.py
+
+    def run() -> TrainResult:
+        with node_loss_stops(cfg):  # a dead node's peers: one line, also in the ledger row
+            return cast(TrainResult, run_lane(cfg, resume, allow_errors, replace, progress))
+
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
-        return cast(TrainResult, run_lane(cfg, resume, allow_errors, replace, progress))
+        return run()
     check_ledger(cfg.output.ledger)
     with (
         attempt(cfg.output.ledger, "train", **ledger_fields(cfg)) as row,
         hold(Path(cfg.output.dir)),
     ):
         row["metrics"]["method"] = cfg.train.method  # failed attempts say what they trained
-        result = cast(TrainResult, run_lane(cfg, resume, allow_errors, replace, progress))
+        result = run()
         row["metrics"] = result.to_json()
     return result
 
 
 def require_launcher(cfg: RunConfig) -> None:
-    """train.nproc > 1 runs in the processes a launcher starts, never silently in one."""
-    if cfg.train.nproc > 1 and not launched():
+    """train.nproc > 1 (or nnodes > 1) runs in the processes a launcher starts, never
+    silently in one."""
+    if world(cfg.train) > 1 and not launched():
         raise TrainError(
-            f"train.nproc={cfg.train.nproc} but this is a single process, not a launched rank",
+            f"train.nproc={cfg.train.nproc} × train.nnodes={cfg.train.nnodes} but this is a "
+            "single process, not a launched rank",
             "run `moetune train run.yaml` (it starts the processes) or `accelerate launch`",
         )
 

@@ -59,7 +59,8 @@ class PodSpec:
     name: str
     card: str | None = None  # card id from the catalog (plan/cards.json)
     gpu_type_id: str | None = None  # the provider's id for the card (RunPod: "NVIDIA H200")
-    gpu_count: int = 1
+    gpu_count: int = 1  # per node
+    nodes: int = 1  # machines of gpu_count GPUs each (train.nnodes)
     image: str = "runpod/pytorch:2.8.0-py3.11-cuda12.8.1-cudnn-devel-ubuntu22.04"
     volume_gb: int = 50
     container_disk_gb: int = 30

@@ -96,7 +96,7 @@ def task_yaml(
         "file_mounts": dict(mounts),
         "setup": "\n".join(["set -e", *setup]) if setup else None,
         "run": run,
-        "num_nodes": 1,
+        "num_nodes": spec.nodes,
     }
     return {k: v for k, v in task.items() if v is not None}
 
@@ -118,8 +118,21 @@ def run_task(cfg: RunConfig, spec: PodSpec, watchdog_s: int, pod_config: Path) -
     mounts[f"{root}/{REMOTE_CONFIG}"] = str(pod_config.resolve())
     nproc = spec.gpu_count if cfg.train.nproc == 1 else cfg.train.nproc
     train = f"{cfg.lane.remote_moetune} train {REMOTE_CONFIG}"
-    run = f"cd {root} && {train}" + (f" --nproc {nproc}" if nproc > 1 else "")
+    ranks = f" --nproc {nproc}" if nproc > 1 or spec.nodes > 1 else ""
+    run = f"cd {root} && {train}{ranks}{node_flags(spec.nodes, cfg.train.master_port)}"
     return task_yaml(spec, watchdog_s, cfg.lane.setup, run, mounts, cfg.lane.skypilot)
+
+
+def node_flags(nodes: int, port: int) -> str:
+    """`moetune train`'s multi-node flags from the env SkyPilot sets on each node: its
+    rank, the node count, and the head node (the first of SKYPILOT_NODE_IPS) as node 0."""
+    if nodes == 1:
+        return ""
+    head = '"$(echo "$SKYPILOT_NODE_IPS" | head -n1)"'
+    return (
+        ' --nnodes "$SKYPILOT_NUM_NODES" --node-rank "$SKYPILOT_NODE_RANK"'
+        f" --master-addr {head} --master-port {port}"
+    )
 
 
 @register_provider("skypilot")

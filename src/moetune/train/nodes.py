@@ -1,0 +1,167 @@
+"""Several nodes: `moetune train RUN --nproc N --nnodes M --node-rank K --master-addr A
+--master-port P`, the same command on each of M machines (K = 0 … M-1).
+
+Each launcher starts its N ranks through accelerate's multi-node launch (num_machines,
+machine_rank, main_process_ip / port: torchrun's static rendezvous at A:P, hosted by node
+0). Global rank 0 – node 0, local rank 0 – alone ledgers and writes the run dir, its
+summary and the adapter, as on one node (trainer.py, setup.py). Every rank writes its RNG
+state into the staged checkpoint, as on one node, so `--resume` needs output.dir on
+storage the nodes share. The launcher of node K > 0 keeps its accelerate config in a
+temporary folder, reads no summary and reports only that its ranks ended.
+
+A node that dies takes its ranks with it (the launcher's PDEATHSIG, then torchrun stops
+its workers); the ranks of the other nodes see their peers' sockets close at the next
+collective (gloo: "Connection closed by peer", NCCL: a remote error) and stop, and rank 0
+ledgers the attempt failed with a cause that says a node died. A node that vanishes
+without closing its sockets is bounded by the collective timeout (TrainingArguments'
+ddp_timeout, 30 min by default) and torchrun's rendezvous timeout (10 min) at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetune.config import RunConfig
+from moetune.config.sections import TrainArgs
+from moetune.train.errors import TrainError
+
+# Where this process runs, not what it trains: a node's --resume may differ in them.
+NODE_KEYS = ("train.node_rank", "train.master_addr", "train.master_port")
+# What torch's gloo and NCCL backends raise when a peer rank's process is gone.
+PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote process exited",
+    "nccl communicator was aborted",
+)
+
+
+def world(t: TrainArgs) -> int:
+    """Ranks over all nodes: train.nproc on each of train.nnodes."""
+    return t.nproc * t.nnodes
+
+
+def check_nodes(t: TrainArgs) -> None:
+    """Refuse a multi-node launch that cannot rendezvous, before anything is written."""
+    if t.nnodes > 1 and not t.master_addr:
+        raise TrainError(
+            f"train.nnodes={t.nnodes} but no train.master_addr: the nodes cannot find node 0",
+            "pass --master-addr with node 0's address (the same on every node)",
+        )
+    if t.node_rank >= t.nnodes:
+        raise TrainError(
+            f"train.node_rank={t.node_rank} with train.nnodes={t.nnodes}: ranks are 0 to "
+            f"{t.nnodes - 1}",
+            f"pass --node-rank between 0 and {t.nnodes - 1} (0 on the node at master_addr)",
+        )
+
+
+def check_port(t: TrainArgs) -> None:
+    """Node 0 hosts the rendezvous on master_port: refuse a port something listens on
+    (accelerate would raise ConnectionError with its trace once the launch has begun)."""
+    if t.nnodes == 1 or t.node_rank != 0:
+        return
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        busy = sock.connect_ex(("127.0.0.1", t.master_port)) == 0
+    if busy:
+        raise TrainError(
+            f"train.master_port {t.master_port} is in use on this node (node 0 listens there)",
+            "pass --master-port with a free port, the same on every node",
+        )
+
+
+def check_devices(t: TrainArgs, device: str) -> None:
+    """N ranks per node take one GPU each: refuse more ranks than this node has GPUs."""
+    if device != "cuda":
+        return  # CPU ranks share the cores (the tests run 2 on one core)
+    import torch
+
+    have = torch.cuda.device_count()
+    if t.nproc > have:
+        raise TrainError(
+            f"train.nproc={t.nproc} ranks on this node, which has {have} GPU(s)",
+            f"pass --nproc {have} or fewer (one rank per GPU), or train.device: cpu",
+        )
+
+
+def machine_fields(t: TrainArgs, port: int) -> dict[str, Any]:
+    """accelerate config keys for the machines: num_processes counts every node's ranks."""
+    fields: dict[str, Any] = {
+        "num_machines": t.nnodes,
+        "machine_rank": t.node_rank,
+        "num_processes": world(t),
+        "main_process_port": port if t.nnodes == 1 else t.master_port,
+    }
+    if t.nnodes > 1:
+        fields["main_process_ip"] = t.master_addr
+    return fields
+
+
+@contextlib.contextmanager
+def config_home(cfg: RunConfig) -> Iterator[Path]:
+    """Where the launcher writes accelerate.yaml: the run dir on node 0 (created here), a
+    temporary folder on the others, which write nothing in the user's output dir."""
+    if cfg.train.node_rank == 0:
+        root = Path(cfg.output.dir)
+        root.mkdir(parents=True, exist_ok=True)
+        yield root
+        return
+    with tempfile.TemporaryDirectory(prefix=f"moetune-node{cfg.train.node_rank}-") as tmp:
+        yield Path(tmp)
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """An error that says another rank's process is gone (its node died)."""
+    text = str(exc).lower()
+    return any(marker in text for marker in PEER_GONE)
+
+
+@contextlib.contextmanager
+def node_loss_stops(cfg: RunConfig) -> Iterator[None]:
+    """A collective whose peers vanished ends the attempt with one line that says so (the
+    ledger row's cause), not with the backend's trace."""
+    try:
+        yield
+    except (RuntimeError, OSError) as exc:
+        if world(cfg.train) == 1 or not peer_gone(exc):
+            raise
+        raise TrainError(
+            f"a node died: another rank of the {world(cfg.train)} on {cfg.train.nnodes} node(s) "
+            f"is gone ({_first_sentence(str(exc))})",
+            "restart every node's launcher with --resume once the node is back",
+        ) from None
+
+
+def _first_sentence(text: str) -> str:
+    """The backend's message without its source location ("[…/pair.cc:537] Read error …")."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
+    return line.split(". ")[0][:200]
+
+
+@dataclass(frozen=True)
+class NodeDone:
+    """What the launcher of node K > 0 reports: node 0 holds the run's results."""
+
+    node_rank: int
+    nnodes: int
+    nproc: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_rank": self.node_rank, "nnodes": self.nnodes, "nproc": self.nproc,
+                "status": "ok", "results_on": "node 0"}  # fmt: skip
+
+    def line(self) -> str:
+        return (
+            f"node {self.node_rank} of {self.nnodes}: its {self.nproc} rank(s) finished; "
+            "node 0 wrote the run dir, summary and ledger row"
+        )
