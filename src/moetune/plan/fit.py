@@ -58,6 +58,7 @@ class Recommendation:
     headroom_bytes: int
     notes: tuple[str, ...] = ()
     fits: bool = True  # False: nothing searched fits; the leanest option and why
+    tokens_per_s: float | None = None  # estimated where the change costs speed (offload)
 
     def describe(self) -> str:
         changes = "; ".join(self.changes) if self.changes else "no change"
@@ -81,6 +82,7 @@ class Recommendation:
             "headroom_bytes": self.headroom_bytes,
             "notes": list(self.notes),
             "fits": self.fits,
+            "tokens_per_s": self.tokens_per_s,
             "text": self.describe(),
         }
 

@@ -23,7 +23,10 @@ Quality costs, lower first – set in one place, `COSTS`:
     halving the sequence length       2.0   per halving, to 256: the data itself changes
 
 Experts are never dropped: an MoE fine-tune that leaves its experts untrained is not the
-same run, so when nothing searched fits the plan says so instead. Rank floors are 4 for
+same run. When nothing searched fits a card, offloading the frozen experts (host RAM, else
+disk: `plan.offload`) is offered – as configured, else after the leanest changes – with its
+tok/s estimate (a speed cost, no quality cost); when that does not fit either, the plan
+says so. Rank floors are 4 for
 the expert stacks as for the whole rank: on Qwen3-30B-A3B the r=4 expert adapter with
 its gradient and Adam state is ≈ 2.3 GiB, so one more halving saves ≈ 1.2 GiB – it
 rarely makes a card fit, while each expert (seeing ≈ k/E of the tokens) is left with
@@ -43,6 +46,7 @@ from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate
 from moetune.plan.fit import GiB, Recommendation, analytic, card_fit
 from moetune.plan.hardware import Card
+from moetune.plan.offload import fitting_offload, offload_recommendation
 
 MAX_CANDIDATES = 800  # analytic re-plans per plan at most (≈ 5 ms each)
 RECS_PER_CARD = 3
@@ -407,7 +411,7 @@ def recommend(spec: ModelSpec, cfg: RunConfig, cards: list[Card]) -> list[Recomm
             rec = _fitting(card, leanest, lean.peak_bytes)
             out += [replace(rec, notes=(*rec.notes, _CAPPED))] if rec else []
     stuck = [c for c in cards if c not in reachable]
-    out += [_no_fit(cfg, c, leanest, lean) for c in stuck]
+    out += [_offloaded(spec, cfg, c, leanest) or _no_fit(cfg, c, leanest, lean) for c in stuck]
     return sorted(out, key=lambda r: (not r.fits, r.cost, r.card))
 
 
@@ -506,6 +510,32 @@ def _fitting(card: Card, cand: _Candidate, peak: int) -> Recommendation | None:
     )  # fmt: skip
 
 
+def _offloaded(
+    spec: ModelSpec, cfg: RunConfig, card: Card, leanest: _Candidate | None
+) -> Recommendation | None:
+    """Nothing searched fits: the frozen experts streamed through host RAM or from disk –
+    a speed cost, no quality cost – as configured, else after the changes that cost no
+    quality beyond speed (`_NEVER_MORE`), else after the leanest changes."""
+    bases = [cfg, _speed_only(spec, cfg), leanest]
+    for base in bases:
+        base_cfg = base if isinstance(base, RunConfig) else base.cfg if base else None
+        plan = fitting_offload(spec, base_cfg, card) if base_cfg is not None else None
+        if plan is None:
+            continue
+        if isinstance(base, _Candidate):
+            cost = round(base.option.cost, 2)
+            return offload_recommendation(plan, cost, base.changes, base.overrides)
+        return offload_recommendation(plan, 0.0, (), ())
+    return None
+
+
+def _speed_only(spec: ModelSpec, cfg: RunConfig) -> _Candidate | None:
+    """`cfg` with every usable change that costs speed only (checkpointing, batch 1, …)."""
+    usable = {m.name for m in _usable_moves(cfg, spec)}
+    subset = tuple(m for m in MOVES if m.name in _NEVER_MORE and m.name in usable)
+    return _build(cfg, spec, _option(cfg, spec, subset, None, (0, 0, 0))) if subset else None
+
+
 def _no_fit(
     cfg: RunConfig, card: Card, leanest: _Candidate | None, est: AnalyticEstimate
 ) -> Recommendation:
@@ -514,6 +544,10 @@ def _no_fit(
     fit = card_fit(card, est.peak_bytes)
     frozen = est.components.get("frozen_weights") or est.components["trainable_weights"]
     stored = "experts as NF4" if lean_cfg.model.experts_dtype == "nf4" else cfg.model.dtype
+    offload = (
+        "unified memory: offloading frees nothing" if card.host_link is None
+        else "offloading the frozen experts does not fit either"
+    )  # fmt: skip
     why = (
         f"the frozen weights alone ({frozen / GiB:.0f} GiB, {stored}) exceed the card"
         if not card_fit(card, frozen).fits
@@ -524,6 +558,6 @@ def _no_fit(
         round(leanest.option.cost, 2) if leanest else 0.0, est.peak_bytes,
         fit.required_bytes, fit.headroom_bytes,
         (f"{why}; experts were not dropped (that would not train the MoE) – use a larger "
-         "card or several GPUs (offloading frozen experts is not searched)",),
+         f"card or several GPUs ({offload})",),
         fits=False,
     )  # fmt: skip
