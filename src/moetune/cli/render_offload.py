@@ -27,24 +27,25 @@ def offload_components_table(plans: dict[str, Any]) -> Table:
 
 
 def offload_cards_table(plans: dict[str, Any]) -> Table:
-    """Per card: device fit, host RAM and disk, bytes moved, link and step time."""
-    table = Table(title="offload per card (one optimizer step)", title_justify="left")
-    columns = ("card", "device peak", "usable", "fits", "pinned host", "host RAM need/has",
-               "disk", "moved fwd/recompute/bwd", "link", "step s (bound)", "balance tok",
-               "tok/s")  # fmt: skip
+    """Per card: device fit, host RAM and disk, bytes moved, link and step time (t: bound
+    by the transfer, c: by the compute)."""
+    title = "offload per card, one optimizer step (moved: forward/recompute/backward; t/c: bound)"
+    table = Table(title=title, title_justify="left")
+    columns = ("card", "peak", "usable", "fits", "pinned", "host need/has", "disk",
+               "moved f/r/b", "link", "step s", "balance tok", "tok/s")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="left" if col in ("card", "link") else "right")
     for key, p in plans.items():
         moved = p.bytes_moved_per_step
         fits = "-" if p.fits is None else ("[green]yes[/]" if p.fits else "[red]no[/]")
-        ram = f"{gib(p.host_ram_bytes)} / {gib(p.host_ram_available_bytes)}"
+        ram = f"{p.host_ram_bytes / GiB:,.0f}/{p.host_ram_available_bytes / GiB:,.0f} GiB"
         table.add_row(
             key, gib(p.device_peak_bytes), gib(p.usable_bytes), fits,
             gib(p.pinned_host_bytes), ram if p.host_ram_fits else f"[red]{ram}[/]",
             gib(p.disk_bytes),
             "/".join(f"{moved[k] / GiB:,.0f}" for k in ("forward", "recompute", "backward"))
             + " GiB",
-            f"{p.host_link.name} {p.transfer_bytes_per_s / 1e9:g} GB/s",
-            f"{p.step_time_s:.2f} ({p.bound})", f"{p.balance_tokens:,}", f"{p.tokens_per_s:,.0f}",
+            f"{p.host_link.name}, {p.transfer_bytes_per_s / 1e9:g} GB/s",
+            f"{p.step_time_s:.2f} {p.bound[0]}", f"{p.balance_tokens:,}", f"{p.tokens_per_s:,.0f}",
         )  # fmt: skip
     return table

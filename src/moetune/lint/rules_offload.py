@@ -17,10 +17,13 @@ if TYPE_CHECKING:
 
 
 def _offload_plan(ctx: LintContext) -> OffloadPlan | None:
-    """The run's offload plan on hardware.card (none named: the device is this host's RAM);
-    None when there is no offload or it cannot be planned (plan --offload says why)."""
+    """The run's offload plan on hardware.card, or with train.device cpu on this host's RAM;
+    None when there is no offload, no known device (no card named for a GPU run), or it
+    cannot be planned (plan --offload says why)."""
     cfg = ctx.config
     if cfg.train.offload == "none" or ctx.spec is None or cfg.model.is_gguf:
+        return None
+    if cfg.hardware.card is None and cfg.train.device != "cpu":
         return None
     from moetune.plan.offload import plan_offload
 

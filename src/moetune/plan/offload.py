@@ -290,7 +290,7 @@ def _notes(cfg: RunConfig, card: Card | None) -> tuple[str, ...]:
         )
     else:
         notes.append(
-            f"compute at MFU {MFU} of {card.id}'s bf16 peak; host side "
+            f"compute at MFU {MFU} of the card's bf16 peak (plan.estimate); host side "
             f"{CUDA_HOST_BASELINE // GiB} GiB beside the pinned buffers (assumed)"
         )
     if cfg.train.offload == "disk":
@@ -317,18 +317,15 @@ def offload_plans(spec: ModelSpec, cfg: RunConfig, cards: list[str]) -> dict[str
 
 
 def fitting_offload(spec: ModelSpec, cfg: RunConfig, card: Card) -> OffloadPlan | None:
-    """The offload that fits `card`: cpu when the host holds the stacks, else disk; None
-    when neither fits the device (or offload cannot apply: dense, full, unified memory)."""
-    if cfg.train.offload != "none":
-        return None  # already offloaded: the plan as configured says so
+    """The offload that fits `card`: the configured one, else cpu when the host holds the
+    stacks, else disk; None when none fits (or offload cannot apply: dense, full
+    fine-tuning, unified memory)."""
+    kinds = (cfg.train.offload,) if cfg.train.offload != "none" else ("cpu", "disk")
     try:
-        plans = [plan_offload(spec, with_offload(cfg, o), card) for o in ("cpu", "disk")]
+        plans = [plan_offload(spec, with_offload(cfg, o), card) for o in kinds]
     except MoetuneError:
         return None
-    cpu, disk = plans
-    if cpu.fits and cpu.host_ram_fits:
-        return cpu
-    return disk if disk.fits and disk.host_ram_fits else None
+    return next((p for p in plans if p.fits and p.host_ram_fits), None)
 
 
 def offload_recommendation(
