@@ -45,7 +45,8 @@ def offload_cards_table(plans: dict[str, Any]) -> Table:
             gib(p.disk_bytes),
             "/".join(f"{moved[k] / GiB:,.0f}" for k in ("forward", "recompute", "backward"))
             + " GiB",
-            f"{p.host_link.name}, {p.transfer_bytes_per_s / 1e9:g} GB/s",
+            f"{'disk → ' if p.offload == 'disk' else ''}{p.host_link.name}, "
+            f"{p.transfer_bytes_per_s / 1e9:g} GB/s",
             f"{p.step_time_s:.2f} {p.bound[0]}", f"{p.balance_tokens:,}", f"{p.tokens_per_s:,.0f}",
         )  # fmt: skip
     return table
