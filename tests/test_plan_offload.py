@@ -22,6 +22,7 @@ from moetune.plan.hardware import get_card
 from moetune.plan.offload import (
     CPU_PROCESS_BASELINE,
     CUDA_HOST_BASELINE,
+    offload_plans,
     plan_offload,
 )
 
@@ -147,6 +148,14 @@ def test_what_cannot_offload_is_refused_in_one_line(
     with pytest.raises(ConfigError) as err:
         plan_offload(tiny, parse_config(change), card)
     assert says in err.value.cause and err.value.fix
+
+
+def test_per_card_plans_skip_unified_memory_unless_it_is_all_there_is(tiny: ModelSpec) -> None:
+    plans = offload_plans(tiny, cfg(), ["DGX-Spark", "RTX-4090", "M3-Max-128GB"])
+    assert list(plans) == ["RTX-4090"]
+    with pytest.raises(ConfigError, match="unified memory"):
+        offload_plans(tiny, cfg(), ["DGX-Spark"])
+    assert list(offload_plans(tiny, cfg(device="cpu"), ["DGX-Spark"])) == ["cpu"]
 
 
 def test_a_dense_model_has_nothing_to_offload() -> None:

@@ -308,11 +308,12 @@ def with_offload(cfg: RunConfig, offload: str) -> RunConfig:
 
 def offload_plans(spec: ModelSpec, cfg: RunConfig, cards: list[str]) -> dict[str, OffloadPlan]:
     """`plan --offload`: per card with a host link (unified-memory cards have nothing to
-    offload to), or one plan keyed "cpu" when train.device is cpu or no card has a link."""
-    chosen = [get_card(c) for c in cards]
-    linked = [c for c in chosen if c.host_link is not None]
-    if cfg.train.device == "cpu" or not linked:
+    offload to: when they are all there is, that refusal), or one plan keyed "cpu" when
+    train.device is cpu."""
+    if cfg.train.device == "cpu":
         return {"cpu": plan_offload(spec, cfg, None)}
+    chosen = [get_card(c) for c in cards]
+    linked = [c for c in chosen if c.host_link is not None] or chosen[:1]
     return {c.id: plan_offload(spec, cfg, c) for c in linked}
 
 
