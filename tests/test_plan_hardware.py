@@ -96,3 +96,21 @@ def test_overhead_terms_by_kind() -> None:
     mps = overhead_for("mps", live)
     assert "cuda_context" not in mps.terms and mps.total < cuda.total
     assert overhead_for("unified", live).terms == cuda.terms  # DGX Spark runs CUDA
+
+
+def test_host_links_and_nodes_of_the_cards() -> None:
+    """Every discrete card has a host link and its usual node's RAM; unified memory none."""
+    for card in all_cards():
+        if card.kind == "cuda":
+            assert card.host_link and card.host_link.gb_per_s > 0, card.id
+            assert card.host_ram_bytes and card.gpus_per_node >= 1, card.id
+        else:
+            assert card.host_link is None, card.id  # offloading frees nothing there
+    assert get_card("H100-80GB").host_link.gb_per_s == 50  # type: ignore[union-attr]
+    assert get_card("A100-80GB").host_link.gb_per_s == 25  # type: ignore[union-attr]
+    for grace in ("GH200-96GB", "GH200-144GB", "GB200"):
+        assert get_card(grace).host_link.id == "nvlink-c2c"  # type: ignore[union-attr]
+        assert get_card(grace).host_link.gb_per_s == 450  # type: ignore[union-attr]
+    assert get_card("GH200-144GB").host_ram_bytes == 480e9
+    assert get_card("GB200").memory_bytes == 186 * GiB  # one GPU of the superchip
+    assert card_for_device("NVIDIA GH200 480GB") == "GH200-96GB"

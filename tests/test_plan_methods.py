@@ -10,8 +10,9 @@ import pytest
 from moetune.config import parse_config
 from moetune.model import load_spec
 from moetune.model.spec import ModelSpec
-from moetune.plan.fit import analytic, make_plan
+from moetune.plan.fit import analytic
 from moetune.plan.methods import kv_cache_bytes, method_terms
+from moetune.plan.planner import make_plan
 
 
 @pytest.fixture(scope="module")

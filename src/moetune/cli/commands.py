@@ -78,6 +78,12 @@ def plan(
     nodes: Annotated[
         int | None, typer.Option(help="Nodes of --gpus GPUs each (default: train.nnodes).")
     ] = None,
+    offload: Annotated[
+        str | None, typer.Option(help="Plan frozen experts streamed from: cpu | disk (none: off).")
+    ] = None,
+    host_ram: Annotated[
+        float | None, typer.Option(help="Host RAM per node in GB (hardware.host_ram_gb).")
+    ] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -106,13 +112,17 @@ def plan(
         engine=engine,
         experts_dtype=experts_dtype,
     )
+    opts += [f"train.offload={offload}"] if offload else []
+    opts += [f"hardware.host_ram_gb={host_ram}"] if host_ram is not None else []
     cfg = resolve_run(target, [*(overrides or []), *opts])
     spec = load_spec(cfg.model.id)
     result = make_plan(spec, cfg, cards=card, estimator=estimator)  # type: ignore[arg-type]
     findings = lint(lint_context(cfg, spec, result))
     devices = _devices(spec, cfg, list(result.fits), gpus, strategy, nodes)
+    offloads = _offloads(spec, cfg, list(result.fits))
     if as_json:
         extra = {"devices": devices.to_json()} if devices else {}
+        extra |= {"offload": {k: p.to_json() for k, p in offloads.items()}} if offloads else {}
         emit_json({**result.to_json(), "findings": [f.rule_id for f in findings], **extra})
         return
     console.print(plan_components_table(result))
@@ -127,6 +137,22 @@ def plan(
         console.print(device_fits_table(devices))
         for note in devices.notes:
             console.print(f"[dim]note:[/] {escape(note)}")
+    if offloads:
+        from moetune.cli.render_offload import offload_cards_table, offload_components_table
+
+        console.print(offload_components_table(offloads))
+        console.print(offload_cards_table(offloads))
+        for note in next(iter(offloads.values())).notes:
+            console.print(f"[dim]note:[/] {escape(note)}")
+
+
+def _offloads(spec: Any, cfg: Any, cards: list[str]) -> dict[str, Any]:
+    """The offload plan per card when train.offload is cpu or disk (--offload or the YAML)."""
+    if cfg.train.offload == "none":
+        return {}
+    from moetune.plan.offload import offload_plans
+
+    return offload_plans(spec, cfg, cards)
 
 
 def _devices(

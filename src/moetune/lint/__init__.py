@@ -5,7 +5,14 @@ and below train/ (which lints before it builds anything). The registry (rules.py
 none of its rules; importing the package registers them all here.
 """
 
-from moetune.lint import rules_dist, rules_infra, rules_mlx, rules_peft, rules_serve  # noqa: F401
+from moetune.lint import (  # noqa: F401
+    rules_dist,
+    rules_infra,
+    rules_mlx,
+    rules_offload,
+    rules_peft,
+    rules_serve,
+)
 from moetune.lint.rules import RULES, LintContext, lint, rule_table
 
 __all__ = ["RULES", "LintContext", "lint", "rule_table"]

@@ -1,8 +1,9 @@
 """The card catalog: what each accelerator offers a training run.
 
 The data lives in `cards.json` beside this module (one documented entry per card, with
-the source of its numbers in `notes`); this module only types and looks it up.
-Extend by adding an entry there, not by code.
+the source of its numbers in `notes`; the host links and the disk read rate the offload
+plan streams at, each with its source in `_about`); this module only types and looks it
+up. Extend by adding an entry there, not by code.
 """
 
 from __future__ import annotations
@@ -17,6 +18,22 @@ from moetune.errors import UnknownCardError
 
 GiB = 1024**3
 CardKind = Literal["cuda", "unified", "mps"]
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """The link frozen weights cross between host RAM and a device, per direction."""
+
+    id: str
+    name: str
+    gb_per_s: float  # decimal GB/s, as achieved by pinned host→device copies
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gb_per_s * 1e9
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "gb_per_s": self.gb_per_s}
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,9 @@ class Card:
     runpod_gpu_type_id: str | None
     usd_per_hour: float | None
     notes: str
+    host_link: HostLink | None = None  # None: unified memory (offloading frees nothing)
+    host_ram_bytes: int | None = None  # RAM of the card's usual node (decimal GB in the json)
+    gpus_per_node: int = 1
 
     @property
     def is_cuda(self) -> bool:
@@ -55,6 +75,9 @@ class Card:
             "runpod_gpu_type_id": self.runpod_gpu_type_id,
             "usd_per_hour": self.usd_per_hour,
             "notes": self.notes,
+            "host_link": self.host_link.to_json() if self.host_link else None,
+            "host_ram_bytes": self.host_ram_bytes,
+            "gpus_per_node": self.gpus_per_node,
         }
 
 
@@ -69,14 +92,34 @@ def _card(entry: dict[str, Any]) -> Card:
         runpod_gpu_type_id=entry.get("runpod_gpu_type_id"),
         usd_per_hour=entry.get("usd_per_hour"),
         notes=entry.get("notes", ""),
+        host_link=get_link(entry["host_link"]) if entry.get("host_link") else None,
+        host_ram_bytes=int(entry["host_ram_gb"] * 1e9) if entry.get("host_ram_gb") else None,
+        gpus_per_node=int(entry.get("gpus_per_node", 1)),
     )
 
 
 @cache
+def _data() -> dict[str, Any]:
+    return dict(json.loads(resources.files("moetune.plan").joinpath("cards.json").read_text()))
+
+
+@cache
 def _catalog() -> dict[str, Card]:
-    text = resources.files("moetune.plan").joinpath("cards.json").read_text()
-    cards = (_card(e) for e in json.loads(text)["cards"])
-    return {c.id: c for c in cards}
+    return {c.id: c for c in (_card(e) for e in _data()["cards"])}
+
+
+def get_link(link_id: str) -> HostLink:
+    """A host link of the catalog (`cards.json` `links`) by id, e.g. "pcie5-x16"."""
+    entry = _data()["links"][link_id]
+    return HostLink(link_id, entry["name"], float(entry["gb_per_s"]))
+
+
+CPU_LINK = "host-memcpy"  # a CPU "device": the copy is RAM to RAM
+
+
+def disk_read_bytes_per_s() -> float:
+    """The read rate assumed for train.offload disk (cards.json `disk`, with its source)."""
+    return float(_data()["disk"]["read_gb_per_s"]) * 1e9
 
 
 def card_ids() -> list[str]:
@@ -106,6 +149,7 @@ _DEVICE_NAMES = {
     "NVIDIA A100-SXM4-40GB": "A100-40GB",
     "NVIDIA A100-PCIE-40GB": "A100-40GB",
     "NVIDIA GB10": "DGX-Spark",
+    "NVIDIA GH200 480GB": "GH200-96GB",
 }
 
 

@@ -7,7 +7,7 @@ one. Dimensions: on/off `MOVES`; one frozen-expert storage of `STORAGES` (int8, 
 with double quant – both need and set `lora.engine: moetune`); halvings of the expert
 rank alone (`lora.expert_rank`), of the whole rank, and of the sequence length.
 
-Quality costs, lower first – set in one place, `COSTS`:
+Quality costs, lower first – set in one place, `COSTS` (plan/moves.py, beside the moves):
 
     engine switch, bitsandbytes → bf16 0     same adapter and numerics (split LoRA: fp32 1e-5)
     explicit expert targets           0.05  rank r on gate_up instead of peft's 2r
@@ -23,7 +23,10 @@ Quality costs, lower first – set in one place, `COSTS`:
     halving the sequence length       2.0   per halving, to 256: the data itself changes
 
 Experts are never dropped: an MoE fine-tune that leaves its experts untrained is not the
-same run, so when nothing searched fits the plan says so instead. Rank floors are 4 for
+same run. When nothing searched fits a card, offloading the frozen experts (host RAM, else
+disk: `plan.offload`) is offered – as configured, else after the leanest changes – with its
+tok/s estimate (a speed cost, no quality cost); when that does not fit either, the plan
+says so. Rank floors are 4 for
 the expert stacks as for the whole rank: on Qwen3-30B-A3B the r=4 expert adapter with
 its gradient and Adam state is ≈ 2.3 GiB, so one more halving saves ≈ 1.2 GiB – it
 rarely makes a card fit, while each expert (seeing ≈ k/E of the tokens) is left with
@@ -33,132 +36,33 @@ two directions to adapt in.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
 
 from moetune.config import RunConfig
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate
 from moetune.plan.fit import GiB, Recommendation, analytic, card_fit
 from moetune.plan.hardware import Card
+from moetune.plan.moves import (
+    COSTS,
+    LEVEL,
+    MOVES,
+    STORAGES,
+    Move,
+    Storage,
+    with_lora,
+    with_model,
+    with_train,
+)
+from moetune.plan.offload import fitting_offload, offload_recommendation
 
 MAX_CANDIDATES = 800  # analytic re-plans per plan at most (≈ 5 ms each)
 RECS_PER_CARD = 3
 ALTERNATIVES_WITHIN = 1.0  # quality cost above a card's best that alternatives may add
-COSTS: dict[str, float] = {  # see the table above; "dq": nf4 already, quantise its scales
-    "qlora→lora": 0.0, "engine": 0.0, "dq": 0.0, "explicit": 0.05, "gc": 0.1, "batch": 0.2,
-    "int8": 0.25, "full→lora": 0.5, "nf4": 0.6, "expert_rank": 0.7, "rank": 1.0,
-    "dense": 1.1, "shared": 1.2, "attention": 1.6, "seq": 2.0,
-}  # fmt: skip
 MIN_RANK = MIN_EXPERT_RANK = 4
 MIN_SEQ = 256
-
-
-@dataclass(frozen=True)
-class Move:
-    """One on/off change to a config, with how to say it (its cost is COSTS[name])."""
-
-    name: str
-    apply: Callable[[RunConfig], RunConfig | None]  # None: does not apply
-    says: Callable[[RunConfig, RunConfig], tuple[str, str]]  # (words, --set override)
-
-    @property
-    def cost(self) -> float:
-        return COSTS[self.name]
-
-
-def _lora(cfg: RunConfig, **update: Any) -> RunConfig:
-    return cfg.model_copy(update={"lora": cfg.lora.model_copy(update=update)})
-
-
-def _train(cfg: RunConfig, **update: Any) -> RunConfig:
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update=update)})
-
-
-def _model(cfg: RunConfig, **update: Any) -> RunConfig:
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update=update)})
-
-
-def _drop(kind: str) -> Callable[[RunConfig], RunConfig | None]:
-    def apply(cfg: RunConfig) -> RunConfig | None:
-        if kind not in cfg.lora.targets or cfg.train.tuning == "full":
-            return None
-        if len(cfg.lora.targets) == 1:  # nothing would be left to train
-            return None
-        return _lora(cfg, targets=[t for t in cfg.lora.targets if t != kind])
-
-    return apply
-
-
-def _targets_said(kind: str) -> Callable[[RunConfig, RunConfig], tuple[str, str]]:
-    def says(_: RunConfig, new: RunConfig) -> tuple[str, str]:
-        return f"drop LoRA on {kind}", f"lora.targets=[{','.join(new.lora.targets)}]"
-
-    return says
-
-
-MOVES: tuple[Move, ...] = (
-    Move(
-        "qlora→lora",
-        lambda c: _train(c, tuning="lora", quantization="none")
-        if c.train.tuning == "qlora" or c.train.quantization != "none" else None,
-        lambda o, n: ("bf16 LoRA instead of bitsandbytes (its fused experts end up fp32)",
-                      "train.tuning=lora"),
-    ),
-    Move(
-        "engine",
-        lambda c: _lora(c, engine="moetune")
-        if c.lora.engine != "moetune" and "experts" in c.lora.targets else None,  # + _usable_moves
-        lambda o, n: ("engine moetune (split LoRA: same adapter, no W+ΔW copies)",
-                      "lora.engine=moetune"),
-    ),
-    Move(
-        "explicit",
-        lambda c: _lora(c, expert_mapping="explicit")
-        if c.lora.expert_mapping == "automap" and c.train.tuning != "full" else None,
-        lambda o, n: ("explicit expert targets (rank r on gate_up, not peft's 2r)",
-                      "lora.expert_mapping=explicit"),
-    ),
-    Move(
-        "gc",
-        lambda c: _train(c, gradient_checkpointing=True)
-        if not c.train.gradient_checkpointing else None,
-        lambda o, n: ("gradient checkpointing on (≈ 30 % slower, same result)",
-                      "train.gradient_checkpointing=true"),
-    ),
-    Move(
-        "batch",
-        lambda c: _train(c, batch_size=1) if c.train.batch_size > 1 else None,
-        lambda o, n: (f"batch {o.train.batch_size} → 1 (keep the effective batch with gradient "
-                      "accumulation)", "train.batch_size=1"),
-    ),
-    Move(
-        "full→lora",
-        lambda c: _train(c, tuning="lora") if c.train.tuning == "full" else None,
-        lambda o, n: ("LoRA instead of full fine-tuning", "train.tuning=lora"),
-    ),
-    Move("dense", _drop("dense"), _targets_said("dense")),
-    Move("shared", _drop("shared"), _targets_said("shared")),
-    Move("attention", _drop("attention"), _targets_said("attention")),
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Storage:
-    """How the frozen expert stacks are stored: one of these per candidate."""
-
-    dtype: str
-    double_quant: bool
-    words: str
-
-
-STORAGES = (  # leanest last
-    Storage("int8", False, "int8 frozen experts (≈ 0.6 % output error)"),
-    Storage("nf4", True, "NF4 + double-quant frozen experts (≈ 9 % output error)"),
-)
-_LEVEL = {"bf16": 0, "int8": 1, "nf4": 2}
 
 
 @dataclass(frozen=True)
@@ -243,8 +147,8 @@ def _storages(cfg: RunConfig, spec: ModelSpec) -> list[Storage]:
     """Expert storages leaner than the config's (quantised experts train LoRA, not full)."""
     if not _split_serves(cfg, spec):
         return []
-    level = _LEVEL[cfg.model.experts_dtype]
-    leaner = [s for s in STORAGES if _LEVEL[s.dtype] > level]
+    level = LEVEL[cfg.model.experts_dtype]
+    leaner = [s for s in STORAGES if LEVEL[s.dtype] > level]
     if cfg.model.experts_dtype == "nf4" and not cfg.model.experts_double_quant:
         leaner.append(Storage("nf4", True, "NF4 double quant (≈ 0.4 bit/param less)"))
     return leaner
@@ -296,9 +200,9 @@ def _option(
 
 def _storage_moves(cfg: RunConfig, spec: ModelSpec, storage: Storage) -> set[str]:
     """int8 ⊂ nf4 (NF4 has int8's compromise and more), and both include the engine."""
-    level = _LEVEL[cfg.model.experts_dtype]
-    moves = {s.dtype for s in STORAGES if level < _LEVEL[s.dtype] <= _LEVEL[storage.dtype]}
-    if level == _LEVEL[storage.dtype]:
+    level = LEVEL[cfg.model.experts_dtype]
+    moves = {s.dtype for s in STORAGES if level < LEVEL[s.dtype] <= LEVEL[storage.dtype]}
+    if level == LEVEL[storage.dtype]:
         moves.add("dq")
     return moves | ({"engine"} if _on_peft(cfg, spec) else set())
 
@@ -355,9 +259,9 @@ def _with_storage(spec: ModelSpec, storage: Storage | None, c: RunConfig) -> _St
     sets = [] if c.lora.engine == "moetune" else ["lora.engine=moetune"]
     sets += [f"model.experts_dtype={storage.dtype}"]
     sets += ["model.experts_double_quant=true"] if storage.double_quant else []
-    c = _lora(c, engine="moetune")
+    c = with_lora(c, engine="moetune")
     dq = {"experts_double_quant": True} if storage.double_quant else {}  # as the --set say
-    c = _model(c, experts_dtype=storage.dtype, **dq)
+    c = with_model(c, experts_dtype=storage.dtype, **dq)
     return c, [f"{storage.words} on engine moetune"], sets
 
 
@@ -370,13 +274,13 @@ def _with_ranks(cfg: RunConfig, e: int, r: int, c: RunConfig) -> _Step | None:
     if r:
         words.append(f"rank {cfg.lora.rank} → {cfg.lora.rank >> r}")
         sets.append(f"lora.rank={cfg.lora.rank >> r}")
-        c = _lora(c, rank=cfg.lora.rank >> r)
+        c = with_lora(c, rank=cfg.lora.rank >> r)
     if e or (r and cfg.lora.expert_rank is not None):
         old, rank = cfg.lora.experts_rank, cfg.lora.experts_rank >> (e + r)
         keeps = "keeps" if c.lora.rank == cfg.lora.rank else "gets"
         words.append(f"expert rank {old} → {rank} (attention {keeps} rank {c.lora.rank})")
         sets.append(f"lora.expert_rank={rank}")
-        c = _lora(c, expert_rank=rank)
+        c = with_lora(c, expert_rank=rank)
     return c, words, sets
 
 
@@ -385,7 +289,7 @@ def _with_seq(cfg: RunConfig, s: int, c: RunConfig) -> _Step:
         return c, [], []
     seq = cfg.train.seq_len >> s
     words = [f"sequence length {cfg.train.seq_len} → {seq}"]
-    return _train(c, seq_len=seq), words, [f"train.seq_len={seq}"]
+    return with_train(c, seq_len=seq), words, [f"train.seq_len={seq}"]
 
 
 # ---------------------------------------------------------------- the search
@@ -407,7 +311,7 @@ def recommend(spec: ModelSpec, cfg: RunConfig, cards: list[Card]) -> list[Recomm
             rec = _fitting(card, leanest, lean.peak_bytes)
             out += [replace(rec, notes=(*rec.notes, _CAPPED))] if rec else []
     stuck = [c for c in cards if c not in reachable]
-    out += [_no_fit(cfg, c, leanest, lean) for c in stuck]
+    out += [_offloaded(spec, cfg, c, leanest) or _no_fit(cfg, c, leanest, lean) for c in stuck]
     return sorted(out, key=lambda r: (not r.fits, r.cost, r.card))
 
 
@@ -506,6 +410,32 @@ def _fitting(card: Card, cand: _Candidate, peak: int) -> Recommendation | None:
     )  # fmt: skip
 
 
+def _offloaded(
+    spec: ModelSpec, cfg: RunConfig, card: Card, leanest: _Candidate | None
+) -> Recommendation | None:
+    """Nothing searched fits: the frozen experts streamed through host RAM or from disk –
+    a speed cost, no quality cost – as configured, else after the changes that cost no
+    quality beyond speed (`_NEVER_MORE`), else after the leanest changes."""
+    bases = [cfg, _speed_only(spec, cfg), leanest]
+    for base in bases:
+        base_cfg = base if isinstance(base, RunConfig) else base.cfg if base else None
+        plan = fitting_offload(spec, base_cfg, card) if base_cfg is not None else None
+        if plan is None:
+            continue
+        if isinstance(base, _Candidate):
+            cost = round(base.option.cost, 2)
+            return offload_recommendation(plan, cost, base.changes, base.overrides)
+        return offload_recommendation(plan, 0.0, (), ())
+    return None
+
+
+def _speed_only(spec: ModelSpec, cfg: RunConfig) -> _Candidate | None:
+    """`cfg` with every usable change that costs speed only (checkpointing, batch 1, …)."""
+    usable = {m.name for m in _usable_moves(cfg, spec)}
+    subset = tuple(m for m in MOVES if m.name in _NEVER_MORE and m.name in usable)
+    return _build(cfg, spec, _option(cfg, spec, subset, None, (0, 0, 0))) if subset else None
+
+
 def _no_fit(
     cfg: RunConfig, card: Card, leanest: _Candidate | None, est: AnalyticEstimate
 ) -> Recommendation:
@@ -514,6 +444,10 @@ def _no_fit(
     fit = card_fit(card, est.peak_bytes)
     frozen = est.components.get("frozen_weights") or est.components["trainable_weights"]
     stored = "experts as NF4" if lean_cfg.model.experts_dtype == "nf4" else cfg.model.dtype
+    offload = (
+        "unified memory: offloading frees nothing" if card.host_link is None
+        else "offloading the frozen experts does not fit either"
+    )  # fmt: skip
     why = (
         f"the frozen weights alone ({frozen / GiB:.0f} GiB, {stored}) exceed the card"
         if not card_fit(card, frozen).fits
@@ -524,6 +458,6 @@ def _no_fit(
         round(leanest.option.cost, 2) if leanest else 0.0, est.peak_bytes,
         fit.required_bytes, fit.headroom_bytes,
         (f"{why}; experts were not dropped (that would not train the MoE) – use a larger "
-         "card or several GPUs (offloading frozen experts is not searched)",),
+         f"card or several GPUs ({offload})",),
         fits=False,
     )  # fmt: skip

@@ -45,6 +45,7 @@ from moetune.model.spec import ModelSpec
 from moetune.plan.gguf import Tensor, get_file_type, tensor_types, type_bytes
 from moetune.plan.hardware import Card, get_card
 from moetune.plan.overhead import CUDA_CONTEXT_BYTES
+from moetune.registry import Registry
 
 GiB = 1024**3
 KV_TYPES = {"f16": 2.0, "bf16": 2.0, "f32": 4.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -400,32 +401,14 @@ class Engine:
     options: tuple[str, ...]
 
 
-def _vllm(spec: ModelSpec, card: Card | str, **options: Any) -> ServePlan:
-    from moetune.plan.serve_vllm import plan_vllm
-
-    return plan_vllm(spec, card, **options)
-
-
-ENGINES: dict[str, Engine] = {}
-
-
-def register(engine: Engine) -> None:
-    ENGINES[engine.name] = engine
-
-
-register(Engine("llama.cpp", plan_llama_cpp, ("quant", "ctx", "kv_type")))
-VLLM_OPTIONS = ("max_model_len", "max_loras", "max_lora_rank", "gpu_memory_utilization",
-                "tensor_parallel", "kv_dtype")  # fmt: skip
-register(Engine("vllm", _vllm, VLLM_OPTIONS))
+# The registry imports none of its engines: llama.cpp registers below (it is planned in
+# this module), vLLM in serve_vllm.py, which the package's __init__ imports.
+ENGINES: Registry[Engine] = Registry("serving engine")
+ENGINES.add("llama.cpp", Engine("llama.cpp", plan_llama_cpp, ("quant", "ctx", "kv_type")))
 
 
 def get_engine(name: str) -> Engine:
-    try:
-        return ENGINES[name.strip().lower()]
-    except KeyError:
-        raise ConfigError(
-            f"unknown serving engine {name!r}", f"use one of: {', '.join(ENGINES)}"
-        ) from None
+    return ENGINES.get(name.strip().lower())
 
 
 def serve_plans(

@@ -15,6 +15,8 @@ from moetune.model.spec import ModelSpec
 from moetune.plan.hardware import Card
 from moetune.plan.serve import (
     _ROW_PARALLEL,
+    ENGINES,
+    Engine,
     GiB,
     Inventory,
     ServePlan,
@@ -162,3 +164,8 @@ def _notes(
     notes.append(f"vllm serve {spec.name} {flags}" if fits else f"does not fit at TP {tp}")
     notes.append("activations (profile run) and the CUDA-graph pool are approximate")
     return tuple(notes)
+
+
+VLLM_OPTIONS = ("max_model_len", "max_loras", "max_lora_rank", "gpu_memory_utilization",
+                "tensor_parallel", "kv_dtype")  # fmt: skip
+ENGINES.add("vllm", Engine("vllm", plan_vllm, VLLM_OPTIONS))

@@ -31,7 +31,9 @@ Strategies (a registry: `STRATEGIES`, extend with `register`):
 Approximations, stated: the transient is added to the single-device peak's phase even
 when that phase is the optimizer step (when FSDP2 has resharded): an upper bound by at
 most the transient. NCCL's own buffers live outside the PyTorch allocator and are not
-counted. Expert parallelism is not modelled (experts are sharded like any weight).
+counted. The strategies shard experts like any weight; what expert parallelism would hold
+per device instead (and which engines train with it) is `DeviceReport.expert_parallel`
+(`plan.expert_parallel`, planned only).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from moetune.config import RunConfig
 from moetune.errors import ConfigError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import ADAPTER_BYTES, AnalyticEstimate, Step, expert_bytes_per_param
+from moetune.plan.expert_parallel import ExpertParallelPlan, plan_expert_parallel
 from moetune.plan.fit import CardFit, analytic, card_fit
 from moetune.plan.hardware import Card, get_card
 from moetune.plan.layout import adapter_layout
@@ -324,6 +327,7 @@ class DeviceReport:
     fewest: dict[str, int | None]
     notes: tuple[str, ...] = ()
     nodes: int = 1
+    expert_parallel: ExpertParallelPlan | None = None  # EP over every rank (planned only)
 
     @property
     def placement(self) -> str:
@@ -349,7 +353,15 @@ class DeviceReport:
                 c: {**p.to_json(), "fewest_gpus": self.fewest[c]} for c, p in self.plans.items()
             },
             "notes": list(self.notes),
+            "expert_parallel": self._expert_parallel_json(),
         }
+
+    def _expert_parallel_json(self) -> dict[str, Any] | None:
+        ep = self.expert_parallel
+        if ep is None:
+            return None
+        fits = {c: card_fit(get_card(c), ep.peak_bytes).fits for c in self.plans}
+        return {**ep.to_json(), "fits": fits}
 
 
 def device_report(
@@ -367,7 +379,9 @@ def device_report(
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
     notes = _report_notes(spec) + _load_notes(sizes, gpus, strategy)
     notes += _node_notes(sizes, nodes, gpus)
-    return DeviceReport(get_strategy(strategy).name, ranks, plans, fewest, notes, nodes)
+    ep = plan_expert_parallel(spec, cfg, ranks)
+    notes += (ep.describe(),) if ep else ()
+    return DeviceReport(get_strategy(strategy).name, ranks, plans, fewest, notes, nodes, ep)
 
 
 def node_host_ram(sizes: Sizes, gpus: int) -> int:

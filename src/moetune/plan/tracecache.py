@@ -89,7 +89,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
             "use --estimator analytic for qlora / bnb quantization",
         )
     peft_config = None
-    if cfg.train.tuning != "full":  # sized without dropout: see fit.make_plan's notes
+    if cfg.train.tuning != "full":  # sized without dropout: see planner.make_plan's notes
         peft_config = build_peft_config(spec, cfg.lora.model_copy(update={"dropout": 0.0}))
     return trace_step(
         to_hf_config(spec),

@@ -1,0 +1,170 @@
+"""`make_plan`: peak memory by component, overhead stated apart, fit per card, the
+cheapest changes that make a run fit a card it does not fit (`plan.recommend`), and the
+best-quality config per card (`MemoryPlan.best`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetune.config import RunConfig
+from moetune.errors import ConfigError, TraceError
+from moetune.model.spec import ModelSpec
+from moetune.plan.analytic import split_lora
+from moetune.plan.fit import Estimator, MemoryPlan, Recommendation, analytic, card_fit
+from moetune.plan.hardware import Card, all_cards, get_card
+from moetune.plan.methods import as_trained, method_notes, method_terms, with_rollout
+from moetune.plan.overhead import Overhead, overhead_for
+from moetune.plan.profiles import mixer_notes, profile_for, uncalibrated
+from moetune.plan.recommend import recommend
+
+
+def make_plan(
+    spec: ModelSpec,
+    cfg: RunConfig,
+    cards: list[str] | None = None,
+    estimator: Estimator = "analytic",
+) -> MemoryPlan:
+    """Plan `cfg` on `spec` for `cards` (default: the whole catalog).
+
+    `estimator="trace"` runs the fake-tensor trace of the real step (cached on disk);
+    "analytic" is instant, and traces instead when a layer's mixer kind has no calibrated
+    term (the plan's notes say so). Recommendations always use the analytic for speed.
+    """
+    chosen = [get_card(c) for c in cards] if cards else all_cards()
+    if estimator not in ("trace", "analytic"):
+        raise ConfigError(f"unknown estimator {estimator!r}", "use trace or analytic")
+    used, fallback, (peak, components, op, phase, trainable) = _estimate_as(spec, cfg, estimator)
+    fits = {c.id: card_fit(c, peak) for c in chosen}
+    plan = MemoryPlan(
+        model=spec.name,
+        estimator=used,
+        peak_bytes=peak,
+        components=components,
+        peak_op=op,
+        peak_phase=phase,
+        overhead=_plan_overhead(chosen, peak),
+        trainable_params=trainable,
+        total_params=spec.total_params,
+        fits=fits,
+        settings=_settings(cfg),
+        notes=[*fallback, *_notes(spec, cfg)],
+        requested=estimator if used != estimator else None,
+    )
+    missing = [c for c in chosen if not fits[c.id].fits]
+    plan.recommendations.extend(recommend(spec, cfg, missing))
+    plan.best.update({c.id: _best(plan, c.id) for c in chosen})
+    return plan
+
+
+def _estimate_as(
+    spec: ModelSpec, cfg: RunConfig, estimator: Estimator
+) -> tuple[Estimator, list[str], tuple[int, dict[str, int], str | None, str, int]]:
+    """The estimate, by `estimator` or the trace it falls back to (then with a note why);
+    a fallback trace that fails leaves the analytic, saying what it leaves out."""
+    used, notes = _choose(spec, cfg, estimator)
+    try:
+        return used, notes, _estimate(spec, cfg, used)
+    except TraceError as exc:
+        if used == estimator:
+            raise
+        note = f"analytic: {_missing(spec)}, and the trace failed ({exc.cause}): their "
+        return estimator, [note + "activations are left out"], _estimate(spec, cfg, estimator)
+
+
+def _choose(spec: ModelSpec, cfg: RunConfig, estimator: Estimator) -> tuple[Estimator, list[str]]:
+    """The estimator that runs, and a note when it is not the one asked for."""
+    if estimator == "trace" or not uncalibrated(spec):
+        return estimator, []
+    if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":  # fake tensors can't
+        return estimator, [
+            f"analytic: {_missing(spec)}, and a quantized step cannot be traced: their "
+            "activations are left out"
+        ]
+    return "trace", [
+        f"analytic has {_missing(spec)}: planned with the trace (the real step on fake "
+        "tensors) instead; recommendations are analytic and leave those layers' activations out"
+    ]
+
+
+def _missing(spec: ModelSpec) -> str:
+    kinds = ", ".join(uncalibrated(spec))
+    return f"no calibrated activation term for {spec.model_type}'s {kinds} layers"
+
+
+def _best(plan: MemoryPlan, card: str) -> Recommendation:
+    """The config as it is when it fits the card, else the cheapest change that does
+    (recommendations come fitting first, cheapest first), else why nothing searched fits."""
+    fit = plan.fits[card]
+    if fit.fits:
+        return Recommendation(
+            card, (), (), 0.0, plan.peak_bytes, fit.required_bytes, fit.headroom_bytes,
+            ("fits as configured",),
+        )  # fmt: skip
+    return next(r for r in plan.recommendations if r.card == card)
+
+
+def _estimate(
+    spec: ModelSpec, cfg: RunConfig, estimator: Estimator
+) -> tuple[int, dict[str, int], str | None, str, int]:
+    if estimator == "trace":
+        from moetune.plan.tracecache import cached_trace
+
+        t = cached_trace(spec, as_trained(cfg, spec))  # the step train.method really trains
+        peak, at_peak, phase = with_rollout(
+            method_terms(cfg, spec), t.peak_bytes, dict(t.at_peak), t.peak_phase
+        )
+        return (
+            peak,
+            at_peak,
+            t.peak_op if phase == t.peak_phase else None,
+            phase,
+            t.trainable_params,
+        )
+    est = analytic(spec, cfg)
+    return est.peak_bytes, est.components, None, est.peak_phase, est.trainable_params
+
+
+def _plan_overhead(cards: list[Card], peak: int) -> Overhead:
+    """The plan's overhead line: CUDA's terms unless every chosen card is Apple (MPS)."""
+    kind = "mps" if cards and all(c.kind == "mps" for c in cards) else "cuda"
+    return overhead_for(kind, peak)
+
+
+def _settings(cfg: RunConfig) -> dict[str, Any]:
+    return {
+        "tuning": cfg.train.tuning,
+        "method": cfg.train.method,
+        "rank": cfg.lora.rank,
+        "expert_rank": cfg.lora.experts_rank,
+        "engine": cfg.lora.engine,  # as set; `notes` say when it resolves to moetune
+        "targets": list(cfg.lora.targets),
+        "expert_mapping": cfg.lora.expert_mapping,
+        "seq_len": cfg.train.seq_len,
+        "batch_size": cfg.train.batch_size,
+        "gradient_checkpointing": cfg.train.gradient_checkpointing,
+        "dtype": cfg.model.dtype,
+        "experts_dtype": cfg.model.experts_dtype,
+        "experts_double_quant": cfg.model.experts_double_quant,
+        "optimizer": "fused AdamW (HF Trainer / TRL default), steady state",
+    }
+
+
+def _notes(spec: ModelSpec, cfg: RunConfig) -> list[str]:
+    notes = method_notes(cfg, spec)
+    if split_lora(spec, cfg):
+        notes.append("engine moetune: split LoRA – no full-size expert W+ΔW or its gradient")
+    if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":
+        notes.append(
+            "bitsandbytes quantizes nn.Linear only: the fused experts stay bf16 and "
+            "prepare_model_for_kbit_training upcasts them to fp32 – on an MoE this uses "
+            "more memory than bf16 LoRA (analytic only)"
+        )
+    if cfg.lora.dropout and cfg.train.tuning != "full":
+        notes.append(
+            f"sized with lora.dropout=0: peft refuses dropout={cfg.lora.dropout} on "
+            "ParamWrapper (expert) targets, and dropout adds one input-sized tensor per "
+            "adapted Linear otherwise"
+        )
+    family = profile_for(spec.model_type).notes
+    return [*notes, *([family] if family else []), *mixer_notes(spec)]

@@ -1,0 +1,63 @@
+"""Expert parallelism, planned: each device holds 1/EP of the routed experts (and of their
+LoRA state), the rest replicated, plus one layer's all-to-all buffers; `plan --gpus N`
+states it with the engines that train that way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from moetune.config import RunConfig, parse_config
+from moetune.model import spec_from_config
+from moetune.model.census import tiny_config
+from moetune.model.spec import ModelSpec
+from moetune.plan.expert_parallel import plan_expert_parallel
+from moetune.plan.fit import analytic
+from moetune.plan.layout import adapter_layout
+from moetune.plan.sharding import device_report
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelSpec:
+    return spec_from_config(tiny_config("qwen3_moe"), "qwen3_moe")  # 4 layers, 4 experts
+
+
+def cfg(**train: Any) -> RunConfig:
+    lora = {"rank": 4, "targets": ["attention", "experts"]}
+    return parse_config({"lora": lora, "train": {"seq_len": 64, **train}})
+
+
+def test_experts_split_across_devices_the_rest_replicated(tiny: ModelSpec) -> None:
+    run = cfg()
+    single = analytic(tiny, run).components
+    ep = plan_expert_parallel(tiny, run, 2)
+    assert ep is not None and ep.ep == 2 and ep.experts_per_device == 2
+    experts = 4 * (4 * 3 * 32 * 64) * 2  # layers × experts × 3·I·H × bf16
+    assert ep.components["expert_weights"] == experts // 2
+    assert ep.components["frozen_weights"] == single["frozen_weights"] - experts
+    layout = adapter_layout(tiny, run.lora)
+    expert_lora = sum(a.lora_numel for layer in layout.layers for a in layer if a.kind == "experts")
+    other_lora = layout.trainable_params - expert_lora
+    assert ep.components["trainable_weights"] == 4 * (other_lora + expert_lora // 2)  # fp32
+    assert ep.components["activations"] == single["activations"]  # own micro-batch
+    assert ep.components["all_to_all_buffers"] == 2 * 64 * 2 * 64 * 2  # in+out, T, k, H, bf16
+    assert ep.peak_bytes == sum(ep.components.values())
+
+
+def test_ep_is_at_most_the_number_of_experts_and_needs_two_devices(tiny: ModelSpec) -> None:
+    wide = plan_expert_parallel(tiny, cfg(), 8)
+    assert wide is not None and wide.ep == 4 and wide.experts_per_device == 1
+    assert plan_expert_parallel(tiny, cfg(), 1) is None
+    dense = spec_from_config(tiny_config("llama"), "llama")
+    assert plan_expert_parallel(dense, cfg(), 4) is None
+
+
+def test_the_device_report_states_it_and_names_the_engines(tiny: ModelSpec) -> None:
+    report = device_report(tiny, cfg(), ["H100-80GB"], 2, "fsdp")
+    assert report.expert_parallel is not None
+    doc = report.to_json()["expert_parallel"]
+    assert doc["ep"] == 2 and doc["fits"] == {"H100-80GB": True}
+    assert any("Megatron-Core" in e for e in doc["engines"])
+    assert any("torchtitan" in e for e in doc["engines"])
+    assert any(n.startswith("expert parallelism (EP = 2") for n in report.notes)
