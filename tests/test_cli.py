@@ -149,9 +149,9 @@ def test_plan_prints_the_best_config_per_card() -> None:
 
 
 def test_plan_of_an_uncalibrated_mixer_kind_says_it_traced(tmp_path: Path) -> None:
-    from moetune.model.census import tiny_config
+    from moetune.model.census import shrunk_config
 
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config("nemotron_h")))
+    (tmp_path / "config.json").write_text(json.dumps(shrunk_config("nemotron_h")))
     args = ("plan", str(tmp_path), "--seq", "64", "--card", "H200")
     code, out, _ = _run(*args)
     assert code == 0

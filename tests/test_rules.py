@@ -435,9 +435,9 @@ def test_engine_moetune_on_an_undispatched_family_is_an_error() -> None:
 
 def test_checkpointing_a_model_class_that_refuses_it_is_an_error() -> None:
     from moetune.model import spec_from_config
-    from moetune.model.census import tiny_config
+    from moetune.model.census import shrunk_config
 
-    jetmoe = spec_from_config(tiny_config("jetmoe"), "tiny-jetmoe")
+    jetmoe = spec_from_config(shrunk_config("jetmoe"), "tiny-jetmoe")
     on = RunConfig.model_validate({"model": {"id": "x/y"}})
     f = check("GC-UNSUPPORTED", LintContext(config=on, spec=jetmoe, env={}))
     assert f and f.severity == "error" and f.field == "train.gradient_checkpointing"

@@ -268,7 +268,8 @@ def _layout(spec: ModelSpec, cfg: RunConfig) -> AdapterLayout | None:
         return None
     lora = cfg.lora
     kinds = frozenset(lora.targets) | ({"router"} if lora.train_router else frozenset())
-    key = (id(spec), kinds, lora.expert_mapping, lora.train_router, lora.rank, lora.experts_rank)
+    ranks = (lora.rank, lora.effective_expert_rank)
+    key = (id(spec), kinds, lora.expert_mapping, lora.train_router, *ranks)
     hit = _SHAPED.get(key)
     if hit is not None and hit[0] is spec:  # the search re-plans the same shapes many times
         return hit[1]
@@ -309,7 +310,7 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
         "tuning": cfg.train.tuning,
         "method": cfg.train.method,
         "rank": cfg.lora.rank,
-        "expert_rank": cfg.lora.experts_rank,
+        "expert_rank": cfg.lora.effective_expert_rank,
         "engine": cfg.lora.engine,  # as set; `notes` say when it resolves to moetune
         "targets": list(cfg.lora.targets),
         "expert_mapping": cfg.lora.expert_mapping,
