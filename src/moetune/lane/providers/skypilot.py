@@ -126,6 +126,8 @@ def run_task(cfg: RunConfig, spec: PodSpec, watchdog_s: int, pod_config: Path) -
 class SkypilotProvider(Provider):
     """Clusters named `PodSpec.name`: the pod id is the cluster name."""
 
+    title = "SkyPilot"
+
     def __init__(self, lane: LaneArgs, state_dir: Path) -> None:
         self.lane, self.sky = lane, lane.skypilot
         self.state_dir = state_dir
