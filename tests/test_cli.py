@@ -214,6 +214,7 @@ def test_each_option_takes_its_fields_type_and_its_help_lists_the_values() -> No
             assert kind is str and all(v in param.help for v in values), (command, param.help)
         elif cut.negate:
             assert kind is bool and field_info(cut.field).annotation is bool
+            assert f"{cut.field}: false" in param.help
         else:  # the numbers: the same int the field holds, its rule in the help
             assert kind is int and field_info(cut.field).annotation is int, command
             assert "positive integer" in param.help
@@ -248,6 +249,21 @@ def test_provider_help_lists_every_registered_provider() -> None:
         param = next(p for p in _commands()[command].params if p.name == "provider")
         assert all(name in param.help for name in provider_names()), (command, param.help)
     assert "skypilot" in provider_names()
+    code, out, _ = _run("launch", "--help")  # as a user reads it (rich markup rendered)
+    assert code == 0 and "local | ssh | runpod | skypilot" in " ".join(out.split())
+
+
+def test_plan_help_shows_what_each_shortcut_accepts() -> None:
+    code, out, _ = _run("plan", "--help")
+    text = " ".join(out.replace("│", " ").split())
+    assert code == 0
+    for shown in (
+        "train.tuning: lora | full | qlora",
+        "lora.rank: a positive integer (> 0)",
+        "like train.strategy: ddp | fsdp | zero3",
+        "model.experts_dtype: bf16 | int8",
+    ):
+        assert shown in text, text
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,9 @@ def option_help(name: str, what: str = "", like: bool = False) -> str:
     """The flag's help: what it does, its field (`like` it, when the flag does not set
     it), and what that field accepts."""
     cut = SHORTCUTS[name]
-    return f"{what or cut.what} [{'like ' if like else ''}{cut.field}: {accepts(cut.field)}]"
+    said = "false" if cut.negate else accepts(cut.field)  # a switch sets its field off
+    # parentheses, not brackets: typer's help is rich markup, where [...] is a style tag
+    return f"{what or cut.what} ({'like ' if like else ''}{cut.field}: {said})"
 
 
 def opt(name: str, what: str = "", like: bool = False) -> Any:
