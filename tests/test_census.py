@@ -16,7 +16,7 @@ import torch
 
 from moetune.config import LoraArgs
 from moetune.model import build_model, get_family, spec_from_config, to_hf_config
-from moetune.model.census import census, moe_model_types, multimodal_model_types, tiny_config
+from moetune.model.census import census, moe_model_types, multimodal_model_types, shrunk_config
 from moetune.model.derive import causal_lm_class
 from moetune.plan.trace import trace_step
 from moetune.recipe.targets import build_peft_config, make_recipe
@@ -52,7 +52,7 @@ def _case(model_type: str, known: dict[str, str]) -> Any:
 
 
 def _spec(model_type: str):
-    return spec_from_config(tiny_config(model_type), model_type)
+    return spec_from_config(shrunk_config(model_type), model_type)
 
 
 def _numel(model_type: str) -> int:

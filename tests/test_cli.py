@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from moetune.cli import app
+from moetune.errors import ConfigError
 from moetune.model.tiny import TINY_CONFIGS
 
 runner = CliRunner()
@@ -149,9 +151,9 @@ def test_plan_prints_the_best_config_per_card() -> None:
 
 
 def test_plan_of_an_uncalibrated_mixer_kind_says_it_traced(tmp_path: Path) -> None:
-    from moetune.model.census import tiny_config
+    from moetune.model.census import shrunk_config
 
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config("nemotron_h")))
+    (tmp_path / "config.json").write_text(json.dumps(shrunk_config("nemotron_h")))
     args = ("plan", str(tmp_path), "--seq", "64", "--card", "H200")
     code, out, _ = _run(*args)
     assert code == 0
@@ -161,3 +163,125 @@ def test_plan_of_an_uncalibrated_mixer_kind_says_it_traced(tmp_path: Path) -> No
     plan = json.loads(out)
     assert plan["estimator"] == "trace" and plan["estimator_requested"] == "analytic"
     assert "mamba" in plan["notes"][0]
+
+
+# -- shortcut options: each one a config field, so a flag and its field cannot drift -----
+
+
+def _commands() -> dict[str, Any]:
+    import typer
+
+    group: Any = typer.main.get_command(app)
+    lane: Any = group.commands["pods"]
+    return {**group.commands, "pods list": lane.commands["list"]}
+
+
+SHORTCUT_COMMANDS = ["plan", "recipe", "train", "quickstart", "eval", "launch", "pods list"]
+
+
+def _shortcut_params() -> list[tuple[str, Any]]:
+    from moetune.cli.options import SHORTCUTS
+
+    commands = _commands()
+    return [
+        (name, param)
+        for name in SHORTCUT_COMMANDS
+        for param in commands[name].params
+        if param.name in SHORTCUTS
+    ]
+
+
+def test_every_shortcut_is_a_field_moetune_schema_documents() -> None:
+    from moetune.cli.options import SHORTCUTS
+
+    code, out, _ = _run("schema", "--json")
+    fields = {row["field"] for row in json.loads(out)}
+    assert code == 0 and {cut.field for cut in SHORTCUTS.values()} <= fields
+    used = {param.name for _, param in _shortcut_params()}
+    assert used == set(SHORTCUTS)  # no shortcut declared that no command takes
+
+
+def test_each_option_takes_its_fields_type_and_its_help_lists_the_values() -> None:
+    from moetune.cli.options import SHORTCUTS, choices, field_info
+
+    for command, param in _shortcut_params():
+        cut = SHORTCUTS[param.name]
+        assert param.opts == [cut.flag], (command, param.opts)
+        assert f"{cut.field}: " in param.help, (command, param.help)
+        values = choices(cut.field)
+        kind = param.type_descriptor.annotation  # what typer parses the flag's text into
+        if values:  # a choice field: the flag takes text, the help names every value
+            assert kind is str and all(v in param.help for v in values), (command, param.help)
+        elif cut.negate:
+            assert kind is bool and field_info(cut.field).annotation is bool
+            assert f"{cut.field}: false" in param.help
+        else:  # the numbers: the same int the field holds, its rule in the help
+            assert kind is int and field_info(cut.field).annotation is int, command
+            assert "positive integer" in param.help
+
+
+def test_a_flag_accepts_exactly_its_fields_values() -> None:
+    from moetune.cli.options import SHORTCUTS, choices, option_overrides
+    from moetune.config import parse_config
+
+    for name, cut in SHORTCUTS.items():
+        values = choices(cut.field)
+        if not values or cut.comma:
+            continue
+        for value in values:  # every value the field takes reaches the field
+            cfg = parse_config({}, option_overrides(**{name: value}))
+            section, leaf = cut.field.split(".")
+            assert getattr(getattr(cfg, section), leaf) == value
+        with pytest.raises(ConfigError) as err:
+            option_overrides(**{name: "bogus"})
+        assert err.value.cause.startswith(f"{cut.flag} bogus: {cut.field} must be one of ")
+        assert all(v in err.value.fix for v in values)
+    cfg = parse_config({}, option_overrides(targets="attention, router", no_gc=True, rank=4))
+    assert cfg.lora.targets == ["attention", "router"] and cfg.lora.rank == 4
+    assert cfg.train.gradient_checkpointing is False
+    assert option_overrides(no_gc=False, rank=None) == []  # not given: YAML and defaults win
+
+
+def test_provider_help_lists_every_registered_provider() -> None:
+    from moetune.lane.providers import provider_names
+
+    for command in ("launch", "pods list", "eval"):
+        param = next(p for p in _commands()[command].params if p.name == "provider")
+        assert all(name in param.help for name in provider_names()), (command, param.help)
+    assert "skypilot" in provider_names()
+    code, out, _ = _run("launch", "--help")  # as a user reads it (rich markup rendered)
+    assert code == 0 and "local | ssh | runpod | skypilot" in " ".join(out.split())
+
+
+def test_plan_help_shows_what_each_shortcut_accepts() -> None:
+    code, out, _ = _run("plan", "--help")
+    text = " ".join(out.replace("│", " ").split())
+    assert code == 0
+    for shown in (
+        "train.tuning: lora | full | qlora",
+        "lora.rank: a positive integer (> 0)",
+        "like train.strategy: ddp | fsdp | zero3",
+        "model.experts_dtype: bf16 | int8",
+    ):
+        assert shown in text, text
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["plan", "Qwen/Qwen3-30B-A3B", "--tuning", "lorax"], ["--tuning lorax", "qlora"]),
+        (["plan", "Qwen/Qwen3-30B-A3B", "--strategy", "zero9"], ["--strategy zero9", "fsdp"]),
+        (["plan", "Qwen/Qwen3-30B-A3B", "--gpus", "0"], ["--gpus 0", "positive"]),
+        (["recipe", "Qwen/Qwen3-30B-A3B", "--stack", "jax"], ["--stack jax", "peft | mlx"]),
+        (["quickstart", "--stack", "jax"], ["--stack jax", "peft | mlx"]),
+        (["eval", "run.yaml", "--provider", "nimbus"], ["--provider nimbus", "skypilot"]),
+        (["eval", "run.yaml", "--provider", "ssh"], ["eval runs here", "moetune launch"]),
+        (["launch", "run.yaml", "--provider", "nimbus"], ["--provider nimbus", "runpod"]),
+    ],
+)
+def test_a_bad_shortcut_value_is_one_line_naming_the_flag(
+    args: list[str], needles: list[str]
+) -> None:
+    code, _, err = _run(*args)
+    assert code == 2
+    _assert_one_line_error(code, err, *needles)

@@ -22,6 +22,20 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
     assert "lora.rnak" in exc.value.cause and "unknown key" in exc.value.cause
 
 
+def test_an_old_field_name_is_refused_naming_the_new_one(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("lora:\n  rank: 16\n  experts_rank: 4\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert exc.value.cause.endswith("lora.experts_rank was renamed lora.expert_rank")
+    assert exc.value.fix == "write lora.expert_rank: 4 instead"
+    with pytest.raises(ConfigError, match=r"renamed lora\.expert_rank"):
+        parse_config({}, ["lora.experts_rank=4"])
+    lora = parse_config({"lora": {"rank": 16, "expert_rank": 4}}).lora
+    assert (lora.effective_expert_rank, lora.effective_expert_alpha) == (4, 8.0)
+    assert parse_config({"lora": {"rank": 16}}).lora.effective_expert_rank == 16
+
+
 @pytest.mark.parametrize("bad", ["lora.rank=0", "lora.rank=-4", "train.seq_len=0"])
 def test_non_positive_rejected(bad: str) -> None:
     with pytest.raises(ConfigError, match="positive"):

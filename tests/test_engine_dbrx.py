@@ -21,7 +21,7 @@ from torch.func import functional_call
 from moetune.config import LoraArgs
 from moetune.engine.overrides import ENGINE_OVERRIDES, apply_overrides
 from moetune.model import spec_from_config, to_hf_config
-from moetune.model.census import tiny_config
+from moetune.model.census import shrunk_config
 from moetune.model.derive import causal_lm_class
 from moetune.plan.trace import trace_step
 from moetune.recipe.targets import build_peft_config
@@ -32,7 +32,7 @@ EXPERTS, TOP_K, INTERMEDIATE = 4, 2, 48
 
 
 def _spec() -> Any:
-    values = tiny_config("dbrx")
+    values = shrunk_config("dbrx")
     values["ffn_config"]["moe_top_k"] = TOP_K
     return spec_from_config(values, "dbrx")
 

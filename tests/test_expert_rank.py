@@ -120,12 +120,12 @@ def test_layout_scales_experts_by_expert_rank_from_one_cached_build(
     for r, er in ((8, 2), (16, 4), (4, 4), (4, 16)):
         lay = adapter_layout(spec, LoraArgs(rank=r, expert_rank=er, targets=targets))
         assert lay.trainable_params == _formula(spec, r, er, targets)
-        assert (lay.rank, lay.experts_rank) == (r, er)
+        assert (lay.rank, lay.expert_rank) == (r, er)
         ranks = {(a.kind, a.rank) for layer in lay.layers for a in layer}
         assert ranks == {("attention", r), ("dense", r), ("experts", er)}
     assert len(builds) == 1  # every (rank, expert_rank) from one meta build
     halved = lay.at_rank(2)  # no expert rank given: the expert/rank ratio is kept
-    assert (halved.rank, halved.experts_rank) == (2, 8)
+    assert (halved.rank, halved.expert_rank) == (2, 8)
 
 
 def test_qwen3_30b_a3b_rank_16_experts_4() -> None:

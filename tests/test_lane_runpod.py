@@ -432,7 +432,7 @@ def test_from_config_is_registered_and_places_the_workdir_on_the_volume(
     monkeypatch.setenv("MT_TEST_RUNPOD_KEY", KEY)
     runpod = RunpodArgs(api_key_env="MT_TEST_RUNPOD_KEY", api_url=fake.url)
     lane = LaneArgs(provider="runpod", runpod=runpod)
-    provider = PROVIDERS["runpod"].from_config(lane, tmp_path)  # type: ignore[attr-defined]
+    provider = PROVIDERS.get("runpod").from_config(lane, tmp_path)
     assert isinstance(provider, RunpodProvider)
     assert (provider.workdir, provider.known_hosts) == (
         "/workspace/moetune-runs",

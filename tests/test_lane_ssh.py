@@ -376,7 +376,7 @@ def test_relative_workdir_lives_under_home(server: Sshd, tmp_path: Path) -> None
 
 
 def test_registered_and_built_from_config(server: Sshd, tmp_path: Path) -> None:
-    assert PROVIDERS["ssh"] is SshProvider
+    assert PROVIDERS.get("ssh") is SshProvider
     ssh = {"host": "127.0.0.1", "port": server.port, "identity": str(server.identity)}
     lane = LaneArgs(provider="ssh", workdir=str(tmp_path / "runs"), ssh=ssh)  # type: ignore[arg-type]
     built = SshProvider.from_config(lane, tmp_path / "state")

@@ -174,7 +174,7 @@ def test_a_24gb_card_gets_quantised_experts_and_a_lower_expert_rank(qwen30b: Mod
     assert best.peak_bytes / GiB == pytest.approx(19.78, abs=0.02)
     assert best.required_bytes <= get_card("RTX-4090").usable_bytes
     replanned = with_overrides(MOETUNE, best.overrides)
-    assert replanned.lora.experts_rank == 4 and replanned.lora.rank == 16
+    assert replanned.lora.effective_expert_rank == 4 and replanned.lora.rank == 16
     assert analytic(qwen30b, replanned).peak_bytes == best.peak_bytes
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from moetune.config import RunConfig, parse_config
 from moetune.model import spec_from_config
-from moetune.model.census import tiny_config
+from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
 from moetune.plan import make_plan
 from moetune.plan.fit import analytic
@@ -36,7 +36,7 @@ def cfg(seq: int, gc: bool, **train: object) -> RunConfig:
 
 
 def tiny(model_type: str, **over: Any) -> ModelSpec:
-    return spec_from_config({**tiny_config(model_type), **over}, model_type)
+    return spec_from_config({**shrunk_config(model_type), **over}, model_type)
 
 
 @pytest.mark.parametrize(("model_type", "kind", "over"), CALIBRATED)

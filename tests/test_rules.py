@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from moetune.config import RunConfig
+from moetune.lane.providers import site_of
 from moetune.lint.rules import (
     RULES,
     Finding,
@@ -71,6 +72,7 @@ def ctx(model: str | None = QWEN3, **sections: Any) -> LintContext:
     cfg = RunConfig.model_validate({"model": {"id": model or "x/y"}, **sections})
     fields.setdefault("env", {})
     fields.setdefault("versions", QUIET_VERSIONS)
+    fields.setdefault("site", site_of(cfg.lane.provider))  # as `moetune lint` fills it
     return LintContext(config=cfg, spec=spec(model) if model else None, **fields)
 
 
@@ -385,7 +387,7 @@ def test_explicit_small_volume_on_ssh_is_flagged() -> None:
 
 def test_default_watchdog_too_short_for_a_long_run() -> None:
     f = check("WATCHDOG-TOO-SHORT", ctx(lane={"provider": "runpod"}, estimated_train_s=8 * 3600))
-    assert f and f.severity == "error" and "6.0 h (runpod default)" in f.message
+    assert f and f.severity == "error" and "6.0 h (RunPod default)" in f.message
     assert f.fix == "set lane.watchdog_s: 45900"  # (8 h + 0.5 h eval) x 1.5
 
 
@@ -435,9 +437,9 @@ def test_engine_moetune_on_an_undispatched_family_is_an_error() -> None:
 
 def test_checkpointing_a_model_class_that_refuses_it_is_an_error() -> None:
     from moetune.model import spec_from_config
-    from moetune.model.census import tiny_config
+    from moetune.model.census import shrunk_config
 
-    jetmoe = spec_from_config(tiny_config("jetmoe"), "tiny-jetmoe")
+    jetmoe = spec_from_config(shrunk_config("jetmoe"), "tiny-jetmoe")
     on = RunConfig.model_validate({"model": {"id": "x/y"}})
     f = check("GC-UNSUPPORTED", LintContext(config=on, spec=jetmoe, env={}))
     assert f and f.severity == "error" and f.field == "train.gradient_checkpointing"

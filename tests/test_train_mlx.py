@@ -39,7 +39,7 @@ def _config(tmp: Path, **train_over: object) -> object:
 
 @pytest.fixture(scope="module")
 def mlx_run(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("mlx-lane")
+    tmp = tmp_path_factory.mktemp("mlx-stack")
     cfg = _config(tmp)
     return cfg, train(cfg, progress=False), tmp
 
@@ -112,7 +112,7 @@ def test_what_mlx_lm_cannot_train_is_refused_before_a_file_is_written(
     tmp_path: Path, over: dict[str, object], named: str
 ) -> None:
     from moetune.train.errors import TrainError
-    from moetune.train.mlx_lane import train_mlx
+    from moetune.train.mlx_stack import train_mlx
 
     with pytest.raises(TrainError, match=named):
         train_mlx(_config(tmp_path, **over), False, False, (False, False), False)
@@ -135,10 +135,10 @@ def test_prompt_completion_rows_tokenize_as_trl_does(mlx_run) -> None:
     assert CompletionsDataset([bare], tok, "prompt", "completion", True).process(bare)[0] == ids
 
 
-def test_stacks_pick_their_lane() -> None:
+def test_stacks_pick_their_trainer() -> None:
     from moetune.train import trainer
-    from moetune.train.lanes import lane_for
-    from moetune.train.mlx_lane import train_mlx
+    from moetune.train.mlx_stack import train_mlx
+    from moetune.train.stacks import stack_trainer
 
-    assert lane_for("peft", trainer._train) is trainer._train
-    assert lane_for("mlx", trainer._train) is train_mlx
+    assert stack_trainer("peft", trainer._train) is trainer._train
+    assert stack_trainer("mlx", trainer._train) is train_mlx

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from moetune.lane.providers import site_of
 from moetune.plan import walls
+
+RUNPOD_VOLUME_GB = 40  # what a RunPod pod gets without volumeInGb (the provider's trait)
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,15 @@ def test_volume_guess_is_generous_without_a_trainable_count() -> None:
 
 
 def test_volume_exceeds_the_runpod_default_for_the_reference_model() -> None:
-    assert walls.required_volume_gb(Sized(30 * B)) > walls.RUNPOD_DEFAULT_VOLUME_GB
+    assert walls.required_volume_gb(Sized(30 * B)) > RUNPOD_VOLUME_GB
 
 
 def test_volume_small_model_fits_the_default() -> None:
-    assert walls.required_volume_gb(Sized(1 * B)) <= walls.RUNPOD_DEFAULT_VOLUME_GB
+    assert walls.required_volume_gb(Sized(1 * B)) <= RUNPOD_VOLUME_GB
+
+
+def test_the_runpod_default_volume_is_its_trait() -> None:
+    assert site_of("runpod").default_volume_gb == RUNPOD_VOLUME_GB
 
 
 @pytest.mark.parametrize(
@@ -52,7 +59,7 @@ def test_volume_small_model_fits_the_default() -> None:
     [("runpod", None, 40), ("runpod", 120, 120), ("local", None, None), ("ssh", 80, 80)],
 )
 def test_effective_volume(provider: str, volume: int | None, expected: int | None) -> None:
-    assert walls.effective_volume_gb(provider, volume) == expected
+    assert walls.effective_volume_gb(site_of(provider), volume) == expected
 
 
 def test_watchdog_is_work_times_margin() -> None:
@@ -65,7 +72,7 @@ def test_watchdog_is_work_times_margin() -> None:
     [("runpod", None, 6 * 3600), ("runpod", 100, 100), ("local", None, None), ("ssh", None, None)],
 )
 def test_effective_watchdog(provider: str, deadline: int | None, expected: int | None) -> None:
-    assert walls.effective_watchdog_s(provider, deadline) == expected
+    assert walls.effective_watchdog_s(site_of(provider), deadline) == expected
 
 
 def test_step_timeout_leaves_teardown_time() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.markup import escape
@@ -20,6 +20,7 @@ from moetune.cli.common import (
     err_console,
     friendly,
 )
+from moetune.cli.options import checked, opt, option_overrides
 from moetune.errors import ConfigError
 
 
@@ -48,42 +49,29 @@ def plan(
     card: Annotated[
         list[str] | None, typer.Option("--card", help="Card id (repeatable; default: all).")
     ] = None,
-    tuning: Annotated[str | None, typer.Option(help="lora | full | qlora (analytic).")] = None,
-    method: Annotated[str | None, typer.Option(help="Objective: sft | dpo | grpo.")] = None,
-    rank: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
-    seq: Annotated[int | None, typer.Option(help="Sequence length in tokens.")] = None,
-    batch: Annotated[int | None, typer.Option(help="Micro-batch size.")] = None,
-    targets: Annotated[
-        str | None, typer.Option(help="Comma list of attention,experts,dense,shared,router.")
-    ] = None,
-    no_gc: Annotated[bool, typer.Option("--no-gc", help="Gradient checkpointing off.")] = False,
-    mapping: Annotated[
-        str | None, typer.Option(help="explicit (moetune) | automap (vanilla peft names).")
-    ] = None,
-    estimator: Annotated[str, typer.Option(help="trace (reference) | analytic (instant).")] = (
-        "analytic"
-    ),
-    engine: Annotated[
-        str | None, typer.Option(help="Expert LoRA engine: auto | moetune (split LoRA) | peft.")
-    ] = None,
-    experts_dtype: Annotated[
-        str | None, typer.Option(help="Frozen experts: bf16 | int8 | nf4 (moetune engine).")
-    ] = None,
+    tuning: Annotated[str | None, opt("tuning")] = None,
+    method: Annotated[str | None, opt("method")] = None,
+    rank: Annotated[int | None, opt("rank")] = None,
+    seq: Annotated[int | None, opt("seq")] = None,
+    batch: Annotated[int | None, opt("batch")] = None,
+    targets: Annotated[str | None, opt("targets")] = None,
+    no_gc: Annotated[bool, opt("no_gc")] = False,
+    mapping: Annotated[str | None, opt("mapping")] = None,
+    estimator: Annotated[
+        Literal["trace", "analytic"],
+        typer.Option(help="trace (reference) | analytic (instant)."),
+    ] = "analytic",
+    engine: Annotated[str | None, opt("engine")] = None,
+    experts_dtype: Annotated[str | None, opt("experts_dtype")] = None,
     gpus: Annotated[
-        int | None, typer.Option(help="Plan each of N data-parallel GPUs (per-device peak).")
+        int | None, opt("gpus", "Plan each of N data-parallel GPUs (per device).", like=True)
     ] = None,
     strategy: Annotated[
-        str | None, typer.Option(help="With --gpus: ddp | fsdp (FSDP2) | zero3 (DeepSpeed).")
+        str | None, opt("strategy", "With --gpus (default fsdp).", like=True)
     ] = None,
-    nodes: Annotated[
-        int | None, typer.Option(help="Nodes of --gpus GPUs each (default: train.nnodes).")
-    ] = None,
-    offload: Annotated[
-        str | None, typer.Option(help="Plan frozen experts streamed from: cpu | disk (none: off).")
-    ] = None,
-    host_ram: Annotated[
-        float | None, typer.Option(help="Host RAM per node in GB (hardware.host_ram_gb).")
-    ] = None,
+    nodes: Annotated[int | None, opt("nodes", "Nodes of --gpus GPUs each.", like=True)] = None,
+    offload: Annotated[str | None, opt("offload", "Plan frozen experts streamed from.")] = None,
+    host_ram: Annotated[float | None, opt("host_ram")] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -95,29 +83,23 @@ def plan(
         print_plan_notes,
         print_recommendations,
     )
-    from moetune.lint.preflight import lint_context, option_overrides, resolve_run
+    from moetune.lane.providers import site_of
+    from moetune.lint.preflight import lint_context, resolve_run
     from moetune.lint.rules import lint
     from moetune.model import load_spec
     from moetune.plan import make_plan
 
     opts = option_overrides(
-        tuning=tuning,
-        method=method,
-        rank=rank,
-        seq=seq,
-        batch=batch,
-        targets=targets,
-        mapping=mapping,
-        gc=False if no_gc else None,
-        engine=engine,
-        experts_dtype=experts_dtype,
-    )
-    opts += [f"train.offload={offload}"] if offload else []
-    opts += [f"hardware.host_ram_gb={host_ram}"] if host_ram is not None else []
+        tuning=tuning, method=method, rank=rank, seq=seq, batch=batch, targets=targets,
+        no_gc=no_gc, mapping=mapping, engine=engine, experts_dtype=experts_dtype,
+        offload=offload, host_ram=host_ram,
+    )  # fmt: skip
+    gpus, strategy = checked("gpus", gpus), checked("strategy", strategy)
+    nodes = checked("nodes", nodes)
     cfg = resolve_run(target, [*(overrides or []), *opts])
     spec = load_spec(cfg.model.id)
-    result = make_plan(spec, cfg, cards=card, estimator=estimator)  # type: ignore[arg-type]
-    findings = lint(lint_context(cfg, spec, result))
+    result = make_plan(spec, cfg, cards=card, estimator=estimator)
+    findings = lint(lint_context(cfg, spec, result, site_of(cfg.lane.provider)))
     devices = _devices(spec, cfg, list(result.fits), gpus, strategy, nodes)
     offloads = _offloads(spec, cfg, list(result.fits))
     if as_json:
@@ -179,9 +161,11 @@ def lint_cmd(
 ) -> None:
     """Every known trap in a run config, with what happens and the fix. Exit 1 on errors."""
     from moetune.cli.render import print_findings
+    from moetune.lane.providers import site_of
     from moetune.lint.preflight import lint_run, resolve_run
 
-    findings, _ = lint_run(resolve_run(target, overrides))
+    cfg = resolve_run(target, overrides)
+    findings, _ = lint_run(cfg, site=site_of(cfg.lane.provider))
     if as_json:
         emit_json({"findings": [f.to_json() for f in findings]})
     else:
@@ -194,16 +178,14 @@ def lint_cmd(
 @friendly
 def recipe(
     model: Annotated[str, typer.Argument(help="Model (dir, catalog id, hub id) or a run.yaml.")],
-    stack: Annotated[str | None, typer.Option(help="peft | mlx.")] = None,
-    rank: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
-    targets: Annotated[
-        str | None, typer.Option(help="Comma list of attention,experts,dense,shared,router.")
-    ] = None,
+    stack: Annotated[str | None, opt("stack")] = None,
+    rank: Annotated[int | None, opt("rank")] = None,
+    targets: Annotated[str | None, opt("targets")] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The exact LoRA configuration that reaches the experts, audited on a built model."""
-    from moetune.lint.preflight import option_overrides, resolve_run
+    from moetune.lint.preflight import resolve_run
     from moetune.model import load_spec
     from moetune.recipe import recipe_for, render_recipe
 
@@ -240,32 +222,19 @@ def train_cmd(
             help="Like --overwrite, and also replace an adapter the gate promoted.",
         ),
     ] = False,
-    engine: Annotated[
-        str | None, typer.Option(help="Expert LoRA engine: auto | moetune (split LoRA) | peft.")
-    ] = None,
-    nproc: Annotated[
-        int | None, typer.Option(help="Processes (one per GPU), launched through accelerate.")
-    ] = None,
-    strategy: Annotated[
-        str | None, typer.Option(help="With --nproc: ddp | fsdp (FSDP2) | zero3 (DeepSpeed).")
-    ] = None,
-    nnodes: Annotated[
-        int | None, typer.Option(help="Nodes of a multi-node run (--nproc ranks on each).")
-    ] = None,
-    node_rank: Annotated[
-        int | None, typer.Option(help="This node's rank, 0 … nnodes-1 (0 writes the run).")
-    ] = None,
-    master_addr: Annotated[
-        str | None, typer.Option(help="Node 0's address, the same on every node.")
-    ] = None,
-    master_port: Annotated[
-        int | None, typer.Option(help="The port node 0 listens on (default 29500).")
-    ] = None,
+    engine: Annotated[str | None, opt("engine")] = None,
+    nproc: Annotated[int | None, opt("nproc")] = None,
+    strategy: Annotated[str | None, opt("strategy", "With --nproc: how they split the work.")] = (
+        None
+    ),
+    nnodes: Annotated[int | None, opt("nnodes")] = None,
+    node_rank: Annotated[int | None, opt("node_rank")] = None,
+    master_addr: Annotated[str | None, opt("master_addr")] = None,
+    master_port: Annotated[int | None, opt("master_port")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     from moetune.config import load_config
-    from moetune.lint.preflight import option_overrides
 
     launch = {"nproc": nproc, "strategy": strategy, "nnodes": nnodes, "node_rank": node_rank}
     launch |= {"master_addr": master_addr, "master_port": master_port}
@@ -360,10 +329,8 @@ def schema(as_json: JsonOpt = False) -> None:
 def quickstart(
     out: Annotated[Path | None, typer.Option(help="Output dir (default: runs/qs-<time>).")] = None,
     steps: Annotated[int | None, typer.Option(help="Fine-tune optimizer steps.")] = None,
-    method: Annotated[str, typer.Option(help="train.method: sft | dpo | grpo.")] = "sft",
-    stack: Annotated[str, typer.Option(help="Training stack: peft (TRL) | mlx (mlx-lm).")] = (
-        "peft"
-    ),
+    method: Annotated[str, opt("method")] = "sft",
+    stack: Annotated[str, opt("stack")] = "peft",
     as_json: JsonOpt = False,
 ) -> None:
     """The whole local pipeline on the embedded tiny MoE: train, eval, gate, promote, report."""
@@ -372,8 +339,7 @@ def quickstart(
 
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps {steps} is not a positive number", "pass --steps N >= 1")
-    if stack not in ("peft", "mlx"):
-        raise ConfigError(f"--stack {stack} is not a training stack", "pass --stack peft or mlx")
+    method, stack = checked("method", method), checked("stack", stack)
     given = {"out_dir": out, "steps": steps}
     args = demo_args(method, stack=stack, **{k: v for k, v in given.items() if v is not None})
     summary = run_quickstart(args, progress=not as_json)
@@ -408,7 +374,7 @@ def eval_cmd(
         typer.Option("--overwrite", help="Replace moetune's earlier results in the results dir."),
     ] = False,
     provider: Annotated[
-        str, typer.Option(help="local: this machine (remote evals run inside `moetune launch`).")
+        str, opt("provider", "Only one that runs here (remote evals run in `moetune launch`).")
     ] = "local",
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
@@ -416,10 +382,11 @@ def eval_cmd(
     """Score base and candidate on the same items of every rung, then gate."""
     from moetune.config import load_config
     from moetune.evaluate import run_eval
+    from moetune.lane.providers import provider_class
 
-    if provider != "local":
+    if provider_class(checked("provider", provider)).remote:
         raise ConfigError(
-            f"eval runs here (--provider local), not on {provider!r}",
+            f"eval runs here, not on {provider!r} (its pods are remote)",
             "to evaluate on a pod, `moetune launch run.yaml --provider …` runs eval there",
         )
     cfg = load_config(config, overrides)

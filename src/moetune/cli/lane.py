@@ -11,16 +11,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, err_console, friendly
+from moetune.cli.options import checked, opt, option_overrides
 
-ProviderOpt = Annotated[
-    str | None, typer.Option("--provider", help="local | ssh | runpod (default: lane.provider).")
-]
+ProviderOpt = Annotated[str | None, opt("provider", "Where to run (default: lane.provider).")]
 
 
 def _config(config: Path, provider: str | None, overrides: list[str] | None) -> Any:
     from moetune.config import load_config
 
-    extra = [f"lane.provider={provider}"] if provider else []
+    extra = option_overrides(provider=provider)
     return load_config(config, [*(overrides or []), *extra])
 
 
@@ -113,7 +112,7 @@ def _pods_context(config: Path | None, provider: str | None) -> tuple[Any, Any]:
 
     cfg = _config(config, provider, None) if config else RunConfig()
     if provider and not config:
-        cfg.lane.provider = provider  # type: ignore[assignment]
+        cfg.lane.provider = checked("provider", provider)
     state_dir = Path(cfg.output.ledger).parent / "lane" / "_pods"
     return make_provider(cfg, state_dir), Ledger(cfg.output.ledger)
 

@@ -21,6 +21,7 @@ def _rule(ok: Callable[[Any], bool], rule: str) -> AfterValidator:
             raise ValueError(rule)
         return v
 
+    check.__doc__ = rule  # read back where a field says what it accepts (CLI help)
     return AfterValidator(check)
 
 

@@ -34,11 +34,18 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
         ) from None
 
 
+# Fields that were renamed: an old name is refused with the new one, never read silently.
+RENAMED = {"lora.experts_rank": "lora.expert_rank"}
+
+
 def _describe(err: ValidationError) -> tuple[str, str]:
     """(`field: what a valid value is (got what was given)`, the fix) for the first error."""
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
     schema = "`moetune schema` lists every field and its meaning"
+    if first["type"] == "extra_forbidden" and where in RENAMED:
+        new = RENAMED[where]
+        return f"{where} was renamed {new}", f"write {new}: {first.get('input')} instead"
     if first["type"] == "extra_forbidden":
         return f"unknown key {where!r} in run config", f"check the spelling; {schema}"
     msg = first["msg"].removeprefix("Value error, ")

@@ -128,14 +128,15 @@ class LoraArgs(_Section):
         return self.alpha if self.alpha is not None else 2.0 * self.rank
 
     @property
-    def experts_rank(self) -> int:
-        """The rank expert stacks get (expert_rank, else rank)."""
+    def effective_expert_rank(self) -> int:
+        """The rank expert stacks get: expert_rank, else rank (as effective_alpha is for
+        alpha; the one field is `expert_rank`)."""
         return self.expert_rank if self.expert_rank is not None else self.rank
 
     @property
-    def experts_alpha(self) -> float:
+    def effective_expert_alpha(self) -> float:
         """Expert-stack alpha: the same alpha/r scale as the rest of the adapter."""
-        return self.effective_alpha * self.experts_rank / self.rank
+        return self.effective_alpha * self.effective_expert_rank / self.rank
 
 
 TUNING_KINDS = ("lora", "full", "qlora")

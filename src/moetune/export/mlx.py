@@ -3,7 +3,7 @@
 - `peft_to_mlx`: a peft adapter as an mlx-lm adapter dir (adapters.safetensors +
   adapter_config.json, LoRASwitchLinear layout; layouts in moetune.train.mlx_format).
 - `mlx_to_peft`, `hf_to_mlx` (re-exported): an mlx-lm adapter as a peft adapter; a
-  transformers base as an mlx-lm model dir (the mlx lane uses both, so they live in train/).
+  transformers base as an mlx-lm model dir (the mlx stack uses both, so they live in train/).
 - `fused_to_hf`: an `mlx_lm.fuse` output (stacked `switch_mlp.*` experts, which transformers
   5 loads without error but with random experts: MLX-FUSED-KEYS) rebuilt as transformers'
   own model and saved by transformers, so it loads exactly.

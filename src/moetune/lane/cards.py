@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetune.config import RunConfig
+from moetune.lane.providers import provider_class
 from moetune.lane.providers.base import LaneError
 
 MIN_HEADROOM = 0.08  # of the card's usable memory; ~6 GiB on an 80 GB card
@@ -73,7 +74,7 @@ def choose_card(
     ids = getattr(wide, "id", None), getattr(thin, "id", None)
     if cfg.hardware.card:
         return CardChoice(get_card(cfg.hardware.card), *ids, accept_thin_margin, "hardware.card")
-    if cfg.lane.provider == "local" or plan is None:
+    if not provider_class(cfg.lane.provider).remote or plan is None:
         return CardChoice(None, *ids, accept_thin_margin, "this machine")
     if accept_thin_margin and thin is not None:
         return CardChoice(thin, *ids, True, "cheapest that fits (--accept-thin-margin)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import secrets
 import time
@@ -13,7 +12,8 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.lane.cards import CardChoice, choose_card
 from moetune.lane.phases import PHASES, Lane, Walls
-from moetune.lane.providers.base import PROVIDERS, LaneError, PodSpec, Provider
+from moetune.lane.providers import provider_class
+from moetune.lane.providers.base import LaneError, PodSpec, Provider
 from moetune.lane.state import LaneState
 from moetune.ledger import public_env
 from moetune.plan import walls as W
@@ -22,12 +22,7 @@ from moetune.plan.estimate import Estimate, estimate, launch_signature, measured
 
 def make_provider(cfg: RunConfig, state_dir: Path) -> Provider:
     """The configured provider (its module is imported only when it is used)."""
-    name = cfg.lane.provider
-    importlib.import_module(f"moetune.lane.providers.{name}")
-    cls: Any = PROVIDERS[name]
-    if name == "local":
-        return cls(Path(cfg.output.ledger).parent / "pods")
-    return cls.from_config(cfg.lane, state_dir)
+    return provider_class(cfg.lane.provider).from_run(cfg, state_dir)
 
 
 @dataclass
@@ -123,7 +118,8 @@ def launch_plan(
     measured = measured_cards(cfg.output.ledger, launch_signature(spec, cfg))
     choice = choose_card(cfg, plan, measured, accept_thin_margin)
     card = choice.card
-    est = estimate(spec, cfg, card, cfg.output.ledger)  # a rate measured earlier wins
+    setup_s = provider_class(cfg.lane.provider).setup_s
+    est = estimate(spec, cfg, card, cfg.output.ledger, setup_s)  # a measured rate wins
     walls, why = size_walls(cfg, spec, plan, est)
     run_id = run_id or f"{Path(cfg.output.dir).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     pod = PodSpec(

@@ -331,7 +331,7 @@ def guard(lane: Lane) -> None:
     lane.provider.exec_background(
         lane.pod, deadman_script(lane.walls.watchdog_s, kill), "deadman.log"
     )
-    if lane.spec.card and lane.state.provider != "local":
+    if lane.spec.card and lane.provider.remote:
         lane_args = lane.cfg.lane
         idle = idle_watchdog_script(lane_args.idle_gpu_percent, lane_args.idle_minutes, kill)
         lane.provider.exec_background(lane.pod, idle, "idlewatch.log")

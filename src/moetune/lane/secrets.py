@@ -1,14 +1,14 @@
 """The secrets a launch carries – `lane.env` entries such as HF_TOKEN or WANDB_API_KEY, and
-the RunPod API key – and the one rule for them: they reach the pod only through its process
-environment (the provider's env at create, or at each exec), never through a file, a staged
-config, a ledger row, a printed plan or an error message. What is shown or stored carries
+the provider's credentials such as the RunPod API key – and the one rule for them: they
+reach the pod only through its process environment (the provider's env at create, or at
+each exec), never through a file, a staged config, a ledger row, a printed plan or an error
+message. What is shown or stored carries
 `***` in their place (the ledger's own redaction, told these values too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import suppress
 
 from moetune.config import RunConfig
 from moetune.errors import MoetuneError
@@ -20,21 +20,14 @@ def plain_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not is_secret(k, v)}
 
 
-def runpod_key(cfg: RunConfig) -> str | None:
-    """The RunPod API key this machine would use (env var or config file), if any."""
-    from moetune.lane.providers.runpod import api_key
-
-    with suppress(MoetuneError):
-        return api_key(cfg.lane.runpod)
-    return None
-
-
 def launch_secrets(cfg: RunConfig) -> list[str]:
-    """Every secret value a launch of `cfg` may meet: lane.env's, the RunPod key, and the
-    secret-named variables of this process's environment."""
+    """Every secret value a launch of `cfg` may meet: lane.env's, the provider's credentials
+    (e.g. the RunPod API key), and the secret-named variables of this process's environment."""
+    from moetune.lane.providers import provider_class
+
     env = [v for k, v in cfg.lane.env.items() if is_secret(k, v)]
-    key = runpod_key(cfg)
-    return [*env, *([key] if key else []), *env_secrets()]
+    keys = provider_class(cfg.lane.provider).secret_values(cfg.lane)
+    return [*env, *keys, *env_secrets()]
 
 
 def scrub(text: str, secrets: list[str]) -> str:

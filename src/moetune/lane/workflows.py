@@ -84,20 +84,23 @@ def _check_inputs(cfg: RunConfig, config_path: str, overrides: Sequence[str]) ->
                 f"config path or override {text!r} has a newline or a `${{{{` expression",
                 "rename the file / write the override without them",
             )
-    name = cfg.lane.runpod.api_key_env
-    if cfg.lane.provider == "runpod" and not _SECRET_NAME.fullmatch(name):
-        raise ConfigError(
-            f"lane.runpod.api_key_env {name!r} cannot be a GitHub secret name",
-            "use letters, digits and underscores, e.g. RUNPOD_API_KEY",
-        )
+    for name, where in _secret_names(cfg).items():
+        if not _SECRET_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{where} {name!r} cannot be a GitHub secret name",
+                "use letters, digits and underscores, e.g. RUNPOD_API_KEY",
+            )
+
+
+def _secret_names(cfg: RunConfig) -> dict[str, str]:
+    from moetune.lane.providers import provider_class
+
+    return provider_class(cfg.lane.provider).secret_names(cfg.lane)
 
 
 def _secret_env(cfg: RunConfig) -> dict[str, str]:
     """Secrets by reference only: the key text is never in the workflow."""
-    if cfg.lane.provider != "runpod":
-        return {}
-    name = cfg.lane.runpod.api_key_env
-    return {name: f"${{{{ secrets.{name} }}}}"}
+    return {name: f"${{{{ secrets.{name} }}}}" for name in _secret_names(cfg)}
 
 
 def _artifact_paths(cfg: RunConfig) -> str:

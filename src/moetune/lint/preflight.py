@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import RunConfig, load_config, parse_config
+from moetune.plan.walls import Site
 
 RUN_SUFFIXES = (".yaml", ".yml")
 
@@ -49,43 +50,13 @@ def _ledger_problem(path: Path) -> str | None:
     return None
 
 
-def option_overrides(**options: Any) -> list[str]:
-    """CLI options as `--set` assignments; None means "not given" so YAML/defaults win."""
-    paths = {
-        "tuning": "train.tuning",
-        "method": "train.method",
-        "rank": "lora.rank",
-        "seq": "train.seq_len",
-        "batch": "train.batch_size",
-        "gc": "train.gradient_checkpointing",
-        "mapping": "lora.expert_mapping",
-        "stack": "lora.stack",
-        "card": "hardware.card",
-        "engine": "lora.engine",
-        "experts_dtype": "model.experts_dtype",
-        "nproc": "train.nproc",
-        "strategy": "train.strategy",
-        "nnodes": "train.nnodes",
-        "node_rank": "train.node_rank",
-        "master_addr": "train.master_addr",
-        "master_port": "train.master_port",
-    }
-    out = []
-    for name, value in options.items():
-        if value is None:
-            continue
-        if name == "targets":
-            out.append(f"lora.targets=[{value}]")
-        else:
-            out.append(f"{paths[name]}={str(value).lower() if isinstance(value, bool) else value}")
-    return out
-
-
-def lint_context(cfg: RunConfig, spec: Any, plan: Any = None) -> Any:
-    """The rules' view of a run: config, spec and – when planned – the peak on the named card."""
+def lint_context(cfg: RunConfig, spec: Any, plan: Any = None, site: Site | None = None) -> Any:
+    """The rules' view of a run: config, spec and – when planned – the peak on the named card.
+    `site` (where the run goes) comes from the caller above that knows the providers; by
+    default the run is here."""
     from moetune.lint.rules import LintContext
 
-    ctx = LintContext(config=cfg, spec=spec)
+    ctx = LintContext(config=cfg, spec=spec, site=site or Site())
     if plan is not None:
         ctx.peak_bytes = plan.required_bytes
         ctx.trainable_params = plan.trainable_params
@@ -103,15 +74,17 @@ def lint_context(cfg: RunConfig, spec: Any, plan: Any = None) -> Any:
     return ctx
 
 
-def lint_run(cfg: RunConfig, estimator: str = "analytic") -> tuple[list[Any], Any]:
+def lint_run(
+    cfg: RunConfig, estimator: str = "analytic", site: Site | None = None
+) -> tuple[list[Any], Any]:
     """Run every rule on `cfg` with its spec and its plan (on `hardware.card` when named)."""
     from moetune.lint.rules import lint
     from moetune.model import load_spec
     from moetune.plan import make_plan
 
     if cfg.model.is_gguf:
-        return lint(lint_context(cfg, None)), None
+        return lint(lint_context(cfg, None, site=site)), None
     spec = load_spec(cfg.model.id)
     cards = [cfg.hardware.card] if cfg.hardware.card else None
     plan = make_plan(spec, cfg, cards=cards, estimator=estimator)  # type: ignore[arg-type]
-    return lint(lint_context(cfg, spec, plan)), plan
+    return lint(lint_context(cfg, spec, plan, site)), plan

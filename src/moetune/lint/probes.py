@@ -362,11 +362,11 @@ def experts_not_dispatched() -> ProbeOutcome:
 def gradient_checkpointing_unsupported() -> ProbeOutcome:
     """Some causal-LM classes (jetmoe on transformers 5.24) refuse activation checkpointing:
     `gradient_checkpointing_enable()` raises at the trainer's setup, after the model loaded."""
-    from moetune.model.census import tiny_config
+    from moetune.model.census import shrunk_config
     from moetune.model.counting import hf_config_object
     from moetune.model.derive import build_language_model
 
-    model = build_language_model(hf_config_object("jetmoe", tiny_config("jetmoe")), "jetmoe")
+    model = build_language_model(hf_config_object("jetmoe", shrunk_config("jetmoe")), "jetmoe")
     try:
         model.gradient_checkpointing_enable()
     except ValueError as exc:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from moetune.config import RunConfig
 from moetune.model.families import Family, ModulePaths
 from moetune.model.spec import ModelSpec
+from moetune.plan.walls import Site
 
 Severity = Literal["error", "warn", "info"]
 SEVERITY_ORDER: dict[str, int] = {"error": 0, "warn": 1, "info": 2}
@@ -107,6 +108,7 @@ class LintContext:
     card_usable_bytes: int | None = None
     estimated_train_s: float | None = None
     trainable_params: int | None = None  # from the recipe, when counted
+    site: Site = field(default_factory=Site)  # where it runs: the lane fills it from a provider
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     versions: Mapping[str, str] = field(default_factory=installed_versions)
 

@@ -11,7 +11,7 @@ from moetune.units import gib
 
 
 def _remote(ctx: LintContext) -> bool:
-    return ctx.config.lane.provider != "local"
+    return ctx.site.remote
 
 
 def _downloaded(model_id: str) -> bool:
@@ -87,13 +87,13 @@ def xet_enabled(ctx: LintContext) -> Hit | None:
 )
 def volume_too_small(ctx: LintContext) -> Hit | None:
     lane, spec = ctx.config.lane, ctx.spec
-    volume = walls.effective_volume_gb(lane.provider, lane.volume_gb)
+    volume = walls.effective_volume_gb(ctx.site, lane.volume_gb)
     if spec is None or volume is None:
         return None
     required = walls.required_volume_gb(spec, ctx.trainable_params)
     if volume >= required:
         return None
-    default = " (RunPod default)" if lane.volume_gb is None else ""
+    default = f" ({ctx.site.title} default)" if lane.volume_gb is None else ""
     return Hit(
         f"pod volume {volume} GB{default} < {required} GB needed for the "
         f"{_gb(walls.snapshot_bytes(spec))} bf16 snapshot, checkpoints and adapter: the "
@@ -111,13 +111,13 @@ def volume_too_small(ctx: LintContext) -> Hit | None:
 )
 def watchdog_too_short(ctx: LintContext) -> Hit | None:
     lane = ctx.config.lane
-    deadline = walls.effective_watchdog_s(lane.provider, lane.watchdog_s)
+    deadline = walls.effective_watchdog_s(ctx.site, lane.watchdog_s)
     if not _remote(ctx) or deadline is None or ctx.estimated_train_s is None:
         return None
     required = walls.required_watchdog_s(ctx.estimated_train_s, lane.estimated_eval_s)
     if deadline >= required:
         return None
-    default = " (runpod default)" if lane.watchdog_s is None else ""
+    default = f" ({ctx.site.title} default)" if lane.watchdog_s is None else ""
     return Hit(
         f"the in-pod watchdog fires at {_hours(deadline)}{default}, but (train "
         f"{_hours(ctx.estimated_train_s)} + eval {_hours(lane.estimated_eval_s)}) × "

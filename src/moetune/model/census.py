@@ -111,8 +111,9 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def tiny_config(model_type: str) -> dict[str, Any]:
-    """A tiny config.json dict for `model_type` (multimodal: its text_config shrunk)."""
+def shrunk_config(model_type: str) -> dict[str, Any]:
+    """A tiny config.json dict for any `model_type`: transformers' defaults shrunk
+    (multimodal: its text_config too). model.tiny.tiny_config holds the hand-written ones."""
     from transformers import CONFIG_MAPPING
 
     from moetune.model.counting import quiet_transformers
@@ -219,7 +220,7 @@ def _status(model_type: str) -> str:
     from moetune.model.derive import derive
 
     try:
-        derived = derive(tiny_config(model_type), model_type)
+        derived = derive(shrunk_config(model_type), model_type)
     except MoetuneError as exc:
         return exc.cause
     except Exception as exc:  # a config class that cannot even be instantiated by default

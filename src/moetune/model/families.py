@@ -125,13 +125,13 @@ def register(*overrides: Override) -> None:
 def get_family(model_type: str) -> Family:
     """The family of `model_type`: a tiny build of it, with its override where one is
     registered (transformers must know the type)."""
-    from moetune.model.census import tiny_config
+    from moetune.model.census import shrunk_config
     from moetune.model.derive import derive_cached
 
     over = OVERRIDES.get(model_type)
     if over is None:  # nothing known of mlx-lm, and peft's automap left unclaimed
         over = Override(model_type, mlx_supported=False, peft_automap=False)
-    tiny = derive_cached(tiny_config(model_type), model_type)
+    tiny = derive_cached(shrunk_config(model_type), model_type)
     known = {f.name: getattr(over, f.name) for f in fields(Override)}
     return Family(
         **known,

@@ -21,7 +21,6 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.ledger import Ledger, select
 
-SETUP_S = 600  # pod start, image pull, pip install, staging: paid time before the first step
 # Without a tokenizer: bytes of text per token of the BPE vocabularies MoE families ship
 # (Qwen, DeepSeek, Mixtral, gpt-oss, OLMoE: ~3.5-4 on English). Low end, so counts err high.
 BYTES_PER_TOKEN = 3.6
@@ -222,10 +221,15 @@ class Estimate:
 
 
 def estimate(
-    spec: Any, cfg: RunConfig, card: Any | None, ledger: Path | str | None = None
+    spec: Any,
+    cfg: RunConfig,
+    card: Any | None,
+    ledger: Path | str | None = None,
+    setup_s: float = 0.0,
 ) -> Estimate:
     """Time and cost of the run on `card` (a plan.hardware.Card, or None): from a rate the
-    `ledger` measured for this step on this card when it holds one, else from FLOPs."""
+    `ledger` measured for this step on this card when it holds one, else from FLOPs.
+    `setup_s` is the paid time before the first step (the provider's, from the lane)."""
     measured = None
     if ledger is not None and card is not None:
         measured = measured_rate(ledger, launch_signature(spec, cfg), card.id)
@@ -237,7 +241,7 @@ def estimate(
         training_tokens=None if tokens is None else tokens.count,
         estimated_train_s=estimate_train_s(spec, cfg, tflops),
         estimated_eval_s=float(cfg.lane.estimated_eval_s),
-        setup_s=float(SETUP_S if cfg.lane.provider != "local" else 0),
+        setup_s=setup_s,
         rate_basis=mfu_basis(card),
         tokens_basis="" if tokens is None else tokens.basis,
     )

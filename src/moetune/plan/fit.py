@@ -158,7 +158,8 @@ def _layout(spec: ModelSpec, cfg: RunConfig) -> AdapterLayout | None:
         return None
     lora = cfg.lora
     kinds = frozenset(lora.targets) | ({"router"} if lora.train_router else frozenset())
-    key = (id(spec), kinds, lora.expert_mapping, lora.train_router, lora.rank, lora.experts_rank)
+    ranks = (lora.rank, lora.effective_expert_rank)
+    key = (id(spec), kinds, lora.expert_mapping, lora.train_router, *ranks)
     hit = _SHAPED.get(key)
     if hit is not None and hit[0] is spec:  # the search re-plans the same shapes many times
         return hit[1]

@@ -52,11 +52,11 @@ class Adapter:
 
 @dataclass(frozen=True)
 class AdapterLayout:
-    """Adapters per decoder layer: expert stacks at `experts_rank`, the rest at `rank`
-    (the config's r; automap's doubled gate_up is 2 × experts_rank)."""
+    """Adapters per decoder layer: expert stacks at `expert_rank`, the rest at `rank`
+    (the config's r; automap's doubled gate_up is 2 × expert_rank)."""
 
     rank: int
-    experts_rank: int
+    expert_rank: int
     layers: tuple[tuple[Adapter, ...], ...]
     extra_trainable: int = 0  # trainable parameters outside the decoder layers
     source: str = "peft"  # "peft": exact meta build; "formula": derived from the spec
@@ -71,25 +71,25 @@ class AdapterLayout:
         layers = tuple(tuple(a for a in layer if a.kind in keep) for layer in self.layers)
         return replace(self, layers=layers)
 
-    def at_rank(self, rank: int, experts_rank: int | None = None) -> AdapterLayout:
-        """The same targets at `rank`, expert stacks at `experts_rank` (default: their ratio
+    def at_rank(self, rank: int, expert_rank: int | None = None) -> AdapterLayout:
+        """The same targets at `rank`, expert stacks at `expert_rank` (default: their ratio
         to rank kept); every LoRA size is proportional to its r."""
-        if experts_rank is None:
-            experts_rank = max(1, self.experts_rank * rank // self.rank)
-        if (rank, experts_rank) == (self.rank, self.experts_rank):
+        if expert_rank is None:
+            expert_rank = max(1, self.expert_rank * rank // self.rank)
+        if (rank, expert_rank) == (self.rank, self.expert_rank):
             return self
 
         def scale(a: Adapter) -> Adapter:
             if is_expert_stack(a):
-                return _scaled(a, experts_rank, self.experts_rank)
+                return _scaled(a, expert_rank, self.expert_rank)
             return _scaled(a, rank, self.rank)
 
         layers = tuple(tuple(scale(a) for a in layer) for layer in self.layers)
-        return replace(self, rank=rank, experts_rank=experts_rank, layers=layers)
+        return replace(self, rank=rank, expert_rank=expert_rank, layers=layers)
 
 
 def is_expert_stack(a: Adapter) -> bool:
-    """A fused expert stack's ParamWrapper: it takes lora.experts_rank."""
+    """A fused expert stack's ParamWrapper: it takes lora.effective_expert_rank."""
     return a.via == "param" and a.kind == "experts"
 
 
@@ -110,7 +110,7 @@ def adapter_layout(spec: ModelSpec, lora: LoraArgs) -> AdapterLayout:
         base = _peft_layout_cached(key, spec, reference)
     except ImportError:
         return formula_layout(spec, lora)
-    return base.at_rank(lora.rank, lora.experts_rank)
+    return base.at_rank(lora.rank, lora.effective_expert_rank)
 
 
 def _key(spec: ModelSpec, lora: LoraArgs) -> str:
@@ -147,7 +147,7 @@ def peft_layout(spec: ModelSpec, lora: LoraArgs) -> AdapterLayout:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     inside = sum(a.lora_numel for layer in layers for a in layer)
     per_layer = tuple(tuple(x) for x in layers)
-    return AdapterLayout(lora.rank, lora.experts_rank, per_layer, trainable - inside)
+    return AdapterLayout(lora.rank, lora.effective_expert_rank, per_layer, trainable - inside)
 
 
 def _adapter(name: str, module: nn.Module, paths: ModulePaths) -> tuple[int, Adapter] | None:
@@ -199,13 +199,13 @@ def formula_layout(spec: ModelSpec, lora: LoraArgs) -> AdapterLayout:
         if "attention" in targets:
             adapters += _attention(spec, r)
         if i in moe and "experts" in targets:
-            adapters += _experts(spec, lora.experts_rank)
+            adapters += _experts(spec, lora.effective_expert_rank)
         if i in moe and "shared" in targets and spec.shared_intermediate_size:
             adapters += _glu("shared", spec.hidden_size, spec.shared_intermediate_size, r)
         if i not in moe and "dense" in targets and spec.dense_intermediate_size:
             adapters += _glu("dense", spec.hidden_size, spec.dense_intermediate_size, r)
         layers.append(tuple(adapters))
-    return AdapterLayout(r, lora.experts_rank, tuple(layers), source="formula")
+    return AdapterLayout(r, lora.effective_expert_rank, tuple(layers), source="formula")
 
 
 def _linear(kind: str, name: str, fan_in: int, fan_out: int, r: int) -> Adapter:

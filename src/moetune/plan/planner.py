@@ -136,7 +136,7 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
         "tuning": cfg.train.tuning,
         "method": cfg.train.method,
         "rank": cfg.lora.rank,
-        "expert_rank": cfg.lora.experts_rank,
+        "expert_rank": cfg.lora.effective_expert_rank,
         "engine": cfg.lora.engine,  # as set; `notes` say when it resolves to moetune
         "targets": list(cfg.lora.targets),
         "expert_mapping": cfg.lora.expert_mapping,

@@ -158,7 +158,7 @@ def _rank_and_seq_steps(
     cfg: RunConfig, spec: ModelSpec, names: set[str]
 ) -> Iterator[tuple[int, int, int]]:
     """(whole-rank, expert-rank, sequence) halvings within their floors."""
-    expert_rank = cfg.lora.experts_rank
+    expert_rank = cfg.lora.effective_expert_rank
     stacks = spec.is_moe and "experts" in cfg.lora.targets
     explicit = cfg.lora.expert_mapping == "explicit" or "explicit" in names
     for r in _halvings(cfg.lora.rank, MIN_RANK):
@@ -276,7 +276,7 @@ def _with_ranks(cfg: RunConfig, e: int, r: int, c: RunConfig) -> _Step | None:
         sets.append(f"lora.rank={cfg.lora.rank >> r}")
         c = with_lora(c, rank=cfg.lora.rank >> r)
     if e or (r and cfg.lora.expert_rank is not None):
-        old, rank = cfg.lora.experts_rank, cfg.lora.experts_rank >> (e + r)
+        old, rank = cfg.lora.effective_expert_rank, cfg.lora.effective_expert_rank >> (e + r)
         keeps = "keeps" if c.lora.rank == cfg.lora.rank else "gets"
         words.append(f"expert rank {old} → {rank} (attention {keeps} rank {c.lora.rank})")
         sets.append(f"lora.expert_rank={rank}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 GB = 1000**3  # disk and pod volumes are sold in decimal GB
@@ -22,7 +23,6 @@ XET_RISK_BYTES = 10 * GB
 XET_ENV = "HF_HUB_DISABLE_XET"
 
 # -- wall 2: pod volume -------------------------------------------------------------------
-RUNPOD_DEFAULT_VOLUME_GB = 40  # what a RunPod pod gets when volumeInGb is not set
 VOLUME_HEADROOM_FRACTION = 0.25  # hub cache temp files, partial downloads, eval outputs
 VOLUME_FIXED_HEADROOM_GB = 10  # pip cache, logs, the moetune checkout
 LARGE_MODEL_PARAMS = 30 * 10**9  # at and above this size, never go below the floor
@@ -42,6 +42,18 @@ WATCHDOG_MARGIN = 1.5  # estimates are rough; an overrun must cost time, not the
 # -- wall 4: CI timeouts --------------------------------------------------------------------
 HOSTED_RUNNER_JOB_CAP_MINUTES = 360  # GitHub-hosted runners end any job at 6 h
 CI_TEARDOWN_MINUTES = 15  # time the `if: always()` bank/teardown steps need after the step
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a run goes, as the walls see it: plain values the lane fills from its
+    provider's traits (plan/ and lint/ know no provider). The default is this machine."""
+
+    remote: bool = False  # a pod elsewhere: the pod walls apply
+    default_volume_gb: int | None = None  # the volume a pod gets when none is configured
+    default_watchdog_s: int | None = None  # the deadline it gets when none is configured
+    setup_s: float = 0.0  # paid time before the first step
+    title: str = "this machine"  # how messages name it ("RunPod")
 
 
 class _Sized(Protocol):
@@ -84,11 +96,10 @@ def required_volume_gb(
     return sized
 
 
-def effective_volume_gb(provider: str, volume_gb: int | None) -> int | None:
-    """The volume a run will really get: the configured one, or RunPod's default; None if n/a."""
-    if volume_gb is not None:
-        return volume_gb
-    return RUNPOD_DEFAULT_VOLUME_GB if provider == "runpod" else None
+def effective_volume_gb(site: Site, volume_gb: int | None) -> int | None:
+    """The volume a run will really get: the configured one, or the site's default; None
+    when neither is known."""
+    return volume_gb if volume_gb is not None else site.default_volume_gb
 
 
 def required_watchdog_s(
@@ -98,11 +109,9 @@ def required_watchdog_s(
     return math.ceil((estimated_train_s + estimated_eval_s) * margin)
 
 
-def effective_watchdog_s(provider: str, watchdog_s: int | None) -> int | None:
-    """The deadline a pod will really have: the configured one, or the runpod default."""
-    if watchdog_s is not None:
-        return watchdog_s
-    return DEFAULT_WATCHDOG_S if provider == "runpod" else None
+def effective_watchdog_s(site: Site, watchdog_s: int | None) -> int | None:
+    """The deadline a pod will really have: the configured one, or the site's default."""
+    return watchdog_s if watchdog_s is not None else site.default_watchdog_s
 
 
 def max_step_timeout_minutes(job_timeout_minutes: int) -> int:

@@ -48,7 +48,7 @@ def _mlx_family(spec: ModelSpec) -> Family:
 
 
 def _check_expert_rank(lora: LoraArgs) -> None:
-    if lora.experts_rank != lora.rank:
+    if lora.effective_expert_rank != lora.rank:
         raise RecipeError(
             f"lora.expert_rank={lora.expert_rank} cannot be expressed for mlx-lm: its "
             "lora_parameters.rank applies to every key, experts included",

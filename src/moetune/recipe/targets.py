@@ -171,7 +171,7 @@ def _check_dropout(spec: ModelSpec, lora: LoraArgs, targets: PeftTargets) -> Non
 
 def check_expert_rank(lora: LoraArgs) -> None:
     """RecipeError when `lora.expert_rank` cannot be honoured (automap mapping)."""
-    if lora.experts_rank != lora.rank and lora.expert_mapping == "automap":
+    if lora.effective_expert_rank != lora.rank and lora.expert_mapping == "automap":
         raise RecipeError(
             f"lora.expert_rank={lora.expert_rank} needs explicit expert targets: automap's "
             "gate/up/down_proj names also hit dense and shared MLPs, so no rank can single "
@@ -205,7 +205,7 @@ def build_peft_config(spec: ModelSpec, lora: LoraArgs) -> LoraConfig:
     from peft import LoraConfig
 
     targets = peft_targets(spec, lora)
-    stacks = targets.experts if lora.experts_rank != lora.rank else ()
+    stacks = targets.experts if lora.effective_expert_rank != lora.rank else ()
     return LoraConfig(
         r=lora.rank,
         lora_alpha=_alpha(lora.effective_alpha),
@@ -216,8 +216,8 @@ def build_peft_config(spec: ModelSpec, lora: LoraArgs) -> LoraConfig:
         target_modules=list(targets.modules),
         target_parameters=list(targets.parameters) or None,
         # keyed by the parameter paths: peft matches them against each ParamWrapper's key
-        rank_pattern=dict.fromkeys(stacks, lora.experts_rank),
-        alpha_pattern=dict.fromkeys(stacks, _alpha(lora.experts_alpha)),
+        rank_pattern=dict.fromkeys(stacks, lora.effective_expert_rank),
+        alpha_pattern=dict.fromkeys(stacks, _alpha(lora.effective_expert_alpha)),
         bias="none",
         task_type="CAUSAL_LM",
     )

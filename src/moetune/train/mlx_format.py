@@ -1,6 +1,6 @@
 """peft <-> mlx-lm adapter layouts, and mlx-lm adapters as peft adapters (`mlx_to_peft`).
 
-The mlx lane (train/mlx_lane.py) trains with mlx-lm and hands back a peft adapter through
+The mlx stack (train/mlx_stack.py) trains with mlx-lm and hands back a peft adapter through
 `mlx_to_peft`; moetune.export.mlx holds the other directions.
 
 Layouts (docs/knowledge.md §3, §5):

@@ -66,7 +66,6 @@ from moetune.train.checkpoint import (
 )
 from moetune.train.distributed import fsdp_on_cpu, launched, sharding, whole_load
 from moetune.train.errors import TrainError
-from moetune.train.lanes import lane_for
 from moetune.train.lock import hold
 from moetune.train.methods import method_of
 from moetune.train.model import load_model, wrap_lora
@@ -81,6 +80,7 @@ from moetune.train.routing import (
 )
 from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
 from moetune.train.setup import Setup, prepare
+from moetune.train.stacks import stack_trainer
 
 if TYPE_CHECKING:
     from torch import nn
@@ -145,11 +145,11 @@ def train(
     require_launcher(cfg)
     if launched():  # an FSDP launch's CPU ranks shard for real, not silently as DDP
         fsdp_on_cpu()
-    run_lane = lane_for(cfg.lora.stack, _train)  # lora.stack: peft here, others in lanes.py
+    run_stack = stack_trainer(cfg.lora.stack, _train)  # peft here, others in stacks.py
 
     def run() -> TrainResult:
         with node_loss_stops(cfg):  # a dead node's peers: one line, also in the ledger row
-            return cast(TrainResult, run_lane(cfg, resume, allow_errors, replace, progress))
+            return cast(TrainResult, run_stack(cfg, resume, allow_errors, replace, progress))
 
     if int(os.environ.get("RANK", "0")) != 0:  # under accelerate only the main process ledgers
         return run()

@@ -3,7 +3,12 @@
 
 A "pod" is whatever runs the work: a RunPod pod, a directory on an SSH host, a directory
 on this machine. Providers are registered by name (`PROVIDERS`) and constructed from the
-run config's `lane` section, so the phases never ask which one they drive.
+run config (`from_run`), so the phases never ask which one they drive.
+
+What the rest of moetune must know about a provider – whether its pods are remote, the
+volume and watchdog a pod gets by default, its paid setup time, the secrets it reads – are
+class-level traits here, set by each provider on its own class; nothing outside
+lane/providers/ compares a provider's name (tests/test_lane_traits.py greps for it).
 
 Rules every provider keeps:
 - `terminate` is idempotent: a pod that is already gone is success, never an error
@@ -23,9 +28,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from moetune.errors import MoetuneError
+from moetune.registry import Registry
+
+if TYPE_CHECKING:
+    from moetune.config import LaneArgs, RunConfig
 
 Env = Mapping[str, str]
 PodStatus = Literal["starting", "running", "exited", "terminated", "unknown"]
@@ -100,13 +109,44 @@ class ExecResult:
     stderr: str
 
 
+SETUP_S = 600.0  # pod start, image pull, pip install, staging: paid time before the first step
+
+
 class Provider(ABC):
     """Operations on pods. Subclasses set `name` and implement every method; `id_pattern`
     is the shape of this provider's pod ids (no separators, no leading dot: an id is
-    never a path)."""
+    never a path). The traits below default to a remote provider's."""
 
     name: ClassVar[str]
     id_pattern: ClassVar[re.Pattern[str]] = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+    title: ClassVar[str] = ""  # as messages name it ("RunPod"); default: `name`
+    remote: ClassVar[bool] = True  # pods on another machine: a card is chosen, walls apply
+    default_volume_gb: ClassVar[int | None] = None  # what a pod gets without lane.volume_gb
+    default_watchdog_s: ClassVar[int | None] = None  # its deadline without lane.watchdog_s
+    setup_s: ClassVar[float] = SETUP_S  # paid time before the first training step
+
+    @classmethod
+    def from_run(cls, cfg: RunConfig, state_dir: Path) -> Provider:
+        """The provider a run config asks for; `state_dir` keeps its state (host keys …)."""
+        return cls.from_config(cfg.lane, state_dir)
+
+    @classmethod
+    def from_config(cls, lane: LaneArgs, state_dir: Path) -> Provider:
+        """Built from the `lane` section alone (a provider that needs more overrides
+        `from_run` instead)."""
+        raise NotImplementedError(f"provider {cls.name} is built by from_run")
+
+    @classmethod
+    def secret_names(cls, lane: LaneArgs) -> dict[str, str]:
+        """Environment variables holding this provider's credentials (CI maps them from
+        secrets by these names), each with the config field that names it; none by default."""
+        return {}
+
+    @classmethod
+    def secret_values(cls, lane: LaneArgs) -> list[str]:
+        """The credential values this machine would use (masked in everything a launch
+        shows or stores); none by default."""
+        return []
 
     def check_id(self, pod_id: str) -> str:
         """`pod_id` when it has this provider's id shape, else LaneError (one line)."""
@@ -195,13 +235,13 @@ class Provider(ABC):
         return self.exec(pod_id, f"tail -n {int(lines)} {shlex.quote(log_name)} 2>/dev/null").stdout
 
 
-PROVIDERS: dict[str, Callable[..., Provider]] = {}
+PROVIDERS: Registry[type[Provider]] = Registry("provider", LaneError)
 
 
 def register_provider(name: str) -> Callable[[type[Provider]], type[Provider]]:
     def add(cls: type[Provider]) -> type[Provider]:
         cls.name = name
-        PROVIDERS[name] = cls
-        return cls
+        cls.title = cls.title or name
+        return PROVIDERS.add(name, cls)
 
     return add

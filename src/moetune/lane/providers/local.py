@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moetune.io import atomic_write_json, file_digests
 from moetune.lane.providers.base import (
@@ -31,6 +32,9 @@ from moetune.lane.providers.base import (
 from moetune.lane.transfer import verify_tree
 from moetune.ledger import public_env
 
+if TYPE_CHECKING:
+    from moetune.config import RunConfig
+
 TERMINATED = "TERMINATED"
 
 
@@ -38,8 +42,17 @@ TERMINATED = "TERMINATED"
 class LocalProvider(Provider):
     """Pods under `base_dir` (lane.workdir, relative to the working directory)."""
 
+    title = "this machine"
+    remote = False  # no card to rent, no pod walls
+    setup_s = 0.0
+
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir.resolve()
+
+    @classmethod
+    def from_run(cls, cfg: RunConfig, state_dir: Path) -> LocalProvider:
+        """Pods in `pods/` beside the run's ledger."""
+        return cls(Path(cfg.output.ledger).parent / "pods")
 
     def _path(self, pod_id: str) -> Path:
         """`base_dir/pod_id`, refused when the id is no id or the folder is a link: a pod

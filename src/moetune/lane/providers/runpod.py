@@ -16,11 +16,13 @@ import os
 import re
 import shlex
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
+from moetune.errors import MoetuneError
 from moetune.lane.providers.base import (
     Env,
     ExecResult,
@@ -34,6 +36,7 @@ from moetune.lane.providers.base import (
     TransientError,
     register_provider,
 )
+from moetune.plan.walls import DEFAULT_WATCHDOG_S
 
 if TYPE_CHECKING:
     from moetune.config import LaneArgs, RunpodArgs
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 
 VOLUME_MOUNT = "/workspace"  # the pod volume: survives container restarts, unlike the disk
 DEFAULT_WORKDIR = f"{VOLUME_MOUNT}/moetune-runs"
+DEFAULT_VOLUME_GB = 40  # what a RunPod pod gets when volumeInGb is not set
 SELF_TERMINATE_TRIES = 6
 SELF_TERMINATE_PAUSE_S = 20
 
@@ -211,6 +215,9 @@ class RunpodProvider(Provider):
     """RunPod pods: lifecycle through the API, `exec`/`copy_*` over SSH to the public port."""
 
     id_pattern = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # RunPod: e.g. "x7k2m9p4q1w8e3"
+    title = "RunPod"
+    default_volume_gb = DEFAULT_VOLUME_GB
+    default_watchdog_s = DEFAULT_WATCHDOG_S
 
     def __init__(
         self,
@@ -234,6 +241,16 @@ class RunpodProvider(Provider):
         workdir = lane.workdir if lane.workdir.startswith("/") else f"{VOLUME_MOUNT}/{lane.workdir}"
         client = RunpodClient(lane.runpod.api_url, api_key(lane.runpod))
         return cls(client, state_dir / "known_hosts", identity=identity, workdir=workdir)
+
+    @classmethod
+    def secret_names(cls, lane: LaneArgs) -> dict[str, str]:
+        return {lane.runpod.api_key_env: "lane.runpod.api_key_env"}
+
+    @classmethod
+    def secret_values(cls, lane: LaneArgs) -> list[str]:
+        with suppress(MoetuneError):  # no key here: nothing of it to mask
+            return [api_key(lane.runpod)]
+        return []
 
     def create(self, spec: PodSpec) -> Pod:
         payload = {"input": self._deploy_input(spec)}

@@ -139,6 +139,8 @@ def node_flags(nodes: int, port: int) -> str:
 class SkypilotProvider(Provider):
     """Clusters named `PodSpec.name`: the pod id is the cluster name."""
 
+    title = "SkyPilot"
+
     def __init__(self, lane: LaneArgs, state_dir: Path) -> None:
         self.lane, self.sky = lane, lane.skypilot
         self.state_dir = state_dir

@@ -1,0 +1,180 @@
+"""The shortcut options: each one is a run config field under a short flag (`--rank` is
+lora.rank), so a flag and its field cannot drift. Its help is made from the field – what it
+means and what it accepts (Literal choices, the number rule) – and a value is checked
+against the field's own type before it becomes a `--set` assignment, so a flag accepts
+exactly what the field accepts. None means "not given": YAML and defaults win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import typer
+from pydantic import TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+from moetune.config import RunConfig
+from moetune.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Shortcut:
+    """A flag for a config field; `comma` flags take a comma list for a list field, a
+    `negate` flag (a bool switch) sets its bool field to false."""
+
+    flag: str
+    field: str
+    what: str  # a short help phrase (the field's description is the long one)
+    comma: bool = False
+    negate: bool = False
+
+
+# Parameter name → its flag and field. Flags a command reads without setting the field
+# (plan's --gpus and --strategy size the per-device report) still take the field's values.
+SHORTCUTS: dict[str, Shortcut] = {
+    s.flag.removeprefix("--").replace("-", "_"): s
+    for s in (
+        Shortcut("--tuning", "train.tuning", "Fine-tuning kind (qlora: analytic)."),
+        Shortcut("--method", "train.method", "Objective."),
+        Shortcut("--rank", "lora.rank", "LoRA rank."),
+        Shortcut("--seq", "train.seq_len", "Sequence length in tokens."),
+        Shortcut("--batch", "train.batch_size", "Micro-batch size."),
+        Shortcut(
+            "--no-gc", "train.gradient_checkpointing", "Gradient checkpointing off.", negate=True
+        ),
+        Shortcut("--targets", "lora.targets", "Parts that get LoRA.", comma=True),
+        Shortcut(
+            "--mapping",
+            "lora.expert_mapping",
+            "explicit (moetune) or automap (vanilla peft names).",
+        ),
+        Shortcut("--stack", "lora.stack", "Training stack: peft (TRL) or mlx (mlx-lm)."),
+        Shortcut("--engine", "lora.engine", "Expert LoRA engine (moetune: split LoRA)."),
+        Shortcut("--experts-dtype", "model.experts_dtype", "Frozen experts (moetune engine)."),
+        Shortcut("--nproc", "train.nproc", "Processes (one per GPU), through accelerate."),
+        Shortcut("--gpus", "train.nproc", "Plan each of N data-parallel GPUs."),
+        Shortcut(
+            "--strategy",
+            "train.strategy",
+            "How the processes split the work (FSDP2, DeepSpeed ZeRO-3).",
+        ),
+        Shortcut("--provider", "lane.provider", "Where to run."),
+        Shortcut("--offload", "train.offload", "Where frozen experts wait between uses."),
+        Shortcut("--host-ram", "hardware.host_ram_gb", "Host RAM per node in GB."),
+        Shortcut("--nodes", "train.nnodes", "Nodes of --gpus GPUs each."),
+        Shortcut("--nnodes", "train.nnodes", "Nodes of a multi-node run (--nproc ranks on each)."),
+        Shortcut("--node-rank", "train.node_rank", "This node's rank (0 writes the run)."),
+        Shortcut("--master-addr", "train.master_addr", "Node 0's address, the same on every node."),
+        Shortcut("--master-port", "train.master_port", "The port node 0 listens on."),
+    )
+}
+
+
+def field_info(path: str) -> FieldInfo:
+    """The RunConfig field at `section.field` (nested sections included)."""
+    cls: Any = RunConfig
+    *sections, leaf = path.split(".")
+    for name in sections:
+        cls = cls.model_fields[name].annotation
+    info: FieldInfo = cls.model_fields[leaf]
+    return info
+
+
+def _base(annotation: Any) -> Any:
+    """The annotation without `| None` (a field that may be unset)."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    is_optional = len(args) == 1 and type(None) in get_args(annotation)
+    return args[0] if is_optional and get_origin(annotation) is not Literal else annotation
+
+
+def _is_list(path: str) -> bool:
+    return get_origin(_base(field_info(path).annotation)) is list
+
+
+def choices(path: str) -> list[str] | None:
+    """A Literal field's values (a list field's item values), else None."""
+    annotation = _base(field_info(path).annotation)
+    if get_origin(annotation) is list:
+        annotation = get_args(annotation)[0]
+    return [str(v) for v in get_args(annotation)] if get_origin(annotation) is Literal else None
+
+
+def accepts(path: str) -> str:
+    """What the field accepts, in words: `a | b | c`, a number rule, or its type."""
+    info = field_info(path)
+    values = choices(path)
+    if values is not None:
+        joined = " | ".join(values)
+        return f"a comma list of {joined}" if _is_list(path) else joined
+    meta = [*info.metadata, *getattr(_base(info.annotation), "__metadata__", ())]
+    docs = [getattr(getattr(m, "func", None), "__doc__", None) for m in meta]
+    rule = next((d for d in docs if d and d.startswith("must be")), None)  # config.base's
+    if rule:
+        return rule.removeprefix("must be ")
+    return str(getattr(_base(info.annotation), "__name__", ""))
+
+
+def option_help(name: str, what: str = "", like: bool = False) -> str:
+    """The flag's help: what it does, its field (`like` it, when the flag does not set
+    it), and what that field accepts."""
+    cut = SHORTCUTS[name]
+    said = "false" if cut.negate else accepts(cut.field)  # a switch sets its field off
+    # parentheses, not brackets: typer's help is rich markup, where [...] is a style tag
+    return f"{what or cut.what} ({'like ' if like else ''}{cut.field}: {said})"
+
+
+def opt(name: str, what: str = "", like: bool = False) -> Any:
+    """The typer option for shortcut `name` (`what` replaces its help phrase)."""
+    return typer.Option(SHORTCUTS[name].flag, help=option_help(name, what, like))
+
+
+def checked(name: str, value: Any) -> Any:
+    """`value` as the field's type, or a ConfigError naming the flag and what it accepts
+    (None: not given)."""
+    cut = SHORTCUTS[name]
+    if value is None:
+        return None
+    if cut.comma and isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    info = field_info(cut.field)
+    try:
+        meta = info.metadata
+        typed: Any = Annotated[(info.annotation, *meta)] if meta else info.annotation
+        adapter: TypeAdapter[Any] = TypeAdapter(typed)
+        return adapter.validate_python(value)
+    except ValidationError as err:
+        shown = ",".join(value) if cut.comma else value
+        raise ConfigError(
+            f"{cut.flag} {shown}: {cut.field} {_problem(cut.field, err)}",
+            f"pass {cut.flag} {accepts(cut.field)}",
+        ) from None
+
+
+def _problem(path: str, err: ValidationError) -> str:
+    """What is wrong, as the field says it (a Literal field: the values it takes)."""
+    msg = str(err.errors()[0]["msg"]).removeprefix("Value error, ")
+    if msg.startswith("must be"):
+        return msg
+    one_of = choices(path) and not _is_list(path)
+    return f"must be {'one of ' if one_of else ''}{accepts(path)}"
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def option_overrides(**options: Any) -> list[str]:
+    """Shortcut options as `--set` assignments (each checked against its field); None
+    means "not given", so YAML and defaults win."""
+    out = []
+    for name, value in options.items():
+        if SHORTCUTS[name].negate:
+            value = False if value else None  # the switch only ever turns its field off
+        if value is not None:
+            out.append(f"{SHORTCUTS[name].field}={_yaml(checked(name, value))}")
+    return out

@@ -1,0 +1,32 @@
+"""Training stacks by `lora.stack`: peft/TRL is trainer.py's own `_train`; others register
+here as "module:function" so their libraries load only when a run uses them.
+
+A stack's trainer takes (cfg, resume, allow_errors, (overwrite, overwrite_promoted),
+progress) and returns a TrainResult; `train()` wraps every stack in the same ledger row and
+run-dir lock. ("lane" is the remote run, moetune.lane – never a training stack.)
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from moetune.registry import Registry
+
+STACKS: Registry[str] = Registry("training stack")
+STACKS.add("mlx", "moetune.train.mlx_stack:train_mlx")
+
+
+def register_stack(stack: str, target: str) -> None:
+    """Train `lora.stack: <stack>` with the function `target` ("package.module:function")."""
+    STACKS.add(stack, target)
+
+
+def stack_trainer(stack: str, default: Callable[..., Any]) -> Callable[..., Any]:
+    """The trainer registered for `stack`, else `default` (the peft trainer)."""
+    if stack not in STACKS:
+        return default
+    module, _, name = STACKS.get(stack).partition(":")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return fn
