@@ -202,7 +202,9 @@ def test_every_shortcut_is_a_field_moetune_schema_documents() -> None:
 
 
 def test_each_option_takes_its_fields_type_and_its_help_lists_the_values() -> None:
-    from moetune.cli.options import SHORTCUTS, choices, field_info
+    from typing import Annotated, get_args, get_origin
+
+    from moetune.cli.options import SHORTCUTS, _base, accepts, choices, field_info
 
     for command, param in _shortcut_params():
         cut = SHORTCUTS[param.name]
@@ -215,9 +217,11 @@ def test_each_option_takes_its_fields_type_and_its_help_lists_the_values() -> No
         elif cut.negate:
             assert kind is bool and field_info(cut.field).annotation is bool
             assert f"{cut.field}: false" in param.help
-        else:  # the numbers: the same int the field holds, its rule in the help
-            assert kind is int and field_info(cut.field).annotation is int, command
-            assert "positive integer" in param.help
+        else:  # numbers and text: the type the field holds, its rule in the help
+            held = _base(field_info(cut.field).annotation)
+            held = get_args(held)[0] if get_origin(held) is Annotated else held
+            assert kind is held, (command, cut.flag, kind, held)
+            assert f"{cut.field}: {accepts(cut.field)})" in param.help, (command, param.help)
 
 
 def test_a_flag_accepts_exactly_its_fields_values() -> None:
