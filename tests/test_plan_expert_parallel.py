@@ -10,7 +10,7 @@ import pytest
 
 from moetune.config import RunConfig, parse_config
 from moetune.model import spec_from_config
-from moetune.model.census import tiny_config
+from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
 from moetune.plan.expert_parallel import plan_expert_parallel
 from moetune.plan.fit import analytic
@@ -20,7 +20,7 @@ from moetune.plan.sharding import device_report
 
 @pytest.fixture(scope="module")
 def tiny() -> ModelSpec:
-    return spec_from_config(tiny_config("qwen3_moe"), "qwen3_moe")  # 4 layers, 4 experts
+    return spec_from_config(shrunk_config("qwen3_moe"), "qwen3_moe")  # 4 layers, 4 experts
 
 
 def cfg(**train: Any) -> RunConfig:
@@ -49,7 +49,7 @@ def test_ep_is_at_most_the_number_of_experts_and_needs_two_devices(tiny: ModelSp
     wide = plan_expert_parallel(tiny, cfg(), 8)
     assert wide is not None and wide.ep == 4 and wide.experts_per_device == 1
     assert plan_expert_parallel(tiny, cfg(), 1) is None
-    dense = spec_from_config(tiny_config("llama"), "llama")
+    dense = spec_from_config(shrunk_config("llama"), "llama")
     assert plan_expert_parallel(dense, cfg(), 4) is None
 
 

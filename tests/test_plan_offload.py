@@ -14,7 +14,7 @@ from moetune.cli import app
 from moetune.config import RunConfig, parse_config
 from moetune.errors import ConfigError
 from moetune.model import load_spec, spec_from_config
-from moetune.model.census import tiny_config
+from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
 from moetune.plan import make_plan
 from moetune.plan.fit import analytic
@@ -39,7 +39,7 @@ def cfg(offload: str = "cpu", **train: Any) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def tiny() -> ModelSpec:
-    return spec_from_config(tiny_config("qwen3_moe"), "qwen3_moe")
+    return spec_from_config(shrunk_config("qwen3_moe"), "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_per_card_plans_skip_unified_memory_unless_it_is_all_there_is(tiny: Mode
 
 
 def test_a_dense_model_has_nothing_to_offload() -> None:
-    dense = spec_from_config(tiny_config("llama"), "llama")
+    dense = spec_from_config(shrunk_config("llama"), "llama")
     with pytest.raises(ConfigError, match="no routed experts"):
         plan_offload(dense, cfg(), "H100-80GB")
 

@@ -465,7 +465,7 @@ def test_several_nodes_need_an_address_of_node_0() -> None:
 def test_a_loopback_node_0_is_wrong_on_a_remote_lane_only(addr: str) -> None:
     train = {"nnodes": 2, "master_addr": addr}
     found = check("DIST-MULTINODE-ADDR", ctx(train=train, lane={"provider": "skypilot"}))
-    assert found and "loopback" in found.message and "skypilot lane" in found.message
+    assert found and "loopback" in found.message and "on SkyPilot" in found.message
     assert check("DIST-MULTINODE-ADDR", ctx(train=train)) is None  # nodes on one machine
     reachable = {"nnodes": 2, "master_addr": "10.0.0.1"}
     assert check("DIST-MULTINODE-ADDR", ctx(train=reachable, lane={"provider": "ssh"})) is None

@@ -78,7 +78,7 @@ def is_loopback(addr: str) -> bool:
     libraries=("accelerate", "torch"),
 )
 def multinode_addr(ctx: LintContext) -> Hit | None:
-    t, provider = ctx.config.train, ctx.config.lane.provider
+    t = ctx.config.train
     if t.nnodes == 1:
         return None
     if not t.master_addr:
@@ -89,10 +89,10 @@ def multinode_addr(ctx: LintContext) -> Hit | None:
             "set train.master_addr (or --master-addr) to node 0's address, the same on every node",
             "train.master_addr",
         )
-    if provider == "local" or not is_loopback(t.master_addr):
+    if not ctx.site.remote or not is_loopback(t.master_addr):
         return None  # loopback is node 0 itself for nodes on one machine
     return Hit(
-        f"train.master_addr {t.master_addr} is a loopback address on the {provider} lane: on "
+        f"train.master_addr {t.master_addr} is a loopback address on {ctx.site.title}: on "
         "every other node it names that node itself, so its ranks wait for a node 0 that "
         "is not there until the rendezvous times out (10 min)",
         "set train.master_addr to node 0's address on the network the nodes share",
