@@ -7,11 +7,15 @@ routed experts. A newer transformers brings its new families in by itself.
 
 from __future__ import annotations
 
+import inspect
 import re
 from functools import lru_cache
 from typing import Any
 
 from moetune.errors import MoetuneError
+from moetune.model.counting import quiet_transformers
+from moetune.model.derive import derive
+from moetune.model.textlm import modeling_module
 
 # tiny values by field name (set where the config has the field)
 _TINY: dict[str, int] = {
@@ -115,8 +119,6 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     """A tiny config.json dict for `model_type` (multimodal: its text_config shrunk)."""
     from transformers import CONFIG_MAPPING
 
-    from moetune.model.counting import quiet_transformers
-
     with quiet_transformers():
         defaults = CONFIG_MAPPING[model_type]().to_dict()
     out = shrink(defaults)
@@ -193,11 +195,7 @@ _EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_n
 
 
 def _mentions_experts(model_type: str) -> bool:
-    import inspect
-
     from transformers import CONFIG_MAPPING
-
-    from moetune.model.derive import modeling_module
 
     cls = CONFIG_MAPPING[model_type]
     classes = [cls, *(getattr(cls, "sub_configs", None) or {}).values()]
@@ -216,8 +214,6 @@ def _config_fields(cls: type) -> set[str]:
 
 
 def _status(model_type: str) -> str:
-    from moetune.model.derive import derive
-
     try:
         derived = derive(tiny_config(model_type), model_type)
     except MoetuneError as exc:

@@ -8,7 +8,7 @@ reads the spec's figures). A build takes 10 ms – 2 s, so `derive_cached` memoi
 
 from __future__ import annotations
 
-import importlib
+import json
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -20,11 +20,12 @@ from moetune.model.counting import (
     hf_config_object,
     quiet_transformers,
 )
-from moetune.model.families import ExpertsLayout, ModulePaths
+from moetune.model.layout import ExpertsLayout, ModulePaths
 from moetune.model.read import classify_layer, find_layers, layout, outside, sum_layers, union_paths
 from moetune.model.sanity import check_config
 from moetune.model.spec import ModelSpec
 from moetune.model.summary import spec_of
+from moetune.model.textlm import module_classes, serves, text_lm_class, text_model_class
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,6 @@ def causal_lm_class(config: Any) -> Any:
     for candidate in module_classes(type(config)):
         if candidate.__name__.endswith("ForCausalLM") and serves(candidate, config):
             return candidate
-    from moetune.model.textlm import text_lm_class, text_model_class
-
     base = text_model_class(config) if type(config) in _text_config_classes() else None
     if base is not None:  # a multimodal checkpoint's language model: its text model + head
         config_cls: Any = type(config)
@@ -102,11 +101,6 @@ def causal_lm_class(config: Any) -> Any:
     )
 
 
-def serves(candidate: type, config: Any) -> bool:
-    """Whether model class `candidate` is built from `config`'s class."""
-    return getattr(candidate, "config_class", None) is type(config)
-
-
 @cache
 def _text_config_classes() -> frozenset[type]:
     """The `text_config` classes of multimodal configs (not their vision or audio towers);
@@ -115,20 +109,6 @@ def _text_config_classes() -> frozenset[type]:
 
     subs = (getattr(top, "sub_configs", None) or {} for top in CONFIG_MAPPING.values())
     return frozenset(s["text_config"] for s in subs if "text_config" in s)
-
-
-def modeling_module(config_cls: type) -> Any:
-    """The `modeling_<type>` module beside a config class, or None."""
-    package = config_cls.__module__.rpartition(".")[0]
-    try:
-        return importlib.import_module(f"{package}.modeling_{package.rpartition('.')[2]}")
-    except ImportError:
-        return None
-
-
-def module_classes(config_cls: type) -> list[type]:
-    module = modeling_module(config_cls)
-    return [v for v in vars(module).values() if isinstance(v, type)] if module else []
 
 
 def build_language_model(config: Any, name: str = "custom", device: str = "meta", **kw: Any) -> Any:
@@ -174,8 +154,6 @@ _CACHE_SIZE = 256
 
 
 def _key(raw: dict[str, Any], name: str) -> str:
-    import json
-
     return json.dumps([raw, name], sort_keys=True, default=str)
 
 
