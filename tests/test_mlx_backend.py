@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from moetune.cli import app
 from moetune.config import RunConfig
 from moetune.lint import rules_mlx
+from moetune.lint.mlx_env import MlxBackend
 from moetune.lint.rules import RULES, LintContext
-from moetune.lint.rules_mlx import MlxBackend
 
 NO_BACKEND = MlxBackend("0.32.2", None, None, None, "No module named 'mlx'")
 

@@ -21,6 +21,7 @@ from importlib import metadata
 from typing import Any, Literal
 
 from moetune.config import RunConfig
+from moetune.model import OVERRIDES, get_family
 from moetune.model.families import Family, ModulePaths
 from moetune.model.spec import ModelSpec
 
@@ -89,8 +90,6 @@ def installed_versions() -> dict[str, str]:
 def _family_of(spec: ModelSpec | None) -> Family | None:
     """The family of `spec` where an override says what its mlx-lm modules are called
     (importing moetune.model registers them all); None leaves the path rules silent."""
-    from moetune.model import OVERRIDES, get_family
-
     return get_family(spec.model_type) if spec and spec.model_type in OVERRIDES else None
 
 

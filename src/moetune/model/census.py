@@ -117,6 +117,7 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
 
 def tiny_config(model_type: str) -> dict[str, Any]:
     """A tiny config.json dict for `model_type` (multimodal: its text_config shrunk)."""
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
 
     with quiet_transformers():
@@ -171,6 +172,7 @@ def census() -> dict[str, str]:
     """model_type -> "moe" | "multimodal" (a text_config that is one) | why it is not
     buildable as a decoder MoE, over every config type the installed transformers has
     whose config or modeling code mentions experts."""
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
 
     out: dict[str, str] = {}
@@ -195,6 +197,7 @@ _EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_n
 
 
 def _mentions_experts(model_type: str) -> bool:
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]

@@ -58,9 +58,11 @@ def derive(raw: dict[str, Any], name: str = "custom") -> Derived:
 
 
 def _config_object(model_type: str, kwargs: dict[str, Any], name: str) -> Any:
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
+        # lazy: heavy to import (transformers)
         import transformers
 
         raise UnknownFamilyError(
@@ -81,6 +83,7 @@ def _text_config(config: Any) -> Any:
 def causal_lm_class(config: Any) -> Any:
     """transformers' causal-LM class for `config` (the auto mapping, else the modeling
     module's `…ForCausalLM` whose config_class is this config's class)."""
+    # lazy: heavy to import (transformers)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
@@ -105,6 +108,7 @@ def causal_lm_class(config: Any) -> Any:
 def _text_config_classes() -> frozenset[type]:
     """The `text_config` classes of multimodal configs (not their vision or audio towers);
     read once: it touches every config class transformers registers."""
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
 
     subs = (getattr(top, "sub_configs", None) or {} for top in CONFIG_MAPPING.values())
@@ -113,6 +117,7 @@ def _text_config_classes() -> frozenset[type]:
 
 def build_language_model(config: Any, name: str = "custom", device: str = "meta", **kw: Any) -> Any:
     """The causal LM for a transformers config, built on `device` (meta: no memory)."""
+    # lazy: heavy to import (torch)
     import torch
 
     cls = causal_lm_class(config)

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 def text_model_class(config: Any) -> Any:
     """transformers' base (headless) model class for `config`, or None."""
+    # lazy: heavy to import (transformers)
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     try:
@@ -50,6 +51,7 @@ def serves(candidate: type, config: Any) -> bool:
 @cache
 def text_lm_class(config_cls: Any, base_cls: Any) -> Any:
     """A `…ForCausalLM` for `base_cls` (built once per class pair)."""
+    # lazy: heavy to import (torch, transformers)
     from torch import nn
     from transformers import GenerationMixin
     from transformers.modeling_outputs import CausalLMOutputWithPast

@@ -13,6 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rich.syntax import Syntax
+from rich.table import Table
+
+from moetune.recipe.mlx import make_mlx_recipe
+from moetune.recipe.targets import make_recipe
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -21,13 +27,11 @@ if TYPE_CHECKING:
 
 
 def _peft(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
-    from moetune.recipe.targets import make_recipe
 
     return make_recipe(spec, lora).to_json()
 
 
 def _mlx(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
-    from moetune.recipe.mlx import make_mlx_recipe
 
     if run is None:
         return make_mlx_recipe(spec, lora)
@@ -59,9 +63,6 @@ def _grouped(rows: list[list[str]]) -> list[list[str]]:
 
 def render_recipe(console: Console, result: dict[str, Any]) -> None:
     """Print a recipe from `recipe_for` for people: the config, then what it covers."""
-    from rich.syntax import Syntax
-    from rich.table import Table
-
     if result["stack"] == "mlx":  # raw: valid YAML at any terminal width (notes are comments)
         console.file.write(result["yaml"])
         return
