@@ -248,7 +248,6 @@ def attempt(path: Path | str, kind: str, **fields: Any) -> Iterator[dict[str, An
 
 
 def _write_quietly(write: Any, status: Status, reason: str) -> None:
-
     try:
         write(status, reason)
     except (OSError, LedgerError) as err:

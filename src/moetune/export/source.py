@@ -26,7 +26,6 @@ def resolve_source(path: Path, base: str | None = None) -> Source:
 
 
 def _from_run(run_dir: Path, base: str | None) -> Source:
-
     cfg = load_config(run_dir / "config.yaml")
     return Source(adapter_dir=run_dir / "adapter", base=base or cfg.model.id, run_dir=run_dir)
 

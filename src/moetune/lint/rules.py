@@ -24,6 +24,7 @@ from moetune.config import RunConfig
 from moetune.model import OVERRIDES, get_family
 from moetune.model.families import Family, ModulePaths
 from moetune.model.spec import ModelSpec
+from moetune.registry import Registry
 
 Severity = Literal["error", "warn", "info"]
 SEVERITY_ORDER: dict[str, int] = {"error": 0, "warn": 1, "info": 2}
@@ -152,7 +153,7 @@ class Rule:
         return self.probe_fn()
 
 
-RULES: dict[str, Rule] = {}
+RULES: Registry[Rule] = Registry("lint rule")
 
 
 def register_rule(
@@ -166,9 +167,7 @@ def register_rule(
     """Register the decorated check as rule `rule_id`; ids are unique."""
 
     def decorate(check: CheckFn) -> CheckFn:
-        if rule_id in RULES:
-            raise ValueError(f"rule {rule_id} registered twice")
-        RULES[rule_id] = Rule(rule_id, severity, title, libraries, check, probe)
+        RULES.add(rule_id, Rule(rule_id, severity, title, libraries, check, probe))
         return check
 
     return decorate
@@ -176,7 +175,7 @@ def register_rule(
 
 def lint(ctx: LintContext) -> list[Finding]:
     """Every rule's finding for `ctx`, errors first, then by rule id."""
-    findings = [f for rule in RULES.values() if (f := rule.check(ctx)) is not None]
+    findings = [f for _, rule in RULES.items() if (f := rule.check(ctx)) is not None]
     return sorted(findings, key=lambda f: (SEVERITY_ORDER[f.severity], f.rule_id))
 
 
@@ -189,7 +188,7 @@ def rule_table() -> list[dict[str, str]]:
             "title": r.title,
             "libraries": ", ".join(r.libraries) or "-",
         }
-        for r in sorted(RULES.values(), key=lambda r: r.id)
+        for _, r in RULES.items()
     ]
 
 
