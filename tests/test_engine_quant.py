@@ -23,7 +23,7 @@ from peft.tuners.lora.layer import ParamWrapper
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.integrations.accelerate import get_device
 
-from moetune.engine import apply_split_lora
+from moetune.engine import apply_split_lora, quant
 from moetune.engine.quant import (
     NF4,
     NF4_LEVELS,
@@ -44,6 +44,7 @@ from moetune.engine.quant import (
 )
 from moetune.engine.quant_load import expert_device_map, load_quantized
 from moetune.model.tiny import tiny_config
+from moetune.registry import Registry
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -198,7 +199,11 @@ def test_registry_prefers_available_library_backend(monkeypatch: pytest.MonkeyPa
         def available(cls) -> bool:
             return cls.present
 
-    monkeypatch.setitem(QUANTIZERS, "nf4-lib", LibraryNF4)
+    with_library: Registry[Any] = Registry("quantizer backend", QuantError)
+    for name, backend in QUANTIZERS.items():
+        with_library.add(name, backend)
+    with_library.add("nf4-lib", LibraryNF4)
+    monkeypatch.setattr(quant, "QUANTIZERS", with_library)
     assert quantizer_for("nf4") is NF4
     LibraryNF4.present = True
     assert quantizer_for("nf4") is LibraryNF4

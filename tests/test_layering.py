@@ -1,9 +1,23 @@
-"""Stage layering: nothing below the lane imports it (design.md, "a stage never imports a
-stage above it"). Read from the source with ast, so lazy imports inside functions count too."""
+"""One-way imports (design.md: "a stage never imports a stage above it"), read from the
+source with ast, so imports inside functions count too (only `if TYPE_CHECKING:` blocks,
+which never run, are left out).
+
+ORDER is the stack, written once, lowest first: a module may import its own package and
+any package below it, never one above. Module circles inside one package are allowed only
+from ALLOWED_CIRCLES, each with its reason; a new circle, or one spanning packages, fails.
+LAZY_CHECKED are the packages whose function-level imports must each delay a heavy library
+(HEAVY, or a moetune module that imports one at its top) and say so in a comment.
+"""
 
 from __future__ import annotations
 
 import ast
+import io
+import sys
+import tokenize
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -11,46 +25,367 @@ import pytest
 import moetune
 
 PACKAGE = Path(moetune.__file__).parent
-BELOW_LANE = ("model", "plan", "recipe", "engine", "train", "evaluate")
+
+ORDER = (
+    "errors", "units", "io", "registry", "ledger", "config",
+    "model", "engine", "recipe", "plan", "lint", "train",
+    "evaluate", "export", "report", "demo", "bench", "lane", "cli",
+)  # fmt: skip
+ENTRY_POINTS = {"__main__": "cli"}  # `python -m moetune` sits with the CLI
+
+# frozenset of module names (without "moetune.") -> why the circle may stay
+ALLOWED_CIRCLES: dict[frozenset[str], str] = {
+    frozenset({"plan.fit", "plan.recommend"}): "plan engineer: make_plan leaves fit.py",
+    frozenset({"plan.serve", "plan.serve_vllm"}): "plan engineer: serve ↔ serve_vllm untied",
+}
+
+# Packages (or root modules) whose function-level imports are checked; extend as each is done.
+LAZY_CHECKED = (
+    "model", "engine", "recipe", "lint", "evaluate", "export", "report", "ledger", "io",
+    "config",
+)  # fmt: skip
+# Libraries worth delaying: slow to import, or optional extras that may be missing.
+HEAVY = frozenset(
+    {
+        "torch", "transformers", "peft", "trl", "accelerate", "datasets", "safetensors",
+        "matplotlib", "jinja2", "mlx", "mlx_lm", "huggingface_hub", "httpx", "gguf",
+        "lm_eval", "deepspeed", "psutil", "numpy", "vllm", "llama_cpp", "sky", "runpod",
+        "bitsandbytes", "torchao", "scipy",
+    }
+)  # fmt: skip
+PRAGMAS = ("noqa", "type:", "fmt:", "pragma")
 
 
-def imported_modules(source: str, package: str) -> set[str]:
-    """Every absolute module name `source` (a module of `package`) imports, at any depth."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}" if base else parent
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
+@dataclass(frozen=True)
+class Import:
+    target: str  # absolute module name as written (moetune.x.y or a library)
+    names: tuple[str, ...]  # the absolute dotted names it brings in (for `from` imports)
+    line: int
+    lazy: bool  # inside a function
+    commented: bool  # a comment on it or on its block of imports (function-level only)
 
 
-def lane_imports(stage: str) -> list[str]:
-    hits = []
-    for path in sorted((PACKAGE / stage).rglob("*.py")):
-        package = ".".join(("moetune", *path.relative_to(PACKAGE).parent.parts))
-        for name in imported_modules(path.read_text(), package):
-            if name == "moetune.lane" or name.startswith("moetune.lane."):
-                hits.append(f"{path.relative_to(PACKAGE)} imports {name}")
-    return hits
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
 
 
-@pytest.mark.parametrize("stage", BELOW_LANE)
-def test_no_stage_below_the_lane_imports_it(stage: str) -> None:
-    assert (PACKAGE / stage).is_dir()
-    assert lane_imports(stage) == []
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    base = node.module or ""
+    if not node.level:
+        return base
+    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{parent}.{base}" if base else parent
 
 
-def test_the_walker_sees_lazy_and_relative_imports() -> None:
-    """The check above would pass vacuously if the walker missed imports inside functions."""
+def _comment_lines(source: str) -> set[int]:
+    """Lines holding a comment that says something (pragmas like noqa say nothing)."""
+    lines = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        text = tok.string.lstrip("#").strip()
+        if tok.type == tokenize.COMMENT and text and not text.startswith(PRAGMAS):
+            lines.add(tok.start[0])
+    return lines
+
+
+def _block_commented(body: list[ast.stmt], i: int, comments: set[int], source: list[str]) -> bool:
+    """Whether body[i] (an import) or the run of imports it belongs to carries a comment,
+    on their lines or on comment lines just above the run."""
+    start = i
+    while start > 0 and isinstance(body[start - 1], ast.Import | ast.ImportFrom):
+        start -= 1
+    end = i
+    while end + 1 < len(body) and isinstance(body[end + 1], ast.Import | ast.ImportFrom):
+        end += 1
+    first, last = body[start].lineno, body[end].end_lineno or body[end].lineno
+    if any(first <= n <= last for n in comments):
+        return True
+    above = first - 1
+    while above >= 1 and source[above - 1].strip().startswith("#"):
+        if above in comments:
+            return True
+        above -= 1
+    return False
+
+
+def imports(source: str, package: str) -> list[Import]:
+    """Every import statement of a module of `package`, TYPE_CHECKING blocks left out."""
+    tree, comments, lines = ast.parse(source), _comment_lines(source), source.splitlines()
+    found: list[Import] = []
+
+    def visit(body: list[ast.stmt], lazy: bool) -> None:
+        for i, node in enumerate(body):
+            if _type_checking(node):
+                visit(getattr(node, "orelse", []), lazy)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                said = lazy and _block_commented(body, i, comments, lines)
+                for target, names in _targets(node, package):
+                    found.append(Import(target, names, node.lineno, lazy, said))
+            else:
+                inner = lazy or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                for sub in _bodies(node):
+                    visit(sub, inner)
+
+    visit(tree.body, False)
+    return found
+
+
+def _bodies(node: ast.stmt) -> Iterator[list[ast.stmt]]:
+    """The statement lists inside a compound statement (if/for/while/with/try/match/def/class)."""
+    for field in ("body", "orelse", "finalbody"):
+        sub = getattr(node, field, None)
+        if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+            yield sub
+    for holder in (*getattr(node, "handlers", ()), *getattr(node, "cases", ())):
+        yield holder.body
+
+
+def _targets(node: ast.Import | ast.ImportFrom, package: str) -> Iterator[tuple[str, tuple]]:
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name, ()
+        return
+    base = _absolute(node, package)
+    yield base, tuple(f"{base}.{alias.name}" for alias in node.names)
+
+
+# ---------------------------------------------------------------- the package's graph
+
+
+def _name_of(path: Path) -> str:
+    parts = ["moetune", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, list[Import]]:
+    """Module name -> its imports, for every module of moetune."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _name_of(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out[name] = imports(path.read_text(encoding="utf-8"), package)
+    return out
+
+
+def _known(name: str) -> str | None:
+    """The moetune module `name` resolves to (an attribute's module), or None."""
+    while name and name not in modules():
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def edges(name: str, lazy: bool = True) -> set[str]:
+    """The moetune modules `name` imports (`lazy=False`: at its top only)."""
+    out = set()
+    for imp in modules()[name]:
+        if imp.lazy and not lazy:
+            continue
+        for target in (imp.target, *imp.names):
+            found = _known(target) if target.startswith("moetune") else None
+            if found and found != name:
+                out.add(found)
+    return out
+
+
+def package_of(module: str) -> str | None:
+    """The floor a module lives on (None for moetune/__init__ itself)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    return ENTRY_POINTS.get(parts[1], parts[1])
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The circles of `graph` (components of more than one node), by Tarjan's walk."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while (w := stack.pop()) != v:
+                comp.add(w)
+            comp.add(v)
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+# ---------------------------------------------------------------- the stack
+
+
+def test_order_names_every_package_once() -> None:
+    floors = {package_of(m) for m in modules()} - {None}
+    assert len(set(ORDER)) == len(ORDER)
+    assert floors == set(ORDER), f"add {floors - set(ORDER)} to ORDER / drop {set(ORDER) - floors}"
+
+
+def test_no_import_runs_up_the_stack() -> None:
+    """Lazy imports included: a function-level import up the stack is still a circle."""
+    rank = {pkg: i for i, pkg in enumerate(ORDER)}
+    up = []
+    for name in modules():
+        here = package_of(name)
+        for target in edges(name):
+            there = package_of(target)
+            if here and there and rank[there] > rank[here]:
+                up.append(f"{name} ({here}) imports {target} ({there})")
+    assert up == []
+
+
+def test_no_package_level_circle() -> None:
+    graph: dict[str, set[str]] = {}
+    for name in modules():
+        here = package_of(name)
+        if here:
+            graph.setdefault(here, set()).update(
+                p for t in edges(name) if (p := package_of(t)) and p != here
+            )
+    assert strongly_connected(graph) == []
+
+
+def module_circles() -> list[frozenset[str]]:
+    graph = {name: edges(name) for name in modules()}
+    return [frozenset(m.removeprefix("moetune.") for m in c) for c in strongly_connected(graph)]
+
+
+def test_module_circles_only_from_the_allow_list() -> None:
+    circles = module_circles()
+    spanning = [sorted(c) for c in circles if len({c_.split(".")[0] for c_ in c}) > 1]
+    assert spanning == [], "a circle across packages is never allowed"
+    new = [sorted(c) for c in circles if c not in ALLOWED_CIRCLES]
+    assert new == [], "break the circle (or list it in ALLOWED_CIRCLES with its reason)"
+    gone = [sorted(c) for c in ALLOWED_CIRCLES if c not in circles]
+    assert gone == [], "these circles are gone: remove them from ALLOWED_CIRCLES"
+    assert all(reason.strip() for reason in ALLOWED_CIRCLES.values())
+
+
+# ---------------------------------------------------------------- function-level imports
+
+
+def loaded_by(module: str) -> set[str]:
+    """The moetune modules that importing `module` runs: its packages' `__init__`s and,
+    transitively, what each imports at its top."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+        todo += edges(name, lazy=False)
+    return seen
+
+
+@cache
+def heavy(module: str) -> bool:
+    """Whether importing `module` (a moetune module or a library) loads a HEAVY library."""
+    if not module.startswith("moetune"):
+        return module.split(".")[0] in HEAVY
+    found = _known(module)
+    return found is not None and any(
+        heavy(i.target)
+        for name in loaded_by(found)
+        for i in modules()[name]
+        if not i.lazy and not i.target.startswith("moetune")
+    )
+
+
+def _checked(name: str) -> bool:
+    return package_of(name) in LAZY_CHECKED
+
+
+def lazy_problems() -> list[str]:
+    problems = []
+    for name, found in modules().items():
+        if not _checked(name):
+            continue
+        for imp in (i for i in found if i.lazy):
+            where = f"{name}:{imp.line} imports {imp.target}"
+            if not heavy(imp.target) and not any(heavy(n) for n in imp.names):
+                problems.append(f"{where} inside a function: move it to the top")
+            elif not imp.commented:
+                problems.append(f"{where} inside a function without a comment saying why")
+    return problems
+
+
+def test_function_level_imports_only_delay_a_heavy_library() -> None:
+    assert lazy_problems() == []
+
+
+# ---------------------------------------------------------------- the walker itself
+
+
+def test_the_walker_sees_lazy_relative_and_guarded_imports() -> None:
+    """The checks above would pass vacuously if the walker missed imports."""
     lazy = "def f():\n    from moetune.lane import guard\n"
-    assert "moetune.lane.guard" in imported_modules(lazy, "moetune.recipe")
+    (imp,) = imports(lazy, "moetune.recipe")
+    assert imp.target == "moetune.lane" and imp.names == ("moetune.lane.guard",) and imp.lazy
     relative = "from ...lane.providers import base\nimport moetune.lane\n"
-    names = imported_modules(relative, "moetune.recipe.sub")
-    assert {"moetune.lane.providers.base", "moetune.lane"} <= names
-    assert "moetune.plan.walls" in imported_modules((PACKAGE / "lane/launch.py").read_text(), "")
+    assert [i.target for i in imports(relative, "moetune.recipe.sub")] == [
+        "moetune.lane.providers",
+        "moetune.lane",
+    ]
+    typing_only = "if TYPE_CHECKING:\n    import torch\nelse:\n    import json\n"
+    assert [i.target for i in imports(typing_only, "moetune")] == ["json"]
+    nested = "try:\n    import a\nexcept ImportError:\n    import b\nclass C:\n    def m(self):\n"
+    nested += "        if x:\n            import c\n"
+    assert [(i.target, i.lazy) for i in imports(nested, "moetune")] == [
+        ("a", False),
+        ("b", False),
+        ("c", True),
+    ]
+    assert "moetune.plan.walls" in edges("moetune.lane.launch")
+
+
+@pytest.mark.parametrize(
+    ("source", "commented"),
+    [
+        ("def f():\n    import torch\n", False),
+        ("def f():\n    import torch  # heavy: loaded only here\n", True),
+        ("def f():\n    # heavy: loaded only here\n    import json\n    import torch\n", True),
+        ("def f():\n    import torch  # noqa: F401\n", False),
+        ("def f():\n    # heavy\n    x = 1\n    import torch\n", False),
+    ],
+)
+def test_the_walker_reads_a_comment_on_the_import_block(source: str, commented: bool) -> None:
+    assert imports(source, "moetune")[-1].commented is commented
+
+
+def test_heavy_follows_packages_and_top_level_imports() -> None:
+    assert heavy("torch.nn") and not heavy("json") and not heavy("rich.table")
+    assert heavy("moetune.engine.quant")  # engine/__init__ imports torch at its top
+    assert not heavy("moetune.errors") and not heavy("moetune.registry")
+
+
+def test_a_new_circle_or_lazy_import_would_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allow-list and the lazy check bite: a circle and a needless lazy import planted
+    into the parsed sources are reported."""
+    planted = dict(modules())
+    planted["moetune.model.planted_a"] = imports(
+        "def f():\n    from moetune.errors import ConfigError\n", "moetune.model"
+    )
+    planted["moetune.model.planted_b"] = imports("import moetune.model.planted_a\n", "")
+    planted["moetune.model.planted_a"] += imports("import moetune.model.planted_b\n", "")
+    monkeypatch.setattr(sys.modules[__name__], "modules", lambda: planted)
+    assert frozenset({"model.planted_a", "model.planted_b"}) in module_circles()
+    assert any("moetune.errors inside a function: move it" in p for p in lazy_problems())

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from moetune.cli import app
 from moetune.config import RunConfig
 from moetune.lint import rules_mlx
+from moetune.lint.mlx_env import MlxBackend
 from moetune.lint.rules import RULES, LintContext
-from moetune.lint.rules_mlx import MlxBackend
 
 NO_BACKEND = MlxBackend("0.32.2", None, None, None, "No module named 'mlx'")
 
@@ -21,7 +21,7 @@ NO_BACKEND = MlxBackend("0.32.2", None, None, None, "No module named 'mlx'")
 def _check(stack: str, found: MlxBackend, monkeypatch: pytest.MonkeyPatch) -> str | None:
     monkeypatch.setattr(rules_mlx, "mlx_backend", lambda: found)
     cfg = RunConfig.model_validate({"model": {"id": "x/y"}, "lora": {"stack": stack}})
-    finding = RULES["MLX-NO-BACKEND"].check(LintContext(config=cfg, env={}, versions={}))
+    finding = RULES.get("MLX-NO-BACKEND").check(LintContext(config=cfg, env={}, versions={}))
     return None if finding is None else f"{finding.severity}: {finding.message} | {finding.fix}"
 
 
@@ -64,7 +64,7 @@ def test_doctor_reports_the_mlx_backend() -> None:
 
 def _fused_finding(model_dir: str, stack: str = "peft") -> str | None:
     cfg = RunConfig.model_validate({"model": {"id": model_dir}, "lora": {"stack": stack}})
-    finding = RULES["MLX-FUSED-KEYS"].check(LintContext(config=cfg, env={}, versions={}))
+    finding = RULES.get("MLX-FUSED-KEYS").check(LintContext(config=cfg, env={}, versions={}))
     return None if finding is None else f"{finding.severity}: {finding.message}"
 
 

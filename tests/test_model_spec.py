@@ -105,7 +105,7 @@ def test_active_params_count_top_k_experts_per_moe_layer(variant: str) -> None:
 
 def test_every_override_has_a_tiny_variant() -> None:
     covered = {get_family(cfg["model_type"]).model_type for cfg in TINY_CONFIGS.values()}
-    assert covered == {over.model_type for over in OVERRIDES.values()}
+    assert covered == {over.model_type for _, over in OVERRIDES.items()}
 
 
 def test_required_overrides_are_registered() -> None:

@@ -241,7 +241,7 @@ def test_every_adapter_trains_and_the_router_stays_frozen(variant: str) -> None:
 
 def test_a_wrong_family_path_is_missed_not_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """A family table naming a module the model does not have must fail the recipe."""
-    from moetune.model import derive
+    from moetune.model import derive, families
 
     real = derive.derive_cached
 
@@ -251,6 +251,7 @@ def test_a_wrong_family_path_is_missed_not_skipped(monkeypatch: pytest.MonkeyPat
         return replace(found, paths=wrong)
 
     monkeypatch.setattr(derive, "derive_cached", wrong_paths)
+    monkeypatch.setattr(families, "derive_cached", wrong_paths)  # Family.paths_of reads it
     with pytest.raises(RecipeError, match=r"out_proj \(not in model\)") as err:
         make_recipe(_spec("olmoe"), LoraArgs(rank=4, targets=["attention"]))
     assert "module paths are wrong" in err.value.fix

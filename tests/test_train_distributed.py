@@ -27,6 +27,7 @@ from moetune.train import TrainError
 from moetune.train import distributed as D
 from moetune.train.checkpoint import inspect_run
 from moetune.train.lock import hold
+from moetune.train.setup import device_args
 from test_train_helpers import reverse_rows, run_config, save_tiny_model, write_jsonl
 
 SRC = Path(D.__file__).parents[2]
@@ -117,12 +118,12 @@ def test_a_zero3_rank_on_a_cuda_less_host_asks_accelerate_for_gloo(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert D.device_args("cpu") == {"use_cpu": True}  # not a DeepSpeed launch
+    assert device_args("cpu") == {"use_cpu": True}  # not a DeepSpeed launch
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    assert D.device_args("cpu") == {"use_cpu": False, "ddp_backend": "gloo"}
+    assert device_args("cpu") == {"use_cpu": False, "ddp_backend": "gloo"}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert D.device_args("cpu") == {"use_cpu": True}  # refused in preflight (above)
-    assert D.device_args("cuda") == {"use_cpu": False}
+    assert device_args("cpu") == {"use_cpu": True}  # refused in preflight (above)
+    assert device_args("cuda") == {"use_cpu": False}
 
 
 _SWITCH = """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
@@ -41,8 +42,6 @@ def atomic_write_json(path: Path, payload: Any) -> None:
 
 def sha256_file(path: Path) -> str:
     """sha256 of a file's bytes, read in 1 MiB blocks."""
-    import hashlib
-
     h = hashlib.sha256()
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -61,8 +60,6 @@ def file_digests(root: Path, skip: frozenset[str] = frozenset()) -> dict[str, st
 
 def tree_digest(digests: dict[str, str]) -> str:
     """One sha256 for a whole tree: over sorted (path, file digest) pairs."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, digest in sorted(digests.items()):
         h.update(f"{name}\0{digest}\n".encode())

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -247,8 +248,6 @@ def attempt(path: Path | str, kind: str, **fields: Any) -> Iterator[dict[str, An
 
 
 def _write_quietly(write: Any, status: Status, reason: str) -> None:
-    import warnings
-
     try:
         write(status, reason)
     except (OSError, LedgerError) as err:

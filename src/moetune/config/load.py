@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from moetune.config.sections import RunConfig
 from moetune.errors import ConfigError, clip, os_problem
+from moetune.ledger import public_env
 
 
 def _apply_override(data: dict[str, Any], assignment: str) -> None:
@@ -99,8 +100,6 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as YAML (written beside every run's outputs), secret lane.env
     values masked: they reach a pod through its environment, never through a file."""
-    from moetune.ledger import public_env
-
     doc = cfg.model_dump(mode="json")
     doc["lane"]["env"] = public_env(doc["lane"]["env"])
     return yaml.safe_dump(doc, sort_keys=False)

@@ -46,6 +46,7 @@ _LORA = "_moetune_dbrx_lora"  # class flag: already the LoRA-applying subclass
 @register_override("dbrx")
 def apply_dbrx_lora(model: nn.Module) -> int:
     """Give every DbrxExperts module the forward that applies its LoRA; returns how many."""
+    # lazy: heavy to import (transformers)
     from transformers.models.dbrx.modeling_dbrx import DbrxExperts
 
     experts: list[nn.Module] = [m for m in model.modules() if isinstance(m, DbrxExperts)]

@@ -403,6 +403,7 @@ def apply_lora_dropout(model: nn.Module, p: float) -> int:
     """Dropout `p` on every LoRA layer peft built without it (the config carried 0 because
     peft's ParamWrapper refuses dropout); ParamWrappers are apply_split_lora's. Returns how
     many layers it set."""
+    # lazy: heavy to import (peft)
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]

@@ -7,6 +7,7 @@ breaks on peft, or would train nothing. An override, registered by model type, g
 modules a forward that applies peft's own `lora_A` / `lora_B`, so the adapter stays a
 standard peft adapter. `apply_overrides` runs wherever moetune prepares a peft model (the
 trainer, the planner's trace, the eval ladder); families without one are left as they are.
+The overrides themselves (dbrx.py) are registered by importing moetune.engine.
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ from typing import Any
 
 from torch import nn
 
+from moetune.engine.experts_lora import EngineError
+from moetune.registry import Registry
+
 EngineFix = Callable[[nn.Module], int]  # transformers model -> how many modules it changed
-ENGINE_OVERRIDES: dict[str, EngineFix] = {}
+ENGINE_OVERRIDES: Registry[EngineFix] = Registry("engine override", EngineError)
 
 
 def register_override(model_type: str) -> Callable[[EngineFix], EngineFix]:
     """Register the override for `model_type` (config.json's model_type)."""
-
-    def add(fix: EngineFix) -> EngineFix:
-        ENGINE_OVERRIDES[model_type] = fix
-        return fix
-
-    return add
+    return ENGINE_OVERRIDES.register(model_type)
 
 
 def apply_overrides(model: nn.Module) -> int:
@@ -35,8 +34,5 @@ def apply_overrides(model: nn.Module) -> int:
     model under it); returns how many modules it changed (0: none registered). Idempotent."""
     get_base = getattr(model, "get_base_model", None)
     base: Any = get_base() if callable(get_base) else model
-    fix = ENGINE_OVERRIDES.get(getattr(getattr(base, "config", None), "model_type", ""))
-    return fix(base) if fix is not None else 0
-
-
-from moetune.engine import dbrx as _dbrx  # noqa: E402, F401  (registers its override)
+    model_type = getattr(getattr(base, "config", None), "model_type", "")
+    return ENGINE_OVERRIDES.get(model_type)(base) if model_type in ENGINE_OVERRIDES else 0

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetune.errors import MoetuneError
+from moetune.registry import Registry
 
 if TYPE_CHECKING:
     pass
@@ -83,19 +84,19 @@ class Quantizer:
         raise NotImplementedError
 
 
-QUANTIZERS: dict[str, type[Quantizer]] = {}
+QUANTIZERS: Registry[type[Quantizer]] = Registry("quantizer backend", QuantError)
 
 
 def register(cls: type[Quantizer]) -> type[Quantizer]:
-    QUANTIZERS[cls.name] = cls
-    return cls
+    return QUANTIZERS.add(cls.name, cls)
 
 
 def quantizer_for(method: str, *, double_quant: bool = False) -> type[Quantizer]:
     """The backend used for `method` here: the highest-priority available one."""
-    found = [q for q in QUANTIZERS.values() if q.method == method and q.available()]
+    backends = [q for _, q in QUANTIZERS.items()]
+    found = [q for q in backends if q.method == method and q.available()]
     if not found:
-        methods = sorted({q.method for q in QUANTIZERS.values()})
+        methods = sorted({q.method for q in backends})
         raise QuantError(f"no quantizer for experts dtype {method!r}.", f"use one of {methods}.")
     best = max(found, key=lambda q: q.priority)
     if double_quant and not best.double_quant:
@@ -213,7 +214,7 @@ class QuantizedStack(nn.Module):
                  backend: str, buffers: dict[str, torch.Tensor]) -> None:  # fmt: skip
         super().__init__()
         self.shape, self.transposed, self.dtype = shape, transposed, dtype
-        self.backend = QUANTIZERS[backend]
+        self.backend = QUANTIZERS.get(backend)
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor)
 

@@ -23,6 +23,7 @@ from moetune.engine.quant import (
     experts_modules,
     quantizer_for,
 )
+from moetune.model.derive import causal_lm_class, ensure_backbone
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -42,10 +43,9 @@ def load_quantized(
     as in `from_pretrained`). Each expert stack is materialised on the CPU, quantised
     there, and only its quantised storage moves to `device`; the rest loads onto `device`.
     """
+    # lazy: heavy to import (accelerate, transformers)
     from accelerate import init_empty_weights
     from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class, ensure_backbone
 
     backend = quantizer_for(experts_dtype, double_quant=double_quant)
     config = AutoConfig.from_pretrained(model_dir)
@@ -72,6 +72,7 @@ def expert_device_map(expert_paths: list[str], device: str | torch.device) -> di
 def _stream(model: PreTrainedModel, model_dir: Path, device_map: dict[str, Any],
             dtype: torch.dtype) -> None:  # fmt: skip
     """One tensor at a time through the loader `from_pretrained` uses (transformers 5.23–5.24)."""
+    # lazy: heavy to import (safetensors, transformers)
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model

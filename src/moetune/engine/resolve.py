@@ -14,6 +14,7 @@ from typing import Literal
 
 from moetune.config import LoraArgs
 from moetune.errors import RecipeError
+from moetune.model.build import build_model
 from moetune.model.spec import ModelSpec
 
 Engine = Literal["peft", "moetune"]
@@ -44,8 +45,8 @@ def split_engine_serves(spec: ModelSpec) -> bool:
     It depends on the family's experts class only, so one meta build per model type.
     """
     if spec.model_type not in _SERVES:
+        # lazy: heavy to import (moetune.engine)
         from moetune.engine.experts_lora import is_fused_experts
-        from moetune.model.build import build_model
 
         _SERVES[spec.model_type] = any(map(is_fused_experts, build_model(spec).modules()))
     return _SERVES[spec.model_type]

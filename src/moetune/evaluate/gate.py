@@ -30,8 +30,9 @@ from statistics import NormalDist
 from typing import Any, Literal
 
 from moetune.evaluate.errors import GateError
-from moetune.evaluate.results import RungDoc, read_items, read_json, read_ladder
-from moetune.io import atomic_write_json
+from moetune.evaluate.results import RungDoc, adapter_digest, read_items, read_json, read_ladder
+from moetune.io import PROMOTED, atomic_write_json
+from moetune.ledger import Ledger, LedgerRow
 
 RungStatus = Literal["pass", "fail", "inconclusive"]
 Verdict = Literal["GO", "NO-GO", "INCONCLUSIVE"]
@@ -222,8 +223,6 @@ def record(
     reason: str = "",
 ) -> None:  # fmt: skip
     """A ledger row for this ladder's run (the run's ledger unless another is given)."""
-    from moetune.ledger import Ledger, LedgerRow
-
     Ledger(ledger or ladder["ledger"]).append(
         LedgerRow(
             kind=kind,
@@ -241,8 +240,6 @@ def promote(
 ) -> Path:
     """Mark the adapter promoted – only on a GO verdict for exactly these adapter bytes.
     `adapter`: a copy of the evaluated one (e.g. banked off a pod); its bytes must match."""
-    from moetune.evaluate.ladder import PROMOTED, adapter_digest
-
     results = Path(results)
     verdict = read_json(results / "verdict.json")
     if verdict.get("hash") != verdict_hash(verdict):

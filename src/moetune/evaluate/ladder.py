@@ -27,10 +27,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moetune.config import RunConfig
 from moetune.evaluate.errors import EvalError
-from moetune.evaluate.results import LADDER, RUNGS, publish, refuse_unasked_replace
+from moetune.evaluate.gate import gate_results, paired
+from moetune.evaluate.results import (
+    LADDER,
+    RUNGS,
+    adapter_digest,
+    publish,
+    refuse_unasked_replace,
+)
 from moetune.evaluate.rungs import Item, ItemScore, Rung, make_rung
-from moetune.io import PROMOTED, atomic_write_json, atomic_write_text, file_digests, tree_digest
+from moetune.io import atomic_write_json, atomic_write_text
 from moetune.ledger import attempt
+from moetune.model import load_spec
+from moetune.train.checkpoint import ledger_fields
 
 
 @dataclass
@@ -41,12 +50,6 @@ class Scored:
     items: list[Item]
     base: list[ItemScore] | None = None
     candidate: list[ItemScore] | None = None
-
-
-def adapter_digest(adapter: Path) -> str:
-    """One sha256 over the adapter's files (names and bytes), the PROMOTED marker excluded –
-    the same digest the remote lane records when it banks an adapter."""
-    return tree_digest(file_digests(adapter, skip=frozenset({PROMOTED})))
 
 
 def resolve_adapter(cfg: RunConfig, adapter: str | Path | None) -> Path:
@@ -86,10 +89,10 @@ def load_ladder(cfg: RunConfig, limit: int | None) -> list[Scored]:
 
 def load_model(cfg: RunConfig) -> tuple[Any, Any]:
     """The base model and tokenizer, placed like training would place them."""
+    # lazy: heavy to import (torch, moetune.engine, moetune.train)
     import torch
 
     from moetune.engine.resolve import resolve_engine
-    from moetune.model import load_spec
     from moetune.train.model import load_model as load_weights
     from moetune.train.setup import load_tokenizer, resolve_placement
 
@@ -123,8 +126,6 @@ def score_all(
 
 
 def rung_summary(s: Scored) -> dict[str, Any]:
-    from moetune.evaluate.gate import paired
-
     assert s.base is not None and s.candidate is not None
     base, cand = [x.score for x in s.base], [x.score for x in s.candidate]
     stats = paired(base, cand, s.rung.unit)
@@ -196,9 +197,6 @@ def run_eval(
 ) -> dict[str, Any]:
     """Score base and candidate on the ladder, write results, gate; returns the verdict.
     The attempt leaves an `eval` ledger row (failed ones too), the gate a `gate` row."""
-    from moetune.evaluate.gate import gate_results
-    from moetune.train.checkpoint import ledger_fields
-
     with attempt(cfg.output.ledger, "eval", **ledger_fields(cfg)) as row:
         results, doc = score_ladder(cfg, adapter, limit, overwrite, progress)
         row["metrics"] = eval_metrics(doc)
@@ -208,10 +206,10 @@ def run_eval(
 def score_ladder(
     cfg: RunConfig, adapter: str | Path | None, limit: int | None, overwrite: bool, show: bool
 ) -> tuple[Path, dict[str, Any]]:
+    # lazy: heavy to import (peft, moetune.engine)
     from peft import PeftModel
 
     from moetune.engine.overrides import apply_overrides
-    from moetune.train.checkpoint import ledger_fields
 
     started = time.perf_counter()
     ladder = load_ladder(cfg, limit)  # every item checked before any model loads

@@ -18,6 +18,7 @@ from moetune.evaluate.scoring import Advance
 
 def _harness() -> Any:
     try:
+        # lazy: heavy to import (lm_eval)
         import lm_eval
     except ImportError:
         raise EvalError(
@@ -31,6 +32,7 @@ def _harness() -> Any:
 def task_manager(include_path: str | None, task: str) -> Any:
     """The local tasks alone when they hold `task` (indexing lm-eval's thousands of built-in
     tasks takes ~15 s), else the full index; cached, so base and candidate share one."""
+    # lazy: heavy to import (lm_eval)
     from lm_eval.tasks import TaskManager
 
     if include_path:
@@ -73,6 +75,7 @@ class LmEvalRung(Rung):
 
     def _samples(self, model: Any, tokenizer: Any, batch_size: int) -> list[dict[str, Any]]:
         harness = _harness()
+        # lazy: heavy to import (lm_eval)
         from lm_eval.models.huggingface import HFLM
 
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)

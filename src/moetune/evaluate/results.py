@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, TypeAdapter, Val
 from moetune.config import GateArgs, RungArgs
 from moetune.errors import clip, os_problem
 from moetune.evaluate.errors import EvalError, GateError
+from moetune.io import PROMOTED, file_digests, fsync_path, tree_digest
 
 LADDER, VERDICT, RUNGS = "ladder.json", "verdict.json", "rungs"
 REDO = "re-run `moetune eval --overwrite` (per-item files are never edited by hand)"
@@ -176,8 +177,6 @@ def publish(staged: Path, results: Path) -> None:
     """Move a complete staged results dir into `results`: earlier moetune files out first
     (ladder.json and verdict.json before the rest), then the new ones with ladder.json last,
     so a dir with a ladder.json always holds one whole run. Other files are left alone."""
-    from moetune.io import fsync_path
-
     for old in sorted(owned_files(results), key=lambda p: p.parent != results):
         old.unlink()
     new = sorted((p for p in staged.rglob("*") if p.is_file()), key=lambda p: p.name == LADDER)
@@ -186,3 +185,9 @@ def publish(staged: Path, results: Path) -> None:
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(src, dst)
         fsync_path(dst.parent)
+
+
+def adapter_digest(adapter: Path) -> str:
+    """One sha256 over the adapter's files (names and bytes), the PROMOTED marker excluded –
+    the same digest the remote lane records when it banks an adapter."""
+    return tree_digest(file_digests(adapter, skip=frozenset({PROMOTED})))

@@ -10,6 +10,9 @@ better": accuracy in [0, 1], or minus the mean negative log-likelihood per token
     exact_match      {"prompt": ..., "answer": ...}    greedy output == answer (then EOS)
     multiple_choice  {"prompt": ..., "choices": [...], "answer": index or choice}
     lm_eval          a task of lm-evaluation-harness (optional extra; see lmeval.py)
+
+This module holds the registry and the three built-in kinds; it imports no other kind
+module – importing moetune.evaluate registers lmeval's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from typing import Any, ClassVar
 from moetune.config import RungArgs
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.scoring import Advance, continuation_logprobs, generate, until_eos
+from moetune.registry import Registry
+from moetune.train.data import read_rows
+from moetune.train.errors import DataError
 
 Item = dict[str, Any]
 
@@ -69,9 +75,6 @@ class Rung(ABC):
 
     def read_items(self, limit: int | None, check: Callable[[Item], str | None]) -> list[Item]:
         """Rows of the data file; the first bad one raises with its file and line."""
-        from moetune.train.data import read_rows
-        from moetune.train.errors import DataError
-
         path = self.data_path()
         try:
             rows = read_rows(path)
@@ -90,24 +93,21 @@ class Rung(ABC):
     example: ClassVar[str] = ""
 
 
-RUNG_KINDS: dict[str, type[Rung]] = {}
+RUNG_KINDS: Registry[type[Rung]] = Registry("rung kind", EvalError)
 
 
 def register_rung(cls: type[Rung]) -> type[Rung]:
-    RUNG_KINDS[cls.kind] = cls
-    return cls
+    return RUNG_KINDS.add(cls.kind, cls)
 
 
 def make_rung(args: RungArgs) -> Rung:
     """The rung object for a config entry; an unknown kind names the known ones."""
-    if args.kind == "lm_eval":
-        import moetune.evaluate.lmeval  # noqa: F401  (registers itself; lm-eval imported lazily)
-    cls = RUNG_KINDS.get(args.kind)
-    if cls is None:
+    if args.kind not in RUNG_KINDS:
         raise EvalError(
             f"rung {args.name!r}: unknown kind {args.kind!r}",
-            f"use one of: {', '.join(sorted({*RUNG_KINDS, 'lm_eval'}))}",
+            f"use one of: {', '.join(RUNG_KINDS.names())}",
         )
+    cls = RUNG_KINDS.get(args.kind)
     return cls(args)
 
 

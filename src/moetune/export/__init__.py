@@ -27,12 +27,13 @@ from moetune.export.registry import (
     register,
 )
 from moetune.export.source import resolve_source
+from moetune.registry import Registry
 
 # Format modules register themselves on import; a missing one (mlx) is simply not offered.
 FORMAT_MODULES = ("merged", "gguf", "vllm", "mlx")
 
 
-def load_formats() -> dict[str, Exporter]:
+def load_formats() -> Registry[Exporter]:
     """Import every format module present; the registry as it then stands."""
     for name in FORMAT_MODULES:
         module = f"moetune.export.{name}"

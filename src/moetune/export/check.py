@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +30,9 @@ from typing import Any, cast
 
 import torch
 
+from moetune.config import RungArgs, load_config
 from moetune.errors import MoetuneError
+from moetune.export import load_formats
 from moetune.export.registry import Source
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}  # rel. logits error
@@ -140,6 +143,7 @@ class Reference:
 
 
 def reference(source: Source, prompts: list[list[int]], new: int) -> Reference:
+    # lazy: heavy to import (peft, moetune.export)
     from peft import PeftModel
     from peft.tuners.lora.layer import ParamWrapper
 
@@ -211,19 +215,16 @@ def verdict_reason(r: CheckResult) -> str:
 
 def eval_texts(source: Source, items_file: Path | None, limit: int) -> list[str]:
     """Prompts of the run's eval ladder (or of `items_file`), at most `limit`, spread over rungs."""
+    # lazy: heavy to import (moetune.evaluate)
     from moetune.evaluate.rungs import make_rung
 
     if items_file is not None:
-        from moetune.config import RungArgs
-
         rungs = [
             make_rung(
                 RungArgs.model_validate({"name": "items", "kind": "loss", "data": str(items_file)})
             )
         ]
     elif source.run_dir is not None:
-        from moetune.config import load_config
-
         cfg = load_config(source.run_dir / "config.yaml")
         rungs = [make_rung(r) for r in cfg.eval.rungs if r.data]
     else:
@@ -240,6 +241,7 @@ def eval_texts(source: Source, items_file: Path | None, limit: int) -> list[str]
 
 
 def tokenizer_of(source: Source) -> Any:
+    # lazy: heavy to import (transformers)
     from transformers import AutoTokenizer
 
     for where in (source.base, str(source.adapter_dir)):
@@ -257,8 +259,8 @@ def merged_consumer(
     out: Path, source: Source, sequences: list[list[int]], prompts: list[list[int]], new: int
 ) -> Served:
     """The merged checkpoint in plain transformers (float32 compute, its stored values)."""
-    import warnings
 
+    # lazy: heavy to import (transformers)
     from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
@@ -299,8 +301,6 @@ def check_export(
 ) -> CheckResult:  # fmt: skip
     """Run `fmt`'s consumer on `out` and compare with the adapter (ConsumerUnavailable when
     none runs here); on `texts`, else the eval texts of `opts`."""
-    from moetune.export import load_formats
-
     load_formats()  # each format module registers its consumer with itself
     if fmt not in CONSUMERS:
         raise ConsumerUnavailable(f"no consumer of {fmt} runs here")

@@ -22,6 +22,7 @@ import torch
 
 from moetune.errors import clip
 from moetune.export.registry import ExportError
+from moetune.model.derive import causal_lm_class
 
 PREFIX = "base_model.model."
 
@@ -43,9 +44,8 @@ class LoraTarget:
 
 def meta_base(base: str) -> Any:
     """The base's causal-LM class built on the meta device (no weights read)."""
+    # lazy: heavy to import (transformers)
     from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class
 
     config = AutoConfig.from_pretrained(base)
     with torch.device("meta"), warnings.catch_warnings():
@@ -55,6 +55,7 @@ def meta_base(base: str) -> Any:
 
 def lora_targets(adapter_dir: Path, base: str) -> list[LoraTarget]:
     """Every LoRA layer peft builds for this adapter on this base, in module order."""
+    # lazy: heavy to import (peft)
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora.layer import LoraLayer
 
@@ -104,6 +105,7 @@ class AdapterTensors:
     """The adapter's safetensors, read one tensor at a time; tracks which were claimed."""
 
     def __init__(self, adapter_dir: Path) -> None:
+        # lazy: heavy to import (safetensors)
         from safetensors import safe_open
 
         path = adapter_dir / "adapter_model.safetensors"

@@ -44,6 +44,7 @@ ADAPTER_FILE = "adapter.gguf"
 
 
 def family_of(base: str) -> GgufFamily:
+    # lazy: heavy to import (transformers)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(base)
@@ -122,6 +123,7 @@ def rank_of(target: LoraTarget, a: torch.Tensor) -> int:
 
 def lora_tensors(source: Source, family: GgufFamily) -> tuple[float, dict[str, Any]]:
     """(file-wide alpha, GGUF tensor name -> float32 numpy array) for the whole adapter."""
+    # lazy: heavy to import (gguf)
     import gguf
 
     arch = getattr(gguf.MODEL_ARCH, family.arch)
@@ -146,6 +148,7 @@ def lora_tensors(source: Source, family: GgufFamily) -> tuple[float, dict[str, A
 
 
 def _layers(base: str) -> int:
+    # lazy: heavy to import (transformers)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(base)
@@ -153,6 +156,7 @@ def _layers(base: str) -> int:
 
 
 def write_adapter(path: Path, family: GgufFamily, alpha: float, tensors: dict[str, Any]) -> None:
+    # lazy: heavy to import (gguf)
     import gguf
 
     writer = gguf.GGUFWriter(
@@ -220,6 +224,7 @@ def export_gguf(source: Source, out: Path, opts: ExportOptions) -> ExportResult:
 
 def convert_with_merge(script: Path, source: Source, out: Path, opts: ExportOptions) -> None:
     """base.gguf (what the LoRA applies to) and merged.gguf through llama.cpp's converter."""
+    # lazy: heavy to import (moetune.export)
     from moetune.export.merged import export_merged
 
     merged = out / "merged-hf"

@@ -10,6 +10,7 @@ import sys
 
 
 def main() -> None:
+    # lazy: heavy to import (numpy, llama_cpp)
     import numpy as np
     from llama_cpp import Llama
 

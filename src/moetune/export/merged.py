@@ -27,6 +27,7 @@ from moetune.export.registry import (
     Source,
     register,
 )
+from moetune.model.derive import causal_lm_class
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = (
@@ -43,6 +44,7 @@ def resolve_dtype(base: str, requested: str) -> torch.dtype:
                 f"unknown dtype {requested!r}", f"use auto or one of {', '.join(DTYPES)}"
             )
         return DTYPES[requested]
+    # lazy: heavy to import (transformers)
     from transformers import AutoConfig
 
     stated = getattr(AutoConfig.from_pretrained(base), "dtype", None)
@@ -52,9 +54,8 @@ def resolve_dtype(base: str, requested: str) -> torch.dtype:
 
 def load_base(base: str, dtype: torch.dtype) -> Any:
     """The base's causal LM with its real weights; refuses a checkpoint with missing tensors."""
+    # lazy: heavy to import (transformers)
     from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -101,6 +102,7 @@ def merge_into(model: Any, source: Source) -> dict[str, Any]:
 def add_delta(
     param: torch.nn.Parameter, target: Any, a: torch.Tensor, b: torch.Tensor, counts: dict[str, Any]
 ) -> None:
+    # lazy: heavy to import (moetune.export)
     from moetune.export.deltas import delta
 
     d = delta(target, a, b)
@@ -131,6 +133,7 @@ def copy_tokenizer(source: Source, out: Path) -> list[str]:
 
 def saved_layout(folder: Path) -> dict[str, tuple[list[int], str]]:
     """Tensor name -> (shape, dtype) of every safetensors file in `folder` (headers only)."""
+    # lazy: heavy to import (safetensors)
     from safetensors import safe_open
 
     layout = {}

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moetune.export.registry import Exporter, ExportResult, register
 from moetune.model import ModelSpec, load_spec, spec_from_config
-from moetune.train.mlx_base import SIDE_FILES, hf_to_mlx
+from moetune.model.derive import causal_lm_class
+from moetune.train.mlx_base import SIDE_FILES, hf_to_mlx, mlx_dtype
 from moetune.train.mlx_format import (
     MLX_CONFIG,
     MLX_KEY,
@@ -159,6 +161,7 @@ def peft_deltas(adapter_dir: Path, spec: ModelSpec) -> dict[str, Delta]:
 def _uniform(deltas: dict[str, Delta]) -> tuple[int, float, dict[str, torch.Tensor]]:
     """One rank and one scale for mlx-lm: lower ranks padded with zeros, other scales folded
     into b; returns (rank, scale, mlx-lm tensors)."""
+    # lazy: heavy to import (torch)
     import torch
 
     rank = max(d.rank for d in deltas.values())
@@ -185,6 +188,7 @@ def peft_to_mlx(
     """A peft adapter as an mlx-lm adapter dir (adapters.safetensors + adapter_config.json,
     loadable with `mlx_lm.load(model, adapter_path=…)`). `base`: the HF model the adapter
     was trained on (default: the adapter config's base_model_name_or_path)."""
+    # lazy: heavy to import (safetensors)
     from safetensors.torch import save_file
 
     src, out = Path(adapter_dir), Path(out_dir)
@@ -217,6 +221,7 @@ def _hf_key(key: str, names: MlxNames) -> str:
 def _hf_state(weights: dict[str, torch.Tensor], names: MlxNames) -> dict[str, torch.Tensor]:
     """mlx keys -> transformers state-dict keys: switch_mlp stacks joined into the fused
     expert parameters, the MoE block renamed (mixtral: block_sparse_moe -> mlp)."""
+    # lazy: heavy to import (torch)
     import torch
 
     mlx_to_param = {t: p for p, targets in names.stacks.items() for t in targets}
@@ -240,6 +245,7 @@ def _hf_state(weights: dict[str, torch.Tensor], names: MlxNames) -> dict[str, to
 
 
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    # lazy: heavy to import (safetensors)
     from safetensors.torch import load_file
 
     files = sorted(model_dir.glob("model*.safetensors"))
@@ -252,10 +258,9 @@ def fused_to_hf(fused_dir: str | Path, out_dir: str | Path, *, overwrite: bool =
     """An `mlx_lm.fuse` output (stacked `switch_mlp.*` experts) as a transformers
     checkpoint: transformers' own model is built from the config, given these weights
     (every tensor must find its place) and saved by transformers."""
+    # lazy: heavy to import (torch, transformers)
     import torch
     from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class
 
     src, out = Path(fused_dir), Path(out_dir)
     config = json.loads((src / "config.json").read_text(encoding="utf-8"))
@@ -297,6 +302,7 @@ def fused_to_hf(fused_dir: str | Path, out_dir: str | Path, *, overwrite: bool =
 
 
 def _relative(a: Any, b: Any) -> float:
+    # lazy: heavy to import (numpy)
     import numpy as np
 
     x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
@@ -305,6 +311,7 @@ def _relative(a: Any, b: Any) -> float:
 
 def peft_logits(base_dir: str | Path, adapter_dir: str | Path, tokens: list[list[int]]) -> Any:
     """Logits of the peft adapter on `base_dir` in transformers (float32, CPU)."""
+    # lazy: heavy to import (torch, peft, transformers)
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -317,6 +324,7 @@ def peft_logits(base_dir: str | Path, adapter_dir: str | Path, tokens: list[list
 
 def mlx_logits(mlx_dir: str | Path, adapter_dir: str | Path | None, tokens: list[list[int]]) -> Any:
     """Logits of the mlx-lm model (with its mlx-lm adapter) on the same tokens."""
+    # lazy: heavy to import (mlx, numpy, mlx_lm)
     import mlx.core as mx  # type: ignore[import-not-found]
     import numpy as np
     from mlx_lm.utils import load  # type: ignore[import-not-found]
@@ -367,9 +375,6 @@ def export_format(source: Any, out: Path, opts: Any) -> Any:
     """The registry's `mlx` entry: OUT/model and OUT/adapters, for
     `mlx_lm.generate --model OUT/model --adapter-path OUT/adapters`; the served == trained
     check runs through the mlx-lm consumer below on the run's eval items."""
-    from moetune.export.registry import ExportResult
-    from moetune.train.mlx_base import mlx_dtype
-
     dtype = mlx_dtype(None if opts.dtype == "auto" else opts.dtype)  # float32 on mlx's CPU
     model = hf_to_mlx(source.base, out / "model", dtype=dtype)
     adapters = peft_to_mlx(source.adapter_dir, out / "adapters", source.base)
@@ -383,6 +388,7 @@ def mlx_consumer(
     out: Path, source: Any, sequences: list[list[int]], prompts: list[list[int]], new: int
 ) -> Any:
     """The export as mlx-lm serves it: logits per sequence and greedy continuations."""
+    # lazy: heavy to import (mlx, numpy, torch, mlx_lm, moetune.export)
     import mlx.core as mx  # type: ignore[import-not-found]
     import numpy as np
     import torch
@@ -404,8 +410,8 @@ def mlx_consumer(
 
 
 def _register() -> None:
+    # lazy: heavy to import (moetune.export)
     from moetune.export.check import register_consumer
-    from moetune.export.registry import Exporter, register
 
     register(Exporter("mlx", export_format, "mlx-lm model + adapter (switch_mlp layout)"))
     register_consumer("mlx", "mlx-lm", mlx_consumer)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from moetune.config import load_config
 from moetune.export import ExportOptions, resolve_source, run_export
 from moetune.export.check import (
     CheckFailed,
@@ -23,14 +24,13 @@ from moetune.export.check import (
 from moetune.export.registry import ExportResult, Source
 from moetune.io import atomic_write_json
 from moetune.ledger import DEFAULT_PATH, attempt
+from moetune.train.checkpoint import ledger_fields
 
 
 def ledger_of(source: Source) -> tuple[Path, dict[str, Any]]:
     """The run's ledger and row fields (run id, config hash, versions), or the default ledger."""
     if source.run_dir is None:
         return DEFAULT_PATH, {"run_id": source.adapter_dir.resolve().parent.name}
-    from moetune.config import load_config
-    from moetune.train.checkpoint import ledger_fields
 
     cfg = load_config(source.run_dir / "config.yaml")
     return Path(cfg.output.ledger), ledger_fields(cfg)

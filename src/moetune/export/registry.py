@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from moetune.errors import MoetuneError
+from moetune.registry import Registry
 
 
 class ExportError(MoetuneError):
@@ -85,19 +86,14 @@ class Exporter:
     summary: str = ""
 
 
-EXPORTERS: dict[str, Exporter] = {}
+EXPORTERS: Registry[Exporter] = Registry("export format", ExportError)
 
 
 def register(exporter: Exporter) -> Exporter:
-    """Add a format (a second registration of a name replaces the first)."""
-    EXPORTERS[exporter.name] = exporter
-    return exporter
+    """Add a format (a name is registered once)."""
+    return EXPORTERS.add(exporter.name, exporter)
 
 
 def exporter(name: str) -> Exporter:
     """The registered format `name`, or a one-line error listing those there are."""
-    try:
-        return EXPORTERS[name]
-    except KeyError:
-        known = ", ".join(sorted(EXPORTERS)) or "none"
-        raise ExportError(f"unknown export format {name!r}", f"use one of: {known}") from None
+    return EXPORTERS.get(name)

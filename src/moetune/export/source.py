@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from moetune.config import load_config
 from moetune.errors import clip
 from moetune.export.registry import ExportError, Source
 
@@ -25,8 +26,6 @@ def resolve_source(path: Path, base: str | None = None) -> Source:
 
 
 def _from_run(run_dir: Path, base: str | None) -> Source:
-    from moetune.config import load_config
-
     cfg = load_config(run_dir / "config.yaml")
     return Source(adapter_dir=run_dir / "adapter", base=base or cfg.model.id, run_dir=run_dir)
 

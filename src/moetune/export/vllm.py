@@ -48,6 +48,7 @@ def engine_rank(rank: int) -> int:
 
 
 def family_of(base: str) -> tuple[str, VllmFamily]:
+    # lazy: heavy to import (transformers)
     from transformers import AutoConfig
 
     model_type = AutoConfig.from_pretrained(base).model_type
@@ -88,6 +89,7 @@ def per_expert(target: LoraTarget, a: torch.Tensor, b: torch.Tensor) -> dict[str
 
 def write_per_expert(source: Source, out: Path) -> dict[str, Any]:
     """The 2-D adapter: safetensors + an adapter_config.json vLLM reads (alpha = r)."""
+    # lazy: heavy to import (safetensors)
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}

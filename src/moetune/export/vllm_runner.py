@@ -45,6 +45,7 @@ def module_deltas(name, weights, packed):
 
 
 def main() -> None:
+    # lazy: heavy to import (vllm)
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 

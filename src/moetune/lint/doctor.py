@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from moetune.lint.mlx_env import backend_fix, mlx_backend, pin_problems, version_tuple
 from moetune.lint.rules import installed_versions
-from moetune.lint.rules_mlx import backend_fix, mlx_backend, pin_problems, version_tuple
 
 PEFT_MIN = (0, 17)  # ParamWrapper (LoRA on fused expert parameters) arrived in peft 0.17
 
@@ -49,6 +49,7 @@ class DoctorReport:
 
 def accelerators() -> list[dict[str, object]]:
     """Visible CUDA devices (name, total bytes) and Apple MPS, if any."""
+    # lazy: heavy to import (torch)
     import torch
 
     devices: list[dict[str, object]] = []

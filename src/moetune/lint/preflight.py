@@ -8,6 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import RunConfig, load_config, parse_config
+from moetune.ledger import LedgerError
+from moetune.lint.rules import LintContext, lint
+from moetune.model import load_spec
+from moetune.plan import make_plan
+from moetune.plan.estimate import estimate
+from moetune.plan.hardware import get_card
 from moetune.plan.walls import Site
 
 RUN_SUFFIXES = (".yaml", ".yml")
@@ -26,8 +32,6 @@ def resolve_run(target: str, overrides: list[str] | None = None) -> RunConfig:
 
 def check_ledger(path: str | Path) -> None:
     """output.ledger must be able to take a row: found before a run, not after it trained."""
-    from moetune.ledger import LedgerError
-
     problem = _ledger_problem(Path(path))
     if problem:
         raise LedgerError(
@@ -54,8 +58,6 @@ def lint_context(cfg: RunConfig, spec: Any, plan: Any = None, site: Site | None 
     """The rules' view of a run: config, spec and – when planned – the peak on the named card.
     `site` (where the run goes) comes from the caller above that knows the providers; by
     default the run is here."""
-    from moetune.lint.rules import LintContext
-
     ctx = LintContext(config=cfg, spec=spec, site=site or Site())
     if plan is not None:
         ctx.peak_bytes = plan.required_bytes
@@ -65,9 +67,6 @@ def lint_context(cfg: RunConfig, spec: Any, plan: Any = None, site: Site | None 
             ctx.card_id, ctx.card_usable_bytes = cfg.hardware.card, fit.usable_bytes
             ctx.peak_bytes = fit.required_bytes
     if spec is not None and cfg.hardware.card:
-        from moetune.plan.estimate import estimate
-        from moetune.plan.hardware import get_card
-
         # the launch's own estimate: a rate measured on this card (ledger) beats FLOPs
         card = get_card(cfg.hardware.card)
         ctx.estimated_train_s = estimate(spec, cfg, card, cfg.output.ledger).estimated_train_s
@@ -78,10 +77,6 @@ def lint_run(
     cfg: RunConfig, estimator: str = "analytic", site: Site | None = None
 ) -> tuple[list[Any], Any]:
     """Run every rule on `cfg` with its spec and its plan (on `hardware.card` when named)."""
-    from moetune.lint.rules import lint
-    from moetune.model import load_spec
-    from moetune.plan import make_plan
-
     if cfg.model.is_gguf:
         return lint(lint_context(cfg, None, site=site)), None
     spec = load_spec(cfg.model.id)

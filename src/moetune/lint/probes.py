@@ -21,6 +21,11 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 from moetune.lint.rules import ProbeOutcome, ProbeUnavailable
+from moetune.model import spec_from_config
+from moetune.model.census import shrunk_config
+from moetune.model.counting import hf_config_object
+from moetune.model.derive import build_language_model
+from moetune.model.tiny import tiny_config as tiny_moe_config
 
 if TYPE_CHECKING:
     from torch import nn
@@ -66,6 +71,7 @@ _TINY_MOE: dict[str, dict[str, Any]] = {
 
 def tiny_model(model_type: str, device: str = "meta", dtype: Any = None) -> nn.Module:
     """A 2-layer, 4-expert, hidden-16 causal LM of `model_type` (random or weightless)."""
+    # lazy: heavy to import (torch, transformers)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -77,6 +83,7 @@ def tiny_model(model_type: str, device: str = "meta", dtype: Any = None) -> nn.M
 @contextmanager
 def _quiet() -> Iterator[None]:
     """peft/transformers warnings (rank_pattern mismatch, tiny-vocab eos) are noise here."""
+    # lazy: heavy to import (transformers)
     from transformers.utils import logging as tf_logging
 
     level = tf_logging.get_verbosity()
@@ -91,6 +98,7 @@ def _quiet() -> Iterator[None]:
 
 def adapted_modules(model: nn.Module, **lora: Any) -> set[str]:
     """Wrap `model` with LoraConfig(r=2, **lora); names (from `layers.`) that got a lora_A."""
+    # lazy: heavy to import (peft)
     from peft import LoraConfig, get_peft_model
 
     with _quiet():
@@ -126,6 +134,7 @@ def moe_lora_dropout() -> ProbeOutcome:
 def quantized_experts_peft() -> ProbeOutcome:
     """peft matches target_parameters only among Parameters: on experts stored quantised
     (buffers) it silently adapts nothing."""
+    # lazy: heavy to import (torch, moetune.engine)
     import torch
 
     from moetune.engine.quant import quantize_experts_
@@ -149,6 +158,7 @@ def quantized_experts_peft() -> ProbeOutcome:
 def _bnb_replaced(model: nn.Module) -> set[str]:
     """Modules transformers' bitsandbytes integration swaps for quantized ones (bnb itself is
     stubbed, so the selection logic runs without the library or a GPU)."""
+    # lazy: heavy to import (torch, transformers)
     import torch
     from transformers import BitsAndBytesConfig
     from transformers.integrations import bitsandbytes as tf_bnb
@@ -167,6 +177,7 @@ def _bnb_replaced(model: nn.Module) -> set[str]:
 
 def _kbit_prepared_expert_dtype() -> str:
     """dtype of a bf16 fused expert stack after peft's prepare_model_for_kbit_training."""
+    # lazy: heavy to import (peft)
     from peft import prepare_model_for_kbit_training
 
     model = tiny_model("qwen3_moe", device="cpu")
@@ -245,6 +256,7 @@ def gguf_not_trainable() -> ProbeOutcome:
 def _dequantized_q8_error(path: str) -> tuple[float, str]:
     """Write a 1-layer llama GGUF with one Q8_0 tensor, load it with transformers; (max abs
     error against the original, the loaded dtype)."""
+    # lazy: heavy to import (gguf, numpy, torch, transformers)
     import gguf
     import numpy as np
     import torch
@@ -283,6 +295,7 @@ def _dequantized_q8_error(path: str) -> tuple[float, str]:
 
 def card_too_small() -> ProbeOutcome:
     """An allocation beyond the card's memory fails; PyTorch does not spill to host RAM."""
+    # lazy: heavy to import (torch)
     import torch
 
     if not torch.cuda.is_available():
@@ -323,6 +336,7 @@ def hub_xet_enabled() -> ProbeOutcome:
 
 def volume_too_small() -> ProbeOutcome:
     """The hub only warns when the disk is too small; the download then dies mid-way."""
+    # lazy: heavy to import (huggingface_hub)
     from huggingface_hub import file_download
 
     check = getattr(file_download, "_check_disk_space", None)
@@ -350,11 +364,10 @@ def ci_step_timeout_missing() -> ProbeOutcome:
 def experts_not_dispatched() -> ProbeOutcome:
     """transformers builds some MoE families' experts without @use_experts_implementation
     (dbrx here), so moetune's split LoRA has no ExpertsInterface to plug into."""
+    # lazy: heavy to import (moetune.engine)
     from moetune.engine.resolve import split_engine_serves
-    from moetune.model import spec_from_config
-    from moetune.model.tiny import tiny_config
 
-    served = split_engine_serves(spec_from_config(tiny_config("dbrx"), "tiny-dbrx"))
+    served = split_engine_serves(spec_from_config(tiny_moe_config("dbrx"), "tiny-dbrx"))
     verb = "dispatch" if served else "do not dispatch"
     return ProbeOutcome(not served, f"dbrx experts {verb} through ExpertsInterface")
 
@@ -362,10 +375,6 @@ def experts_not_dispatched() -> ProbeOutcome:
 def gradient_checkpointing_unsupported() -> ProbeOutcome:
     """Some causal-LM classes (jetmoe on transformers 5.24) refuse activation checkpointing:
     `gradient_checkpointing_enable()` raises at the trainer's setup, after the model loaded."""
-    from moetune.model.census import shrunk_config
-    from moetune.model.counting import hf_config_object
-    from moetune.model.derive import build_language_model
-
     model = build_language_model(hf_config_object("jetmoe", shrunk_config("jetmoe")), "jetmoe")
     try:
         model.gradient_checkpointing_enable()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from importlib import util
@@ -26,8 +27,6 @@ def fsdp_on_cpu() -> ProbeOutcome:
     FSDP rank over (train.distributed.fsdp_on_cpu); a ZeRO-3 rank is given use_cpu=False,
     which is the CPU only on a host without CUDA (train.distributed.device_args). One rank of
     a world of one (the env torchrun sets) shows it without a second process."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -48,6 +47,7 @@ def deepspeed_missing() -> ProbeOutcome:
     """accelerate's ZeRO-3 needs the deepspeed package, which moetune does not install."""
     if util.find_spec("deepspeed") is not None:
         raise ProbeUnavailable("deepspeed is installed here, so the trap cannot show")
+    # lazy: heavy to import (accelerate)
     from accelerate.utils import is_deepspeed_available
 
     return ProbeOutcome(

@@ -10,13 +10,14 @@ import tempfile
 from importlib import metadata
 from typing import Any
 
+from packaging.requirements import Requirement
+
+from moetune.lint.mlx_env import backend_fix, mlx_backend, pin_problems
 from moetune.lint.probes import _TINY, _TINY_MOE, _quiet, _version
 from moetune.lint.rules import ProbeOutcome, ProbeUnavailable
 
 
 def _need_mlx() -> None:
-    from moetune.lint.rules_mlx import backend_fix, mlx_backend
-
     found = mlx_backend()
     if found.mlx_lm is None:
         raise ProbeUnavailable("mlx-lm is not installed here (pip install 'moetune[mlx]')")
@@ -33,6 +34,7 @@ _MLX_TINY = (
 
 def _mlx_adapted(keys: list[str] | None) -> set[str]:
     """Module names in layer 0 of a tiny mlx-lm qwen3_moe that LoRA replaced."""
+    # lazy: heavy to import (mlx_lm)
     from mlx_lm.models import qwen3_moe  # type: ignore[import-not-found]
     from mlx_lm.tuner.utils import linear_to_lora_layers  # type: ignore[import-not-found]
 
@@ -104,8 +106,6 @@ def mlx_transformers_pin() -> ProbeOutcome:
     (the trap), and a pair the table clears imports mlx_lm and loads a tiny model – a
     failure there is a bad pair the table does not know yet (review the rule)."""
     _need_mlx()
-    from moetune.lint.rules_mlx import pin_problems
-
     versions = {lib: _version(lib) for lib in ("mlx-lm", "transformers")}
     predicted_bad = bool(pin_problems(versions))
     loads, evidence = _mlx_loads()
@@ -129,7 +129,6 @@ def mlx_no_backend() -> ProbeOutcome:
     backend; without mlx, `import mlx_lm` fails (shown with mlx hidden from a fresh
     interpreter)."""
     _need_mlx()
-    from packaging.requirements import Requirement
 
     reqs = [Requirement(r) for r in metadata.requires("mlx-lm") or []]
     base = [r for r in reqs if r.name == "mlx" and "extra" not in str(r.marker or "")]
@@ -151,6 +150,7 @@ def mlx_fused_keys() -> ProbeOutcome:
     """A model saved in mlx-lm's layout (what mlx_lm.fuse writes: stacked switch_mlp
     experts) loads in transformers without an error, its experts missing (random)."""
     _need_mlx()
+    # lazy: heavy to import (mlx_lm, transformers)
     from mlx_lm.models import qwen3_moe
     from mlx_lm.utils import save_config, save_model
     from transformers import AutoModelForCausalLM

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, cast
 
+from moetune.lint.probes import _quiet, tiny_model
 from moetune.lint.rules import ProbeOutcome, ProbeUnavailable
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -44,10 +45,9 @@ def vllm_2d_wrapper() -> ProbeOutcome:
 
 def tiny_run(root: Path, model_type: str = "qwen3_moe") -> tuple[Path, Path]:
     """A tiny random base and a peft adapter on attention + its expert stacks (B ≠ 0)."""
+    # lazy: heavy to import (torch, peft)
     import torch
     from peft import LoraConfig, get_peft_model
-
-    from moetune.lint.probes import _quiet, tiny_model
 
     model: Any = tiny_model(model_type, device="cpu", dtype=torch.float32)
     model.save_pretrained(str(root / "base"))
@@ -92,13 +92,13 @@ def stock_gguf_converter() -> ProbeOutcome:
 def unmerged_expert_stack() -> ProbeOutcome:
     """peft's unmerged ParamWrapper materialises W + s·B@A for the whole expert stack on
     every forward, whatever the routing: a tensor of the stack's full shape appears."""
+    # lazy: heavy to import (torch)
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from moetune.lint.probes import _quiet
-
     with tempfile.TemporaryDirectory() as tmp:
         base, adapter = tiny_run(Path(tmp))
+        # lazy: heavy to import (peft, transformers)
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 

@@ -21,9 +21,11 @@ from importlib import metadata
 from typing import Any, Literal
 
 from moetune.config import RunConfig
+from moetune.model import OVERRIDES, get_family
 from moetune.model.families import Family, ModulePaths
 from moetune.model.spec import ModelSpec
 from moetune.plan.walls import Site
+from moetune.registry import Registry
 
 Severity = Literal["error", "warn", "info"]
 SEVERITY_ORDER: dict[str, int] = {"error": 0, "warn": 1, "info": 2}
@@ -90,8 +92,6 @@ def installed_versions() -> dict[str, str]:
 def _family_of(spec: ModelSpec | None) -> Family | None:
     """The family of `spec` where an override says what its mlx-lm modules are called
     (importing moetune.model registers them all); None leaves the path rules silent."""
-    from moetune.model import OVERRIDES, get_family
-
     return get_family(spec.model_type) if spec and spec.model_type in OVERRIDES else None
 
 
@@ -155,7 +155,7 @@ class Rule:
         return self.probe_fn()
 
 
-RULES: dict[str, Rule] = {}
+RULES: Registry[Rule] = Registry("lint rule")
 
 
 def register_rule(
@@ -169,9 +169,7 @@ def register_rule(
     """Register the decorated check as rule `rule_id`; ids are unique."""
 
     def decorate(check: CheckFn) -> CheckFn:
-        if rule_id in RULES:
-            raise ValueError(f"rule {rule_id} registered twice")
-        RULES[rule_id] = Rule(rule_id, severity, title, libraries, check, probe)
+        RULES.add(rule_id, Rule(rule_id, severity, title, libraries, check, probe))
         return check
 
     return decorate
@@ -179,7 +177,7 @@ def register_rule(
 
 def lint(ctx: LintContext) -> list[Finding]:
     """Every rule's finding for `ctx`, errors first, then by rule id."""
-    findings = [f for rule in RULES.values() if (f := rule.check(ctx)) is not None]
+    findings = [f for _, rule in RULES.items() if (f := rule.check(ctx)) is not None]
     return sorted(findings, key=lambda f: (SEVERITY_ORDER[f.severity], f.rule_id))
 
 
@@ -192,7 +190,7 @@ def rule_table() -> list[dict[str, str]]:
             "title": r.title,
             "libraries": ", ".join(r.libraries) or "-",
         }
-        for r in sorted(RULES.values(), key=lambda r: r.id)
+        for _, r in RULES.items()
     ]
 
 

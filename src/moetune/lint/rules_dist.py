@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from importlib import util
 
-from moetune.lint import probes_dist
+import moetune.lint.probes_dist as probes_dist
 from moetune.lint.rules import Hit, LintContext, register_rule
 
 

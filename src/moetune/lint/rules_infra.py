@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moetune.lint import probes
+import moetune.lint.probes as probes
 from moetune.lint.rules import Hit, LintContext, register_rule
 from moetune.plan import walls
 from moetune.units import gib
@@ -18,6 +18,7 @@ def _downloaded(model_id: str) -> bool:
     """A local dir, or a repo with a snapshot already in the hub cache: no big pull ahead."""
     if Path(model_id).exists():
         return True
+    # lazy: heavy to import (huggingface_hub)
     from huggingface_hub import constants
 
     repo = Path(constants.HF_HUB_CACHE) / f"models--{model_id.replace('/', '--')}"

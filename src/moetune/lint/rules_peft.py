@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import moetune.lint.probes as probes
 from moetune.errors import RecipeError
-from moetune.lint import probes
 from moetune.lint.rules import Hit, LintContext, Severity, register_rule
+from moetune.model import to_hf_config
+from moetune.model.derive import causal_lm_class
+from moetune.recipe.targets import peft_name_map
 from moetune.units import count, gib
 
 PEFT_LIBS = ("peft", "transformers")
@@ -18,7 +21,6 @@ def peft_maps_experts(ctx: LintContext) -> bool | None:
     mixtral's w1/w2/w3) into the fused expert parameters; None without a spec."""
     if ctx.spec is None:
         return None
-    from moetune.recipe.targets import peft_name_map  # the recipe reads peft's own tables
 
     mapping = peft_name_map(ctx.spec.model_type)
     return any(not new.endswith(".weight") for new in mapping.values())  # .weight: router
@@ -292,6 +294,7 @@ def _engine(ctx: LintContext) -> str:
     """The engine the run resolves to; an unservable explicit moetune counts as asked."""
     if ctx.spec is None:
         return ctx.config.lora.engine
+    # lazy: heavy to import (moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
     try:
@@ -310,6 +313,7 @@ def _engine(ctx: LintContext) -> str:
 def engine_unserved(ctx: LintContext) -> Hit | None:
     if ctx.spec is None or ctx.config.lora.engine != "moetune":
         return None
+    # lazy: heavy to import (moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
     try:
@@ -332,8 +336,6 @@ def engine_unserved(ctx: LintContext) -> Hit | None:
 def gc_unsupported(ctx: LintContext) -> Hit | None:
     if ctx.spec is None or not ctx.config.train.gradient_checkpointing:
         return None
-    from moetune.model import to_hf_config
-    from moetune.model.derive import causal_lm_class
 
     cls = causal_lm_class(to_hf_config(ctx.spec))
     if getattr(cls, "supports_gradient_checkpointing", True):

@@ -4,7 +4,7 @@ experts (the default config serves nothing, so it stays quiet)."""
 
 from __future__ import annotations
 
-from moetune.lint import probes_serve
+import moetune.lint.probes_serve as probes_serve
 from moetune.lint.rules import Hit, LintContext, register_rule
 from moetune.model.serving import GGUF_FAMILIES, VLLM_FAMILIES
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from moetune.model.counting import hf_config_object
+from moetune.model.derive import build_language_model
 from moetune.model.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -31,8 +32,6 @@ def build_model(
     second. `dtype` defaults to the spec's dtype; extra keyword arguments (e.g.
     `experts_implementation`, `attn_implementation`) go to from_config.
     """
-    from moetune.model.derive import build_language_model
-
     resolved = _dtype(dtype if dtype is not None else spec.dtype)
     config = to_hf_config(spec)
     return build_language_model(
@@ -41,6 +40,7 @@ def build_model(
 
 
 def _dtype(value: str | torch.dtype) -> torch.dtype:
+    # lazy: heavy to import (torch)
     import torch
 
     if isinstance(value, torch.dtype):

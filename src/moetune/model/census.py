@@ -7,11 +7,15 @@ routed experts. A newer transformers brings its new families in by itself.
 
 from __future__ import annotations
 
+import inspect
 import re
 from functools import lru_cache
 from typing import Any
 
 from moetune.errors import MoetuneError
+from moetune.model.counting import quiet_transformers
+from moetune.model.derive import derive
+from moetune.model.textlm import modeling_module
 
 # tiny values by field name (set where the config has the field)
 _TINY: dict[str, int] = {
@@ -114,9 +118,8 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
 def shrunk_config(model_type: str) -> dict[str, Any]:
     """A tiny config.json dict for any `model_type`: transformers' defaults shrunk
     (multimodal: its text_config too). model.tiny.tiny_config holds the hand-written ones."""
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
-
-    from moetune.model.counting import quiet_transformers
 
     with quiet_transformers():
         defaults = CONFIG_MAPPING[model_type]().to_dict()
@@ -170,6 +173,7 @@ def census() -> dict[str, str]:
     """model_type -> "moe" | "multimodal" (a text_config that is one) | why it is not
     buildable as a decoder MoE, over every config type the installed transformers has
     whose config or modeling code mentions experts."""
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
 
     out: dict[str, str] = {}
@@ -194,11 +198,8 @@ _EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_n
 
 
 def _mentions_experts(model_type: str) -> bool:
-    import inspect
-
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
-
-    from moetune.model.derive import modeling_module
 
     cls = CONFIG_MAPPING[model_type]
     classes = [cls, *(getattr(cls, "sub_configs", None) or {}).values()]
@@ -217,8 +218,6 @@ def _config_fields(cls: type) -> set[str]:
 
 
 def _status(model_type: str) -> str:
-    from moetune.model.derive import derive
-
     try:
         derived = derive(shrunk_config(model_type), model_type)
     except MoetuneError as exc:

@@ -21,6 +21,7 @@ def hf_config_object(model_type: str, cfg: dict[str, Any], name: str = "custom")
     Raises ConfigError when transformers rejects a field, so a bad config.json is reported
     with the model name instead of a traceback.
     """
+    # lazy: heavy to import (huggingface_hub, transformers)
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 

@@ -8,7 +8,7 @@ reads the spec's figures). A build takes 10 ms – 2 s, so `derive_cached` memoi
 
 from __future__ import annotations
 
-import importlib
+import json
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -20,11 +20,12 @@ from moetune.model.counting import (
     hf_config_object,
     quiet_transformers,
 )
-from moetune.model.families import ExpertsLayout, ModulePaths
+from moetune.model.layout import ExpertsLayout, ModulePaths
 from moetune.model.read import classify_layer, find_layers, layout, outside, sum_layers, union_paths
 from moetune.model.sanity import check_config
 from moetune.model.spec import ModelSpec
 from moetune.model.summary import spec_of
+from moetune.model.textlm import module_classes, serves, text_lm_class, text_model_class
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,11 @@ def derive(raw: dict[str, Any], name: str = "custom") -> Derived:
 
 
 def _config_object(model_type: str, kwargs: dict[str, Any], name: str) -> Any:
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
+        # lazy: heavy to import (transformers)
         import transformers
 
         raise UnknownFamilyError(
@@ -80,6 +83,7 @@ def _text_config(config: Any) -> Any:
 def causal_lm_class(config: Any) -> Any:
     """transformers' causal-LM class for `config` (the auto mapping, else the modeling
     module's `…ForCausalLM` whose config_class is this config's class)."""
+    # lazy: heavy to import (transformers)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
@@ -89,8 +93,6 @@ def causal_lm_class(config: Any) -> Any:
     for candidate in module_classes(type(config)):
         if candidate.__name__.endswith("ForCausalLM") and serves(candidate, config):
             return candidate
-    from moetune.model.textlm import text_lm_class, text_model_class
-
     base = text_model_class(config) if type(config) in _text_config_classes() else None
     if base is not None:  # a multimodal checkpoint's language model: its text model + head
         config_cls: Any = type(config)
@@ -102,37 +104,20 @@ def causal_lm_class(config: Any) -> Any:
     )
 
 
-def serves(candidate: type, config: Any) -> bool:
-    """Whether model class `candidate` is built from `config`'s class."""
-    return getattr(candidate, "config_class", None) is type(config)
-
-
 @cache
 def _text_config_classes() -> frozenset[type]:
     """The `text_config` classes of multimodal configs (not their vision or audio towers);
     read once: it touches every config class transformers registers."""
+    # lazy: heavy to import (transformers)
     from transformers import CONFIG_MAPPING
 
     subs = (getattr(top, "sub_configs", None) or {} for top in CONFIG_MAPPING.values())
     return frozenset(s["text_config"] for s in subs if "text_config" in s)
 
 
-def modeling_module(config_cls: type) -> Any:
-    """The `modeling_<type>` module beside a config class, or None."""
-    package = config_cls.__module__.rpartition(".")[0]
-    try:
-        return importlib.import_module(f"{package}.modeling_{package.rpartition('.')[2]}")
-    except ImportError:
-        return None
-
-
-def module_classes(config_cls: type) -> list[type]:
-    module = modeling_module(config_cls)
-    return [v for v in vars(module).values() if isinstance(v, type)] if module else []
-
-
 def build_language_model(config: Any, name: str = "custom", device: str = "meta", **kw: Any) -> Any:
     """The causal LM for a transformers config, built on `device` (meta: no memory)."""
+    # lazy: heavy to import (torch)
     import torch
 
     cls = causal_lm_class(config)
@@ -174,8 +159,6 @@ _CACHE_SIZE = 256
 
 
 def _key(raw: dict[str, Any], name: str) -> str:
-    import json
-
     return json.dumps([raw, name], sort_keys=True, default=str)
 
 

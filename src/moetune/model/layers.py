@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 def decoder_layers(model: nn.Module, spec: ModelSpec, family: Family) -> list[nn.Module]:
     """The decoder layers of a (peft-wrapped) transformers model."""
+    # lazy: heavy to import (torch)
     from torch import nn
 
     get_base = getattr(model, "get_base_model", None)

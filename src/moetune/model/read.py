@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moetune.errors import ConfigError
-from moetune.model.families import ExpertsLayout, ModulePaths
+from moetune.model.layout import ExpertsLayout, ModulePaths
 from moetune.model.spec import Components
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ def is_experts(module: nn.Module) -> bool:
 
 def find_layers(model: nn.Module, num_layers: int | None) -> tuple[str, list[nn.Module]]:
     """(prefix, layers): the ModuleList of decoder layers (the largest one by parameters)."""
+    # lazy: heavy to import (torch)
     from torch import nn
 
     best: tuple[int, int, str, list[nn.Module]] = (0, -1, "", [])
@@ -113,6 +114,7 @@ def _part_paths(
     layer: nn.Module, experts: Experts, blocks: dict[str, str], mixer: str
 ) -> dict[str, list[str]]:
     """Layer-relative paths of the Linears (and expert stacks) LoRA can target, by part."""
+    # lazy: heavy to import (torch)
     from torch import nn
 
     paths: dict[str, list[str]] = {k: [] for k in _PARTS}
@@ -137,6 +139,7 @@ def _part_paths(
 def runs_without_grad(module: nn.Module) -> bool:
     """Its forward is decorated with `@torch.no_grad()` (DeepSeek-V3.2's lightning indexer,
     which only picks the keys each query attends to): LoRA inside it would never learn."""
+    # lazy: heavy to import (torch)
     import torch
 
     forward = type(module).forward
@@ -159,6 +162,7 @@ def _under(path: str, roots: tuple[str, ...]) -> bool:
 
 def _in_mixer(layer: nn.Module, pname: str) -> bool:
     """Inside a layer child that is neither a norm nor an MLP block (the token mixer)."""
+    # lazy: heavy to import (torch)
     from torch import nn
 
     top = pname.split(".")[0]

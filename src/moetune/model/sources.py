@@ -114,6 +114,7 @@ def _download_config(repo_id: str) -> Path:
     Fails fast when offline or when the hub's host does not resolve: huggingface_hub
     retries network errors with backoff for ~20 s before giving up.
     """
+    # lazy: heavy to import (huggingface_hub)
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 
     cached = try_to_load_from_cache(repo_id, "config.json")

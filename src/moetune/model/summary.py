@@ -56,6 +56,7 @@ def spec_of(
 
 
 def _num_experts(read: list[Layer], config: Any) -> int:
+    # lazy: heavy to import (torch)
     from torch import nn
 
     for r in read:

@@ -8,15 +8,15 @@ config ties – so moetune can count, audit, trace and train the language model 
 
 from __future__ import annotations
 
+import importlib
 from functools import cache
 from typing import Any, ClassVar
 
 
 def text_model_class(config: Any) -> Any:
     """transformers' base (headless) model class for `config`, or None."""
+    # lazy: heavy to import (transformers)
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
-
-    from moetune.model.derive import module_classes, serves
 
     try:
         return MODEL_MAPPING[type(config)]
@@ -29,9 +29,29 @@ def text_model_class(config: Any) -> Any:
     return None
 
 
+def modeling_module(config_cls: type) -> Any:
+    """The `modeling_<type>` module beside a config class, or None."""
+    package = config_cls.__module__.rpartition(".")[0]
+    try:
+        return importlib.import_module(f"{package}.modeling_{package.rpartition('.')[2]}")
+    except ImportError:
+        return None
+
+
+def module_classes(config_cls: type) -> list[type]:
+    module = modeling_module(config_cls)
+    return [v for v in vars(module).values() if isinstance(v, type)] if module else []
+
+
+def serves(candidate: type, config: Any) -> bool:
+    """Whether model class `candidate` is built from `config`'s class."""
+    return getattr(candidate, "config_class", None) is type(config)
+
+
 @cache
 def text_lm_class(config_cls: Any, base_cls: Any) -> Any:
     """A `…ForCausalLM` for `base_cls` (built once per class pair)."""
+    # lazy: heavy to import (torch, transformers)
     from torch import nn
     from transformers import GenerationMixin
     from transformers.modeling_outputs import CausalLMOutputWithPast

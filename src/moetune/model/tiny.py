@@ -7,6 +7,7 @@ stages (trace, recipe) can reuse them to exercise every family.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 _BASE: dict[str, Any] = {
@@ -279,6 +280,4 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = dict(_VARIANTS)
 
 def tiny_config(variant: str) -> dict[str, Any]:
     """A fresh copy of one tiny config (ids as in TINY_CONFIGS, e.g. "qwen3_moe-dense0")."""
-    import copy
-
     return copy.deepcopy(TINY_CONFIGS[variant])

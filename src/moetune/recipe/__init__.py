@@ -4,14 +4,21 @@
     from moetune.recipe.audit import audit_coverage
     from moetune.recipe.mlx import make_mlx_recipe
 
-This package module stays import-light (the rules import it); torch and peft load only
-when a recipe is built.
+This package module stays import-light (the rules import it; targets and mlx load torch
+and peft only when a recipe is built). Each stack's recipe is registered in STACKS.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from rich.syntax import Syntax
+from rich.table import Table
+
+from moetune.recipe.mlx import make_mlx_recipe
+from moetune.recipe.targets import make_recipe
+from moetune.registry import Registry
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -20,30 +27,26 @@ if TYPE_CHECKING:
     from moetune.model.spec import ModelSpec
 
 
-def _peft(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
-    from moetune.recipe.targets import make_recipe
+StackRecipe = Callable[["ModelSpec", "LoraArgs", "RunConfig | None"], dict[str, Any]]
+STACKS: Registry[StackRecipe] = Registry("LoRA stack")
 
+
+@STACKS.register("peft")
+def _peft(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
     return make_recipe(spec, lora).to_json()
 
 
+@STACKS.register("mlx")
 def _mlx(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
-    from moetune.recipe.mlx import make_mlx_recipe
-
     if run is None:
         return make_mlx_recipe(spec, lora)
     return make_mlx_recipe(spec, lora, run.train, run.data)
 
 
-STACKS: dict[str, Callable[[ModelSpec, LoraArgs, RunConfig | None], dict[str, Any]]] = {
-    "peft": _peft,
-    "mlx": _mlx,
-}
-
-
 def recipe_for(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None = None) -> dict[str, Any]:
     """The recipe for `lora.stack` as a JSON-ready dict (`stack` says which); `run` gives
     the stacks whose config carries them (mlx-lm) the training hyperparameters."""
-    return STACKS[lora.stack](spec, lora, run)
+    return STACKS.get(lora.stack)(spec, lora, run)
 
 
 def _grouped(rows: list[list[str]]) -> list[list[str]]:
@@ -59,9 +62,6 @@ def _grouped(rows: list[list[str]]) -> list[list[str]]:
 
 def render_recipe(console: Console, result: dict[str, Any]) -> None:
     """Print a recipe from `recipe_for` for people: the config, then what it covers."""
-    from rich.syntax import Syntax
-    from rich.table import Table
-
     if result["stack"] == "mlx":  # raw: valid YAML at any terminal width (notes are comments)
         console.file.write(result["yaml"])
         return

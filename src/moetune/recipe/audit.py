@@ -223,6 +223,7 @@ def _span(layers: list[int]) -> str:
 
 
 def _is_tuner_layer(module: nn.Module) -> bool:
+    # lazy: heavy to import (peft)
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return isinstance(module, BaseTunerLayer)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.config import LoraArgs
 from moetune.errors import RecipeError
+from moetune.model import build_model
 from moetune.model.families import Family, get_family
 from moetune.model.spec import ModelSpec
 from moetune.recipe.audit import (
@@ -62,6 +63,7 @@ def peft_name_map(model_type: str) -> dict[str, str]:
     recipe follows the library rather than a remembered version.
     """
     try:
+        # lazy: heavy to import (peft, transformers)
         from peft.utils import transformers_weight_conversion as conv
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # transformers < 5 or a peft without the mapping: nothing is rewritten
@@ -142,6 +144,7 @@ def _check_moe(spec: ModelSpec, kinds: tuple[str, ...]) -> None:
 
 def split_experts(spec: ModelSpec, lora: LoraArgs) -> bool:
     """moetune's engine computes the expert LoRA (and applies its dropout)."""
+    # lazy: heavy to import (moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
     return resolve_engine(spec, lora) == "moetune"
@@ -202,6 +205,7 @@ def build_peft_config(spec: ModelSpec, lora: LoraArgs) -> LoraConfig:
     Note that `get_peft_model` rewrites the config it is given in place on transformers 5
     models; pass a copy if the original must stay as written.
     """
+    # lazy: heavy to import (peft)
     from peft import LoraConfig
 
     targets = peft_targets(spec, lora)
@@ -230,6 +234,7 @@ def _alpha(value: float) -> Any:
 
 def apply_peft(model: nn.Module, config: LoraConfig) -> tuple[nn.Module, list[str]]:
     """get_peft_model on a copy of `config`, with peft's warnings captured (not printed)."""
+    # lazy: heavy to import (peft)
     from peft import get_peft_model
 
     with warnings.catch_warnings(record=True) as caught:
@@ -342,8 +347,6 @@ def _unrequested_router(report: CoverageReport) -> bool:
 def make_recipe(spec: ModelSpec, lora: LoraArgs) -> Recipe:
     """Build, apply (on meta) and audit the peft recipe; RecipeError unless it covers 100 %
     of the requested targets and leaves an unrequested router frozen."""
-    from moetune.model import build_model
-
     config = build_peft_config(spec, lora)
     wrapped, notes = apply_peft(build_model(spec, device="meta"), config)
     report = audit_coverage(wrapped, spec, lora)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from moetune.report.inputs import missing, read_json
+
 
 def exports_section(inp: Any) -> dict[str, Any]:
-    from moetune.report.html import missing, read_json
-
     path = inp.run_dir / "exports.json"
     if not path.is_file():  # not exported yet: nothing is missing from the run
         return {

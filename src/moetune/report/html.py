@@ -11,9 +11,7 @@ one inline script (which marks whether every figure decoded) is allowed by its h
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -25,10 +23,11 @@ import yaml
 from jinja2 import Environment, StrictUndefined
 from markupsafe import Markup
 
+import moetune.report.plots as plots
 from moetune.errors import MoetuneError
 from moetune.io import atomic_write_text
-from moetune.report import plots
 from moetune.report.exports import exports_section
+from moetune.report.inputs import lookup, missing, read_json, read_jsonl
 from moetune.report.shift import shift_section
 from moetune.units import human_bytes
 
@@ -101,32 +100,6 @@ class Inputs:
         return self.files.get(name) or {}
 
 
-def read_json(path: Path) -> tuple[dict[str, Any] | None, str]:
-    """(the JSON object, "") or (None, why it cannot be used)."""
-    if not path.is_file():
-        return None, f"no {path.name} in {path.parent}"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"{path} is unreadable: {exc}"
-    if not isinstance(data, dict):
-        return None, f"{path} does not hold a JSON object"
-    return data, ""
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The whole JSON-object rows; a torn last line (a run killed mid-write) is skipped."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            row = json.loads(line)
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
-
-
 def read_config(run_dir: Path) -> dict[str, Any]:
     """config.yaml as a dict: the one input a report cannot do without."""
     path = run_dir / "config.yaml"
@@ -164,19 +137,7 @@ def load_inputs(run_dir: Path, results_dir: Path | None) -> Inputs:
     return inp
 
 
-def lookup(data: dict[str, Any], dotted: str) -> Any:
-    """data["a"]["b"] for "a.b"; None where any part is missing."""
-    node: Any = data
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
 # ---------------------------------------------------------------- sections
-
-
-def missing(why: str) -> dict[str, Any]:
-    return {"missing": why}
 
 
 def guarded(name: str, build: Callable[[Inputs], dict[str, Any]], inp: Inputs) -> dict[str, Any]:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetune.report import plots
+import moetune.report.plots as plots
+from moetune.report.inputs import lookup, missing, read_jsonl
 
 
 def shift_section(inp: Any) -> dict[str, Any]:
-    from moetune.report.html import lookup, missing, read_jsonl
-
     path = inp.run_dir / "routing_shift.jsonl"
     if not path.is_file():  # a method that does not sample: nothing is missing
         return {"hint": "the method samples no rollouts (only grpo does)", "plot": None}

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import TrainerCallback
 
 from moetune.config import RunConfig, dump_config
 from moetune.io import PROMOTED, atomic_write_text, fsync_path
@@ -344,29 +343,6 @@ def open_run(run: RunDir, cfg: RunConfig, resume_step: int | None) -> None:
 
 
 # ---------------------------------------------------------------- checkpoints
-
-
-class CheckpointCommitter(TrainerCallback):
-    """After each save, publish `.staging/checkpoint-N` as `checkpoints/step-N` in one rename."""
-
-    def __init__(self, run: RunDir) -> None:
-        self.run = run
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from accelerate import PartialState
-
-        PartialState().wait_for_everyone()  # every rank has written its part (RNG states)
-        if args.should_save:
-            from moetune.train.recovery import require_whole  # recovery builds on this module
-
-            staged = self.run.staging / f"checkpoint-{state.global_step}"
-            require_whole(self.run, staged, state.global_step)
-            replace_dir(staged, self.run.checkpoints / f"{STEP_PREFIX}{state.global_step}")
-            for _, old in self.run.checkpoints_done()[:-KEEP_CHECKPOINTS]:
-                trash = old.with_name(f".{old.name}.old")  # out of sight first, then deleted
-                os.replace(old, trash)
-                shutil.rmtree(trash, ignore_errors=True)
-        PartialState().wait_for_everyone()
 
 
 # ---------------------------------------------------------------- provenance

@@ -14,7 +14,7 @@ Facts this rests on (accelerate 1.15, checked by the DIST-* rules' probes):
   (fully_shard) runs on CPU over gloo all the same, so a CPU rank of an FSDP launch is
   switched to accelerate's FSDP path (fsdp_on_cpu) – that is how fsdp is tested here.
 - DeepSpeed is entered for use_cpu=False only; on a host without CUDA such a rank is a CPU
-  rank all the same, and with the gloo backend (device_args) accelerate counts the world
+  rank all the same, and with the gloo backend (setup.device_args) accelerate counts the world
   right and DeepSpeed's CPU accelerator runs ZeRO-3 over gloo – how zero3 is tested here.
   Beside a GPU, device cpu + zero3 is refused (DIST-SHARDED-CPU). On a machine's first
   ZeRO-3 run the CPU accelerator JIT-compiles its shm_comm op (~4 min on 2 loaded cores);
@@ -46,6 +46,7 @@ from moetune.config import RunConfig
 from moetune.io import atomic_write_text
 from moetune.train import nodes
 from moetune.train.errors import TrainError
+from moetune.train.result import TrainResult
 
 CONFIG_NAME = "accelerate.yaml"  # in the run dir, beside config.yaml
 HEADER = "# written by `moetune train --nproc` for accelerate launch; regenerated on each launch\n"
@@ -105,25 +106,6 @@ def _zero3(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
             "deepspeed_multinode_launcher": "standard",
         },
     }
-
-
-def deepspeed_rank() -> bool:
-    """A rank of a DeepSpeed launch (`accelerate launch` sets this for distributed_type
-    DEEPSPEED)."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-
-
-def device_args(device: str) -> dict[str, Any]:
-    """TrainingArguments' device fields for a rank on `device`. accelerate skips its
-    DeepSpeed path for use_cpu, yet on a host without CUDA a use_cpu=False rank runs on
-    the CPU all the same; given the gloo backend (else accelerate counts a world of one),
-    DeepSpeed's CPU accelerator then runs ZeRO-3 over gloo. DIST-SHARDED-CPU refuses
-    device cpu beside a GPU, where use_cpu=False would take the GPU."""
-    import torch
-
-    if device == "cpu" and deepspeed_rank() and not torch.cuda.is_available():
-        return {"use_cpu": False, "ddp_backend": "gloo"}
-    return {"use_cpu": device == "cpu"}
 
 
 @contextlib.contextmanager
@@ -311,8 +293,6 @@ def launch_or_train(
     """`train(cfg, …)` here, or – several ranks (train.nproc × train.nnodes) outside a
     launch – on this node's nproc processes, after the same read-only run-dir check and
     preflight a rank would do first. A node other than 0 returns a `nodes.NodeDone`."""
-    from moetune.train.trainer import TrainResult
-
     opts = {k: v for k, v in flags.items() if k != "json"}
     if nodes.world(cfg.train) == 1 or launched():
         return train(cfg, progress=not flags.get("json"), **opts)

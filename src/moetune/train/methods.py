@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from moetune.registry import Registry
 from moetune.train.errors import DataError, TrainError
 
 if TYPE_CHECKING:
@@ -190,21 +191,20 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
             )
 
 
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method("sft", "SFTTrainer", "SFTConfig", ("messages", "prompt/completion", "text"),
-               _sft_args),
-        Method("dpo", "DPOTrainer", "DPOConfig", ("preference",), _dpo_args, build=_dpo_build),
-        Method("grpo", "GRPOTrainer", "GRPOConfig", ("prompt",), _grpo_args,
-               trainer_kwargs=_grpo_rewards, check=_grpo_check, tokenized_rows=False,
-               rollout=True, build=_grpo_build, routing_rows=_prompt_rows),
-    )
-}  # fmt: skip
+METHODS: Registry[Method] = Registry("training method")
+for _method in (
+    Method("sft", "SFTTrainer", "SFTConfig", ("messages", "prompt/completion", "text"),
+           _sft_args),
+    Method("dpo", "DPOTrainer", "DPOConfig", ("preference",), _dpo_args, build=_dpo_build),
+    Method("grpo", "GRPOTrainer", "GRPOConfig", ("prompt",), _grpo_args,
+           trainer_kwargs=_grpo_rewards, check=_grpo_check, tokenized_rows=False,
+           rollout=True, build=_grpo_build, routing_rows=_prompt_rows),
+):  # fmt: skip
+    METHODS.add(_method.name, _method)
 
 
 def method_of(cfg: RunConfig) -> Method:
-    return METHODS[cfg.train.method]
+    return METHODS.get(cfg.train.method)
 
 
 def reference_of(trainer: Any) -> str:

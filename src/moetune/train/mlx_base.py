@@ -34,7 +34,7 @@ SIDE_FILES = re.compile(r"(tokenizer.*|special_tokens_map|generation_config|chat
 def mlx_dtype(requested: str | None = None) -> str | None:
     """The dtype to convert to: as requested, else float32 on mlx's CPU backend (GatherMM
     is float32-only there), else the checkpoint's own."""
-    from moetune.lint.rules_mlx import backend_fix, mlx_backend
+    from moetune.lint.mlx_env import backend_fix, mlx_backend
 
     if requested:
         return requested

@@ -4,7 +4,8 @@ A committed checkpoint can still be damaged later (a truncated copy, a disk erro
 checks every file it would load and falls back to the newest one that is whole; a damaged
 one is renamed `step-N.damaged` (kept, never deleted). A disk that fills up mid-save stops
 the run with one line naming the path and the free space; committed checkpoints are
-untouched, since the save was going to `.staging/` (checkpoint.py).
+untouched, since the save was going to `.staging/` (checkpoint.py); `CheckpointCommitter`
+commits a save only once it is whole.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from moetune.train.checkpoint import RunDir
+from transformers import TrainerCallback
+
+from moetune.train.checkpoint import KEEP_CHECKPOINTS, STEP_PREFIX, RunDir, replace_dir
 from moetune.train.errors import TrainError
 from moetune.units import human_bytes
 
@@ -156,3 +160,24 @@ def stopped(run: RunDir, what: str) -> TrainError:
         f"{what} ({free} free on {run.root}); {kept}",
         "free disk space (or move output.dir), then run the same `moetune train` with --resume",
     )
+
+
+class CheckpointCommitter(TrainerCallback):
+    """After each save, publish `.staging/checkpoint-N` as `checkpoints/step-N` in one rename."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()  # every rank has written its part (RNG states)
+        if args.should_save:
+            staged = self.run.staging / f"checkpoint-{state.global_step}"
+            require_whole(self.run, staged, state.global_step)
+            replace_dir(staged, self.run.checkpoints / f"{STEP_PREFIX}{state.global_step}")
+            for _, old in self.run.checkpoints_done()[:-KEEP_CHECKPOINTS]:
+                trash = old.with_name(f".{old.name}.old")  # out of sight first, then deleted
+                os.replace(old, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+        PartialState().wait_for_everyone()

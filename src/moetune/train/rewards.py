@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from moetune.registry import Registry
 from moetune.train.errors import TrainError
 
 if TYPE_CHECKING:
@@ -80,11 +81,10 @@ def _length(args: RewardArgs) -> RewardFunc:
     return length
 
 
-REWARDS: dict[str, Callable[[RewardArgs], RewardFunc]] = {
-    "exact_match": _exact_match,
-    "regex": _regex,
-    "length": _length,
-}
+REWARDS: Registry[Callable[[RewardArgs], RewardFunc]] = Registry("reward", RewardError)
+REWARDS.add("exact_match", _exact_match)
+REWARDS.add("regex", _regex)
+REWARDS.add("length", _length)
 
 
 def _imported(spec: str) -> RewardFunc:
@@ -107,13 +107,12 @@ def build_reward(args: RewardArgs) -> RewardFunc:
     """One reward function, from the registry or imported."""
     if ":" in args.name:
         return _imported(args.name)
-    builder = REWARDS.get(args.name)
-    if builder is None:
+    if args.name not in REWARDS:
         raise RewardError(
             f"unknown reward {args.name!r}",
-            f"use one of {', '.join(REWARDS)} or module:function",
+            f"use one of {', '.join(REWARDS.names())} or module:function",
         )
-    return builder(args)
+    return REWARDS.get(args.name)(args)
 
 
 def build_rewards(grpo: GrpoArgs) -> tuple[list[RewardFunc], list[float]]:

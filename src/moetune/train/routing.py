@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -437,8 +437,6 @@ class RoutingCallback(TrainerCallback):
         does; call it before the first step (routing off: nothing to compare, not measured)."""
         if not self.every:
             return
-        from moetune.train.select import batches, sample_rows
-
         rows = sample_rows(len(dataset), BASE_ROWS)
         device = next(model.parameters()).device
         inputs = batches(dataset, collate, rows, batch, device)
@@ -453,6 +451,23 @@ class RoutingCallback(TrainerCallback):
             "drift_margin": DRIFT_MARGIN,
             "line": drift_line(self.base, sorted(self.drifted), layers),
         }
+
+
+def sample_rows(total: int, rows: int) -> list[int]:
+    """Up to `rows` row indices spread evenly over a dataset of `total` rows."""
+    n = min(total, rows)
+    return [i * total // n for i in range(n)]
+
+
+def batches(
+    dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], rows: list[int],
+    batch_size: int, device: torch.device,
+) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """The rows as the trainer collates them, model inputs only (no labels: no loss)."""
+    for start in range(0, len(rows), batch_size):
+        batch = collate([dataset[i] for i in rows[start : start + batch_size]])
+        batch.pop("labels", None)
+        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

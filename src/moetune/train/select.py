@@ -26,7 +26,7 @@ The router stays frozen: selection is refused with lora.train_router (`check_sel
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,7 @@ import torch
 
 from moetune.engine.experts_lora import PROJECTIONS, EngineError, train_only
 from moetune.errors import ConfigError
+from moetune.train.routing import RoutingRecorder, batches, sample_rows
 
 if TYPE_CHECKING:
     from torch import nn
@@ -236,30 +237,11 @@ def check_selection(lora: LoraArgs, spec: ModelSpec) -> None:
 # ---------------------------------------------------------------- scoring
 
 
-def sample_rows(total: int, rows: int) -> list[int]:
-    """Up to `rows` row indices spread evenly over a dataset of `total` rows."""
-    n = min(total, rows)
-    return [i * total // n for i in range(n)]
-
-
-def batches(
-    dataset: Any, collate: Callable[[list[Any]], dict[str, Any]], rows: list[int],
-    batch_size: int, device: torch.device,
-) -> Iterator[dict[str, Any]]:  # fmt: skip
-    """The rows as the trainer collates them, model inputs only (no labels: no loss)."""
-    for start in range(0, len(rows), batch_size):
-        batch = collate([dataset[i] for i in rows[start : start + batch_size]])
-        batch.pop("labels", None)
-        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def score_experts(
     model: nn.Module, spec: ModelSpec, inputs: Iterable[dict[str, Any]], mode: str
 ) -> tuple[dict[int, torch.Tensor], int]:
     """Per MoE layer, the `mode` score of each expert over `inputs` (frozen base), and the
     number of tokens scored."""
-    from moetune.train.routing import RoutingRecorder
-
     recorder = RoutingRecorder(model, spec, weights=True)
     was_training = model.training
     model.eval()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,6 @@ from moetune.config import RunConfig, TrainArgs
 from moetune.io import atomic_write_json
 from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.data import TrainData, load_train_data
-from moetune.train.distributed import device_args
 from moetune.train.errors import TrainError
 from moetune.train.methods import method_of
 from moetune.train.recovery import ResumePoint, resume_point_of, set_aside
@@ -63,6 +63,23 @@ class Placement:
             props = torch.cuda.get_device_properties(0)
             info.update(device_name=props.name, device_total_bytes=props.total_memory)
         return info
+
+
+def deepspeed_rank() -> bool:
+    """A rank of a DeepSpeed launch (`accelerate launch` sets this for distributed_type
+    DEEPSPEED)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def device_args(device: str) -> dict[str, Any]:
+    """TrainingArguments' device fields for a rank on `device`. accelerate skips its
+    DeepSpeed path for use_cpu, yet on a host without CUDA a use_cpu=False rank runs on
+    the CPU all the same; given the gloo backend (else accelerate counts a world of one),
+    DeepSpeed's CPU accelerator then runs ZeRO-3 over gloo. DIST-SHARDED-CPU refuses
+    device cpu beside a GPU, where use_cpu=False would take the GPU."""
+    if device == "cpu" and deepspeed_rank() and not torch.cuda.is_available():
+        return {"use_cpu": False, "ddp_backend": "gloo"}
+    return {"use_cpu": device == "cpu"}
 
 
 def resolve_placement(t: TrainArgs) -> Placement:

@@ -34,12 +34,10 @@ saved its part.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -58,7 +56,6 @@ from moetune.train.callbacks import (
     reset_peak_memory,
 )
 from moetune.train.checkpoint import (
-    CheckpointCommitter,
     RunDir,
     inspect_run,
     ledger_fields,
@@ -70,7 +67,8 @@ from moetune.train.lock import hold
 from moetune.train.methods import method_of
 from moetune.train.model import load_model, wrap_lora
 from moetune.train.nodes import node_loss_stops, world
-from moetune.train.recovery import disk_full_stops
+from moetune.train.recovery import CheckpointCommitter, disk_full_stops
+from moetune.train.result import TrainResult
 from moetune.train.routing import (
     RoutingCallback,
     RoutingRecorder,
@@ -87,44 +85,6 @@ if TYPE_CHECKING:
     from trl import SFTTrainer
 
     from moetune.train.select import ExpertSelection
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What a finished run produced (summary.json's "result")."""
-
-    run_dir: str
-    adapter_dir: str
-    steps: int
-    final_loss: float | None
-    coverage: float  # fraction of the requested LoRA targets adapted (the audit's)
-    router_changed: bool
-    seconds: float
-    peak_memory_bytes: int  # measured: CUDA max allocated, else the process peak RSS
-    planned_peak_bytes: int | None  # the memory plan's prediction for this run
-    aux_loss: bool = False
-    method: str = "sft"  # train.method
-    routing_shift: float | None = None  # grpo: mean rollout → training top-k set shift
-    resumed_from_step: int | None = None
-    errors_overridden: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    # What the next launch sizes its training time from (plan/estimate.py): the loop's
-    # non-padding tokens (this attempt's, all processes) over its wall time, the device and
-    # its catalog card (None when not in plan/cards.json), and the step it was measured on.
-    tokens: int | None = None
-    tokens_per_s: float | None = None
-    loop_seconds: float | None = None
-    device: str | None = None
-    card: str | None = None
-    signature: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TrainResult:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 def train(

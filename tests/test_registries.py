@@ -1,0 +1,78 @@
+"""Every plug-in kind is a moetune.registry.Registry: an unknown name is a user error that
+lists the known ones, and a registry module imports none of its plug-ins (the package's
+`__init__` does)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from moetune.config import RewardArgs, RungArgs
+from moetune.engine.overrides import ENGINE_OVERRIDES
+from moetune.engine.quant import QUANTIZERS
+from moetune.errors import MoetuneError
+from moetune.evaluate import RUNG_KINDS, make_rung
+from moetune.export import load_formats
+from moetune.lint import RULES
+from moetune.model import OVERRIDES
+from moetune.recipe import STACKS
+from moetune.registry import Registry
+from moetune.train.methods import METHODS
+from moetune.train.rewards import REWARDS, build_reward
+from test_layering import edges
+
+REGISTRIES: dict[str, tuple[Registry[Any], set[str]]] = {
+    "lint rules": (RULES, {"MOE-LORA-DROPOUT", "MLX-NO-BACKEND"}),
+    "rung kinds": (RUNG_KINDS, {"loss", "exact_match", "multiple_choice", "lm_eval"}),
+    "engine overrides": (ENGINE_OVERRIDES, {"dbrx"}),
+    "quantizers": (QUANTIZERS, {"int8", "nf4"}),
+    "model overrides": (OVERRIDES, {"qwen3_moe", "mixtral"}),
+    "export formats": (load_formats(), {"merged", "vllm", "gguf", "mlx"}),
+    "train methods": (METHODS, {"sft", "dpo", "grpo"}),
+    "rewards": (REWARDS, {"exact_match", "regex", "length"}),
+    "recipe stacks": (STACKS, {"peft", "mlx"}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRIES))
+def test_each_registry_holds_its_plug_ins_and_names_them_on_a_miss(kind: str) -> None:
+    registry, expected = REGISTRIES[kind]
+    assert isinstance(registry, Registry)
+    assert expected <= set(registry.names())
+    with pytest.raises(MoetuneError) as err:
+        registry.get("no-such-entry")
+    assert all(name in err.value.fix for name in expected)
+
+
+LOOKUPS: list[tuple[Callable[[], Any], str]] = [
+    (lambda: make_rung(RungArgs(name="r", kind="nope", data="x.jsonl")), "lm_eval"),
+    (lambda: build_reward(RewardArgs(name="nope")), "exact_match"),
+]
+
+
+@pytest.mark.parametrize(("lookup", "named"), LOOKUPS)
+def test_the_public_lookups_keep_their_own_messages(lookup: Callable[[], Any], named: str) -> None:
+    with pytest.raises(MoetuneError) as err:
+        lookup()
+    assert "unknown" in err.value.cause and named in err.value.fix
+
+
+# registry module -> the modules holding its plug-ins (imported by the package instead)
+RULE_MODULES = ("dist", "infra", "mlx", "peft", "serve")
+PLUG_INS = {
+    "moetune.lint.rules": [f"moetune.lint.rules_{s}" for s in RULE_MODULES],
+    "moetune.evaluate.rungs": ["moetune.evaluate.lmeval"],
+    "moetune.engine.overrides": ["moetune.engine.dbrx"],
+    "moetune.model.families": ["moetune.model.overrides"],
+    "moetune.export.registry": ["moetune.export." + s for s in ("merged", "vllm", "gguf", "mlx")],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("registry", sorted(PLUG_INS))
+def test_a_registry_module_imports_none_of_its_plug_ins(registry: str) -> None:
+    assert edges(registry) & set(PLUG_INS[registry]) == set()
+    package = registry.rpartition(".")[0]
+    held = {p for p in PLUG_INS[registry] if p in edges(package)}
+    assert held or registry == "moetune.export.registry"  # export: load_formats imports them
