@@ -37,12 +37,12 @@ def ctx(model: str = QWEN235, **sections: Any) -> LintContext:
 
 
 def check(rule_id: str, context: LintContext) -> Any:
-    return RULES[rule_id].check(context)
+    return RULES.get(rule_id).check(context)
 
 
 def test_the_rules_are_registered_with_a_probe() -> None:
     for rule_id in ("OFFLOAD-HOST-RAM", "OFFLOAD-DISK-SPACE", "OFFLOAD-GGUF"):
-        assert RULES[rule_id].severity == "error" and RULES[rule_id].probe_fn
+        assert RULES.get(rule_id).severity == "error" and RULES.get(rule_id).probe_fn
 
 
 def test_host_without_the_ram_for_cpu_offload_is_an_error() -> None:

@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from importlib import util
 
 from moetune.lint.rules import ProbeOutcome, ProbeUnavailable
@@ -62,9 +64,7 @@ def multinode_addr() -> ProbeOutcome:
     retries until the rendezvous timeout (torch's static rendezvous: 600 s) – a long
     silent wait, not an error. Shown with accelerate's own launch arguments and one
     TCPStore client given 1.5 s."""
-    import time
-    from datetime import timedelta
-
+    # lazy: heavy to import (accelerate, torch)
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
     from torch.distributed import TCPStore
@@ -90,8 +90,6 @@ def multinode_addr() -> ProbeOutcome:
 
 
 def _closed_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -11,7 +11,7 @@ MiB = 1024**2
 
 
 def _rss() -> int:
-    import psutil
+    import psutil  # lazy: imported only when the probe runs
 
     return int(psutil.Process().memory_info().rss)
 
@@ -20,7 +20,7 @@ def host_ram_short() -> ProbeOutcome:
     """Host memory is committed when touched, not when allocated: a plan larger than the
     host does not fail at `torch.empty` but later, mid-step, when the pages are written –
     on Linux as the OOM killer's SIGKILL, with no Python traceback."""
-    import torch
+    import torch  # lazy: heavy to import
 
     size = 256 * MiB
     before = _rss()
@@ -39,6 +39,7 @@ def disk_offload_reads_in_place() -> ProbeOutcome:
     """safetensors maps the file: a tensor read with `safe_open` adds only the pages it
     touches, so disk offload streams from the files where they lie – they must sit whole on
     a local disk (a download or a quantised copy needs that space first)."""
+    # lazy: heavy to import (torch, safetensors)
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file

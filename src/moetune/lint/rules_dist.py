@@ -4,6 +4,7 @@ FSDP2 and ZeRO-3 they train the 1-process adapter (tests/test_train_distributed.
 
 from __future__ import annotations
 
+import ipaddress
 from importlib import util
 
 import moetune.lint.probes_dist as probes_dist
@@ -60,8 +61,6 @@ def deepspeed_missing(ctx: LintContext) -> Hit | None:
 
 def is_loopback(addr: str) -> bool:
     """127.0.0.0/8, ::1 or localhost: node 0 as seen from node 0 only."""
-    import ipaddress
-
     if addr.strip().lower() in ("localhost", "localhost.localdomain"):
         return True
     try:

@@ -7,9 +7,11 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import moetune.lint.probes as probes
+import moetune.lint.probes_offload as probes_offload
 from moetune.errors import MoetuneError
-from moetune.lint import probes, probes_offload
 from moetune.lint.rules import Hit, LintContext, register_rule
+from moetune.plan.offload import plan_offload
 from moetune.units import gib
 
 if TYPE_CHECKING:
@@ -25,8 +27,6 @@ def _offload_plan(ctx: LintContext) -> OffloadPlan | None:
         return None
     if cfg.hardware.card is None and cfg.train.device != "cpu":
         return None
-    from moetune.plan.offload import plan_offload
-
     try:
         return plan_offload(ctx.spec, cfg, cfg.hardware.card)
     except MoetuneError:
@@ -59,7 +59,7 @@ def _present(model_id: str) -> bool:
     """The checkpoint already on this disk: a local dir, or a snapshot in the hub cache."""
     if Path(model_id).exists():
         return True
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # lazy: heavy to import
 
     repo = Path(constants.HF_HUB_CACHE) / f"models--{model_id.replace('/', '--')}"
     return (repo / "snapshots").is_dir()
