@@ -84,6 +84,7 @@ def read_into(segments: list[Segment], out: torch.Tensor) -> int:
         fd = os.open(seg.path, os.O_RDONLY)
         try:
             _pread_all(fd, flat[pos : pos + seg.nbytes], seg.offset)
+            _drop_cached(fd, seg)
         finally:
             os.close(fd)
         pos += seg.nbytes
@@ -91,6 +92,13 @@ def read_into(segments: list[Segment], out: torch.Tensor) -> int:
         raise OffloadError(f"read {pos} bytes for a {out.nbytes}-byte stack",
                            "check that config.json belongs to these weights")  # fmt: skip
     return pos
+
+
+def _drop_cached(fd: int, seg: Segment) -> None:
+    """Let the kernel drop the pages just read: a base larger than RAM cycles through the
+    page cache with no hits, and would only push other processes' pages out."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, seg.offset, seg.nbytes, os.POSIX_FADV_DONTNEED)
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> None:
