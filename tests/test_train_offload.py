@@ -11,6 +11,7 @@ offloaded quantised; what cannot work is refused before the run dir is written.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +53,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return save_model(root / "model"), write_jsonl(root / "d.jsonl", reverse_rows(16))
 
 
-def _run(tiny: tuple[Path, Path], out: Path, offload: str, **over: Any) -> Any:
+def _run(tiny: tuple[Path, Path], out: Path, offload: str, resume: bool = False,
+         **over: Any) -> Any:  # fmt: skip
     from moetune.train import train
 
     experts_dtype = over.pop("experts_dtype", "bf16")
+    train_over = {"max_steps": 3, "save_steps": 3, **over}
     cfg = run_config(*tiny, out, lora__engine="moetune", lora__targets=["attention", "experts"],
-                     max_steps=3, save_steps=3, offload=offload, **over)  # fmt: skip
+                     offload=offload, **train_over)  # fmt: skip
     cfg.model.experts_dtype = experts_dtype
     with one_thread():
-        return train(cfg, progress=False)
+        return train(cfg, resume=resume, progress=False)
 
 
 def _adapter(result: Any) -> dict[str, torch.Tensor]:
@@ -102,6 +105,20 @@ def test_offloaded_run_equals_the_run_without(
     read = stats["bytes_read"]
     assert (sum(read.values()) == sum(moved.values())) == (offload == "disk")
     assert not (tmp_path / "run" / ".staging").exists()
+
+
+def test_offloaded_run_resumes(tiny: tuple[Path, Path], plain: Any, tmp_path: Path) -> None:
+    """A checkpoint holds the adapter only (the offloaded weights are the base's), and a
+    resumed offloaded run ends where the uninterrupted one does."""
+    out = tmp_path / "run"
+    _run(tiny, out, "disk", save_steps=2)
+    saved = sorted(p.name for p in (out / "checkpoints" / "step-2").iterdir())
+    assert not any("experts" in name or name.startswith("model") for name in saved)
+    (out / "summary.json").unlink()  # as if it had stopped after step 2
+    shutil.rmtree(out / "checkpoints" / "step-3")  # the final save
+    result = _run(tiny, out, "disk", resume=True, save_steps=2)
+    assert result.resumed_from_step == 2 and result.steps == 3
+    _assert_same_adapter(_adapter(result), _adapter(plain))
 
 
 def test_offloaded_int8_experts_stream_quantised(
