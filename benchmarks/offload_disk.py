@@ -133,6 +133,17 @@ def write_checkpoint(out: Path, cfg: dict[str, Any], progress: bool) -> int:
     return total
 
 
+def reused(out: Path, cfg: dict[str, Any]) -> int:
+    """The bytes of a complete checkpoint of this shape already in `out` (0: none)."""
+    index = out / "model.safetensors.index.json"
+    if not index.is_file():
+        return 0
+    config = json.loads((out / "config.json").read_text())
+    if any(config.get(k) != v for k, v in cfg.items()):
+        return 0
+    return int(json.loads(index.read_text())["metadata"]["total_size"])
+
+
 def _edges(cfg: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
     v, h = cfg["vocab_size"], cfg["hidden_size"]
     return {"model.embed_tokens.weight": _rand((v, h), gen, 0.02),
@@ -193,7 +204,9 @@ def build(model_dir: Path, rank: int) -> tuple[Any, Any]:
     from moetune.engine.offload import peft_targets
     from moetune.engine.offload_load import load_offloaded
 
-    model, store, _ = load_offloaded(model_dir, "disk", "cpu", torch.bfloat16)
+    # fp32 compute, as moetune trains on a CPU: torch's bf16 matmul backward on a CPU without
+    # AVX512-BF16 falls back to a reference GEMM (measured: > 15 min for one LM-head backward)
+    model, store, _ = load_offloaded(model_dir, "disk", "cpu", torch.float32)
     register()
     model.set_experts_implementation(IMPLEMENTATION)
     stacks = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -272,7 +285,7 @@ def machine() -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = {**(SMOKE if args.smoke else QWEN3_30B), "num_hidden_layers": args.layers}
     out = Path(args.out)
-    need = expected_bytes(cfg)
+    need = 0 if args.reuse and reused(out, cfg) else expected_bytes(cfg)
     free = shutil.disk_usage(out.parent if not out.exists() else out).free
     if free - need < (0 if args.smoke else KEEP_FREE):
         raise SystemExit(
@@ -284,7 +297,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         started = time.perf_counter()
-        written = write_checkpoint(out, cfg, progress=not args.smoke)
+        written = reused(out, cfg) if args.reuse else 0
+        written = written or write_checkpoint(out, cfg, progress=not args.smoke)
         write_s = time.perf_counter() - started
         rss = RssSampler()
         before_load = rss.reset()
@@ -319,12 +333,14 @@ def describe(r: dict[str, Any]) -> str:
         f"{s['num_hidden_layers']} layers ({s['num_experts']} experts × hidden "
         f"{s['hidden_size']} × {s['moe_intermediate_size']}): **{r['checkpoint_bytes'] / 1e9:.1f} "
         f"GB** of bf16 safetensors ({g(r['expert_bytes'])} of expert stacks, "
-        f"{g(r['expert_layer_bytes'])} a layer), written in {r['write_s']} s; LoRA r {r['rank']} "
+        f"{g(r['expert_layer_bytes'])} a layer), written in {r['write_s']} s (0: reused); fp32 "
+        f"compute; LoRA r {r['rank']} "
         f"on every expert stack ({r['trainable_params'] / 1e6:.0f} M params, AdamW), batch 1 × "
         f"{r['seq']} tokens, checkpointing off.",
         f"- Load (all but the experts): {r['load_s']} s, RSS peak {g(r['rss_peak_load'])}. "
         f"**Peak RSS over the steps: {g(r['rss_peak_steps'])}** (psutil, every 20 ms).",
-        "", "| step | s | GiB read | read GB/s | moved fwd / bwd GiB | peak resident experts |",
+        "", "| step | s | GiB read | read GB/s | moved fwd / bwd GiB | "
+        "peak resident experts (fp32) |",
         "|---|---|---|---|---|---|",
     ]  # fmt: skip
     for st in r["steps"]:
@@ -366,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", default=_THREADS, help="torch/OpenMP threads (--threads=N)")
     ap.add_argument("--out", default="/tmp/moetune-offload")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    ap.add_argument("--reuse", action="store_true", help="use a complete checkpoint of the "
+                    "same shape already in --out (kept or left by a killed run)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="tiny shape, 1 step, nothing recorded")
     ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md "
                     "(the default of a full run)")  # fmt: skip

@@ -206,7 +206,7 @@ def test_disk_benchmark_smoke(tmp_path: Path) -> None:
     assert r["expert_bytes"] == layers * r["expert_layer_bytes"] > 0
     assert r["checkpoint_bytes"] > r["expert_bytes"]
     assert step["bytes_read"] >= r["expert_bytes"]  # every layer read at least once
-    assert r["expert_layer_bytes"] <= step["peak_resident_expert_bytes"]
-    assert step["peak_resident_expert_bytes"] <= 2 * r["expert_layer_bytes"]
+    device_layer = 2 * r["expert_layer_bytes"]  # fp32 on the device, bf16 in the files
+    assert device_layer <= step["peak_resident_expert_bytes"] <= 2 * device_layer
     assert r["rss_peak_steps"] > 0 and not out.exists()  # deleted without --keep
     assert "plan:" in run.stdout
