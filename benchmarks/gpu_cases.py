@@ -23,8 +23,14 @@ at 2k tokens ~0.5–1.5 s (launch-bound, ~40k aten ops; peft also moves every ex
 W+ΔW and a full-size weight gradient), 8k ~2 s; the first step JIT-compiles TRL's Triton
 kernels (~10–20 s); tracker passes run every op through Python (~2–4× a step); NF4 dequantises
 one expert at a time (~1.5 M ops, ~10–15 s a step), so its tracker pass (~100–150 s) runs only
-if the budget still allows. All default cases: ~440 s if every guess holds, so with
-`--budget-s 420` the NF4 tracker pass is the part left out; 30B NF4 goes last.
+if the budget still allows. OLMoE with its expert stacks offloaded to pinned host RAM
+(engine/offload.py) builds like OLMoE, then copies 12.9 GB of stacks to the host (~20 s) and
+streams ~2 × 12.9 GB per step over PCIe (~1 s a step at 25–50 GB/s); its row compares
+`moetune.plan.offload`'s device peak (when that module exists, else "plan: n/a") with
+max_memory_allocated, and carries the store's counts (peak resident expert bytes, bytes moved
+per phase); no tracker pass (the copies run on a side thread). All default cases: ~500 s if
+every guess holds, so with `--budget-s 420` the NF4 tracker pass and, if NF4 ran long, the
+offload case (its own build, after NF4) are what the budget leaves out.
 """
 
 from __future__ import annotations
