@@ -230,6 +230,8 @@ class ExpertStore:
         elif layer not in self._live:
             self.stats.waits += 1
             self._live[layer] = self._load(layer, phase)
+            if self._side is not None:  # copied on the side stream here too
+                _join_stream(self._live[layer], self._side)
         ahead = self._ahead(layer)
         if ahead is not None and ahead not in self._live:
             self._pending = (ahead, self._pool.submit(self._load, ahead, phase), phase)
