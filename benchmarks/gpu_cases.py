@@ -23,8 +23,14 @@ at 2k tokens ~0.5–1.5 s (launch-bound, ~40k aten ops; peft also moves every ex
 W+ΔW and a full-size weight gradient), 8k ~2 s; the first step JIT-compiles TRL's Triton
 kernels (~10–20 s); tracker passes run every op through Python (~2–4× a step); NF4 dequantises
 one expert at a time (~1.5 M ops, ~10–15 s a step), so its tracker pass (~100–150 s) runs only
-if the budget still allows. All default cases: ~440 s if every guess holds, so with
-`--budget-s 420` the NF4 tracker pass is the part left out; 30B NF4 goes last.
+if the budget still allows. OLMoE with its expert stacks offloaded to pinned host RAM
+(engine/offload.py) builds like OLMoE, then copies 12.9 GB of stacks to the host (~20 s) and
+streams ~2 × 12.9 GB per step over PCIe (~1 s a step at 25–50 GB/s); its row compares
+`moetune.plan.offload`'s device peak (when that module exists, else "plan: n/a") with
+max_memory_allocated, and carries the store's counts (peak resident expert bytes, bytes moved
+per phase); no tracker pass (the copies run on a side thread). All default cases: ~500 s if
+every guess holds, so with `--budget-s 420` the NF4 tracker pass and, if NF4 ran long, the
+offload case (its own build, after NF4) are what the budget leaves out.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,11 +82,13 @@ class Case:
     expect_s: float = 30.0  # H200 wall seconds: warm-up + 3 measured steps (no build)
     tracker_s: float = 10.0  # H200 wall seconds: 2 steps under the Python-level ByteTracker
     default: bool = True  # run when --cases is not given
+    offload: str = "none"  # train.offload: expert stacks streamed from host RAM or disk
 
     @property
     def group(self) -> tuple[Any, ...]:
         """Cases with the same group share one built model."""
-        return (self.model, self.experts_dtype, self.double_quant, self.rank, self.mapping)
+        return (self.model, self.experts_dtype, self.double_quant, self.rank, self.mapping,
+                self.offload)  # fmt: skip
 
     def config(self, seq_len: int) -> Any:
         from moetune.config import parse_config
@@ -89,7 +98,8 @@ class Case:
                       "experts_double_quant": self.double_quant},
             "lora": {"rank": self.rank, "targets": ["attention", "experts"],
                      "expert_mapping": self.mapping, "engine": self.engine},
-            "train": {"seq_len": seq_len, "batch_size": 1, "gradient_checkpointing": self.gc},
+            "train": {"seq_len": seq_len, "batch_size": 1, "gradient_checkpointing": self.gc,
+                      "offload": self.offload},
         })  # fmt: skip
 
 
@@ -105,6 +115,12 @@ CASES = (
     # one expert dequantised at a time: ~1.5 M eager aten ops per step (launch-bound)
     Case("30b-moetune-nf4dq-2k", QWEN, "moetune", 2048, experts_dtype="nf4", double_quant=True,
          expect_s=70, tracker_s=150),
+    # expert stacks in pinned host RAM, one layer (+1 prefetched) on the GPU: OLMoE's 12.9 GB
+    # of stacks, ~2 × 12.9 GB over PCIe per step; no tracker pass (its copies run on a thread)
+    Case("olmoe-moetune-offload-cpu-4k", OLMOE, "moetune", 4096, offload="cpu", expect_s=25,
+         tracker_s=0),
+    Case("olmoe-moetune-offload-disk-4k", OLMOE, "moetune", 4096, offload="disk", expect_s=90,
+         tracker_s=0, default=False),
     # vanilla peft (names auto-mapped, gate_up rank 2r): plan.overhead's calibration step
     Case("30b-peft-automap-2k", QWEN, "peft", 2048, mapping="automap", expect_s=40,
          tracker_s=12, default=False),
@@ -112,6 +128,7 @@ CASES = (
 _FRESH_HOOKS = "_gpu_validate_fresh_hooks"  # input-embedding hook ids right after the build
 BUILD_S = {QWEN: 30.0, OLMOE: 8.0}  # H200 guess: random init of the bf16 weights on the GPU
 NF4_BUILD_S = 15.0  # quantising 96 expert stacks on the GPU, on top of the bf16 build
+OFFLOAD_BUILD_S = 20.0  # copying the stacks into pinned host RAM (or a scratch file)
 
 
 # ---------------------------------------------------------------- predictions (CPU)
@@ -133,6 +150,8 @@ def seq_for(case: Case, smoke: bool) -> int:
 
 def predict(case: Case, smoke: bool) -> dict[str, Any]:
     """The planner's two estimates of `case` (the trace is cached on disk)."""
+    if case.offload != "none":
+        return predict_offload(case, smoke)
     from moetune.plan.fit import analytic
     from moetune.plan.overhead import overhead_for
     from moetune.plan.tracecache import cached_trace
@@ -153,6 +172,24 @@ def predict(case: Case, smoke: bool) -> dict[str, Any]:
         "trainable_params": trace.trainable_params,
         "total_params": trace.total_params,
     }  # fmt: skip
+
+
+def predict_offload(case: Case, smoke: bool) -> dict[str, Any]:
+    """moetune.plan.offload's device peak and step time, where that module exists (None:
+    "plan: n/a" – the row then has measurements and no error)."""
+    try:
+        from moetune.plan.offload import plan_offload
+    except ImportError:
+        return {"predicted_bytes": None, "analytic_bytes": None, "plan": "n/a"}
+    from moetune.plan.hardware import card_for_device
+
+    card = None if smoke else card_for_device(torch.cuda.get_device_name())
+    plan = plan_offload(spec_for(case, smoke), case.config(seq_for(case, smoke)), card=card)
+    keys = ("device_peak_bytes", "host_ram_bytes", "disk_bytes", "bytes_moved_per_step",
+            "step_time_s")  # fmt: skip
+    figures = {k: getattr(plan, k, None) for k in keys}
+    return {"predicted_bytes": figures["device_peak_bytes"], "analytic_bytes": None,
+            "plan": figures}  # fmt: skip
 
 
 def _worker_init() -> None:
@@ -215,9 +252,38 @@ def build(case: Case, spec: Any, device: torch.device) -> Any:
         model = build_step_model(to_hf_config(spec), peft_config, torch.bfloat16, str(device),
                                  False, case.engine, experts)  # fmt: skip
     add_fused_head(model)
+    if case.offload != "none":  # the stacks leave the device for the store
+        offload(model, case, device)
     embeddings = model.get_base_model().get_input_embeddings()
     model.__dict__[_FRESH_HOOKS] = set(embeddings._forward_hooks)
     return model
+
+
+def offload(model: Any, case: Case, device: torch.device) -> None:
+    import tempfile
+
+    from moetune.engine.offload import offload_experts_
+
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-validate-")) / "experts.bin"
+    offload_experts_(model.get_base_model(), case.offload, device, scratch=scratch)  # type: ignore[arg-type]
+
+
+def offload_stats(model: Any) -> dict[str, Any] | None:
+    """The store's measurements (peak resident expert bytes, bytes moved per phase)."""
+    from moetune.engine.offload import store_of
+
+    store = store_of(model)
+    return store.stats.to_json() if store is not None else None
+
+
+def release_offloaded(model: Any) -> None:
+    """Drop the layers a step left materialised, so they are not counted as weights."""
+    from moetune.engine.offload import store_of
+
+    store = store_of(model)
+    if store is not None:
+        store.release()
+        store.reset_peak()
 
 
 def configure(model: Any, case: Case) -> None:
@@ -284,6 +350,7 @@ def warm_up(model: Any, seq: int, device: torch.device) -> float:
     start = time.perf_counter()
     one_step(_loop(model, seq, device))  # its optimizer state dies with the loop
     sync_device(device)
+    release_offloaded(model)
     free_memory(device)
     return time.perf_counter() - start
 
@@ -371,7 +438,11 @@ def run_case(
     with in_place_folds(device.type != "cuda"):  # CPU: TRL's folds copy, CUDA's don't
         out["warm_up_s"] = round(warm_up(model, seq, device), 2)
         out |= measured_pass(model, seq, device, weights)
-        if device.type != "cuda":  # no allocator to read: the tracker's real-tensor count
+        if case.offload != "none":  # the store counts what it streamed
+            out["offload_stats"] = offload_stats(model)
+            # CPU (no allocator): the resident weights + the store's peak of streamed stacks
+            out.setdefault("measured_bytes", weights + out["offload_stats"]["peak_resident_bytes"])
+        elif device.type != "cuda":  # no allocator to read: the tracker's real-tensor count
             out |= tracker_pass(model, seq, device, weights)
             out["measured_bytes"] = out["tracker_bytes"]
         elif tracker(out["step_s"]):
@@ -393,4 +464,6 @@ def grouped(cases: list[Case]) -> Iterator[list[Case]]:
 
 
 def build_seconds(case: Case) -> float:
-    return BUILD_S.get(case.model, 30.0) + (NF4_BUILD_S if case.experts_dtype != "bf16" else 0)
+    extra = NF4_BUILD_S if case.experts_dtype != "bf16" else 0
+    extra += OFFLOAD_BUILD_S if case.offload != "none" else 0
+    return BUILD_S.get(case.model, 30.0) + extra

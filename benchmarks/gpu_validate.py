@@ -90,18 +90,22 @@ def compare(case: Case, seq: int, pred: dict[str, Any], meas: dict[str, Any]) ->
     measured = meas["measured_bytes"]
     row: dict[str, Any] = {"case": case.name, "status": "ok", **asdict(case), "seq_len": seq}
     row |= pred | meas
-    row["error"] = pred["predicted_bytes"] / measured - 1
-    row["analytic_error"] = pred["analytic_bytes"] / measured - 1
-    row["within_goal"] = abs(row["error"]) <= GOAL
+    row["error"] = _rel(pred["predicted_bytes"], measured)  # None: no plan for it here
+    row["analytic_error"] = _rel(pred["analytic_bytes"], measured)
+    row["within_goal"] = row["error"] is not None and abs(row["error"]) <= GOAL
     row["tokens_per_s"] = round(seq / meas["step_s"], 1)
     if "tracker_bytes" in meas:
         row["tracker_error"] = pred["predicted_bytes"] / meas["tracker_bytes"] - 1
-    if "max_reserved_bytes" in meas:  # what the card must hold vs the planner's required
+    if "max_reserved_bytes" in meas and pred.get("overhead_bytes") is not None:
         need = meas["max_reserved_bytes"] + meas["non_torch_bytes"]
         row["required_measured_bytes"] = need
         row["required_predicted_bytes"] = pred["predicted_bytes"] + pred["overhead_bytes"]
         row["required_error"] = row["required_predicted_bytes"] / need - 1
     return row
+
+
+def _rel(predicted: float | None, measured: float) -> float | None:
+    return None if predicted is None else predicted / measured - 1
 
 
 # ---------------------------------------------------------------- the run
@@ -131,7 +135,9 @@ class Run:
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
-        err = f"error {100 * row['error']:+.2f} %" if row["status"] == "ok" else row["status"]
+        err = row["status"]
+        if err == "ok":
+            err = "plan: n/a" if row["error"] is None else f"error {100 * row['error']:+.2f} %"
         print(f"[{self.elapsed:6.1f} s] {row['case']}: {err} {row.get('reason', '')}".rstrip())
         write_json(self.out, report(self))
 
@@ -187,12 +193,13 @@ def machine(device: torch.device) -> dict[str, Any]:
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in rows if r["status"] == "ok"]
+    planned = [r for r in ok if r["error"] is not None]  # an offload row may have no plan
     out: dict[str, Any] = {"cases": len(rows), "ok": len(ok), "goal": GOAL,
                            "within_goal": sum(r["within_goal"] for r in ok)}  # fmt: skip
-    if ok:
-        worst = max(ok, key=lambda r: abs(r["error"]))
+    if planned:
+        worst = max(planned, key=lambda r: abs(r["error"]))
         out |= {"worst_error": worst["error"], "worst_case": worst["case"],
-                "mean_abs_error": statistics.fmean(abs(r["error"]) for r in ok)}  # fmt: skip
+                "mean_abs_error": statistics.fmean(abs(r["error"]) for r in planned)}  # fmt: skip
     return out
 
 
@@ -250,7 +257,7 @@ def markdown(data: dict[str, Any]) -> str:
     where = (f"{m['device']} · torch {m['torch']}{cuda}, transformers {m['transformers']}, "
              f"peft {m['peft']}, trl {m['trl']}")  # fmt: skip
     worst = (f", worst error {100 * s['worst_error']:+.2f} % ({s['worst_case']}), mean |error| "
-             f"{100 * s['mean_abs_error']:.2f} %" if s["ok"] else "")  # fmt: skip
+             f"{100 * s['mean_abs_error']:.2f} %" if "worst_error" in s else "")  # fmt: skip
     smoke = " · --smoke (tiny models)" if data["smoke"] else ""
     line = (f"- {m['date']} · {where}{smoke} · {s['ok']}/{s['cases']} cases ran{worst}, "
             f"{s['within_goal']}/{s['ok']} within {100 * GOAL:.0f} %; "

@@ -201,3 +201,24 @@ def test_cuda_branches_turn_allocator_figures_into_a_row(monkeypatch: pytest.Mon
     text = gv.markdown({**data, "cases": [row, {"case": "x", "status": "skipped", "reason": "r"}]})
     assert "NVIDIA H200 · torch 1.0 (CUDA 12.8)" in text and "| x | skipped: r |" in text
     assert "predicted GiB" in text and f"| {row['step_s']} |" in text
+
+
+@pytest.mark.parametrize("name", ["olmoe-moetune-offload-cpu-4k", "olmoe-moetune-offload-disk-4k"])
+def test_offload_cases_stream_the_experts(tmp_path: Path, name: str):
+    """The offload cases' smoke: experts in the store, at most two layers of them on the
+    device at a time; the plan beside it where plan.offload exists."""
+    out = tmp_path / "out"
+    assert gv.main(["--smoke", "--cases", name, "--out", str(out), "--no-record"]) == 0
+    (row,) = json.loads((out / "gpu_validate.json").read_text())["cases"]
+    assert row["status"] == "ok" and row["offload"] == name.split("-")[3]
+    assert row["experts_implementation"] == "moetune_lora"
+    stats = row["offload_stats"]
+    assert stats["layers"] == gpu_cases.SMOKE_COMMON["num_hidden_layers"]
+    assert stats["layer_bytes"] <= stats["peak_resident_bytes"] <= 2 * stats["layer_bytes"]
+    # 2 smoke layers: both stay materialised (one in use, one prefetched), so the step after
+    # the warm-up's release streams each once, in its forward
+    assert stats["bytes_moved"]["forward"] >= stats["stored_bytes"] > 0
+    assert row["measured_bytes"] == row["weight_bytes"] + stats["peak_resident_bytes"]
+    assert (row["error"] is None) == (row["predicted_bytes"] is None)
+    case = next(c for c in gpu_cases.CASES if c.name == name)
+    assert case.default == (case.offload == "cpu") and case.model == gpu_cases.OLMOE

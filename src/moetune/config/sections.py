@@ -224,10 +224,10 @@ class TrainArgs(_Section):
     )
     offload: Literal["none", "cpu", "disk"] = Field(
         "none",
-        description="Where frozen base weights wait between uses: none (on the device), cpu "
-        "(host RAM, pinned on CUDA) or disk (the memory-mapped safetensors files); they reach "
-        "the device a layer at a time, prefetched one layer ahead. LoRA factors, their "
-        "gradients and optimizer state stay on the device.",
+        description="Where the frozen expert stacks wait between uses: none (on the device), "
+        "cpu (host RAM, pinned on CUDA) or disk (the base's safetensors files, read by offset); "
+        "they reach the device a layer at a time, prefetched one layer ahead. LoRA factors, "
+        "their gradients and optimizer state stay on the device (needs lora.engine moetune).",
     )
     nnodes: PositiveInt = Field(
         1, description="Nodes in a multi-node run (train.nproc processes on each)."

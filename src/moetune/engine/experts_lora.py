@@ -45,6 +45,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers.integrations.moe import ExpertsInterface
 
+from moetune.engine.offload import StackRef, offloaded_of
 from moetune.engine.quant import QuantizedStack, stacks_of
 from moetune.errors import MoetuneError
 
@@ -160,9 +161,13 @@ class Combine(torch.autograd.Function):
 def _project(experts: Any, name: str, x: torch.Tensor, route: Routing) -> torch.Tensor:
     """Base projection of each row by its own expert, plus each active adapter's update."""
     quantized = stacks_of(experts).get(name)
-    if quantized is not None:  # never read the attribute: it would dequantise the stack
+    streamed = offloaded_of(experts).get(name)
+    if streamed is not None:  # offloaded (engine/offload.py): fetched, never saved
+        x = x.to(streamed.dtype)
+        out: torch.Tensor = _StreamedGroupedLinear.apply(x, streamed, route.offsets)
+    elif quantized is not None:  # never read the attribute: it would dequantise the stack
         x = x.to(quantized.dtype)
-        out: torch.Tensor = _QuantizedGroupedLinear.apply(x, quantized, route.offsets)
+        out = _QuantizedGroupedLinear.apply(x, quantized, route.offsets)
     else:
         weight = getattr(experts, name)
         x = x.to(weight.dtype)
@@ -288,6 +293,32 @@ def _per_expert(x: torch.Tensor, stack: QuantizedStack, offsets: torch.Tensor,
             out[start:end] = rows @ w if backward else F.linear(rows, w)
         start = end
     return out
+
+
+class _StreamedGroupedLinear(torch.autograd.Function):
+    """`_grouped_mm` on an offloaded stack: fetched from its store in forward and again in
+    backward; only the reference is saved, so autograd never keeps a layer on the device."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ref: StackRef, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.ref = ref
+        ctx.save_for_backward(offsets)
+        return _through(ref.fetch(), x, offsets, ref.transposed, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (offsets,) = ctx.saved_tensors
+        weight = ctx.ref.fetch(backward=True)
+        return _through(weight, grad, offsets, ctx.ref.transposed, backward=True), None, None
+
+
+def _through(w: torch.Tensor | QuantizedStack, x: torch.Tensor, offsets: torch.Tensor,
+             transposed: bool, backward: bool) -> torch.Tensor:  # fmt: skip
+    """x·W_eᵀ per expert group (forward), or grad·W_e (the input gradient)."""
+    if isinstance(w, QuantizedStack):
+        return _per_expert(x, w, offsets, backward)
+    # w is [E, out, in], or [E, in, out] when transposed; grouped_mm wants (E, in, out)
+    return grouped_mm(x, w.transpose(-2, -1) if transposed == backward else w, offsets)
 
 
 class SplitParamWrapper(ParamWrapper):

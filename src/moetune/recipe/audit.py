@@ -289,10 +289,12 @@ def _resolve(
 
 
 def _holds(module: nn.Module, param: str) -> bool:
-    """A Parameter of that name, or a quantised expert stack standing in for it."""
-    from moetune.engine.quant import stacks_of  # torch: imported only when auditing
+    """A Parameter of that name, or a quantised or offloaded expert stack standing in for it."""
+    from moetune.engine.offload import offloaded_of  # torch: imported only when auditing
+    from moetune.engine.quant import stacks_of
 
-    return param in module._parameters or param in stacks_of(module)
+    held = param in module._parameters or param in stacks_of(module)
+    return held or param in offloaded_of(module)
 
 
 def _router_state(modules: dict[str, nn.Module], paths: tuple[str, ...]) -> str:

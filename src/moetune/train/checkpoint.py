@@ -293,9 +293,9 @@ def inspect_run(
 # removes these and nothing else, so a user's own files in the run dir survive.
 RUN_OWNED = (
     "summary.json", "config.yaml", "versions.json", "preflight.json", "data.json",
-    "coverage.json", "quant.json", "experts_selected.json", "metrics.jsonl", "routing.jsonl",
-    "routing_shift.jsonl", "report.html", "checkpoints", ".staging", ".adapter.tmp", "adapter",
-    "mlx",
+    "coverage.json", "quant.json", "offload.json", "experts_selected.json", "metrics.jsonl",
+    "routing.jsonl", "routing_shift.jsonl", "report.html", "checkpoints", ".staging",
+    ".adapter.tmp", "adapter", "mlx",
     "eval/ladder.json", "eval/verdict.json", "eval/rungs/*.json", "eval/rungs/*.items.jsonl",
 )  # fmt: skip
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -36,6 +37,11 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
     from moetune.model.derive import causal_lm_class, ensure_backbone
 
     dtype = _DTYPES[place.load_dtype(cfg.model.dtype)]
+    if cfg.train.offload != "none":  # expert stacks to host RAM or left in the files
+        from moetune.train.offload import load_offloaded_model
+
+        scratch = Path(cfg.output.dir) / ".staging" / "offload"  # cleared with the staging dir
+        return load_offloaded_model(cfg, place, dtype, _model_dir(cfg.model.id), scratch)
     if cfg.model.experts_dtype != "bf16":
         return load_quantized_model(cfg, place, dtype, engine)
     try:
@@ -120,8 +126,8 @@ def wrap_lora(
     from peft import get_peft_model
     from transformers import set_seed
 
+    from moetune.engine.offload import peft_targets  # quantised and offloaded stacks
     from moetune.engine.overrides import apply_overrides
-    from moetune.engine.quant import peft_targets
     from moetune.recipe.audit import audit_coverage
     from moetune.recipe.targets import build_peft_config, peft_notes
 

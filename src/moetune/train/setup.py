@@ -170,6 +170,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     """Placement, preflight, data and TRL arguments; then the run dir's first files."""
     from moetune.engine.resolve import resolve_engine
     from moetune.model import load_spec
+    from moetune.train.offload import check_offload, local_dir
     from moetune.train.select import check_selection
 
     place = resolve_placement(cfg.train)
@@ -177,6 +178,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)  # after the lint said why
+    check_offload(cfg, engine, local_dir(cfg.model.id))  # train.offload: refused up front
     tokenizer = load_tokenizer(cfg.model.id)
     method = method_of(cfg)
     data, eval_data = load_train_data(cfg.data, tokenizer, cfg.train.seq_len, method.formats)

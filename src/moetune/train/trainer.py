@@ -67,6 +67,7 @@ from moetune.train.lock import hold
 from moetune.train.methods import method_of
 from moetune.train.model import load_model, wrap_lora
 from moetune.train.nodes import node_loss_stops, world
+from moetune.train.offload import write_offload_json
 from moetune.train.recovery import CheckpointCommitter, disk_full_stops
 from moetune.train.result import TrainResult
 from moetune.train.routing import (
@@ -164,6 +165,8 @@ def _train(
         if shift:
             shift.recorder.remove()
         save_adapter(trainer, run)
+        if setup.args.should_save:
+            write_offload_json(run, model)  # train.offload: what the expert store measured
     if routing.every:
         console.print(escape(routing.drift()["line"]), highlight=False)
     router = compare_router(router_before, router_weights(model, setup.spec), cfg.lora.train_router)
@@ -402,5 +405,8 @@ def write_summary(run: RunDir, result: TrainResult, checks: dict[str, Any], setu
     quant = run.root / "quant.json"  # quantised experts: bytes and output error per layer
     if quant.is_file():
         summary["quant"] = json.loads(quant.read_text(encoding="utf-8"))
+    offload = run.root / "offload.json"  # train.offload: peak expert bytes, bytes moved
+    if offload.is_file():
+        summary["offload"] = json.loads(offload.read_text(encoding="utf-8"))
     atomic_write_json(run.summary, summary)
     shutil.rmtree(run.staging, ignore_errors=True)  # empty once every checkpoint is committed

@@ -1,0 +1,115 @@
+"""train.offload (cpu | disk) in a run: refused up front where it cannot work, the base
+loaded with its expert stacks in an ExpertStore (engine/offload.py), and what the store
+measured written to offload.json.
+
+The offloaded weights are the base's own (or its quantised copy): a checkpoint holds the
+adapter only, so --resume needs nothing new.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from moetune.config import RunConfig
+from moetune.io import atomic_write_json
+from moetune.train.errors import TrainError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from moetune.engine.offload import Mode
+    from moetune.train.checkpoint import RunDir
+    from moetune.train.setup import Placement
+
+# experts_dtype -> scratch bytes per base byte, an upper bound (int8 + row scales, NF4 + absmax)
+_SPILL_RATIO = {"int8": 0.55, "nf4": 0.32}
+FILE = "offload.json"
+
+
+def check_offload(cfg: RunConfig, engine: str, model_dir: str | None) -> None:
+    """Refuse, before anything is written, what offload cannot do."""
+    mode = cfg.train.offload
+    if mode == "none":
+        return
+    fix = "set train.offload: none"
+    if cfg.model.is_gguf:
+        raise TrainError("train.offload streams safetensors weights; a GGUF base has none",
+                         f"train the original safetensors base, or {fix}")  # fmt: skip
+    if engine != "moetune":
+        raise TrainError(
+            f"train.offload={mode} streams expert stacks inside moetune's split-LoRA engine, "
+            f"but this run resolves to lora.engine {engine}",
+            f"set lora.engine: moetune (lora.targets with experts, a family it serves), or {fix}",
+        )
+    if cfg.train.nproc > 1 or cfg.train.nnodes > 1:
+        raise TrainError(f"train.offload={mode} runs in one process (one device)",
+                         f"set train.nproc: 1 and train.nnodes: 1, or {fix}")  # fmt: skip
+    if model_dir is not None:
+        _check_files(cfg, Path(model_dir))
+
+
+def _check_files(cfg: RunConfig, model_dir: Path) -> None:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise TrainError(
+            f"train.offload={cfg.train.offload} reads the base's safetensors files; "
+            f"{model_dir} has none",
+            "save the base with save_pretrained, or set train.offload: none",
+        )
+    ratio = _SPILL_RATIO.get(cfg.model.experts_dtype)
+    if cfg.train.offload != "disk" or ratio is None:
+        return
+    need = int(ratio * sum(f.stat().st_size for f in files))
+    target = Path(cfg.output.dir).resolve()
+    while not target.exists():
+        target = target.parent
+    free = shutil.disk_usage(target).free
+    if free < need:
+        raise TrainError(
+            f"offload disk with {cfg.model.experts_dtype} experts writes ~{need / 2**30:.1f} GiB "
+            f"of quantised stacks under {cfg.output.dir}; only {free / 2**30:.1f} GiB are free",
+            "free disk space, set train.offload: cpu, or model.experts_dtype: bf16",
+        )
+
+
+def local_dir(model_id: str) -> str | None:
+    """The base's directory when it is local (a hub id is checked once downloaded)."""
+    return model_id if os.path.isdir(model_id) else None
+
+
+def load_offloaded_model(cfg: RunConfig, place: Placement, dtype: torch.dtype,
+                         model_dir: str, scratch: Path) -> nn.Module:  # fmt: skip
+    """The base with its expert stacks in host RAM or left in its files."""
+    from moetune.engine import IMPLEMENTATION, register
+    from moetune.engine.offload_load import load_offloaded
+
+    _check_files(cfg, Path(model_dir))
+    scratch.mkdir(parents=True, exist_ok=True)
+    model, _, report = load_offloaded(
+        model_dir, cast("Mode", cfg.train.offload), place.device, dtype,
+        experts_dtype=cfg.model.experts_dtype, double_quant=cfg.model.experts_double_quant,
+        scratch_dir=scratch,
+    )  # fmt: skip
+    register()  # offloaded stacks only stream through moetune's experts forward
+    model.set_experts_implementation(IMPLEMENTATION)
+    if report is not None:
+        model.__dict__["_moetune_quant_report"] = report  # train/model.py writes quant.json
+    return model
+
+
+def write_offload_json(run: RunDir, model: nn.Module) -> dict[str, Any] | None:
+    """offload.json: the store's measurements over the run (peak device bytes of experts,
+    bytes moved and read by phase)."""
+    from moetune.engine.offload import store_of
+
+    store = store_of(model)
+    if store is None:
+        return None
+    stats = store.stats.to_json()
+    atomic_write_json(run.root / FILE, stats)
+    return stats
