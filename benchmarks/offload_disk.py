@@ -13,36 +13,29 @@ figures for the same run when that module is importable ("plan: n/a" otherwise).
 `--smoke`: a tiny shape, one step, seconds (the fast test runs it; nothing recorded).
 
     python benchmarks/offload_disk.py [--layers 27] [--steps 3] [--seq 32] [--rank 4]
-        [--threads 2] [--out /tmp/moetune-offload] [--keep] [--smoke] [--record] [--json F]
+        [--threads N] [--out /tmp/moetune-offload] [--keep] [--smoke] [--record] [--json F]
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
+import math
 import os
-import sys
+import platform
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
 
-# Thread settings before torch is imported: OpenMP reads them once.
-_THREADS = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--threads=")), "2")
-os.environ["OMP_NUM_THREADS"] = _THREADS
-os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # no spinning at barriers on a shared machine
+import bench_env
+import psutil
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import psutil  # noqa: E402
-import torch  # noqa: E402
-
-torch.set_num_threads(int(_THREADS))
 
 GiB = 2**30
 QWEN3_30B = {  # Qwen/Qwen3-30B-A3B config.json, layers aside
@@ -275,7 +268,7 @@ def machine() -> dict[str, Any]:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())  # fmt: skip
     return {"cpu": cpu, "cores": psutil.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "threads": bench_env.describe(),
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}  # fmt: skip
 
 
@@ -379,7 +372,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="LoRA steps (default 3; smoke 1)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--rank", type=int, default=4)
-    ap.add_argument("--threads", default=_THREADS, help="torch/OpenMP threads (--threads=N)")
+    bench_env.add_argument(ap)
     ap.add_argument("--out", default="/tmp/moetune-offload")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
     ap.add_argument("--reuse", action="store_true", help="use a complete checkpoint of the "
@@ -397,6 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    bench_env.apply()
     result = run(args)
     text = describe(result)
     print(text)
