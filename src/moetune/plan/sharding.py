@@ -36,6 +36,7 @@ counted. Expert parallelism is not modelled (experts are sharded like any weight
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -323,6 +324,7 @@ class DeviceReport:
     plans: dict[str, DevicePlan]
     fewest: dict[str, int | None]
     notes: tuple[str, ...] = ()
+    host: HostRam | None = None  # the load's host RAM per node (sharded strategies)
 
     @property
     def components(self) -> dict[str, int]:
@@ -339,6 +341,7 @@ class DeviceReport:
                 c: {**p.to_json(), "fewest_gpus": self.fewest[c]} for c, p in self.plans.items()
             },
             "notes": list(self.notes),
+            "host_ram": self.host.to_json() if self.host else None,
         }
 
 
@@ -351,21 +354,69 @@ def device_report(
     sizes = run_sizes(spec, cfg)
     plans = {c: plan_devices(spec, cfg, c, gpus, strategy, sizes) for c in cards}
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
-    notes = _report_notes(spec) + _load_notes(sizes, gpus, strategy)
-    return DeviceReport(get_strategy(strategy).name, gpus, plans, fewest, notes)
+    quantised = cfg.model.experts_dtype != "bf16"  # loaded whole on every rank
+    host = host_ram(sizes, gpus, strategy, not quantised) if strategy != "ddp" else None
+    notes = _report_notes(spec) + _load_notes(host)
+    return DeviceReport(get_strategy(strategy).name, gpus, plans, fewest, notes, host)
 
 
-def _load_notes(sizes: Sizes, gpus: int, strategy: str) -> tuple[str, ...]:
-    """moetune reads the base before training (LoRA wrapping, routing baseline, router
-    snapshot), so each rank builds it whole in host RAM and accelerate shards it afterwards
-    (no cpu_ram_efficient_loading / zero3_init): a wall of the node, not of the GPUs."""
-    if gpus == 1 or strategy == "ddp":
-        return ()
+# one rank's host RAM besides the model: python, torch, transformers, peft, trl, the data
+# and gloo – measured 0.51–0.53 GiB peak RSS per rank of a 2-process FSDP run of a 31 KB
+# model on CPU (benchmarks/sharded_load.py --smoke)
+RUNTIME_HOST_BYTES = 560 * 2**20
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """Host RAM of a sharded run's load, per rank and per node (bytes, runtime included).
+    fsdp: rank 0 loads the base and broadcasts it into the shards, freeing each full tensor
+    once sent; the others build it on meta and hold their shard plus one module in flight,
+    so the node holds about one base. zero3 (zero3_init_flag off): every rank builds the
+    whole base before DeepSpeed partitions it."""
+
+    strategy: str
+    ranks: int
+    main_rank_bytes: int
+    other_rank_bytes: int
+    per_node_bytes: int
+    how: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def host_ram(sizes: Sizes, gpus: int, strategy: str, loaded_once: bool = True) -> HostRam:
+    """The load's host RAM on one node of `gpus` ranks; `loaded_once` False: quantised
+    expert stacks, which every rank loads whole (the launcher keeps the sharded load off)."""
     whole = sizes.single.get("frozen_weights", 0) + sizes.single.get("trainable_weights", 0)
+    run = RUNTIME_HOST_BYTES
+    if strategy == "fsdp" and loaded_once:
+        flight = sizes.largest_module * sizes.weight_bytes  # the tensor being broadcast
+        main, other = run + whole + flight, run + -(-whole // gpus) + flight
+        node = gpus * (run + flight) + whole  # rank 0's remainder + every rank's shards
+        how = "rank 0 loads the base, the others build it on meta and receive their shards"
+        return HostRam(strategy, gpus, main, other, node, how)
+    how = f"every rank builds the whole base before {strategy} shards it"
+    return HostRam(strategy, gpus, run + whole, run + whole, gpus * (run + whole), how)
+
+
+def _load_notes(ram: HostRam | None) -> tuple[str, ...]:
+    """What the node's host RAM must hold while the base loads (a wall of the node, not of
+    the GPUs)."""
+    if ram is None or ram.ranks == 1:
+        return ()
+    gpus = ram.ranks
+    if ram.main_rank_bytes != ram.other_rank_bytes:
+        return (
+            f"host RAM at load: {ram.how}: rank 0 peaks at {human_bytes(ram.main_rank_bytes)}, "
+            f"each other rank at {human_bytes(ram.other_rank_bytes)}; the node needs about "
+            f"{human_bytes(ram.per_node_bytes)} (≈ one base, not {gpus}; plus the OS)",
+        )
+    whole = ram.main_rank_bytes - RUNTIME_HOST_BYTES
     return (
-        f"at load each of the {gpus} ranks builds the whole base in host RAM before "
-        f"{strategy} shards it: the node needs about {gpus} × {human_bytes(whole)} = "
-        f"{human_bytes(gpus * whole)} of RAM (plus the OS)",
+        f"host RAM at load: {ram.how}: the node needs about {gpus} × {human_bytes(whole)} = "
+        f"{human_bytes(gpus * whole)} of RAM (plus the OS; fsdp with bf16 experts loads it "
+        "once per node)",
     )
 
 
