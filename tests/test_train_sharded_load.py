@@ -50,12 +50,21 @@ def test_meta_lora_factors_get_distinct_zeroed_storage(model_dir):
     assert all(p.is_meta for p in wrapped.parameters() if not p.requires_grad)
 
 
-def test_rank_0s_state_dict_lets_go_of_each_tensor_once_read():
-    full = {"a": torch.ones(4), "b": torch.zeros(2)}
+def test_rank_0s_state_dict_frees_each_tensor_once_sent():
+    """Freed at the next read, aliases included (the model's old parameters); a storage two
+    keys share (tied weights) only once both are read."""
+    tied = torch.ones(4)
+    full = {"a": torch.ones(4), "emb": tied, "head": tied, "b": torch.zeros(2)}
+    old_param = full["a"].view(2, 2)  # what the model's replaced parameter still aliases
     drained = S._Draining(full)
-    assert "a" in drained and len(drained) == 2
-    assert torch.equal(drained["a"], torch.ones(4))
-    assert "a" not in full and list(drained) == ["b"]
+    assert "a" in drained and len(drained) == 4
+    assert torch.equal(drained["a"], torch.ones(4)) and "a" not in full
+    emb = drained["emb"]  # reading on frees what was sent before
+    assert old_param.untyped_storage().nbytes() == 0
+    assert torch.equal(drained["head"], torch.ones(4))  # its tie was not freed with "emb"
+    assert torch.equal(drained["b"], torch.zeros(2)) and emb.untyped_storage().nbytes() == 0
+    drained.close()
+    assert list(drained) == [] and full == {}
 
 
 def test_the_load_tracker_counts_local_shards_and_frees(monkeypatch):

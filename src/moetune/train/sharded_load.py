@@ -10,9 +10,11 @@ main process needs the weights; here every other rank builds the base on the met
 re-registers them), and the LoRA it wraps is meta too – rank 0's seeded factors arrive in
 the broadcast. Two additions to accelerate's path:
 
-- rank 0 drops each full tensor from its state dict once it is broadcast (`_draining`), so
-  the node holds one base throughout (rank 0's remainder + every rank's finished shards)
-  instead of rank 0's whole copy beside all the shards (two bases at the end);
+- rank 0 frees each full tensor's storage once it is broadcast (`_Draining`), so the node
+  holds one base throughout (rank 0's remainder + every rank's finished shards) instead of
+  rank 0's whole copy beside all the shards (measured: dropping only the state dict's
+  reference left rank 0 at base + shard – `model.to("meta")` makes new parameters, and the
+  old ones, which alias the state dict, are still referenced elsewhere);
 - each rank measures its load: the host bytes its model held after loading, the peak of
   live tensor bytes during the broadcast (a dispatch-level byte tracker, DTensors counted by
   their local shard) and its peak RSS; the main process gathers them (`LOAD`), and
@@ -28,6 +30,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -121,14 +124,33 @@ def from_main(compute: Callable[[], T]) -> T:
 
 
 class _Draining(MutableMapping[str, Any]):
-    """Rank 0's full state dict, handing each tensor out once: accelerate reads each key
-    once (after checking it is there), so the dict lets go of it right away."""
+    """Rank 0's full state dict, handing each tensor out once and freeing its storage at the
+    next read (accelerate reads each key once, broadcasts it and keeps a copied shard). The
+    storage itself is freed (`resize_(0)`), not only this dict's reference: the model's old
+    parameters, which `model.to("meta")` left to whoever still holds them, alias it. A
+    storage two keys share (tied weights) goes once both are read; `close()` frees the last."""
 
     def __init__(self, source: dict[str, Any]) -> None:
         self.source = source
+        self._left = Counter(_storage_key(t) for t in source.values())
+        self._sent: list[torch.Tensor] = []
 
     def __getitem__(self, key: str) -> Any:
-        return self.source.pop(key)
+        self.close()
+        tensor = self.source.pop(key)
+        self._left[_storage_key(tensor)] -= 1
+        self._sent.append(tensor)
+        return tensor
+
+    def close(self) -> None:
+        """Free what was sent and is no longer aliased by a key still to come."""
+        keep = []
+        for tensor in self._sent:
+            if self._left[_storage_key(tensor)] > 0:
+                keep.append(tensor)
+            else:
+                tensor.untyped_storage().resize_(0)
+        self._sent = keep
 
     def __setitem__(self, key: str, value: Any) -> None:
         self.source[key] = value
@@ -144,6 +166,12 @@ class _Draining(MutableMapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self.source)
+
+
+def _storage_key(tensor: Any) -> int:
+    if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+        return id(tensor)
+    return int(tensor.untyped_storage().data_ptr())
 
 
 class LocalBytes(ByteTracker):
@@ -184,9 +212,10 @@ def install() -> None:
         return
 
     def load(accelerator: Any, model: Any, full_sd: dict[str, Any], *args: Any, **kw: Any) -> Any:
-        tracker = LocalBytes()
+        tracker, draining = LocalBytes(), _Draining(full_sd)
         with tracker:
-            out = original(accelerator, model, _Draining(full_sd), *args, **kw)
+            out = original(accelerator, model, draining, *args, **kw)
+            draining.close()
         _gather(tracker.peak.bytes, host_bytes(out))
         return out
 
