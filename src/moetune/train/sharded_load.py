@@ -148,7 +148,7 @@ class _Draining(MutableMapping[str, Any]):
         for tensor in self._sent:
             if self._left[_storage_key(tensor)] > 0:
                 keep.append(tensor)
-            else:
+            elif tensor.untyped_storage().resizable():  # an mmap'd file's pages are not
                 tensor.untyped_storage().resize_(0)
         self._sent = keep
 
