@@ -168,21 +168,35 @@ def test_device_report_says_what_the_analytic_leaves_out() -> None:
     assert report.to_json()["notes"] == list(report.notes)
 
 
-def test_sharded_plans_name_the_host_ram_every_rank_loads_the_base_into(
+def test_sharded_plans_name_the_host_ram_a_node_needs_at_load(
     qwen235b: ModelSpec, lora: RunConfig
 ) -> None:
-    from moetune.plan.sharding import device_report, run_sizes
+    """fsdp loads the base once per node (rank 0 reads it, the others get their shards);
+    zero3 and quantised experts still build it whole on every rank."""
+    from moetune.plan.sharding import RUNTIME_HOST_BYTES, device_report, run_sizes
     from moetune.units import human_bytes
 
-    single = run_sizes(qwen235b, lora).single
-    whole = single["frozen_weights"] + single["trainable_weights"]
+    sizes = run_sizes(qwen235b, lora)
+    whole = sizes.single["frozen_weights"] + sizes.single["trainable_weights"]
     assert whole > 400 * 2**30  # the 235B base in bf16
-    for strategy in ("fsdp", "zero3"):
-        notes = device_report(qwen235b, lora, ["H200"], 8, strategy).notes
-        (load,) = [n for n in notes if "host RAM" in n]
-        assert f"8 × {human_bytes(whole)} = {human_bytes(8 * whole)}" in load
-    ddp = device_report(qwen235b, lora, ["H200"], 8, "ddp").notes
-    assert not any("host RAM" in n for n in ddp)
+    fsdp = device_report(qwen235b, lora, ["H200"], 8, "fsdp")
+    host = fsdp.to_json()["host_ram"]
+    flight = sizes.largest_module * sizes.weight_bytes  # a layer's expert stacks, in flight
+    assert host["main_rank_bytes"] == RUNTIME_HOST_BYTES + whole + flight
+    assert host["other_rank_bytes"] == RUNTIME_HOST_BYTES + -(-whole // 8) + flight
+    assert whole < host["per_node_bytes"] < 1.25 * whole  # ≈ one base, not 8
+    (load,) = [n for n in fsdp.notes if "host RAM" in n]
+    assert human_bytes(host["per_node_bytes"]) in load and "not 8" in load
+    zero3 = device_report(qwen235b, lora, ["H200"], 8, "zero3")
+    (load,) = [n for n in zero3.notes if "host RAM" in n]
+    assert f"8 × {human_bytes(whole)} = {human_bytes(8 * whole)}" in load
+    assert zero3.to_json()["host_ram"]["per_node_bytes"] == 8 * (RUNTIME_HOST_BYTES + whole)
+    model = lora.model.model_copy(update={"experts_dtype": "int8"})
+    int8 = lora.model_copy(update={"model": model})
+    quantised = device_report(qwen235b, int8, ["H200"], 8, "fsdp").to_json()["host_ram"]
+    assert quantised["main_rank_bytes"] == quantised["other_rank_bytes"]  # whole on each
+    ddp = device_report(qwen235b, lora, ["H200"], 8, "ddp")
+    assert not any("host RAM" in n for n in ddp.notes) and ddp.host is None
 
 
 def test_several_nodes_plan_each_rank_of_all_and_host_ram_per_node(

@@ -251,6 +251,31 @@ def test_two_processes_train_the_adapter_of_one(tiny, one, two):
     ran = summary["distributed"]
     assert (ran["accelerate"], ran["local_share"]) == RAN[two.strategy]  # really sharded
     assert ran["sharded_parameters"] == (ran["parameters"] if two.strategy != "ddp" else 0)
+    if two.strategy == "fsdp":  # a sharded load: rank 0 alone read the weights
+        _assert_loaded_once(ran["load"]["ranks"], tiny.model)
+
+
+def _weights(model_dir: Path) -> tuple[int, int]:
+    """(bytes of the checkpoint, bytes of its largest decoder layer)."""
+    tensors = load_file(str(next(model_dir.glob("*.safetensors"))))
+    layers: dict[str, int] = {}
+    for name, t in tensors.items():
+        if ".layers." in name:
+            index = name.split(".layers.")[1].split(".")[0]
+            layers[index] = layers.get(index, 0) + t.numel() * t.element_size()
+    return sum(t.numel() * t.element_size() for t in tensors.values()), max(layers.values())
+
+
+def _assert_loaded_once(ranks: list[dict], model_dir: Path) -> None:
+    """Measured on each rank: the host bytes its base held after loading, and the peak of
+    live tensor bytes while accelerate broadcast rank 0's weights into the shards."""
+    whole, layer = _weights(model_dir)
+    main, other = ranks
+    assert main["loaded_bytes"] >= whole  # rank 0 read the checkpoint (the count counts)
+    assert other["loaded_bytes"] < layer  # rank 1: meta parameters, real buffers only
+    held = other["loaded_bytes"] + other["broadcast_peak_bytes"]
+    assert held <= other["sharded_bytes"] + layer  # never more than its shard + one layer
+    assert other["sharded_bytes"] < whole  # ... and it ends with half
 
 
 @pytest.mark.slow

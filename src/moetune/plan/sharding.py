@@ -38,6 +38,7 @@ per device instead (and which engines train with it) is `DeviceReport.expert_par
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -328,6 +329,7 @@ class DeviceReport:
     notes: tuple[str, ...] = ()
     nodes: int = 1
     expert_parallel: ExpertParallelPlan | None = None  # EP over every rank (planned only)
+    host: HostRam | None = None  # the load's host RAM per node (sharded strategies)
 
     @property
     def placement(self) -> str:
@@ -354,6 +356,7 @@ class DeviceReport:
             },
             "notes": list(self.notes),
             "expert_parallel": self._expert_parallel_json(),
+            "host_ram": self.host.to_json() if self.host else None,
         }
 
     def _expert_parallel_json(self) -> dict[str, Any] | None:
@@ -377,40 +380,92 @@ def device_report(
     ranks = nodes * gpus
     plans = {c: plan_devices(spec, cfg, c, ranks, strategy, sizes) for c in cards}
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
-    notes = _report_notes(spec) + _load_notes(sizes, gpus, strategy)
-    notes += _node_notes(sizes, nodes, gpus)
+    quantised = cfg.model.experts_dtype != "bf16"  # loaded whole on every rank
+    host = host_ram(sizes, gpus, strategy, not quantised) if strategy != "ddp" else None
+    notes = _report_notes(spec) + _load_notes(host)
+    notes += _node_notes(sizes, nodes, gpus, host)
     ep = plan_expert_parallel(spec, cfg, ranks)
     notes += (ep.describe(),) if ep else ()
-    return DeviceReport(get_strategy(strategy).name, ranks, plans, fewest, notes, nodes, ep)
+    name = get_strategy(strategy).name
+    return DeviceReport(name, ranks, plans, fewest, notes, nodes, ep, host)
 
 
-def node_host_ram(sizes: Sizes, gpus: int) -> int:
-    """Host RAM one node needs at load: each of its `gpus` ranks builds the whole base
-    (the wall `_load_notes` describes); a node's RAM never depends on the other nodes."""
+def node_host_ram(sizes: Sizes, gpus: int, host: HostRam | None = None) -> int:
+    """Host RAM one node needs at load for its own `gpus` ranks (a node's RAM never depends
+    on the other nodes): the sharded load's figure, or – ddp – each rank's whole base."""
+    if host is not None:
+        return host.per_node_bytes
     return gpus * (sizes.single.get("frozen_weights", 0) + sizes.single.get("trainable_weights", 0))
 
 
-def _node_notes(sizes: Sizes, nodes: int, gpus: int) -> tuple[str, ...]:
+def _node_notes(sizes: Sizes, nodes: int, gpus: int, host: HostRam | None) -> tuple[str, ...]:
     if nodes == 1:
         return ()
     return (
         f"{nodes} nodes × {gpus} GPU(s) = {nodes * gpus} ranks: each rank's peak above is "
         f"of the {nodes * gpus}; per node: {gpus} GPU(s) and about "
-        f"{human_bytes(node_host_ram(sizes, gpus))} of host RAM at load (its own {gpus} ranks)",
+        f"{human_bytes(node_host_ram(sizes, gpus, host))} of host RAM at load (its own "
+        f"{gpus} ranks)",
     )
 
 
-def _load_notes(sizes: Sizes, gpus: int, strategy: str) -> tuple[str, ...]:
-    """moetune reads the base before training (LoRA wrapping, routing baseline, router
-    snapshot), so each rank builds it whole in host RAM and accelerate shards it afterwards
-    (no cpu_ram_efficient_loading / zero3_init): a wall of the node, not of the GPUs."""
-    if gpus == 1 or strategy == "ddp":
-        return ()
+# one rank's host RAM besides the model: python, torch, transformers, peft, trl, the data
+# and gloo – measured 0.51–0.53 GiB peak RSS per rank of a 2-process FSDP run of a 31 KB
+# model on CPU (benchmarks/sharded_load.py --smoke)
+RUNTIME_HOST_BYTES = 560 * 2**20
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """Host RAM of a sharded run's load, per rank and per node (bytes, runtime included).
+    fsdp: rank 0 loads the base and broadcasts it into the shards, freeing each full tensor
+    once sent; the others build it on meta and hold their shard plus one module in flight,
+    so the node holds about one base. zero3 (zero3_init_flag off): every rank builds the
+    whole base before DeepSpeed partitions it."""
+
+    strategy: str
+    ranks: int
+    main_rank_bytes: int
+    other_rank_bytes: int
+    per_node_bytes: int
+    how: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def host_ram(sizes: Sizes, gpus: int, strategy: str, loaded_once: bool = True) -> HostRam:
+    """The load's host RAM on one node of `gpus` ranks; `loaded_once` False: quantised
+    expert stacks, which every rank loads whole (the launcher keeps the sharded load off)."""
     whole = sizes.single.get("frozen_weights", 0) + sizes.single.get("trainable_weights", 0)
+    run = RUNTIME_HOST_BYTES
+    if strategy == "fsdp" and loaded_once:
+        flight = sizes.largest_module * sizes.weight_bytes  # the tensor being broadcast
+        main, other = run + whole + flight, run + -(-whole // gpus) + flight
+        node = gpus * (run + flight) + whole  # rank 0's remainder + every rank's shards
+        how = "rank 0 loads the base, the others build it on meta and receive their shards"
+        return HostRam(strategy, gpus, main, other, node, how)
+    how = f"every rank builds the whole base before {strategy} shards it"
+    return HostRam(strategy, gpus, run + whole, run + whole, gpus * (run + whole), how)
+
+
+def _load_notes(ram: HostRam | None) -> tuple[str, ...]:
+    """What the node's host RAM must hold while the base loads (a wall of the node, not of
+    the GPUs)."""
+    if ram is None or ram.ranks == 1:
+        return ()
+    gpus = ram.ranks
+    if ram.main_rank_bytes != ram.other_rank_bytes:
+        return (
+            f"host RAM at load: {ram.how}: rank 0 peaks at {human_bytes(ram.main_rank_bytes)}, "
+            f"each other rank at {human_bytes(ram.other_rank_bytes)}; the node needs about "
+            f"{human_bytes(ram.per_node_bytes)} (≈ one base, not {gpus}; plus the OS)",
+        )
+    whole = ram.main_rank_bytes - RUNTIME_HOST_BYTES
     return (
-        f"at load each of the {gpus} ranks builds the whole base in host RAM before "
-        f"{strategy} shards it: the node needs about {gpus} × {human_bytes(whole)} = "
-        f"{human_bytes(gpus * whole)} of RAM (plus the OS)",
+        f"host RAM at load: {ram.how}: the node needs about {gpus} × {human_bytes(whole)} = "
+        f"{human_bytes(gpus * whole)} of RAM (plus the OS; fsdp with bf16 experts loads it "
+        "once per node)",
     )
 
 

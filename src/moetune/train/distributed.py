@@ -47,6 +47,7 @@ from moetune.io import atomic_write_text
 from moetune.train import nodes
 from moetune.train.errors import TrainError
 from moetune.train.result import TrainResult
+from moetune.train.sharded_load import LOAD
 
 CONFIG_NAME = "accelerate.yaml"  # in the run dir, beside config.yaml
 HEADER = "# written by `moetune train --nproc` for accelerate launch; regenerated on each launch\n"
@@ -83,7 +84,10 @@ def _fsdp(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
             "fsdp_state_dict_type": "FULL_STATE_DICT",  # the peft adapter is saved whole
             "fsdp_reshard_after_forward": True,
             "fsdp_offload_params": False,
-            "fsdp_cpu_ram_efficient_loading": False,
+            # rank 0 loads, the others build on meta and get their shards (sharded_load.py);
+            # quantised stacks load whole on every rank
+            "fsdp_cpu_ram_efficient_loading": cfg.model.experts_dtype == "bf16",
+            "fsdp_sync_module_states": cfg.model.experts_dtype == "bf16",
             # the trainer checkpoints through TrainingArguments, not FSDP's own
             "fsdp_activation_checkpointing": False,
         },
@@ -261,6 +265,7 @@ def sharding(trainer: Any) -> dict[str, Any] | None:
         "sharded_parameters": sum(sharded for _, _, sharded in sizes),
         "parameters": len(sizes),
         "local_share": round(sum(s[0] for s in sizes) / sum(s[1] for s in sizes), 4),
+        **({"load": dict(LOAD)} if LOAD else {}),  # a sharded load's figures, every rank's
     }
 
 

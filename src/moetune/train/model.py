@@ -14,6 +14,7 @@ import torch
 
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
+from moetune.train import sharded_load
 from moetune.train.callbacks import quiet
 from moetune.train.checkpoint import RunDir
 from moetune.train.errors import TrainError
@@ -44,6 +45,8 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
         return load_offloaded_model(cfg, place, dtype, _model_dir(cfg.model.id), scratch)
     if cfg.model.experts_dtype != "bf16":
         return load_quantized_model(cfg, place, dtype, engine)
+    if not sharded_load.loads_weights():  # its shard comes from rank 0 in prepare()
+        return sharded_load.note_loaded(sharded_load.meta_base(cfg.model.id, dtype))
     try:
         with quiet():
             cls: Any = causal_lm_class(AutoConfig.from_pretrained(cfg.model.id))
@@ -63,7 +66,7 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
         first = sorted(info["missing_keys"])[0]
         missing = f"{len(info['missing_keys'])} tensors it builds are not in the weights ({first})"
         raise weights_mismatch(cfg.model.id, missing)
-    return cast("nn.Module", model)
+    return sharded_load.note_loaded(cast("nn.Module", model))
 
 
 def weights_mismatch(model_id: str, what: str) -> TrainError:
@@ -139,6 +142,7 @@ def wrap_lora(
         # a fresh config each time: get_peft_model rewrites the one it is given;
         # peft_targets: peft only sees quantised stacks as stand-in Parameters
         wrapped = get_peft_model(model, copy.deepcopy(config))
+    sharded_load.materialise_trainable(wrapped)  # a meta rank's LoRA: real, distinct storage
     apply_overrides(wrapped)  # families whose experts peft's wrappers cannot reach (dbrx)
     notes = peft_notes(caught, config)
     report = audit_coverage(wrapped, setup.spec, cfg.lora)

@@ -435,12 +435,19 @@ class RoutingCallback(TrainerCallback):
     ) -> None:
         """The base's routing on up to BASE_ROWS training rows, collated as the trainer
         does; call it before the first step (routing off: nothing to compare, not measured)."""
+        if self.every:
+            self.base = self.measured_base(model, dataset, collate, batch)
+
+    def measured_base(
+        self, model: nn.Module, dataset: Any, collate: Callable[[list[Any]], Any], batch: int
+    ) -> dict[int, LayerLoad]:
+        """What `measure_base` stores, returned (empty with routing off)."""
         if not self.every:
-            return
+            return {}
         rows = sample_rows(len(dataset), BASE_ROWS)
         device = next(model.parameters()).device
         inputs = batches(dataset, collate, rows, batch, device)
-        self.base = base_routing(self.recorder, model, inputs)
+        return base_routing(self.recorder, model, inputs)
 
     def drift(self) -> dict[str, Any]:
         """summary.json's view: the base's routing, the drifted layers, the rule, the line."""

@@ -314,6 +314,7 @@ def restrict_training(
         for wrapper in found:
             handles += _mask_gradients(wrapper, keep)
             device = next(wrapper.lora_A.parameters()).device
+            device = torch.device("cpu") if device.type == "meta" else device  # sharded load
             train_only(wrapper.get_base_layer(), keep.to(device))  # split engine: skip the rest
     return handles
 
@@ -323,7 +324,8 @@ def _mask_gradients(wrapper: Any, keep: torch.Tensor) -> list[RemovableHandle]:
     for adapter in wrapper.lora_A:
         a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
         keep_a, keep_b = (m.to(a.device) for m in factor_masks(wrapper, keep, adapter))
-        if bool(b.detach().masked_select(~keep_b).any()):
+        # a sharded load's meta factors: rank 0 checks the values it broadcasts
+        if not b.is_meta and bool(b.detach().masked_select(~keep_b).any()):
             raise EngineError(
                 "expert selection needs lora_B initialised to zero: the unselected experts' "
                 "update would not stay zero",

@@ -79,6 +79,7 @@ from moetune.train.routing import (
 )
 from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
 from moetune.train.setup import Setup, prepare
+from moetune.train.sharded_load import from_main, install
 from moetune.train.stacks import stack_trainer
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ def train(
     require_launcher(cfg)
     if launched():  # an FSDP launch's CPU ranks shard for real, not silently as DDP
         fsdp_on_cpu()
+        install()  # a sharded load: rank 0's full tensors freed once sent, the load measured
     run_stack = stack_trainer(cfg.lora.stack, _train)  # peft here, others in stacks.py
 
     def run() -> TrainResult:
@@ -153,11 +155,13 @@ def _train(
         base = load_model(cfg, setup.place, setup.engine)
         model, setup.coverage = wrap_lora(base, cfg, run, setup)
     announce(console, cfg, setup)
-    router_before = router_weights(model, setup.spec)
+    # a sharded load: only the main process holds the base's values until prepare()
+    router_before = from_main(lambda: router_weights(model, setup.spec))
     trainer, routing = build_trainer(cfg, setup, run, model, console)
     shift = callback_of(trainer, ShiftCallback)
     rows, collate = method_of(cfg).routing_rows(trainer, setup.tokenizer)
-    routing.measure_base(model, rows, collate, cfg.train.batch_size)
+    batch = cfg.train.batch_size
+    routing.base = from_main(lambda: routing.measured_base(model, rows, collate, batch))
     setup.selection = select_experts(cfg, setup, run, model, trainer, console)
     with disk_full_stops(run):
         fit(trainer, setup, console)
@@ -287,9 +291,9 @@ def select_experts(
         chosen = select.ExpertSelection.from_json(json.loads(path.read_text(encoding="utf-8")))
     else:
         dataset, collate = trainer.train_dataset, trainer.data_collator
-        chosen = select.select_experts(
+        chosen = from_main(lambda: select.select_experts(
             model, setup.spec, cfg.lora, dataset, collate, cfg.train.batch_size
-        )
+        ))  # fmt: skip
     select.restrict_training(model, setup.spec, chosen)
     if setup.args.should_save:
         atomic_write_json(path, chosen.to_json())

@@ -1,0 +1,240 @@
+"""Load once, shard as you go: each rank's peak RSS of a 2-process FSDP2 run (gloo, CPU)
+against the plan's host RAM, and the adapter against 1 process.
+
+Builds a random Qwen3-MoE, tiny-shaped but wide (many wide experts: ≥ 1 GB of fp32
+safetensors, written under a temp dir and deleted after), trains the same LoRA steps with
+`moetune train` on 1 process (batch 4) and on 2 (`--nproc 2 --strategy fsdp`, batch 2
+each), and samples every rank's RSS from this parent with psutil (the launcher's children
+carry RANK in their environment). The plan: `plan.sharding.host_ram` for the load and, as a
+CPU rank also trains in host RAM, the per-rank training peak (`per_rank_bytes`) plus the
+runtime, whichever is larger. Appends the figures, the machine and the date to RESULTS.md.
+
+    python benchmarks/sharded_load.py [--smoke] [--no-record]
+
+`--smoke`: the tiny test model (31 KB), nothing recorded unless asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_env
+import psutil
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+SECTION = "## Sharded load: FSDP2 host RAM per rank, 2 processes (gloo, CPU)"
+SRC = Path(__file__).resolve().parents[1] / "src"
+WIDE = {"hidden_size": 128, "moe_intermediate_size": 640, "num_experts": 128,
+        "num_hidden_layers": 10, "num_key_value_heads": 2, "num_attention_heads": 4,
+        "head_dim": 32, "intermediate_size": 256}  # fmt: skip
+SMOKE = {"hidden_size": 16, "moe_intermediate_size": 8, "num_experts": 4,
+         "num_hidden_layers": 2, "num_key_value_heads": 2, "num_attention_heads": 4,
+         "head_dim": 8, "intermediate_size": 24}  # fmt: skip
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+
+
+def build(root: Path, shape: dict[str, int]) -> Path:
+    """A random Qwen3-MoE of `shape` with the demo tokenizer, saved as safetensors."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moetune.demo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok), num_experts_per_tok=2, max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, **shape,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = root / "model"
+    Qwen3MoeForCausalLM(config).save_pretrained(out, max_shard_size="100GB")
+    tok.save_pretrained(out)
+    return out
+
+
+def write_run(root: Path, model: Path, name: str, steps: int, **train: Any) -> Path:
+    """A run config (the training data beside it): fp32 on CPU, LoRA r4 on every target."""
+    from moetune.config import dump_config, parse_config
+
+    data = root / "train.jsonl"
+    rows = [{"prompt": f"rev:{w}>", "completion": w[::-1]} for w in WORDS * 3]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    section = {"max_steps": steps, "seq_len": 32, "learning_rate": 1e-2, "save_steps": 100,
+               "routing_every": 2, "device": "cpu", **train}  # fmt: skip
+    cfg = parse_config({
+        "model": {"id": str(model), "dtype": "float32"}, "lora": {"rank": 4}, "data": {"train_file": str(data)},
+        "output": {"dir": str(root / name), "ledger": str(root / "ledger.jsonl")},
+        "train": section,
+    })  # fmt: skip
+    path = root / f"{name}.yaml"
+    path.write_text(dump_config(cfg), encoding="utf-8")
+    return path
+
+
+class Sampler(threading.Thread):
+    """Each rank's peak RSS among `pid`'s descendants (by their RANK), sampled; and its peak
+    RSS without the resident pages of the mmap'd checkpoint (page cache the kernel can drop:
+    not RAM the load needs, but RSS counts it while from_pretrained has the file mapped)."""
+
+    def __init__(self, pid: int, every: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.root, self.every = psutil.Process(pid), every
+        self.peaks: dict[int, int] = {}
+        self.needed: dict[int, int] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            for rank, rss, mapped in self._ranks():
+                self.peaks[rank] = max(self.peaks.get(rank, 0), rss)
+                self.needed[rank] = max(self.needed.get(rank, 0), rss - mapped)
+            time.sleep(self.every)
+
+    def _ranks(self) -> list[tuple[int, int, int]]:
+        found = []
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:  # the run just ended
+            return []
+        for proc in procs:
+            try:
+                rank = proc.environ().get("RANK")
+                if rank is None and proc is not self.root:
+                    continue
+                maps = proc.memory_maps(grouped=True)
+                mapped = sum(m.rss for m in maps if m.path.endswith(".safetensors"))
+                found.append((int(rank or 0), proc.memory_info().rss, mapped))
+            except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
+                continue
+        return found
+
+
+def train(config: Path, *flags: str) -> tuple[dict[str, Any], Sampler, float]:
+    """`moetune train CONFIG --json FLAGS`: its result, the ranks' sampled RSS, the seconds."""
+    path = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
+    # 2 ranks on the shared cores: one OpenMP thread each, whatever the parent's --threads
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "moetune", "train", str(config), "--json", *flags]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sampler = Sampler(proc.pid)
+    sampler.start()
+    out, err = proc.communicate()
+    sampler.done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{config.name} failed:\n{err.decode()[-3000:]}")
+    return json.loads(out), sampler, time.perf_counter() - started
+
+
+def planned(model: Path, config: Path) -> dict[int, int]:
+    """The plan's peak host RAM of rank 0 and of rank 1: the larger of the load
+    (`host_ram`) and the CPU rank's training (runtime + per-rank live bytes)."""
+    from moetune.config import load_config
+    from moetune.model import load_spec
+    from moetune.plan.sharding import RUNTIME_HOST_BYTES, host_ram, per_rank_bytes, run_sizes
+
+    cfg = load_config(config)
+    spec = load_spec(str(model))
+    ram = host_ram(run_sizes(spec, cfg), 2, "fsdp")
+    training = RUNTIME_HOST_BYTES + sum(per_rank_bytes(spec, cfg, 2, "fsdp").values())
+    return {0: max(ram.main_rank_bytes, training), 1: max(ram.other_rank_bytes, training)}
+
+
+def rel_diff(run: Path, reference: Path) -> float:
+    from safetensors.torch import load_file
+
+    got = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    want = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    return max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
+
+
+def measure(smoke: bool, steps: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="moetune-sharded-") as tmp:
+        root = Path(tmp)
+        model = build(root, SMOKE if smoke else WIDE)
+        size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        one = write_run(root, model, "one", steps, batch_size=4)
+        two = write_run(root, model, "two", steps, batch_size=2, nproc=2, strategy="fsdp")
+        _, single, one_s = train(one)
+        result, ranks, two_s = train(two, "--nproc", "2", "--strategy", "fsdp")
+        summary = json.loads((root / "two" / "summary.json").read_text())
+        return {
+            "checkpoint_bytes": size, "steps": result["steps"], "one_rss": single.peaks[0],
+            "one_needed": single.needed[0], "one_s": one_s, "two_s": two_s,
+            "rss": ranks.peaks, "needed": ranks.needed, "plan": planned(model, two),
+            "rel_diff": rel_diff(root / "two", root / "one"),
+            "load": summary["distributed"]["load"]["ranks"],
+        }  # fmt: skip
+
+
+def report(m: dict[str, Any]) -> str:
+    gib = 2**30
+    ranks = "; ".join(_rank(m, r) for r in sorted(m["rss"]))
+    return (
+        f"- {datetime.date.today().isoformat()}, {psutil.cpu_count()} shared CPU cores "
+        f"({platform.machine()}, {psutil.virtual_memory().total / gib:.0f} GiB, "
+        f"{bench_env.describe()}, 1 thread a rank), "
+        f"torch {torch.__version__}: Qwen3-MoE {m['checkpoint_bytes'] / gib:.2f} GiB fp32 "
+        f"safetensors, LoRA r4, {m['steps']} steps; 1 process: peak RSS "
+        f"{m['one_rss'] / gib:.2f} GiB ({m['one_needed'] / gib:.2f} without the mapped "
+        f"checkpoint; {m['one_s']:.0f} s); 2 FSDP2 ranks ({m['two_s']:.0f} s): "
+        f"{ranks}; adapter vs 1 process: worst relative difference {m['rel_diff']:.1e}\n"
+    )  # fmt: skip
+
+
+def _rank(m: dict[str, Any], r: int) -> str:
+    gib, load = 2**30, m["load"][r]
+    need = m["needed"][r]
+    return (
+        f"rank {r}: peak RSS {m['rss'][r] / gib:.2f} GiB, without the mapped checkpoint "
+        f"{need / gib:.2f} GiB, plan {m['plan'][r] / gib:.2f} GiB "
+        f"({m['plan'][r] / need - 1:+.1%}); base held after load "
+        f"{load['loaded_bytes'] / gib:.3f} GiB, broadcast peak "
+        f"{load['broadcast_peak_bytes'] / gib:.3f} GiB, shard {load['sharded_bytes'] / gib:.3f} GiB"
+    )
+
+
+def record(line: str) -> None:
+    text = RESULTS.read_text() if RESULTS.exists() else ""
+    if SECTION not in text:
+        text += f"\n{SECTION}\n\n`python benchmarks/sharded_load.py`\n\n"
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(text + line)
+    tmp.replace(RESULTS)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the tiny model (a fast check)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--record", action="store_true", help="append even with --smoke")
+    parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bench_env.add_argument(parser)
+    args = parser.parse_args()
+    bench_env.apply()
+    m = measure(args.smoke, args.steps)
+    line = report(m)
+    print(json.dumps(m) if args.json else line, end="" if not args.json else "\n")
+    if (not args.smoke or args.record) and not args.no_record:
+        record(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""train/sharded_load.py in one process: the meta build of a non-main rank, its LoRA given
+distinct storage, rank 0's draining state dict, the byte tracker that measures the load –
+and benchmarks/sharded_load.py's RSS sampler on a real child process. The 2-process run
+itself is in test_train_distributed.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.train import sharded_load as S
+from test_train_helpers import save_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("shard") / "model")
+
+
+def test_a_meta_rank_builds_the_base_without_its_weights(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    meta = S.meta_base(str(model_dir), torch.float32)
+    real = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    assert all(p.is_meta for p in meta.parameters())
+    assert S.host_bytes(meta) == sum(b.nbytes for b in meta.buffers())  # buffers only
+    assert S.host_bytes(real) >= sum(p.nbytes for p in real.parameters())
+    assert meta.state_dict().keys() == real.state_dict().keys()
+    for (name, got), (_, want) in zip(meta.named_buffers(), real.named_buffers(), strict=True):
+        assert torch.equal(got, want), name  # rotary tables computed, not broadcast
+    assert not meta.training and type(meta) is type(real)
+
+
+def test_meta_lora_factors_get_distinct_zeroed_storage(model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    meta = S.meta_base(str(model_dir), torch.float32)
+    wrapped = get_peft_model(meta, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    S.materialise_trainable(wrapped)
+    trainable = [p for p in wrapped.parameters() if p.requires_grad]
+    assert trainable and all(not p.is_meta and not p.any() for p in trainable)
+    assert len({p.data_ptr() for p in trainable}) == len(trainable)  # accelerate's map key
+    assert all(p.is_meta for p in wrapped.parameters() if not p.requires_grad)
+
+
+def test_rank_0s_state_dict_frees_each_tensor_once_sent():
+    """Freed at the next read, aliases included (the model's old parameters); a storage two
+    keys share (tied weights) only once both are read."""
+    tied = torch.ones(4)
+    full = {"a": torch.ones(4), "emb": tied, "head": tied, "b": torch.zeros(2)}
+    old_param = full["a"].view(2, 2)  # what the model's replaced parameter still aliases
+    drained = S._Draining(full)
+    assert "a" in drained and len(drained) == 4
+    assert torch.equal(drained["a"], torch.ones(4)) and "a" not in full
+    emb = drained["emb"]  # reading on frees what was sent before
+    assert old_param.untyped_storage().nbytes() == 0
+    assert torch.equal(drained["head"], torch.ones(4))  # its tie was not freed with "emb"
+    assert torch.equal(drained["b"], torch.zeros(2)) and emb.untyped_storage().nbytes() == 0
+    drained.close()
+    assert list(drained) == [] and full == {}
+
+
+def test_the_load_tracker_counts_local_shards_and_frees(monkeypatch):
+    tracker = S.LocalBytes()
+    with tracker:
+        kept = []
+        for _ in range(4):
+            full = torch.empty(1000)  # 4000 B in flight, as the broadcast buffer
+            kept.append(full[:250].clone())  # 1000 B kept, as the shard
+        del full
+    assert tracker.live_bytes == 4000  # the shards
+    assert tracker.peak.bytes == 4000 - 1000 + 4000 + 4000  # 3 shards + 2 buffers in flight
+    with S.LocalBytes() as meta:
+        torch.empty(1000, device="meta")
+    assert meta.peak.bytes == 0
+
+
+def test_from_main_outside_a_sharded_load_just_computes(monkeypatch):
+    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
+    assert not S.active() and S.loads_weights()
+    assert S.from_main(lambda: {"x": 1}) == {"x": 1}
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert S.active() and not S.loads_weights()
+    monkeypatch.setenv("RANK", "0")
+    assert S.loads_weights()
+
+
+_HOLD = "import torch, time; x = torch.ones(64 * 2**20); time.sleep(3)"  # 256 MiB
+
+
+def test_the_benchmarks_sampler_sees_a_childs_peak_rss():
+    import sharded_load as bench
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD])
+    sampler = bench.Sampler(proc.pid)
+    sampler.start()
+    proc.wait(timeout=120)
+    time.sleep(0.1)
+    sampler.done.set()
+    sampler.join()
+    assert sampler.peaks[0] >= 256 * 2**20
+    assert sampler.needed[0] == sampler.peaks[0]  # no checkpoint mapped
