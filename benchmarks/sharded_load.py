@@ -76,7 +76,8 @@ def write_run(root: Path, model: Path, name: str, steps: int, **train: Any) -> P
     section = {"max_steps": steps, "seq_len": 32, "learning_rate": 1e-2, "save_steps": 100,
                "routing_every": 2, "device": "cpu", **train}  # fmt: skip
     cfg = parse_config({
-        "model": {"id": str(model), "dtype": "float32"}, "lora": {"rank": 4}, "data": {"train_file": str(data)},
+        "model": {"id": str(model), "dtype": "float32"}, "lora": {"rank": 4},
+        "data": {"train_file": str(data)},
         "output": {"dir": str(root / name), "ledger": str(root / "ledger.jsonl")},
         "train": section,
     })  # fmt: skip
