@@ -36,7 +36,14 @@ import torch
 from torch import nn
 
 from moetune.engine.offload_files import OffloadError, Segment, read_into, write_tensors
-from moetune.engine.quant import QUANTIZED, QuantizedStack, is_transposed, stacks_of
+from moetune.engine.quant import (
+    QUANTIZED,
+    QuantizedStack,
+    experts_modules,
+    is_transposed,
+    stacks_of,
+)
+from moetune.engine.quant import peft_targets as quant_targets
 
 Mode = Literal["cpu", "disk"]
 Weight = Union[torch.Tensor, QuantizedStack]  # noqa: UP007 (a runtime alias)
@@ -384,8 +391,6 @@ def offload_experts_(model: nn.Module, mode: Mode, device: torch.device | str, *
     cpu: copies in host RAM; disk: written to `scratch` (a base loaded from its files goes
     through offload_load.load_offloaded instead, which reads the files where they are).
     """
-    from moetune.engine.quant import experts_modules
-
     scratch = scratch if mode == "disk" else None
     if mode == "disk" and scratch is None:
         raise OffloadError("disk offload of an in-memory model needs a scratch file",
@@ -436,8 +441,6 @@ def install(module: nn.Module, store: ExpertStore,
 def peft_targets(model: nn.Module) -> Iterator[None]:
     """quant.peft_targets, and stand-in Parameters for offloaded stacks: call get_peft_model
     inside, so peft's `target_parameters` find them (zero storage, their shape and dtype)."""
-    from moetune.engine.quant import peft_targets as quant_targets
-
     added = []
     for module in model.modules():
         refs = offloaded_of(module)

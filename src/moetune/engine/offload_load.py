@@ -41,6 +41,7 @@ from moetune.engine.quant import (
     quantizer_for,
     stacks_of,
 )
+from moetune.model.derive import causal_lm_class, ensure_backbone
 
 if TYPE_CHECKING:
     from torch import nn
@@ -53,11 +54,11 @@ def load_offloaded(
     double_quant: bool = False, scratch_dir: str | Path | None = None,
 ) -> tuple[PreTrainedModel, ExpertStore, QuantReport | None]:  # fmt: skip
     """A causal LM from a local checkpoint whose expert stacks live in an ExpertStore."""
+    # lazy: heavy to import (accelerate, transformers)
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
     from moetune.engine.quant_load import _stream
-    from moetune.model.derive import causal_lm_class, ensure_backbone
 
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):
