@@ -253,10 +253,10 @@ def plan_figures(model_dir: Path, args: argparse.Namespace) -> dict[str, Any] | 
     from moetune.model import load_spec
 
     cfg = parse_config({
-        "model": {"id": str(model_dir), "dtype": "bfloat16"},
+        "model": {"id": str(model_dir), "dtype": "float32"},  # computed in fp32, as measured
         "lora": {"rank": args.rank, "targets": ["experts"], "engine": "moetune"},
         "train": {"offload": "disk", "seq_len": args.seq, "batch_size": 1, "device": "cpu",
-                  "precision": "bf16", "gradient_checkpointing": False},
+                  "precision": "fp32", "gradient_checkpointing": False},
     })  # fmt: skip
     plan = plan_offload(load_spec(str(model_dir)), cfg, card=None)
     keys = ("device_peak_bytes", "host_ram_bytes", "disk_bytes", "bytes_moved_per_step",
@@ -352,7 +352,7 @@ def plan_line(r: dict[str, Any]) -> str:
         return "- plan: n/a (moetune.plan.offload not importable in this tree)"
     peak = plan.get("device_peak_bytes")
     err = f" ({100 * (peak / r['rss_peak_steps'] - 1):+.1f} % vs measured RSS)" if peak else ""
-    return (f"- plan (moetune.plan.offload): device peak {peak and peak / GiB:.2f} GiB{err}, host "
+    return (f"- plan: device peak {peak and peak / GiB:.2f} GiB{err}, host "
             f"RAM {plan.get('host_ram_bytes')}, disk {plan.get('disk_bytes')}, bytes moved/step "
             f"{plan.get('bytes_moved_per_step')}, step {plan.get('step_time_s')} s")  # fmt: skip
 
