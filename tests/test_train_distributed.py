@@ -28,21 +28,20 @@ from moetune.train import distributed as D
 from moetune.train.checkpoint import inspect_run
 from moetune.train.lock import hold
 from moetune.train.setup import device_args
-from test_train_helpers import reverse_rows, run_config, save_tiny_model, write_jsonl
+from test_train_helpers import (
+    tiny_cfg,
+    tiny_run,
+)
 
 SRC = Path(D.__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    model = save_tiny_model(root / "model")
-    data = write_jsonl(root / "train.jsonl", reverse_rows(24))
-    return types.SimpleNamespace(root=root, model=model, data=data)
+    return tiny_run(tmp_path_factory.mktemp("dist"))
 
 
-def _cfg(tiny, out: Path, **over):
-    return run_config(tiny.model, tiny.data, out, **{"max_steps": 6, "save_steps": 2, **over})
+_cfg = tiny_cfg
 
 
 def _load_accelerate(path: Path):

@@ -88,6 +88,20 @@ def run_config(model: Path, data: Path, out: Path, **train: Any) -> RunConfig:
     )
 
 
+def tiny_run(root: Path) -> Any:
+    """A tiny saved model and 24 reverse rows under `root` (the multi-process tests' base)."""
+    import types
+
+    model = save_tiny_model(root / "model")
+    data = write_jsonl(root / "train.jsonl", reverse_rows(24))
+    return types.SimpleNamespace(root=root, model=model, data=data)
+
+
+def tiny_cfg(tiny: Any, out: Path, **over: Any) -> RunConfig:
+    """tiny_run's run config: 6 steps, a checkpoint every 2."""
+    return run_config(tiny.model, tiny.data, out, **{"max_steps": 6, "save_steps": 2, **over})
+
+
 @contextmanager
 def one_thread() -> Iterator[None]:
     """Tiny models run fastest on one thread; 2 shared cores oversubscribe otherwise."""

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import psutil
@@ -25,21 +24,20 @@ from moetune.train import TrainError
 from moetune.train import distributed as D
 from moetune.train import nodes as N
 from moetune.train.checkpoint import config_diff
-from test_train_helpers import reverse_rows, run_config, save_tiny_model, write_jsonl
+from test_train_helpers import (
+    tiny_cfg,
+    tiny_run,
+)
 
 SRC = Path(D.__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nodes")
-    model = save_tiny_model(root / "model")
-    data = write_jsonl(root / "train.jsonl", reverse_rows(24))
-    return types.SimpleNamespace(root=root, model=model, data=data)
+    return tiny_run(tmp_path_factory.mktemp("nodes"))
 
 
-def _cfg(tiny, out: Path, **over):
-    return run_config(tiny.model, tiny.data, out, **{"max_steps": 6, "save_steps": 2, **over})
+_cfg = tiny_cfg
 
 
 def _two_nodes(**over):
