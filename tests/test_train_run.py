@@ -273,6 +273,7 @@ def test_preflight_error_stops_the_run_before_writing(files, tmp_path):
 
 def test_allow_errors_trains_and_records_the_override(files, tmp_path, monkeypatch):
     import moetune.lint.preflight
+    import moetune.train.setup
     from moetune.lint.rules import Finding
 
     real = moetune.lint.preflight.lint_run
@@ -281,7 +282,7 @@ def test_allow_errors_trains_and_records_the_override(files, tmp_path, monkeypat
         findings, plan = real(cfg, estimator)
         return [Finding("TEST-ERR", "error", "a test error", "ignore it"), *findings], plan
 
-    monkeypatch.setattr(moetune.lint.preflight, "lint_run", with_error)
+    monkeypatch.setattr(moetune.train.setup, "lint_run", with_error)  # where train calls it
     cfg = run_config(files.model, files.data, tmp_path / "o", max_steps=1, routing_every=0)
     with pytest.raises(TrainError, match=r"\[TEST-ERR\] a test error"):
         train(cfg, progress=False)
@@ -301,6 +302,7 @@ def test_bad_data_writes_nothing(files, tmp_path):
 
 def test_incomplete_coverage_refuses_to_train(files, tmp_path, monkeypatch):
     import moetune.recipe.targets as targets
+    import moetune.train.model
 
     real = targets.build_peft_config
 
@@ -309,7 +311,7 @@ def test_incomplete_coverage_refuses_to_train(files, tmp_path, monkeypatch):
         config.target_parameters = None  # the fused expert stacks silently get no LoRA
         return config
 
-    monkeypatch.setattr(targets, "build_peft_config", attention_only)
+    monkeypatch.setattr(moetune.train.model, "build_peft_config", attention_only)  # as bound
     cfg = run_config(files.model, files.data, tmp_path / "c")
     with pytest.raises(TrainError, match=r"only 8/12 requested LoRA targets") as info:
         train(cfg, progress=False)

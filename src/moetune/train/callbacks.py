@@ -186,6 +186,7 @@ class RichProgress(TrainerCallback):
 @contextmanager
 def quiet() -> Iterator[None]:
     """No datasets/transformers progress bars (moetune draws its own), restored after."""
+    # lazy: heavy to import (datasets, transformers)
     import datasets
     from transformers.utils import logging as hf_logging
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from moetune.io import sha256_file
 from moetune.train.errors import DataError
 
@@ -81,8 +84,6 @@ def _read_text(path: Path) -> str:
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
@@ -420,6 +421,7 @@ def load_data(
     allowed: tuple[str, ...] = SFT_FORMATS,
 ) -> TrainData:
     """Read and check every row of `file`, then build the dataset TRL trains on."""
+    # lazy: heavy to import (datasets)
     from datasets import Dataset
 
     path = Path(file)

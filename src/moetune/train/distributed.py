@@ -44,7 +44,9 @@ import yaml
 
 from moetune.config import RunConfig
 from moetune.io import atomic_write_text
+from moetune.model.derive import causal_lm_class
 from moetune.train import nodes
+from moetune.train.checkpoint import inspect_run
 from moetune.train.errors import TrainError
 from moetune.train.result import TrainResult
 from moetune.train.sharded_load import LOAD
@@ -122,6 +124,7 @@ def whole_load(args: Any) -> Iterator[None]:
     if plugin is None:
         yield
         return
+    # lazy: heavy to import (transformers)
     from transformers.integrations import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
@@ -134,9 +137,8 @@ def whole_load(args: Any) -> Iterator[None]:
 def decoder_layers(model_id: str) -> list[str]:
     """The classes FSDP wraps one by one: the causal-LM class's `_no_split_modules`
     (its decoder layer, e.g. Qwen3MoeDecoderLayer), read off the class without building it."""
+    # lazy: heavy to import (transformers)
     from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class
 
     cls = causal_lm_class(AutoConfig.from_pretrained(model_id))
     return sorted(getattr(cls, "_no_split_modules", None) or [])
@@ -234,6 +236,7 @@ def fsdp_on_cpu() -> None:
     to FSDP with the plugin accelerate built from the launch config – the sharding,
     gathering and state dicts stay accelerate's and torch's. It acts only where accelerate
     says MULTI_CPU with an FSDP plugin (a GPU rank is FSDP already). Idempotent."""
+    # lazy: heavy to import (accelerate)
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -271,6 +274,7 @@ def sharding(trainer: Any) -> dict[str, Any] | None:
 
 def _share(param: Any) -> tuple[int, int, bool]:
     """(elements this rank holds, elements of the whole parameter, whether it is sharded)."""
+    # lazy: heavy to import (torch)
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
@@ -303,7 +307,7 @@ def launch_or_train(
         return train(cfg, progress=not flags.get("json"), **opts)
 
     def check() -> None:
-        from moetune.train.checkpoint import inspect_run
+        # lazy: heavy to import (moetune)
         from moetune.train.setup import preflight, resolve_placement
 
         inspect_run(cfg, opts["resume"], opts["overwrite"], opts["overwrite_promoted"])

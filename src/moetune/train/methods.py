@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.registry import Registry
 from moetune.train.errors import DataError, TrainError
+from moetune.train.rewards import build_rewards, reward_columns
 
 if TYPE_CHECKING:
     from moetune.config import RunConfig
@@ -44,6 +45,7 @@ def _dpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
     """A reference is passed only to keep TRL from adding its "ref" adapter copy: an empty
     stand-in (no weights), cleared right after, so the reference pass runs the policy with
     its adapter disabled."""
+    # lazy: heavy to import (torch)
     import torch
 
     stand_in = torch.nn.Module()
@@ -57,6 +59,7 @@ def _grpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
     """GRPO adds the "ref" copy only for beta > 0: build with beta 0, then set it back
     (TRL reads trainer.beta each step and, with no ref_model, disables the adapter). With
     train.grpo.sft_weight the trainer gains the SFT term on rows' completions (grpo_sft)."""
+    # lazy: heavy to import (moetune)
     from moetune.train.grpo_sft import with_sft_term
 
     kwargs = dict(kwargs)
@@ -108,6 +111,7 @@ class Method:
 
     def classes(self) -> tuple[type, type]:
         """(trainer class, config class) from TRL, imported on use."""
+        # lazy: heavy to import (trl)
         import trl
 
         return getattr(trl, self.trainer), getattr(trl, self.config)
@@ -150,7 +154,6 @@ def _grpo_args(cfg: RunConfig, data: TrainData) -> dict[str, Any]:
 
 
 def _grpo_rewards(cfg: RunConfig) -> dict[str, Any]:
-    from moetune.train.rewards import build_rewards
 
     funcs, _ = build_rewards(cfg.train.grpo)
     return {"reward_funcs": funcs, "sft_weight": cfg.train.grpo.sft_weight}
@@ -159,8 +162,8 @@ def _grpo_rewards(cfg: RunConfig) -> dict[str, Any]:
 def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
     """The group must divide the batch, the rewards must build and find their columns (and
     the sft term its completions)."""
+    # lazy: heavy to import (moetune)
     from moetune.train.grpo_sft import check_sft_rows
-    from moetune.train.rewards import build_rewards, reward_columns
 
     g, t = cfg.train.grpo, cfg.train
     if (t.batch_size * t.grad_accum) % g.num_generations:

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import re
 import shutil
@@ -21,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moetune.lint.mlx_env import backend_fix, mlx_backend
 from moetune.model import ModelSpec, load_spec
 from moetune.train.mlx_format import MlxFormatError, commit_dir, fresh_dir
 
@@ -34,7 +37,6 @@ SIDE_FILES = re.compile(r"(tokenizer.*|special_tokens_map|generation_config|chat
 def mlx_dtype(requested: str | None = None) -> str | None:
     """The dtype to convert to: as requested, else float32 on mlx's CPU backend (GatherMM
     is float32-only there), else the checkpoint's own."""
-    from moetune.lint.mlx_env import backend_fix, mlx_backend
 
     if requested:
         return requested
@@ -53,6 +55,7 @@ def _rope_theta(config: dict[str, Any]) -> float | None:
 def mlx_config(config: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
     """`config` with the fields mlx-lm's ModelArgs for this type needs filled from the spec:
     every required field it lacks, and rope_theta (mlx-lm's defaults differ per family)."""
+    # lazy: heavy to import (mlx_lm)
     from mlx_lm.utils import _get_classes  # type: ignore[import-not-found]
 
     try:
@@ -104,6 +107,7 @@ def hf_to_mlx(
     """The transformers checkpoint in `model_dir` as an mlx-lm model dir (mlx_lm.convert).
     `chat_template`: set where the tokenizer has none (mlx-lm renders prompt/completion
     rows through it)."""
+    # lazy: heavy to import (mlx_lm)
     from mlx_lm.convert import convert  # type: ignore[import-not-found]
 
     src, out = Path(model_dir), Path(out_dir)
@@ -134,8 +138,6 @@ class _quiet_stdout:
     """mlx_lm.convert prints [INFO] lines; moetune's stdout is for its own output."""
 
     def __enter__(self) -> None:
-        import contextlib
-        import io
 
         self._redirect = contextlib.redirect_stdout(io.StringIO())
         self._redirect.__enter__()

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.errors import MoetuneError
 from moetune.model import ModelSpec, get_family, load_spec
+from moetune.train.checkpoint import replace_dir
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +121,6 @@ def fresh_dir(out_dir: Path, overwrite: bool) -> Path:
 
 
 def commit_dir(tmp: Path, out_dir: Path) -> Path:
-    from moetune.train.checkpoint import replace_dir
 
     replace_dir(tmp, out_dir)
     return out_dir
@@ -134,6 +134,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    # lazy: heavy to import (safetensors)
     from safetensors.torch import load_file
 
     if not path.is_file():
@@ -162,6 +163,7 @@ def _mlx_factors(tensors: dict[str, torch.Tensor]) -> dict[tuple[str, int], dict
 def _join_gate_up(gate: dict | None, up: dict | None, names: MlxNames) -> tuple[Any, Any]:
     """mlx gate and up factors -> one gate_up (a (E, r, in), b (E, out, r)): a shared `a`
     (what peft_to_mlx writes) stays rank r, else a rank-2r block diagonal."""
+    # lazy: heavy to import (torch)
     import torch
 
     ref = gate or up
@@ -222,6 +224,7 @@ def mlx_to_peft(
 ) -> Path:
     """An mlx-lm LoRA adapter dir as a peft adapter for the HF model `base` (loads with plain
     `PeftModel.from_pretrained`, same ΔW)."""
+    # lazy: heavy to import (peft, safetensors)
     from peft import LoraConfig
     from safetensors.torch import save_file
 

@@ -36,7 +36,10 @@ from rich.markup import escape
 
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json, atomic_write_text
+from moetune.lint.rules_mlx import mlx_backend
+from moetune.model import get_family
 from moetune.recipe.audit import PARTS, CoverageReport, CoverageRow, requested_kinds
+from moetune.recipe.mlx import make_mlx_recipe, mlx_yaml
 from moetune.train.checkpoint import RunDir, inspect_run
 from moetune.train.data import read_checked
 from moetune.train.errors import TrainError
@@ -123,7 +126,6 @@ def refuse_unsupported(cfg: RunConfig) -> None:
 
 def write_inputs(cfg: RunConfig, setup: Setup, work: Path) -> dict[str, Any]:
     """mlx/model, mlx/data and mlx/lora.yaml; returns the YAML's config."""
-    from moetune.recipe.mlx import make_mlx_recipe, mlx_yaml
 
     assert cfg.data.train_file is not None  # prepare() refused a run without one
     fmt, rows = read_checked(Path(cfg.data.train_file))
@@ -156,13 +158,13 @@ def write_rows(data_dir: Path, train: list[Any], valid: list[Any]) -> None:
 
 def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """The YAML over mlx-lm's own defaults, as `mlx_lm.lora --config` merges them."""
+    # lazy: heavy to import (mlx_lm)
     from mlx_lm.lora import CONFIG_DEFAULTS  # type: ignore[import-not-found]
 
     return {**CONFIG_DEFAULTS, **config}
 
 
 def _backend() -> str:
-    from moetune.lint.rules_mlx import mlx_backend
 
     return mlx_backend().backend or "none"
 
@@ -175,6 +177,7 @@ def audited_model(
 ) -> tuple[Any, CoverageReport]:
     """The converted base as mlx-lm loads it, audited the way mlx-lm will train it: LoRA
     applied to a lazily loaded copy, its trainable parameters read back (coverage.json)."""
+    # lazy: heavy to import (mlx, mlx_lm)
     from mlx.utils import tree_flatten  # type: ignore[import-not-found]
     from mlx_lm.tuner.utils import linear_to_lora_layers  # type: ignore[import-not-found]
     from mlx_lm.utils import load  # type: ignore[import-not-found]
@@ -198,7 +201,6 @@ def mlx_coverage(
 ) -> CoverageReport:
     """Per layer and requested kind, each of the family's mlx-lm modules and whether mlx-lm
     made it trainable; the router's state from the same list."""
-    from moetune.model import get_family
 
     spec = setup.spec
     family = get_family(spec.model_type)
@@ -249,6 +251,7 @@ def fit(
     args: SimpleNamespace, model: Any, run: RunDir, console: Console, progress: bool
 ) -> dict[str, Any]:
     """mlx-lm's train_model on the YAML's datasets; metrics.jsonl from its reports."""
+    # lazy: heavy to import (mlx, mlx_lm, numpy)
     import mlx.core as mx  # type: ignore[import-not-found]
     import numpy as np
     from mlx_lm.lora import train_model  # type: ignore[import-not-found]
@@ -283,6 +286,7 @@ class MetricsReports:
         self.last: dict[str, Any] = {}
 
     def callback(self) -> Any:
+        # lazy: heavy to import (mlx_lm)
         from mlx_lm.tuner.trainer import TrainingCallback  # type: ignore[import-not-found]
 
         outer = self
@@ -319,7 +323,6 @@ def _quiet_stdout(show: bool) -> Any:
 
 def write_summary(run: RunDir, result: TrainResult, setup: Setup, report: CoverageReport) -> None:
     """summary.json, last: its presence marks the run finished."""
-    from moetune.lint.rules_mlx import mlx_backend
 
     summary = {
         "result": result.to_json(),

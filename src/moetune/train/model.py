@@ -14,6 +14,9 @@ import torch
 
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
+from moetune.model.derive import causal_lm_class, ensure_backbone
+from moetune.recipe.audit import audit_coverage
+from moetune.recipe.targets import build_peft_config, peft_notes
 from moetune.train import sharded_load
 from moetune.train.callbacks import quiet
 from moetune.train.checkpoint import RunDir
@@ -33,12 +36,12 @@ _QUANT_REPORT = "_moetune_quant_report"  # on a model loaded with quantised expe
 
 def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
     """The base as `engine` (the resolved lora.engine) trains it."""
+    # lazy: heavy to import (transformers)
     from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class, ensure_backbone
 
     dtype = _DTYPES[place.load_dtype(cfg.model.dtype)]
     if cfg.train.offload != "none":  # expert stacks to host RAM or left in the files
+        # lazy: heavy to import (moetune)
         from moetune.train.offload import load_offloaded_model
 
         scratch = Path(cfg.output.dir) / ".staging" / "offload"  # cleared with the staging dir
@@ -80,6 +83,7 @@ def load_quantized_model(
     cfg: RunConfig, place: Placement, dtype: torch.dtype, engine: str
 ) -> nn.Module:
     """The base with its expert stacks quantised while loading; its QuantReport rides along."""
+    # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
     from moetune.engine.quant import require_split_engine
     from moetune.engine.quant_load import load_quantized
@@ -100,6 +104,7 @@ def _model_dir(model_id: str) -> str:
     """A local checkpoint dir: the id itself, or its hub snapshot (cached when offline)."""
     if os.path.isdir(model_id):
         return model_id
+    # lazy: heavy to import (huggingface_hub)
     from huggingface_hub import snapshot_download
 
     try:
@@ -114,6 +119,7 @@ def _model_dir(model_id: str) -> str:
 def _split_and_dropout(wrapped: nn.Module, cfg: RunConfig, engine: str, built: float) -> None:
     """moetune's engine: split expert LoRA with its dropout, and the dropout peft's config
     could not carry (ParamWrapper refuses it) on every other LoRA layer."""
+    # lazy: heavy to import (moetune)
     from moetune.engine import apply_lora_dropout, apply_split_lora
 
     if engine == "moetune" and "experts" in cfg.lora.targets:
@@ -131,8 +137,6 @@ def wrap_lora(
 
     from moetune.engine.offload import peft_targets  # quantised and offloaded stacks
     from moetune.engine.overrides import apply_overrides
-    from moetune.recipe.audit import audit_coverage
-    from moetune.recipe.targets import build_peft_config, peft_notes
 
     set_seed(cfg.train.seed)  # the LoRA A matrices are initialised here
     quant = model.__dict__.get(_QUANT_REPORT)

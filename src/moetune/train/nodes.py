@@ -83,6 +83,7 @@ def check_devices(t: TrainArgs, device: str) -> None:
     """N ranks per node take one GPU each: refuse more ranks than this node has GPUs."""
     if device != "cuda":
         return  # CPU ranks share the cores (the tests run 2 on one core)
+    # lazy: heavy to import (torch)
     import torch
 
     have = torch.cuda.device_count()

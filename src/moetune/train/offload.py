@@ -85,6 +85,7 @@ def local_dir(model_id: str) -> str | None:
 def load_offloaded_model(cfg: RunConfig, place: Placement, dtype: torch.dtype,
                          model_dir: str, scratch: Path) -> nn.Module:  # fmt: skip
     """The base with its expert stacks in host RAM or left in its files."""
+    # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
     from moetune.engine.offload_load import load_offloaded
 
@@ -105,6 +106,7 @@ def load_offloaded_model(cfg: RunConfig, place: Placement, dtype: torch.dtype,
 def write_offload_json(run: RunDir, model: nn.Module) -> dict[str, Any] | None:
     """offload.json: the store's measurements over the run (peak device bytes of experts,
     bytes moved and read by phase)."""
+    # lazy: heavy to import (moetune)
     from moetune.engine.offload import store_of
 
     store = store_of(model)

@@ -169,6 +169,7 @@ class CheckpointCommitter(TrainerCallback):
         self.run = run
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # lazy: heavy to import (accelerate)
         from accelerate import PartialState
 
         PartialState().wait_for_everyone()  # every rank has written its part (RNG states)

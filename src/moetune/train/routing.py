@@ -171,6 +171,7 @@ def router_modules(model: nn.Module, spec: ModelSpec) -> dict[int, nn.Module]:
 
 def effective_weight(module: nn.Module) -> torch.Tensor:
     """A router's weight as the forward uses it: base weight plus active LoRA deltas."""
+    # lazy: heavy to import (peft)
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     def is_wrapper(obj: Any) -> bool:  # a function, so mypy keeps `layer` as Any
@@ -204,6 +205,7 @@ def gathered(params: list[torch.nn.Parameter]) -> contextlib.AbstractContextMana
     rank enters it); anything else as it is."""
     if not any(hasattr(p, "ds_id") for p in params):
         return contextlib.nullcontext()
+    # lazy: heavy to import (deepspeed)
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params)
@@ -211,6 +213,7 @@ def gathered(params: list[torch.nn.Parameter]) -> contextlib.AbstractContextMana
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor of an FSDP2 shard (a DTensor; a collective: every rank calls it)."""
+    # lazy: heavy to import (torch)
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -35,6 +35,8 @@ import torch
 
 from moetune.engine.experts_lora import PROJECTIONS, EngineError, train_only
 from moetune.errors import ConfigError
+from moetune.model.families import get_family
+from moetune.model.layers import decoder_layers
 from moetune.train.routing import RoutingRecorder, batches, sample_rows
 
 if TYPE_CHECKING:
@@ -275,10 +277,8 @@ def _adapters_off(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
 
 def expert_wrappers(model: nn.Module, spec: ModelSpec) -> dict[int, list[Any]]:
     """MoE layer -> peft's wrappers of its fused expert stacks (gate_up/up and down)."""
+    # lazy: heavy to import (peft)
     from peft.tuners.lora.layer import ParamWrapper
-
-    from moetune.model.families import get_family
-    from moetune.model.layers import decoder_layers
 
     layers = decoder_layers(model, spec, get_family(spec.model_type))
     return {

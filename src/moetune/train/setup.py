@@ -19,6 +19,8 @@ import torch
 
 from moetune.config import RunConfig, TrainArgs
 from moetune.io import atomic_write_json
+from moetune.lint.preflight import lint_run
+from moetune.model import load_spec, to_hf_config
 from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.data import TrainData, load_train_data
 from moetune.train.errors import TrainError
@@ -112,7 +114,6 @@ class AuxChoice:
 
 def aux_choice(cfg: RunConfig, spec: ModelSpec) -> AuxChoice:
     """train.aux_loss when set; left unset, on exactly when the router trains."""
-    from moetune.model import to_hf_config
 
     has_aux = hasattr(to_hf_config(spec).get_text_config(), "output_router_logits")
     explicit = cfg.train.aux_loss is not None
@@ -168,8 +169,8 @@ class Setup:
 
 def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Setup:
     """Placement, preflight, data and TRL arguments; then the run dir's first files."""
+    # lazy: heavy to import (moetune)
     from moetune.engine.resolve import resolve_engine
-    from moetune.model import load_spec
     from moetune.train.offload import check_offload, local_dir
     from moetune.train.select import check_selection
 
@@ -211,7 +212,6 @@ def preflight(
     cfg: RunConfig, place: Placement, allow_errors: bool
 ) -> tuple[list[Any], Any, list[str]]:
     """Lint and plan the run as it will really run (its dtype); an error finding stops it."""
-    from moetune.lint.preflight import lint_run
 
     dtype = place.load_dtype(cfg.model.dtype)
     as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})
@@ -227,6 +227,7 @@ def preflight(
 
 
 def load_tokenizer(model_id: str) -> PreTrainedTokenizerBase:
+    # lazy: heavy to import (transformers)
     from transformers import AutoTokenizer
 
     try:
@@ -248,6 +249,7 @@ _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_wit
 
 def _checkpointing(on: bool) -> dict[str, Any]:
     """transformers 5.24 renamed gradient_checkpointing (the old name warns); 5.23 has only it."""
+    # lazy: heavy to import (transformers)
     from transformers import TrainingArguments
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}

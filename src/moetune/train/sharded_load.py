@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from moetune.model.derive import causal_lm_class, ensure_backbone
 from moetune.plan.tracker import ByteTracker, Peak
 
 if TYPE_CHECKING:
@@ -66,10 +67,9 @@ def loads_weights() -> bool:
 def meta_base(model_id: str, dtype: torch.dtype) -> nn.Module:
     """The causal LM of `model_id` as from_pretrained builds it, with every parameter on the
     meta device (no bytes) and its buffers computed on the CPU."""
+    # lazy: heavy to import (accelerate, transformers)
     from accelerate import init_empty_weights
     from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class, ensure_backbone
 
     config = AutoConfig.from_pretrained(model_id)
     with init_empty_weights(include_buffers=False):
@@ -89,6 +89,7 @@ def materialise_trainable(model: nn.Module) -> nn.Module:
     """Give a meta rank's trainable parameters (the LoRA factors: small) CPU storage of
     zeros. accelerate maps the optimizer's parameters to their shards by data pointer, and
     every meta tensor's is 0; the values are rank 0's, broadcast in prepare()."""
+    # lazy: heavy to import (torch)
     from torch import nn
 
     for module in model.modules():
@@ -113,6 +114,7 @@ def from_main(compute: Callable[[], T]) -> T:
     others hold meta weights); plainly `compute()` anywhere else."""
     if not active():
         return compute()
+    # lazy: heavy to import (torch)
     import torch.distributed as dist
 
     box: list[Any] = [compute() if dist.get_rank() == 0 else None]
@@ -188,6 +190,7 @@ class LocalBytes(ByteTracker):
 
 
 def _local(out: Any) -> list[torch.Tensor]:
+    # lazy: heavy to import (torch)
     from torch.distributed.tensor import DTensor
 
     if isinstance(out, (tuple, list)):
@@ -205,6 +208,7 @@ def peak_rss_bytes() -> int:
 def install() -> None:
     """Route accelerate's FSDP2 broadcast of rank 0's state dict through `_load`: the same
     call, with the state dict draining and the load measured. Idempotent."""
+    # lazy: heavy to import (accelerate)
     from accelerate.utils import fsdp_utils
 
     original = fsdp_utils.fsdp2_load_full_state_dict
@@ -225,6 +229,7 @@ def install() -> None:
 
 def _gather(broadcast_peak: int, sharded: int) -> None:
     """Every rank's load figures, gathered on every rank into LOAD (a collective)."""
+    # lazy: heavy to import (torch)
     import torch.distributed as dist
 
     mine = {

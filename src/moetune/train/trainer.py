@@ -48,6 +48,8 @@ from moetune.config import RunConfig
 from moetune.io import atomic_write_json
 from moetune.ledger import attempt
 from moetune.lint.preflight import check_ledger
+from moetune.plan.estimate import step_signature
+from moetune.plan.hardware import card_for_device
 from moetune.train.callbacks import (
     MetricsCallback,
     RichProgress,
@@ -231,6 +233,7 @@ def build_trainer(
 ) -> tuple[SFTTrainer, RoutingCallback]:
     """train.method's TRL trainer (methods.py) on the wrapped model, with moetune's
     callbacks instead of printing; its reference policy is the adapter disabled."""
+    # lazy: heavy to import (peft, transformers)
     from peft import PeftModel
     from transformers import PrinterCallback
 
@@ -284,6 +287,7 @@ def select_experts(
     let only the chosen ones' LoRA train. A resumed run keeps the experts it started with."""
     if cfg.lora.expert_selection == "all":
         return None
+    # lazy: heavy to import (moetune)
     from moetune.train import select
 
     path = run.root / select.FILE
@@ -324,8 +328,6 @@ def callback_of(trainer: SFTTrainer, kind: type[_C]) -> _C | None:
 def throughput(cfg: RunConfig, setup: Setup, trainer: SFTTrainer) -> dict[str, Any]:
     """The TrainResult fields a launch estimates from: tokens/s of the loop, on which device
     and card, for which step (`step_signature`)."""
-    from moetune.plan.estimate import step_signature
-    from moetune.plan.hardware import card_for_device
 
     metrics = callback_of(trainer, MetricsCallback)
     devices = setup.args.world_size * max(1, setup.args.n_gpu)  # n_gpu > 1: DataParallel
@@ -362,6 +364,7 @@ def selection_warnings(model: nn.Module, setup: Setup) -> list[str]:
     """An unselected expert whose LoRA moved: its update is no longer zero as promised."""
     if setup.selection is None:
         return []
+    # lazy: heavy to import (moetune)
     from moetune.train.select import changed_unselected
 
     layers = changed_unselected(model, setup.spec, setup.selection)
