@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shlex
+import sys
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -36,7 +37,11 @@ from moetune.lane.providers.base import (
     TransientError,
     register_provider,
 )
+from moetune.lane.providers.ssh import SshTransport
 from moetune.plan.walls import DEFAULT_WATCHDOG_S
+
+if sys.version_info >= (3, 11):  # Python 3.10 has no tomllib: _load_toml reads its lines
+    import tomllib
 
 if TYPE_CHECKING:
     from moetune.config import LaneArgs, RunpodArgs
@@ -202,9 +207,7 @@ def _key_from_file(path: Path) -> str:
 
 
 def _load_toml(text: str) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: the flat `key = "value"` lines these files hold
+    if sys.version_info < (3, 11):  # Python 3.10: the flat `key = "value"` lines these files hold
         pairs = re.finditer(r'(?m)^\s*([A-Za-z_]+)\s*=\s*"([^"\n]*)"\s*$', text)
         return {m[1]: m[2] for m in pairs}
     return tomllib.loads(text)
@@ -427,8 +430,6 @@ class RunpodProvider(Provider):
 
     def _transport(self, pod_id: str) -> _Transport:
         if pod_id not in self._transports:
-            from moetune.lane.providers.ssh import SshTransport
-
             pod = self.status(pod_id)
             if pod.ssh is None:
                 cause = f"RunPod pod {pod_id} has no public SSH port yet ({pod.status})."
