@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import shlex
-import sys
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -40,8 +39,10 @@ from moetune.lane.providers.base import (
 from moetune.lane.providers.ssh import SshTransport
 from moetune.plan.walls import DEFAULT_WATCHDOG_S
 
-if sys.version_info >= (3, 11):  # Python 3.10 has no tomllib: _load_toml reads its lines
+try:
     import tomllib
+except ModuleNotFoundError:  # Python 3.10: _load_toml reads the flat lines itself
+    tomllib = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from moetune.config import LaneArgs, RunpodArgs
@@ -207,7 +208,7 @@ def _key_from_file(path: Path) -> str:
 
 
 def _load_toml(text: str) -> dict[str, Any]:
-    if sys.version_info < (3, 11):  # Python 3.10: the flat `key = "value"` lines these files hold
+    if tomllib is None:  # Python 3.10: the flat `key = "value"` lines these files hold
         pairs = re.finditer(r'(?m)^\s*([A-Za-z_]+)\s*=\s*"([^"\n]*)"\s*$', text)
         return {m[1]: m[2] for m in pairs}
     return tomllib.loads(text)
