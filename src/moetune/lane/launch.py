@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 
 import moetune.plan
+import moetune.plan.sharding
 from moetune.config import RunConfig
 from moetune.lane.cards import CardChoice, choose_card
 from moetune.lane.phases import PHASES, Lane, Walls
@@ -22,7 +23,6 @@ from moetune.ledger import public_env
 from moetune.model import load_spec
 from moetune.plan import walls as W
 from moetune.plan.estimate import Estimate, estimate, launch_signature, measured_cards
-from moetune.plan.sharding import fewest_gpus
 
 
 def make_provider(cfg: RunConfig, state_dir: Path) -> Provider:
@@ -107,7 +107,8 @@ def pod_gpu_count(cfg: RunConfig, spec: Any, card: Any) -> int:
         return cfg.train.nproc
     if card is None:
         return 1
-    return int(fewest_gpus(spec, cfg, card, cfg.train.strategy) or 1)  # None: fits no count
+    # looked up on use (tests stand in for it); None: fits no count
+    return int(moetune.plan.sharding.fewest_gpus(spec, cfg, card, cfg.train.strategy) or 1)
 
 
 def launch_plan(
