@@ -7,14 +7,13 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import traceback
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+import moetune.lane.providers.runpod as runpod_module
 from fake_runpod import FakeRunpod
 from moetune.config import LaneArgs, RunpodArgs
 from moetune.lane.providers.base import (
@@ -417,7 +416,7 @@ def test_api_key_missing_or_unreadable(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_api_key_file_without_tomllib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "tomllib", None)  # as on Python 3.10
+    monkeypatch.setattr(runpod_module, "tomllib", None)  # as on Python 3.10
     monkeypatch.delenv("MT_TEST_RUNPOD_KEY", raising=False)
     path = tmp_path / "config.toml"
     path.write_text('[default]\napi_key = "flat-parse"\n')
@@ -461,9 +460,7 @@ def test_exec_and_copies_go_through_ssh_to_the_public_port(
         def copy_out(self, remote: str, local: Path) -> None:
             calls.append(("out", remote, local))
 
-    stub = types.ModuleType("moetune.lane.providers.ssh")
-    stub.SshTransport = StubTransport  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "moetune.lane.providers.ssh", stub)
+    monkeypatch.setattr(runpod_module, "SshTransport", StubTransport)
     pod = provider.wait_ready(provider.create(SPEC).id, timeout_s=5)
     assert provider.exec(pod.id, "nvidia-smi", 10) == ExecResult(0, "ok\n", "")
     provider.copy_in(pod.id, Path("a"), "b")

@@ -6,7 +6,8 @@ ORDER is the stack, written once, lowest first: a module may import its own pack
 any package below it, never one above. Module circles inside one package are allowed only
 from ALLOWED_CIRCLES, each with its reason; a new circle, or one spanning packages, fails.
 LAZY_CHECKED are the packages whose function-level imports must each delay a heavy library
-(HEAVY, or a moetune module that imports one at its top) and say so in a comment.
+(HEAVY, or a moetune module that imports one at its top) and say so in a comment. cli/ has
+one allowance (CLI_LIGHT): there a command's import of its stage counts as delaying too.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ ALLOWED_CIRCLES: dict[frozenset[str], str] = {}  # none today; a new one names i
 # Packages (or root modules) whose function-level imports are checked; extend as each is done.
 LAZY_CHECKED = (
     "model", "engine", "recipe", "lint", "evaluate", "export", "report", "ledger", "io",
-    "config", "train",
+    "config", "train", "plan", "lane", "demo", "bench", "cli", "units", "errors", "registry",
 )  # fmt: skip
+# cli/'s allowance: each command imports its stage inside the function, so `moetune --help`
+# and every command start without loading the other stages. There a function-level import
+# of a moetune module outside these (and not already loaded by `import moetune.cli`) delays.
+CLI_LIGHT = ("moetune.cli", "moetune.errors", "moetune.units", "moetune.registry")
 # Libraries worth delaying: slow to import, or optional extras that may be missing.
 HEAVY = frozenset(
     {
@@ -311,6 +316,21 @@ def _checked(name: str) -> bool:
     return package_of(name) in LAZY_CHECKED
 
 
+def _a_stage(target: str) -> bool:
+    """Whether a cli/ import of `target` delays a stage (CLI_LIGHT)."""
+    found = _known(target) if target.startswith("moetune.") else None
+    light = found is None or found == "moetune" or found.startswith(CLI_LIGHT)
+    return not light and found not in loaded_by("moetune.cli")
+
+
+def delays(imp: Import, module: str) -> bool:
+    """Whether a function-level import of `module` delays something worth delaying."""
+    targets = (imp.target, *imp.names)
+    if any(heavy(t) for t in targets):
+        return True
+    return package_of(module) == "cli" and any(_a_stage(t) for t in targets)
+
+
 def lazy_problems() -> list[str]:
     problems = []
     for name, found in modules().items():
@@ -318,7 +338,7 @@ def lazy_problems() -> list[str]:
             continue
         for imp in (i for i in found if i.lazy):
             where = f"{name}:{imp.line} imports {imp.target}"
-            if not heavy(imp.target) and not any(heavy(n) for n in imp.names):
+            if not delays(imp, name):
                 problems.append(f"{where} inside a function: move it to the top")
             elif not imp.commented:
                 problems.append(f"{where} inside a function without a comment saying why")
@@ -386,3 +406,35 @@ def test_a_new_circle_or_lazy_import_would_fail(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(sys.modules[__name__], "modules", lambda: planted)
     assert frozenset({"model.planted_a", "model.planted_b"}) in module_circles()
     assert any("moetune.errors inside a function: move it" in p for p in lazy_problems())
+
+
+def test_cli_may_delay_a_stage_but_not_a_light_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLI_LIGHT's allowance: in cli/ a command's stage import counts as delaying (yet needs
+    its comment); cli's own modules, errors/units, what `import moetune.cli` already loads,
+    and anything outside cli/ still move to the top, comment or not."""
+    cli = "\n".join([
+        "def a():",
+        "    from moetune.lane.providers import site_of",  # 2: a stage, said nothing
+        "def b():",
+        "    # lazy: the stage loads only when its command runs",
+        "    from moetune.lane.providers import site_of",  # 5: a stage, said why
+        "def c():",
+        "    # lazy: the stage loads only when its command runs",
+        "    from moetune.cli.render import spec_table",  # 8: cli's own
+        "    from moetune.units import gib",  # 9
+        "def d():",
+        "    # lazy: the stage loads only when its command runs",
+        "    from moetune.config import load_config",  # 12: loaded with moetune.cli anyway
+    ])  # fmt: skip
+    elsewhere = "def a():\n    # lazy: the stage loads\n    from moetune.lane.providers import x\n"
+    planted = dict(modules())
+    planted["moetune.cli.planted"] = imports(cli, "moetune.cli")
+    planted["moetune.bench.planted"] = imports(elsewhere, "moetune.bench")
+    monkeypatch.setattr(sys.modules[__name__], "modules", lambda: planted)
+    assert "moetune.config" in loaded_by("moetune.cli")
+    found = {p.split(" imports ")[0]: p for p in lazy_problems() if ".planted:" in p}
+    assert found.keys() == {f"moetune.cli.planted:{n}" for n in (2, 8, 9, 12)} | {
+        "moetune.bench.planted:3"
+    }
+    assert "without a comment" in found["moetune.cli.planted:2"]
+    assert all("move it to the top" in p for k, p in found.items() if not k.endswith(":2"))

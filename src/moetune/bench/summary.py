@@ -93,6 +93,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
 def plot(summary: dict[str, Any], path: Path) -> Path:
     """Loss curves (held-out CE at eval steps, smoothed training CE) as a PNG; the file is
     written beside `path` first and renamed, so it is never half-written."""
+    # lazy: heavy to import (matplotlib, jinja2 via moetune.report)
     from moetune.report.plots import new_figure
 
     fig = new_figure(10, 4)

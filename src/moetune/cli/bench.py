@@ -25,6 +25,7 @@ def _arm_names(arms: list[str] | None) -> tuple[str, ...] | None:
 
 
 def _out_dir(out: Path | None) -> Path:
+    # lazy: the stage loads only when its command runs
     from moetune.bench.arms import BenchError
 
     out = out or Path(f"gm1-{datetime.now(UTC):%Y%m%d-%H%M%S}")
@@ -77,6 +78,7 @@ def _print(summary: dict[str, Any]) -> None:
                       _ci(arm["heldout_ce"]), cell, f"{arm['tokens_per_s']:,.0f}",
                       _routing_cell(arm))  # fmt: skip
     console.print(table)
+    # lazy: the stage loads only when its command runs
     from moetune.bench.summary import verdict
 
     for line in verdict(summary):
@@ -105,6 +107,7 @@ def gm1(
     as_json: JsonOpt = False,
 ) -> None:
     """GM-1: dense vs top-1/top-2 MoE at matched active parameters, from scratch."""
+    # lazy: the stage loads only when its command runs
     from moetune.bench.arms import DEFAULT_ARMS, get_arms
     from moetune.bench.gm1 import BenchConfig, run_bench
     from moetune.bench.summary import plot, summarize

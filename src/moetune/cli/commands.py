@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 from rich.markup import escape
+from rich.table import Table
 
 from moetune.cli.common import (
     JsonOpt,
@@ -21,7 +22,24 @@ from moetune.cli.common import (
     friendly,
 )
 from moetune.cli.options import checked, opt, option_overrides
+from moetune.cli.render import (
+    device_components_table,
+    device_fits_table,
+    fits_table,
+    ladder_table,
+    plan_components_table,
+    print_findings,
+    print_plan_notes,
+    print_recommendations,
+    quickstart_table,
+    spec_summary,
+    spec_table,
+    verdict_table,
+)
+from moetune.cli.render_offload import offload_cards_table, offload_components_table
+from moetune.config import load_config, schema_rows
 from moetune.errors import ConfigError
+from moetune.units import gib, human_bytes
 
 
 @app.command()
@@ -31,7 +49,7 @@ def inspect(
     as_json: JsonOpt = False,
 ) -> None:
     """What a model is: MoE layout and exact parameters by component."""
-    from moetune.cli.render import spec_summary, spec_table
+    # lazy: the stage loads only when its command runs
     from moetune.model import load_spec
 
     spec = load_spec(model)
@@ -76,13 +94,7 @@ def plan(
     as_json: JsonOpt = False,
 ) -> None:
     """Peak memory by component, fit per card, and per card the best config that fits."""
-    from moetune.cli.render import (
-        fits_table,
-        plan_components_table,
-        print_findings,
-        print_plan_notes,
-        print_recommendations,
-    )
+    # lazy: the stage loads only when its command runs
     from moetune.lane.providers import site_of
     from moetune.lint.preflight import lint_context, resolve_run
     from moetune.lint.rules import lint
@@ -113,15 +125,11 @@ def plan(
     print_recommendations(console, result)
     print_findings(console, findings)
     if devices:
-        from moetune.cli.render import device_components_table, device_fits_table
-
         console.print(device_components_table(devices))
         console.print(device_fits_table(devices))
         for note in devices.notes:
             console.print(f"[dim]note:[/] {escape(note)}")
     if offloads:
-        from moetune.cli.render_offload import offload_cards_table, offload_components_table
-
         console.print(offload_components_table(offloads))
         console.print(offload_cards_table(offloads))
         for note in next(iter(offloads.values())).notes:
@@ -132,6 +140,7 @@ def _offloads(spec: Any, cfg: Any, cards: list[str]) -> dict[str, Any]:
     """The offload plan per card when train.offload is cpu or disk (--offload or the YAML)."""
     if cfg.train.offload == "none":
         return {}
+    # lazy: the stage loads only when its command runs
     from moetune.plan.offload import offload_plans
 
     return offload_plans(spec, cfg, cards)
@@ -145,6 +154,7 @@ def _devices(
     per node, fsdp, train.nnodes nodes)."""
     if gpus is None and strategy is None and nodes is None:
         return None
+    # lazy: the stage loads only when its command runs
     from moetune.plan.sharding import device_report
 
     per_node = 1 if gpus is None else gpus
@@ -160,7 +170,7 @@ def lint_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Every known trap in a run config, with what happens and the fix. Exit 1 on errors."""
-    from moetune.cli.render import print_findings
+    # lazy: the stage loads only when its command runs
     from moetune.lane.providers import site_of
     from moetune.lint.preflight import lint_run, resolve_run
 
@@ -185,6 +195,7 @@ def recipe(
     as_json: JsonOpt = False,
 ) -> None:
     """The exact LoRA configuration that reaches the experts, audited on a built model."""
+    # lazy: the stage loads only when its command runs
     from moetune.lint.preflight import resolve_run
     from moetune.model import load_spec
     from moetune.recipe import recipe_for, render_recipe
@@ -234,8 +245,6 @@ def train_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
-    from moetune.config import load_config
-
     launch = {"nproc": nproc, "strategy": strategy, "nnodes": nnodes, "node_rank": node_rank}
     launch |= {"master_addr": master_addr, "master_port": master_port}
     sets = [*(overrides or []), *option_overrides(engine=engine, **launch)]
@@ -244,6 +253,7 @@ def train_cmd(
     flags |= {"overwrite_promoted": overwrite_promoted, "json": as_json}
     # stdout is the report: DeepSpeed's logger (imported with transformers) writes to stdout
     with contextlib.redirect_stdout(sys.stderr):
+        # lazy: the stage loads only when its command runs
         from moetune.train import train
         from moetune.train.distributed import launch_or_train, quiet_rank
 
@@ -254,8 +264,8 @@ def train_cmd(
 
 
 def _report_train(result: Any, as_json: bool) -> None:
+    # lazy: the stage loads only when its command runs
     from moetune.train.nodes import NodeDone
-    from moetune.units import human_bytes
 
     if as_json:
         emit_json(result.to_json())
@@ -282,8 +292,8 @@ def _report_train(result: Any, as_json: bool) -> None:
 @friendly
 def doctor(as_json: JsonOpt = False) -> None:
     """Installed versions, known-bad combinations, hub settings, disk and accelerators."""
+    # lazy: the stage loads only when its command runs
     from moetune.lint.doctor import run_doctor
-    from moetune.units import gib
 
     report = run_doctor()
     if as_json:
@@ -310,10 +320,6 @@ def doctor(as_json: JsonOpt = False) -> None:
 @friendly
 def schema(as_json: JsonOpt = False) -> None:
     """Every run.yaml field with its default and meaning."""
-    from rich.table import Table
-
-    from moetune.config import schema_rows
-
     rows = schema_rows()
     if as_json:
         emit_json([{"field": f, "default": d, "description": t} for f, d, t in rows])
@@ -334,7 +340,7 @@ def quickstart(
     as_json: JsonOpt = False,
 ) -> None:
     """The whole local pipeline on the embedded tiny MoE: train, eval, gate, promote, report."""
-    from moetune.cli.render import quickstart_table
+    # lazy: the stage loads only when its command runs
     from moetune.demo.quickstart import demo_args, run_quickstart
 
     if steps is not None and steps < 1:
@@ -353,7 +359,7 @@ def quickstart(
 
 
 def _print_verdict(doc: dict[str, Any], results: Path) -> None:
-    from moetune.cli.render import ladder_table, verdict_table
+    # lazy: the stage loads only when its command runs
     from moetune.evaluate.gate import read_json
 
     console.print(ladder_table(read_json(results / "ladder.json")))
@@ -380,7 +386,7 @@ def eval_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Score base and candidate on the same items of every rung, then gate."""
-    from moetune.config import load_config
+    # lazy: the stage loads only when its command runs
     from moetune.evaluate import run_eval
     from moetune.lane.providers import provider_class
 
@@ -411,6 +417,7 @@ def gate(
     as_json: JsonOpt = False,
 ) -> None:
     """GO / NO-GO / INCONCLUSIVE from paired differences; exit 1 unless GO."""
+    # lazy: the stage loads only when its command runs
     from moetune.evaluate import gate_results
     from moetune.evaluate import promote as promote_adapter
 
@@ -441,6 +448,7 @@ def report(
     as_json: JsonOpt = False,
 ) -> None:
     """One self-contained HTML report: config, memory, loss, expert load, ladder, verdict."""
+    # lazy: the stage loads only when its command runs
     from moetune.report import build_report
 
     path = build_report(run_dir, out, results)

@@ -26,7 +26,8 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from moetune import __version__
-from moetune.errors import ConfigError, MoetuneError
+from moetune.errors import ConfigError, ModelSourceError, MoetuneError, clip, os_problem
+from moetune.ledger import Terminated
 
 UNEXPECTED = 3  # exit status of an error moetune did not foresee (2: a user's input)
 INTERRUPTED, TERMINATED = 130, 143  # 128 + the signal number, as shells report them
@@ -43,9 +44,8 @@ def print_error(err: MoetuneError) -> None:
 
 def known_error(err: Exception) -> MoetuneError | None:
     """Library exceptions whose cause is a user's input, in words (the rest are bugs)."""
+    # lazy: heavy to import (huggingface_hub)
     from huggingface_hub.errors import HFValidationError
-
-    from moetune.errors import ModelSourceError, clip, os_problem
 
     if isinstance(err, HFValidationError):
         return ModelSourceError(
@@ -69,8 +69,6 @@ def known_error(err: Exception) -> MoetuneError | None:
 
 def report_error(err: Exception) -> int:
     """Print `err` as the one line a user sees; returns the exit status."""
-    from moetune.errors import clip
-
     known = err if isinstance(err, MoetuneError) else known_error(err)
     if known is not None:
         print_error(known)
@@ -86,8 +84,6 @@ def report_error(err: Exception) -> int:
 
 def report_interrupt(err: KeyboardInterrupt) -> int:
     """Ctrl-C or SIGTERM: one line saying what was kept (click would print a bare "Aborted!")."""
-    from moetune.ledger import Terminated
-
     what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted (Ctrl-C)"
     err_console.print(
         f"[bold yellow]{what}:[/] stopped; finished files and checkpoints are kept and a run "

@@ -42,6 +42,7 @@ def export_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Export an adapter for serving and check that what is served equals what was trained."""
+    # lazy: the stage loads only when its command runs
     from moetune.export import ExportOptions
     from moetune.export.check import CheckOptions
     from moetune.export.pipeline import export

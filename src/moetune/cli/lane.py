@@ -12,13 +12,13 @@ from rich.table import Table
 
 from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, err_console, friendly
 from moetune.cli.options import checked, opt, option_overrides
+from moetune.config import RunConfig, load_config
+from moetune.ledger import Ledger
 
 ProviderOpt = Annotated[str | None, opt("provider", "Where to run (default: lane.provider).")]
 
 
 def _config(config: Path, provider: str | None, overrides: list[str] | None) -> Any:
-    from moetune.config import load_config
-
     extra = option_overrides(provider=provider)
     return load_config(config, [*(overrides or []), *extra])
 
@@ -73,6 +73,7 @@ def launch(
     as_json: JsonOpt = False,
 ) -> None:
     """Train, bank, eval, gate and promote on a pod – walls sized first, teardown always."""
+    # lazy: the stage loads only when its command runs
     from moetune.lane.launch import launch as run_launch
     from moetune.lane.launch import launch_plan
 
@@ -106,9 +107,8 @@ ConfigOpt = Annotated[
 
 def _pods_context(config: Path | None, provider: str | None) -> tuple[Any, Any]:
     """The provider and the ledger, from a run config (or the defaults)."""
-    from moetune.config import RunConfig
+    # lazy: the stage loads only when its command runs
     from moetune.lane.launch import make_provider
-    from moetune.ledger import Ledger
 
     cfg = _config(config, provider, None) if config else RunConfig()
     if provider and not config:
@@ -119,6 +119,7 @@ def _pods_context(config: Path | None, provider: str | None) -> tuple[Any, Any]:
 
 def _own_ids(ledger: Any) -> set[str]:
     """Pods moetune recorded by id: in the ledger, or in a launch's state (saved first)."""
+    # lazy: the stage loads only when its command runs
     from moetune.lane.guard import own_pod_ids, state_pod_ids
 
     return own_pod_ids(ledger.read().rows) | state_pod_ids(Path(ledger.path).parent / "lane")
@@ -155,6 +156,7 @@ def pods_reap(
     as_json: JsonOpt = False,
 ) -> None:
     """Terminate one pod moetune recorded, by its id, and ledger what it cost."""
+    # lazy: the stage loads only when its command runs
     from moetune.lane.guard import reap
 
     prov, ledger = _pods_context(config, provider)
@@ -174,6 +176,7 @@ def pods_sweep(
     as_json: JsonOpt = False,
 ) -> None:
     """Terminate moetune's own pods that no live run holds – by recorded id, never by name."""
+    # lazy: the stage loads only when its command runs
     from moetune.lane.guard import held_pod_ids, reap, sweep_targets
 
     prov, ledger = _pods_context(config, provider)
@@ -205,6 +208,7 @@ def workflow_github(
     overrides: SetOpt = None,
 ) -> None:
     """A GitHub Actions workflow: step timeout inside the job's, upload + teardown always."""
+    # lazy: the stage loads only when its command runs
     from moetune.io import atomic_write_text
     from moetune.lane.launch import launch_plan
     from moetune.lane.workflows import github_workflow

@@ -3,14 +3,18 @@ Registered on moetune's one typer app (imported at the end of cli.py)."""
 
 from __future__ import annotations
 
+import calendar
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
+from rich.table import Table
 
 from moetune.cli.common import JsonOpt, app, console, emit_json, err_console, friendly
-from moetune.errors import ConfigError
+from moetune.errors import ConfigError, clip
+from moetune.ledger import Ledger, LedgerError, select
 
 ledger_app = typer.Typer(help="The append-only ledger of every attempt.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
@@ -32,12 +36,6 @@ def ledger_show(
     as_json: JsonOpt = False,
 ) -> None:
     """Rows of the ledger, filtered; skipped (torn or invalid) lines are reported."""
-    import time
-
-    from rich.table import Table
-
-    from moetune.ledger import Ledger, select
-
     got = Ledger(path).read()
     rows = select(got.rows, run_id=run, kind=kind, status=status, since=_utc_date(since))
     if as_json:
@@ -54,9 +52,6 @@ def ledger_show(
 
 
 def _utc_date(text: str | None) -> float | None:
-    import calendar
-    import time
-
     if text is None:
         return None
     try:
@@ -71,9 +66,6 @@ def ledger_verify(
     path: LedgerPath = Path(".moetune/ledger.jsonl"), as_json: JsonOpt = False
 ) -> None:
     """Check every line; exit 1 when any line is torn or invalid, 2 when there is no ledger."""
-    from moetune.errors import clip
-    from moetune.ledger import Ledger, LedgerError
-
     if not path.exists():
         raise LedgerError(
             f"no ledger at {clip(path, 80)}: nothing to verify",

@@ -8,7 +8,7 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 
-from moetune.units import count, gib
+from moetune.units import count, gib, human_bytes
 
 _VERDICT_STYLE = {"GO": "bold green", "NO-GO": "bold red", "INCONCLUSIVE": "bold yellow"}
 SEVERITY_STYLE = {"error": "bold red", "warn": "yellow", "info": "cyan"}
@@ -137,8 +137,6 @@ def print_findings(console: Console, findings: list[Any]) -> None:
 
 def quickstart_table(summary: dict[str, Any]) -> Group:
     """Base vs candidate exact match per skill; the gate's verdicts and audit facts below."""
-    from moetune.units import human_bytes
-
     table = Table(title="held-out exact match", title_justify="left")
     for col in ("skill", "base", "candidate", "Δ"):
         table.add_column(col, justify="left" if col == "skill" else "right")

@@ -38,6 +38,7 @@ def serve_plan(
     as_json: JsonOpt = False,
 ) -> None:
     """Serving memory per card: weights, KV cache, --n-cpu-moe (llama.cpp) or TP (vLLM)."""
+    # lazy: the stage loads only when its command runs
     from moetune.model import load_spec
     from moetune.plan import card_ids
     from moetune.plan.serve import get_engine, serve_plans

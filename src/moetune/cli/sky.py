@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 
 from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, friendly
+from moetune.config import load_config
 
 
 @app.command(name="sky-task")
@@ -24,7 +25,7 @@ def sky_task_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """A SkyPilot task for the run: resources from the plan, walls, mounts, autostop(down)."""
-    from moetune.config import load_config
+    # lazy: the stage loads only when its command runs
     from moetune.lane.providers.skypilot import write_task
 
     path, task = write_task(load_config(config, overrides or []), out)

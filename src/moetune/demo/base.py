@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 import torch
+import transformers
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.utils import logging as hf_logging
@@ -161,9 +163,8 @@ def pretrain(
 
 
 def versions() -> dict[str, str]:
+    # lazy: heavy to import (peft)
     import peft
-    import tokenizers
-    import transformers
 
     return {
         "python": platform.python_version(),

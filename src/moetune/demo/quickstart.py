@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetune.config import RunConfig, parse_config
+from moetune.errors import ConfigError
 from moetune.io import atomic_write_json
+from moetune.train import train
 
 if TYPE_CHECKING:
     from moetune.demo.skills import Item
@@ -59,6 +61,7 @@ def overfit_args(args: QuickstartArgs) -> QuickstartArgs:
 
 def training_items(args: QuickstartArgs) -> list[Item]:
     """New-skill items mixed with replayed base-skill items (train split only, seeded)."""
+    # lazy: heavy to import (transformers via moetune.demo.skills)
     from moetune.demo.skills import base_skills, stream
 
     n_new = int(args.rows * args.new_share)
@@ -85,6 +88,7 @@ def wrong_answer(item: Item) -> str:
 
 def preference_rows(items: list[Item]) -> list[dict[str, str]]:
     """DPO rows: chosen = the right answer, rejected = a plausible wrong one (both end in EOS)."""
+    # lazy: heavy to import (transformers via moetune.demo.tokenizer)
     from moetune.demo.tokenizer import EOS
 
     return [
@@ -97,6 +101,7 @@ def prompt_rows(items: list[Item]) -> list[dict[str, str]]:
     """GRPO rows: the prompt and the answer the exact-match reward compares with; replayed
     base-skill rows also carry it as the `completion` train.grpo.sft_weight imitates (the
     new skill's are empty: it is learnt from the reward alone)."""
+    # lazy: heavy to import (transformers via moetune.demo.skills, moetune.demo.tokenizer)
     from moetune.demo.skills import SKILLS
     from moetune.demo.tokenizer import EOS
 
@@ -117,6 +122,7 @@ class Demo:
 
 
 def _sft_rows(items: list[Item]) -> list[dict[str, str]]:
+    # lazy: heavy to import (transformers via moetune.demo.skills)
     from moetune.demo.skills import to_prompt_completion
 
     return to_prompt_completion(items)
@@ -142,8 +148,6 @@ DEMOS: dict[str, Demo] = {
 
 def demo_args(method: str, **over: Any) -> QuickstartArgs:
     """QuickstartArgs for `method` (its defaults, then `over`); ConfigError when unknown."""
-    from moetune.errors import ConfigError
-
     if method not in DEMOS:
         raise ConfigError(f"unknown method {method!r}", f"use one of {', '.join(DEMOS)}")
     return replace(QuickstartArgs(), method=method, **{**DEMOS[method].defaults, **over})
@@ -151,6 +155,7 @@ def demo_args(method: str, **over: Any) -> QuickstartArgs:
 
 def ladder_files(args: QuickstartArgs, data_dir: Path) -> dict[str, Path]:
     """One exact-match JSONL per skill from the held-out split (never seen in training)."""
+    # lazy: heavy to import (transformers via moetune.demo.skills)
     from moetune.demo.skills import base_skills, make_items, write_jsonl
 
     files = {}
@@ -178,6 +183,7 @@ def run_config(
     args: QuickstartArgs, train_file: Path, files: dict[str, Path], ledger: Path
 ) -> RunConfig:
     """The run config the quickstart trains with (written beside its outputs like any run)."""
+    # lazy: heavy to import (torch, transformers via moetune.demo.base)
     from moetune.demo.base import MAX_LEN, SHIPPED_DIR
 
     return parse_config(
@@ -211,10 +217,11 @@ def run_config(
 
 def pipeline(args: QuickstartArgs, ledger: Path, progress: bool) -> dict[str, Any]:
     """train → eval → gate → promote on GO → report, for one run; its summary."""
+    # lazy: heavy to import (torch, transformers, matplotlib via moetune.demo.skills,
+    # moetune.evaluate, moetune.report)
     from moetune.demo.skills import write_jsonl
     from moetune.evaluate import promote, run_eval
     from moetune.report import build_report
-    from moetune.train import train
 
     data = args.out_dir / "data"
     train_file = write_jsonl(data / f"train-{args.run_name}.jsonl", training_rows(args))

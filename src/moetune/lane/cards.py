@@ -15,6 +15,7 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.lane.providers import provider_class
 from moetune.lane.providers.base import LaneError
+from moetune.plan.hardware import all_cards, get_card
 
 MIN_HEADROOM = 0.08  # of the card's usable memory; ~6 GiB on an 80 GB card
 
@@ -64,8 +65,6 @@ def choose_card(
 ) -> CardChoice:
     """hardware.card, else the cheapest rentable card that fits with the margin (cards in
     `measured` need none) – or, accepted, without it."""
-    from moetune.plan.hardware import all_cards, get_card
-
     fits = getattr(plan, "fits", {}) or {}
     rentable = [c for c in all_cards() if c.runpod_gpu_type_id and c.usd_per_hour]
     fitting = [c for c in rentable if c.id in fits and fits[c.id].fits]

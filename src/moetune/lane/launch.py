@@ -9,6 +9,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
+import moetune.plan
+import moetune.plan.sharding
 from moetune.config import RunConfig
 from moetune.lane.cards import CardChoice, choose_card
 from moetune.lane.phases import PHASES, Lane, Walls
@@ -16,6 +20,7 @@ from moetune.lane.providers import provider_class
 from moetune.lane.providers.base import LaneError, PodSpec, Provider
 from moetune.lane.state import LaneState
 from moetune.ledger import public_env
+from moetune.model import load_spec
 from moetune.plan import walls as W
 from moetune.plan.estimate import Estimate, estimate, launch_signature, measured_cards
 
@@ -102,19 +107,15 @@ def pod_gpu_count(cfg: RunConfig, spec: Any, card: Any) -> int:
         return cfg.train.nproc
     if card is None:
         return 1
-    from moetune.plan.sharding import fewest_gpus
-
-    return int(fewest_gpus(spec, cfg, card, cfg.train.strategy) or 1)  # None: fits no count
+    # looked up on use (tests stand in for it); None: fits no count
+    return int(moetune.plan.sharding.fewest_gpus(spec, cfg, card, cfg.train.strategy) or 1)
 
 
 def launch_plan(
     cfg: RunConfig, run_id: str | None = None, accept_thin_margin: bool = False
 ) -> LaunchPlan:
-    from moetune.model import load_spec
-    from moetune.plan import make_plan
-
     spec = load_spec(cfg.model.id)
-    plan = make_plan(spec, cfg)
+    plan = moetune.plan.make_plan(spec, cfg)  # looked up on use: tests stand in for it
     measured = measured_cards(cfg.output.ledger, launch_signature(spec, cfg))
     choice = choose_card(cfg, plan, measured, accept_thin_margin)
     card = choice.card
@@ -148,8 +149,6 @@ def launch(
     """Run the phases (a new launch, or the one `resume` names). Refused, before anything
     is written, when the only card that fits keeps less than the margin and that was not
     accepted."""
-    from rich.console import Console
-
     if cfg.train.nnodes > 1:  # its phases run on one pod over SSH
         raise LaneError(
             f"the lane trains on one pod, not train.nnodes={cfg.train.nnodes} nodes",

@@ -25,11 +25,15 @@ from rich.markup import escape
 
 from moetune.config import RunConfig, dump_config
 from moetune.errors import MoetuneError
+from moetune.io import file_digests, tree_digest
+from moetune.lane.guard import Budget, deadman_script, idle_watchdog_script
 from moetune.lane.providers.base import LaneError, Pod, PodGone, PodSpec, Provider
 from moetune.lane.secrets import launch_secrets, scrub, scrub_error
 from moetune.lane.stage import REMOTE_CONFIG, REMOTE_RUN, staging
 from moetune.lane.state import LaneState
 from moetune.ledger import Ledger, LedgerRow, Status
+from moetune.model import load_spec
+from moetune.plan.walls import snapshot_bytes
 
 PhaseFn = Callable[["Lane"], None]
 PHASES: dict[str, PhaseFn] = {}
@@ -229,8 +233,6 @@ class Lane:
     def wait_background(self, log: str, on_poll: Callable[[], None] = lambda: None) -> None:
         """Start-and-wait done by polling: a drop or restart of this side never stops the pod's
         work; each poll checks the pod is alive and the budget holds."""
-        from moetune.lane.guard import Budget
-
         budget = Budget(self.cfg.lane.max_usd)
         while (rc := self.provider.poll_background(self.pod, log)) is None:
             on_poll()
@@ -323,8 +325,6 @@ def provision(lane: Lane) -> None:
 @phase("guard")
 def guard(lane: Lane) -> None:
     """The dead-man switch first: whatever happens here, the pod ends by the deadline."""
-    from moetune.lane.guard import deadman_script, idle_watchdog_script
-
     if not lane.pod_work_left():
         return
     kill = lane.provider.self_terminate_command(lane.pod)
@@ -361,9 +361,6 @@ def fetch_base(lane: Lane) -> None:
     """Hub bases download on the pod, hf-xet off, after checking the disk can hold them."""
     if not lane.pod_work_left() or Path(lane.cfg.model.id).exists():
         return
-    from moetune.model import load_spec
-    from moetune.plan.walls import snapshot_bytes
-
     need = snapshot_bytes(load_spec(lane.cfg.model.id))
     free = int(lane.run_on_pod("df -B1 --output=avail . | tail -1").strip() or 0)
     if free < need:
@@ -398,8 +395,6 @@ RUN_FILES = ("config.yaml", "versions.json", "preflight.json", "data.json", "cov
 @phase("bank")
 def bank(lane: Lane) -> None:
     """The adapter off the pod, verified, before anything else can go wrong."""
-    from moetune.io import file_digests, tree_digest
-
     adapter = lane.out / "adapter"
     lane.provider.copy_out(lane.pod, f"{REMOTE_RUN}/adapter", adapter)
     digest = tree_digest(file_digests(adapter))
@@ -453,6 +448,7 @@ def as_launched(row: LedgerRow, cfg: RunConfig, run_id: str) -> dict[str, Any]:
 
 @phase("gate")
 def gate(lane: Lane) -> None:
+    # lazy: heavy to import (torch via moetune.evaluate)
     from moetune.evaluate import gate_results
 
     if not lane.cfg.eval.rungs:
@@ -464,6 +460,7 @@ def gate(lane: Lane) -> None:
 
 @phase("promote")
 def promote(lane: Lane) -> None:
+    # lazy: heavy to import (torch via moetune.evaluate)
     from moetune.evaluate import promote as promote_adapter
 
     if lane.state.verdict == "GO" and lane.state.banked:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from moetune.config import RunConfig
 from moetune.errors import MoetuneError
+from moetune.lane.providers import provider_class
 from moetune.ledger import env_secrets, is_secret, redact
 
 
@@ -23,8 +24,6 @@ def plain_env(env: Mapping[str, str]) -> dict[str, str]:
 def launch_secrets(cfg: RunConfig) -> list[str]:
     """Every secret value a launch of `cfg` may meet: lane.env's, the provider's credentials
     (e.g. the RunPod API key), and the secret-named variables of this process's environment."""
-    from moetune.lane.providers import provider_class
-
     env = [v for k, v in cfg.lane.env.items() if is_secret(k, v)]
     keys = provider_class(cfg.lane.provider).secret_values(cfg.lane)
     return [*env, *keys, *env_secrets()]

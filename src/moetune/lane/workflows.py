@@ -21,6 +21,7 @@ import yaml
 
 from moetune.config import RunConfig
 from moetune.errors import ConfigError
+from moetune.lane.providers import provider_class
 from moetune.plan import walls
 
 SETUP_MINUTES = 10  # checkout + setup-python + pip install on a hosted runner
@@ -93,8 +94,6 @@ def _check_inputs(cfg: RunConfig, config_path: str, overrides: Sequence[str]) ->
 
 
 def _secret_names(cfg: RunConfig) -> dict[str, str]:
-    from moetune.lane.providers import provider_class
-
     return provider_class(cfg.lane.provider).secret_names(cfg.lane)
 
 

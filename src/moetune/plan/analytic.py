@@ -109,6 +109,7 @@ class Step:
 
 def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
     """Whether the step runs moetune's split-LoRA experts (`lora.engine` resolved on `spec`)."""
+    # lazy: heavy to import (torch, peft via moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
     return cfg.train.tuning != "full" and resolve_engine(spec, cfg.lora) == "moetune"

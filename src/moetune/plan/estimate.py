@@ -20,6 +20,7 @@ from typing import Any
 
 from moetune.config import RunConfig
 from moetune.ledger import Ledger, select
+from moetune.plan.hardware import get_card
 
 # Without a tokenizer: bytes of text per token of the BPE vocabularies MoE families ship
 # (Qwen, DeepSeek, Mixtral, gpt-oss, OLMoE: ~3.5-4 on English). Low end, so counts err high.
@@ -49,8 +50,6 @@ REFERENCE = Published(
 def calibrated_mfu(ref: Published = REFERENCE) -> float:
     """The MFU `ref` implies, its FLOPs counted without recompute (4·N_active per token):
     the table does not say whether it checkpointed, and the lower reading errs long."""
-    from moetune.plan.hardware import get_card
-
     peak = get_card(ref.card).bf16_tflops * 1e12
     return round(ref.tokens_per_s * flops_per_token(int(ref.active_params), False) / peak, 4)
 
@@ -132,6 +131,7 @@ def step_signature(cfg: RunConfig, engine: str, devices: int) -> dict[str, Any]:
 
 def launch_signature(spec: Any, cfg: RunConfig) -> dict[str, Any]:
     """The step signature of `cfg` as a launch will run it (one process on the pod's GPUs)."""
+    # lazy: heavy to import (torch, peft via moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)

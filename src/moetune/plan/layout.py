@@ -19,9 +19,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from moetune.config import LoraArgs
+from moetune.model import build_model
 from moetune.model.families import ModulePaths, get_family
 from moetune.model.spec import ModelSpec
-from moetune.recipe.targets import check_expert_rank
+from moetune.recipe.targets import apply_peft, build_peft_config, check_expert_rank
 
 if TYPE_CHECKING:
     from torch import nn
@@ -134,9 +135,6 @@ def _peft_layout_cached(key: str, spec: ModelSpec, lora: LoraArgs) -> AdapterLay
 
 def peft_layout(spec: ModelSpec, lora: LoraArgs) -> AdapterLayout:
     """Apply the recipe's LoraConfig to a meta build and read every adapter off it."""
-    from moetune.model import build_model
-    from moetune.recipe.targets import apply_peft, build_peft_config
-
     model, _ = apply_peft(build_model(spec, device="meta"), build_peft_config(spec, lora))
     paths = get_family(spec.model_type).paths_of(spec)
     layers: list[list[Adapter]] = [[] for _ in range(spec.num_layers)]
@@ -151,6 +149,7 @@ def peft_layout(spec: ModelSpec, lora: LoraArgs) -> AdapterLayout:
 
 
 def _adapter(name: str, module: nn.Module, paths: ModulePaths) -> tuple[int, Adapter] | None:
+    # lazy: heavy to import (peft)
     from peft.tuners.lora import Linear, ParamWrapper
 
     match = _LAYER.search(name)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moetune.plan.analytic import DTYPE_BYTES
+
 if TYPE_CHECKING:
     from moetune.config import RunConfig
     from moetune.model.spec import ModelSpec
@@ -58,8 +60,6 @@ def kv_cache_bytes(spec: ModelSpec, sequences: int, tokens: int, weight_bytes: i
 
 
 def _grpo(cfg: RunConfig, spec: ModelSpec) -> MethodTerms:
-    from moetune.plan.analytic import DTYPE_BYTES
-
     t, g = cfg.train, cfg.train.grpo
     tokens = t.seq_len + g.max_completion_length
     rollout = t.batch_size * t.grad_accum  # TRL: generation_batch_size per device

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import moetune.plan.tracecache as tracecache
 from moetune.config import RunConfig
 from moetune.errors import ConfigError, TraceError
 from moetune.model.spec import ModelSpec
@@ -108,9 +109,8 @@ def _estimate(
     spec: ModelSpec, cfg: RunConfig, estimator: Estimator
 ) -> tuple[int, dict[str, int], str | None, str, int]:
     if estimator == "trace":
-        from moetune.plan.tracecache import cached_trace
-
-        t = cached_trace(spec, as_trained(cfg, spec))  # the step train.method really trains
+        # the step train.method really trains; looked up on use (tests stand in for it)
+        t = tracecache.cached_trace(spec, as_trained(cfg, spec))
         peak, at_peak, phase = with_rollout(
             method_terms(cfg, spec), t.peak_bytes, dict(t.at_peak), t.peak_phase
         )

@@ -116,6 +116,7 @@ def _split_serves(cfg: RunConfig, spec: ModelSpec) -> bool:
     """moetune's split LoRA can run this run's experts (quantised storage needs it)."""
     if not (spec.is_moe and "experts" in cfg.lora.targets and cfg.lora.stack == "peft"):
         return False
+    # lazy: heavy to import (torch, peft via moetune.engine)
     from moetune.engine.resolve import split_engine_serves
 
     return split_engine_serves(spec)
@@ -123,6 +124,7 @@ def _split_serves(cfg: RunConfig, spec: ModelSpec) -> bool:
 
 def _on_peft(cfg: RunConfig, spec: ModelSpec) -> bool:
     """The config's experts run on peft's ParamWrapper (`lora.engine` resolved)."""
+    # lazy: heavy to import (torch, peft via moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
     return resolve_engine(spec, cfg.lora) == "peft"

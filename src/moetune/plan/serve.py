@@ -41,6 +41,9 @@ from functools import cache
 from typing import Any
 
 from moetune.errors import ConfigError
+from moetune.model import build_model
+from moetune.model.build import to_hf_config
+from moetune.model.read import classify_layer, find_layers
 from moetune.model.spec import ModelSpec
 from moetune.plan.gguf import Tensor, get_file_type, tensor_types, type_bytes
 from moetune.plan.hardware import Card, get_card
@@ -85,10 +88,6 @@ class Inventory:
 
 @cache
 def _inventory_cached(key: str, spec: ModelSpec) -> Inventory:
-    from moetune.model import build_model
-    from moetune.model.build import to_hf_config
-    from moetune.model.read import classify_layer, find_layers
-
     model = build_model(spec)
     prefix, layers = find_layers(model, spec.num_layers)
     config = to_hf_config(spec)

@@ -51,6 +51,7 @@ from moetune.plan.expert_parallel import ExpertParallelPlan, plan_expert_paralle
 from moetune.plan.fit import CardFit, analytic, card_fit
 from moetune.plan.hardware import Card, get_card
 from moetune.plan.layout import adapter_layout
+from moetune.plan.profiles import uncalibrated
 from moetune.units import human_bytes
 
 SHARDED = ("frozen_weights", "trainable_weights", "gradients", "optimizer_state",
@@ -471,8 +472,6 @@ def _load_notes(ram: HostRam | None) -> tuple[str, ...]:
 
 def _report_notes(spec: ModelSpec) -> tuple[str, ...]:
     """The per-device split is of the analytic: say what it leaves out for this model."""
-    from moetune.plan.profiles import uncalibrated
-
     kinds = uncalibrated(spec)
     if not kinds:
         return ()

@@ -38,6 +38,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moetune.errors import ConfigError, MoetuneError, TraceError
+from moetune.model.derive import causal_lm_class, ensure_backbone
 from moetune.plan.tracker import FROZEN, GRADIENTS, OPTIMIZER, TRAINABLE, ByteTracker
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ def _check_loss(loss: str) -> None:
 
 def add_fused_head(model: Any) -> None:
     """TRL's fused LM head on the base model, as SFTTrainer adds it."""
+    # lazy: heavy to import (trl)
     from trl.trainer.utils import add_fused_lm_head
 
     base: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -193,6 +195,7 @@ def in_place_folds(active: bool) -> Iterator[None]:
     if not active:
         yield
         return
+    # lazy: heavy to import (trl)
     from trl.kernels import chunked_logprob
 
     with contextlib.ExitStack() as stack:
@@ -211,22 +214,25 @@ def build_step_model(
     experts: tuple[str, bool] = ("bf16", False),
 ) -> Any:
     """The model (a PeftModel when `peft_config` is given), on `meta` when fake."""
+    # lazy: heavy to import (peft, transformers via moetune.engine)
     from moetune.engine.quant import peft_targets
-    from moetune.model.derive import causal_lm_class, ensure_backbone
 
     with torch.device("meta" if fake else device):
         model = ensure_backbone(causal_lm_class(hf_config)._from_config(hf_config, dtype=dtype))
         if experts[0] != "bf16":
             _quantize(model, engine, *experts)
         if peft_config is not None:
+            # lazy: heavy to import (peft)
             from peft import get_peft_model
 
             with peft_targets(model):  # peft sees quantised stacks only through stand-ins
                 model = get_peft_model(model, peft_config)
+            # lazy: heavy to import (peft, transformers via moetune.engine)
             from moetune.engine.overrides import apply_overrides
 
             apply_overrides(model)  # the experts forward the trainer runs (dbrx)
             if engine == "moetune" and peft_config.target_parameters:
+                # lazy: heavy to import (peft, transformers via moetune.engine)
                 from moetune.engine import apply_split_lora
 
                 apply_split_lora(model)
@@ -235,6 +241,7 @@ def build_step_model(
 
 def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool) -> None:
     """Expert stacks quantised as the trainer loads them, each on the split forward."""
+    # lazy: heavy to import (peft, transformers via moetune.engine)
     from moetune.engine import IMPLEMENTATION, register
     from moetune.engine.quant import quantize_experts_, require_split_engine
 
@@ -267,6 +274,7 @@ def _fake_mode(fake: bool) -> Iterator[None]:
     if not fake:
         yield
         return
+    # lazy: heavy to import (transformers)
     from transformers import masking_utils
 
     # A real run reads the position ids to decide whether a row packs several sequences;
@@ -306,6 +314,7 @@ def _materialize(model: nn.Module, device: str) -> None:
 
 
 def _rope_init(module: Any) -> Any:
+    # lazy: heavy to import (transformers)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if module.rope_type == "default" and hasattr(module, "compute_default_rope_parameters"):

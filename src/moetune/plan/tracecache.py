@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.config import RunConfig
 from moetune.errors import ConfigError
+from moetune.model import to_hf_config
 from moetune.model.spec import ModelSpec
+from moetune.recipe.targets import build_peft_config
 
 if TYPE_CHECKING:
     from moetune.plan.trace import TraceResult
@@ -76,12 +78,11 @@ def trace_key(spec: ModelSpec, cfg: RunConfig, optimizer: str) -> str:
 
 def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> TraceResult:
     """trace_step for `cfg` on `spec` (recipe's LoraConfig; None for full fine-tuning)."""
+    # lazy: heavy to import (torch, peft via moetune.engine, moetune.plan.trace)
     import torch
 
     from moetune.engine.resolve import resolve_engine
-    from moetune.model import to_hf_config
     from moetune.plan.trace import trace_step
-    from moetune.recipe.targets import build_peft_config
 
     if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":
         raise ConfigError(
@@ -108,6 +109,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
 
 def cached_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> TraceResult:
     """`run_trace`, read from / written to the disk cache."""
+    # lazy: heavy to import (torch via moetune.plan.trace)
     from moetune.plan.trace import TraceResult
 
     path = cache_dir() / f"{trace_key(spec, cfg, optimizer)}.json"

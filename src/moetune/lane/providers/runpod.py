@@ -36,7 +36,13 @@ from moetune.lane.providers.base import (
     TransientError,
     register_provider,
 )
+from moetune.lane.providers.ssh import SshTransport
 from moetune.plan.walls import DEFAULT_WATCHDOG_S
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: _load_toml reads the flat lines itself
+    tomllib = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from moetune.config import LaneArgs, RunpodArgs
@@ -202,9 +208,7 @@ def _key_from_file(path: Path) -> str:
 
 
 def _load_toml(text: str) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: the flat `key = "value"` lines these files hold
+    if tomllib is None:  # Python 3.10: the flat `key = "value"` lines these files hold
         pairs = re.finditer(r'(?m)^\s*([A-Za-z_]+)\s*=\s*"([^"\n]*)"\s*$', text)
         return {m[1]: m[2] for m in pairs}
     return tomllib.loads(text)
@@ -427,8 +431,6 @@ class RunpodProvider(Provider):
 
     def _transport(self, pod_id: str) -> _Transport:
         if pod_id not in self._transports:
-            from moetune.lane.providers.ssh import SshTransport
-
             pod = self.status(pod_id)
             if pod.ssh is None:
                 cause = f"RunPod pod {pod_id} has no public SSH port yet ({pod.status})."

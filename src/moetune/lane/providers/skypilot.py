@@ -25,6 +25,11 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
+from moetune.config import dump_config
+from moetune.io import atomic_write_text
+from moetune.lane.launch import launch_plan
 from moetune.lane.providers.base import (
     Env,
     ExecResult,
@@ -36,7 +41,9 @@ from moetune.lane.providers.base import (
     SshTarget,
     register_provider,
 )
+from moetune.lane.providers.ssh import SshTransport
 from moetune.lane.secrets import plain_env
+from moetune.lane.stage import REMOTE_CONFIG, staging
 from moetune.plan.walls import XET_ENV
 
 if TYPE_CHECKING:
@@ -111,8 +118,6 @@ def run_task(cfg: RunConfig, spec: PodSpec, watchdog_s: int, pod_config: Path) -
     """The whole run as one SkyPilot task: every staged file mounted where the pod's config
     (`pod_config`, written by the caller from `staging(cfg)`) expects it, then train on all
     the pod's GPUs – for `sky launch` by hand, without moetune's controller."""
-    from moetune.lane.stage import REMOTE_CONFIG, staging
-
     root = f"~/{cfg.lane.workdir}/{spec.name}"
     mounts = {f"{root}/{remote}": str(local.resolve()) for local, remote in staging(cfg).files}
     mounts[f"{root}/{REMOTE_CONFIG}"] = str(pod_config.resolve())
@@ -175,8 +180,6 @@ class SkypilotProvider(Provider):
         path = self.state_dir / f"{spec.name}.sky.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         task = task_yaml(spec, self.lane.watchdog_s or 21600, self.lane.setup, "true", {}, self.sky)
-        import yaml
-
         path.write_text(yaml.safe_dump(task, sort_keys=False), encoding="utf-8")
         secrets = [arg for key in secret_keys(spec.env) for arg in ("--env", key)]
         env = {k: spec.env[k] for k in secret_keys(spec.env)}
@@ -213,8 +216,6 @@ class SkypilotProvider(Provider):
 
     def _transport(self, pod_id: str) -> Any:
         if pod_id not in self._transports:
-            from moetune.lane.providers.ssh import SshTransport
-
             known = self.state_dir / f"known_hosts.{self.check_id(pod_id)}"
             target = SshTarget(pod_id, 22, self.sky.ssh_user)  # ~/.ssh/config: sky's alias
             self._transports[pod_id] = SshTransport(target, None, known, self.workdir)
@@ -260,13 +261,6 @@ def _last_line(text: str) -> str:
 def write_task(cfg: RunConfig, out: Path) -> tuple[Path, dict[str, Any]]:
     """`out`/task.yaml (and the pod's config `out`/run.yaml) for `sky launch`: the card and
     GPUs the launch plan picks, its walls, the staged files. Existing files are refused."""
-    import yaml
-
-    from moetune.config import dump_config
-    from moetune.io import atomic_write_text
-    from moetune.lane.launch import launch_plan
-    from moetune.lane.stage import staging
-
     task_path, pod_config = out / "task.yaml", out / "run.yaml"
     for path in (task_path, pod_config):
         if path.exists():
