@@ -151,7 +151,10 @@ def test_cli_plan_gpus_json_and_errors() -> None:
     assert four is not None and four > 2 and not devices["cards"]["RTX-4090"]["fits"]
     assert devices["cards"]["H200"]["fits"]
     bad = runner.invoke(app, [*args, "--gpus", "2", "--strategy", "tp"])
-    assert bad.exit_code == 2 and "unknown strategy" in bad.stderr
+    assert (
+        bad.exit_code == 2
+        and "--strategy tp: train.strategy must be one of ddp | fsdp | zero3" in bad.stderr
+    )
     assert len(bad.stderr.strip().splitlines()) == 1
     assert "Traceback" not in bad.stderr
 
