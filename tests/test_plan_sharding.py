@@ -214,7 +214,7 @@ def test_several_nodes_plan_each_rank_of_all_and_host_ram_per_node(
     sixteen = device_report(qwen235b, lora, ["H200"], 16, "fsdp")
     assert two.gpus == 16 and two.components == sixteen.components
     assert two.placement == "2 nodes × 8 GPU(s)" and sixteen.placement == "16 GPU(s)"
-    ram = node_host_ram(run_sizes(qwen235b, lora), 8)
+    ram = node_host_ram(run_sizes(qwen235b, lora), 8, two.host)  # the sharded load, per node
     (node,) = [n for n in two.notes if n.startswith("2 nodes × 8 GPU(s) = 16 ranks")]
     assert f"per node: 8 GPU(s) and about {human_bytes(ram)} of host RAM" in node
     four = device_report(qwen235b, lora, ["H200"], 8, "fsdp", nodes=4)
