@@ -100,6 +100,21 @@ def test_disk_pins_only_the_staging_buffers_and_reads_the_files(tiny: ModelSpec)
     assert plan.device_peak_bytes == plan_offload(tiny, cfg("cpu"), "H100-80GB").device_peak_bytes
 
 
+def test_disk_reads_a_bf16_file_as_bf16_when_it_computes_in_fp32(tiny: ModelSpec) -> None:
+    # measured (benchmarks/offload_disk.py): a bf16 checkpoint computed in fp32 reads 2 bytes
+    # a parameter from the files and holds 4 on the device
+    run = parse_config({**cfg("disk").model_dump(), "model": {"dtype": "float32"}})
+    plan = plan_offload(tiny, run, "H100-80GB")
+    stored = 4 * 3 * 32 * 64 * 4  # the streamed layer in fp32
+    assert tiny.dtype == "bfloat16" and plan.layer_expert_bytes == stored
+    assert plan.device_components["streamed_experts"] == 2 * stored
+    assert plan.bytes_moved_per_step["forward"] == 4 * stored // 2
+    assert plan.disk_bytes == 4 * stored // 2
+    cpu = plan_offload(tiny, parse_config({**cfg("cpu").model_dump(),
+                                           "model": {"dtype": "float32"}}), "H100-80GB")  # fmt: skip
+    assert cpu.bytes_moved_per_step["forward"] == 4 * stored  # host copies move as stored
+
+
 def test_a_cpu_device_is_host_ram_and_its_peak_is_the_process(tiny: ModelSpec) -> None:
     run = cfg("cpu", device="cpu")
     frozen = analytic(tiny, run).components["frozen_weights"]

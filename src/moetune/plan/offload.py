@@ -28,7 +28,7 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.errors import ConfigError, MoetuneError
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import QUANT_BYTES, Step, expert_bytes_per_param
+from moetune.plan.analytic import DTYPE_BYTES, QUANT_BYTES, Step, expert_bytes_per_param
 from moetune.plan.estimate import MFU, flops_per_token
 from moetune.plan.fit import Recommendation, analytic
 from moetune.plan.hardware import (
@@ -136,8 +136,8 @@ def plan_offload(spec: ModelSpec, cfg: RunConfig, card: Card | str | None = None
     n_moe = len(spec.moe_layers)
     components = _device_components(spec, cfg, chosen, layer * n_moe, layer)
     peak = sum(components.values())
-    place = _host(cfg, chosen, layer * n_moe, layer, peak)
-    moved = bytes_moved(spec, cfg, layer)
+    place = _host(cfg, chosen, file_layer_bytes(spec, cfg, layer) * n_moe, layer, peak)
+    moved = bytes_moved(spec, cfg, file_layer_bytes(spec, cfg, layer))
     rate = _transfer_rate(cfg, chosen)
     tokens = cfg.train.seq_len * cfg.train.batch_size * cfg.train.grad_accum
     per_token = flops_per_token(spec.active_params, cfg.train.gradient_checkpointing)
@@ -204,6 +204,18 @@ def layer_expert_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
     step = Step.from_config(cfg, spec)
     per_param = 4.0 if step.quantization in QUANT_BYTES else expert_bytes_per_param(spec, step)
     return round(spec.components.routed_experts / len(spec.moe_layers) * per_param)
+
+
+def file_layer_bytes(spec: ModelSpec, cfg: RunConfig, layer: int) -> int:
+    """One layer's stacks as each fetch moves them: disk offload reads a float stack in the
+    checkpoint's own dtype (bf16 files widened to fp32 after the read move 2 bytes a
+    parameter, not 4); quantised stacks and host copies move as stored."""
+    step = Step.from_config(cfg, spec)
+    quantised = step.quantization in QUANT_BYTES or step.experts_dtype in ("int8", "nf4")
+    if cfg.train.offload != "disk" or quantised:
+        return layer
+    file_bytes = DTYPE_BYTES.get(spec.dtype, step.weight_bytes)
+    return round(spec.components.routed_experts / len(spec.moe_layers) * file_bytes)
 
 
 def bytes_moved(spec: ModelSpec, cfg: RunConfig, layer: int) -> dict[str, int]:
