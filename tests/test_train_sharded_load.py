@@ -110,3 +110,42 @@ def test_the_benchmarks_sampler_sees_a_childs_peak_rss():
     sampler.join()
     assert sampler.peaks[0] >= 256 * 2**20
     assert sampler.needed[0] == sampler.peaks[0]  # no checkpoint mapped
+
+
+def test_an_fsdp_save_gathers_the_lora_and_names_it_as_peft_saves_it(model_dir, tmp_path):
+    """The save keeps the files peft writes (same keys, same values) while the frozen base is
+    never gathered: the trainable parameters alone, by state-dict name."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    state = S.gathered_trainable(model)
+    assert state and all("lora_" in k for k in state)
+    assert set(state) == {n for n, p in model.named_parameters() if p.requires_grad}
+    saved = []
+
+    class FakeFSDPTrainer:  # the two attributes the save uses, as transformers' Trainer has
+        is_fsdp_enabled, args = True, type("Args", (), {"output_dir": str(tmp_path)})
+
+        def __init__(self) -> None:
+            self.model = model
+
+        def _save(self, output_dir: str, state_dict: dict) -> None:
+            saved.append(output_dir)
+            self.model.save_pretrained(output_dir, state_dict=state_dict)
+
+    trainer = S.adapter_only_saves(FakeFSDPTrainer())
+    trainer.save_model(str(tmp_path / "a"))
+    model.save_pretrained(str(tmp_path / "b"))  # peft's own save of the whole model
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    want = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
+    assert saved == [str(tmp_path / "a")] and got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(model_dir)), str(tmp_path / "a")
+    )
+    plain = type("Plain", (), {"is_fsdp_enabled": False, "save_model": "unchanged"})()
+    assert S.adapter_only_saves(plain).save_model == "unchanged"

@@ -200,6 +200,39 @@ def _local(out: Any) -> list[torch.Tensor]:
     return [out] if isinstance(out, torch.Tensor) and not out.is_meta else []  # meta: no bytes
 
 
+# ---------------------------------------------------------------- saving
+
+
+def adapter_only_saves(trainer: Any) -> Any:
+    """Make an FSDP trainer's saves (the adapter, every checkpoint) gather only the trainable
+    parameters. transformers' FULL_STATE_DICT save gathers the whole model on rank 0 and
+    peft then keeps only the LoRA keys – measured: rank 0 peaked at its shard plus the whole
+    base at the final save (benchmarks/sharded_load.py). The files written are the same."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return trainer
+
+    def save_model(output_dir: str | None = None, _internal_call: bool = False) -> None:
+        state = gathered_trainable(trainer.model)  # a collective: every rank, same order
+        trainer._save(output_dir or trainer.args.output_dir, state_dict=state)
+
+    trainer.save_model = save_model
+    return trainer
+
+
+def gathered_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter whole on the CPU, by state-dict name (DTensor shards are
+    all-gathered; frozen base weights never are)."""
+    # lazy: heavy to import (torch)
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            out[name] = whole.detach().cpu()
+    return out
+
+
 def peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)

@@ -81,7 +81,7 @@ from moetune.train.routing import (
 )
 from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
 from moetune.train.setup import Setup, prepare
-from moetune.train.sharded_load import from_main, install
+from moetune.train.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.stacks import stack_trainer
 
 if TYPE_CHECKING:
@@ -249,6 +249,7 @@ def build_trainer(
     with quiet():
         trainer = method.build(method.classes()[0], kwargs)
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the bar for log printing
+    adapter_only_saves(trainer)  # FSDP: a save gathers the LoRA, not the whole base
     routing = RoutingCallback(
         RoutingRecorder(model, setup.spec),
         cfg.train.routing_every,
