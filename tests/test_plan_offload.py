@@ -110,8 +110,8 @@ def test_disk_reads_a_bf16_file_as_bf16_when_it_computes_in_fp32(tiny: ModelSpec
     assert plan.device_components["streamed_experts"] == 2 * stored
     assert plan.bytes_moved_per_step["forward"] == 4 * stored // 2
     assert plan.disk_bytes == 4 * stored // 2
-    cpu = plan_offload(tiny, parse_config({**cfg("cpu").model_dump(),
-                                           "model": {"dtype": "float32"}}), "H100-80GB")  # fmt: skip
+    fp32_cpu = parse_config({**cfg("cpu").model_dump(), "model": {"dtype": "float32"}})
+    cpu = plan_offload(tiny, fp32_cpu, "H100-80GB")
     assert cpu.bytes_moved_per_step["forward"] == 4 * stored  # host copies move as stored
 
 
