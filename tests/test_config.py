@@ -118,3 +118,18 @@ def test_an_empty_run_yaml_is_refused(tmp_path: Path) -> None:
     path.write_text("# nothing yet\n")
     with pytest.raises(ConfigError, match="is empty"):
         load_config(path)
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "plan"])
+def test_an_empty_run_yaml_writes_no_ledger_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("")
+    got = CliRunner().invoke(app, [command, "run.yaml"])
+    assert got.exit_code == 2 and "run.yaml is empty" in got.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no .moetune/ ledger

@@ -173,3 +173,21 @@ def test_check_only_refuses_a_folder_no_export_wrote(tmp_path: Path) -> None:
     _refused(code, err, "export.json: not found")
     code, _, err = _export(str(tmp_path))
     _refused(code, err, "export needs SOURCE, --format and --out")
+
+
+def test_items_takes_prompt_answer_rows_and_a_missing_file_names_the_flag(
+    run: Path, tmp_path: Path
+) -> None:
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in "abc"))
+    args = [str(run), "--format", "merged", "--items"]
+    code, stdout, err = _export(*args, str(items), "--out", str(tmp_path / "m"), "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["check"]["items"] == 3
+    for bad in (tmp_path / "none.jsonl", tmp_path / "empty.jsonl"):
+        bad.touch() if bad.name == "empty.jsonl" else None
+        code, _, err = _export(*args, str(bad), "--out", str(tmp_path / "n"))
+        _refused(
+            code, err, f"--items: data file {bad} not found" if "none" in bad.name else "is empty"
+        )
+        assert "--items" in err and "train_file" not in err and not (tmp_path / "n").exists()

@@ -42,7 +42,10 @@ def export_cmd(
     ] = None,
     items: Annotated[
         Path | None,
-        typer.Option(help="JSONL of prompt/text rows to check on (default: the run's eval items)."),
+        typer.Option(
+            help='JSONL of {"prompt": …} rows (an answer beside it is ignored) or {"text": …} '
+            "rows to check on (default: the run's eval items)."
+        ),
     ] = None,
     limit: Annotated[int, typer.Option(min=1, help="Eval items the check uses.")] = 16,
     vllm_layout: Annotated[

@@ -11,6 +11,9 @@ from typing import Any
 from moetune.config import load_config
 from moetune.errors import clip
 from moetune.export.registry import ExportError, Source
+from moetune.train.data import read_rows
+from moetune.train.errors import DataError
+from moetune.train.recovery import checkpoint_problem
 
 
 def resolve_source(path: Path, base: str | None = None) -> Source:
@@ -68,9 +71,6 @@ def require_whole_adapter(adapter_dir: Path) -> None:
                 f"{clip(adapter_dir, 80)} has no {name}",
                 "pass a folder written by peft's save_pretrained (a run's adapter/)",
             )
-    # lazy: heavy to import (transformers, via train.recovery)
-    from moetune.train.recovery import checkpoint_problem
-
     try:
         problem = checkpoint_problem(adapter_dir)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
@@ -91,3 +91,22 @@ def require_weights(base: str) -> None:
             f"the base {clip(base, 80)} has a config.json but no weights (*.safetensors)",
             "pass --base the full checkpoint the adapter was trained on",
         )
+
+
+def item_texts(path: Path, limit: int) -> list[str]:
+    """The prompts of an `--items` file: rows with a "prompt" (any answer / completion
+    beside it is ignored) or a "text"; the first row with neither is refused, named."""
+    fix = (
+        'give --items a JSONL file of {"prompt": ...} (an answer may follow) or {"text": ...} rows'
+    )
+    try:
+        rows = read_rows(path)
+    except DataError as err:
+        raise ExportError(f"--items: {err.cause}", fix) from None
+    texts = []
+    for where, row in rows[:limit]:
+        text = (row.get("prompt") or row.get("text")) if isinstance(row, dict) else None
+        if not isinstance(text, str) or not text:
+            raise ExportError(f"--items {clip(path, 60)} {where}: no prompt or text", fix)
+        texts.append(text)
+    return texts
