@@ -86,3 +86,50 @@ def test_boundary_values_are_accepted() -> None:
         {"train": {"warmup_ratio": 0.0, "max_steps": 1, "routing_every": 0, "weight_decay": 0}}
     )
     assert cfg.train.max_steps == 1 and cfg.train.warmup_ratio == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("model:\n  id: a\ntrain:\n  steps: 2\nmodel:\n  id: b\n", "key 'model' at line 5"),
+        ("lora:\n  rank: 8\n  alpha: 4\n  rank: 16\n", "duplicate key 'rank' at line 4 (first at"),
+    ],
+)
+def test_duplicate_yaml_keys_are_refused_naming_line_and_key(
+    tmp_path: Path, text: str, said: str
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert said in exc.value.cause and exc.value.fix == "keep one of the two"
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse_config({}, ["lora.targets={a: 1, a: 2}"])
+
+
+def test_yaml_merge_keys_may_restate_a_key() -> None:
+    from moetune.config import load_yaml
+
+    assert load_yaml("a: &x {b: 1}\nc:\n  <<: *x\n  b: 2\n") == {"a": {"b": 1}, "c": {"b": 2}}
+
+
+def test_an_empty_run_yaml_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "plan"])
+def test_an_empty_run_yaml_writes_no_ledger_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("")
+    got = CliRunner().invoke(app, [command, "run.yaml"])
+    assert got.exit_code == 2 and "run.yaml is empty" in got.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no .moetune/ ledger

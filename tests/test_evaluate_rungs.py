@@ -86,6 +86,25 @@ def test_unknown_kind_and_missing_data(tmp_path: Path) -> None:
         make_rung(RungArgs(name="r", kind="loss", data=str(tmp_path / "none.jsonl"))).load(None)
 
 
+@pytest.mark.parametrize("content", [None, "", "dir"])
+def test_a_missing_or_empty_rung_file_names_the_rung_field_not_train_data(
+    tmp_path: Path, content: str | None
+) -> None:
+    path = tmp_path / "eval-dup.jsonl"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(EvalError) as err:
+        make_rung(RungArgs(name="dup", kind="exact_match", data=str(path))).load(None)
+    said = {None: "not found", "": "is empty", "dir": "is a directory"}[content]
+    assert (
+        err.value.cause.startswith("eval.rungs[].data of rung 'dup': ") and said in err.value.cause
+    )
+    assert str(path) in err.value.cause and "train_file" not in str(err.value)
+    assert err.value.fix.startswith("point eval.rungs[].data of rung 'dup' at a JSONL file")
+
+
 def test_lm_eval_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval -> ImportError
     with pytest.raises(EvalError, match="lm-evaluation-harness") as err:

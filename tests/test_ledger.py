@@ -135,3 +135,16 @@ def test_cli_show_and_verify(tmp_path: Path) -> None:
     with path.open("ab") as fh:
         fh.write(b"{torn")
     assert runner.invoke(app, ["ledger", "verify", "--path", str(path)]).exit_code == 1
+
+
+def test_cli_show_refuses_a_status_that_does_not_exist(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    path = tmp_path / "l.jsonl"
+    Ledger(path).append(_row(1))
+    got = CliRunner().invoke(app, ["ledger", "show", "--path", str(path), "--status", "weird"])
+    assert got.exit_code == 2 and got.stdout == ""
+    assert "--status 'weird' is not a ledger status" in got.stderr
+    assert "ok, failed, infra-failed, cancelled" in got.stderr

@@ -334,3 +334,13 @@ def test_active_params_of_catalog_models() -> None:
     assert active["mistralai/Mixtral-8x7B-v0.1"] == pytest.approx(12.88, abs=0.01)
     assert active["deepseek-ai/DeepSeek-V3"] == pytest.approx(37.55, abs=0.01)
     assert active["meta-llama/Llama-3.1-8B"] == pytest.approx(8.03, abs=0.01)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe-dense0", "mixtral"])
+def test_a_missing_experts_count_is_named_not_defaulted(variant: str) -> None:
+    cfg = tiny_config(variant)
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        cfg.pop(name, None)
+    with pytest.raises(ConfigError) as err:
+        spec_from_config(cfg, "q")
+    assert "does not state" in err.value.cause and "(the experts count)" in err.value.cause

@@ -199,3 +199,16 @@ def test_cli_serve_plan_json_and_one_line_errors() -> None:
         result = runner.invoke(app, bad if bad is gguf else [*base, *bad])
         assert result.exit_code == 2
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_cli_serve_plan_refuses_a_rank_vllm_refuses_and_prints_every_choice() -> None:
+    runner = CliRunner()
+    base = ["serve-plan", "Qwen/Qwen3-30B-A3B", "--card", "H200", "--engine", "vllm"]
+    bad = runner.invoke(app, [*base, "--max-lora-rank", "3"])
+    assert bad.exit_code == 2 and "--max-lora-rank 3 is not a rank vLLM accepts" in bad.stderr
+    assert "1, 8, 16, 32, 64" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    ok = runner.invoke(app, [*base, "--max-lora-rank", "64", "--max-loras", "2", "--json"])
+    notes = json.loads(ok.stdout)["cards"]["H200"]["notes"]
+    line = next(n for n in notes if n.startswith("vllm serve"))
+    assert "--max-lora-rank 64" in line and "--max-loras 2" in line and "--enable-lora" in line
+    assert "--max-model-len 32768" in line

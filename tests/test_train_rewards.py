@@ -26,6 +26,10 @@ def shout_reward(prompts, completions, **columns):  # a user's module:function r
 NOT_A_FUNCTION = 3
 
 
+def broken_reward(prompts, completions, **columns):  # a user's reward with a bug in it
+    return [len(c) / columns["missing"] for c in completions]
+
+
 def test_exact_match_compares_the_stripped_completion_with_the_answer_column():
     f = _reward(name="exact_match")
     got = f(["p"] * 3, ["aabb", " aabb\n", "ab"], answer=["aabb", "aabb", "aabb"])
@@ -46,6 +50,15 @@ def test_regex_and_length_rewards():
 def test_user_function_by_module_path():
     f = _reward(name="test_train_rewards:shout_reward")
     assert f(["p"] * 2, ["YES", "no"]) == [1.0, 0.0]
+
+
+def test_an_error_inside_a_user_reward_names_the_reward_and_its_cause():
+    f = _reward(name="test_train_rewards:broken_reward")
+    assert f.__name__ == "broken_reward"  # TRL logs it under its own name
+    with pytest.raises(RewardError) as err:
+        f(["p"], ["x"])
+    assert err.value.cause == "reward test_train_rewards:broken_reward raised KeyError: 'missing'"
+    assert err.value.exit_code == 2 and "one float per completion" in err.value.fix
 
 
 @pytest.mark.parametrize(

@@ -85,10 +85,12 @@ def report_error(err: Exception) -> int:
 def report_interrupt(err: KeyboardInterrupt) -> int:
     """Ctrl-C or SIGTERM: one line saying what was kept (click would print a bare "Aborted!")."""
     what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted (Ctrl-C)"
+    notes = getattr(err, "__notes__", None)  # a command's own word on what it left (export)
+    default = "rerun the command (`moetune train … --resume` continues a run from its last "
+    fix = escape(notes[-1]) if notes else default + "checkpoint)"
     err_console.print(
         f"[bold yellow]{what}:[/] stopped; finished files and checkpoints are kept and a run "
-        "records the attempt as cancelled in its ledger [bold]fix:[/] rerun the command "
-        "(`moetune train … --resume` continues a run from its last checkpoint)",
+        f"records the attempt as cancelled in its ledger [bold]fix:[/] {fix}",
         highlight=False,
         soft_wrap=True,
     )

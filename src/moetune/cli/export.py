@@ -10,14 +10,19 @@ import typer
 from rich.markup import escape
 
 from moetune.cli.common import JsonOpt, app, console, emit_json, friendly
+from moetune.errors import ConfigError
 
 
 @app.command("export")
 @friendly
 def export_cmd(
-    source: Annotated[Path, typer.Argument(help="A run dir (output.dir) or a peft adapter dir.")],
-    fmt: Annotated[str, typer.Option("--format", help="merged | vllm | gguf | mlx.")],
-    out: Annotated[Path, typer.Option("--out", help="New folder to write (refused if not empty).")],
+    source: Annotated[
+        Path | None, typer.Argument(help="A run dir (output.dir) or a peft adapter dir.")
+    ] = None,
+    fmt: Annotated[str | None, typer.Option("--format", help="merged | vllm | gguf | mlx.")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="New folder to write (refused if not empty).")
+    ] = None,
     base: Annotated[
         str | None, typer.Option(help="Base model dir or id (default: the run's / adapter's).")
     ] = None,
@@ -25,15 +30,22 @@ def export_cmd(
         str, typer.Option(help="auto (the base's own) | bfloat16 | float16 | float32.")
     ] = "auto",
     max_shard_size: Annotated[
-        str, typer.Option(help="Largest safetensors shard (merged).")
+        str, typer.Option(help="Largest safetensors shard (merged), e.g. 5GB or 500MB.")
     ] = "5GB",
     check: Annotated[
         bool,
         typer.Option("--check/--no-check", help="Run the consumer and compare with the adapter."),
     ] = True,
+    check_only: Annotated[
+        Path | None,
+        typer.Option(help="Only check an existing export DIR (one marked UNCHECKED)."),
+    ] = None,
     items: Annotated[
         Path | None,
-        typer.Option(help="JSONL of prompt/text rows to check on (default: the run's eval items)."),
+        typer.Option(
+            help='JSONL of {"prompt": …} rows (an answer beside it is ignored) or {"text": …} '
+            "rows to check on (default: the run's eval items)."
+        ),
     ] = None,
     limit: Annotated[int, typer.Option(min=1, help="Eval items the check uses.")] = 16,
     vllm_layout: Annotated[
@@ -43,19 +55,33 @@ def export_cmd(
 ) -> None:
     """Export an adapter for serving and check that what is served equals what was trained."""
     # lazy: the stage loads only when its command runs
-    from moetune.export import ExportOptions
     from moetune.export.check import CheckOptions
+    from moetune.export.pipeline import check_only as run_check_only
     from moetune.export.pipeline import export
+    from moetune.export.registry import export_options
 
-    opts = ExportOptions.model_validate(
-        {"dtype": dtype, "max_shard_size": max_shard_size, "extra": {"vllm_layout": vllm_layout}}
-    )
     check_opts = CheckOptions(items=limit, items_file=items) if check else None
-    doc = export(source, fmt, out, opts, check_opts, base)
+    if check_only is not None:
+        doc = run_check_only(check_only, CheckOptions(items=limit, items_file=items))
+    else:
+        given = _required(source, fmt, out)
+        opts = export_options(
+            dtype=dtype, max_shard_size=max_shard_size, extra={"vllm_layout": vllm_layout}
+        )
+        doc = export(*given, opts, check_opts, base)
     if as_json:
         emit_json(doc)
     else:
         _print(doc)
+
+
+def _required(source: Path | None, fmt: str | None, out: Path | None) -> tuple[Path, str, Path]:
+    if source is None or fmt is None or out is None:
+        raise ConfigError(
+            "export needs SOURCE, --format and --out",
+            "e.g. moetune export RUN_DIR --format merged --out merged/ (or --check-only DIR)",
+        )
+    return source, fmt, out
 
 
 def _print(doc: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import calendar
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args
 
 import typer
 from rich.markup import escape
@@ -14,7 +14,7 @@ from rich.table import Table
 
 from moetune.cli.common import JsonOpt, app, console, emit_json, err_console, friendly
 from moetune.errors import ConfigError, clip
-from moetune.ledger import Ledger, LedgerError, select
+from moetune.ledger import Ledger, LedgerError, Status, select
 
 ledger_app = typer.Typer(help="The append-only ledger of every attempt.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
@@ -36,6 +36,11 @@ def ledger_show(
     as_json: JsonOpt = False,
 ) -> None:
     """Rows of the ledger, filtered; skipped (torn or invalid) lines are reported."""
+    if status is not None and status not in get_args(Status):
+        raise ConfigError(
+            f"--status {clip(status, 40)!r} is not a ledger status",
+            f"use one of: {', '.join(get_args(Status))}",
+        )
     got = Ledger(path).read()
     rows = select(got.rows, run_id=run, kind=kind, status=status, since=_utc_date(since))
     if as_json:

@@ -5,6 +5,7 @@ from moetune.config.lane import LaneArgs, RunpodArgs, SkypilotArgs, SshArgs
 from moetune.config.load import (
     dump_config,
     load_config,
+    load_yaml,
     parse_config,
     read_config_text,
     schema_rows,
@@ -45,6 +46,7 @@ __all__ = [
     "TrainArgs",
     "dump_config",
     "load_config",
+    "load_yaml",
     "parse_config",
     "read_config_text",
     "schema_rows",

@@ -4,15 +4,46 @@ beats defaults), the resolved copy written beside a run, and the field documenta
 from __future__ import annotations
 
 import copy
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from moetune.config.paths import rebase
 from moetune.config.sections import RunConfig
 from moetune.errors import ConfigError, clip, os_problem
 from moetune.ledger import public_env
+
+
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping states one key twice: YAML would keep the last silently."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with a key stated twice (line and key named)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` may restate keys: that is what it is for
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                break  # SafeLoader refuses it itself, with its own message
+            if key in seen:
+                raise DuplicateKeyError(
+                    problem=f"duplicate key {key!r} at line {line} (first at line {seen[key]})"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load` that refuses duplicate keys: every YAML moetune reads goes through it."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
 
 
 def _apply_override(data: dict[str, Any], assignment: str) -> None:
@@ -26,7 +57,7 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {key!r} goes through a non-section", "check the path")
     try:
-        node[leaf] = yaml.safe_load(raw)
+        node[leaf] = load_yaml(raw)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or type(err).__name__
         raise ConfigError(
@@ -84,17 +115,31 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
     """Read a run.yaml; errors name the file and the field."""
     path = Path(path)
     try:
-        data = yaml.safe_load(read_config_text(path)) or {}
+        data = load_yaml(read_config_text(path))
     except yaml.YAMLError as err:
         first = f"{clip(path, 80)} is not valid YAML: {err}".splitlines()[0]
-        raise ConfigError(first, "fix the YAML syntax") from None
+        fix = "keep one of the two" if isinstance(err, DuplicateKeyError) else "fix the YAML syntax"
+        raise ConfigError(first, fix) from None
+    if data is None:  # an empty file is a mistake (a truncated copy), never "all defaults"
+        raise ConfigError(
+            f"{clip(path, 80)} is empty", "write at least model.id (see configs/ for examples)"
+        )
     if not isinstance(data, dict):
         cause = f"{clip(path, 80)} must hold a mapping of sections"
         raise ConfigError(cause, "see configs/ for examples")
     try:
-        return parse_config(data, overrides)
+        cfg = parse_config(data, overrides)
     except ConfigError as err:
         raise ConfigError(f"{clip(path, 80)}: {err.cause}", err.fix) from None
+    return rebase(cfg, path.parent) if is_run_config(path) else cfg
+
+
+RUN_MARKS = ("versions.json", "preflight.json", "adapter")  # what only a run dir holds
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether `path` is the config.yaml a run saved in its dir (read back: rebased there)."""
+    return path.name == "config.yaml" and any((path.parent / m).exists() for m in RUN_MARKS)
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -46,8 +46,10 @@ class Rung(ABC):
     kind: ClassVar[str]
     unit: ClassVar[str] = "accuracy"  # accuracy | neg_nll
 
-    def __init__(self, args: RungArgs) -> None:
+    def __init__(self, args: RungArgs, field: str | None = None) -> None:
         self.args = args
+        # what the user set to give this rung its file: named in every error about it
+        self.field = field or f"eval.rungs[].data of rung {args.name!r}"
 
     @abstractmethod
     def load(self, limit: int | None) -> list[Item]:
@@ -79,7 +81,10 @@ class Rung(ABC):
         try:
             rows = read_rows(path)
         except DataError as err:
-            raise EvalError(f"rung {self.args.name!r}: {err.cause}", err.fix) from None
+            raise EvalError(
+                f"{self.field}: {err.cause}",
+                f"point {self.field} at a JSONL file of {self.example} rows",
+            ) from None
         items = [row for _, row in rows][:limit]
         for (where, _), item in zip(rows, items, strict=False):
             problem = check(item) if isinstance(item, dict) else "is not a JSON object"
@@ -100,15 +105,16 @@ def register_rung(cls: type[Rung]) -> type[Rung]:
     return RUNG_KINDS.add(cls.kind, cls)
 
 
-def make_rung(args: RungArgs) -> Rung:
-    """The rung object for a config entry; an unknown kind names the known ones."""
+def make_rung(args: RungArgs, field: str | None = None) -> Rung:
+    """The rung object for a config entry (`field`: the option that gave its file, for
+    errors); an unknown kind names the known ones."""
     if args.kind not in RUNG_KINDS:
         raise EvalError(
             f"rung {args.name!r}: unknown kind {args.kind!r}",
             f"use one of: {', '.join(RUNG_KINDS.names())}",
         )
     cls = RUNG_KINDS.get(args.kind)
-    return cls(args)
+    return cls(args, field)
 
 
 def _need_strings(item: Item, *keys: str) -> str | None:

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from moetune.errors import clip
+from moetune.export.guard import mark_unchecked, temp_dir, write_record, writing
 from moetune.export.registry import (
     EXPORTERS,
     Exporter,
@@ -42,8 +43,12 @@ def load_formats() -> Registry[Exporter]:
     return EXPORTERS
 
 
-def run_export(source: Source, fmt: str, out: Path, opts: ExportOptions) -> ExportResult:
-    """Export `source` as `fmt` into `out` (created; refused when it exists and is not empty)."""
+def run_export(
+    source: Source, fmt: str, out: Path, opts: ExportOptions, unchecked: str = "it was never run"
+) -> ExportResult:
+    """Export `source` as `fmt` into `out` (created; refused when it exists and is not empty).
+    `out` holds `export.json` (what was exported) and an UNCHECKED marker saying `unchecked`
+    until the check removes it."""
     load_formats()
     chosen = exporter(fmt)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -51,20 +56,33 @@ def run_export(source: Source, fmt: str, out: Path, opts: ExportOptions) -> Expo
             f"{clip(out, 80)} already exists and is not empty",
             "pass a new --out folder (moetune never overwrites files it did not write)",
         )
-    tmp = out.with_name(f".{out.name}.export-{os.getpid()}")
+    tmp = temp_dir(out)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        result = chosen.export(
-            source, tmp, opts.model_copy(update={"destination": str(out.resolve())})
-        )
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
+        with writing(out):
+            tmp.mkdir(parents=True)
+            final = opts.model_copy(update={"destination": str(out.resolve())})
+            result = chosen.export(source, tmp, final)
+            write_record(tmp, record_of(source, result))
+            mark_unchecked(tmp, out, unchecked)
+            if out.exists():
+                out.rmdir()  # empty (checked above)
+            os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result.out = out
     return result
+
+
+def record_of(source: Source, result: ExportResult) -> dict[str, object]:
+    """export.json: enough to check the export again later (`moetune export --check-only`)."""
+    base = Path(source.base)
+    return {
+        "format": result.format, "adapter": str(source.adapter_dir.resolve()),
+        "run_dir": str(source.run_dir.resolve()) if source.run_dir else None,
+        "base": str(base.resolve()) if base.is_dir() else source.base,
+        "dtype": str(result.details.get("dtype", "float32")), "files": result.files,
+    }  # fmt: skip
 
 
 __all__ = [

@@ -30,10 +30,11 @@ from typing import Any, cast
 
 import torch
 
-from moetune.config import RungArgs, load_config
+from moetune.config import load_config
 from moetune.errors import MoetuneError
 from moetune.export import load_formats
 from moetune.export.registry import Source
+from moetune.export.source import item_texts
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}  # rel. logits error
 EFFECT_SHARE = 0.25  # the consumer's error must stay below this share of the expert effect
@@ -219,12 +220,8 @@ def eval_texts(source: Source, items_file: Path | None, limit: int) -> list[str]
     from moetune.evaluate.rungs import make_rung
 
     if items_file is not None:
-        rungs = [
-            make_rung(
-                RungArgs.model_validate({"name": "items", "kind": "loss", "data": str(items_file)})
-            )
-        ]
-    elif source.run_dir is not None:
+        return item_texts(items_file, limit)
+    if source.run_dir is not None:
         cfg = load_config(source.run_dir / "config.yaml")
         rungs = [make_rung(r) for r in cfg.eval.rungs if r.data]
     else:

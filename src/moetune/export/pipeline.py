@@ -8,11 +8,13 @@ failed check as a failed row, with its reason.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from moetune.config import load_config
-from moetune.export import ExportOptions, resolve_source, run_export
+from moetune.export import ExportOptions, load_formats, resolve_source, run_export
 from moetune.export.check import (
     CheckFailed,
     CheckOptions,
@@ -21,7 +23,16 @@ from moetune.export.check import (
     check_export,
     eval_texts,
 )
+from moetune.export.guard import (
+    UNCHECKED,
+    check_command,
+    hold_out,
+    mark_checked,
+    mark_unchecked,
+    read_record,
+)
 from moetune.export.registry import ExportResult, Source
+from moetune.export.source import require_weights, require_whole_adapter
 from moetune.io import atomic_write_json
 from moetune.ledger import DEFAULT_PATH, attempt
 from moetune.train.checkpoint import ledger_fields
@@ -46,29 +57,74 @@ def export(
 ) -> dict[str, Any]:
     """Export (and check unless `check` is None); the summary. A failed check raises
     CheckFailed after check.json and the ledger row are written."""
+    chosen = load_formats().get(fmt)  # an unknown format is refused before anything is read
     source = resolve_source(path, base)
+    require_whole_adapter(source.adapter_dir)
+    if check is not None or chosen.needs_weights:
+        require_weights(source.base)
     ledger, fields = ledger_of(source)
-    with attempt(ledger, "export", **fields) as row:
+    with hold_out(out), interrupted_says(out), attempt(ledger, "export", **fields) as row:
         row["metrics"] = {"format": fmt, "out": str(out)}  # a failed export says what it was
         # no items to check on: refused before anything is written
         texts = eval_texts(source, check.items_file, check.items) if check else None
-        result = run_export(source, fmt, out, opts)
-        doc: dict[str, Any] = {
-            **result.to_json(),
-            "adapter": str(source.adapter_dir),
-            "base": source.base,
-        }
-        verdict, doc["check"] = run_check(source, fmt, out, result, check, texts)
-        if verdict is not None:
-            atomic_write_json(out / "check.json", doc["check"])
-        record_in_run(source, fmt, doc)
-        row["metrics"] = ledger_metrics(fmt, out, doc["check"])
-        if verdict is not None and not verdict.passed:
-            raise CheckFailed(
-                f"served != trained ({verdict.consumer}): {verdict.reason}",
-                fix_for(fmt, str(result.details.get("dtype", ""))),
-            )
+        why = "its served == trained check had not finished" if check else "--no-check"
+        result = run_export(source, fmt, out, opts, unchecked=why)
+        doc = {**result.to_json(), "adapter": str(source.adapter_dir), "base": source.base}
+        return checked(source, result, check, texts, doc, row)
+
+
+def check_only(out: Path, check: CheckOptions) -> dict[str, Any]:
+    """`moetune export --check-only OUT`: the served == trained check of an existing export."""
+    record = read_record(out)
+    run_dir = record.get("run_dir")
+    source = Source(
+        Path(record["adapter"]), str(record["base"]), Path(run_dir) if run_dir else None
+    )
+    require_whole_adapter(source.adapter_dir)
+    ledger, fields = ledger_of(source)
+    with hold_out(out), interrupted_says(out), attempt(ledger, "export", **fields) as row:
+        row["metrics"] = {"format": record["format"], "out": str(out), "check_only": True}
+        texts = eval_texts(source, check.items_file, check.items)
+        result = ExportResult(record["format"], out, files=list(record.get("files", [])))
+        result.details["dtype"] = record.get("dtype", "float32")
+        doc = {**result.to_json(), "adapter": str(source.adapter_dir), "base": source.base}
+        return checked(source, result, check, texts, doc, row)
+
+
+def checked(
+    source: Source, result: ExportResult, check: CheckOptions | None, texts: list[str] | None,
+    doc: dict[str, Any], row: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """Run the check on `result.out`, write check.json (the marker goes), record it."""
+    out, fmt = result.out, result.format
+    verdict, doc["check"] = run_check(source, fmt, out, result, check, texts)
+    if verdict is not None:
+        atomic_write_json(out / "check.json", doc["check"])
+        mark_checked(out)
+    elif check is not None:  # no consumer here: the marker says why
+        mark_unchecked(out, out, doc["check"]["skipped"])
+    record_in_run(source, fmt, doc)
+    row["metrics"] = ledger_metrics(fmt, out, doc["check"])
+    if verdict is not None and not verdict.passed:
+        raise CheckFailed(
+            f"served != trained ({verdict.consumer}): {verdict.reason}",
+            fix_for(fmt, str(result.details.get("dtype", ""))),
+        )
     return doc
+
+
+@contextmanager
+def interrupted_says(out: Path) -> Iterator[None]:
+    """Ctrl-C / SIGTERM during an export: the fix says what was left and how to check it
+    (an export is no run: `train --resume` has nothing to continue)."""
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        if (out / UNCHECKED).exists():
+            err.add_note(f"{out} is complete but unchecked: run `{check_command(out)}`")
+        else:
+            err.add_note(f"nothing was written to {out}: rerun the same export")
+        raise
 
 
 def run_check(

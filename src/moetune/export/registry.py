@@ -13,15 +13,19 @@ compares it with the peft adapter – see moetune.export.check.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from moetune.errors import MoetuneError
+from moetune.errors import MoetuneError, clip
 from moetune.registry import Registry
+
+SHARD_SIZE = re.compile(r"(?P<n>\d+(\.\d+)?)\s*(?P<unit>[KMGT]i?B|B)?", re.I)
+VLLM_LAYOUTS = ("auto", "fused")
 
 
 class ExportError(MoetuneError):
@@ -33,7 +37,7 @@ class ExportOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dtype: str = Field(
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="Weights dtype: auto (the base's own; bf16 when unset) | bfloat16 | float16 "
         "| float32.",
@@ -46,6 +50,36 @@ class ExportOptions(BaseModel):
     destination: str | None = Field(
         None, description="The --out the temp dir becomes (for paths written into files)."
     )
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _shard_size(cls, value: str) -> str:
+        match = SHARD_SIZE.fullmatch(value.strip())
+        if not match or float(match["n"]) <= 0:
+            raise ValueError("must be a positive size such as 5GB, 500MB or 2GiB")
+        return value.strip()
+
+    @field_validator("extra")
+    @classmethod
+    def _layout(cls, value: dict[str, Any]) -> dict[str, Any]:
+        layout = value.get("vllm_layout", "auto")
+        if layout not in VLLM_LAYOUTS:
+            raise ValueError(f"vllm_layout must be one of: {', '.join(VLLM_LAYOUTS)}")
+        return value
+
+
+def export_options(**given: Any) -> ExportOptions:
+    """ExportOptions from the CLI's flags; a bad value is refused naming its flag and choices."""
+    try:
+        return ExportOptions.model_validate(given)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field, shown = str(first["loc"][0]), first.get("input")
+        if field == "extra":  # the one checked format option
+            field, shown = "vllm_layout", given["extra"].get("vllm_layout")
+        msg = first["msg"].removeprefix("Value error, ").replace(f"{field} must", "must")
+        flag = f"--{field.replace('_', '-')}"
+        raise ExportError(f"{flag} {clip(shown, 40)!r}: {msg}", f"pass a valid {flag}") from None
 
 
 @dataclass(frozen=True)
@@ -84,6 +118,7 @@ class Exporter:
     name: str
     export: ExportFn
     summary: str = ""
+    needs_weights: bool = True  # reads the base's tensors (False: its config.json is enough)
 
 
 EXPORTERS: Registry[Exporter] = Registry("export format", ExportError)

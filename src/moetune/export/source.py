@@ -4,12 +4,16 @@ dir (adapter_config.json), and the base model it was trained on."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from moetune.config import load_config
 from moetune.errors import clip
 from moetune.export.registry import ExportError, Source
+from moetune.train.data import read_rows
+from moetune.train.errors import DataError
+from moetune.train.recovery import checkpoint_problem
 
 
 def resolve_source(path: Path, base: str | None = None) -> Source:
@@ -47,3 +51,62 @@ def _need_base(base: str | None, adapter_dir: Path) -> str:
             "pass --base DIR_OR_HUB_ID (the model the adapter was trained on)",
         )
     return base
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.pt", "*.pth")
+
+
+def require_whole_adapter(adapter_dir: Path) -> None:
+    """Refuse an adapter whose files are missing, dangling links, truncated or not what
+    their names say – before anything is built or written."""
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        path = adapter_dir / name
+        if path.is_symlink() and not path.exists():
+            raise ExportError(
+                f"{clip(path, 80)} is a link to nowhere ({clip(os.readlink(path), 60)})",
+                "point the link at the adapter file, or re-save the adapter",
+            )
+        if not path.is_file():
+            raise ExportError(
+                f"{clip(adapter_dir, 80)} has no {name}",
+                "pass a folder written by peft's save_pretrained (a run's adapter/)",
+            )
+    try:
+        problem = checkpoint_problem(adapter_dir)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        problem = f"unreadable ({type(err).__name__})"
+    if problem:
+        raise ExportError(
+            f"the adapter in {clip(adapter_dir, 80)} is damaged: {problem}",
+            "export from an intact copy (re-save or re-bank the adapter)",
+        )
+
+
+def require_weights(base: str) -> None:
+    """A local base dir must hold weights, not only config.json (the merge and the check
+    read its tensors)."""
+    folder = Path(base)
+    if folder.is_dir() and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
+        raise ExportError(
+            f"the base {clip(base, 80)} has a config.json but no weights (*.safetensors)",
+            "pass --base the full checkpoint the adapter was trained on",
+        )
+
+
+def item_texts(path: Path, limit: int) -> list[str]:
+    """The prompts of an `--items` file: rows with a "prompt" (any answer / completion
+    beside it is ignored) or a "text"; the first row with neither is refused, named."""
+    fix = (
+        'give --items a JSONL file of {"prompt": ...} (an answer may follow) or {"text": ...} rows'
+    )
+    try:
+        rows = read_rows(path)
+    except DataError as err:
+        raise ExportError(f"--items: {err.cause}", fix) from None
+    texts = []
+    for where, row in rows[:limit]:
+        text = (row.get("prompt") or row.get("text")) if isinstance(row, dict) else None
+        if not isinstance(text, str) or not text:
+            raise ExportError(f"--items {clip(path, 60)} {where}: no prompt or text", fix)
+        texts.append(text)
+    return texts

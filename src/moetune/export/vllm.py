@@ -32,11 +32,9 @@ from moetune.export.registry import (
     register,
 )
 from moetune.io import atomic_write_text
-from moetune.model.serving import VLLM_FAMILIES, VllmFamily
+from moetune.model.serving import VLLM_FAMILIES, VLLM_RANKS, VllmFamily
 
 MIXED_FLAG = "--enable-mixed-moe-lora-format"
-# the only --max-lora-rank values vLLM 0.32's LoRAConfig accepts (2 is refused at startup)
-VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def engine_rank(rank: int) -> int:
@@ -162,5 +160,10 @@ def export_vllm(source: Source, out: Path, opts: ExportOptions) -> ExportResult:
 
 
 register(
-    Exporter("vllm", export_vllm, "vLLM adapter in the layout its MoE LoRA wrapper reads + options")
+    Exporter(
+        "vllm",
+        export_vllm,
+        "vLLM adapter in the layout its MoE LoRA wrapper reads + options",
+        needs_weights=False,
+    )
 )

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from moetune.config import RunConfig
+from moetune.config import RunConfig, load_yaml
 from moetune.errors import ConfigError
 from moetune.lane.providers import provider_class
 from moetune.plan import walls
@@ -276,7 +276,7 @@ def check_timeouts(text: str, teardown: str = DEFAULT_TEARDOWN) -> list[str]:
     `CI_TEARDOWN_MINUTES` inside the job's, upload/teardown steps without `if: always()`.
     A job without `timeout-minutes` has GitHub's default, the hosted-runner cap."""
     try:
-        doc = yaml.safe_load(text)
+        doc = load_yaml(text)
     except yaml.YAMLError as err:
         return [f"not valid YAML: {str(err).splitlines()[0]}"]
     jobs = doc.get("jobs") if isinstance(doc, dict) else None

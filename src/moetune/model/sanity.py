@@ -14,6 +14,9 @@ from moetune.errors import ConfigError
 # fields every decoder config must state itself, and the largest value a real model has
 # had (with room): a value past these is a typo, not a model
 REQUIRED = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
+# the experts count under its names across families: a config class that keeps one must be
+# told it (Qwen3MoeConfig would otherwise build 128 experts for a config.json that forgot it)
+EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
 LIMITS = {
     "num_hidden_layers": 10_000, "hidden_size": 1_000_000, "vocab_size": 50_000_000,
     "num_attention_heads": 100_000, "num_key_value_heads": 100_000,
@@ -50,12 +53,24 @@ def _check_present(raw: dict[str, Any], config: Any, name: str) -> None:
         f for f in REQUIRED
         if aliases.get(f, f) in stored and f not in raw and aliases.get(f, f) not in raw
     ]  # fmt: skip
+    missing += _missing_experts(raw, config, stored, aliases)
     if missing:
         raise ConfigError(
             f"{name}: config.json does not state {', '.join(missing)} (transformers would "
             f"silently use its {config.model_type} defaults)",
             "use the model's own config.json, with every size field set",
         )
+
+
+def _missing_experts(
+    raw: dict[str, Any], config: Any, stored: dict[str, Any], aliases: dict[str, str]
+) -> list[str]:
+    """The experts count's name when the config keeps one and config.json states none."""
+    kept = [f for f in EXPERT_COUNTS if aliases.get(f, f) in stored]
+    given = any(f in raw or aliases.get(f, f) in raw for f in EXPERT_COUNTS)
+    if not kept or given or not _read(config, kept[0]):
+        return []
+    return [f"{kept[0]} (the experts count)"]
 
 
 def _read(config: Any, field: str) -> int | None:

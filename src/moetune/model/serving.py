@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 IGNORED = "users report adapters that load and change nothing"
+# the only --max-lora-rank values vLLM 0.32's LoRAConfig accepts (2 is refused at startup)
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ layers hold, per local expert, `w13_lora_a [max_loras, E, r, H]` ×2 (gate, up),
 
 from __future__ import annotations
 
+from typing import Any
+
 from moetune.errors import ConfigError
+from moetune.model.serving import VLLM_RANKS
 from moetune.model.spec import ModelSpec
 from moetune.plan.hardware import Card
 from moetune.plan.serve import (
@@ -32,6 +35,7 @@ CUDA_GRAPHS = GiB  # vLLM's CUDA-graph pool, approximate (--enforce-eager: none)
 MAX_BATCHED_TOKENS = 8192  # `vllm serve` default max_num_batched_tokens (profile run)
 MAX_SEQS = 256  # default max_num_seqs: the sampler's fp32 logits in the profile run
 KV_DTYPES = {"auto": 2, "bf16": 2, "fp8": 1}
+VLLM_KV_FLAG = {"bf16": "bfloat16", "fp8": "fp8"}  # --kv-cache-dtype's spelling of each
 
 
 def checkpoint_weight_bytes(spec: ModelSpec, inv: Inventory) -> tuple[int, int]:
@@ -113,8 +117,13 @@ def plan_vllm(
 def _check(util: float, max_loras: int, rank: int, kv_dtype: str) -> None:
     if not 0 < util <= 1:
         raise ConfigError(f"--gpu-memory-utilization {util} is not in (0, 1]", "pass e.g. 0.9")
-    if max_loras < 0 or rank < 1:
-        raise ConfigError("--max-loras must be ≥ 0 and --max-lora-rank ≥ 1", "e.g. 1 and 16")
+    if max_loras < 0:
+        raise ConfigError(f"--max-loras {max_loras} is negative", "pass 0 (no LoRA) or more")
+    if rank not in VLLM_RANKS:
+        raise ConfigError(
+            f"--max-lora-rank {rank} is not a rank vLLM accepts",
+            f"use one of: {', '.join(map(str, VLLM_RANKS))} (the smallest ≥ the adapter's r)",
+        )
     if kv_dtype not in KV_DTYPES:
         raise ConfigError(f"unknown --kv-dtype {kv_dtype!r}", f"use one of: {', '.join(KV_DTYPES)}")
 
@@ -150,17 +159,23 @@ def _at_tp(
     return ServePlan(
         engine="vllm", model=spec.name, card=card.id, fits=fits, weights_bytes=weights,
         kv_cache_bytes=kv_bytes, components=components, budget_bytes=budget,
-        tensor_parallel=tp, settings=settings, notes=_notes(spec, card, inv, tp, fits, loras),
+        tensor_parallel=tp, settings=settings, notes=_notes(spec, card, inv, tp, fits, settings),
     )  # fmt: skip
 
 
 def _notes(
-    spec: ModelSpec, card: Card, inv: Inventory, tp: int, fits: bool, loras: int
+    spec: ModelSpec, card: Card, inv: Inventory, tp: int, fits: bool, settings: dict[str, Any]
 ) -> tuple[str, ...]:
     notes = list(inv.notes)
     if card.kind == "mps":
         notes.append(f"{card.id}: vLLM has no Apple Metal backend (serve with llama.cpp or mlx-lm)")
-    flags = f"--tensor-parallel-size {tp}" + (" --enable-lora" if loras else "")
+    flags = f"--tensor-parallel-size {tp} --max-model-len {settings['max_model_len']}"
+    flags += f" --gpu-memory-utilization {settings['gpu_memory_utilization']}"
+    if settings["kv_dtype"] != "auto":
+        flags += f" --kv-cache-dtype {VLLM_KV_FLAG[settings['kv_dtype']]}"
+    if settings["max_loras"]:  # every choice planned for is in the line that serves it
+        flags += f" --enable-lora --max-loras {settings['max_loras']}"
+        flags += f" --max-lora-rank {settings['max_lora_rank']}"
     notes.append(f"vllm serve {spec.name} {flags}" if fits else f"does not fit at TP {tp}")
     notes.append("activations (profile run) and the CUDA-graph pool are approximate")
     return tuple(notes)

@@ -24,6 +24,7 @@ from jinja2 import Environment, StrictUndefined
 from markupsafe import Markup
 
 import moetune.report.plots as plots
+from moetune.config import load_yaml
 from moetune.errors import MoetuneError
 from moetune.io import atomic_write_text
 from moetune.report.exports import exports_section
@@ -109,7 +110,7 @@ def read_config(run_dir: Path) -> dict[str, Any]:
             "pass the output.dir of a run (the directory `moetune train` wrote)",
         )
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ReportError(

@@ -42,7 +42,9 @@ from typing import Any
 
 import yaml
 
-from moetune.config import RunConfig, dump_config
+from moetune.config import RunConfig, dump_config, load_yaml, parse_config
+from moetune.config.paths import rebase
+from moetune.errors import MoetuneError
 from moetune.io import PROMOTED, atomic_write_text, fsync_path
 from moetune.train.errors import TrainError
 from moetune.train.nodes import NODE_KEYS
@@ -200,10 +202,11 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_diff(old_yaml: str, cfg: RunConfig) -> list[str]:
-    """'key (old -> new)' for every field that differs between a saved and a new config."""
+def config_diff(old_yaml: str, cfg: RunConfig, root: Path | None = None) -> list[str]:
+    """'key (old -> new)' for every field that differs between a saved and a new config;
+    with `root`, the saved one's paths as found from the run dir (config/paths.py)."""
     try:
-        old = _flatten(yaml.safe_load(old_yaml) or {})
+        old = _flatten(_rebased(load_yaml(old_yaml) or {}, root))
     except yaml.YAMLError:
         raise TrainError(
             "the run's saved config.yaml is not valid YAML, so --resume cannot check it",
@@ -217,6 +220,16 @@ def config_diff(old_yaml: str, cfg: RunConfig) -> list[str]:
     compared = (old.keys() | new.keys() - added) - set(NODE_KEYS)
     keys = sorted(k for k in compared if old.get(k) != new.get(k))
     return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys]
+
+
+def _rebased(saved: Any, root: Path | None) -> Any:
+    """The saved config with its paths found from `root` (as saved when it does not parse)."""
+    if root is None or not isinstance(saved, dict):
+        return saved
+    try:
+        return load_yaml(dump_config(rebase(parse_config(saved), root)))
+    except MoetuneError:
+        return saved
 
 
 def _check_writable(root: Path) -> None:
@@ -246,7 +259,7 @@ def _check_resume(run: RunDir, cfg: RunConfig) -> None:
     _check_not_foreign(run)
     if not run.config.is_file():
         return  # nothing written yet: a resume starts from scratch
-    diff = config_diff(run.config.read_text(encoding="utf-8"), cfg)
+    diff = config_diff(run.config.read_text(encoding="utf-8"), cfg, run.root)
     if diff:
         raise TrainError(
             f"--resume with a different config than {run.config}: {'; '.join(diff)}",

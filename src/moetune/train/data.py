@@ -109,11 +109,13 @@ def read_rows(path: Path) -> list[tuple[str, Any]]:
             f"{path}: unknown data file type {path.suffix!r}",
             f"use one of {', '.join(READERS)} (TRL row conventions)",
         )
+    if path.is_dir():
+        raise DataError(f"{path} is a directory, not a data file", "name the file inside it")
     if not path.is_file():
         raise DataError(f"data file {path} not found", "check data.train_file / data.eval_file")
     rows = list(reader(path))
     if not rows:
-        raise DataError(f"{path} is empty: no rows to train on", "add rows (one JSON object each)")
+        raise DataError(f"{path} is empty: no rows", "add rows (one JSON object each)")
     return rows
 
 

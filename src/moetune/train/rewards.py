@@ -12,11 +12,13 @@ or a list of messages (conversational ones); rewards score its text.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from moetune.errors import clip
 from moetune.registry import Registry
 from moetune.train.errors import TrainError
 
@@ -100,7 +102,25 @@ def _imported(spec: str) -> RewardFunc:
         raise RewardError(f"reward {spec}: {module_name} has no {attr!r}", fix)
     if not callable(func):
         raise RewardError(f"reward {spec}: {attr} is a {type(func).__name__}, not a function", fix)
-    return func  # type: ignore[no-any-return]
+    return _naming(spec, func)
+
+
+def _naming(spec: str, func: RewardFunc) -> RewardFunc:
+    """`func`, with any exception it raises turned into one line naming the reward (a
+    user's bug is exit 2 with its cause, not an unexpected error deep in TRL)."""
+
+    @functools.wraps(func)  # TRL logs each reward under its __name__
+    def reward(*args: Any, **kwargs: Any) -> list[float]:
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            raise RewardError(
+                f"reward {spec} raised {type(exc).__name__}: {clip(exc, 120)}",
+                "fix the function: it gets prompts, completions and the rows' other columns "
+                "and returns one float per completion",
+            ) from exc
+
+    return reward
 
 
 def build_reward(args: RewardArgs) -> RewardFunc:

@@ -45,6 +45,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.config import RunConfig
+from moetune.config.paths import anchor
 from moetune.io import atomic_write_json
 from moetune.ledger import attempt
 from moetune.lint.preflight import check_ledger
@@ -106,6 +107,7 @@ def train(
     Every attempt – finished, failed, interrupted or terminated – leaves one ledger row, and
     only one process at a time writes a run dir (lock.py)."""
     replace = (overwrite or overwrite_promoted, overwrite_promoted)
+    cfg = anchor(cfg)  # the run dir names no place relative to where it was started
     require_launcher(cfg)
     if launched():  # an FSDP launch's CPU ranks shard for real, not silently as DDP
         fsdp_on_cpu()
@@ -149,8 +151,10 @@ def _train(
 ) -> TrainResult:
     started = time.perf_counter()
     run = inspect_run(cfg, resume, *replace)
-    if resume and run.finished:  # nothing left to do: the recorded result
-        return TrainResult.from_json(json.loads(run.summary.read_text(encoding="utf-8"))["result"])
+    if resume and run.finished:  # nothing left to do: the recorded result, where it now is
+        recorded = json.loads(run.summary.read_text(encoding="utf-8"))["result"]
+        here = {"run_dir": str(run.root), "adapter_dir": str(run.adapter)}
+        return TrainResult.from_json({**recorded, **here})
     console = Console(stderr=True, quiet=not progress)
     setup = prepare(cfg, run, resume, allow_errors)
     with whole_load(setup.args):  # ZeRO-3 partitions it in trainer.train, not at load
