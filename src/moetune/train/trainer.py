@@ -381,9 +381,10 @@ def final_loss(trainer: SFTTrainer) -> float | None:
     return float(losses[-1]) if losses else None
 
 
-def memory_json(setup: Setup) -> dict[str, Any]:
-    """The measured peak next to the plan's prediction for the same run."""
-    measured, how = peak_memory()
+def memory_json(setup: Setup, measured: int) -> dict[str, Any]:
+    """The measured peak (the result's: read once, so the two agree) next to the plan's
+    prediction for the same run."""
+    how = peak_memory()[1]
     planned = setup.planned_peak_bytes
     return {
         "measured_peak_bytes": measured,
@@ -402,7 +403,7 @@ def write_summary(run: RunDir, result: TrainResult, checks: dict[str, Any], setu
         "router": checks["router"],
         "aux_loss": setup.aux.to_json(),
         "routing": {**summarize(run.routing.read()), **checks["routing_drift"]},
-        "memory": memory_json(setup),
+        "memory": memory_json(setup, result.peak_memory_bytes),
         "placement": setup.place.to_json(),
         "data": setup.data.to_json(),
         "coverage_by_kind": setup.coverage.to_json()["by_kind"] if setup.coverage else {},
