@@ -1,5 +1,5 @@
-"""output.report_to: a tiny run logged to TensorBoard, W&B (offline) and MLflow (a local file
-store), each read back with the tracker's own reader – loss and moetune's MoE metrics –
+"""output.report_to: a tiny run logged to TensorBoard, W&B (offline), MLflow (a local file
+store) and trackio, each read back with the tracker's own reader – loss and moetune's MoE metrics –
 with a planted key found in no file, and nothing written to the working directory."""
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ KEYS = {  # planted credentials: none may appear in a file the run wrote
 }
 
 
-def _logged(tmp_path_factory: Any, names: list[str]) -> Any:
-    """One 4-step run logging to `names`, from an empty working dir, keys planted."""
-    for name in names:
-        pytest.importorskip(TRACKERS.get(name).package, reason="pip install 'moetune[trackers]'")
+def _logged(tmp_path_factory: Any, wanted: list[str]) -> Any:
+    """One 4-step run logging to those of `wanted` installed, from an empty working dir,
+    keys planted."""
+    names = [n for n in wanted if trackers_mod.installed(TRACKERS.get(n).package)]
+    if not names:
+        pytest.skip(f"{', '.join(wanted)} not installed (pip install 'moetune[trackers]')")
     root = tmp_path_factory.mktemp("trackers")
     model = save_tiny_model(root / "model")
     data = write_jsonl(root / "train.jsonl", reverse_rows(24))
@@ -74,8 +76,13 @@ def tensorboard_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wandb_mlflow_run(tmp_path_factory):
-    """W&B offline and an MLflow file store in one run (heavy packages: -m slow)."""
-    return _logged(tmp_path_factory, ["wandb", "mlflow"])
+    """W&B offline, an MLflow file store and trackio in one run (heavy packages: -m slow)."""
+    return _logged(tmp_path_factory, ["wandb", "mlflow", "trackio"])
+
+
+def _need(logged: Any, name: str) -> None:
+    if name not in logged.on:
+        pytest.skip(f"{name} is not installed (pip install 'moetune[trackers]')")
 
 
 def _expected(logged: Any, step: int) -> dict[str, float]:
@@ -141,6 +148,7 @@ def _wandb_history(path: Path) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_wandb_offline_run_holds_loss_and_moe_metrics(wandb_mlflow_run):
     logged = wandb_mlflow_run
+    _need(logged, "wandb")
     (log,) = (logged.run / "trackers" / "wandb").glob("offline-run-*/run-*.wandb")
     rows = {int(r["train/global_step"]): r for r in _wandb_history(log) if "train/loss" in r}
     assert set(rows) == {2, 4}
@@ -154,6 +162,7 @@ def test_wandb_offline_run_holds_loss_and_moe_metrics(wandb_mlflow_run):
 @pytest.mark.slow
 def test_mlflow_file_store_holds_loss_and_moe_metrics(wandb_mlflow_run, monkeypatch):
     logged = wandb_mlflow_run
+    _need(logged, "mlflow")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -176,7 +185,25 @@ def test_no_planted_key_in_any_file_and_nothing_in_the_cwd(tensorboard_run):
 
 
 @pytest.mark.slow
-def test_no_planted_key_in_wandb_or_mlflow_files(wandb_mlflow_run):
+def test_trackio_database_holds_loss_and_moe_metrics(wandb_mlflow_run):
+    logged = wandb_mlflow_run
+    _need(logged, "trackio")
+    from trackio.sqlite_storage import SQLiteStorage
+
+    db = SQLiteStorage.get_project_db_path("moetune")
+    assert db.is_file() and logged.run / "trackers" / "trackio" in db.parents
+    assert SQLiteStorage.get_runs("moetune") == [logged.run.name]
+    rows = SQLiteStorage.get_logs("moetune", logged.run.name)  # "step": trackio's own count
+    assert {int(r["train/global_step"]) for r in rows if "train/loss" in r} == {2, 4}
+    moe = [r for r in rows if "train/moe/entropy_min" in r]
+    assert [int(r["train/global_step"]) for r in moe] == [2, 4]
+    for row in moe:
+        for key, value in _expected(logged, int(row["train/global_step"])).items():
+            assert row[f"train/{key}"] == pytest.approx(value, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_no_planted_key_in_wandb_mlflow_or_trackio_files(wandb_mlflow_run):
     _no_key_and_nothing_in_the_cwd(wandb_mlflow_run)
 
 
@@ -187,9 +214,9 @@ def _no_key_and_nothing_in_the_cwd(logged: Any) -> None:
         data = path.read_bytes()
         assert not any(v.encode() in data for v in KEYS.values()), path
     assert list(logged.cwd.iterdir()) == []
-    assert {p.name for p in (logged.run / "trackers").iterdir()} >= {
-        {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}[n] for n in logged.on
-    }
+    folders = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}
+    wanted = {folders.get(n, n) for n in logged.on}
+    assert {p.name for p in (logged.run / "trackers").iterdir()} >= wanted
     metrics = [json.loads(x) for x in (logged.run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in metrics] == [2, 4]  # moetune's own rows unchanged
 
