@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -299,3 +300,16 @@ def test_mlx_stack_refuses_report_to():
     cfg = parse_config({"lora": {"stack": "mlx"}, "output": {"report_to": ["tensorboard"]}})
     with pytest.raises(TrainError, match="report_to"):
         refuse_unsupported(cfg)
+
+
+def test_a_failed_run_ends_its_wandb_run_as_failed_and_the_env_is_restored(tmp_path, monkeypatch):
+    ended: list[int] = []
+    fake = types.SimpleNamespace(run=object(), finish=lambda exit_code: ended.append(exit_code))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    with pytest.raises(RuntimeError), trackers_mod.tracking(["wandb"], tmp_path):
+        assert os.environ["WANDB_DIR"] == str(tmp_path / "trackers")
+        raise RuntimeError("a step failed")
+    with trackers_mod.tracking(["wandb"], tmp_path):
+        pass
+    assert ended == [1, 0] and "WANDB_DIR" not in os.environ

@@ -56,17 +56,17 @@ class Tracker:
     name: str  # its report_to name in transformers
     package: str  # the module that must import
     env: Callable[[Path], dict[str, str]]
-    finish: Callable[[], None] = lambda: None  # ends a run its integration leaves open
+    finish: Callable[[bool], None] = lambda failed: None  # ends a run its integration leaves open
 
 
-def _finish_wandb() -> None:
+def _finish_wandb(failed: bool) -> None:
     """transformers' W&B integration never ends its run; the next run in this process
     would log into it, and an offline run's files are complete only once it ends."""
     # lazy: heavy to import (wandb)
     import wandb
 
     if wandb.run is not None:
-        wandb.finish()
+        wandb.finish(exit_code=1 if failed else 0)
 
 
 TRACKERS: Registry[Tracker] = Registry("tracker", TrainError)
@@ -115,12 +115,14 @@ def tracking(names: Sequence[str], root: Path) -> Iterator[None]:
     once every tracker's run is ended."""
     env = tracker_env(names, root)
     os.environ.update(env)
+    failed = True
     try:
         yield
+        failed = False
     finally:
         try:
             for name in names:
-                TRACKERS.get(name).finish()
+                TRACKERS.get(name).finish(failed)
         finally:
             for key in env:
                 os.environ.pop(key, None)
