@@ -52,7 +52,7 @@ HEAVY = frozenset(
         "torch", "transformers", "peft", "trl", "accelerate", "datasets", "safetensors",
         "matplotlib", "jinja2", "mlx", "mlx_lm", "huggingface_hub", "httpx", "gguf",
         "lm_eval", "deepspeed", "psutil", "numpy", "vllm", "llama_cpp", "sky", "runpod",
-        "bitsandbytes", "torchao", "scipy",
+        "bitsandbytes", "torchao", "scipy", "tensorboard", "wandb", "mlflow", "trackio",
     }
 )  # fmt: skip
 PRAGMAS = ("noqa", "type:", "fmt:", "pragma")

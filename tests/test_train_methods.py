@@ -4,6 +4,7 @@ the rollout → training routing shift, and the refusals before anything is writ
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import types
 from pathlib import Path
@@ -79,6 +80,8 @@ def grpo(files):
         files.qwen, files.prompts, files.root / "grpo", method="grpo", max_steps=4,
         batch_size=8, grpo=GRPO,
     )  # fmt: skip
+    if importlib.util.find_spec("tensorboard"):  # the shift reaches the trackers too
+        cfg.output.report_to = ["tensorboard"]
     return (*train_capturing(cfg), cfg)
 
 
@@ -138,6 +141,24 @@ def test_grpo_trains_and_records_the_routing_shift(grpo):
     assert [b["layer"] for b in summary["routing"]["base"]] == [0, 1]
     assert result.routing_shift == summary["routing_shift"]["mean_shift"]
     assert "reward" in _jsonl(run / "metrics.jsonl")[-1]
+
+
+def test_grpo_routing_shift_reaches_the_trackers(grpo):
+    result, _, cfg = grpo
+    if not cfg.output.report_to:
+        pytest.skip("tensorboard is not installed (pip install 'moetune[trackers]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = Path(result.run_dir)
+    events = EventAccumulator(str(run / "trackers" / "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("train/moe/routing_shift_mean")}
+    rows = {r["step"]: r for r in _jsonl(run / "routing_shift.jsonl")}
+    assert set(logged) == set(rows) == {1, 2, 3, 4}
+    for step, row in rows.items():
+        assert logged[step] == pytest.approx(row["mean_shift"], abs=1e-6)
+        layer = {e.step: e.value for e in events.Scalars("train/moe/routing_shift/layer_1")}
+        assert layer[step] == pytest.approx(row["layers"][1]["shift"], abs=1e-6)
 
 
 def test_grpo_on_mixtral_with_a_kl_reference(files):

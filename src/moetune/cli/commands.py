@@ -242,12 +242,13 @@ def train_cmd(
     node_rank: Annotated[int | None, opt("node_rank")] = None,
     master_addr: Annotated[str | None, opt("master_addr")] = None,
     master_port: Annotated[int | None, opt("master_port")] = None,
+    report_to: Annotated[str | None, opt("report_to")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     launch = {"nproc": nproc, "strategy": strategy, "nnodes": nnodes, "node_rank": node_rank}
     launch |= {"master_addr": master_addr, "master_port": master_port}
-    sets = [*(overrides or []), *option_overrides(engine=engine, **launch)]
+    sets = [*(overrides or []), *option_overrides(engine=engine, report_to=report_to, **launch)]
     cfg = load_config(config, sets)
     flags = {"resume": resume, "allow_errors": allow_errors, "overwrite": overwrite}
     flags |= {"overwrite_promoted": overwrite_promoted, "json": as_json}

@@ -61,6 +61,7 @@ SHORTCUTS: dict[str, Shortcut] = {
         ),
         Shortcut("--provider", "lane.provider", "Where to run."),
         Shortcut("--offload", "train.offload", "Where frozen experts wait between uses."),
+        Shortcut("--report-to", "output.report_to", "Trackers to log to.", comma=True),
         Shortcut("--host-ram", "hardware.host_ram_gb", "Host RAM per node in GB."),
         Shortcut("--nodes", "train.nnodes", "Nodes of --gpus GPUs each."),
         Shortcut("--nnodes", "train.nnodes", "Nodes of a multi-node run (--nproc ranks on each)."),

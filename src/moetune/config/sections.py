@@ -271,6 +271,12 @@ class OutputArgs(_Section):
         description="Stacks the adapter will be served with (lint warns about their traps; "
         "`moetune export` writes for them): vllm, llama.cpp, peft (unmerged).",
     )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list,
+        description="Trackers the run logs to through transformers' own integrations, "
+        "moetune's MoE metrics included; their files go under output.dir unless their own "
+        "environment variables say otherwise (`pip install 'moetune[trackers]'`).",
+    )
 
 
 class HardwareArgs(_Section):

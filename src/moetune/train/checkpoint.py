@@ -308,7 +308,7 @@ RUN_OWNED = (
     "summary.json", "config.yaml", "versions.json", "preflight.json", "data.json",
     "coverage.json", "quant.json", "offload.json", "experts_selected.json", "metrics.jsonl",
     "routing.jsonl", "routing_shift.jsonl", "report.html", "checkpoints", ".staging",
-    ".adapter.tmp", "adapter", "mlx",
+    ".adapter.tmp", "adapter", "mlx", "trackers",
     "eval/ladder.json", "eval/verdict.json", "eval/rungs/*.json", "eval/rungs/*.items.jsonl",
 )  # fmt: skip
 

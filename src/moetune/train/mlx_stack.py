@@ -119,6 +119,12 @@ def refuse_unsupported(cfg: RunConfig) -> None:
             f"lora.stack=mlx runs in one process, not train.nproc={cfg.train.nproc}",
             "set train.nproc: 1, or lora.stack: peft for several processes",
         )
+    if cfg.output.report_to:  # mlx-lm's trainer has no transformers integrations
+        raise TrainError(
+            f"lora.stack=mlx logs to metrics.jsonl only, not output.report_to="
+            f"{','.join(cfg.output.report_to)}",
+            "set lora.stack: peft to log to trackers, or output.report_to: []",
+        )
 
 
 # ---------------------------------------------------------------- inputs

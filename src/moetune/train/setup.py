@@ -257,6 +257,15 @@ def _checkpointing(on: bool) -> dict[str, Any]:
     return {new if new in names else "gradient_checkpointing": on}
 
 
+def _project() -> dict[str, Any]:
+    """The project trackio files the run under (transformers 5.24; 5.23 has no field)."""
+    # lazy: heavy to import (transformers)
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {"project": "moetune"} if "project" in names else {}
+
+
 def trl_args(
     cfg: RunConfig, run: RunDir, place: Placement, aux: AuxChoice, data: TrainData, has_eval: bool
 ) -> SFTConfig:
@@ -294,7 +303,9 @@ def shared_args(
         eval_steps=t.save_steps,
         router_aux_loss_coef=aux.coef,
         include_num_input_tokens_seen="non_padding",  # tokens/s, restored on resume
-        report_to=[],
+        report_to=list(cfg.output.report_to),  # transformers' integrations (trackers.py)
+        run_name=run.root.name,  # the name trackers show
+        **_project(),
         disable_tqdm=True,  # moetune draws its own progress bar
         **_checkpointing(t.gradient_checkpointing),
     )

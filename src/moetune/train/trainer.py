@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -74,6 +75,7 @@ from moetune.train.offload import write_offload_json
 from moetune.train.recovery import CheckpointCommitter, disk_full_stops
 from moetune.train.result import TrainResult
 from moetune.train.routing import (
+    LayerLoad,
     RoutingCallback,
     RoutingRecorder,
     compare_router,
@@ -84,6 +86,7 @@ from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
 from moetune.train.setup import Setup, prepare
 from moetune.train.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.stacks import stack_trainer
+from moetune.train.trackers import TrackerCallback, check_trackers, fan_out, tracking
 
 if TYPE_CHECKING:
     from torch import nn
@@ -109,6 +112,7 @@ def train(
     replace = (overwrite or overwrite_promoted, overwrite_promoted)
     cfg = anchor(cfg)  # the run dir names no place relative to where it was started
     require_launcher(cfg)
+    check_trackers(cfg.output.report_to)  # a missing package: one line, nothing built
     if launched():  # an FSDP launch's CPU ranks shard for real, not silently as DDP
         fsdp_on_cpu()
         install()  # a sharded load: rank 0's full tensors freed once sent, the load measured
@@ -163,20 +167,21 @@ def _train(
     announce(console, cfg, setup)
     # a sharded load: only the main process holds the base's values until prepare()
     router_before = from_main(lambda: router_weights(model, setup.spec))
-    trainer, routing = build_trainer(cfg, setup, run, model, console)
-    shift = callback_of(trainer, ShiftCallback)
-    rows, collate = method_of(cfg).routing_rows(trainer, setup.tokenizer)
-    batch = cfg.train.batch_size
-    routing.base = from_main(lambda: routing.measured_base(model, rows, collate, batch))
-    setup.selection = select_experts(cfg, setup, run, model, trainer, console)
-    with disk_full_stops(run):
-        fit(trainer, setup, console)
-        routing.recorder.remove()
-        if shift:
-            shift.recorder.remove()
-        save_adapter(trainer, run)
-        if setup.args.should_save:
-            write_offload_json(run, model)  # train.offload: what the expert store measured
+    with tracking(cfg.output.report_to, run.root):  # their files under the run dir
+        trainer, routing = build_trainer(cfg, setup, run, model, console)
+        shift = callback_of(trainer, ShiftCallback)
+        rows, collate = method_of(cfg).routing_rows(trainer, setup.tokenizer)
+        batch = cfg.train.batch_size
+        routing.base = from_main(lambda: routing.measured_base(model, rows, collate, batch))
+        setup.selection = select_experts(cfg, setup, run, model, trainer, console)
+        with disk_full_stops(run):
+            fit(trainer, setup, console)
+            routing.recorder.remove()
+            if shift:
+                shift.recorder.remove()
+            save_adapter(trainer, run)
+            if setup.args.should_save:
+                write_offload_json(run, model)  # train.offload: what the expert store measured
     if routing.every:
         console.print(escape(routing.drift()["line"]), highlight=False)
     router = compare_router(router_before, router_weights(model, setup.spec), cfg.lora.train_router)
@@ -254,23 +259,39 @@ def build_trainer(
         trainer = method.build(method.classes()[0], kwargs)
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the bar for log printing
     adapter_only_saves(trainer)  # FSDP: a save gathers the LoRA, not the whole base
+    feed = tracker_feed(cfg, setup, trainer, lambda: routing.base)
     routing = RoutingCallback(
         RoutingRecorder(model, setup.spec),
         cfg.train.routing_every,
-        run.routing.append,
+        fan_out(run.routing.append, *([feed.routing] if feed else [])),
         lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
     )
     metrics = MetricsCallback(run.metrics.append)
-    shift = rollout_shift(cfg, setup, run, model, console)
-    callbacks = (metrics, routing, *shift, CheckpointCommitter(run), RichProgress(metrics, console))
-    for callback in callbacks:  # in this order: the bar shows the row metrics just made
-        trainer.add_callback(callback)
+    shift = rollout_shift(cfg, setup, run, model, console, feed)
+    callbacks = (metrics, routing, *shift, *([feed] if feed else []), CheckpointCommitter(run))
+    for callback in (*callbacks, RichProgress(metrics, console)):  # the bar shows the row
+        trainer.add_callback(callback)  # metrics just made; the feed logs what routing saw
     return trainer, routing
 
 
+def tracker_feed(
+    cfg: RunConfig, setup: Setup, trainer: SFTTrainer, base: Callable[[], dict[int, LayerLoad]]
+) -> TrackerCallback | None:
+    """output.report_to: moetune's MoE metrics through the Trainer's own log, so every
+    integration gets them. transformers' Trainer.log, not TRL's override: that one would
+    flush the metrics TRL averages for the next loss row into this one."""
+    if not cfg.output.report_to:
+        return None
+    # lazy: heavy to import (transformers)
+    from transformers import Trainer
+
+    return TrackerCallback(lambda row: Trainer.log(trainer, row), base, setup.planned_peak_bytes)
+
+
 def rollout_shift(
-    cfg: RunConfig, setup: Setup, run: RunDir, model: nn.Module, console: Console
-) -> tuple[ShiftCallback, ...]:
+    cfg: RunConfig, setup: Setup, run: RunDir, model: nn.Module, console: Console,
+    feed: TrackerCallback | None = None,
+) -> tuple[ShiftCallback, ...]:  # fmt: skip
     """Methods that sample (grpo): the rollout → training routing shift, per step."""
     if not method_of(cfg).rollout:
         return ()
@@ -278,7 +299,7 @@ def rollout_shift(
         ShiftCallback(
             ShiftRecorder(model, setup.spec),
             cfg.train.grpo.shift_warn,
-            run.shift.append,
+            fan_out(run.shift.append, *([feed.shift] if feed else [])),
             lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
         ),
     )
