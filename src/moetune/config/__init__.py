@@ -21,6 +21,7 @@ from moetune.config.sections import (
     OutputArgs,
     RunConfig,
     RungArgs,
+    SourceArgs,
     TrainArgs,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "RungArgs",
     "RunpodArgs",
     "SkypilotArgs",
+    "SourceArgs",
     "SshArgs",
     "TrainArgs",
     "dump_config",
