@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, friendly
+from moetune.config import load_config
 
 LOSS_STYLE, CONTEXT_STYLE = "bold green", "dim"
 
@@ -25,7 +26,6 @@ def data_cmd(
 ) -> None:
     """Preview a run's data: sources, mixing, lengths, loss share, masked samples, steps."""
     # lazy: the stage loads only when its command runs
-    from moetune.config import load_config
     from moetune.train.preview import preview
     from moetune.train.setup import load_tokenizer
 
@@ -73,7 +73,7 @@ def _print(got: Any) -> None:
         f"{s.duplicates} also in train"
     )
     steps = f"~{s.steps} optimizer steps" if s.steps else "steps: unknown"
-    step_s = f" · ~{got.step_s:.2f} s/step on {got.card} (analytic)" if got.step_s else ""
+    step_s = f" · ~{got.step_s:.3g} s/step on {got.card} (analytic)" if got.step_s else ""
     console.print(steps + step_s)
     if s.streaming_rows_checked:
         console.print(f"data.streaming: figures from the first {s.streaming_rows_checked} rows")

@@ -29,7 +29,7 @@ class Preview:
         return {**self.summary.to_json(), "card": self.card, "estimated_step_s": self.step_s}
 
     def one_line(self) -> str:
-        step = f" · ~{self.step_s:.2f} s/step on {self.card}" if self.step_s else ""
+        step = f" · ~{self.step_s:.3g} s/step on {self.card}" if self.step_s else ""
         return self.summary.one_line() + step
 
 
