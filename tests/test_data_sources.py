@@ -199,3 +199,22 @@ def test_train_file_is_the_one_source_shorthand(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", reverse_rows(5))
     assert DataArgs(train_file=str(path)).train_sources() == [SourceArgs(path=str(path))]
     assert _prompts(_load(tok, train_file=str(path))[0]) == [r["prompt"] for r in reverse_rows(5)]
+
+
+def test_a_remote_run_takes_local_sources_and_the_template_file_along(tmp_path):
+    from moetune.config import parse_config
+    from moetune.lane.stage import staging
+
+    folder = _parquet_dir(tmp_path / "pq", [_rows(2, "p")])
+    held = write_jsonl(tmp_path / "h.jsonl", _rows(2, "h"))
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}", encoding="utf-8")
+    data = {"sources": [{"path": str(folder)}, {"path": "owner/name", "split": "train_sft"}],
+            "eval_sources": [{"path": str(held)}], "chat_template": str(template)}  # fmt: skip
+    out = staging(parse_config({"data": data}))
+    pod = out.config.data
+    assert [s.path for s in pod.sources] == ["data/sources/0", "owner/name"]
+    assert pod.eval_sources[0].path == "data/eval_sources/0.jsonl"
+    assert pod.chat_template == "data/chat_template.jinja"
+    assert set(out.files) == {(folder, "data/sources/0"), (held, "data/eval_sources/0.jsonl"),
+                              (template, "data/chat_template.jinja")}  # fmt: skip
