@@ -48,6 +48,15 @@ def test_data_json_counts_lengths_loss_duplicates_and_steps(tmp_path):
     short = [s for s in got["samples"] if "".join(t for t, _ in s) == "rev:ab>ba<eos>"]
     assert short and short[0] == [["rev:ab>", False], ["ba<eos>", True]]
     assert 0 < got["loss_share"] < 1
+    # the run's data.json keeps this preview; the HTML report shows it with the loss in [ ]
+    from moetune.report.html import preview_rows
+
+    rows = preview_rows(got)
+    assert rows[0] == (
+        "data sources",
+        f"{tmp_path / 'a.jsonl'}: 3 × 2.0, {tmp_path / 'b.jsonl'}: 1 × 1.0",
+    )
+    assert "rev:ab>[ba<eos>]" in [text for label, text in rows if label.startswith("sample")]
 
 
 def test_data_tables_and_the_step_time_on_a_card(tmp_path):

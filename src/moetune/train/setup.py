@@ -339,4 +339,5 @@ def write_preamble(run: RunDir, cfg: RunConfig, setup: Setup) -> None:
     open_run(run, cfg, setup.resume_from[0] if setup.resume_from else None)
     atomic_write_json(run.versions, {**versions(), **setup.place.to_json()})
     atomic_write_json(run.preflight, setup.preflight_json())
-    atomic_write_json(run.data, setup.data.to_json())
+    preview = {"preview": setup.data_summary.to_json()} if setup.data_summary else {}
+    atomic_write_json(run.data, setup.data.to_json() | preview)
