@@ -24,10 +24,10 @@ from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.config import RungArgs, dump_config, load_config, parse_config
+from moetune.data import read_checked
 from moetune.errors import MoetuneError
 from moetune.evaluate import gate_results
 from moetune.ledger import Ledger, LedgerRow
-from moetune.train.data import read_checked
 
 EXAMPLES = int(os.environ.get("MOETUNE_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from moetune.config import DataArgs
+from moetune.data import FORMATS, load_train_data
 from moetune.demo.tokenizer import build_tokenizer
-from moetune.train.data import FORMATS, load_data, load_train_data
 from moetune.train.errors import DataError
 from test_train_helpers import GEN_TEMPLATE, reverse_rows, write_jsonl
 
@@ -20,8 +20,9 @@ def tok():
     return build_tokenizer()
 
 
-def _load(path: Path, tok, **kw):
-    return load_data(path, tok, kw.pop("seq_len", 32), **kw)
+def _load(path: Path, tok, seq_len: int = 32, completion_only: bool = True, **kw):
+    args = DataArgs(train_file=str(path), completion_only_loss=completion_only, **kw)
+    return load_train_data(args, tok, seq_len)[0]
 
 
 def _error(path: Path, tok, **kw) -> DataError:
@@ -66,9 +67,10 @@ def test_messages_mask_assistant_turns_only_with_generation_tags(tmp_path):
     assert _load(path, tagged).loss.sft == {"assistant_only_loss": True}
     plain = build_tokenizer()
     plain.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    untagged = _load(path, plain).loss
-    assert untagged.sft == {"assistant_only_loss": False}
-    assert "generation" in untagged.on
+    untagged = _load(path, plain)  # tokenised here, with masks from rendered prefixes
+    assert untagged.loss.sft == {"assistant_only_loss": False} and untagged.loss.prerender
+    assert untagged.dataset.column_names == ["input_ids", "assistant_masks"]
+    assert untagged.dataset[0]["assistant_masks"] == [0] * 6 + [1] * 2  # "rev:ab" | "ba"
 
 
 def test_messages_need_a_chat_template(tmp_path, tok):
@@ -162,9 +164,9 @@ def test_wrong_value_types(tmp_path, tok):
 
 
 def test_unknown_file_type(tmp_path, tok):
-    path = tmp_path / "d.csv"
+    path = tmp_path / "d.txt"
     path.write_text("prompt,completion\n")
-    assert "'.csv'" in _error(path, tok).cause
+    assert "'.txt'" in _error(path, tok).cause
 
 
 def test_overlong_rows_are_counted_or_refused(tmp_path, tok):

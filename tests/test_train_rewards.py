@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from moetune.config import GrpoArgs, RewardArgs, parse_config
+from moetune.data import read_checked
 from moetune.errors import ConfigError
-from moetune.train.data import read_checked
 from moetune.train.errors import DataError
 from moetune.train.rewards import RewardError, build_reward, build_rewards
 

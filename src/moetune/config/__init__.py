@@ -22,6 +22,7 @@ from moetune.config.sections import (
     OutputArgs,
     RunConfig,
     RungArgs,
+    SourceArgs,
     TrainArgs,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "RungArgs",
     "RunpodArgs",
     "SkypilotArgs",
+    "SourceArgs",
     "SshArgs",
     "TrainArgs",
     "dump_config",

@@ -10,6 +10,7 @@ from pydantic import (
     BeforeValidator,
     Field,
     field_validator,
+    model_validator,
 )
 
 from moetune.config.base import (
@@ -241,13 +242,81 @@ class TrainArgs(_Section):
     master_port: Port = Field(29500, description="Port node 0 listens on in a multi-node run.")
 
 
+SourceFormat = Literal[
+    "auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "preference"
+]
+
+
+class SourceArgs(_Section):
+    """One dataset of the training mix: a hub id, a local directory or a file."""
+
+    path: str = Field(
+        description="Hub dataset id (owner/name), a local dir (data files, or a dataset saved "
+        "with save_to_disk) or a file (.jsonl .json .parquet .csv .arrow)."
+    )
+    name: str | None = Field(None, description="The dataset's configuration (subset) name.")
+    split: str = Field("train", description="The split to read (e.g. train_sft).")
+    weight: float = Field(
+        1.0,
+        description="Rows per epoch as a multiple of the source's rows: 2 repeats each row "
+        "twice, 0.5 keeps a seeded half (streaming: the share of rows drawn from it).",
+    )
+    format: SourceFormat = Field(
+        "auto",
+        description="Row format: auto (by keys), messages, sharegpt (conversations/from/value), "
+        "alpaca (instruction/input/output), prompt_completion, text, preference.",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Keys this source names differently, {format key: source column} "
+        "(e.g. {prompt: question, completion: answer}).",
+    )
+    max_rows: PositiveInt | None = Field(None, description="Read only the first N rows.")
+
+    @model_validator(mode="after")
+    def _weight_positive(self) -> SourceArgs:
+        if not self.weight > 0:  # also refuses NaN
+            raise ValueError(
+                f"weight must be > 0 for source {self.path!r}, got {self.weight} "
+                "(leave a source out instead of giving it weight 0)"
+            )
+        return self
+
+
 class DataArgs(_Section):
-    """Training data in TRL's conventions, from local files."""
+    """Training data: one file (train_file) or a weighted mix of sources, in TRL's row
+    conventions after conversion."""
 
     train_file: str | None = Field(
-        None, description="JSONL/JSON/Parquet with messages, prompt/completion or text rows."
+        None,
+        description="One source: a file or dir of messages, prompt/completion, text, "
+        "sharegpt, alpaca or preference rows (shorthand for sources: [{path: ...}]).",
     )
     eval_file: str | None = Field(None, description="Held-out rows in the same format.")
+    sources: list[SourceArgs] = Field(
+        default_factory=list,
+        description="Datasets to mix: [{path, name, split, weight, format, columns, max_rows}].",
+    )
+    eval_sources: list[SourceArgs] = Field(
+        default_factory=list, description="Held-out datasets (instead of data.eval_file)."
+    )
+    eval_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=0.5,
+        description="With no eval source, hold out this share of rows, chosen by a hash of "
+        "each row (the same rows whatever the order, seed or rank).",
+    )
+    streaming: bool = Field(
+        False,
+        description="Read sources lazily (sets larger than RAM); needs train.max_steps; only "
+        "the first rows are checked before training.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Override the tokenizer's chat template: a .jinja file, or a template "
+        "TRL ships by name (e.g. qwen3, llama3).",
+    )
     completion_only_loss: bool = Field(
         True, description="Loss on completions/assistant turns only, where the format allows."
     )
@@ -257,6 +326,28 @@ class DataArgs(_Section):
         description="Rows longer than train.seq_len: truncate (counted in data.json) "
         "or error (names the row).",
     )
+
+    @model_validator(mode="after")
+    def _one_way_each(self) -> DataArgs:
+        if self.train_file and self.sources:
+            raise ValueError("set data.train_file or data.sources, not both")
+        if self.eval_file and self.eval_sources:
+            raise ValueError("set data.eval_file or data.eval_sources, not both")
+        if self.eval_fraction and (self.eval_file or self.eval_sources):
+            raise ValueError("data.eval_fraction carves eval rows only when no eval source is set")
+        return self
+
+    def train_sources(self) -> list[SourceArgs]:
+        """data.sources, or train_file as the one source."""
+        return self.sources or _one_source(self.train_file)
+
+    def held_out_sources(self) -> list[SourceArgs]:
+        """data.eval_sources, or eval_file as the one source."""
+        return self.eval_sources or _one_source(self.eval_file)
+
+
+def _one_source(path: str | None) -> list[SourceArgs]:
+    return [SourceArgs.model_validate({"path": path})] if path else []
 
 
 class OutputArgs(_Section):

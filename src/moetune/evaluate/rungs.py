@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from moetune.config import RungArgs
+from moetune.data.errors import DataError
+from moetune.data.files import read_rows
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.scoring import Advance, continuation_logprobs, generate, until_eos
 from moetune.registry import Registry
-from moetune.train.data import read_rows
-from moetune.train.errors import DataError
 
 Item = dict[str, Any]
 

@@ -29,6 +29,19 @@ def _stage(files: list[tuple[Path, str]], local: str | None, remote: str) -> str
     return remote
 
 
+def _stage_sources(out: Staging, pod: RunConfig) -> None:
+    """data.sources / eval_sources on this machine (files or dirs) and a data.chat_template
+    file go with the run; hub ids are fetched on the pod."""
+    for key in ("sources", "eval_sources"):
+        for n, src in enumerate(getattr(pod.data, key)):
+            if Path(src.path).exists():
+                remote = f"data/{key}/{n}{Path(src.path).suffix}"
+                src.path = _stage(out.files, src.path, remote) or src.path
+    template = pod.data.chat_template
+    if template and Path(template).is_file():
+        pod.data.chat_template = _stage(out.files, template, "data/chat_template.jinja")
+
+
 def staging(cfg: RunConfig) -> Staging:
     """The pod's copy of `cfg`: same run, every path pointing inside the pod's workdir."""
     pod = cfg.model_copy(deep=True)
@@ -40,6 +53,7 @@ def staging(cfg: RunConfig) -> Staging:
         local = getattr(cfg.data, attr)
         name = f"data/{attr}{Path(local).suffix}" if local else ""
         setattr(pod.data, attr, _stage(out.files, local, name))
+    _stage_sources(out, pod)
     for rung in pod.eval.rungs:
         if rung.data:
             rung.data = _stage(

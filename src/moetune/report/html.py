@@ -202,6 +202,22 @@ def config_value(config: dict[str, Any], path: str) -> str:
     return show(value)
 
 
+def preview_rows(preview: Any) -> list[tuple[str, str]]:
+    """What `moetune data` showed, from data.json: sources, the loss share and cut rows, and
+    the samples with their loss tokens in [brackets]."""
+    if not isinstance(preview, dict):
+        return []
+    mix = ", ".join(f"{s.get('source')}: {s.get('rows')} × {s.get('weight')}"
+                    for s in preview.get("sources") or [])  # fmt: skip
+    cut = (f"{preview.get('loss_share', 0):.1%} of tokens carry loss · {preview.get('truncated')} "
+           f"over seq_len · {preview.get('duplicates')} eval rows also in train")  # fmt: skip
+    samples = [
+        (f"sample {n}", "".join(f"[{t}]" if loss else t for t, loss in runs))
+        for n, runs in enumerate(preview.get("samples") or [], 1)
+    ]
+    return [("data sources", mix), ("data preview", cut), *samples]
+
+
 def config_section(inp: Inputs) -> dict[str, Any]:
     rows = [(label, config_value(inp.config, path)) for label, path in CONFIG_FIELDS]
     versions = inp.get("versions.json")
@@ -212,6 +228,7 @@ def config_section(inp: Inputs) -> dict[str, Any]:
         rows.append(
             ("data", f"{data.get('rows')} {data.get('format')} rows, loss on {data.get('loss_on')}")
         )
+    rows += preview_rows(data.get("preview") if data else None)
     if coverage:
         rows.append(
             (

@@ -23,7 +23,7 @@ import torch
 from moetune.train.errors import DataError
 
 if TYPE_CHECKING:
-    from moetune.train.data import TrainData
+    from moetune.data import TrainData
 
 SFT_COLUMN = "completion"
 _KEYS = ("sft_ids", "sft_mask", "sft_labels")  # carried through TRL's buffered batches

@@ -26,7 +26,7 @@ from moetune.train.rewards import build_rewards, reward_columns
 
 if TYPE_CHECKING:
     from moetune.config import RunConfig
-    from moetune.train.data import TrainData
+    from moetune.data import TrainData
 
 
 def _none(cfg: RunConfig, data: TrainData) -> None:
@@ -99,7 +99,7 @@ class Method:
     name: str
     trainer: str  # the TRL trainer class
     config: str  # its TRL config class
-    formats: tuple[str, ...]  # data formats (train/data.py FORMATS) it trains on
+    formats: tuple[str, ...]  # data formats (moetune.data FORMATS) it trains on
     args: Callable[[RunConfig, TrainData], dict[str, Any]]  # its own TRL config fields
     trainer_kwargs: Callable[[RunConfig], dict[str, Any]] = _no_kwargs
     check: Callable[[RunConfig, TrainData], None] = _none  # data/config checks, before writing

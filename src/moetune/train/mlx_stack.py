@@ -35,13 +35,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.config import RunConfig
+from moetune.data import read_checked
 from moetune.io import atomic_write_json, atomic_write_text
 from moetune.lint.rules_mlx import mlx_backend
 from moetune.model import get_family
 from moetune.recipe.audit import PARTS, CoverageReport, CoverageRow, requested_kinds
 from moetune.recipe.mlx import make_mlx_recipe, mlx_yaml
 from moetune.train.checkpoint import RunDir, inspect_run
-from moetune.train.data import read_checked
 from moetune.train.errors import TrainError
 from moetune.train.mlx_base import hf_to_mlx
 from moetune.train.mlx_format import mlx_to_peft

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from moetune.config import RunConfig, TrainArgs
+from moetune.data import TrainData, check_sources, load_train_data
+from moetune.data.summary import Summary, summarize
 from moetune.io import atomic_write_json
 from moetune.lint.preflight import lint_run
 from moetune.model import load_spec, to_hf_config
 from moetune.train.checkpoint import RunDir, open_run, versions
-from moetune.train.data import TrainData, load_train_data
 from moetune.train.errors import TrainError
 from moetune.train.methods import method_of
 from moetune.train.recovery import ResumePoint, resume_point_of, set_aside
@@ -153,6 +154,7 @@ class Setup:
     engine: str = "peft"  # lora.engine as resolved for this model (engine/resolve.py)
     coverage: CoverageReport | None = None
     selection: ExpertSelection | None = None
+    data_summary: Summary | None = None  # the one line `moetune train` prints of the data
 
     @property
     def planned_peak_bytes(self) -> int | None:
@@ -175,15 +177,20 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     from moetune.train.select import check_selection
 
     place = resolve_placement(cfg.train)
+    method = method_of(cfg)
+    check_streaming(cfg)
+    rows = check_sources(cfg.data, method.formats)  # bad data stops before any model is built
     spec = load_spec(cfg.model.id)
     check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)  # after the lint said why
     check_offload(cfg, engine, local_dir(cfg.model.id))  # train.offload: refused up front
     tokenizer = load_tokenizer(cfg.model.id)
-    method = method_of(cfg)
-    data, eval_data = load_train_data(cfg.data, tokenizer, cfg.train.seq_len, method.formats)
+    data, eval_data = load_train_data(
+        cfg.data, tokenizer, cfg.train.seq_len, method.formats, cfg.train.seed, rows
+    )
     method.check(cfg, data)
+    summary = summarize(cfg, tokenizer, method.formats, rows)  # what announce() says of it
     aux = aux_choice(cfg, spec)
     args = trl_args(cfg, run, place, aux, data, eval_data is not None)
     point = resume_point(run, data) if resume else None
@@ -201,11 +208,21 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         resume_from=point.checkpoint if point else None,
         damaged=point,
         engine=engine,
+        data_summary=summary,
     )
     with args.main_process_first(local=False, desc="moetune run dir"):  # the others wait
         if args.should_save:
             write_preamble(run, cfg, setup)
     return setup
+
+
+def check_streaming(cfg: RunConfig) -> None:
+    """A streamed set has no length, so the run needs a step count."""
+    if cfg.data.streaming and not cfg.train.max_steps:
+        raise TrainError(
+            "data.streaming reads rows lazily, so the number of steps is not known",
+            "set train.max_steps (or data.streaming: false)",
+        )
 
 
 def preflight(
@@ -333,4 +350,5 @@ def write_preamble(run: RunDir, cfg: RunConfig, setup: Setup) -> None:
     open_run(run, cfg, setup.resume_from[0] if setup.resume_from else None)
     atomic_write_json(run.versions, {**versions(), **setup.place.to_json()})
     atomic_write_json(run.preflight, setup.preflight_json())
-    atomic_write_json(run.data, setup.data.to_json())
+    preview = {"preview": setup.data_summary.to_json()} if setup.data_summary else {}
+    atomic_write_json(run.data, setup.data.to_json() | preview)

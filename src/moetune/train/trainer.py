@@ -226,6 +226,8 @@ def announce(console: Console, cfg: RunConfig, setup: Setup) -> None:
         f"({setup.engine} engine) · router {router} · aux loss {aux_text} ({aux.reason})"
     )
     console.print(line, highlight=False)
+    if setup.data_summary is not None:
+        console.print(escape(setup.data_summary.one_line()), highlight=False)
     for note in setup.notes:
         console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     if setup.resume_from:
