@@ -21,6 +21,7 @@ from moetune.config import RunConfig, TrainArgs
 from moetune.io import atomic_write_json
 from moetune.lint.preflight import lint_run
 from moetune.model import load_spec, to_hf_config
+from moetune.plan.planner import as_checkpointable
 from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.data import TrainData, load_train_data
 from moetune.train.errors import TrainError
@@ -176,6 +177,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
 
     place = resolve_placement(cfg.train)
     spec = load_spec(cfg.model.id)
+    cfg, gc_off = as_checkpointable(cfg, spec)  # jetmoe refuses it: off, and said
     check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)  # after the lint said why
@@ -201,6 +203,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         resume_from=point.checkpoint if point else None,
         damaged=point,
         engine=engine,
+        notes=gc_off,
     )
     with args.main_process_first(local=False, desc="moetune run dir"):  # the others wait
         if args.should_save:
