@@ -442,7 +442,7 @@ def test_checkpointing_a_model_class_that_refuses_it_warns_that_it_is_off() -> N
     jetmoe = spec_from_config(shrunk_config("jetmoe"), "tiny-jetmoe")
     on = RunConfig.model_validate({"model": {"id": "x/y"}})
     f = check("GC-UNSUPPORTED", LintContext(config=on, spec=jetmoe, env={}))
-    assert f and f.severity == "warning" and f.field == "train.gradient_checkpointing"
+    assert f and f.severity == "warn" and f.field == "train.gradient_checkpointing"
     assert "JetMoeForCausalLM does not support activation checkpointing" in f.message
     assert "checkpointing off" in f.message  # train and plan turn it off themselves
     off = RunConfig.model_validate(

@@ -328,7 +328,7 @@ def engine_unserved(ctx: LintContext) -> Hit | None:
 
 @register_rule(
     "GC-UNSUPPORTED",
-    "warning",
+    "warn",
     "gradient checkpointing on a model class that refuses it",
     probe=probes.gradient_checkpointing_unsupported,
     libraries=("transformers",),
