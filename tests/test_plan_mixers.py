@@ -112,3 +112,73 @@ def test_an_unknown_kind_in_a_known_family_is_uncalibrated() -> None:
     odd = dataclasses.replace(spec, mixers=("attention", "retention", "attention", "attention"))
     assert uncalibrated(odd) == ["retention"]
     assert uncalibrated(dataclasses.replace(spec, mixers=())) == []  # every layer: attention
+
+
+def test_a_fallback_to_the_trace_warns_before_it_starts_with_the_expected_time(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """jamba's analytic once fell back to a 432 s trace without a word: the warning comes
+    first (before the trace runs), names the kinds and the expected time, and the JSON
+    holds the same."""
+    from moetune.plan import planner, tracecache
+
+    monkeypatch.setenv("MOETUNE_CACHE_DIR", str(tmp_path))  # nothing cached: a real wait
+    spec, run = tiny("nemotron_h"), cfg(64, True)
+    said: list[str] = []
+    real = tracecache.cached_trace
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        said.append("trace started")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tracecache, "cached_trace", traced)
+    plan = planner.make_plan(spec, run, cards=["H200"], estimator="analytic", warn=said.append)
+    assert plan.estimator == "trace" and said[-1] == "trace started" and len(said) == 2
+    assert "mamba" in said[0] and "expected ~" in said[0] and "seq 64" in said[0]
+    doc = plan.to_json()["fallback"]
+    assert doc["warning"] == said[0] and doc["kinds"] == uncalibrated(spec)
+    assert doc["expected_s"] > 0 and doc["cached"] is False
+    # the same plan again reads the cache: still said, now as instant
+    again: list[str] = []
+    planner.make_plan(spec, run, cards=["H200"], estimator="analytic", warn=again.append)
+    assert "cached: instant" in again[0]
+
+
+def test_the_default_warning_goes_to_stderr_and_a_calibrated_plan_says_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from moetune.plan import planner
+
+    planner.to_stderr("tracing the real step instead")
+    assert capsys.readouterr().err == "warning: tracing the real step instead\n"
+    plan = make_plan(tiny("qwen3_next"), cfg(64, True), cards=["H200"], estimator="analytic")
+    assert plan.fallback is None and plan.to_json()["fallback"] is None
+    assert capsys.readouterr().err == ""
+
+
+def test_the_expected_trace_time_grows_with_the_tokens_a_python_scan_loops_over() -> None:
+    """jamba's Mamba runs transformers' torch `slow_forward` (no mamba-ssm): a Python loop
+    over the tokens, so its trace costs ops per token; an attention layer's do not grow."""
+    from moetune.plan.tracetime import expected_ops
+
+    jamba, attention = tiny("jamba"), tiny("qwen3_moe")
+    assert "mamba" in layer_kinds(jamba)
+    grow = expected_ops(jamba, cfg(2048, True)) / expected_ops(jamba, cfg(64, True))
+    flat = expected_ops(attention, cfg(2048, True)) / expected_ops(attention, cfg(64, True))
+    assert grow > 10 and flat == pytest.approx(1.0)
+
+
+def test_a_class_that_refuses_checkpointing_is_planned_without_it() -> None:
+    """JetMoe's class refuses activation checkpointing: the plan sizes the step train runs
+    (checkpointing off) and says why, instead of a step no trainer can run."""
+    spec = tiny("jetmoe")
+    plan = make_plan(spec, cfg(64, True), cards=["H200"], estimator="analytic")
+    assert plan.settings["gradient_checkpointing"] is False
+    assert any("JetMoeForCausalLM refuses it" in n for n in plan.notes)
+    off = make_plan(spec, cfg(64, False), cards=["H200"], estimator="analytic")
+    assert plan.peak_bytes == off.peak_bytes
+    small = make_plan(spec, cfg(1 << 20, True), cards=["RTX-4090"], estimator="analytic")
+    assert small.recommendations and not any(
+        "train.gradient_checkpointing=true" in r.overrides for r in small.recommendations
+    )  # never a change the class refuses
+    assert not any("refuses" in n for n in off.notes)

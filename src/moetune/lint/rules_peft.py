@@ -6,7 +6,7 @@ import moetune.lint.probes as probes
 from moetune.errors import RecipeError
 from moetune.lint.rules import Hit, LintContext, Severity, register_rule
 from moetune.model import to_hf_config
-from moetune.model.derive import causal_lm_class
+from moetune.model.derive import checkpointing_refused
 from moetune.recipe.targets import peft_name_map
 from moetune.units import count, gib
 
@@ -328,7 +328,7 @@ def engine_unserved(ctx: LintContext) -> Hit | None:
 
 @register_rule(
     "GC-UNSUPPORTED",
-    "error",
+    "warn",
     "gradient checkpointing on a model class that refuses it",
     probe=probes.gradient_checkpointing_unsupported,
     libraries=("transformers",),
@@ -336,13 +336,13 @@ def engine_unserved(ctx: LintContext) -> Hit | None:
 def gc_unsupported(ctx: LintContext) -> Hit | None:
     if ctx.spec is None or not ctx.config.train.gradient_checkpointing:
         return None
-
-    cls = causal_lm_class(to_hf_config(ctx.spec))
-    if getattr(cls, "supports_gradient_checkpointing", True):
+    refused = checkpointing_refused(to_hf_config(ctx.spec))
+    if refused is None:
         return None
     return Hit(
-        f"transformers stops with `ValueError: {cls.__name__} does not support activation "
-        "checkpointing.` when the trainer sets the model up",
-        "set train.gradient_checkpointing: false (and re-plan: activations grow)",
+        f"transformers stops with `ValueError: {refused} does not support activation "
+        "checkpointing.` when a trainer turns it on: moetune trains and plans this model with "
+        "checkpointing off, so every layer's activations stay live",
+        "set train.gradient_checkpointing: false to say so, and plan the memory without it",
         "train.gradient_checkpointing",
     )

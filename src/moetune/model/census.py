@@ -105,7 +105,7 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, dict) and key in ("attn_config", "ffn_config"):
             out[key] = shrink(value)  # dbrx's nested sub-configs
         elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
-            out[key] = {k: v for k, v in value.items() if int(k) < layers}  # per-layer dicts
+            out[key] = _per_layer(value, layers)
         else:
             out[key] = value
     if "kv_lora_rank" in out and "num_key_value_heads" in out:
@@ -113,6 +113,13 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
     if values.get("head_dim") and values.get("head_dim") == values.get("qk_rope_head_dim"):
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA families rotate head_dim channels
     return out
+
+
+def _per_layer(values: dict[str, Any], layers: int) -> dict[str, Any]:
+    """A per-layer dict (dots3's `per_layer_config`) cut to `layers`, each layer's own
+    overrides shrunk too: full-size head counts there break the cross-field checks."""
+    kept = {k: v for k, v in values.items() if int(k) < layers}
+    return {k: shrink(v) if isinstance(v, dict) else v for k, v in kept.items()}
 
 
 def shrunk_config(model_type: str) -> dict[str, Any]:
@@ -147,7 +154,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "doge": {"is_moe": True, "num_experts": 16},
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
     "dots1": {"n_shared_experts": 1},
-    "dots3_note_text": {"num_key_value_heads": 4, "per_layer_config": {}, "head_dim": 16},
+    "dots3_note_text": {"num_key_value_heads": 4, "head_dim": 16},
+    # its defaults leave the MoE sizes None (no default build at all)
+    "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
     "gemma4_text": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
                     "moe_intermediate_size": 32},
     "gemma4": {"text_config": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,

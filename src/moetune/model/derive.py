@@ -80,6 +80,13 @@ def _text_config(config: Any) -> Any:
     return text if text is not None else config
 
 
+def checkpointing_refused(config: Any) -> str | None:
+    """The causal-LM class's name when it refuses activation checkpointing (its
+    `supports_gradient_checkpointing` is False: jetmoe on transformers 5.24), else None."""
+    cls = causal_lm_class(config)
+    return None if getattr(cls, "supports_gradient_checkpointing", True) else cls.__name__
+
+
 def causal_lm_class(config: Any) -> Any:
     """transformers' causal-LM class for `config` (the auto mapping, else the modeling
     module's `…ForCausalLM` whose config_class is this config's class)."""

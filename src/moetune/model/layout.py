@@ -34,6 +34,9 @@ class ModulePaths:
     # Per decoder layer, the paths above that layer really has (hybrid models mix mixers
     # and MLP kinds); empty means every layer has every path.
     present: tuple[frozenset[str], ...] = ()
+    # Linears LoRA is not aimed at because their forward is not a per-token x·Wᵀ (peft's
+    # LoRA output would not match it: DeepSeek-V4's grouped o_a_proj), layer-relative
+    not_targeted: tuple[str, ...] = ()
 
     def in_layer(self, layer: int, path: str) -> bool:
         """Whether decoder layer `layer` should have `path`: always without `present`, and

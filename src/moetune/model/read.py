@@ -117,7 +117,7 @@ def _part_paths(
     # lazy: heavy to import (torch)
     from torch import nn
 
-    paths: dict[str, list[str]] = {k: [] for k in _PARTS}
+    paths: dict[str, list[str]] = {k: [] for k in (*_PARTS, "not_targeted")}
     routers = _router_children(blocks, layer)
     frozen = gradless_modules(layer)
     for mpath, module in layer.named_modules():
@@ -126,7 +126,9 @@ def _part_paths(
             continue
         if module.__class__ is nn.Linear and module.out_features == 1:
             continue  # a scalar gate (qwen2_moe's shared_expert_gate), not a projection
-        if isinstance(module, nn.Linear) and kind in ("attention", "dense_mlp", "shared_experts"):
+        if isinstance(module, nn.Linear) and not per_token_linear(module):
+            paths["not_targeted"].append(mpath)  # peft's LoRA would not match its output
+        elif isinstance(module, nn.Linear) and kind in ("attention", "dense_mlp", "shared_experts"):
             path = _leaf_if_unique(layer, mpath) if kind == "attention" else mpath
             paths[{"shared_experts": "shared"}.get(kind, kind)].append(path)
         elif kind == "routers" and mpath in routers:
@@ -134,6 +136,25 @@ def _part_paths(
     for epath, module in experts:
         paths["expert_params"] += [f"{epath}.{n}" for n in _stack_names(module)]
     return paths
+
+
+def per_token_linear(module: nn.Module) -> bool:
+    """Its forward maps [tokens, in_features] to [tokens, out_features], as peft's LoRA
+    (which adds B·A·x to it) assumes. A subclass with its own forward is tried on meta:
+    DeepSeek-V4's grouped `o_a_proj` (a block-diagonal bmm over head groups) is not."""
+    # lazy: heavy to import (torch)
+    import torch
+    from torch import nn
+
+    linear: Any = module
+    if type(module).forward is nn.Linear.forward:
+        return True
+    weight = linear.weight
+    try:
+        out = module(torch.empty(3, linear.in_features, device=weight.device, dtype=weight.dtype))
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (3, linear.out_features)
 
 
 def runs_without_grad(module: nn.Module) -> bool:
@@ -339,7 +360,11 @@ def union_paths(read: list[Layer]) -> ModulePaths:
         for kind, found in r.paths.items():
             union.setdefault(kind, [])
             union[kind] += [p for p in found if p not in union[kind]]
-    present = tuple(frozenset(p for found in r.paths.values() for p in found) for r in read)
+    untargeted = union.pop("not_targeted", [])
+    present = tuple(
+        frozenset(p for k, found in r.paths.items() if k != "not_targeted" for p in found)
+        for r in read
+    )
     return ModulePaths(
         attention=tuple(union.get("attention", ())),
         expert_params=tuple(union.get("expert_params", ())),
@@ -347,6 +372,7 @@ def union_paths(read: list[Layer]) -> ModulePaths:
         shared=tuple(union.get("shared", ())),
         router=tuple(union.get("router", ())),
         present=present,
+        not_targeted=tuple(untargeted),
     )
 
 

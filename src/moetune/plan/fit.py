@@ -108,6 +108,8 @@ class MemoryPlan:
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     requested: Estimator | None = None  # the estimator asked for, when another one ran
+    # the analytic's fallback to the trace, as warned before it ran (planner.fallback_warning)
+    fallback: dict[str, Any] | None = None
 
     @property
     def overhead_bytes(self) -> int:
@@ -137,6 +139,7 @@ class MemoryPlan:
             "recommendations": [r.to_json() for r in self.recommendations],
             "best": {card: r.to_json() for card, r in self.best.items()},
             "notes": list(self.notes),
+            "fallback": self.fallback,
         }
 
 

@@ -5,6 +5,8 @@ best-quality config per card (`MemoryPlan.best`).
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import moetune.plan.tracecache as tracecache
@@ -17,7 +19,15 @@ from moetune.plan.hardware import Card, all_cards, get_card
 from moetune.plan.methods import as_trained, method_notes, method_terms, with_rollout
 from moetune.plan.overhead import Overhead, overhead_for
 from moetune.plan.profiles import mixer_notes, profile_for, uncalibrated
-from moetune.plan.recommend import recommend
+from moetune.plan.recommend import recommend, refuses_checkpointing
+from moetune.plan.tracetime import expected_trace_s
+
+Warn = Callable[[str], None]
+
+
+def to_stderr(text: str) -> None:
+    """The default warning sink: one line on stderr (stdout may be --json)."""
+    print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 def make_plan(
@@ -25,16 +35,23 @@ def make_plan(
     cfg: RunConfig,
     cards: list[str] | None = None,
     estimator: Estimator = "analytic",
+    warn: Warn = to_stderr,
 ) -> MemoryPlan:
     """Plan `cfg` on `spec` for `cards` (default: the whole catalog).
 
     `estimator="trace"` runs the fake-tensor trace of the real step (cached on disk);
     "analytic" is instant, and traces instead when a layer's mixer kind has no calibrated
     term (the plan's notes say so). Recommendations always use the analytic for speed.
+    Such a fallback is never silent: `warn` gets one line with the trace's expected time
+    before it starts, and the plan's `fallback` holds the same.
     """
     chosen = [get_card(c) for c in cards] if cards else all_cards()
     if estimator not in ("trace", "analytic"):
         raise ConfigError(f"unknown estimator {estimator!r}", "use trace or analytic")
+    cfg, gc_off = as_checkpointable(cfg, spec)
+    slow = fallback_warning(spec, cfg, estimator)
+    if slow is not None:
+        warn(slow["warning"])
     used, fallback, (peak, components, op, phase, trainable) = _estimate_as(spec, cfg, estimator)
     fits = {c.id: card_fit(c, peak) for c in chosen}
     plan = MemoryPlan(
@@ -49,13 +66,30 @@ def make_plan(
         total_params=spec.total_params,
         fits=fits,
         settings=_settings(cfg),
-        notes=[*fallback, *_notes(spec, cfg)],
+        notes=[*fallback, *gc_off, *_notes(spec, cfg)],
         requested=estimator if used != estimator else None,
+        fallback=slow,
     )
     missing = [c for c in chosen if not fits[c.id].fits]
     plan.recommendations.extend(recommend(spec, cfg, missing))
     plan.best.update({c.id: _best(plan, c.id) for c in chosen})
     return plan
+
+
+def as_checkpointable(cfg: RunConfig, spec: ModelSpec) -> tuple[RunConfig, list[str]]:
+    """`cfg` as it can really train: checkpointing off where the model's class refuses it
+    (train turns it off too), with the note that says so; else `cfg` unchanged."""
+    refused = refuses_checkpointing(spec) if cfg.train.gradient_checkpointing else None
+    if refused is None:
+        return cfg, []
+    off = cfg.model_copy(
+        update={"train": cfg.train.model_copy(update={"gradient_checkpointing": False})}
+    )
+    return off, [
+        f"gradient checkpointing is off: transformers' {refused} refuses it "
+        "(supports_gradient_checkpointing = False), so moetune trains and plans it without: "
+        "every layer's activations stay live"
+    ]
 
 
 def _estimate_as(
@@ -86,6 +120,30 @@ def _choose(spec: ModelSpec, cfg: RunConfig, estimator: Estimator) -> tuple[Esti
         f"analytic has {_missing(spec)}: planned with the trace (the real step on fake "
         "tensors) instead; recommendations are analytic and leave those layers' activations out"
     ]
+
+
+def fallback_warning(
+    spec: ModelSpec, cfg: RunConfig, estimator: Estimator
+) -> dict[str, Any] | None:
+    """What the analytic falling back to the trace will cost, said before it starts
+    (None when the estimator asked for is the one that runs)."""
+    used, _ = _choose(spec, cfg, estimator)
+    if used == estimator:
+        return None
+    step = as_trained(cfg, spec)
+    cached = tracecache.is_cached(spec, step)
+    seconds = 0.0 if cached else expected_trace_s(spec, step)
+    when = "cached: instant" if cached else f"expected ~{_duration(seconds)} on this machine"
+    text = (
+        f"analytic has {_missing(spec)}: tracing the real step instead ({when}; "
+        f"{spec.model_type}, seq {step.train.seq_len})"
+    )
+    kinds = uncalibrated(spec)
+    return {"warning": text, "kinds": kinds, "expected_s": round(seconds, 1), "cached": cached}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _missing(spec: ModelSpec) -> str:

@@ -41,6 +41,9 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from moetune.config import RunConfig
+from moetune.errors import MoetuneError
+from moetune.model import to_hf_config
+from moetune.model.derive import checkpointing_refused
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate
 from moetune.plan.fit import GiB, Recommendation, analytic, card_fit
@@ -105,10 +108,23 @@ def _options(cfg: RunConfig, spec: ModelSpec) -> list[_Option]:
     return sorted(out, key=lambda o: (o.cost, len(o.moves)))
 
 
+def refuses_checkpointing(spec: ModelSpec) -> str | None:
+    """The name of the spec's causal-LM class when it refuses activation checkpointing
+    (jetmoe), else None; a hand-made spec or a class transformers lacks: None."""
+    if not spec.mixers:  # not read off a build: no class to ask
+        return None
+    try:
+        return checkpointing_refused(to_hf_config(spec))
+    except MoetuneError:  # a class transformers does not ship (remote code): nothing known
+        return None
+
+
 def _usable_moves(cfg: RunConfig, spec: ModelSpec) -> list[Move]:
     absent = {k for k, has in _parts(spec).items() if not has}
     if not (_split_serves(cfg, spec) and _on_peft(cfg, spec)):
         absent.add("engine")
+    if refuses_checkpointing(spec):  # never recommend what the class refuses
+        absent.add("gc")
     return [m for m in MOVES if m.name not in absent and m.apply(cfg) is not None]
 
 

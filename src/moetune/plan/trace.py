@@ -67,6 +67,7 @@ class TraceResult:
     total_params: int
     seconds: float
     peak_step: int = 1  # which step peaked (only >1 when traced with steps>1)
+    ops: int = 0  # aten ops the step dispatched (plan.tracetime sizes a trace's time by them)
 
     @property
     def peak_gib(self) -> float:
@@ -252,11 +253,12 @@ def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool) -
 
 
 def prepare_for_training(model: Any, full: bool, gradient_checkpointing: bool) -> None:
-    """What a peft/TRL training run does to the model before the first step."""
+    """What a peft/TRL training run does to the model before the first step (checkpointing
+    only where the class supports it: moetune trains jetmoe without, planner.as_checkpointable)."""
     if full:
         model.requires_grad_(True)
-    if gradient_checkpointing:
-        base = model if full else model.get_base_model()
+    base = model if full else model.get_base_model()
+    if gradient_checkpointing and getattr(base, "supports_gradient_checkpointing", True):
         enable = getattr(base, "activation_checkpointing_enable", None)
         if enable is not None:  # transformers >= 5.24 name; the old one warns
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -381,6 +383,7 @@ def _result(tracker: ByteTracker, model: nn.Module, seconds: float) -> TraceResu
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
         total_params=sum(p.numel() for p in params),
         seconds=seconds,
+        ops=tracker.ops,
     )
 
 

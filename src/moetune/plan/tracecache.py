@@ -107,6 +107,11 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
     )
 
 
+def is_cached(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> bool:
+    """Whether `cached_trace` would answer from the disk cache."""
+    return _read(cache_dir() / f"{trace_key(spec, cfg, optimizer)}.json") is not None
+
+
 def cached_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> TraceResult:
     """`run_trace`, read from / written to the disk cache."""
     # lazy: heavy to import (torch via moetune.plan.trace)

@@ -64,6 +64,7 @@ class ByteTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak = Peak(0, "", "", 0, 0)
         self._tick = 0
+        self.ops = 0  # aten ops dispatched: what a fake trace's time grows with
         self._live: dict[int, int] = {}  # storage _cdata -> index in the log
         self._nbytes: list[int] = []  # the log: one entry per storage ever counted
         self._born: list[int] = []
@@ -75,6 +76,7 @@ class ByteTracker(TorchDispatchMode):
             device = getattr(args[0], "fake_device", None)
             return device if device is not None else func(*args)
         self.last_op = func
+        self.ops += 1
         out = func(*args, **(kwargs or {}))
         grew = False
         for tensor in _tensors(out):

@@ -78,3 +78,5 @@ def render_recipe(console: Console, result: dict[str, Any]) -> None:
     )
     for kind, why in cov["not_present"].items():
         console.print(f"  {kind}: not present ({why})")
+    for path, why in cov.get("not_targeted", {}).items():
+        console.print(f"  {path}: not targeted ({why})")

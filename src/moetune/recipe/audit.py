@@ -122,6 +122,7 @@ class CoverageReport:
     total_params: int
     num_layers: int = 0
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # kind -> ranks seen
+    not_targeted: dict[str, str] = field(default_factory=dict)  # layer-relative path -> why
 
     @property
     def expected(self) -> int:
@@ -202,6 +203,7 @@ class CoverageReport:
             "by_kind": {k: {"adapted": a, "expected": e} for k, (a, e) in self.by_kind().items()},
             "ranks": {k: list(v) for k, v in self.ranks.items()},
             "not_present": self.absent,
+            "not_targeted": dict(self.not_targeted),
             "unresolved_paths": {k: list(v) for k, v in self.unresolved.items()},
             "missed": [{"layer": r.layer, "kind": r.kind, "target": r.target} for r in self.missed],
             "router_adapted": self.router_adapted,
@@ -346,7 +348,15 @@ def audit_coverage(model: nn.Module, spec: ModelSpec, lora: LoraArgs) -> Coverag
     return CoverageReport(
         spec.name, kinds, tuple(rows), absent, router, trainable, total,
         num_layers=spec.num_layers, ranks={k: v for k, v in ranks.items() if v},
+        not_targeted=dict.fromkeys(paths.not_targeted, NOT_PER_TOKEN),
     )  # fmt: skip
+
+
+# why model.read.per_token_linear leaves a Linear out of the targets
+NOT_PER_TOKEN = (
+    "a Linear subclass whose forward is not a per-token x·Wᵀ (DeepSeek-V4's grouped o_a_proj: "
+    "a bmm over head groups); peft's LoRA adds B·A·x of another width and fails in forward"
+)
 
 
 def _count_params(model: nn.Module) -> tuple[int, int]:

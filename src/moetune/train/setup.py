@@ -23,6 +23,7 @@ from moetune.data.summary import Summary, summarize
 from moetune.io import atomic_write_json
 from moetune.lint.preflight import lint_run
 from moetune.model import load_spec, to_hf_config
+from moetune.plan.planner import as_checkpointable
 from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.errors import TrainError
 from moetune.train.methods import method_of
@@ -181,6 +182,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     check_streaming(cfg)
     rows = check_sources(cfg.data, method.formats)  # bad data stops before any model is built
     spec = load_spec(cfg.model.id)
+    cfg, gc_off = as_checkpointable(cfg, spec)  # jetmoe refuses it: off, and said
     check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)  # after the lint said why
@@ -209,6 +211,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         damaged=point,
         engine=engine,
         data_summary=summary,
+        notes=gc_off,
     )
     with args.main_process_first(local=False, desc="moetune run dir"):  # the others wait
         if args.should_save:
