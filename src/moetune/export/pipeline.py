@@ -24,6 +24,7 @@ from moetune.export.check import (
 from moetune.export.registry import ExportResult, Source
 from moetune.io import atomic_write_json
 from moetune.ledger import DEFAULT_PATH, attempt
+from moetune.model.finite import require_finite_adapter
 from moetune.train.checkpoint import ledger_fields
 
 
@@ -50,6 +51,7 @@ def export(
     ledger, fields = ledger_of(source)
     with attempt(ledger, "export", **fields) as row:
         row["metrics"] = {"format": fmt, "out": str(out)}  # a failed export says what it was
+        require_finite_adapter(source.adapter_dir)  # NaN merged into weights: refused first
         # no items to check on: refused before anything is written
         texts = eval_texts(source, check.items_file, check.items) if check else None
         result = run_export(source, fmt, out, opts)
