@@ -405,6 +405,10 @@ SECRETS = {  # lane.env, the process environment, and the RunPod config file
     "RUNPOD_API_KEY": "rpa_" + "ENVKEY" * 5,
     "MY_SERVICE_TOKEN": "proc-secret-" + "z8" * 10,
     "config.toml": "rpa_" + "FILEKEY" * 4,
+    # innocuous names, plain values: secrets by value, as every lane.env value not public
+    "DB_PASS": "correct-horse-battery",
+    "MY_PRIVATE_CREDS": "alice:wonderland42",
+    "FOO": "quiet value 77",
 }
 
 
@@ -418,9 +422,11 @@ def _secret_world(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp)
 
 
+LANE_SECRETS = ("HF_TOKEN", "WANDB_API_KEY", "DB_PASS", "MY_PRIVATE_CREDS", "FOO")
+
+
 def _lane_env() -> dict[str, str]:
-    return {"HF_TOKEN": SECRETS["HF_TOKEN"], "WANDB_API_KEY": SECRETS["WANDB_API_KEY"],
-            "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    return {**{k: SECRETS[k] for k in LANE_SECRETS}, "HF_HUB_OFFLINE": "1"}
 
 
 def _leaks(text: str) -> list[str]:
@@ -448,14 +454,22 @@ def test_secrets_reach_the_pod_by_its_environment_and_appear_nowhere_else(
     seen_on_pod = [f'test "$(printf %s "${k}" | sha256sum | cut -c1-64)" = {d}'
                    for k, d in digest.items()]  # fmt: skip
     careless = 'echo "$HF_TOKEN $WANDB_API_KEY $RUNPOD_API_KEY"; env >&2'  # output never shown
-    config = write_config(tmp_path, data, env=_lane_env(), setup=[*seen_on_pod, careless])
+    config = write_config(tmp_path, data, env=_lane_env(), public_env=["HF_HUB_OFFLINE"],
+                          setup=[*seen_on_pod, careless])  # fmt: skip
     run = CliRunner()
     outputs = [run.invoke(app, ["launch", str(config), "--dry-run"]),
-               run.invoke(app, ["launch", str(config), "--dry-run", "--json"])]  # fmt: skip
+               run.invoke(app, ["launch", str(config), "--dry-run", "--json"]),
+               run.invoke(app, ["launch", str(config), "--provider", "skypilot", "--dry-run",
+                                "--json"]),
+               run.invoke(app, ["sky-task", str(config), "--out", str(tmp_path / "sky"),
+                                "--set", "hardware.card=L40S"])]  # fmt: skip
+    assert [o.exit_code for o in outputs] == [0] * 4, [o.output for o in outputs]
     plan = json.loads(outputs[1].stdout)
-    assert plan["walls"]["env"] == {"HF_TOKEN": "***", "WANDB_API_KEY": "***",
+    assert plan["walls"]["env"] == {**{k: "***" for k in LANE_SECRETS},
                                     "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_XET": "1"}  # fmt: skip
-    assert plan["pod"]["env"] == plan["walls"]["env"] and "HF_TOKEN=***" in outputs[0].output
+    assert plan["pod"]["env"] == plan["walls"]["env"] and "FOO=***" in outputs[0].output
+    task = yaml.safe_load((tmp_path / "sky" / "task.yaml").read_text())
+    assert task["envs"]["DB_PASS"] is None and task["envs"]["HF_HUB_OFFLINE"] == "1"
     outputs.append(run.invoke(app, ["launch", str(config), "--json"]))
     assert outputs[-1].exit_code == 0, outputs[-1].output  # the pod saw both (setup checked)
     assert json.loads(outputs[-1].stdout)["verdict"] == "GO"
@@ -464,9 +478,12 @@ def test_secrets_reach_the_pod_by_its_environment_and_appear_nowhere_else(
         outputs.append(run.invoke(app, args))
         assert outputs[-1].exit_code == 0, outputs[-1].output
     assert (tmp_path / "runs" / "lane" / "report.html").is_file()
-    assert [_leaks(o.output) for o in outputs] == [[]] * len(outputs)
+    assert [_leaks(o.output) for o in outputs] == [[]] * len(outputs)  # stdout and stderr
     inputs = (config, tmp_path / "home" / ".runpod" / "config.toml")
-    assert _files_leaking(tmp_path, *inputs) == {}  # run dir, ledger, lane state, pod, report
+    # every byte written: run dir, ledger, lane state, run-sync, the pod folder, report, sky task
+    assert _files_leaking(tmp_path, *inputs) == {}
+    (pod,) = (tmp_path / ".moetune" / "pods").glob("*/pod.json")
+    assert json.loads(pod.read_text())["spec"]["env"]["DB_PASS"] == "***"
     saved = yaml.safe_load((tmp_path / "runs" / "lane" / "config.yaml").read_text())
     assert saved["lane"]["env"] == {"HF_HUB_OFFLINE": "1"}  # the pod's copy never held them
 

@@ -49,9 +49,10 @@ def _spec(**over) -> PodSpec:
 
 
 def test_task_carries_the_plan_and_every_wall(tmp_path):
-    env = {"HF_TOKEN": TOKEN, "WANDB_MODE": "offline"}
+    env = {"HF_TOKEN": TOKEN, "WANDB_MODE": "offline", "DB_PASS": "hunter2-but-longer"}
     sky = _cfg(tmp_path).lane.skypilot
-    task = task_yaml(_spec(env=env), 7 * 3600 + 1, ["pip install moetune"], "true", {}, sky)
+    spec = _spec(env=env, public_env=("WANDB_MODE",))  # lane.public_env: the one plain entry
+    task = task_yaml(spec, 7 * 3600 + 1, ["pip install moetune"], "true", {}, sky)
     res = task["resources"]
     assert res["accelerators"] == "H100:2"
     assert res["disk_size"] == 200 + 30  # volume wall + container disk: one VM disk
@@ -59,7 +60,8 @@ def test_task_carries_the_plan_and_every_wall(tmp_path):
     assert res["autostop"] == {"idle_minutes": 421, "down": True, "wait_for": "none"}
     assert task["envs"]["HF_HUB_DISABLE_XET"] == "1" and task["envs"]["WANDB_MODE"] == "offline"
     assert "HF_TOKEN" in task["envs"] and task["envs"]["HF_TOKEN"] is None
-    assert TOKEN not in yaml.safe_dump(task)  # secrets never in the file
+    assert task["envs"]["DB_PASS"] is None  # not public: a secret by value, named only
+    assert TOKEN not in yaml.safe_dump(task) and "hunter2" not in yaml.safe_dump(task)
     assert task["setup"].splitlines() == ["set -e", "pip install moetune"]
 
 

@@ -41,6 +41,18 @@ def test_metrics_rows_carry_loss_lr_throughput_and_aux_loss():
     assert rows[0]["memory_bytes"] > 0
 
 
+@pytest.mark.parametrize("logs", [{"loss": float("nan")}, {"eval_loss": float("inf")}])
+def test_a_non_finite_loss_stops_the_run_after_recording_its_row(logs):
+    rows: list[dict] = []
+    metrics = MetricsCallback(rows.append)
+    metrics.on_train_begin(ARGS, _state(0, 0), None)
+    metrics.on_log(ARGS, _state(1, 10), None, logs={"loss": 2.0})
+    with pytest.raises(TrainError) as err:
+        metrics.on_log(ARGS, _state(2, 20), None, logs=logs)
+    assert "at step 2: the run diverged" in err.value.cause and err.value.exit_code == 2
+    assert [r["step"] for r in rows] == [1, 2]  # the diverged row is on record
+
+
 def test_progress_bar_shows_loss_throughput_and_memory():
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120)
@@ -102,7 +114,8 @@ def test_config_diff_names_each_changed_key():
 
 def test_saved_config_masks_lane_env_secrets_and_resume_still_matches():
     def cfg(token: str, offline: str = "1"):
-        return parse_config({"lane": {"env": {"HF_TOKEN": token, "HF_HUB_OFFLINE": offline}}})
+        env = {"HF_TOKEN": token, "HF_HUB_OFFLINE": offline}
+        return parse_config({"lane": {"env": env, "public_env": ["HF_HUB_OFFLINE", "HF_TOKEN"]}})
 
     saved = dump_config(cfg("hf_" + "a" * 30))
     assert "hf_aaa" not in saved
@@ -110,7 +123,9 @@ def test_saved_config_masks_lane_env_secrets_and_resume_still_matches():
     assert config_diff(saved, cfg("hf_" + "a" * 30)) == []  # --resume accepts its own run
     assert config_diff(saved, cfg("hf_" + "b" * 30)) == []  # a rotated token is no change
     changed = config_diff(saved, cfg("hf_" + "a" * 30, "0"))
-    assert changed == ["lane.env.HF_HUB_OFFLINE ('1' -> '0')"]
+    assert changed == ["lane.env.HF_HUB_OFFLINE ('1' -> '0')"]  # public: its value is kept
+    hidden = parse_config({"lane": {"env": {"DB_PASS": "opensesame-9"}}})  # not public
+    assert yaml.safe_load(dump_config(hidden))["lane"]["env"] == {"DB_PASS": "***"}
 
 
 def test_config_diff_on_an_unreadable_saved_config():

@@ -5,6 +5,7 @@ same global batch, one ledger row, and a resume after kill -9 of the launcher.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -166,6 +167,32 @@ def test_cli_refuses_before_any_process_starts(tiny, tmp_path, monkeypatch):
     assert not out.exists()  # nothing written: no accelerate.yaml, no run dir
 
 
+def test_more_cpu_ranks_than_cores_are_refused_before_any_process_starts(tiny, tmp_path):
+    out, config = tmp_path / "never", tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, out)))
+    cores = len(os.sched_getaffinity(0))
+    got = CliRunner().invoke(app, ["train", str(config), "--nproc", str(cores + 1)])
+    assert got.exit_code == 2, got.output
+    line = " ".join(got.output.split())
+    assert f"train.nproc={cores + 1} CPU ranks" in line and f"--nproc {cores} or fewer" in line
+    assert not out.exists() and "Traceback" not in got.output
+
+
+def test_ranks_needing_more_host_ram_than_is_free_are_refused(tiny, tmp_path, monkeypatch):
+    from moetune.train import nodes
+
+    cfg = _cfg(tiny, tmp_path / "never", nproc=2)
+    need = nodes.node_ram_bytes(cfg)  # the plan's: 2 × (runtime + the tiny base)
+    assert 2 * 0.5e9 < need < 2 * 0.7e9
+    out, config = tmp_path / "never", tmp_path / "run.yaml"
+    config.write_text(dump_config(cfg))
+    monkeypatch.setattr(nodes, "available_ram_bytes", lambda: need - 1)
+    got = CliRunner().invoke(app, ["train", str(config), "--nproc", "2"])
+    assert got.exit_code == 2, got.output
+    assert "ranks need about" in got.output and "pass a smaller --nproc" in got.output
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- 2 gloo processes (slow)
 
 
@@ -295,6 +322,51 @@ def test_kill_9_of_the_launcher_then_resume(tiny, two):
     result = _train(config, "--resume", log=tiny.root / f"resumed-{two.strategy}.log")
     assert result["resumed_from_step"] is not None and result["steps"] == 8
     assert _rel_diff(out, two.run) < 1e-4
+
+
+def _ranks(launcher: int) -> list:
+    """The launcher's descendants that are ranks (`-m moetune train`, not accelerate's)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(launcher).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(proc.cmdline())
+            if "moetune train" in line and "accelerate" not in line:
+                found.append(proc)
+    return found
+
+
+def _gone(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE  # dead, waiting to be reaped
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_every_rank_dies_with_its_launcher_after_kill_9(tiny, tmp_path):
+    """SIGKILL leaves the launcher no chance to clean up: PDEATHSIG in the accelerate
+    launcher and in each rank takes every process of the launch down with it."""
+    config = _write(tiny, "orphans", batch_size=2, nproc=2, max_steps=100000, save_steps=100000)
+    proc = _moetune("train", str(config), log=tmp_path / "orphans.log")
+    deadline = time.monotonic() + 600
+    while len(_ranks(proc.pid)) < 2:
+        assert proc.poll() is None, (tmp_path / "orphans.err").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.2)
+    import psutil
+
+    family = psutil.Process(proc.pid).children(recursive=True)  # ranks and their launcher
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(5)
+    alive = [p.pid for p in family if not _gone(p)]
+    for pid in alive:  # never leave them to the next test
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"{len(alive)} of {len(family)} processes outlived the launcher"
 
 
 def _wait_released(root: Path, timeout: float = 120.0) -> None:

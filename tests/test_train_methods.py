@@ -204,6 +204,19 @@ def test_shift_recorder_sees_a_router_that_moved_between_rollout_and_training(fi
     assert all(x.share > 0.5 for x in moved)  # negated router: top-2 of 4 flips
 
 
+def test_grpo_with_an_all_nan_reward_fails_naming_it(files, tmp_path):
+    """TRL alone would train on: reward null, loss 0, an adapter that learnt nothing."""
+    rewards = [{"name": "test_train_rewards:nan_reward"}]
+    cfg = run_config(files.qwen, files.prompts, tmp_path / "nan", method="grpo", max_steps=1,
+                     batch_size=4, grpo={**GRPO, "rewards": rewards})  # fmt: skip
+    with pytest.raises(TrainError) as err:
+        train(cfg, progress=False)
+    assert "reward test_train_rewards:nan_reward returned no finite value" in err.value.cause
+    assert not (tmp_path / "nan" / "adapter").exists()
+    row = _jsonl(Path(cfg.output.ledger))[-1]
+    assert (row["kind"], row["status"]) == ("train", "failed") and "nan_reward" in row["reason"]
+
+
 def test_refusals_before_anything_is_written(files, tmp_path):
     cases = [
         (dict(method="grpo", batch_size=6, grpo=GRPO), files.prompts, TrainError,

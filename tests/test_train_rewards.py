@@ -23,6 +23,15 @@ def shout_reward(prompts, completions, **columns):  # a user's module:function r
     return [float(c.isupper()) for c in completions]
 
 
+def nan_reward(prompts, completions, **columns):  # a reward that has gone wrong everywhere
+    return [float("nan")] * len(completions)
+
+
+def some_nan_reward(prompts, completions, **columns):  # NaN, Inf, a string, None, numbers
+    bad = [float("nan"), float("inf"), "high", None]
+    return [bad[i] if i < len(bad) else 1.0 for i in range(len(completions))]
+
+
 NOT_A_FUNCTION = 3
 
 
@@ -87,6 +96,27 @@ def test_rewards_come_with_their_weights_and_none_is_refused():
     assert len(funcs) == 2 and weights == [1.0, 0.5]
     with pytest.raises(RewardError, match="empty"):
         build_rewards(GrpoArgs.model_validate({"rewards": []}))
+
+
+def test_non_finite_reward_values_are_failed_rewards_counted_and_reported():
+    (guarded,), _ = build_rewards(
+        GrpoArgs.model_validate({"rewards": [{"name": "test_train_rewards:some_nan_reward"}]})
+    )
+    got = guarded(["p"] * 6, ["a"] * 6)
+    assert got == [None, None, None, None, 1.0, 1.0]  # None: TRL's "no reward" (nansum)
+    assert (guarded.failed, guarded.scored) == (3, 6)  # the None the function chose: not failed
+    assert guarded.warning().startswith("reward test_train_rewards:some_nan_reward: 3 of 6")
+    assert guarded.__name__ == "some_nan_reward"  # TRL's metric name is the function's
+
+
+def test_a_step_without_one_finite_reward_fails_naming_the_reward():
+    (guarded,), _ = build_rewards(
+        GrpoArgs.model_validate({"rewards": [{"name": "test_train_rewards:nan_reward"}]})
+    )
+    with pytest.raises(RewardError) as err:
+        guarded(["p"] * 4, ["a"] * 4)
+    assert "reward test_train_rewards:nan_reward returned no finite value" in err.value.cause
+    assert err.value.exit_code == 2 and "finite number" in err.value.fix
 
 
 def test_old_method_values_name_the_new_field():

@@ -1,16 +1,84 @@
-"""Files a user owns are never half-written: write to a temp file, fsync, rename."""
+"""Files a user owns are never half-written: write to a temp file, fsync, rename. And no
+secret leaves the process: the one masker every writer and console applies.
+
+The masker knows secrets three ways: values registered once per process (every
+`lane.env` value not named in `lane.public_env`, the provider's credentials – see
+`register_secrets`), values of this process's environment whose names say secret
+(HF_TOKEN, *_API_KEY …), and value shapes that are credentials wherever they appear
+(hf_…, rpa_…, sk-…). Each is replaced by `***`.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import uuid
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 PROMOTED = "PROMOTED"  # marker `moetune gate --promote` writes into an adapter dir (train and
 # eval both honour it: --overwrite never removes it, the adapter digest leaves it out)
+
+
+REDACTED = "***"
+# Key names whose values are secrets, and value shapes that are secrets wherever they appear.
+SECRET_KEY = re.compile(
+    r"(api[_-]?key|token|secret|password|passwd|authorization|credential|access[_-]?key)", re.I
+)
+SECRET_VALUE = re.compile(r"(hf_[A-Za-z0-9]{20,}|rpa_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
+# Shorter values are not masked by value: "1", "true", "auto", "false", "cuda" are the
+# everyday words of configs and logs – replacing them everywhere would mangle every file
+# (a config.yaml whose `true`s read `***` no longer loads). Where such a value stands as a
+# secret env entry it is still masked by its name (`mask_env`).
+MIN_SECRET_CHARS = 6
+_REGISTERED: set[str] = set()
+
+
+def register_secrets(values: Iterable[str]) -> None:
+    """Make `values` secrets for the rest of this process: every writer and console masks
+    them (those under MIN_SECRET_CHARS only where they stand as an env entry's value)."""
+    _REGISTERED.update(v for v in values if len(v) >= MIN_SECRET_CHARS)
+
+
+def env_secrets() -> list[str]:
+    """Secrets present in this process's environment, found by their variables' names."""
+    return [v for k, v in os.environ.items() if v and SECRET_KEY.search(k)]
+
+
+def known_secrets(extra: Iterable[str] = ()) -> list[str]:
+    """Every secret value the masker replaces now, longest first (a secret holding
+    another is masked whole)."""
+    found = {*_REGISTERED, *env_secrets(), *extra}
+    return sorted((s for s in found if len(s) >= MIN_SECRET_CHARS), key=len, reverse=True)
+
+
+def is_registered(value: str) -> bool:
+    """Whether `value` is one of the registered secrets."""
+    return value in _REGISTERED
+
+
+def mask_text(text: str, extra: Iterable[str] = ()) -> str:
+    """`text` with every known secret and every credential-shaped string masked (`text`
+    itself, of whatever str type, when there is none in it)."""
+    for secret in known_secrets(extra):
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return SECRET_VALUE.sub(REDACTED, text) if SECRET_VALUE.search(text) else text
+
+
+def masked(value: Any, extra: Iterable[str] = ()) -> Any:
+    """`value` (JSON-like: mappings, lists, strings) with secrets masked in every string –
+    before encoding, so a secret JSON or YAML would escape is still found."""
+    if isinstance(value, str):
+        return mask_text(value, extra)
+    if isinstance(value, Mapping):
+        return {masked(k, extra): masked(v, extra) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [masked(v, extra) for v in value]
+    return value
 
 
 def fsync_path(path: Path) -> None:
@@ -21,8 +89,11 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to a temp file beside `path`, fsync it, and rename it over `path`."""
+def atomic_write_text(path: Path, text: str, mask: bool = True) -> None:
+    """Write `text` (secrets masked; `mask=False` only for a copy of the user's own data,
+    which is theirs to keep as it is) to a temp file beside `path`, fsync it, and rename it
+    over `path`."""
+    text = mask_text(text) if mask else text
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -37,7 +108,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_json(path: Path, payload: Any) -> None:
-    atomic_write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
+    atomic_write_text(path, json.dumps(masked(payload), indent=2, default=str) + "\n")
 
 
 def sha256_file(path: Path) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -28,15 +27,19 @@ from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moetune.errors import MoetuneError, clip, os_problem
+from moetune.io import (
+    REDACTED,
+    SECRET_KEY,
+    SECRET_VALUE,
+    env_secrets,
+    is_registered,
+    known_secrets,
+    mask_text,
+)
 
 Status = Literal["ok", "failed", "infra-failed", "cancelled"]
 DEFAULT_PATH = Path(".moetune") / "ledger.jsonl"
-REDACTED = "***"
-# Key names whose values are secrets, and value shapes that are secrets wherever they appear.
-_SECRET_KEY = re.compile(
-    r"(api[_-]?key|token|secret|password|passwd|authorization|credential|access[_-]?key)", re.I
-)
-_SECRET_VALUE = re.compile(r"(hf_[A-Za-z0-9]{20,}|rpa_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
+# the patterns live with the one masker (moetune.io); the ledger applies them to every row
 
 
 class LedgerError(MoetuneError):
@@ -85,40 +88,40 @@ class LedgerRow(BaseModel):
 
 
 def redact(value: Any, secrets: Iterable[str] = ()) -> Any:
-    """`value` with secret-named keys, secret-shaped strings and the given secrets masked."""
-    known = [s for s in secrets if len(s) >= 8]
+    """`value` with secret-named keys, secret-shaped strings, the process's registered
+    secrets and the given ones masked."""
+    known = known_secrets(secrets)
     if isinstance(value, Mapping):
         return {k: _redact_item(str(k), v, known) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [redact(v, known) for v in value]
     if isinstance(value, str):
-        for secret in known:
-            value = value.replace(secret, REDACTED)
-        return _SECRET_VALUE.sub(REDACTED, value)
+        return mask_text(value, known)
     return value
 
 
 def _redact_item(key: str, value: Any, known: list[str]) -> Any:
     """A secret-named key masks its value – unless it is a number: "tokens" and
     "tokens_per_s" are counts, and no credential is a bare number."""
-    if _SECRET_KEY.search(key) and not isinstance(value, int | float):
+    if SECRET_KEY.search(key) and not isinstance(value, int | float):
         return REDACTED
     return redact(value, known)
 
 
-def is_secret(name: str, value: str) -> bool:
-    """Whether an environment variable holds a secret: by its name, or by its value's shape."""
-    return bool(_SECRET_KEY.search(name) or _SECRET_VALUE.search(value))
+def is_secret(name: str, value: str, public: Iterable[str] | None = None) -> bool:
+    """Whether an environment variable holds a secret: by its name, its value's shape, a
+    registered value – and, for `lane.env` (its public names given), by not being public.
+    A public name never unmasks a secret name or shape (HF_TOKEN stays masked)."""
+    if SECRET_KEY.search(name) or SECRET_VALUE.search(value) or is_registered(value):
+        return True
+    return public is not None and name not in set(public)
 
 
-def public_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Environment variables as they may be shown or stored: every secret value masked."""
-    return {k: REDACTED if is_secret(k, v) else v for k, v in env.items()}
-
-
-def env_secrets() -> list[str]:
-    """Secrets present in this process's environment (never to be written)."""
-    return [v for k, v in os.environ.items() if v and is_secret(k, v)]
+def public_env(env: Mapping[str, str], public: Iterable[str] | None = None) -> dict[str, str]:
+    """Environment variables as they may be shown or stored: every secret value masked
+    (with `public` given, every entry not named in it as well)."""
+    names = None if public is None else set(public)
+    return {k: REDACTED if is_secret(k, v, names) else v for k, v in env.items()}
 
 
 @dataclass

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from moetune.cli.common import JsonOpt, app, console, emit_json, err_console, friendly
+from moetune.io import atomic_write_json
 
 bench_app = typer.Typer(help="Research benches, trained from scratch on CPU.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -111,7 +112,6 @@ def gm1(
     from moetune.bench.arms import DEFAULT_ARMS, get_arms
     from moetune.bench.gm1 import BenchConfig, run_bench
     from moetune.bench.summary import plot, summarize
-    from moetune.io import atomic_write_json
 
     names = _arm_names(arms) or DEFAULT_ARMS
     config = BenchConfig(size=size, seeds=seeds, steps=steps, tokens=tokens, arms=names)

@@ -27,18 +27,36 @@ from typer.core import TyperGroup
 
 from moetune import __version__
 from moetune.errors import ConfigError, ModelSourceError, MoetuneError, clip, os_problem
+from moetune.io import mask_text, masked
 from moetune.ledger import Terminated
 
 UNEXPECTED = 3  # exit status of an error moetune did not foresee (2: a user's input)
 INTERRUPTED, TERMINATED = 130, 143  # 128 + the signal number, as shells report them
-err_console = Console(stderr=True)
+
+
+class MaskedStream:
+    """sys.stdout or sys.stderr – whichever is current at each write, as rich resolves them
+    – with every secret masked on its way out (moetune.io's one masker)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, text: str) -> int:
+        getattr(sys, self.name).write(mask_text(text))
+        return len(text)
+
+    def __getattr__(self, attr: str) -> Any:  # flush, isatty, fileno, encoding …
+        return getattr(getattr(sys, self.name), attr)
+
+
+err_console = Console(file=MaskedStream("stderr"))  # type: ignore[arg-type]
 
 
 def print_error(err: MoetuneError) -> None:
-    """A MoetuneError as the one line a user sees: cause, then fix."""
-    msg = f"[bold red]error:[/] {escape(err.cause)}"
+    """A MoetuneError as the one line a user sees: cause, then fix (secrets masked)."""
+    msg = f"[bold red]error:[/] {escape(mask_text(err.cause))}"
     if err.fix:
-        msg += f" [bold]fix:[/] {escape(err.fix)}"
+        msg += f" [bold]fix:[/] {escape(mask_text(err.fix))}"
     err_console.print(msg, highlight=False, soft_wrap=True)
 
 
@@ -121,7 +139,7 @@ class GuardedGroup(TyperGroup):
 # > 6 min). Passive waiting costs little; users can still set their own policy.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-console = Console()
+console = Console(file=MaskedStream("stdout"))  # type: ignore[arg-type]
 app = typer.Typer(
     name="moetune",
     help="Fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right.",
@@ -157,8 +175,9 @@ def friendly(fn: F) -> F:
 
 
 def emit_json(payload: Any) -> None:
-    """Machine-readable output: one JSON document on stdout."""
-    sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+    """Machine-readable output: one JSON document on stdout, secrets masked in every string
+    before encoding (a secret JSON escapes is found all the same)."""
+    sys.stdout.write(mask_text(json.dumps(masked(payload), indent=2, default=str)) + "\n")
 
 
 @app.command()

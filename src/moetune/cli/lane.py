@@ -13,6 +13,7 @@ from rich.table import Table
 from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, err_console, friendly
 from moetune.cli.options import checked, opt, option_overrides
 from moetune.config import RunConfig, load_config
+from moetune.io import atomic_write_text
 from moetune.ledger import Ledger
 
 ProviderOpt = Annotated[str | None, opt("provider", "Where to run (default: lane.provider).")]
@@ -209,7 +210,6 @@ def workflow_github(
 ) -> None:
     """A GitHub Actions workflow: step timeout inside the job's, upload + teardown always."""
     # lazy: the stage loads only when its command runs
-    from moetune.io import atomic_write_text
     from moetune.lane.launch import launch_plan
     from moetune.lane.workflows import github_workflow
     from moetune.plan.walls import DEFAULT_WATCHDOG_S

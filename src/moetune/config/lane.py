@@ -77,7 +77,17 @@ class LaneArgs(_Section):
     watchdog_s: PositiveInt | None = Field(
         None, description="In-pod watchdog deadline in seconds (default: sized from the plan)."
     )
-    env: dict[str, str] = Field(default_factory=dict, description="Env vars set in the pod.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Env vars set in the pod. Every value is a secret (masked in all output "
+        "and files, passed to the pod by its process environment only) unless its name is in "
+        "lane.public_env.",
+    )
+    public_env: list[str] = Field(
+        default_factory=list,
+        description="Names of lane.env entries that are not secrets (shown, and kept in the "
+        "pod's staged config); a secret-looking name or value stays masked all the same.",
+    )
     ci_job_timeout_minutes: PositiveInt | None = Field(None, description="CI job timeout-minutes.")
     ci_step_timeout_minutes: PositiveInt | None = Field(
         None, description="Step-level timeout-minutes on the launch step."

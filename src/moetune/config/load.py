@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from moetune.config.paths import rebase
 from moetune.config.sections import RunConfig
 from moetune.errors import ConfigError, clip, os_problem
+from moetune.io import masked, register_secrets
 from moetune.ledger import public_env
 
 
@@ -92,9 +93,16 @@ def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> Ru
     for assignment in overrides or []:
         _apply_override(data, assignment)
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(*_describe(err)) from None
+    register_secrets(lane_secrets(cfg))  # masked from here on, by every writer and console
+    return cfg
+
+
+def lane_secrets(cfg: RunConfig) -> list[str]:
+    """The run's secret values: every lane.env value whose name is not in lane.public_env."""
+    return [v for k, v in cfg.lane.env.items() if k not in set(cfg.lane.public_env)]
 
 
 def read_config_text(path: Path) -> str:
@@ -145,9 +153,10 @@ def is_run_config(path: Path) -> bool:
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as YAML (written beside every run's outputs), secret lane.env
     values masked: they reach a pod through its environment, never through a file."""
+    register_secrets(lane_secrets(cfg))  # a config built in code, not parsed, alike
     doc = cfg.model_dump(mode="json")
-    doc["lane"]["env"] = public_env(doc["lane"]["env"])
-    return yaml.safe_dump(doc, sort_keys=False)
+    doc["lane"]["env"] = public_env(doc["lane"]["env"], cfg.lane.public_env)
+    return yaml.safe_dump(masked(doc), sort_keys=False)
 
 
 def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:

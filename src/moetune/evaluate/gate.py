@@ -33,6 +33,7 @@ from moetune.evaluate.errors import GateError
 from moetune.evaluate.results import RungDoc, adapter_digest, read_items, read_json, read_ladder
 from moetune.io import PROMOTED, atomic_write_json
 from moetune.ledger import Ledger, LedgerRow
+from moetune.model.finite import require_finite_adapter
 
 RungStatus = Literal["pass", "fail", "inconclusive"]
 Verdict = Literal["GO", "NO-GO", "INCONCLUSIVE"]
@@ -257,6 +258,7 @@ def promote(
             f"{adapter} changed since it was evaluated",
             "re-run `moetune eval` on the adapter as it is now",
         )
+    require_finite_adapter(adapter)  # a GO scored on NaN weights promotes nothing
     marker = adapter / PROMOTED
     body = {"verdict_hash": verdict["hash"], "results": str(results.resolve()), "time": time.time()}
     atomic_write_json(marker, body)

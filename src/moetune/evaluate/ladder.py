@@ -39,6 +39,7 @@ from moetune.evaluate.rungs import Item, ItemScore, Rung, make_rung
 from moetune.io import atomic_write_json, atomic_write_text
 from moetune.ledger import attempt
 from moetune.model import load_spec
+from moetune.model.finite import require_finite_adapter
 from moetune.train.checkpoint import ledger_fields
 
 
@@ -214,6 +215,7 @@ def score_ladder(
     started = time.perf_counter()
     ladder = load_ladder(cfg, limit)  # every item checked before any model loads
     adapter_dir = resolve_adapter(cfg, adapter)
+    require_finite_adapter(adapter_dir)  # before any model loads or result is written
     results = cfg.eval.results_path(cfg.output.dir)
     refuse_unasked_replace(results, overwrite)
     model, tokenizer = load_model(cfg)

@@ -19,6 +19,7 @@ served without it: that fails too, with the reason.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import warnings
@@ -179,7 +180,7 @@ def compare(
         format=fmt, consumer=consumer, passed=False, items=len(errors),
         logits_rel=median(errors), expert_effect=median(effects), effect_share=median(shares),
         greedy_match=sum(same) / len(same), tolerance=tol, min_greedy=min_greedy,
-        logits_rel_max=max(errors),
+        logits_rel_max=max(errors, key=lambda e: math.inf if math.isnan(e) else e),  # NaN: worst
         per_item=[
             {"logits_rel": e, "expert_effect": x, "greedy_equal": s}
             for e, x, s in zip(errors, effects, same, strict=True)
@@ -191,7 +192,17 @@ def compare(
 
 
 def verdict_reason(r: CheckResult) -> str:
-    """Why the check fails ('' when it passes)."""
+    """Why the check fails ('' when it passes). A statistic that is not a finite number
+    fails it first: every comparison with NaN is false, so it would pass every test below."""
+    stats = {"logits_rel": r.logits_rel, "logits_rel_max": r.logits_rel_max,
+             "expert_effect": r.expert_effect, "effect_share": r.effect_share,
+             "greedy_match": r.greedy_match}  # fmt: skip
+    bad = [f"{name} {value}" for name, value in stats.items() if not math.isfinite(value)]
+    if bad:
+        return (
+            f"check statistics are not finite numbers ({', '.join(bad)}): the served model's "
+            "or the adapter's logits hold NaN/Inf"
+        )
     if r.expert_effect <= r.tolerance:
         return (
             f"the adapter's expert LoRA moves logits by only {r.expert_effect:.2g}: a consumer "

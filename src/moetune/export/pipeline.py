@@ -35,6 +35,7 @@ from moetune.export.registry import ExportResult, Source
 from moetune.export.source import require_weights, require_whole_adapter
 from moetune.io import atomic_write_json
 from moetune.ledger import DEFAULT_PATH, attempt
+from moetune.model.finite import require_finite_adapter
 from moetune.train.checkpoint import ledger_fields
 
 
@@ -65,6 +66,7 @@ def export(
     ledger, fields = ledger_of(source)
     with hold_out(out), interrupted_says(out), attempt(ledger, "export", **fields) as row:
         row["metrics"] = {"format": fmt, "out": str(out)}  # a failed export says what it was
+        require_finite_adapter(source.adapter_dir)  # NaN merged into weights: refused first
         # no items to check on: refused before anything is written
         texts = eval_texts(source, check.items_file, check.items) if check else None
         why = "its served == trained check had not finished" if check else "--no-check"

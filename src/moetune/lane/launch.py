@@ -18,8 +18,8 @@ from moetune.lane.cards import CardChoice, choose_card
 from moetune.lane.phases import PHASES, Lane, Walls
 from moetune.lane.providers import provider_class
 from moetune.lane.providers.base import LaneError, PodSpec, Provider
+from moetune.lane.secrets import launch_secrets
 from moetune.lane.state import LaneState
-from moetune.ledger import public_env
 from moetune.model import load_spec
 from moetune.plan import walls as W
 from moetune.plan.estimate import Estimate, estimate, launch_signature, measured_cards
@@ -47,16 +47,16 @@ class LaunchPlan:
     def to_json(self) -> dict[str, Any]:
         """The plan as printed: secret env values masked (they go to the pod, not a screen)."""
         est = self.estimate
-        env = public_env(self.walls.env)
+        pod = self.spec.to_json()  # secret env values masked
         return {
             "run_id": self.run_id,
             "provider": self.provider,
             "card": self.card,
             "card_choice": self.choice.to_json(),
-            "pod": {**self.spec.to_json(), "env": public_env(self.spec.env)},
+            "pod": pod,
             "walls": {
                 **asdict(self.walls),
-                "env": env,
+                "env": pod["env"],  # the walls' env is the pod's
                 "estimated_train_s": est.estimated_train_s,
                 "estimated_eval_s": est.estimated_eval_s,
                 "why": self.why,
@@ -134,7 +134,9 @@ def launch_plan(
         container_disk_gb=cfg.lane.runpod.container_disk_gb,
         env=walls.env,
         cloud_type=cfg.lane.runpod.cloud_type,
+        public_env=tuple(cfg.lane.public_env),
     )
+    launch_secrets(cfg)  # masked in the plan, the task file and every later output
     return LaunchPlan(run_id, cfg.lane.provider, pod.card, pod, walls, why, est, choice)
 
 

@@ -65,5 +65,6 @@ def staging(cfg: RunConfig) -> Staging:
     pod.output.ledger = "ledger.jsonl"
     pod.eval.results_dir = None
     pod.lane.provider = "local"  # on the pod, the run is local
-    pod.lane.env = plain_env(cfg.lane.env)  # secrets reach the pod by its environment only
+    # secrets reach the pod by its environment only
+    pod.lane.env = plain_env(cfg.lane.env, cfg.lane.public_env)
     return out

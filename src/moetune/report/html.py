@@ -26,7 +26,7 @@ from markupsafe import Markup
 import moetune.report.plots as plots
 from moetune.config import load_yaml
 from moetune.errors import MoetuneError
-from moetune.io import atomic_write_text
+from moetune.io import atomic_write_text, masked
 from moetune.report.exports import exports_section
 from moetune.report.inputs import lookup, missing, read_json, read_jsonl
 from moetune.report.shift import shift_section
@@ -468,9 +468,12 @@ def build_report(run_dir: Path, out: Path | None = None, results_dir: Path | Non
     eval.results_dir, else RUN_DIR/eval). Raises ReportError when RUN_DIR is not a run."""
     run_dir = Path(run_dir)
     inp = load_inputs(run_dir, results_dir)
-    context: dict[str, Any] = {name: guarded(name, build, inp) for name, build in SECTIONS.items()}
+    # secrets masked before HTML escaping, which would hide them from a mask of the page
+    context: dict[str, Any] = {
+        name: masked(guarded(name, build, inp)) for name, build in SECTIONS.items()
+    }
     context.update(
-        header=header(inp),
+        header=masked(header(inp)),
         csp=csp(),
         script=Markup(RENDER_CHECK),  # a constant: its hash is in the CSP
         generated=utc(datetime.now(tz=timezone.utc).timestamp()),

@@ -7,6 +7,7 @@ when training on a GPU, the process RSS otherwise.
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -27,6 +28,7 @@ from rich.progress import (
 )
 from transformers import TrainerCallback
 
+from moetune.train.errors import TrainError
 from moetune.units import human_bytes
 
 # ---------------------------------------------------------------- memory
@@ -121,8 +123,9 @@ class MetricsCallback(TrainerCallback):
         if "loss" in logs:
             row.update(self._throughput(state.num_input_tokens_seen))
         if args.should_save:
-            self.write(row)
+            self.write(row)  # the diverged row is kept: it says when it happened
         self.last = {**self.last, **row}
+        refuse_non_finite(row)
 
     def _throughput(self, tokens: int) -> dict[str, Any]:
         now = self.clock()
@@ -130,6 +133,21 @@ class MetricsCallback(TrainerCallback):
         self._mark = (now, tokens)
         rate = (tokens - before) / (now - then) if now > then else 0.0
         return {"tokens": tokens, "tokens_per_s": round(rate, 1), "memory_bytes": memory_now()}
+
+
+def refuse_non_finite(row: dict[str, Any]) -> None:
+    """A NaN or Inf loss stops the run (TrainError): every later step would train on it,
+    and the adapter saved at the end would be garbage. The trainer's own filter, which
+    would log the running average in its place, is off (setup.py)."""
+    for key in ("loss", "eval_loss"):
+        value = row.get(key)
+        if isinstance(value, int | float) and not math.isfinite(value):
+            raise TrainError(
+                f"{key} is {value} at step {row['step']}: the run diverged, so it was stopped "
+                "(the checkpoints before it are kept)",
+                "lower train.learning_rate (or raise train.warmup_ratio) and start a new "
+                "output.dir, or fix the rows that make the loss explode",
+            )
 
 
 # ---------------------------------------------------------------- progress

@@ -29,7 +29,6 @@ Facts this rests on (accelerate 1.15, checked by the DIST-* rules' probes):
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -48,12 +47,12 @@ from moetune.model.derive import causal_lm_class
 from moetune.train import nodes
 from moetune.train.checkpoint import inspect_run
 from moetune.train.errors import TrainError
+from moetune.train.orphans import LAUNCHED_ENV, die_with_launcher, die_with_parent
 from moetune.train.result import TrainResult
 from moetune.train.sharded_load import LOAD
 
 CONFIG_NAME = "accelerate.yaml"  # in the run dir, beside config.yaml
 HEADER = "# written by `moetune train --nproc` for accelerate launch; regenerated on each launch\n"
-LAUNCHED_ENV = "MOETUNE_LAUNCHED"  # set for the ranks: they print nothing, the launcher does
 
 Writer = Callable[[RunConfig, list[str]], dict[str, Any]]
 STRATEGIES: dict[str, Writer] = {}
@@ -184,13 +183,6 @@ def write_config(cfg: RunConfig, root: Path) -> Path:
     return path
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the launcher dies, kill -9 included (Linux prctl), so a
-    killed launch leaves no ranks behind holding the run dir."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[str, Any] | None:
     """Run `moetune <argv>` on cfg.train.nproc processes of this node; the result
     summary.json records (None on a node other than 0, which has no summary). `check` is
@@ -216,17 +208,22 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
 def _run_ranks(config: Path, argv: list[str]) -> int:
     """accelerate launch of `moetune <argv>` with `config`; its exit status."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-    env = {**os.environ, LAUNCHED_ENV: "1"}
-    # the ranks' stdout (DeepSpeed prints there) goes to stderr: stdout is the launcher's report
+    env = {**os.environ, LAUNCHED_ENV: str(os.getpid())}  # the ranks watch this pid
+    # the ranks' stdout (DeepSpeed prints there) goes to stderr: stdout is the launcher's
+    # report. A process group of their own: the launcher ends them all, stragglers included.
     proc = subprocess.Popen(
-        [*cmd, "-m", "moetune", *argv], env=env, stdout=2, preexec_fn=_die_with_parent
-    )
+        [*cmd, "-m", "moetune", *argv], env=env, stdout=2, preexec_fn=die_with_parent,
+        process_group=0,
+    )  # fmt: skip
     try:
         return proc.wait()
     finally:
         if proc.poll() is None:  # Ctrl-C here: the ranks go too
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # any rank the launcher left behind
 
 
 def fsdp_on_cpu() -> None:
@@ -304,6 +301,7 @@ def launch_or_train(
     preflight a rank would do first. A node other than 0 returns a `nodes.NodeDone`."""
     opts = {k: v for k, v in flags.items() if k != "json"}
     if nodes.world(cfg.train) == 1 or launched():
+        die_with_launcher()  # again, should the rank not have come in by `python -m moetune`
         return train(cfg, progress=not flags.get("json"), **opts)
 
     def check() -> None:
@@ -312,7 +310,8 @@ def launch_or_train(
 
         inspect_run(cfg, opts["resume"], opts["overwrite"], opts["overwrite_promoted"])
         place = resolve_placement(cfg.train)
-        nodes.check_devices(cfg.train, place.device)
+        nodes.check_devices(cfg.train, place.device)  # ranks ≤ GPUs, or ≤ cores on CPU
+        nodes.check_host_ram(cfg)  # and their host RAM ≤ what is free
         preflight(cfg, place, opts["allow_errors"])
 
     result = launch(cfg, rank_argv(config, sets, flags), check)

@@ -159,7 +159,7 @@ def write_rows(data_dir: Path, train: list[Any], valid: list[Any]) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("valid", valid)):
         text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        atomic_write_text(data_dir / f"{name}.jsonl", text)
+        atomic_write_text(data_dir / f"{name}.jsonl", text, mask=False)  # the user's rows
 
 
 def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:

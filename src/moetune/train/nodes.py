@@ -20,6 +20,7 @@ ddp_timeout, 30 min by default) and torchrun's rendezvous timeout (10 min) at st
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 import tempfile
@@ -30,7 +31,10 @@ from typing import Any
 
 from moetune.config import RunConfig
 from moetune.config.sections import TrainArgs
+from moetune.model import load_spec
+from moetune.plan.sharding import host_ram, run_sizes
 from moetune.train.errors import TrainError
+from moetune.units import human_bytes
 
 # Where this process runs, not what it trains: a node's --resume may differ in them.
 NODE_KEYS = ("train.node_rank", "train.master_addr", "train.master_port")
@@ -80,9 +84,17 @@ def check_port(t: TrainArgs) -> None:
 
 
 def check_devices(t: TrainArgs, device: str) -> None:
-    """N ranks per node take one GPU each: refuse more ranks than this node has GPUs."""
+    """N ranks per node take one GPU each – or, on CPU, one core each (more ranks than
+    cores only thrash, each paying its ~0.5 GB of RAM): refuse more ranks than that."""
     if device != "cuda":
-        return  # CPU ranks share the cores (the tests run 2 on one core)
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use, not the host's
+        if t.nproc > cores:
+            raise TrainError(
+                f"train.nproc={t.nproc} CPU ranks on this node, which lets this process use "
+                f"{cores} core(s)",
+                f"pass --nproc {cores} or fewer (one rank per core)",
+            )
+        return
     # lazy: heavy to import (torch)
     import torch
 
@@ -92,6 +104,37 @@ def check_devices(t: TrainArgs, device: str) -> None:
             f"train.nproc={t.nproc} ranks on this node, which has {have} GPU(s)",
             f"pass --nproc {have} or fewer (one rank per GPU), or train.device: cpu",
         )
+
+
+def check_host_ram(cfg: RunConfig) -> None:
+    """Refuse a launch whose ranks need more host RAM than this node has free: the plan's
+    figure for this node's train.nproc ranks (each rank's runtime, measured, plus the base
+    as the strategy loads it – plan.sharding.host_ram)."""
+    t = cfg.train
+    need = node_ram_bytes(cfg)
+    free = available_ram_bytes()
+    if need > free:
+        raise TrainError(
+            f"train.nproc={t.nproc} ranks need about {human_bytes(need)} of host RAM at load "
+            f"(the plan's figure for this node), and {human_bytes(free)} is free",
+            f"pass a smaller --nproc (about {max(1, t.nproc * free // need)}), or free memory",
+        )
+
+
+def node_ram_bytes(cfg: RunConfig) -> int:
+    """Host RAM this node's ranks need at load, from the plan (plan.sharding.host_ram)."""
+    spec = load_spec(cfg.model.id)
+    whole_base = cfg.model.experts_dtype == "bf16"  # quantised stacks: every rank loads all
+    sizes = run_sizes(spec, cfg)
+    return host_ram(sizes, cfg.train.nproc, cfg.train.strategy, whole_base).per_node_bytes
+
+
+def available_ram_bytes() -> int:
+    """Host RAM free for new processes now (psutil's `available`)."""
+    # lazy: heavy to import (psutil)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def machine_fields(t: TrainArgs, port: int) -> dict[str, Any]:

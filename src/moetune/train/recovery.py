@@ -23,6 +23,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from moetune.model.finite import NonFiniteError, require_finite_adapter
 from moetune.train.checkpoint import KEEP_CHECKPOINTS, STEP_PREFIX, RunDir, replace_dir
 from moetune.train.errors import TrainError
 from moetune.units import human_bytes
@@ -94,9 +95,23 @@ def resume_point_of(run: RunDir) -> ResumePoint:
     for step, ckpt in reversed(run.checkpoints_done()):
         problem = checkpoint_problem(ckpt)
         if problem is None:
+            require_finite_checkpoint(step, ckpt)
             return ResumePoint((step, ckpt), damaged)
         damaged.append((step, ckpt, problem))
     return ResumePoint(None, damaged)
+
+
+def require_finite_checkpoint(step: int, ckpt: Path) -> None:
+    """A whole checkpoint whose adapter holds NaN/Inf is not resumed from: the run had
+    diverged by then, and training on would only spread it (exit 2, the tensor named)."""
+    try:
+        require_finite_adapter(ckpt)
+    except NonFiniteError as err:
+        raise NonFiniteError(
+            f"--resume: checkpoint step {step}: {err.cause}",
+            f"the run diverged by step {step}: move {ckpt} aside to resume from an earlier "
+            "checkpoint (with a lower train.learning_rate), or start a new output.dir",
+        ) from None
 
 
 def set_aside(point: ResumePoint) -> list[str]:

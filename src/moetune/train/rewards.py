@@ -8,12 +8,18 @@ or a list of messages (conversational ones); rewards score its text.
     exact_match   1.0 when the completion, stripped, equals the row's `column` column
     regex         1.0 when the completion matches `pattern` (re.fullmatch, DOTALL)
     length        1 - |chars - target_chars| / target_chars, at least 0
+
+Every reward is guarded (`GuardedReward`): a value that is not a finite number (NaN, Inf,
+not a number at all) is a failed reward – given to TRL as None ("no reward", which its
+nansum leaves out), counted, and reported in the run's warnings; a call whose every value
+failed stops the run naming the reward, since a step with no reward learns nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import math
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -135,11 +141,63 @@ def build_reward(args: RewardArgs) -> RewardFunc:
     return REWARDS.get(args.name)(args)
 
 
+class GuardedReward:
+    """A reward function whose non-finite values are failed rewards (counted, None to TRL);
+    a call with no finite value at all is a RewardError naming the reward."""
+
+    def __init__(self, name: str, func: RewardFunc) -> None:
+        self.name, self.func = name, func
+        self.__name__ = getattr(func, "__name__", name)  # TRL's metric key: rewards/<name>
+        self.failed = self.scored = 0
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[Any]:
+        values = [_finite_or_none(v) for v in self.func(prompts, completions, **columns)]
+        failed = sum(v is _FAILED for v in values)
+        self.failed, self.scored = self.failed + failed, self.scored + len(values)
+        if values and failed == len(values):
+            raise RewardError(
+                f"reward {self.name} returned no finite value for any of the {len(values)} "
+                "completions of a step (NaN, Inf or not a number): the step cannot learn",
+                "make the reward return a finite number (or None: no reward) per completion",
+            )
+        return [None if v is _FAILED else v for v in values]
+
+    def warning(self) -> str | None:
+        """The run's warning when some of this reward's values failed."""
+        if not self.failed:
+            return None
+        return (
+            f"reward {self.name}: {self.failed} of {self.scored} values were not finite "
+            "numbers; each counted as a failed reward (no reward for that completion)"
+        )
+
+
+_FAILED = object()  # a value that was not a finite number
+
+
+def _finite_or_none(value: Any) -> Any:
+    """`value` as a float, None kept (TRL's "no reward"), anything else _FAILED."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return _FAILED
+    return number if math.isfinite(number) else _FAILED
+
+
 def build_rewards(grpo: GrpoArgs) -> tuple[list[RewardFunc], list[float]]:
-    """Every configured reward and its weight, in order."""
+    """Every configured reward (guarded) and its weight, in order."""
     if not grpo.rewards:
         raise RewardError("train.grpo.rewards is empty", "add a reward, e.g. name: exact_match")
-    return [build_reward(r) for r in grpo.rewards], [r.weight for r in grpo.rewards]
+    funcs: list[RewardFunc] = [GuardedReward(r.name, build_reward(r)) for r in grpo.rewards]
+    return funcs, [r.weight for r in grpo.rewards]
+
+
+def reward_warnings(trainer: Any) -> list[str]:
+    """One warning per guarded reward of `trainer` (a GRPO trainer) whose values failed."""
+    guarded = [f for f in getattr(trainer, "reward_funcs", []) if isinstance(f, GuardedReward)]
+    return [w for f in guarded if (w := f.warning()) is not None]
 
 
 def reward_columns(grpo: GrpoArgs) -> list[str]:

@@ -317,6 +317,7 @@ def shared_args(
         bf16=place.precision == "bf16",
         **device_args(place.device),
         logging_steps=t.logging_steps,
+        logging_nan_inf_filter=False,  # a NaN loss must show (and stop the run), not be averaged
         save_strategy="steps",
         save_steps=t.save_steps,
         eval_strategy="steps" if has_eval else "no",

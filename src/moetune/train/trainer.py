@@ -74,6 +74,7 @@ from moetune.train.nodes import node_loss_stops, world
 from moetune.train.offload import write_offload_json
 from moetune.train.recovery import CheckpointCommitter, disk_full_stops
 from moetune.train.result import TrainResult
+from moetune.train.rewards import reward_warnings
 from moetune.train.routing import (
     LayerLoad,
     RoutingCallback,
@@ -204,7 +205,8 @@ def _train(
         + routing.warnings
         + router_warnings(router)
         + selection_warnings(model, setup)
-        + (shift.warnings if shift else []),
+        + (shift.warnings if shift else [])
+        + reward_warnings(trainer),
         **throughput(cfg, setup, trainer),
     )
     if setup.args.should_save:

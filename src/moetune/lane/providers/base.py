@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from moetune.errors import MoetuneError
+from moetune.ledger import public_env
+from moetune.plan.walls import XET_ENV
 from moetune.registry import Registry
 
 if TYPE_CHECKING:
@@ -76,9 +78,12 @@ class PodSpec:
     env: dict[str, str] = field(default_factory=dict)
     ports: str = "22/tcp"
     cloud_type: str = "ALL"  # RunPod: ALL | SECURE | COMMUNITY
+    public_env: tuple[str, ...] = ()  # env names whose values may be shown; the rest: secrets
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The spec as it may be shown or stored: every secret env value masked."""
+        shown = {*self.public_env, XET_ENV}  # the walls' own entry is moetune's, not a secret
+        return {**asdict(self), "env": public_env(self.env, shown)}
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from moetune.lane.providers.base import (
     register_provider,
 )
 from moetune.lane.transfer import verify_tree
-from moetune.ledger import public_env
 
 if TYPE_CHECKING:
     from moetune.config import RunConfig
@@ -78,8 +77,8 @@ class LocalProvider(Provider):
         path = self._path(spec.name)
         path.mkdir(parents=True, exist_ok=True)
         if not (path / "pod.json").is_file():  # idempotent by name
-            shown = {**spec.to_json(), "env": public_env(spec.env)}  # the env travels per exec
-            atomic_write_json(path / "pod.json", {"spec": shown, "created": time.time()})
+            # the env travels per exec; to_json shows only its public entries
+            atomic_write_json(path / "pod.json", {"spec": spec.to_json(), "created": time.time()})
         return self.status(spec.name)
 
     def wait_ready(self, pod_id: str, timeout_s: float) -> Pod:

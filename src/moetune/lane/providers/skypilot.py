@@ -99,7 +99,11 @@ def task_yaml(
         "name": spec.name,
         "resources": resources,
         # secrets never go into the file: named with no value, passed by `sky launch --env`
-        "envs": {**{k: None for k in secret_keys(spec.env)}, **plain_env(spec.env), XET_ENV: "1"},
+        "envs": {
+            **{k: None for k in secret_keys(spec)},
+            **plain_env(spec.env, spec.public_env),
+            XET_ENV: "1",
+        },
         "file_mounts": dict(mounts),
         "setup": "\n".join(["set -e", *setup]) if setup else None,
         "run": run,
@@ -108,10 +112,11 @@ def task_yaml(
     return {k: v for k, v in task.items() if v is not None}
 
 
-def secret_keys(env: Env) -> list[str]:
-    """The names of `env`'s secret entries (their values reach SkyPilot by environment)."""
-    plain = plain_env(env)
-    return sorted(k for k in env if k not in plain)
+def secret_keys(spec: PodSpec) -> list[str]:
+    """The names of the pod env's secret entries (their values reach SkyPilot by
+    environment)."""
+    plain = plain_env(spec.env, spec.public_env)
+    return sorted(k for k in spec.env if k not in plain)
 
 
 def run_task(cfg: RunConfig, spec: PodSpec, watchdog_s: int, pod_config: Path) -> dict[str, Any]:
@@ -181,8 +186,8 @@ class SkypilotProvider(Provider):
         path.parent.mkdir(parents=True, exist_ok=True)
         task = task_yaml(spec, self.lane.watchdog_s or 21600, self.lane.setup, "true", {}, self.sky)
         path.write_text(yaml.safe_dump(task, sort_keys=False), encoding="utf-8")
-        secrets = [arg for key in secret_keys(spec.env) for arg in ("--env", key)]
-        env = {k: spec.env[k] for k in secret_keys(spec.env)}
+        secrets = [arg for key in secret_keys(spec) for arg in ("--env", key)]
+        env = {k: spec.env[k] for k in secret_keys(spec)}
         self._sky("launch", "-c", spec.name, "--yes", "--detach-run", *secrets, str(path), env=env)
         return self.status(spec.name)
 
