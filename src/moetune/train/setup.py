@@ -175,7 +175,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     from moetune.train.select import check_selection
 
     place = resolve_placement(cfg.train)
-    spec = load_spec(cfg.model.id)
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)  # after the lint said why
