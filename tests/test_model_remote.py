@@ -328,3 +328,18 @@ def test_three_training_steps_save_an_adapter(tmp_path: Path) -> None:
     assert any("experts" in p for p in saved["target_parameters"])
     assert (adapter / "adapter_model.safetensors").stat().st_size > 0
 
+
+def test_kimi_k2_builds_as_deepseek_v3_without_running_its_code() -> None:
+    """The catalog's Kimi-K2 ships DeepSeek-V3's modeling file under model_type kimi_k2:
+    it builds as transformers' deepseek_v3, no flag needed, nothing of the checkpoint run."""
+    from moetune.model import catalog_meta
+
+    spec = load_spec("Kimi-K2-Instruct")
+    assert (spec.model_type, spec.num_layers, spec.num_experts, spec.top_k) == (
+        "deepseek_v3",
+        61,
+        384,
+        8,
+    )
+    assert spec.num_shared_experts == 1 and spec.moe_layers == tuple(range(1, 61))
+    assert catalog_meta("moonshotai/Kimi-K2-Instruct")["published_model_type"] == "kimi_k2"
