@@ -21,6 +21,7 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if '__name__ == "__main__"' 
 # What each smoke run must print (its figures), and the arguments it needs besides --smoke.
 EXPECT: dict[str, tuple[list[str], str]] = {
     "demo_base.py": (["mixed"], r'"step": 2, "train_s"'),
+    "census_tiers.py": ([], r'"passed": \{"count": 3, "recipe": 3, "plan": 3\}'),
     "experts_lora.py": ([], r"speed.*\d"),
     "gpu_validate.py": (["--cases", "30b-peft-2k", "--no-tracker"], r"30b-peft-2k"),
     "grpo_step.py": ([], r"\| 4 \| \d+\.\d+ \| \d+\.\d+ \|"),

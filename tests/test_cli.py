@@ -217,6 +217,9 @@ def test_each_option_takes_its_fields_type_and_its_help_lists_the_values() -> No
         elif cut.negate:
             assert kind is bool and field_info(cut.field).annotation is bool
             assert f"{cut.field}: false" in param.help
+        elif cut.switch:  # an on-switch: the flag alone sets its bool field true
+            assert kind is bool and field_info(cut.field).annotation is bool
+            assert f"{cut.field}: true" in param.help
         else:  # numbers and text: the type the field holds, its rule in the help
             held = _base(field_info(cut.field).annotation)
             held = get_args(held)[0] if get_origin(held) is Annotated else held

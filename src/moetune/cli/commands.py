@@ -46,13 +46,14 @@ from moetune.units import gib, human_bytes
 @friendly
 def inspect(
     model: Annotated[str, typer.Argument(help="Local dir/config.json, catalog id or hub id.")],
+    trust_remote_code: Annotated[bool, opt("trust_remote_code")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """What a model is: MoE layout and exact parameters by component."""
     # lazy: the stage loads only when its command runs
     from moetune.model import load_spec
 
-    spec = load_spec(model)
+    spec = load_spec(model, trust_remote_code)
     if as_json:
         emit_json(spec.to_json())
         return
@@ -90,6 +91,7 @@ def plan(
     nodes: Annotated[int | None, opt("nodes", "Nodes of --gpus GPUs each.", like=True)] = None,
     offload: Annotated[str | None, opt("offload", "Plan frozen experts streamed from.")] = None,
     host_ram: Annotated[float | None, opt("host_ram")] = None,
+    trust_remote_code: Annotated[bool, opt("trust_remote_code")] = False,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -104,12 +106,12 @@ def plan(
     opts = option_overrides(
         tuning=tuning, method=method, rank=rank, seq=seq, batch=batch, targets=targets,
         no_gc=no_gc, mapping=mapping, engine=engine, experts_dtype=experts_dtype,
-        offload=offload, host_ram=host_ram,
+        offload=offload, host_ram=host_ram, trust_remote_code=trust_remote_code,
     )  # fmt: skip
     gpus, strategy = checked("gpus", gpus), checked("strategy", strategy)
     nodes = checked("nodes", nodes)
     cfg = resolve_run(target, [*(overrides or []), *opts])
-    spec = load_spec(cfg.model.id)
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     result = make_plan(spec, cfg, cards=card, estimator=estimator)
     findings = lint(lint_context(cfg, spec, result, site_of(cfg.lane.provider)))
     devices = _devices(spec, cfg, list(result.fits), gpus, strategy, nodes)
@@ -166,6 +168,7 @@ def _devices(
 @friendly
 def lint_cmd(
     target: Annotated[str, typer.Argument(help="A run.yaml (or a model id with defaults).")],
+    trust_remote_code: Annotated[bool, opt("trust_remote_code")] = False,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -174,7 +177,8 @@ def lint_cmd(
     from moetune.lane.providers import site_of
     from moetune.lint.preflight import lint_run, resolve_run
 
-    cfg = resolve_run(target, overrides)
+    opts = option_overrides(trust_remote_code=trust_remote_code)
+    cfg = resolve_run(target, [*(overrides or []), *opts])
     findings, _ = lint_run(cfg, site=site_of(cfg.lane.provider))
     if as_json:
         emit_json({"findings": [f.to_json() for f in findings]})
@@ -191,6 +195,7 @@ def recipe(
     stack: Annotated[str | None, opt("stack")] = None,
     rank: Annotated[int | None, opt("rank")] = None,
     targets: Annotated[str | None, opt("targets")] = None,
+    trust_remote_code: Annotated[bool, opt("trust_remote_code")] = False,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -200,9 +205,11 @@ def recipe(
     from moetune.model import load_spec
     from moetune.recipe import recipe_for, render_recipe
 
-    opts = option_overrides(stack=stack, rank=rank, targets=targets)
+    opts = option_overrides(
+        stack=stack, rank=rank, targets=targets, trust_remote_code=trust_remote_code
+    )
     cfg = resolve_run(model, [*(overrides or []), *opts])
-    result = recipe_for(load_spec(cfg.model.id), cfg.lora, cfg)
+    result = recipe_for(load_spec(cfg.model.id, cfg.model.trust_remote_code), cfg.lora, cfg)
     if as_json:
         emit_json(result)
     else:
@@ -243,11 +250,13 @@ def train_cmd(
     master_addr: Annotated[str | None, opt("master_addr")] = None,
     master_port: Annotated[int | None, opt("master_port")] = None,
     report_to: Annotated[str | None, opt("report_to")] = None,
+    trust_remote_code: Annotated[bool, opt("trust_remote_code")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     launch = {"nproc": nproc, "strategy": strategy, "nnodes": nnodes, "node_rank": node_rank}
     launch |= {"master_addr": master_addr, "master_port": master_port}
+    launch |= {"trust_remote_code": trust_remote_code}
     sets = [*(overrides or []), *option_overrides(engine=engine, report_to=report_to, **launch)]
     cfg = load_config(config, sets)
     flags = {"resume": resume, "allow_errors": allow_errors, "overwrite": overwrite}

@@ -21,13 +21,14 @@ from moetune.errors import ConfigError
 @dataclass(frozen=True)
 class Shortcut:
     """A flag for a config field; `comma` flags take a comma list for a list field, a
-    `negate` flag (a bool switch) sets its bool field to false."""
+    `negate` flag (a bool switch) sets its bool field to false, a `switch` flag to true."""
 
     flag: str
     field: str
     what: str  # a short help phrase (the field's description is the long one)
     comma: bool = False
     negate: bool = False
+    switch: bool = False  # a bool switch that sets its bool field to true
 
 
 # Parameter name → its flag and field. Flags a command reads without setting the field
@@ -52,6 +53,12 @@ SHORTCUTS: dict[str, Shortcut] = {
         Shortcut("--stack", "lora.stack", "Training stack: peft (TRL) or mlx (mlx-lm)."),
         Shortcut("--engine", "lora.engine", "Expert LoRA engine (moetune: split LoRA)."),
         Shortcut("--experts-dtype", "model.experts_dtype", "Frozen experts (moetune engine)."),
+        Shortcut(
+            "--trust-remote-code",
+            "model.trust_remote_code",
+            "Run the checkpoint's own modeling code (read it first).",
+            switch=True,
+        ),
         Shortcut("--nproc", "train.nproc", "Processes (one per GPU), through accelerate."),
         Shortcut("--gpus", "train.nproc", "Plan each of N data-parallel GPUs."),
         Shortcut(
@@ -120,7 +127,7 @@ def option_help(name: str, what: str = "", like: bool = False) -> str:
     """The flag's help: what it does, its field (`like` it, when the flag does not set
     it), and what that field accepts."""
     cut = SHORTCUTS[name]
-    said = "false" if cut.negate else accepts(cut.field)  # a switch sets its field off
+    said = "false" if cut.negate else "true" if cut.switch else accepts(cut.field)
     # parentheses, not brackets: typer's help is rich markup, where [...] is a style tag
     return f"{what or cut.what} ({'like ' if like else ''}{cut.field}: {said})"
 
@@ -176,6 +183,8 @@ def option_overrides(**options: Any) -> list[str]:
     for name, value in options.items():
         if SHORTCUTS[name].negate:
             value = False if value else None  # the switch only ever turns its field off
+        elif SHORTCUTS[name].switch:
+            value = True if value else None  # and this one only ever turns it on
         if value is not None:
             out.append(f"{SHORTCUTS[name].field}={_yaml(checked(name, value))}")
     return out

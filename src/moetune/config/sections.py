@@ -50,6 +50,11 @@ class ModelArgs(_Section):
     experts_double_quant: bool = Field(
         False, description="nf4: quantise the absmax scales too (about 0.4 bits/param less)."
     )
+    trust_remote_code: bool = Field(
+        False,
+        description="Run the modeling code a checkpoint ships (config.json's auto_map, for a "
+        "model_type transformers lacks); it runs as Python with your user's rights.",
+    )
 
     @property
     def is_gguf(self) -> bool:

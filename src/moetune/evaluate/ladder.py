@@ -99,7 +99,8 @@ def load_model(cfg: RunConfig) -> tuple[Any, Any]:
 
     place = resolve_placement(cfg.train)
     tokenizer = load_tokenizer(cfg.model.id)
-    engine = resolve_engine(load_spec(cfg.model.id), cfg.lora, cfg.model.experts_dtype)
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
+    engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)
     model = load_weights(cfg, place, engine).to(place.device)
     model.eval()
     torch.manual_seed(cfg.train.seed)

@@ -114,7 +114,7 @@ def pod_gpu_count(cfg: RunConfig, spec: Any, card: Any) -> int:
 def launch_plan(
     cfg: RunConfig, run_id: str | None = None, accept_thin_margin: bool = False
 ) -> LaunchPlan:
-    spec = load_spec(cfg.model.id)
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     plan = moetune.plan.make_plan(spec, cfg)  # looked up on use: tests stand in for it
     measured = measured_cards(cfg.output.ledger, launch_signature(spec, cfg))
     choice = choose_card(cfg, plan, measured, accept_thin_margin)

@@ -9,6 +9,7 @@ from moetune.lint import (  # noqa: F401
     rules_dist,
     rules_infra,
     rules_mlx,
+    rules_model,
     rules_offload,
     rules_peft,
     rules_serve,

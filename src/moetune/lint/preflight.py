@@ -79,7 +79,7 @@ def lint_run(
     """Run every rule on `cfg` with its spec and its plan (on `hardware.card` when named)."""
     if cfg.model.is_gguf:
         return lint(lint_context(cfg, None, site=site)), None
-    spec = load_spec(cfg.model.id)
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     cards = [cfg.hardware.card] if cfg.hardware.card else None
     plan = make_plan(spec, cfg, cards=cards, estimator=estimator)  # type: ignore[arg-type]
     return lint(lint_context(cfg, spec, plan, site)), plan

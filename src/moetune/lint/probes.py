@@ -9,6 +9,8 @@ Heavy libraries are imported inside the probes so `moetune lint` never pays for 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata, util
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -381,3 +384,26 @@ def gradient_checkpointing_unsupported() -> ProbeOutcome:
     except ValueError as exc:
         return ProbeOutcome(True, f"jetmoe: {exc}")
     return ProbeOutcome(False, "jetmoe now supports gradient checkpointing")
+
+
+def remote_code_runs() -> ProbeOutcome:
+    """transformers' dynamic-module loader – what trust_remote_code turns on – executes a
+    checkpoint file's module-level code at import, with the user's rights."""
+    # lazy: heavy to import (transformers)
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    from transformers.utils.hub import HF_MODULES_CACHE, TRANSFORMERS_DYNAMIC_MODULE_NAME
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root, marker = Path(tmp) / f"moetune_probe_{os.getpid()}", Path(tmp) / "ran"
+        root.mkdir()
+        write = f"pathlib.Path({str(marker)!r}).write_text('ran')"
+        code = f"import pathlib\n{write}\nclass Probe:\n    pass\n"
+        (root / "probe_code.py").write_text(code, encoding="utf-8")
+        try:
+            get_class_from_dynamic_module("probe_code.Probe", str(root))
+        finally:  # the loader copied the file into its module cache
+            shutil.rmtree(Path(HF_MODULES_CACHE, TRANSFORMERS_DYNAMIC_MODULE_NAME, root.name),
+                          ignore_errors=True)  # fmt: skip
+        ran = marker.exists()
+    said = "wrote" if ran else "did not write"
+    return ProbeOutcome(ran, f"importing probe_code.Probe from a local dir {said} a file")

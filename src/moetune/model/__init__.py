@@ -20,13 +20,16 @@ from moetune.model.families import (
     Override,
     get_family,
 )
+from moetune.model.remote import prepare as prepare_remote
 from moetune.model.sources import catalog_ids, catalog_meta, resolve_config
 from moetune.model.spec import Components, ModelSpec
 
 
-def load_spec(model: str) -> ModelSpec:
-    """The spec of `model`: a local dir with config.json, a .json file, a bundled id or a hub id."""
+def load_spec(model: str, trust_remote_code: bool = False) -> ModelSpec:
+    """The spec of `model`: a local dir with config.json, a .json file, a bundled id or a hub id.
+    `trust_remote_code` runs the modeling code a checkpoint ships (model.remote)."""
     name, config = resolve_config(model)
+    prepare_remote(name, config, trust_remote_code)
     return spec_from_config(config, name)
 
 

@@ -183,10 +183,10 @@ def census() -> dict[str, str]:
     buildable as a decoder MoE, over every config type the installed transformers has
     whose config or modeling code mentions experts."""
     # lazy: heavy to import (transformers)
-    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     out: dict[str, str] = {}
-    for model_type in sorted(CONFIG_MAPPING.keys()):
+    for model_type in sorted(CONFIG_MAPPING_NAMES):  # shipped ones, not registered remote code
         if _mentions_experts(model_type):
             out[model_type] = _status(model_type)
     return out

@@ -22,6 +22,7 @@ from moetune.model.counting import (
 )
 from moetune.model.layout import ExpertsLayout, ModulePaths
 from moetune.model.read import classify_layer, find_layers, layout, outside, sum_layers, union_paths
+from moetune.model.remote import needs_remote_code, refused
 from moetune.model.sanity import check_config
 from moetune.model.spec import ModelSpec
 from moetune.model.summary import spec_of
@@ -64,6 +65,9 @@ def _config_object(model_type: str, kwargs: dict[str, Any], name: str) -> Any:
     if model_type not in CONFIG_MAPPING:
         # lazy: heavy to import (transformers)
         import transformers
+
+        if needs_remote_code(kwargs):  # its classes ship with it and were not registered
+            raise refused(name, {**kwargs, "model_type": model_type})
 
         raise UnknownFamilyError(
             f"{name}: transformers {transformers.__version__} does not know model_type "

@@ -96,8 +96,19 @@ def _catalog_lookup(model: str) -> tuple[str, dict[str, Any]] | None:
     wanted = model.strip().lower()
     for model_id, data in _catalog().items():
         if wanted in (model_id.lower(), model_id.split("/")[-1].lower()):
-            return model_id, json.loads(json.dumps(data))  # a deep copy callers may mutate
+            return model_id, _as_built(json.loads(json.dumps(data)))  # a copy to mutate
     return None
+
+
+def _as_built(data: dict[str, Any]) -> dict[str, Any]:
+    """A bundled config whose published model_type transformers lacks but whose code is a
+    shipped architecture's (`builds_as`: Kimi-K2's `kimi_k2` ships DeepSeek-V3's modeling
+    file) gets that model_type, so it builds without running the checkpoint's own code."""
+    builds_as = data[META_KEY].get("builds_as")
+    if builds_as:
+        data[META_KEY]["published_model_type"] = data["model_type"]
+        data["model_type"] = builds_as
+    return data
 
 
 # --- hub ----------------------------------------------------------------------------

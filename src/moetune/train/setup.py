@@ -181,7 +181,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     method = method_of(cfg)
     check_streaming(cfg)
     rows = check_sources(cfg.data, method.formats)  # bad data stops before any model is built
-    spec = load_spec(cfg.model.id)
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     cfg, gc_off = as_checkpointable(cfg, spec)  # jetmoe refuses it: off, and said
     check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)
