@@ -347,6 +347,7 @@ def quickstart(
     steps: Annotated[int | None, typer.Option(help="Fine-tune optimizer steps.")] = None,
     method: Annotated[str, opt("method")] = "sft",
     stack: Annotated[str, opt("stack")] = "peft",
+    seed: Annotated[int | None, opt("seed")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The whole local pipeline on the embedded tiny MoE: train, eval, gate, promote, report."""
@@ -356,7 +357,7 @@ def quickstart(
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps {steps} is not a positive number", "pass --steps N >= 1")
     method, stack = checked("method", method), checked("stack", stack)
-    given = {"out_dir": out, "steps": steps}
+    given = {"out_dir": out, "steps": steps, "seed": checked("seed", seed)}
     args = demo_args(method, stack=stack, **{k: v for k, v in given.items() if v is not None})
     summary = run_quickstart(args, progress=not as_json)
     if as_json:

@@ -39,6 +39,7 @@ SHORTCUTS: dict[str, Shortcut] = {
         Shortcut("--tuning", "train.tuning", "Fine-tuning kind (qlora: analytic)."),
         Shortcut("--method", "train.method", "Objective."),
         Shortcut("--rank", "lora.rank", "LoRA rank."),
+        Shortcut("--seed", "train.seed", "Seed (the demo's rows and eval items too)."),
         Shortcut("--seq", "train.seq_len", "Sequence length in tokens."),
         Shortcut("--batch", "train.batch_size", "Micro-batch size."),
         Shortcut(

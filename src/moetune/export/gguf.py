@@ -180,17 +180,14 @@ def converter() -> Path | None:
     return script if script is not None and script.is_file() else None
 
 
+VOCAB_RUNNER = Path(__file__).with_name("gguf_vocab.py")
+
+
 def convert(script: Path, model_dir: Path, outfile: Path) -> None:
-    """Run llama.cpp's converter (float32, so the check compares the weights themselves)."""
-    cmd = [
-        sys.executable,
-        str(script),
-        str(model_dir),
-        "--outfile",
-        str(outfile),
-        "--outtype",
-        "f32",
-    ]
+    """Run llama.cpp's converter (float32, so the check compares the weights themselves)
+    through gguf_vocab.py, which writes a character tokenizer's vocabulary the converter
+    refuses (its pre-tokenizer hash is unknown to it) and leaves everything else to it."""
+    cmd = [sys.executable, str(VOCAB_RUNNER), str(script.parent), str(model_dir), str(outfile)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]

@@ -1,0 +1,70 @@
+"""Opt-in (`-m interop`): `moetune export --format gguf` on an adapter of the demo base, with
+llama.cpp's converter (MOETUNE_LLAMA_CPP, e.g. the llama-cpp-python sdist's vendor/llama.cpp).
+
+The stock converter refuses the demo's character tokenizer (unknown BPE pre-tokenizer);
+the export converts the base and the merged model all the same, with the vocabulary moetune
+writes. Where llama-cpp-python's venv is there too (MOETUNE_LLAMACPP_PYTHON), llama.cpp
+serves base.gguf + adapter.gguf and the check's floor is llama.cpp's own base error."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import pytest
+from typer.testing import CliRunner
+
+from export_fixtures import PROMPTS, make_adapter
+from moetune.cli import app
+from moetune.config import dump_config, parse_config
+from moetune.demo.base import SHIPPED_DIR
+from moetune.export.check import BASE_FACTOR, TOLERANCE
+
+LLAMA_CPP = os.environ.get("MOETUNE_LLAMA_CPP", "")
+
+pytestmark = [
+    pytest.mark.interop,
+    pytest.mark.filterwarnings("ignore"),
+    pytest.mark.skipif(
+        not (Path(LLAMA_CPP) / "convert_hf_to_gguf.py").is_file(),
+        reason="needs llama.cpp's converter (MOETUNE_LLAMA_CPP=<llama.cpp dir>)",
+    ),
+]
+
+
+def _demo_run(root: Path) -> Path:
+    run = root / "run-demo"
+    make_adapter(SHIPPED_DIR, run / "adapter", scale=0.1)
+    data = root / "eval.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in PROMPTS))
+    cfg = parse_config(
+        {
+            "model": {"id": str(SHIPPED_DIR), "dtype": "float32"},
+            "output": {"dir": str(run), "ledger": str(root / "ledger.jsonl")},
+            "eval": {"rungs": [{"name": "skills", "kind": "exact_match", "data": str(data)}]},
+        }
+    )
+    (run / "config.yaml").write_text(dump_config(cfg))
+    return run
+
+
+def test_the_demo_base_converts_and_its_floor_is_llamacpps_own_error(tmp_path: Path) -> None:
+    out = tmp_path / "gguf"
+    args = ["export", str(_demo_run(tmp_path)), "--format", "gguf", "--out", str(out), "--json"]
+    got = CliRunner().invoke(app, args)
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.stdout)
+    assert {"adapter.gguf", "base.gguf", "merged.gguf"} <= set(doc["files"])
+    base = gguf.GGUFReader(str(out / "base.gguf"))
+    assert base.fields["tokenizer.ggml.pre"].contents() == "default"
+    assert len(base.fields["tokenizer.ggml.tokens"].contents()) == 48
+    check = doc["check"]
+    if "skipped" in check:  # no llama-cpp-python venv here: converted, not served
+        assert "llama.cpp is not installed here" in check["skipped"]
+        return
+    assert check["passed"], check["reason"]
+    assert check["base_error"] is not None and check["logits_rel"] < 1e-3
+    floor = max(TOLERANCE["float32"], BASE_FACTOR * check["base_error"])
+    assert check["tolerance"] == pytest.approx(floor)
