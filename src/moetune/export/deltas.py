@@ -22,7 +22,7 @@ import torch
 
 from moetune.errors import clip
 from moetune.export.registry import ExportError
-from moetune.model.derive import causal_lm_class
+from moetune.model.derive import checkpoint_class
 
 PREFIX = "base_model.model."
 
@@ -50,7 +50,7 @@ def meta_base(base: str) -> Any:
     config = AutoConfig.from_pretrained(base)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return causal_lm_class(config)._from_config(config)
+        return checkpoint_class(config)._from_config(config)
 
 
 def lora_targets(adapter_dir: Path, base: str) -> list[LoraTarget]:

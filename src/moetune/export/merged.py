@@ -27,7 +27,7 @@ from moetune.export.registry import (
     Source,
     register,
 )
-from moetune.model.derive import causal_lm_class
+from moetune.model.derive import checkpoint_class
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = (
@@ -59,7 +59,7 @@ def load_base(base: str, dtype: torch.dtype) -> Any:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cls = causal_lm_class(AutoConfig.from_pretrained(base))
+        cls = checkpoint_class(AutoConfig.from_pretrained(base))
         model, info = cls.from_pretrained(base, dtype=dtype, output_loading_info=True)
     if info["missing_keys"]:
         raise ExportError(

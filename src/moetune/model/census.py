@@ -15,6 +15,7 @@ from typing import Any
 from moetune.errors import MoetuneError
 from moetune.model.counting import quiet_transformers
 from moetune.model.derive import derive
+from moetune.model.multimodal import text_dict, text_keys
 from moetune.model.textlm import modeling_module
 
 # tiny values by field name (set where the config has the field)
@@ -78,10 +79,10 @@ def _cut(per_layer: list[Any] | str, layers: int) -> list[Any] | str:
     return "".join(kept) if isinstance(per_layer, str) else kept
 
 
-def shrink(values: dict[str, Any]) -> dict[str, Any]:
+def shrink(values: dict[str, Any], max_layers: int = MAX_LAYERS) -> dict[str, Any]:
     """A tiny copy of a config dict: sizes shrunk, layer lists cut to at most 4 layers."""
     old_layers = next((values[k] for k in _LAYER_FIELDS if isinstance(values.get(k), int)), 0)
-    layers = min(old_layers, MAX_LAYERS) if old_layers else 0
+    layers = min(old_layers, max_layers) if old_layers else 0
     out: dict[str, Any] = {}
     for key, value in values.items():
         if value is None:
@@ -92,7 +93,12 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = layers
         elif isinstance(value, int):
             out[key] = _shrink_int(key, value)
-        elif isinstance(value, list | str) and old_layers > layers and len(value) == old_layers:
+        elif (
+            isinstance(value, list | str)
+            and old_layers > layers
+            and len(value) == old_layers
+            and (isinstance(value, list) or "pattern" in key)  # not a name of that length
+        ):
             out[key] = _cut(value, layers)  # per-layer lists / patterns
         elif (
             isinstance(value, list)
@@ -133,6 +139,9 @@ def shrunk_config(model_type: str) -> dict[str, Any]:
     out = shrink(defaults)
     if isinstance(defaults.get("text_config"), dict):
         out["text_config"] = shrink(defaults["text_config"])
+    for key, value in defaults.items():  # a language model one level down (omni thinkers)
+        if isinstance(value, dict) and isinstance(value.get("text_config"), dict):
+            out[key] = {**value, "text_config": shrink(value["text_config"])}
     _merge(out, _OVERRIDES.get(model_type, {}))
     for key in ("transformers_version", "architectures"):
         out.pop(key, None)
@@ -236,3 +245,52 @@ def _status(model_type: str) -> str:
     if not derived.spec.is_moe:
         return "builds without routed experts at its defaults"
     return "multimodal" if derived.spec.model_type != model_type else "moe"
+
+
+# tower fields whose width must be the language model's hidden size (the projector's output)
+_TEXT_WIDTHS = ("out_hidden_size", "text_hidden_size", "output_dim", "thinker_hidden_size")
+_TOWER_DEPTHS = ("depth", "encoder_layers")
+
+
+def tiny_multimodal_config(model_type: str) -> dict[str, Any]:
+    """`shrunk_config` of a multimodal type with its towers tiny too (one layer each, every
+    sub-config transformers leaves unset filled in): a checkpoint of transformers' own
+    multimodal class that builds and trains in seconds."""
+    # lazy: heavy to import (transformers)
+    from transformers import CONFIG_MAPPING
+
+    out = shrunk_config(model_type)
+    with quiet_transformers():
+        for name, sub in (getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {}).items():
+            if out.get(name) is None and isinstance(sub, type):  # e.g. gemma4's vision tower
+                out[name] = shrink(sub().to_dict())
+    keep = text_keys(out)
+    hidden = text_dict(out).get("hidden_size", _TINY["hidden_size"])
+    return _tiny_towers(out, keep, hidden)
+
+
+def _tiny_towers(values: dict[str, Any], keep: tuple[str, ...], hidden: int) -> dict[str, Any]:
+    out = dict(values)
+    for key, value in values.items():
+        if not (key.endswith("_config") and isinstance(value, dict)):
+            continue
+        if keep and key == keep[0]:  # the language model (or the sub-model holding it)
+            out[key] = value if len(keep) == 1 else _tiny_towers(value, keep[1:], hidden)
+        else:
+            out[key] = _tiny_tower(value, hidden)
+    return out
+
+
+def _tiny_tower(values: dict[str, Any], hidden: int) -> dict[str, Any]:
+    """A tower (or a talker, its sub-configs included) cut to one layer."""
+    out = shrink(values, max_layers=1)
+    for key, value in out.items():
+        if key.endswith("_config") and isinstance(value, dict):
+            out[key] = _tiny_tower(value, hidden)
+        elif key in _TOWER_DEPTHS and isinstance(value, int):
+            out[key] = 1
+        elif key in _TEXT_WIDTHS and isinstance(value, int):
+            out[key] = hidden
+        elif key.endswith(("indexes", "indices")) and isinstance(value, list):
+            out[key] = [i for i in value if isinstance(i, int) and i < 1]
+    return out

@@ -21,6 +21,7 @@ from moetune.model.counting import (
     quiet_transformers,
 )
 from moetune.model.layout import ExpertsLayout, ModulePaths
+from moetune.model.multimodal import multimodal_class, text_config_of, text_path
 from moetune.model.read import classify_layer, find_layers, layout, outside, sum_layers, union_paths
 from moetune.model.remote import needs_remote_code, refused
 from moetune.model.sanity import check_config
@@ -78,10 +79,9 @@ def _config_object(model_type: str, kwargs: dict[str, Any], name: str) -> Any:
 
 
 def _text_config(config: Any) -> Any:
-    """The language model's config: `text_config` of a multimodal checkpoint, else itself."""
-    sub = getattr(type(config), "sub_configs", None) or {}
-    text = getattr(config, "text_config", None) if "text_config" in sub else None
-    return text if text is not None else config
+    """The language model's config: `text_config` of a multimodal checkpoint (or of its
+    thinker's), else itself."""
+    return text_config_of(config)
 
 
 def checkpointing_refused(config: Any) -> str | None:
@@ -108,11 +108,37 @@ def causal_lm_class(config: Any) -> Any:
     if base is not None:  # a multimodal checkpoint's language model: its text model + head
         config_cls: Any = type(config)
         return text_lm_class(config_cls, base)
+    if text_path(config):  # the multimodal class loads it (checkpoint_class)
+        raise UnknownFamilyError(
+            f"{config.model_type!r} is a multimodal checkpoint: this step builds the causal "
+            f"LM of a text checkpoint, not {type(config).__name__}'s multimodal class",
+            "train it without train.offload, model.experts_dtype or several ranks (the "
+            "plain load trains a multimodal checkpoint in its own layout)",
+        )
     raise UnknownFamilyError(
         f"transformers has no causal-LM class for {config.model_type!r} (encoder-decoder "
         "or encoder-only models cannot be fine-tuned as a decoder)",
         "pick a decoder model; moetune fine-tunes causal language models",
     )
+
+
+def checkpoint_class(config: Any) -> Any:
+    """The class a checkpoint with this (top-level) config loads as in its own key layout:
+    transformers' multimodal class where it has one (towers and all), else the causal LM."""
+    # lazy: heavy to import (torch)
+    from torch import nn
+
+    cls = multimodal_class(config)
+    if cls is None:
+        return causal_lm_class(config)
+    if cls.forward is nn.Module.forward:  # Qwen3-Omni's: thinker and talker run from generate
+        inner = ".".join(k.removesuffix("_config") for k in text_path(config)[:-1])
+        raise UnknownFamilyError(
+            f"transformers' {cls.__name__} has no forward of its own (only generate): it "
+            "cannot be trained as one model",
+            f"train its {inner or 'language model'} alone (that sub-model's save_pretrained)",
+        )
+    return cls
 
 
 @cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.errors import ConfigError
+from moetune.model.multimodal import text_dict
 
 # fields every decoder config must state itself, and the largest value a real model has
 # had (with room): a value past these is a typo, not a model
@@ -28,7 +29,7 @@ LIMITS = {
 
 def check_config(raw: dict[str, Any], config: Any, name: str) -> None:
     """ConfigError naming the field when a size is missing, not positive or absurd."""
-    _check_present(_text_dict(raw), config, name)
+    _check_present(text_dict(raw), config, name)
     for field, limit in LIMITS.items():
         value = _read(config, field)
         if value is None:
@@ -39,11 +40,6 @@ def check_config(raw: dict[str, Any], config: Any, name: str) -> None:
                 f"{name}: config.json has {field}={value:,}; it must be {bound}",
                 f"correct {field} in config.json",
             )
-
-
-def _text_dict(raw: dict[str, Any]) -> dict[str, Any]:
-    text = raw.get("text_config")
-    return text if isinstance(text, dict) else raw
 
 
 def _check_present(raw: dict[str, Any], config: Any, name: str) -> None:

@@ -32,6 +32,7 @@ from moetune.config import LoraArgs
 from moetune.errors import RecipeError
 from moetune.model import build_model
 from moetune.model.families import Family, get_family
+from moetune.model.layers import layers_prefix
 from moetune.model.spec import ModelSpec
 from moetune.recipe.audit import (
     PARTS,
@@ -199,8 +200,44 @@ def peft_targets(spec: ModelSpec, lora: LoraArgs) -> PeftTargets:
     return targets
 
 
-def build_peft_config(spec: ModelSpec, lora: LoraArgs) -> LoraConfig:
-    """A fresh peft LoraConfig for `lora` on `spec`.
+def scoped(targets: PeftTargets, model: nn.Module, prefix: str) -> PeftTargets:
+    """`targets` named by full path under the decoder layers at `prefix` (a multimodal
+    checkpoint's language model, whose towers may have Linears of the same names). peft
+    rewrites target names by the *checkpoint's* model type (peft_name_map) and resolves a
+    regex to bare leaf names, so each target is one full path: a module, or – where peft
+    would rewrite its name – its `.weight`."""
+    rewritten = peft_name_map(str(getattr(model.config, "model_type", "")))
+    layers: Any = model.get_submodule(prefix)  # a ModuleList
+    modules: list[str] = []
+    params: list[str] = []
+    for i, layer in enumerate(layers):
+        for name, _ in layer.named_modules():
+            if name and _suffix_in(name, targets.modules):
+                full = f"{prefix}.{i}.{name}"
+                if _leaf(name) in rewritten:
+                    params.append(f"{full}.weight")
+                else:
+                    modules.append(full)
+        params += [
+            f"{prefix}.{i}.{n}"
+            for n, _ in layer.named_parameters()
+            if _suffix_in(n, targets.parameters)
+        ]
+    experts = tuple(p for p in params if _suffix_in(p, targets.experts))
+    return PeftTargets(tuple(modules), tuple(params), tuple(params), experts)
+
+
+def _suffix_in(name: str, targets: tuple[str, ...]) -> bool:
+    """peft's list match: the name itself or a `.`-separated suffix of it."""
+    return any(name == t or name.endswith(f".{t}") for t in targets)
+
+
+def build_peft_config(
+    spec: ModelSpec, lora: LoraArgs, model: nn.Module | None = None
+) -> LoraConfig:
+    """A fresh peft LoraConfig for `lora` on `spec`; given the `model` it will wrap, where
+    that is not the spec's text model (a multimodal checkpoint's own class), the targets
+    are named by full path under its language model's decoder layers.
 
     Note that `get_peft_model` rewrites the config it is given in place on transformers 5
     models; pass a copy if the original must stay as written.
@@ -209,6 +246,11 @@ def build_peft_config(spec: ModelSpec, lora: LoraArgs) -> LoraConfig:
     from peft import LoraConfig
 
     targets = peft_targets(spec, lora)
+    family = get_family(spec.model_type)
+    prefix = layers_prefix(model, spec, family) if model is not None else family.layers_prefix
+    if model is not None and prefix != family.layers_prefix:
+        targets = scoped(targets, _base(model), prefix)
+        _check_dropout(spec, lora, targets)
     stacks = targets.experts if lora.effective_expert_rank != lora.rank else ()
     return LoraConfig(
         r=lora.rank,
@@ -225,6 +267,11 @@ def build_peft_config(spec: ModelSpec, lora: LoraArgs) -> LoraConfig:
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+def _base(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
 
 
 def _alpha(value: float) -> Any:

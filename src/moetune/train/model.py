@@ -14,7 +14,7 @@ import torch
 
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
-from moetune.model.derive import causal_lm_class, ensure_backbone
+from moetune.model.derive import checkpoint_class, ensure_backbone
 from moetune.recipe.audit import audit_coverage
 from moetune.recipe.targets import build_peft_config, peft_notes
 from moetune.train import sharded_load
@@ -52,7 +52,7 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
         return sharded_load.note_loaded(sharded_load.meta_base(cfg.model.id, dtype))
     try:
         with quiet():
-            cls: Any = causal_lm_class(AutoConfig.from_pretrained(cfg.model.id))
+            cls: Any = checkpoint_class(AutoConfig.from_pretrained(cfg.model.id))  # own layout
             loaded: Any = cls.from_pretrained(cfg.model.id, dtype=dtype, output_loading_info=True)
             model, info = loaded
             ensure_backbone(model)
@@ -140,7 +140,8 @@ def wrap_lora(
 
     set_seed(cfg.train.seed)  # the LoRA A matrices are initialised here
     quant = model.__dict__.get(_QUANT_REPORT)
-    config = build_peft_config(setup.spec, cfg.lora)
+    # given the model: a multimodal checkpoint's class gets LoRA on its language model only
+    config = build_peft_config(setup.spec, cfg.lora, model)
     with warnings.catch_warnings(record=True) as caught, peft_targets(model):
         warnings.simplefilter("always")
         # a fresh config each time: get_peft_model rewrites the one it is given;
