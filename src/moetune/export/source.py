@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import load_config
+from moetune.data.files import read_rows
 from moetune.errors import clip
 from moetune.export.registry import ExportError, Source
-from moetune.data.files import read_rows
 from moetune.train.errors import DataError
 from moetune.train.recovery import checkpoint_problem
 
