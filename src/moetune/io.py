@@ -10,12 +10,16 @@ The masker knows secrets three ways: values registered once per process (every
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
+import socket
+import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +139,64 @@ def tree_digest(digests: dict[str, str]) -> str:
     for name, digest in sorted(digests.items()):
         h.update(f"{name}\0{digest}\n".encode())
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------- one writer at a time
+
+
+class Held(Exception):
+    """Another process holds the lock; `holder` is its record ({} while being written)."""
+
+    def __init__(self, holder: dict[str, Any]) -> None:
+        super().__init__(str(holder))
+        self.holder = holder
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[dict[str, Any]]:
+    """`flock` on `path` (made if missing) for the block, yielding this process's record
+    (pid, host, start time), written into the file. The kernel drops the lock however its
+    holder ends (kill -9 included), so a stale file is taken over; a clean release removes
+    it. Raises Held, or the OSError that kept the file from being made, before the block."""
+    fd = _acquire(path)
+    try:
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        yield holder
+    finally:
+        with contextlib.suppress(OSError):
+            if _same_file(fd, path):  # still ours: remove it before letting go
+                path.unlink()
+        os.close(fd)
+
+
+def _acquire(path: Path) -> int:
+    """An fd of `path` with the lock held; retried when a releasing holder unlinked it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Held(read_holder(path)) from None
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)  # locked a file its holder had just removed: take the new one
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == path.stat().st_ino
+    except FileNotFoundError:
+        return False
+
+
+def read_holder(path: Path) -> dict[str, Any]:
+    """A lock's holder record; {} while it is being written or when unreadable."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -23,7 +22,7 @@ from typing import Any
 
 from moetune.errors import clip, os_problem
 from moetune.export.registry import ExportError
-from moetune.io import atomic_write_text
+from moetune.io import Held, atomic_write_text, exclusive
 from moetune.units import human_bytes
 
 UNCHECKED = "UNCHECKED"  # marker file in an export whose served == trained check has not run
@@ -48,43 +47,19 @@ def temp_dir(out: Path) -> Path:
 def hold_out(out: Path) -> Iterator[None]:
     """Hold `--out` exclusively for the block; a second export to it is refused, one line.
     A clean release removes the lock file (a waiting writer then locks a fresh one)."""
-    path = out.resolve().parent / f"{_stem(out)}.lock"
-    fd = _acquire(path, out)
+    path, stack = out.resolve().parent / f"{_stem(out)}.lock", contextlib.ExitStack()
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            if os.fstat(fd).st_ino == path.stat().st_ino:
-                path.unlink()
-        os.close(fd)
-
-
-def _acquire(path: Path, out: Path) -> int:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder(fd)
-                os.close(fd)
-                raise ExportError(
-                    f"another moetune export is writing {clip(out, 80)} (pid {holder})",
-                    "wait for it to finish, or pass another --out",
-                ) from None
-            with contextlib.suppress(FileNotFoundError):
-                if os.fstat(fd).st_ino == path.stat().st_ino:
-                    return fd
-            os.close(fd)  # its holder removed it as we locked it: lock the new one
+        stack.enter_context(exclusive(path))
+    except Held as held:
+        raise ExportError(
+            f"another moetune export is writing {clip(out, 80)} "
+            f"(pid {held.holder.get('pid', 'unknown')})",
+            "wait for it to finish, or pass another --out",
+        ) from None
     except OSError as err:
         raise unwritable(out, err) from None
-
-
-def _holder(fd: int) -> str:
-    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    with stack:
+        yield
 
 
 def unwritable(out: Path, err: OSError) -> ExportError:
