@@ -65,10 +65,15 @@ def make_adapter(
 
 
 def make_run(
-    root: Path, variant: str, base_over: dict[str, Any] | None = None, **adapter: Any
+    root: Path,
+    variant: str,
+    base_over: dict[str, Any] | None = None,
+    base: Path | None = None,
+    **adapter: Any,
 ) -> Path:
-    """A run dir like `moetune train` leaves: config.yaml, adapter/, and its eval items."""
-    base = make_base(root, variant, **(base_over or {}))
+    """A run dir like `moetune train` leaves: config.yaml, adapter/, and its eval items
+    (on `base` when given, else a tiny base of `variant`)."""
+    base = base or make_base(root, variant, **(base_over or {}))
     run = root / f"run-{variant}"
     make_adapter(base, run / "adapter", **adapter)
     data = root / "eval.jsonl"

@@ -16,9 +16,8 @@ import gguf
 import pytest
 from typer.testing import CliRunner
 
-from export_fixtures import PROMPTS, make_adapter
+from export_fixtures import make_run
 from moetune.cli import app
-from moetune.config import dump_config, parse_config
 from moetune.demo.base import SHIPPED_DIR
 from moetune.export.check import BASE_FACTOR, TOLERANCE
 
@@ -35,19 +34,7 @@ pytestmark = [
 
 
 def _demo_run(root: Path) -> Path:
-    run = root / "run-demo"
-    make_adapter(SHIPPED_DIR, run / "adapter", scale=0.1)
-    data = root / "eval.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in PROMPTS))
-    cfg = parse_config(
-        {
-            "model": {"id": str(SHIPPED_DIR), "dtype": "float32"},
-            "output": {"dir": str(run), "ledger": str(root / "ledger.jsonl")},
-            "eval": {"rungs": [{"name": "skills", "kind": "exact_match", "data": str(data)}]},
-        }
-    )
-    (run / "config.yaml").write_text(dump_config(cfg))
-    return run
+    return make_run(root, "demo", base=SHIPPED_DIR, scale=0.1)
 
 
 def test_the_demo_base_converts_and_its_floor_is_llamacpps_own_error(tmp_path: Path) -> None:
