@@ -194,3 +194,20 @@ def test_with_nothing_to_count_the_watchdog_falls_back_to_six_hours(tmp_path: Pa
     walls = json.loads(out.stdout)["walls"]
     assert walls["watchdog_s"] == W.DEFAULT_WATCHDOG_S == 21_600
     assert walls["estimated_train_s"] is None and "6 h floor" in walls["why"]["watchdog_s"]
+
+
+def test_without_steps_rows_of_every_source_count_by_weight(
+    run: tuple[RunConfig, Any], tmp_path: Path
+) -> None:
+    _, spec = run
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(40)))
+    b.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(30)))
+    sources = json.dumps([{"path": str(a), "weight": 2}, {"path": str(b), "max_rows": 10}])
+    cfg = _cfg(f"data.sources={sources}", "data.eval_fraction=0.1")
+    est = estimate(spec, cfg, get_card("H200"))
+    rows = round((40 * 2 + 10) * 0.9)  # 81 rows the mix trains on
+    t = cfg.train
+    steps = math.ceil(rows / (t.batch_size * t.grad_accum)) * t.epochs
+    assert f"{rows} rows → {steps} steps" in est.basis
+    assert est.training_tokens == steps * t.batch_size * t.grad_accum * t.seq_len

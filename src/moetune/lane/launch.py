@@ -81,7 +81,7 @@ def size_walls(cfg: RunConfig, spec: Any, plan: Any, est: Estimate) -> tuple[Wal
     else:
         watchdog = W.DEFAULT_WATCHDOG_S
         watchdog_why = (
-            "no token count (set train.max_steps, or a local text train_file): "
+            "no token count (set train.max_steps, or local text data files): "
             f"the {W.DEFAULT_WATCHDOG_S / 3600:g} h floor"
         )
     floor = spec.total_params >= W.LARGE_MODEL_PARAMS

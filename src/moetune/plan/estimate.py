@@ -14,6 +14,7 @@ the time it gives errs long, never short.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -86,21 +87,37 @@ def _text_bytes(path: str | None) -> int | None:
 
 def token_count(cfg: RunConfig) -> Tokens | None:
     """Steps × batch × accumulation × sequence length when the steps are known (set, or
-    from the rows); else the data's bytes over BYTES_PER_TOKEN; else None."""
+    from the rows of every source, by weight); else the data's bytes over BYTES_PER_TOKEN;
+    else None (a hub id, a folder, parquet: nothing to count without reading it)."""
     t = cfg.train
     per_step = t.batch_size * t.grad_accum * t.seq_len
     if t.max_steps is not None:
         return Tokens(t.max_steps * per_step, f"{t.max_steps} steps × {per_step} tokens")
-    rows = _rows(cfg.data.train_file)
+    rows = _weighted(cfg, _rows)
     if rows is not None:
         steps = math.ceil(rows / (t.batch_size * t.grad_accum)) * t.epochs
         return Tokens(int(steps * per_step), f"{rows} rows → {steps} steps × {per_step} tokens")
-    size = _text_bytes(cfg.data.train_file)
+    size = _weighted(cfg, _text_bytes)
     if size is None:
         return None
     count = math.ceil(size / BYTES_PER_TOKEN * t.epochs)
     why = f"{size:,} bytes / {BYTES_PER_TOKEN} bytes per token (BPE; no tokenizer) × {t.epochs:g}"
     return Tokens(count, why + " epochs")
+
+
+def _weighted(cfg: RunConfig, measure: Callable[[str | None], int | None]) -> int | None:
+    """`measure` (rows or bytes) summed over the training sources as the mix takes them
+    (each × its weight, rows capped by max_rows, less the eval fraction); None when any
+    source cannot be measured."""
+    total = 0.0
+    for src in cfg.data.train_sources():
+        got = measure(src.path)
+        if got is None:
+            return None
+        if src.max_rows and measure is _rows:
+            got = min(got, src.max_rows)
+        total += got * src.weight
+    return round(total * (1 - cfg.data.eval_fraction)) or None
 
 
 def training_tokens(cfg: RunConfig) -> int | None:
