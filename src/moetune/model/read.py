@@ -126,13 +126,13 @@ def _part_paths(
             continue
         if module.__class__ is nn.Linear and module.out_features == 1:
             continue  # a scalar gate (qwen2_moe's shared_expert_gate), not a projection
-        if isinstance(module, nn.Linear) and not per_token_linear(module):
+        if kind == "routers" and mpath in routers:  # a router is read, never a LoRA target
+            paths["router"].append(_weight_holder(module, mpath))
+        elif isinstance(module, nn.Linear) and not per_token_linear(module):
             paths["not_targeted"].append(mpath)  # peft's LoRA would not match its output
         elif isinstance(module, nn.Linear) and kind in ("attention", "dense_mlp", "shared_experts"):
             path = _leaf_if_unique(layer, mpath) if kind == "attention" else mpath
             paths[{"shared_experts": "shared"}.get(kind, kind)].append(path)
-        elif kind == "routers" and mpath in routers:
-            paths["router"].append(_weight_holder(module, mpath))
     for epath, module in experts:
         paths["expert_params"] += [f"{epath}.{n}" for n in _stack_names(module)]
     return paths
