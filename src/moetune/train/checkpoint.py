@@ -202,6 +202,9 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+RECORD_KEYS = ("output.ledger", "eval.results_dir")
+
+
 def config_diff(old_yaml: str, cfg: RunConfig, root: Path | None = None) -> list[str]:
     """'key (old -> new)' for every field that differs between a saved and a new config;
     with `root`, the saved one's paths as found from the run dir (config/paths.py)."""
@@ -216,8 +219,10 @@ def config_diff(old_yaml: str, cfg: RunConfig, root: Path | None = None) -> list
     # a field added since the run started, left at its default, changes nothing
     defaults = _flatten(yaml.safe_load(dump_config(RunConfig())))
     added = {k for k in new.keys() - old.keys() if k in defaults and new[k] == defaults[k]}
-    # NODE_KEYS: where a node runs (its rank, node 0's address), not what the run trains
-    compared = (old.keys() | new.keys() - added) - set(NODE_KEYS)
+    # NODE_KEYS: where a node runs (its rank, node 0's address), and RECORD_KEYS: where the
+    # attempt is recorded (a resumed lane run's new pod has its own ledger) – not what the
+    # run trains
+    compared = (old.keys() | new.keys() - added) - set(NODE_KEYS) - set(RECORD_KEYS)
     keys = sorted(k for k in compared if old.get(k) != new.get(k))
     return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys]
 
