@@ -138,7 +138,11 @@ def test_more_ranks_than_gpus_are_refused(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(TrainError, match="has 2 GPU"):
         N.check_devices(cfg.train, "cuda")
-    N.check_devices(cfg.train, "cpu")  # CPU ranks share the cores
+    monkeypatch.setattr(N.os, "sched_getaffinity", lambda pid: set(range(8)))
+    N.check_devices(cfg.train, "cpu")  # CPU ranks: one core each, 8 here
+    monkeypatch.setattr(N.os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(TrainError, match="use 2 core"):
+        N.check_devices(cfg.train, "cpu")
     N.check_devices(_cfg(tiny, tmp_path / "run", nproc=2).train, "cuda")
 
 

@@ -306,8 +306,8 @@ def test_incomplete_coverage_refuses_to_train(files, tmp_path, monkeypatch):
 
     real = targets.build_peft_config
 
-    def attention_only(spec, lora):
-        config = real(spec, lora)
+    def attention_only(spec, lora, model=None):
+        config = real(spec, lora, model)
         config.target_parameters = None  # the fused expert stacks silently get no LoRA
         return config
 
