@@ -93,11 +93,11 @@ def token_count(cfg: RunConfig) -> Tokens | None:
     per_step = t.batch_size * t.grad_accum * t.seq_len
     if t.max_steps is not None:
         return Tokens(t.max_steps * per_step, f"{t.max_steps} steps × {per_step} tokens")
-    rows = _weighted(cfg, _rows)
+    rows = _weighted(cfg, _rows, cap_rows=True)
     if rows is not None:
         steps = math.ceil(rows / (t.batch_size * t.grad_accum)) * t.epochs
         return Tokens(int(steps * per_step), f"{rows} rows → {steps} steps × {per_step} tokens")
-    size = _weighted(cfg, _text_bytes)
+    size = _weighted(cfg, _text_bytes, cap_rows=False)
     if size is None:
         return None
     count = math.ceil(size / BYTES_PER_TOKEN * t.epochs)
@@ -105,16 +105,18 @@ def token_count(cfg: RunConfig) -> Tokens | None:
     return Tokens(count, why + " epochs")
 
 
-def _weighted(cfg: RunConfig, measure: Callable[[str | None], int | None]) -> int | None:
+def _weighted(
+    cfg: RunConfig, measure: Callable[[str | None], int | None], *, cap_rows: bool
+) -> int | None:
     """`measure` (rows or bytes) summed over the training sources as the mix takes them
-    (each × its weight, rows capped by max_rows, less the eval fraction); None when any
-    source cannot be measured."""
+    (each × its weight, capped by max_rows when `cap_rows` – a count of rows –, less the
+    eval fraction); None when any source cannot be measured."""
     total = 0.0
     for src in cfg.data.train_sources():
         got = measure(src.path)
         if got is None:
             return None
-        if src.max_rows and measure is _rows:
+        if src.max_rows and cap_rows:
             got = min(got, src.max_rows)
         total += got * src.weight
     return round(total * (1 - cfg.data.eval_fraction)) or None
