@@ -123,6 +123,21 @@ class TinyRemoteExperts(nn.Module):
         return out
 
 
+def expert_list(config):
+    """Routed experts as DeepSeek-MoE 16B ships them: a plain ModuleList of MLPs."""
+    h, i = config.hidden_size, config.moe_intermediate_size
+    return nn.ModuleList(TinyRemoteMLP(h, i) for _ in range(config.n_routed_experts))
+
+
+def run_expert_list(experts, x, index, weight):
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        token, slot = torch.where(index == e)
+        if token.numel():
+            out.index_add_(0, token, expert(x[token]) * weight[token, slot, None])
+    return out
+
+
 class TinyRemoteGate(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -139,14 +154,16 @@ class TinyRemoteMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.gate = TinyRemoteGate(config)
-        self.experts = TinyRemoteExperts(config)
+        self.as_list = getattr(config, "experts_as_list", False)
+        self.experts = expert_list(config) if self.as_list else TinyRemoteExperts(config)
         inner = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = TinyRemoteMLP(config.hidden_size, inner)
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         index, weight = self.gate(flat)
-        routed = self.experts(flat, index, weight).view_as(x)
+        run = run_expert_list if self.as_list else lambda e, *a: e(*a)
+        routed = run(self.experts, flat, index, weight).view_as(x)
         return routed + self.shared_experts(x)
 
 
@@ -230,14 +247,14 @@ SIZES = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48,
          "first_k_dense_replace": 1}  # fmt: skip
 
 
-def write_checkpoint(out: Path, weights: bool = False) -> Path:
-    """A remote-code checkpoint dir: its two code files, config.json with auto_map, and
-    (weights) random fp32 weights with the demo's character tokenizer."""
+def write_checkpoint(out: Path, weights: bool = False, **extra: object) -> Path:
+    """A remote-code checkpoint dir: its two code files, config.json with auto_map (and
+    `extra` fields), and (weights) random fp32 weights with the demo's character tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "configuration_tiny_remote.py").write_text(CONFIGURATION, encoding="utf-8")
     (out / "modeling_tiny_remote.py").write_text(MODELING, encoding="utf-8")
     config = {"model_type": MODEL_TYPE, "architectures": ["TinyRemoteForCausalLM"],
-              "auto_map": AUTO_MAP, **SIZES}  # fmt: skip
+              "auto_map": AUTO_MAP, **SIZES, **extra}  # fmt: skip
     if weights:
         from moetune.demo.tokenizer import build_tokenizer
 
@@ -327,6 +344,38 @@ def test_three_training_steps_save_an_adapter(tmp_path: Path) -> None:
     saved = json.loads((adapter / "adapter_config.json").read_text())
     assert any("experts" in p for p in saved["target_parameters"])
     assert (adapter / "adapter_model.safetensors").stat().st_size > 0
+
+
+def test_experts_as_a_module_list_train_every_expert(tmp_path: Path) -> None:
+    """DeepSeek-MoE 16B's own layout: routed experts as a ModuleList of MLPs (three Linears
+    each), a router that is a bare weight. Counted the same, LoRA on all 3 Linears of every
+    expert (24 in 2 layers), the router left alone, three steps at coverage 1."""
+    from moetune.train.trainer import train
+    from test_train_helpers import one_thread, reverse_rows, run_config, write_jsonl
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", weights=True, experts_as_list=True)
+    runner = CliRunner()
+    inspect = runner.invoke(app, ["inspect", str(ckpt), "--trust-remote-code", "--json"])
+    assert inspect.exit_code == 0, inspect.output
+    spec = json.loads(inspect.stdout)
+    assert spec["components"]["routed_experts"] == 2 * 4 * 3 * 16 * 32
+    assert spec["total_params"] == _expected_total(vocab=spec["vocab_size"])
+    recipe = runner.invoke(app, ["recipe", str(ckpt), "--trust-remote-code", "--json"])
+    assert recipe.exit_code == 0, recipe.output
+    peft = json.loads(recipe.stdout)
+    assert peft["coverage"]["coverage"] == 1.0 and not peft["coverage"]["router_adapted"]
+    assert peft["coverage"]["by_kind"]["experts"] == {"adapted": 24, "expected": 24}
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(12))
+    cfg = run_config(ckpt, data, tmp_path / "run", max_steps=3, save_steps=3, seq_len=16)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"trust_remote_code": True})})
+    with one_thread():
+        result = train(cfg, progress=False)
+    assert (result.steps, result.coverage, result.router_changed) == (3, 1.0, False)
+    from safetensors.torch import load_file
+
+    saved = load_file(Path(result.adapter_dir) / "adapter_model.safetensors")
+    experts = {k.split(".experts.")[1].split(".")[0] for k in saved if ".experts." in k}
+    assert experts == {"0", "1", "2", "3"}
 
 
 def test_kimi_k2_builds_as_deepseek_v3_without_running_its_code() -> None:

@@ -31,15 +31,18 @@ _PARTS = ("attention", "expert_params", "dense_mlp", "shared", "router")
 Experts = list[tuple[str, "nn.Module"]]  # (layer-relative path, module) of each experts module
 
 
-def is_experts(module: nn.Module) -> bool:
+def is_experts(module: nn.Module, path: str = "") -> bool:
     """Routed experts: an `@use_experts_implementation` module, a module holding 3-D
-    stacks, or an undecorated `…Experts` / `experts` container."""
+    stacks, an undecorated `…Experts` container, or a plain ModuleList at `….experts`
+    (DeepSeek-MoE's remote code: one MLP per expert)."""
     if "is_concatenated" in vars(module):  # set by the decorator's __init__
         return True
     if "Conv" not in type(module).__name__ and any(
         p.dim() == 3 for p in module.parameters(recurse=False)
     ):
         return True
+    if type(module).__name__ == "ModuleList" and path.rpartition(".")[2] == "experts":
+        return len(module) > 1
     return type(module).__name__.endswith("Experts")
 
 
@@ -93,7 +96,7 @@ def classify_layer(layer: nn.Module) -> Layer:
 
 def _outermost_experts(layer: nn.Module) -> Experts:
     """The layer's experts modules, none inside another (per-expert MLPs of a ModuleList)."""
-    found = [(p, m) for p, m in layer.named_modules() if p and is_experts(m)]
+    found = [(p, m) for p, m in layer.named_modules() if p and is_experts(m, p)]
     return [(p, m) for p, m in found if not any(p.startswith(f"{q}.") for q, _ in found)]
 
 
