@@ -100,5 +100,5 @@ def test_an_adapter_without_eval_items_is_refused_before_anything_is_written(
     adapter = shutil.copytree(run / "adapter", tmp_path / "lone-adapter")  # no run around it
     args = ["export", str(adapter), "--base", str(tmp_path / "base-olmoe")]
     got = CliRunner().invoke(app, [*args, "--format", "merged", "--out", str(tmp_path / "m")])
-    assert got.exit_code == 1 and "no eval items" in got.output and "--items" in got.output
+    assert got.exit_code == 2 and "no eval items" in got.output and "--items" in got.output
     assert not (tmp_path / "m").exists()  # nothing half-written

@@ -376,6 +376,39 @@ def test_experts_as_a_module_list_train_every_expert(tmp_path: Path) -> None:
     saved = load_file(Path(result.adapter_dir) / "adapter_model.safetensors")
     experts = {k.split(".experts.")[1].split(".")[0] for k in saved if ".experts." in k}
     assert experts == {"0", "1", "2", "3"}
+    _merged_export_is_the_adapter(ckpt, Path(result.adapter_dir).parent, tmp_path)
+
+
+def _merged_export_is_the_adapter(ckpt: Path, run: Path, tmp_path: Path) -> None:
+    """The run exports merged with its own trust (its config says so): the code files go
+    along, the fp32 base stays fp32, and the merged model computes what base + adapter do.
+    The bare adapter dir, whose config says nothing of trust, is refused in one line."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    runner = CliRunner()
+    copy = write_checkpoint(tmp_path / "copy", experts_as_list=True)  # not trusted in-process
+    refused = runner.invoke(app, ["export", str(run / "adapter"), "--format", "merged",
+                                  "--out", str(tmp_path / "no"), "--base", str(copy)])  # fmt: skip
+    assert refused.exit_code == 2 and "--trust-remote-code" in refused.stderr, refused.output
+    assert not (tmp_path / "no").exists()
+    out = tmp_path / "merged"
+    done = runner.invoke(app, ["export", str(run), "--format", "merged", "--out", str(out),
+                               "--no-check", "--json"])  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["details"]["dtype"] == "float32"
+    assert {"configuration_tiny_remote.py", "modeling_tiny_remote.py"} <= {
+        p.name for p in out.iterdir()
+    }
+    ids = torch.tensor([[5, 9, 3, 17, 11, 4]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).double()
+        base = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True)
+        peft = PeftModel.from_pretrained(base, str(run / "adapter")).double()
+        want, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
+        moved = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True).double()
+        moved_by = (moved(input_ids=ids).logits - want).norm()
+    assert (got - want).norm() < 1e-6 * want.norm() and moved_by > 1e-4 * want.norm()
 
 
 def test_kimi_k2_builds_as_deepseek_v3_without_running_its_code() -> None:

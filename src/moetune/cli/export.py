@@ -51,6 +51,10 @@ def export_cmd(
     vllm_layout: Annotated[
         str, typer.Option(help="vllm: auto (what the family's wrapper reads) | fused (peft's).")
     ] = "auto",
+    trust_remote_code: Annotated[
+        bool,
+        typer.Option(help="Run the base's own modeling code (read it first; a run keeps its own)."),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Export an adapter for serving and check that what is served equals what was trained."""
@@ -68,7 +72,7 @@ def export_cmd(
         opts = export_options(
             dtype=dtype, max_shard_size=max_shard_size, extra={"vllm_layout": vllm_layout}
         )
-        doc = export(*given, opts, check_opts, base)
+        doc = export(*given, opts, check_opts, base, trust_remote_code)
     if as_json:
         emit_json(doc)
     else:

@@ -82,6 +82,7 @@ def record_of(source: Source, result: ExportResult) -> dict[str, object]:
         "run_dir": str(source.run_dir.resolve()) if source.run_dir else None,
         "base": str(base.resolve()) if base.is_dir() else source.base,
         "dtype": str(result.details.get("dtype", "float32")), "files": result.files,
+        "trust_remote_code": source.trust_remote_code,
     }  # fmt: skip
 
 

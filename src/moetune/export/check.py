@@ -37,7 +37,7 @@ import torch
 from moetune.config import load_config
 from moetune.errors import MoetuneError
 from moetune.export import load_formats
-from moetune.export.registry import Source
+from moetune.export.registry import ExportError, Source
 from moetune.export.source import item_texts
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}  # rel. logits error
@@ -269,8 +269,8 @@ def eval_texts(source: Source, items_file: Path | None, limit: int) -> list[str]
         rungs = [make_rung(r) for r in cfg.eval.rungs if r.data]
     else:
         rungs = []
-    if not rungs:
-        raise CheckFailed(
+    if not rungs:  # bad input (exit 2), not a failed check
+        raise ExportError(
             "no eval items to check the export on (an adapter dir without a run, or a run "
             "without eval data)",
             "pass the run dir, or --items FILE.jsonl with prompt/text rows, or --no-check",

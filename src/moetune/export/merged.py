@@ -10,6 +10,7 @@ lm_head sharing the embedding) cannot be represented by one tensor and is refuse
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -28,6 +29,7 @@ from moetune.export.registry import (
     register,
 )
 from moetune.model.derive import checkpoint_class
+from moetune.model.remote import code_files
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = (
@@ -37,7 +39,8 @@ TOKENIZER_FILES = (
 
 
 def resolve_dtype(base: str, requested: str) -> torch.dtype:
-    """`requested`, or for auto the dtype the base's config.json states (bf16 when none)."""
+    """`requested`, or for auto the dtype the base's config.json states, else the one its
+    safetensors hold (bf16 when neither says)."""
     if requested != "auto":
         if requested not in DTYPES:
             raise ExportError(
@@ -48,8 +51,26 @@ def resolve_dtype(base: str, requested: str) -> torch.dtype:
     from transformers import AutoConfig
 
     stated = getattr(AutoConfig.from_pretrained(base), "dtype", None)
-    named = str(stated).removeprefix("torch.") if stated is not None else "bfloat16"
-    return DTYPES.get(named, torch.bfloat16)
+    if stated is None:
+        return _stored_dtype(base) or torch.bfloat16
+    return DTYPES.get(str(stated).removeprefix("torch."), torch.bfloat16)
+
+
+_STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _stored_dtype(base: str) -> torch.dtype | None:
+    """The float dtype of the first tensor of a local base's first safetensors file (a
+    config.json without `dtype` says nothing; merging fp32 weights into bf16 loses ΔW)."""
+    files = sorted(Path(base).glob("*.safetensors")) if Path(base).is_dir() else []
+    if not files:
+        return None
+    # lazy: heavy to import (safetensors)
+    from safetensors import safe_open
+
+    with safe_open(str(files[0]), "pt") as f:
+        stored = (_STORED.get(f.get_slice(k).get_dtype()) for k in f.keys())  # noqa: SIM118
+        return next((d for d in stored if d is not None), None)
 
 
 def load_base(base: str, dtype: torch.dtype) -> Any:
@@ -131,6 +152,20 @@ def copy_tokenizer(source: Source, out: Path) -> list[str]:
     return copied
 
 
+def copy_code(base: str, out: Path) -> list[str]:
+    """The modeling files a remote-code base ships (its config.json's auto_map names them):
+    the merged config.json keeps that auto_map, so without them nothing can load it."""
+    config = Path(base) / "config.json"
+    if not config.is_file():
+        return []
+    copied = []
+    for name in code_files(json.loads(config.read_text(encoding="utf-8"))):
+        if (Path(base) / name).is_file() and not (out / name).exists():
+            shutil.copy2(Path(base) / name, out / name)
+            copied.append(name)
+    return copied
+
+
 def saved_layout(folder: Path) -> dict[str, tuple[list[int], str]]:
     """Tensor name -> (shape, dtype) of every safetensors file in `folder` (headers only)."""
     # lazy: heavy to import (safetensors)
@@ -151,9 +186,12 @@ def export_merged(source: Source, out: Path, opts: ExportOptions) -> ExportResul
     counts = merge_into(model, source)
     model.save_pretrained(str(out), max_shard_size=opts.max_shard_size)
     tokenizer = copy_tokenizer(source, out)
+    code = copy_code(source.base, out)
     result = ExportResult("merged", out, files=sorted(p.name for p in out.iterdir()))
     result.details = {"dtype": str(dtype).removeprefix("torch."), **counts, "tokenizer": tokenizer}
     result.details["layout"] = layout_vs_base(source.base, out)
+    if code:
+        result.details["code"] = code
     if not tokenizer:
         result.notes.append("no tokenizer files next to the base or the adapter: copy them in")
     return result

@@ -32,7 +32,7 @@ from moetune.export.guard import (
     read_record,
 )
 from moetune.export.registry import ExportResult, Source
-from moetune.export.source import require_weights, require_whole_adapter
+from moetune.export.source import require_buildable, require_weights, require_whole_adapter
 from moetune.io import atomic_write_json
 from moetune.ledger import DEFAULT_PATH, attempt
 from moetune.model.finite import require_finite_adapter
@@ -55,11 +55,13 @@ def export(
     opts: ExportOptions,
     check: CheckOptions | None,
     base: str | None = None,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Export (and check unless `check` is None); the summary. A failed check raises
     CheckFailed after check.json and the ledger row are written."""
     chosen = load_formats().get(fmt)  # an unknown format is refused before anything is read
-    source = resolve_source(path, base)
+    source = resolve_source(path, base, trust_remote_code)
+    require_buildable(source)
     require_whole_adapter(source.adapter_dir)
     if check is not None or chosen.needs_weights:
         require_weights(source.base)
@@ -80,8 +82,10 @@ def check_only(out: Path, check: CheckOptions) -> dict[str, Any]:
     record = read_record(out)
     run_dir = record.get("run_dir")
     source = Source(
-        Path(record["adapter"]), str(record["base"]), Path(run_dir) if run_dir else None
-    )
+        Path(record["adapter"]), str(record["base"]), Path(run_dir) if run_dir else None,
+        bool(record.get("trust_remote_code")),
+    )  # fmt: skip
+    require_buildable(source)
     require_whole_adapter(source.adapter_dir)
     ledger, fields = ledger_of(source)
     with hold_out(out), interrupted_says(out), attempt(ledger, "export", **fields) as row:

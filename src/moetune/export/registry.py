@@ -89,6 +89,7 @@ class Source:
     adapter_dir: Path
     base: str  # a local dir or hub id, as the run config / adapter_config.json names it
     run_dir: Path | None = None  # set when a run dir was given: its config and eval items
+    trust_remote_code: bool = False  # the base's own modeling code may run (the run's choice)
 
 
 @dataclass

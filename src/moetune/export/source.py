@@ -12,26 +12,39 @@ from moetune.config import load_config
 from moetune.data.files import read_rows
 from moetune.errors import clip
 from moetune.export.registry import ExportError, Source
+from moetune.model.remote import prepare as prepare_remote
+from moetune.model.sources import resolve_config
 from moetune.train.errors import DataError
 from moetune.train.recovery import checkpoint_problem
 
 
-def resolve_source(path: Path, base: str | None = None) -> Source:
-    """The adapter and base behind `path`; `base` overrides the one the run or adapter names."""
+def resolve_source(path: Path, base: str | None = None, trust_remote_code: bool = False) -> Source:
+    """The adapter and base behind `path`; `base` overrides the one the run or adapter names.
+    A run trained with model.trust_remote_code exports with it."""
     if (path / "config.yaml").is_file() and (path / "adapter").is_dir():
-        return _from_run(path, base)
+        return _from_run(path, base, trust_remote_code)
     if (path / "adapter_config.json").is_file():
-        named = _adapter_config(path).get("base_model_name_or_path")
-        return Source(adapter_dir=path, base=_need_base(base or named, path))
+        named = _need_base(base or _adapter_config(path).get("base_model_name_or_path"), path)
+        return Source(adapter_dir=path, base=named, trust_remote_code=trust_remote_code)
     raise ExportError(
         f"{clip(path, 80)} is neither a run dir (config.yaml + adapter/) nor a peft adapter",
         "pass the run's output.dir or its adapter/ folder (with adapter_config.json)",
     )
 
 
-def _from_run(run_dir: Path, base: str | None) -> Source:
+def _from_run(run_dir: Path, base: str | None, trust: bool) -> Source:
     cfg = load_config(run_dir / "config.yaml")
-    return Source(adapter_dir=run_dir / "adapter", base=base or cfg.model.id, run_dir=run_dir)
+    trust = trust or cfg.model.trust_remote_code
+    return Source(run_dir / "adapter", base or cfg.model.id, run_dir, trust)
+
+
+def require_buildable(source: Source) -> None:
+    """A local base whose modeling code ships with it is registered (trusted) or refused in
+    one line naming its files and the flag – never transformers' interactive prompt."""
+    if not (source.trust_remote_code or Path(source.base).is_dir()):
+        return
+    name, config = resolve_config(source.base)
+    prepare_remote(name, config, source.trust_remote_code)
 
 
 def _adapter_config(adapter_dir: Path) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def is_experts(module: nn.Module, path: str = "") -> bool:
     ):
         return True
     if type(module).__name__ == "ModuleList" and path.rpartition(".")[2] == "experts":
-        return len(module) > 1
+        return len(list(module.children())) > 1
     return type(module).__name__.endswith("Experts")
 
 
