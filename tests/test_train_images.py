@@ -183,6 +183,11 @@ def test_an_undecodable_image_and_a_count_mismatch_are_refused(tmp_path):
         check_sources(cfg.data)
     assert "line 2" in err.value.cause and "cannot be decoded" in err.value.cause
 
+    empty = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{**empty, "images": []}])
+    parts, _ = check_sources(cfg.data.model_copy(update={"train_file": str(plain)}))
+    assert parts[0].rows[0][1] == empty  # an empty images column leaves a text row
+
     bare = {"role": "user", "content": [{"type": "image"}, {"type": "image"}]}
     row = {"messages": [bare, {"role": "assistant", "content": "red"}], "images": ["img/0.png"]}
     one = write_jsonl(tmp_path / "data" / "one.jsonl", [row])

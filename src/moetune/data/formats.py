@@ -261,7 +261,7 @@ def check_row(path: Any, where: str, row: Any, fmt: DataFormat, columns: Any = N
     problem = fmt.check(row) or _column_problem(row, fmt, columns)
     if problem:
         raise DataError(f"{path} {where}: {problem}", f"fix that row ({fmt.name} format)")
-    keys = sorted(row) if fmt.extras else (*fmt.keys, *(["images"] if "images" in row else []))
+    keys = sorted(row) if fmt.extras else (*fmt.keys, *(["images"] if row.get("images") else []))
     return {k: _plain(row[k]) if k in fmt.keys else row[k] for k in keys}
 
 

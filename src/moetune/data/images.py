@@ -17,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from PIL import Image, UnidentifiedImageError
+
 from moetune.data.errors import DataError
 
 Row = dict[str, Any]
@@ -98,9 +100,6 @@ def _decoded(path: Path) -> str | None:
     """Why the image cannot be used, or None."""
     if not path.is_file():
         return "not found"
-    # lazy: heavy to import (PIL)
-    from PIL import Image, UnidentifiedImageError
-
     try:
         with Image.open(path) as img:
             img.load()

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from PIL import Image
 
 from moetune.data.errors import DataError
-from moetune.data.template import render
+from moetune.data.template import render, template_text
 from moetune.train.errors import TrainError
 
 if TYPE_CHECKING:
@@ -102,8 +103,6 @@ def load_processor(model_id: str, chat_template: str | None = None) -> tuple[Any
     # lazy: heavy to import (transformers)
     from transformers import AutoProcessor, ProcessorMixin
 
-    from moetune.data.template import template_text
-
     notes: list[str] = []
     try:
         proc = AutoProcessor.from_pretrained(model_id)
@@ -135,9 +134,6 @@ def _pad(tok: Any) -> None:
 
 
 def _open(path: str) -> Any:
-    # lazy: heavy to import (PIL)
-    from PIL import Image
-
     with Image.open(path) as img:
         return img.convert("RGB")
 
