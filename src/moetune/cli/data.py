@@ -75,6 +75,12 @@ def _print(got: Any) -> None:
     steps = f"~{s.steps} optimizer steps" if s.steps else "steps: unknown"
     step_s = f" · ~{got.step_s:.3g} s/step on {got.card} (analytic)" if got.step_s else ""
     console.print(steps + step_s)
+    if s.images:  # image+text rows: the processor adds each image's tokens to the lengths
+        per_row = ", ".join(f"{n} per row: {rows}" for n, rows in s.images["per_row"].items())
+        console.print(
+            f"images: {s.images['images']} in {s.images['rows_with_images']} of {s.rows} rows "
+            f"(rows with {per_row}); lengths count text tokens only"
+        )
     if s.streaming_rows_checked:
         console.print(f"data.streaming: figures from the first {s.streaming_rows_checked} rows")
     for n, runs in enumerate(s.samples, 1):

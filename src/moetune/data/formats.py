@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moetune.data.errors import DataError
+from moetune.data.images import block_problem, block_text, text_turns
 from moetune.data.template import has_markers
 
 if TYPE_CHECKING:
@@ -44,9 +45,13 @@ def _turn_problem(n: int, turn: Any) -> str | None:
         return f"turn {n} has role {role!r}; roles are {', '.join(ROLES)}"
     if content is None and turn.get("tool_calls"):
         return None  # an assistant turn that only calls tools
-    if not isinstance(content, str):
+    if isinstance(content, list):  # content blocks: text and images (images.py)
+        problem = block_problem(content)
+        if problem:
+            return f"turn {n} ({role}): {problem}"
+    elif not isinstance(content, str):
         return f"turn {n} ({role}) has no text content"
-    if role == "assistant" and not content.strip():
+    if role == "assistant" and not block_text(content).strip():
         return f"turn {n} is an empty assistant turn (nothing to learn, or a lost reply)"
     return None
 
@@ -143,7 +148,7 @@ def _prompt_loss(completion_only: bool, tok: PreTrainedTokenizerBase) -> Loss:
 
 
 def _chat_ids(tok: PreTrainedTokenizerBase, turns: list[Row]) -> list[int]:
-    out: Any = tok.apply_chat_template(turns, tokenize=True)
+    out: Any = tok.apply_chat_template(text_turns(turns), tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in v5
 
 
@@ -256,7 +261,7 @@ def check_row(path: Any, where: str, row: Any, fmt: DataFormat, columns: Any = N
     problem = fmt.check(row) or _column_problem(row, fmt, columns)
     if problem:
         raise DataError(f"{path} {where}: {problem}", f"fix that row ({fmt.name} format)")
-    keys = sorted(row) if fmt.extras else fmt.keys
+    keys = sorted(row) if fmt.extras else (*fmt.keys, *(["images"] if row.get("images") else []))
     return {k: _plain(row[k]) if k in fmt.keys else row[k] for k in keys}
 
 

@@ -7,6 +7,7 @@ markers. Nothing is trained or written before all of it has passed.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -18,6 +19,7 @@ from moetune.data.convert import BECOMES, auto_format, converted
 from moetune.data.errors import DataError
 from moetune.data.formats import SFT_FORMATS, DataFormat, Loss, Row, _uses_chat, check_row
 from moetune.data.formats import detect_format as _detect
+from moetune.data.images import as_blocks, has_images, image_counts, with_images
 from moetune.data.mix import held_out, interleave, mix, row_key
 from moetune.data.sources import Located, label, read_source, stream_source
 from moetune.data.template import masked_ids, use_template
@@ -74,8 +76,19 @@ def check_source(
     rows = _convert(lab, src, raw)
     fmt = _detect(lab, *rows[0], _allowed(lab, src, raw[0][1], allowed))
     first = rows[0][1]
-    checked = [(w, check_row(lab, w, r, fmt, first)) for w, r in rows]
+    checked = [(w, _imaged(lab, w, check_row(lab, w, r, fmt, first), src)) for w, r in rows]
     return SourceRows(lab, fmt, checked, src.weight)
+
+
+def _imaged(lab: str, where: str, row: Row, src: SourceArgs) -> Row:
+    """A row with images: placed, resolved against the data file's folder and decoded."""
+    if not has_images(row):
+        return row
+    if "messages" not in row:
+        raise DataError(f"{lab} {where}: images go with messages rows",
+                        "write image+text rows as messages (docs/data.md)")  # fmt: skip
+    path = Path(src.path).expanduser()
+    return with_images(lab, where, row, path if path.is_dir() else path.parent)
 
 
 def read_checked(
@@ -110,6 +123,7 @@ class TrainData:
     sha256: str  # of the rows in training order: the same for a resume and on every rank
     sources: list[dict[str, Any]] = field(default_factory=list)  # label, rows read, weight
     streamed: bool = False
+    images: dict[str, Any] | None = None  # image_counts of image+text rows (images.py)
 
     @property
     def rows(self) -> int:
@@ -125,6 +139,7 @@ class TrainData:
             "loss_on": self.loss.on,
             "overlong_rows_truncated": self.overlong,
             "sha256": self.sha256,
+            **({"images": self.images} if self.images else {}),
         }
 
 
@@ -172,10 +187,28 @@ def _build(
 
     _needs_template(lab, fmt, rows[0][1], tok)
     too_long = _count_overlong(lab, rows, fmt, tok, seq_len, data.overlong)
-    loss = fmt.loss(data.completion_only_loss, tok)
-    table = [tokenised(lab, w, r, tok) if loss.prerender else r for w, r in rows]
+    images = image_counts([r for _, r in rows])
+    if images:  # the processor tokenises them, image tokens and masks (train/vision.py)
+        loss, table = image_loss(data.completion_only_loss), [vision_row(r) for _, r in rows]
+    else:
+        loss = fmt.loss(data.completion_only_loss, tok)
+        table = [tokenised(lab, w, r, tok) if loss.prerender else r for w, r in rows]
     sha = row_key([r for _, r in rows])
-    return TrainData(lab, fmt.name, Dataset.from_list(table), loss, too_long, sha, sources)
+    dataset = Dataset.from_list(table)
+    return TrainData(lab, fmt.name, dataset, loss, too_long, sha, sources, images=images)
+
+
+def image_loss(completion_only: bool) -> Loss:
+    """Image+text rows: moetune's collator masks the assistant turns (TRL's needs generation
+    markers in the processor's template); the rows reach it untokenised."""
+    on = "assistant turns (masked by rendering prefixes through the processor)"
+    return Loss({}, on if completion_only else "all tokens (data.completion_only_loss off)")
+
+
+def vision_row(row: Row) -> Row:
+    """A row as TRL's vision path passes it to the collator: turns as JSON text (one arrow
+    type whether a content is a string or blocks) and the images' paths."""
+    return {"messages": json.dumps(as_blocks(row["messages"])), "images": row.get("images") or []}
 
 
 def _summary(parts: list[SourceRows]) -> list[dict[str, Any]]:
@@ -300,6 +333,9 @@ def load_streamed(
     heads = [check_source(s, allowed, list(islice(stream_source(s), CHECK_ROWS))) for s in sources]
     fmt = _one_format(heads)
     lab = ", ".join(h.label for h in heads)
+    if any(image_counts([r for _, r in h.rows]) for h in heads):
+        raise DataError(f"{lab}: image+text rows are not streamed",
+                        "set data.streaming: false for image rows")  # fmt: skip
     _needs_template(lab, fmt, heads[0].rows[0][1], tok)
     loss = fmt.loss(data.completion_only_loss, tok)
 

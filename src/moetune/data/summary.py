@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from moetune.data.formats import Row, _chat_ids
+from moetune.data.images import image_counts
 from moetune.data.load import CHECK_ROWS, Checked, Mixed, mixed_rows
 from moetune.data.mix import row_key
 from moetune.data.template import masked_ids, render, text_masked_ids, use_template
@@ -86,6 +87,7 @@ class Summary:
     steps: int | None
     samples: list[list[tuple[str, bool]]]  # rendered: (text, carries loss) runs
     streaming_rows_checked: int | None = None
+    images: dict[str, Any] | None = None  # image+text rows: images per row (images.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +96,7 @@ class Summary:
         """The summary `moetune train` prints before the first step."""
         mix = " + ".join(f"{s['rows']} {s['source']}" for s in self.sources)
         steps = f" · ~{self.steps} steps" if self.steps else ""
+        steps += f" · {self.images['images']} images" if self.images else ""
         return (
             f"data: {mix} → {self.rows} rows ({self.format}), {self.eval_rows} eval · "
             f"{self.loss_share:.0%} of tokens carry loss · {self.truncated} over seq_len "
@@ -171,4 +174,5 @@ def _summary_of(cfg: RunConfig, tok: PreTrainedTokenizerBase, got: Mixed) -> Sum
         steps=_steps(cfg, len(got.train)),
         samples=[segments(tok, ids, m) for ids, m in masked[:SAMPLES]],
         streaming_rows_checked=CHECK_ROWS if cfg.data.streaming else None,
+        images=image_counts([r for _, r in got.train]),
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetune.data.errors import DataError
+from moetune.data.images import text_turns
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -94,7 +95,9 @@ def _by_offsets(tok: PreTrainedTokenizerBase, text: str, spans: list[range]) -> 
 
 
 def masked_ids(tok: PreTrainedTokenizerBase, turns: Turns) -> tuple[list[int], list[int]]:
-    """(input_ids, 1 where the token is an assistant turn's) of a conversation."""
+    """(input_ids, 1 where the token is an assistant turn's) of a conversation (the text of
+    image+text turns: their image tokens are the processor's, train/vision.py)."""
+    turns = text_turns(turns)
     if has_markers(tok):
         out: Any = tok.apply_chat_template(
             turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True

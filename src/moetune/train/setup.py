@@ -28,6 +28,7 @@ from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.errors import TrainError
 from moetune.train.methods import method_of
 from moetune.train.recovery import ResumePoint, resume_point_of, set_aside
+from moetune.train.vision import ImageCollator, check_first_row, load_processor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -156,6 +157,7 @@ class Setup:
     coverage: CoverageReport | None = None
     selection: ExpertSelection | None = None
     data_summary: Summary | None = None  # the one line `moetune train` prints of the data
+    processor: Any = None  # image+text rows: the checkpoint's processor (vision.py)
 
     @property
     def planned_peak_bytes(self) -> int | None:
@@ -192,6 +194,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         cfg.data, tokenizer, cfg.train.seq_len, method.formats, cfg.train.seed, rows
     )
     method.check(cfg, data)
+    processor, seen = image_processor(cfg, data)  # image rows: the checkpoint's processor
     summary = summarize(cfg, tokenizer, method.formats, rows)  # what announce() says of it
     aux = aux_choice(cfg, spec)
     args = trl_args(cfg, run, place, aux, data, eval_data is not None)
@@ -211,12 +214,24 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         damaged=point,
         engine=engine,
         data_summary=summary,
-        notes=gc_off,
+        notes=gc_off + seen,
+        processor=processor,
     )
     with args.main_process_first(local=False, desc="moetune run dir"):  # the others wait
         if args.should_save:
             write_preamble(run, cfg, setup)
     return setup
+
+
+def image_processor(cfg: RunConfig, data: TrainData) -> tuple[Any, list[str]]:
+    """(the checkpoint's processor, what to say of it) for image+text rows, checked on the
+    first row; (None, []) for text rows."""
+    if not data.images:
+        return None, []
+    processor, notes = load_processor(cfg.model.id, cfg.data.chat_template)
+    collator = ImageCollator(processor, cfg.train.seq_len, cfg.data.completion_only_loss)
+    check_first_row(collator, data.dataset, data.path)
+    return processor, notes
 
 
 def check_streaming(cfg: RunConfig) -> None:

@@ -88,6 +88,7 @@ from moetune.train.setup import Setup, prepare
 from moetune.train.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.stacks import stack_trainer
 from moetune.train.trackers import TrackerCallback, check_trackers, fan_out, tracking
+from moetune.train.vision import vision_kwargs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -258,6 +259,7 @@ def build_trainer(
         "eval_dataset": setup.eval_data.dataset if setup.eval_data else None,
         "processing_class": setup.tokenizer,
         **method.trainer_kwargs(cfg),
+        **vision_kwargs(cfg, setup.processor),  # image+text rows: the processor, our collator
     }
     with quiet():
         trainer = method.build(method.classes()[0], kwargs)
