@@ -29,6 +29,8 @@ CALIBRATED = [
     ("glm_moe_dsa", "mla", {}),  # the same DSA term, by the indexer in the config
     ("mistral_large4_text", "mla", {}),
     ("dots3_note_text", "mla", {}),
+    ("lfm2_moe", "conv", {}),  # gated short convolution between attention layers
+    ("lfm2_moe", "conv", {"hidden_size": 128}),  # the conv term scales with the width
 ]
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 
