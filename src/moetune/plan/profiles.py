@@ -35,6 +35,12 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   layer's backward adds about 6·H of transposed copies – 16·H per token in all, fitted to the
   trace at hidden 64 and 128, seq 64 and 128 (the padding's (kernel − 1) columns per
   sequence are left out).
+- Mamba2 (`mamba`: granitemoehybrid) through transformers' torch `mamba2_chunk_scan` (what
+  runs without mamba-ssm): the projections and conv in bf16, then fp32 x·dt, B and C
+  repeated to every head, per chunk the C×C decay / C·B / masked matrices per head and the
+  chunk states – fitted to the trace as 33·inner + 3·heads·chunk + 28·heads·state per token
+  on three tiny shapes (4 × 32 heads, chunk 32 / 16; 8 × 16 heads) and checked on a fourth
+  (state 32); the pad to a whole chunk and the per-layer constant are left out.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -144,6 +150,14 @@ def short_conv(spec: ModelSpec) -> int:
     return 16 * spec.hidden_size
 
 
+def mamba2_chunked(spec: ModelSpec) -> int:
+    """Mamba2 through transformers' torch chunked scan, per token (see the module docstring)."""
+    c = spec.hf_config
+    heads, state = c["mamba_n_heads"], c["mamba_d_state"]
+    inner = heads * c["mamba_d_head"]
+    return 33 * inner + 3 * heads * c["mamba_chunk_size"] + 28 * heads * state
+
+
 def dsa_pairs(spec: ModelSpec) -> int:
     """MLA's pairs plus DeepSeek sparse attention's top-k mask (bf16, one per layer)."""
     return mla_pairs(spec) + 2
@@ -227,6 +241,11 @@ SHORT_CONV = MixerTerm(
     short_conv,
     notes="short convolutions are sized as transformers' torch causal_conv1d_fn keeps them",
 )
+MAMBA2 = MixerTerm(
+    mamba2_chunked,
+    notes="Mamba2 is sized as transformers' torch chunked scan keeps it (no mamba-ssm)",
+    fields=("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_chunk_size"),
+)
 # a kind's other terms, tried in order when the family's own does not fit its config
 VARIANTS: dict[str, tuple[MixerTerm, ...]] = {"mla": (MLA, DSA)}
 
@@ -273,6 +292,7 @@ PROFILES: dict[str, ActivationProfile] = {
     "qwen3_5_moe_text": QWEN3_NEXT,
     "qwen2_moe": ActivationProfile(shared_gate=True),
     "lfm2_moe": ActivationProfile(mixers={"conv": SHORT_CONV}),
+    "granitemoehybrid": ActivationProfile(mixers={"mamba": MAMBA2}),
     "mixtral": DEFAULT,
     "gpt_oss": ActivationProfile(
         mixers={"attention": SINKS},
