@@ -26,6 +26,15 @@ CALIBRATED = [
     ("glm4_moe_lite", "mla", {}),  # equal q/k and v head dims: the fused SDPA kernel
     ("glm4_moe_lite", "mla", {"v_head_dim": 8}),  # as released: the math kernel, s² fp32
     ("deepseek_v32", "mla", {}),  # + DSA: a top-k mask per layer, a no-grad indexer
+    ("glm_moe_dsa", "mla", {}),  # the same DSA term, by the indexer in the config
+    ("mistral_large4_text", "mla", {}),
+    ("dots3_note_text", "mla", {}),
+    ("lfm2_moe", "conv", {}),  # gated short convolution between attention layers
+    ("lfm2_moe", "conv", {"hidden_size": 128}),  # the conv term scales with the width
+    ("granitemoehybrid", "mamba", {}),  # Mamba2's torch chunked scan
+    ("granitemoehybrid", "mamba", {"mamba_chunk_size": 16}),
+    ("granitemoehybrid", "mamba", {"mamba_n_heads": 8, "mamba_d_head": 16}),
+    ("granitemoehybrid", "mamba", {"mamba_d_state": 32}),  # held out of the fit: +3 % kept
 ]
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 
@@ -112,6 +121,14 @@ def test_an_unknown_kind_in_a_known_family_is_uncalibrated() -> None:
     odd = dataclasses.replace(spec, mixers=("attention", "retention", "attention", "attention"))
     assert uncalibrated(odd) == ["retention"]
     assert uncalibrated(dataclasses.replace(spec, mixers=())) == []  # every layer: attention
+
+
+def test_an_indexer_family_with_more_than_dsa_keeps_the_trace() -> None:
+    """axk2 / hy_v4 are MLA + an indexer too, but keep more than the DSA term sizes (a gated
+    input norm, hyper-connections): they stay uncalibrated rather than planned 5-25 % low."""
+    assert uncalibrated(tiny("glm_moe_dsa")) == []
+    for model_type in ("axk2", "hy_v4"):
+        assert uncalibrated(tiny(model_type)) == ["mla"]
 
 
 def test_a_fallback_to_the_trace_warns_before_it_starts_with_the_expected_time(

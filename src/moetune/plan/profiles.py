@@ -24,10 +24,23 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   runs): the causal conv's input and output, fp32 l2-normed q/k repeated to the value
   heads, per 64-token chunk a C×C decay/attention matrix per head and a dk×dv state, and
   the gated RMSNorm on the output – all linear in tokens (C = 64 is the kernel's chunk).
-- DeepSeek sparse attention (V3.2): MLA plus, per layer, the indexer's top-k mask over
+- DeepSeek sparse attention (V3.2, and every MLA family with an indexer: GLM-5's
+  glm_moe_dsa, Mistral Large 4, dots3): MLA plus, per layer, the indexer's top-k mask over
   the keys (bf16 per pair); the indexer runs without grad but makes fp32 scores per index
   head and pair while the layer runs forward (again in the recompute); LoRA on its
   Linears keeps no inputs (and gets no gradient).
+- Short convolution (`conv`: LFM2-MoE) through transformers' torch `causal_conv1d_fn`
+  (what runs without the causal-conv1d kernel): autograd keeps in_proj's B, C, x output
+  (6·H bf16), B·x (the conv input, 2·H) and the padded depthwise conv output (2·H); the
+  layer's backward adds about 6·H of transposed copies – 16·H per token in all, fitted to the
+  trace at hidden 64 and 128, seq 64 and 128 (the padding's (kernel − 1) columns per
+  sequence are left out).
+- Mamba2 (`mamba`: granitemoehybrid) through transformers' torch `mamba2_chunk_scan` (what
+  runs without mamba-ssm): the projections and conv in bf16, then fp32 x·dt, B and C
+  repeated to every head, per chunk the C×C decay / C·B / masked matrices per head and the
+  chunk states – fitted to the trace as 33·inner + 3·heads·chunk + 28·heads·state per token
+  on three tiny shapes (4 × 32 heads, chunk 32 / 16; 8 × 16 heads) and checked on a fourth
+  (state 32); the pad to a whole chunk and the per-layer constant are left out.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -132,6 +145,19 @@ def gated_delta_net(spec: ModelSpec) -> int:
     return 4 * conv + hv * per_head
 
 
+def short_conv(spec: ModelSpec) -> int:
+    """LFM2's gated short convolution, per token: 16·H (see the module docstring)."""
+    return 16 * spec.hidden_size
+
+
+def mamba2_chunked(spec: ModelSpec) -> int:
+    """Mamba2 through transformers' torch chunked scan, per token (see the module docstring)."""
+    c = spec.hf_config
+    heads, state = c["mamba_n_heads"], c["mamba_d_state"]
+    inner = heads * c["mamba_d_head"]
+    return 33 * inner + 3 * heads * c["mamba_chunk_size"] + 28 * heads * state
+
+
 def dsa_pairs(spec: ModelSpec) -> int:
     """MLA's pairs plus DeepSeek sparse attention's top-k mask (bf16, one per layer)."""
     return mla_pairs(spec) + 2
@@ -211,6 +237,17 @@ DSA = dataclasses.replace(
 # (gated DeltaNet, KDA, lightning …), so its terms sit in the families' profiles.
 MIXERS: dict[str, MixerTerm] = {"attention": MixerTerm(sdpa_fused), "mla": MLA, "none": NO_MIXER}
 DELTA_NET = MixerTerm(gated_delta_net, notes=DELTA_NOTE, fields=_DELTA_FIELDS)
+SHORT_CONV = MixerTerm(
+    short_conv,
+    notes="short convolutions are sized as transformers' torch causal_conv1d_fn keeps them",
+)
+MAMBA2 = MixerTerm(
+    mamba2_chunked,
+    notes="Mamba2 is sized as transformers' torch chunked scan keeps it (no mamba-ssm)",
+    fields=("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_chunk_size"),
+)
+# a kind's other terms, tried in order when the family's own does not fit its config
+VARIANTS: dict[str, tuple[MixerTerm, ...]] = {"mla": (MLA, DSA)}
 
 
 @dataclass(frozen=True)
@@ -254,6 +291,8 @@ PROFILES: dict[str, ActivationProfile] = {
     "qwen3_next": QWEN3_NEXT,
     "qwen3_5_moe_text": QWEN3_NEXT,
     "qwen2_moe": ActivationProfile(shared_gate=True),
+    "lfm2_moe": ActivationProfile(mixers={"conv": SHORT_CONV}),
+    "granitemoehybrid": ActivationProfile(mixers={"mamba": MAMBA2}),
     "mixtral": DEFAULT,
     "gpt_oss": ActivationProfile(
         mixers={"attention": SINKS},
@@ -265,6 +304,12 @@ PROFILES: dict[str, ActivationProfile] = {
     "deepseek_v3": ActivationProfile(kind="mla"),
     "deepseek_v32": ActivationProfile(kind="mla", mixers={"mla": DSA}),
     "gemma4_text": ActivationProfile(mixers={"attention": None}, notes=GEMMA4_NOTE),
+    # MLA + a DSA indexer, but more than the DSA term sizes (tiny configs, seq 128, gc off:
+    # the layers keep 19 % / 57 % more): axk2's low-rank gated input norm and output gate,
+    # hy_v4's hyper-connections
+    "axk2": ActivationProfile(mixers={"mla": None}),
+    "hy_v4": ActivationProfile(mixers={"mla": None}),
+    "hy_v4_vl_text": ActivationProfile(mixers={"mla": None}),
 }
 
 
@@ -288,8 +333,13 @@ def layer_terms(spec: ModelSpec) -> tuple[MixerTerm | None, ...]:
 
 
 def _term(prof: ActivationProfile, kind: str, spec: ModelSpec) -> MixerTerm | None:
+    """The profile's term for `kind` where it fits `spec`, else the kind's variant that does
+    (MLA with a DSA indexer); None when neither sizes this layer."""
     term = prof.term(kind) if kind else NO_MIXER
-    return term if term is not None and term.fits(spec) else None
+    if term is None:
+        return None
+    fitting = [t for t in (term, *VARIANTS.get(kind, ())) if t.fits(spec)]
+    return fitting[0] if fitting else None
 
 
 def uncalibrated(spec: ModelSpec) -> list[str]:
