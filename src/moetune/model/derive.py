@@ -85,10 +85,26 @@ def _text_config(config: Any) -> Any:
 
 
 def checkpointing_refused(config: Any) -> str | None:
-    """The causal-LM class's name when it refuses activation checkpointing (its
-    `supports_gradient_checkpointing` is False: jetmoe on transformers 5.24), else None."""
+    """The causal-LM class's name when it refuses activation checkpointing, else None: its
+    `supports_gradient_checkpointing` is False (jetmoe on transformers 5.24), or no module of
+    it can checkpoint (diffusion_gemma_text's encoder layers are no GradientCheckpointingLayer,
+    and transformers refuses the model as "not compatible")."""
     cls = causal_lm_class(config)
-    return None if getattr(cls, "supports_gradient_checkpointing", True) else cls.__name__
+    if not getattr(cls, "supports_gradient_checkpointing", True):
+        return str(cls.__name__)
+    return None if _has_checkpointing_layers(cls, config) else str(cls.__name__)
+
+
+_CHECKPOINTABLE: dict[type, bool] = {}
+
+
+def _has_checkpointing_layers(cls: type, config: Any) -> bool:
+    """What `gradient_checkpointing_enable` asks: a module with a `gradient_checkpointing`
+    attribute (read off a meta build, once per class – the layer classes are the class's)."""
+    if cls not in _CHECKPOINTABLE:
+        model = build_language_model(config)
+        _CHECKPOINTABLE[cls] = any(hasattr(m, "gradient_checkpointing") for m in model.modules())
+    return _CHECKPOINTABLE[cls]
 
 
 def causal_lm_class(config: Any) -> Any:
