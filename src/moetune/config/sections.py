@@ -17,6 +17,7 @@ from moetune.config.base import (
     DEFAULT_TARGETS,
     FiniteFloat,
     Fraction,
+    LoraRank,
     NonNegativeFloat,
     NonNegativeInt,
     Port,
@@ -65,8 +66,8 @@ class ModelArgs(_Section):
 class LoraArgs(_Section):
     """The LoRA adapter: where it goes and how big it is."""
 
-    rank: PositiveInt = Field(16, description="LoRA rank r (per expert for expert stacks).")
-    expert_rank: PositiveInt | None = Field(
+    rank: LoraRank = Field(16, description="LoRA rank r (per expert for expert stacks).")
+    expert_rank: LoraRank | None = Field(
         None,
         description="Rank of the expert-stack LoRA (per expert) when it should differ from "
         "rank, e.g. 4 to fit a 24 GB card; alpha scales with it (same alpha/r). Needs "
