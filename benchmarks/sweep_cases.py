@@ -124,7 +124,12 @@ NUMBERS = {
 }
 HEAVY_NUMBERS = ("neg", "huge", "inf", "nan", "empty")
 # where a flag's "bad" values are legal (a seed may be any integer >= 0 …)
-NUMERIC_OK = {("--seed", "huge"): "any", ("--host-ram", "huge"): "any", ("--ctx", "huge"): "any"}
+NUMERIC_OK = {
+    ("--seed", "huge"): "any",
+    ("--host-ram", "huge"): "any",
+    ("--ctx", "huge"): "any",
+    ("--limit", "huge"): "any",
+}  # a limit above the items takes them all
 
 
 def _numeric_cases() -> list[Case]:
@@ -197,6 +202,7 @@ def _secret_cases() -> list[Case]:
         "launch-dry-json": ["launch", "{dir}/run.yaml", "--dry-run", "--json"],
         "sky-task": ["sky-task", "{dir}/run.yaml", "--set", "lane.provider=skypilot", "--json"],
         "workflow": ["workflow", "github", "{dir}/run.yaml", "--json"],
+        "workflow-out": ["workflow", "github", "{dir}/run.yaml", "--out", "{dir}/wf.yml"],
         "lint": ["lint", "{dir}/run.yaml", "--json"],
         "plan": ["plan", "{dir}/run.yaml", "--json"],
     }

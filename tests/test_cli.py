@@ -97,6 +97,16 @@ def test_a_rank_no_model_could_hold_is_one_line_not_an_overflow(
     assert "fix: set lora.rank to" in err
 
 
+def test_no_lora_targets_is_refused_by_plan_too(tmp_path: Path) -> None:
+    code, _, err = _run("plan", "Qwen/Qwen3-30B-A3B", "--targets", ",")  # was planned, exit 0
+    _assert_one_line_error(code, err, "--targets", "must be a comma list of attention")
+    run = tmp_path / "run.yaml"
+    run.write_text("model: {id: Qwen/Qwen3-30B-A3B}\nlora: {targets: []}\n")
+    code, _, err = _run("plan", str(run))
+    _assert_one_line_error(code, err, "lora.targets: must name at least one part to train")
+    assert code == 2
+
+
 def test_unknown_key_in_run_yaml(tmp_path: Path) -> None:
     run = tmp_path / "run.yaml"
     run.write_text("model:\n  id: Qwen/Qwen3-30B-A3B\ntrain:\n  seqlen: 4096\n")

@@ -49,6 +49,10 @@ Fraction = Annotated[  # a share of the steps: 1.0 would be read by HF as "1 ste
 Percent = Annotated[
     float, _rule(lambda v: _finite(v) and 0 <= v <= 100, "must be a percentage in [0, 100]")
 ]
+# An adapter on no part trains nothing (`--targets ,` was planned as if it were a run).
+Targets = Annotated[
+    list[Target], _rule(lambda v: len(v) > 0, "must name at least one part to train")
+]
 Port = Annotated[int, _rule(lambda v: 0 < v < 65536, "must be a TCP port (1-65535)")]
 
 

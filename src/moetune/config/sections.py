@@ -23,7 +23,7 @@ from moetune.config.base import (
     Port,
     PositiveFloat,
     PositiveInt,
-    Target,
+    Targets,
     _Section,
 )
 from moetune.config.lane import LaneArgs
@@ -79,7 +79,7 @@ class LoraArgs(_Section):
         description="LoRA dropout; engine peft forbids != 0 when experts are targeted, engine "
         "moetune applies it to the expert LoRA input.",
     )
-    targets: list[Target] = Field(
+    targets: Targets = Field(
         default_factory=lambda: list(DEFAULT_TARGETS),
         description="Parts that get LoRA: attention, experts, dense, shared, router.",
     )
