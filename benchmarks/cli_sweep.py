@@ -241,7 +241,7 @@ def _shared_in_child(root: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="the first 4 cases only")
-    parser.add_argument("--only", default="", help="cases whose name starts with this")
+    parser.add_argument("--only", default="", help="cases whose name starts with this (a comma list)")
     parser.add_argument("--fuzz", type=int, default=60, help="fuzzed configs")
     parser.add_argument("--garble", type=int, default=30, help="garbled run.yaml files")
     parser.add_argument("--timeout", type=float, default=300.0)
@@ -252,7 +252,8 @@ def main() -> None:
     if opts.build_shared:
         build_shared(Path(opts.build_shared))
         return
-    cases = [c for c in all_cases(opts.fuzz, opts.garble) if c.name.startswith(opts.only)]
+    prefixes = tuple(opts.only.split(","))
+    cases = [c for c in all_cases(opts.fuzz, opts.garble) if c.name.startswith(prefixes)]
     cases = cases[:4] if opts.smoke else cases
     os.environ.update(ENV)
     with tempfile.TemporaryDirectory(prefix="sweep-shared-") as root:
