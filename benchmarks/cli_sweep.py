@@ -241,7 +241,9 @@ def _shared_in_child(root: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="the first 4 cases only")
-    parser.add_argument("--only", default="", help="cases whose name starts with this (a comma list)")
+    parser.add_argument(
+        "--only", default="", help="cases whose name starts with this (a comma list)"
+    )
     parser.add_argument("--fuzz", type=int, default=60, help="fuzzed configs")
     parser.add_argument("--garble", type=int, default=30, help="garbled run.yaml files")
     parser.add_argument("--timeout", type=float, default=300.0)
