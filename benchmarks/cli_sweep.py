@@ -33,7 +33,7 @@ import bench_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sweep_cases import DEMO_BASE, SECRET_ENV, SECRETS, Case, all_cases
+from sweep_cases import DEMO_BASE, SECRET_ENV, SECRETS, Case, all_cases, classify
 
 ENV = {"HF_HUB_OFFLINE": "1", "COLUMNS": "200", "NO_COLOR": "1", **SECRET_ENV}
 TEMP = re.compile(r"(\.tmp$|\.tmp\.|\.partial$|^tmp[-_.])")  # io.atomic_write's and others'
@@ -154,42 +154,6 @@ def _leaks(texts: list[bytes], tmp: str, case: Case) -> list[str]:
 
 def _leftovers(tmp: str) -> list[str]:
     return [p.name for p in Path(tmp).rglob("*") if TEMP.search(p.name)]
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def classify(case: Case, code: int | None, out: str, err: str) -> tuple[str, str]:
-    """(OK | WEAK | BAD, why) – see the module doc."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    usage = "Try 'moetune" in err and "--help' for help" in err  # click's own usage error
-    if code is None:
-        return "BAD", "timeout"
-    if code == 3 or "Traceback" in err or "Traceback" in out or "error: unexpected" in err:
-        return "BAD", f"exit {code}: unexpected"
-    if code not in (0, 1, 2):
-        return "BAD", f"exit {code}"
-    if code == 0:
-        if case.expect == "bad":
-            return "BAD", "exit 0 on bad input"
-        if "--json" in case.args and not _is_json(out):
-            return "WEAK", "--json printed no JSON"
-        return "OK", ""
-    if code == 1 and not lines and _is_json(out) and "fix" in out:
-        return "OK", ""  # a check that failed, reported (lint, gate) with its fixes
-    if not usage and "fix" not in err.lower():
-        return "BAD", "refused without a fix"
-    if case.expect == "good":
-        return "WEAK", "a legal input refused"
-    errors = [line for line in lines if line.startswith("error:")]
-    if not usage and len(errors) != 1:
-        return "WEAK", f"{len(lines)} lines of error"
-    return "OK", ""
 
 
 def run_case(

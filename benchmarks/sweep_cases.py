@@ -328,3 +328,41 @@ def all_cases(fuzz: int, garble: int) -> list[Case]:
         *_yaml_cases(), *_flag_cases(), *_path_cases(), *_data_cases(), *_numeric_cases(),
         *_secret_cases(), *_misc_cases(), *_fuzz_cases(fuzz), *_garbled_cases(garble),
     ]  # fmt: skip
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def classify(case: Case, code: int | None, out: str, err: str) -> tuple[str, str]:
+    """(OK | WEAK | BAD, why) – see the module doc."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    usage = "Try 'moetune" in err and "--help' for help" in err  # click's own usage error
+    if code is None:
+        return "BAD", "timeout"
+    if code == 3 or "Traceback" in err or "Traceback" in out or "error: unexpected" in err:
+        return "BAD", f"exit {code}: unexpected"
+    if code not in (0, 1, 2):
+        return "BAD", f"exit {code}"
+    if code == 0:
+        if case.expect == "bad":
+            return "BAD", "exit 0 on bad input"
+        if "--json" in case.args and not _is_json(out):
+            return "WEAK", "--json printed no JSON"
+        return "OK", ""
+    if code == 1 and not lines and _is_json(out) and "fix" in out:
+        return "OK", ""  # a check that failed, reported (lint, gate) with its fixes
+    if code == 1 and lines and all(line.startswith("fix:") for line in lines):
+        return "OK", ""  # a check that failed (ledger verify): its report, then what to do
+    if not usage and "fix" not in err.lower():
+        return "BAD", "refused without a fix"
+    if case.expect == "good":
+        return "WEAK", "a legal input refused"
+    errors = [line for line in lines if line.startswith("error:")]
+    if not usage and len(errors) != 1:
+        return "WEAK", f"{len(lines)} lines of error"
+    return "OK", ""
