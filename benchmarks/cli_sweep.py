@@ -1,196 +1,253 @@
-"""Hostile-but-fair CLI sweep: bad YAML, bad flags, bad data, bad paths and fuzzed run
-configs, each a `moetune` subprocess, each outcome classified.
+"""Hostile-but-fair CLI sweep: bad YAML, bad flags, every numeric flag fuzzed, bad data and
+random bytes, bad paths, planted secrets and fuzzed run configs (benchmarks/sweep_cases.py),
+each a `moetune` process in its own scratch dir, each outcome classified.
 
-    ok       exit 0
-    refused  exit 2 (or 1, a check that failed) with a one-line cause, no traceback
-    BAD      exit 3 ("unexpected …"), a traceback, any other exit, a multi-line error, a timeout
+    OK    a bad input refused (exit 1 or 2) with one line naming the cause and a fix, or a
+          legal input accepted (exit 0)
+    WEAK  a legal input refused, a refusal of more than one line, --json output that is
+          not JSON
+    BAD   exit 3 ("unexpected …"), a traceback, a timeout, any other exit, exit 0 on an
+          input that must be refused, a refusal without a fix, a planted secret in any byte
+          moetune printed or wrote, a temp file left behind (something half-written)
 
-Prints a count per class and every BAD case (name, exit, the last stderr line).
-`--smoke` runs the first few cases only; the full sweep is opt-in (minutes: one process a case).
+Each case runs in a process forked from one that imported moetune and torch once (a
+`--subprocess` run starts `python -m moetune` per case instead: the same verdicts, ~3 s
+more each). Prints a line per case, then every WEAK and BAD case and the counts.
 
     PYTHONPATH=src python benchmarks/cli_sweep.py [--smoke] [--only PREFIX] [--timeout S]
 """
 
 import argparse
+import contextlib
 import json
 import os
-import random
+import re
+import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 import bench_env
 
-DEMO_BASE = Path(__file__).resolve().parents[1] / "src" / "moetune" / "demo" / "base_model"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sweep_cases import DEMO_BASE, SECRET_ENV, SECRETS, Case, all_cases, classify
+
+ENV = {"HF_HUB_OFFLINE": "1", "COLUMNS": "200", "NO_COLOR": "1", **SECRET_ENV}
+TEMP = re.compile(r"(\.tmp$|\.tmp\.|\.partial$|^tmp[-_.])")  # io.atomic_write's and others'
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    args: list[str]  # after `moetune`; {dir} is the case's scratch dir
-    files: dict[str, str]  # scratch-dir file name -> text written before the run
+def build_shared(root: Path) -> Path:
+    """The one tiny run dir every export / eval case reads: the demo base, a peft adapter on
+    attention with random (seeded) B matrices, its config.yaml and eval items."""
+    # lazy: heavy to import (torch, peft, transformers), and only when the sweep starts
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
 
+    from moetune.config import dump_config, parse_config
 
-def _yaml_cases() -> list[Case]:
-    texts = {
-        "empty": "",
-        "list": "- a\n- b\n",
-        "unclosed": "model: [\n",
-        "tab-indent": "model:\n\tid: x\n",
-        "duplicate-key": f"model: {{id: {DEMO_BASE}}}\nmodel: {{id: {DEMO_BASE}}}\n",
-        "scalar-section": "model: 3\n",
-        "unknown-section": f"model: {{id: {DEMO_BASE}}}\nbogus: 1\n",
-        "unknown-field": f"model: {{id: {DEMO_BASE}, bogus: 1}}\n",
-        "binary": "\x00\x01\x02",
-        "huge-int": f"model: {{id: {DEMO_BASE}}}\nlora: {{rank: {10**30}}}\n",
-        "nan-lr": f"model: {{id: {DEMO_BASE}}}\ntrain: {{learning_rate: .nan}}\n",
-        "inf-lr": f"model: {{id: {DEMO_BASE}}}\ntrain: {{learning_rate: .inf}}\n",
-        "missing-model": "train: {batch_size: 2}\n",
-        "model-dir-missing": "model: {id: /nonexistent/model}\n",
-        "model-is-file": "model: {id: /etc/hostname}\n",
+    run = root / "shared-run"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(DEMO_BASE), dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    peft.save_pretrained(str(run / "adapter"))
+    items = root / "eval.jsonl"
+    prompts = ["copy:abc>", "rev:hello>", "first:xyz>", "sum:123>"]
+    items.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in prompts))
+    doc = {
+        "model": {"id": str(DEMO_BASE), "dtype": "float32"},
+        "output": {"dir": str(run), "ledger": str(root / "ledger.jsonl")},
+        "eval": {"rungs": [{"name": "skills", "kind": "exact_match", "data": str(items)}]},
     }
-    return [
-        Case(f"yaml/{cmd}/{name}", [cmd, "{dir}/run.yaml", "--json"], {"run.yaml": text})
-        for name, text in texts.items()
-        for cmd in ("recipe", "lint")
-    ]
+    (run / "config.yaml").write_text(dump_config(parse_config(doc)))
+    return run
 
 
-def _flag_cases() -> list[Case]:
-    run = {"run.yaml": f"model: {{id: {DEMO_BASE}}}\n"}
-    flags = [
-        ["--rank", "0"], ["--rank", "x"], ["--rank", "-3"], ["--seq", "0"], ["--batch", "-1"],
-        ["--method", "ppo"], ["--targets", "bogus"], ["--targets", ","], ["--stack", "jax"],
-        ["--engine", "warp"], ["--experts-dtype", "int3"], ["--nproc", "0"],
-        ["--set", "lora.rank"], ["--set", "nope.x=1"], ["--set", "lora.rank=[1"],
-    ]  # fmt: skip
-    cases = [
-        Case(f"flag/{cmd}/{'='.join(f)}", [cmd, "{dir}/run.yaml", *f, "--json"], run)
-        for cmd in ("recipe", "plan")
-        for f in flags
-        if not (cmd == "recipe" and f[0] in ("--nproc",))
-    ]
-    quick = [["--steps", "0"], ["--steps", "x"], ["--method", "ppo"], ["--seed", "-1"],
-             ["--seed", "x"], ["--stack", "jax"]]  # fmt: skip
-    cases += [
-        Case(f"flag/quickstart/{'='.join(f)}", ["quickstart", *f, "--json"], {}) for f in quick
-    ]
-    return cases
+def _prepare(case: Case, tmp: str, shared: str) -> list[str]:
+    for name, content in case.files.items():
+        if isinstance(content, bytes):
+            Path(tmp, name).write_bytes(content)
+        else:
+            Path(tmp, name).write_text(content.replace("{dir}", tmp), encoding="utf-8")
+    Path(tmp, "link.yaml").symlink_to(Path(tmp, "loop.yaml"))
+    Path(tmp, "loop.yaml").symlink_to(Path(tmp, "link.yaml"))
+    Path(tmp, "ro").mkdir()
+    Path(tmp, "ro").chmod(0o500)
+    return [a.replace("{dir}", tmp).replace("{shared}", shared) for a in case.args]
 
 
-def _path_cases() -> list[Case]:
-    paths = ["/nonexistent.yaml", "/tmp", "/dev/null", "{dir}/link.yaml", "{dir}/ro/run.yaml"]
-    cases = [
-        Case(f"path/{cmd}/{p}", [cmd, p, "--json"], {})
-        for cmd in ("plan", "lint", "eval")
-        for p in paths
-    ]
-    for fmt in ("merged", "gguf", "vllm", "mlx"):
-        for src in ("/nonexistent", "{dir}", "/dev/null"):
-            args = ["export", src, "--format", fmt, "--out", "{dir}/out", "--json"]
-            cases.append(Case(f"path/export/{fmt}/{src}", args, {}))
-    return cases
+def _child(args: list[str], tmp: str, out: str, err: str) -> None:
+    """The forked case: its own process group (a rank it starts dies with it), cwd and fds."""
+    code = 0
+    try:
+        os.setpgid(0, 0)
+        os.chdir(tmp)
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        from moetune.cli import app
+
+        app(args=args, prog_name="moetune")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 99
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
-def _data_cases() -> list[Case]:
-    rows = {
-        "missing": None,
-        "empty": "",
-        "not-json": "hello\n",
-        "no-fields": '{"x": 1}\n',
-        "empty-completion": '{"prompt": "a", "completion": ""}\n',
-        "number-prompt": '{"prompt": 3, "completion": "b"}\n',
-        "array": "[1, 2]\n",
-    }
-    cases = []
-    for name, text in rows.items():
-        yaml = f"model: {{id: {DEMO_BASE}}}\ndata: {{train_file: {{dir}}/train.jsonl}}\n"
-        files = {"run.yaml": yaml} | ({} if text is None else {"train.jsonl": text})
-        cases.append(Case(f"data/lint/{name}", ["lint", "{dir}/run.yaml", "--json"], files))
-    return cases
+def _wait(pid: int, timeout: float) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    return None
 
 
-def _fuzz_cases(n: int, seed: int = 0) -> list[Case]:
-    """Random fields of `moetune schema` set to values of the wrong kind."""
-    # the schema's field list, from the package itself (no subprocess per field)
-    from moetune.config import schema_rows
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
-    fields = [f for f, _, _ in schema_rows() if "." in f and f.count(".") == 1]
-    values = ["x", -1, 0, 1e309, [], {}, None, True, "../../etc", "9" * 40]
-    rng = random.Random(seed)
-    cases = []
-    for i in range(n):
-        section, leaf = rng.choice(fields).split(".")
-        value = rng.choice(values)
-        doc = {"model": {"id": str(DEMO_BASE)}, section: {leaf: value}}
-        if section == "model":
-            doc["model"] = {"id": str(DEMO_BASE), leaf: value}
-        text = json.dumps(doc).replace("Infinity", "1e309")
-        cases.append(
-            Case(
-                f"fuzz/{i}/{section}.{leaf}={value!r}"[:90],
-                ["recipe", "{dir}/run.yaml", "--json"],
-                {"run.yaml": text},
-            )
+
+def _run(args: list[str], tmp: str, logs: str, timeout: float, fork: bool) -> int | None:
+    out, err = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
+    if not fork:
+        with open(out, "wb") as fo, open(err, "wb") as fe:
+            try:
+                cmd = [sys.executable, "-m", "moetune", *args]
+                done = subprocess.run(cmd, stdout=fo, stderr=fe, cwd=tmp, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return None
+        return done.returncode
+    pid = os.fork()
+    if pid == 0:
+        _child(args, tmp, out, err)
+    code = _wait(pid, timeout)
+    _kill_group(pid)  # a timeout, or ranks and helpers it left behind
+    if code is None:
+        os.waitpid(pid, 0)
+    return code
+
+
+def _leaks(texts: list[bytes], tmp: str, case: Case) -> list[str]:
+    """Planted secrets in what the case printed, and in every file it wrote."""
+    found = [f"output holds {s[:8]}…" for s in SECRETS for t in texts if s.encode() in t]
+    for path in Path(tmp).rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.name not in case.files:
+            data = path.read_bytes()
+            found += [f"{path.name} holds {s[:8]}…" for s in SECRETS if s.encode() in data]
+    return found
+
+
+def _leftovers(tmp: str) -> list[str]:
+    return [p.name for p in Path(tmp).rglob("*") if TEMP.search(p.name)]
+
+
+def run_case(
+    case: Case, timeout: float, shared: str, fork: bool
+) -> tuple[str, str, int | None, str]:
+    with tempfile.TemporaryDirectory(prefix="sweep-") as tmp, tempfile.TemporaryDirectory() as logs:
+        args = _prepare(case, tmp, shared)
+        code = _run(args, tmp, logs, timeout, fork)
+        out_b, err_b = (
+            Path(logs, n).read_bytes() if Path(logs, n).exists() else b""
+            for n in ("stdout", "stderr")
         )
-    return cases
+        out, err = out_b.decode(errors="replace"), err_b.decode(errors="replace")
+        verdict, why = classify(case, code, out, err)
+        bad = _leaks([out_b, err_b], tmp, case) + [f"left {n}" for n in _leftovers(tmp)]
+        Path(tmp, "ro").chmod(0o700)
+    if bad:
+        verdict, why = "BAD", "; ".join(bad)
+    last = (err.strip().splitlines() or [""])[-1]
+    return verdict, why, code, last
 
 
-def all_cases(fuzz: int) -> list[Case]:
-    return [*_yaml_cases(), *_flag_cases(), *_path_cases(), *_data_cases(), *_fuzz_cases(fuzz)]
+# What the commands import lazily, imported once before the forks (no torch op runs here:
+# a fork after OpenMP started can hang).
+PRELOAD = ("moetune.cli", "moetune.model", "moetune.data", "moetune.recipe", "moetune.plan",
+           "moetune.lint", "moetune.train", "moetune.evaluate", "moetune.export",
+           "moetune.report", "moetune.lane", "peft", "trl")  # fmt: skip
 
 
-def classify(code: int, stderr: str) -> str:
-    """ok / refused / BAD (see the module doc); a refusal must say something."""
-    if code == 3 or "Traceback" in stderr or "error: unexpected" in stderr:
-        return "BAD"
-    if code == 0:
-        return "ok"
-    if code in (1, 2) and stderr.strip():
-        return "refused"
-    return "BAD"
+def _preload() -> None:
+    # lazy: heavy to import (torch, transformers, every stage), once, only for forked runs
+    import importlib
+
+    import transformers
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    config = transformers.AutoConfig.from_pretrained(str(DEMO_BASE))
+    transformers.AutoModelForCausalLM._model_mapping[type(config)]  # the demo's class
 
 
-def run_case(case: Case, timeout: float) -> tuple[str, int, str]:
-    with tempfile.TemporaryDirectory(prefix="sweep-") as tmp:
-        for name, text in case.files.items():
-            Path(tmp, name).write_text(text.replace("{dir}", tmp))
-        Path(tmp, "link.yaml").symlink_to(Path(tmp, "loop.yaml"))
-        Path(tmp, "loop.yaml").symlink_to(Path(tmp, "link.yaml"))
-        args = [a.replace("{dir}", tmp) for a in case.args]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "moetune", *args], capture_output=True, text=True,
-                timeout=timeout, env=env, cwd=tmp, check=False,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired:
-            return "BAD", -1, f"timeout after {timeout:g} s"
-    last = (done.stderr.strip().splitlines() or [""])[-1]
-    return classify(done.returncode, done.stderr), done.returncode, last
+def _shared_in_child(root: str) -> str:
+    """build_shared in a process of its own, so this one forks before torch computes."""
+    cmd = [sys.executable, __file__, "--build-shared", root]
+    subprocess.run(cmd, check=True, env={**os.environ, **ENV})
+    return str(Path(root, "shared-run"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="the first 4 cases only")
-    parser.add_argument("--only", default="", help="cases whose name starts with this")
+    parser.add_argument(
+        "--only", default="", help="cases whose name starts with this (a comma list)"
+    )
     parser.add_argument("--fuzz", type=int, default=60, help="fuzzed configs")
+    parser.add_argument("--garble", type=int, default=30, help="garbled run.yaml files")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--subprocess", action="store_true", help="python -m moetune per case")
     parser.add_argument("--threads", type=int, default=bench_env.DEFAULT_THREADS)
+    parser.add_argument("--build-shared", default="", help=argparse.SUPPRESS)
     opts = parser.parse_args()
-    cases = [c for c in all_cases(opts.fuzz) if c.name.startswith(opts.only)]
+    if opts.build_shared:
+        build_shared(Path(opts.build_shared))
+        return
+    prefixes = tuple(opts.only.split(","))
+    cases = [c for c in all_cases(opts.fuzz, opts.garble) if c.name.startswith(prefixes)]
     cases = cases[:4] if opts.smoke else cases
+    os.environ.update(ENV)
+    with tempfile.TemporaryDirectory(prefix="sweep-shared-") as root:
+        needs_run = any("{shared}" in a for c in cases for a in c.args)
+        shared = _shared_in_child(root) if needs_run else "/nonexistent-shared-run"
+        if not opts.subprocess:
+            _preload()
+
+        start = time.monotonic()
+        report(cases, opts, shared)
+        print(f"wall: {time.monotonic() - start:.0f} s")
+
+
+def report(cases: list[Case], opts: argparse.Namespace, shared: str) -> None:
     counts: dict[str, int] = {}
-    bad = []
+    flagged = []
     for case in cases:
-        verdict, code, last = run_case(case, opts.timeout)
+        began = time.monotonic()
+        verdict, why, code, last = run_case(case, opts.timeout, shared, not opts.subprocess)
         counts[verdict] = counts.get(verdict, 0) + 1
-        if verdict == "BAD":
-            bad.append(f"BAD {case.name}: exit {code}: {last[:160]}")
-        print(f"{verdict:8} {code:3} {case.name}", flush=True)
-    print(*bad, sep="\n")
+        if verdict != "OK":
+            flagged.append(f"{verdict} {case.name}: {why}: {last[:160]}")
+        took = time.monotonic() - began
+        print(
+            f"{verdict:5} {code if code is not None else '-':>3} {took:5.1f}s {case.name}",
+            flush=True,
+        )
+    print(*flagged, sep="\n")
     print(f"cases: {len(cases)} · " + " · ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
 

@@ -143,6 +143,9 @@ def test_cli_json_fields_and_files(tmp_path: Path) -> None:
         (["--seeds", "0"], "at least one seed"),
         (["--steps", "5", "--tokens", "100"], "--steps and --tokens both given"),
         (["--steps", "0"], "trains nothing"),
+        (["--steps", "9" * 30], "more than a CPU bench can finish"),
+        (["--tokens", "9" * 30], "more than a CPU bench can finish"),
+        (["--seeds", "9" * 30], "more seeds than an interval needs"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(args: list[str], says: str) -> None:

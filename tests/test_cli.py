@@ -86,6 +86,27 @@ def test_non_positive_rank_or_seq(flag: list[str]) -> None:
     _assert_one_line_error(code, err, "positive")
 
 
+@pytest.mark.parametrize(("rank", "said"), [(10**30, "below 2**63"), (70000, "at most 65536")])
+def test_a_rank_no_model_could_hold_is_one_line_not_an_overflow(
+    tmp_path: Path, rank: int, said: str
+) -> None:
+    run = tmp_path / "run.yaml"  # 10**30 was an "unexpected TypeError" (exit 3) in torch
+    run.write_text(f"model: {{id: Qwen/Qwen3-30B-A3B}}\nlora: {{rank: {rank}}}\n")
+    code, _, err = _run("recipe", str(run))
+    _assert_one_line_error(code, err, f"lora.rank: must be {said}")
+    assert "fix: set lora.rank to" in err
+
+
+def test_no_lora_targets_is_refused_by_plan_too(tmp_path: Path) -> None:
+    code, _, err = _run("plan", "Qwen/Qwen3-30B-A3B", "--targets", ",")  # was planned, exit 0
+    _assert_one_line_error(code, err, "--targets", "must be a comma list of attention")
+    run = tmp_path / "run.yaml"
+    run.write_text("model: {id: Qwen/Qwen3-30B-A3B}\nlora: {targets: []}\n")
+    code, _, err = _run("plan", str(run))
+    _assert_one_line_error(code, err, "lora.targets: must name at least one part to train")
+    assert code == 2
+
+
 def test_unknown_key_in_run_yaml(tmp_path: Path) -> None:
     run = tmp_path / "run.yaml"
     run.write_text("model:\n  id: Qwen/Qwen3-30B-A3B\ntrain:\n  seqlen: 4096\n")

@@ -64,6 +64,10 @@ def test_non_positive_rejected(bad: str) -> None:
         ("lane.max_usd=-5", "lane.max_usd: must be a finite number > 0"),
         ("lane.idle_gpu_percent=150", "lane.idle_gpu_percent: must be a percentage in [0, 100]"),
         ("lane.ssh.port=0", "lane.ssh.port: must be a TCP port"),
+        ("lora.rank=" + "9" * 30, "lora.rank: must be below 2**63 (a 64-bit integer)"),
+        ("lora.rank=70000", "lora.rank: must be at most 65536 (got 70000)"),
+        ("train.max_steps=" + "9" * 20, "train.max_steps: must be below 2**63"),
+        ("train.seed=" + "9" * 20, "train.seed: must be below 2**63"),
     ],
 )
 def test_impossible_numbers_are_refused_naming_field_and_fix(override: str, cause: str) -> None:
@@ -105,6 +109,39 @@ def test_duplicate_yaml_keys_are_refused_naming_line_and_key(
     assert said in exc.value.cause and exc.value.fix == "keep one of the two"
     with pytest.raises(ConfigError, match="not valid YAML"):
         parse_config({}, ["lora.targets={a: 1, a: 2}"])
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+)  # 9**9 values once expanded: it hung `moetune lint` until killed
+
+
+@pytest.mark.parametrize(
+    ("text", "said", "fix"),
+    [
+        (
+            BOMB + "model: *i\n",
+            "its aliases expand to more than 1,000,000 values",
+            "write the values",
+        ),
+        ("model: " + "[" * 3000 + "]" * 3000, "nested too deeply to parse", "flatten"),
+    ],
+)
+def test_alias_bombs_and_deep_nesting_are_refused_not_hung_or_crashed(
+    tmp_path: Path, text: str, said: str, fix: str
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert exc.value.cause == f"{path} is not valid YAML: {said}"
+    assert exc.value.fix.startswith(fix)
+
+
+def test_a_few_aliases_still_load() -> None:
+    from moetune.config import load_yaml
+
+    assert load_yaml("a: &x [1, 2]\nb: *x\n") == {"a": [1, 2], "b": [1, 2]}
 
 
 def test_yaml_merge_keys_may_restate_a_key() -> None:

@@ -5,10 +5,12 @@ wrong roles, non-UTF-8 lines, sources that do not exist, weights ≤ 0."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+import moetune.demo
 from moetune.cli import app
 from moetune.config import DataArgs, parse_config
 from moetune.data import check_sources
@@ -71,6 +73,20 @@ def test_sources_that_do_not_exist_and_a_directory_that_is_not_data(tmp_path):
     (tmp_path / "empty" / "notes.md").write_text("no data here")
     err = _refused(sources=[{"path": str(tmp_path / "empty")}])
     assert "not found" not in err.cause and str(tmp_path / "empty") in err.cause
+
+
+def test_random_bytes_under_a_csv_name_are_one_line_exit_2(tmp_path):
+    data = tmp_path / "train.csv"  # datasets' DatasetGenerationError was exit 3 "unexpected"
+    data.write_bytes(bytes(range(128, 256)) * 16)
+    run = tmp_path / "run.yaml"
+    base = Path(moetune.demo.__file__).parent / "base_model"  # a tokenizer on disk
+    run.write_text(json.dumps({"model": {"id": str(base)}, "data": {"train_file": str(data)}}))
+    result = CliRunner().invoke(app, ["data", str(run), "--json"])
+    assert result.exit_code == 2, result.output
+    said = result.stderr.strip().splitlines()[-1]
+    assert f"source {data}: cannot be read (" in said and "codec can't decode" in said
+    assert "fix: check the files are valid json / parquet / csv" in said
+    assert "Traceback" not in result.output and "unexpected" not in result.output
 
 
 def test_a_weight_of_zero_or_less_names_the_source():

@@ -130,3 +130,16 @@ def test_workflow_github_cli_passes_actionlint(tmp_path: Path) -> None:
     assert lint.returncode == 0, lint.stdout + lint.stderr
     text = out.read_text()
     assert "secrets.RUNPOD_API_KEY" in text and "lane.provider=runpod" in text
+
+
+def test_workflow_github_has_json_and_it_masks_lane_env_values(tmp_path: Path) -> None:
+    run = tmp_path / "run.yaml"  # the sweep found no --json (every command has one)
+    run.write_text("model: {id: Qwen/Qwen3-30B-A3B}\n"
+                   "lane: {provider: runpod, env: {DB_PASS: zq-sweep-secret-7f3a}}\n")  # fmt: skip
+    out = tmp_path / "wf.yml"
+    got = CliRunner().invoke(app, ["workflow", "github", str(run), "--out", str(out), "--json"])
+    assert got.exit_code == 0, got.output
+    doc = json.loads(got.stdout)
+    assert doc["workflow"] == out.read_text() and doc["out"] == str(out)
+    assert doc["deadline_s"] > 0 and "secrets.RUNPOD_API_KEY" in doc["workflow"]
+    assert "zq-sweep-secret-7f3a" not in got.output + out.read_text()

@@ -137,6 +137,24 @@ def test_cli_show_and_verify(tmp_path: Path) -> None:
     assert runner.invoke(app, ["ledger", "verify", "--path", str(path)]).exit_code == 1
 
 
+def test_cli_verify_of_random_bytes_says_what_to_do(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    path = tmp_path / "l.jsonl"
+    path.write_bytes(bytes(range(128, 256)) * 4 + b"\n{torn")  # the sweep's case: no fix said
+    for extra in ([], ["--json"]):
+        done = CliRunner().invoke(app, ["ledger", "verify", "--path", str(path), *extra])
+        assert done.exit_code == 1 and "Traceback" not in done.output
+        assert (
+            done.stderr.strip() == "fix: reads skip the problem lines; restore them from a "
+            "copy of the file (it is git-friendly) or move it aside to start a new ledger"
+        )
+    doc = json.loads(done.stdout)
+    assert (doc["rows"], len(doc["problems"])) == (0, 2) and doc["fix"].startswith("reads skip")
+
+
 def test_cli_show_refuses_a_status_that_does_not_exist(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

@@ -40,6 +40,10 @@ from moetune.model import build_model
 OnStep = Callable[[str, int], None]  # (arm name, seed) after every optimizer step
 
 
+MAX_SEEDS = 100  # an interval is tight long before this
+MAX_STEPS = 1_000_000  # 250 × the large size's budget: days of CPU
+
+
 class BenchConfig(BaseModel):
     """What one `moetune bench gm1` runs."""
 
@@ -61,11 +65,17 @@ class BenchConfig(BaseModel):
             steps = size.steps if self.steps is None else self.steps
         if steps < 1:
             raise BenchError(f"a budget of {steps} steps trains nothing", "pass --steps >= 1")
+        if steps > MAX_STEPS:  # 10**29 was accepted and ran until killed
+            cause = f"a budget of {steps:.3g} steps per run is more than a CPU bench can finish"
+            raise BenchError(cause, f"pass --steps (or --tokens) for at most {MAX_STEPS:,} steps")
         return steps
 
     def validated(self) -> BenchConfig:
         if self.seeds < 1:
             raise BenchError(f"--seeds {self.seeds}: at least one seed", "pass --seeds >= 1")
+        if self.seeds > MAX_SEEDS:
+            cause = f"--seeds {self.seeds:.3g}: more seeds than an interval needs"
+            raise BenchError(cause, f"pass --seeds <= {MAX_SEEDS}")
         get_size(self.size), get_arms(list(self.arms)), self.resolved_steps()
         return self
 

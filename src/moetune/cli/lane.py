@@ -207,6 +207,7 @@ def workflow_github(
     config: Annotated[Path, typer.Argument(help="The run.yaml the workflow launches.")],
     out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
     overrides: SetOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """A GitHub Actions workflow: step timeout inside the job's, upload + teardown always."""
     # lazy: the stage loads only when its command runs
@@ -220,6 +221,9 @@ def workflow_github(
     text = github_workflow(cfg, str(config), deadline, overrides=overrides or [])
     if out:
         atomic_write_text(out, text)
+    if as_json:  # the workflow's text too when it went to --out: one document either way
+        emit_json({"workflow": text, "out": str(out) if out else None, "deadline_s": deadline})
+    elif out:
         err_console.print(f"wrote {escape(str(out))}")
     else:
         console.print(text, markup=False, highlight=False, soft_wrap=True)

@@ -65,6 +65,12 @@ def _utc_date(text: str | None) -> float | None:
         raise ConfigError(f"--since {text!r} is not a date", "write it as YYYY-MM-DD") from None
 
 
+VERIFY_FIX = (
+    "reads skip the problem lines; restore them from a copy of the file (it is git-friendly) "
+    "or move it aside to start a new ledger"
+)
+
+
 @ledger_app.command("verify")
 @friendly
 def ledger_verify(
@@ -77,11 +83,13 @@ def ledger_verify(
             "pass --path to a ledger file (a run's is its output.ledger)",
         )
     got = Ledger(path).read()
+    fix = VERIFY_FIX if got.problems else None
     if as_json:
-        emit_json({"rows": len(got.rows), "problems": got.problems})
+        emit_json({"rows": len(got.rows), "problems": got.problems, "fix": fix})
     else:
         console.print(f"{len(got.rows)} valid rows, {len(got.problems)} problem lines")
         for line, problem in got.problems:
             console.print(f"  line {line}: {problem}")
-    if got.problems:
+    if fix:
+        err_console.print(f"fix: {fix}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)

@@ -30,8 +30,12 @@ def _finite(v: float) -> bool:
 
 
 # Numbers a run config can hold; a value outside them cannot describe a real run.
-PositiveInt = Annotated[int, _rule(lambda v: v > 0, "must be a positive integer (> 0)")]
-NonNegativeInt = Annotated[int, _rule(lambda v: v >= 0, "must be an integer >= 0")]
+# Counts past 64 bits overflow in torch and numpy (an "unexpected" error deep inside a build).
+_INT64 = _rule(lambda v: v < 2**63, "must be below 2**63 (a 64-bit integer)")
+PositiveInt = Annotated[int, _rule(lambda v: v > 0, "must be a positive integer (> 0)"), _INT64]
+NonNegativeInt = Annotated[int, _rule(lambda v: v >= 0, "must be an integer >= 0"), _INT64]
+# A LoRA rank above any model's width builds nothing a run could use (and 10**30 overflows).
+LoraRank = Annotated[PositiveInt, _rule(lambda v: v <= 2**16, "must be at most 65536")]
 PositiveFloat = Annotated[
     float, _rule(lambda v: _finite(v) and v > 0, "must be a finite number > 0")
 ]
@@ -44,6 +48,10 @@ Fraction = Annotated[  # a share of the steps: 1.0 would be read by HF as "1 ste
 ]
 Percent = Annotated[
     float, _rule(lambda v: _finite(v) and 0 <= v <= 100, "must be a percentage in [0, 100]")
+]
+# An adapter on no part trains nothing (`--targets ,` was planned as if it were a run).
+Targets = Annotated[
+    list[Target], _rule(lambda v: len(v) > 0, "must name at least one part to train")
 ]
 Port = Annotated[int, _rule(lambda v: 0 < v < 65536, "must be a TCP port (1-65535)")]
 

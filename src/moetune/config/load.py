@@ -42,9 +42,44 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+class YamlLimitError(yaml.YAMLError):
+    """A document a run config never is: nested past the parser's stack, or aliases that
+    expand to more nodes than memory holds (a "billion laughs" file hangs, never fails)."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(problem)
+        self.fix = fix
+
+
+MAX_NODES = 1_000_000  # expanded; a run config has a few hundred
+
+
+def _expanded(node: yaml.Node, memo: dict[int, int]) -> int:
+    """How many nodes `node` stands for once every alias is expanded (memoised: linear)."""
+    if id(node) not in memo:
+        memo[id(node)] = 1  # a recursive alias counts once
+        if isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            children = node.value if isinstance(node, yaml.SequenceNode) else []
+        memo[id(node)] = 1 + sum(_expanded(child, memo) for child in children)
+    return memo[id(node)]
+
+
 def load_yaml(text: str) -> Any:
-    """`yaml.safe_load` that refuses duplicate keys: every YAML moetune reads goes through it."""
-    return yaml.load(text, Loader=UniqueKeyLoader)
+    """`yaml.safe_load` that refuses duplicate keys, alias bombs and nesting past the
+    parser's stack: every YAML moetune reads goes through it."""
+    loader = UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()  # type: ignore[no-untyped-call]
+        if node is not None and _expanded(node, {}) > MAX_NODES:
+            fix = "write the values out instead of nesting aliases (&name / *name)"
+            raise YamlLimitError(f"its aliases expand to more than {MAX_NODES:,} values", fix)
+        return None if node is None else loader.construct_document(node)  # type: ignore[no-untyped-call]
+    except RecursionError:
+        raise YamlLimitError("nested too deeply to parse", "flatten the nesting") from None
+    finally:
+        loader.dispose()  # type: ignore[no-untyped-call]
 
 
 def _apply_override(data: dict[str, Any], assignment: str) -> None:
@@ -127,6 +162,7 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
     except yaml.YAMLError as err:
         first = f"{clip(path, 80)} is not valid YAML: {err}".splitlines()[0]
         fix = "keep one of the two" if isinstance(err, DuplicateKeyError) else "fix the YAML syntax"
+        fix = err.fix if isinstance(err, YamlLimitError) else fix
         raise ConfigError(first, fix) from None
     if data is None:  # an empty file is a mistake (a truncated copy), never "all defaults"
         raise ConfigError(

@@ -17,12 +17,13 @@ from moetune.config.base import (
     DEFAULT_TARGETS,
     FiniteFloat,
     Fraction,
+    LoraRank,
     NonNegativeFloat,
     NonNegativeInt,
     Port,
     PositiveFloat,
     PositiveInt,
-    Target,
+    Targets,
     _Section,
 )
 from moetune.config.lane import LaneArgs
@@ -65,8 +66,8 @@ class ModelArgs(_Section):
 class LoraArgs(_Section):
     """The LoRA adapter: where it goes and how big it is."""
 
-    rank: PositiveInt = Field(16, description="LoRA rank r (per expert for expert stacks).")
-    expert_rank: PositiveInt | None = Field(
+    rank: LoraRank = Field(16, description="LoRA rank r (per expert for expert stacks).")
+    expert_rank: LoraRank | None = Field(
         None,
         description="Rank of the expert-stack LoRA (per expert) when it should differ from "
         "rank, e.g. 4 to fit a 24 GB card; alpha scales with it (same alpha/r). Needs "
@@ -78,7 +79,7 @@ class LoraArgs(_Section):
         description="LoRA dropout; engine peft forbids != 0 when experts are targeted, engine "
         "moetune applies it to the expert LoRA input.",
     )
-    targets: list[Target] = Field(
+    targets: Targets = Field(
         default_factory=lambda: list(DEFAULT_TARGETS),
         description="Parts that get LoRA: attention, experts, dense, shared, router.",
     )

@@ -60,7 +60,7 @@ def _split_of(found: Any, src: SourceArgs) -> Any:
 def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:
     """datasets' loading errors, as one line naming the source."""
     # lazy: heavy to import (datasets)
-    from datasets.exceptions import DatasetNotFoundError
+    from datasets.exceptions import DatasetNotFoundError, DatasetsError
 
     try:
         return load()
@@ -78,9 +78,10 @@ def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:
             "(offline?) and the local dataset cache has no copy",
             "check data.sources[].path, or load it once online (it is cached for offline runs)",
         ) from None
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:  # datasets' own
+    except (DatasetsError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+        why = exc.__cause__ or exc  # DatasetGenerationError says only "an error occurred"
         raise DataError(
-            f"source {label(src)}: cannot be read ({_first_line(exc)})",
+            f"source {label(src)}: cannot be read ({_first_line(why)})",
             "check the files are valid json / parquet / csv / arrow, and the name and split",
         ) from None
 
