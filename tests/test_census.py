@@ -32,14 +32,11 @@ NAMED = (
     "mistral4", "dbrx", "llama4_text", "qwen3_moe", "mixtral", "olmoe", "gpt_oss",
 )  # fmt: skip
 # The trace runs the step op by op on fake tensors; an op whose output shape depends on
-# the data (aten.nonzero in a router or indexer) has no fake kernel, so the planner's
-# analytic model sizes these. Strict xfails: a transformers change that fixes one is noticed.
-CANNOT_TRACE = {
-    **dict.fromkeys(
-        ("longcat_flash", "qwen4_exp_text", "glm5_next_text", "jetmoe", "step3p5"),
-        "a data-dependent op (nonzero / item) in its forward",
-    ),
-}
+# the data (aten.nonzero, .item() / .tolist() in an eager expert loop: longcat_flash,
+# qwen4_exp_text, glm5_next_text, jetmoe, step3p5) is answered from a balanced routing
+# (plan.balanced), so every type traces. A type that cannot goes here as a strict xfail
+# with transformers' own cause, so that a library change that fixes it is noticed.
+CANNOT_TRACE: dict[str, str] = {}
 
 
 def _case(model_type: str, known: dict[str, str]) -> Any:

@@ -7,7 +7,8 @@ own loss), backward, a `torch.optim.AdamW` step (fused by default, as HF Trainer
 run it) and zero_grad – under a `ByteTracker` that counts live tensor bytes at every aten
 op. Nothing is allocated for real, so a 235B model traces in RAM a laptop has;
 `fake=False` runs the same step on real tensors, which is how the trace is checked byte
-for byte.
+for byte. Both route balanced (`plan.balanced`): every expert gets top_k × tokens / n, so
+an eager expert loop that reads its routing (nonzero, `.tolist()`) traces too.
 
 The loss is computed as moetune's trainer computes it: TRL's SFTTrainer projects through
 a fused, tiled LM head (`trl.trainer.utils.add_fused_lm_head`) and never holds the
@@ -39,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moetune.errors import ConfigError, MoetuneError, TraceError
 from moetune.model.derive import causal_lm_class, ensure_backbone
+from moetune.plan.balanced import BalancedRouting
 from moetune.plan.tracker import FROZEN, GRADIENTS, OPTIMIZER, TRAINABLE, ByteTracker
 
 if TYPE_CHECKING:
@@ -274,7 +276,8 @@ def prepare_for_training(model: Any, full: bool, gradient_checkpointing: bool) -
 @contextlib.contextmanager
 def _fake_mode(fake: bool) -> Iterator[None]:
     if not fake:
-        yield
+        with BalancedRouting(None):  # the real step routes as the fake one (plan.balanced)
+            yield
         return
     # lazy: heavy to import (transformers)
     from transformers import masking_utils
@@ -285,7 +288,8 @@ def _fake_mode(fake: bool) -> Iterator[None]:
     # Non-fake inputs are allowed because `to_empty` reads the meta parameters.
     with (
         mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packing),
-        FakeTensorMode(allow_non_fake_inputs=True),
+        FakeTensorMode(allow_non_fake_inputs=True) as mode,
+        BalancedRouting(mode),  # below the tracker: nonzero / .item() on routing answered
     ):
         yield
 
@@ -394,5 +398,6 @@ def _trace_failure(exc: Exception, tracker: ByteTracker) -> TraceError:
     return TraceError(
         f"the training-step trace failed {where}: {type(exc).__name__}: {exc}",
         "check that the model config and LoRA targets load in transformers/peft; "
-        "data-dependent ops (e.g. an 'eager' experts loop) cannot be traced on fake tensors.",
+        "a data-dependent op on values computed from weights cannot be traced (plan.balanced "
+        "answers those on the routing).",
     )
