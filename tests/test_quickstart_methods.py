@@ -66,10 +66,12 @@ def _run(tmp_path: Path, method: str, seed: int = 0) -> dict:
 
 
 @pytest.mark.slow
-def test_grpo_quickstart_learns_the_new_skill_from_an_exact_match_reward(tmp_path):
-    summary = _run(tmp_path, "grpo")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grpo_quickstart_learns_the_new_skill_from_an_exact_match_reward(tmp_path, seed):
+    """GO at seeds 0 and 1 (benchmarks/RESULTS.md, across seeds; seed 2 is still NO-GO)."""
+    summary = _run(tmp_path, "grpo", seed)
     target = summary["target"]
-    assert target["base"] < 0.2 and target["candidate"] > 0.8  # measured: 0.08 -> 0.995
+    assert target["base"] < 0.2 and target["candidate"] > 0.8  # measured: 0.08 -> 1.00
     shift = summary["mean_routing_shift"]
     assert shift is not None and 0.0 <= shift < 0.05  # fp32 CPU: rollout and update agree
     # the sft term on the replayed rows keeps the base skills (measured: sum 0.87 -> 0.875)
