@@ -23,6 +23,7 @@ import torch
 from moetune.errors import clip
 from moetune.export.registry import ExportError
 from moetune.model.derive import checkpoint_class
+from moetune.model.saved_names import loaded_key_map
 
 PREFIX = "base_model.model."
 
@@ -104,8 +105,9 @@ def expert_factors(
 class AdapterTensors:
     """The adapter's safetensors, read one tensor at a time; tracks which were claimed."""
 
-    def __init__(self, adapter_dir: Path) -> None:
-        # lazy: heavy to import (safetensors)
+    def __init__(self, adapter_dir: Path, model: Any = None) -> None:
+        # lazy: heavy to import (peft, safetensors)
+        from peft import LoraConfig
         from safetensors import safe_open
 
         path = adapter_dir / "adapter_model.safetensors"
@@ -117,16 +119,23 @@ class AdapterTensors:
         self._file = safe_open(str(path), framework="pt")
         self.keys = frozenset(self._file.keys())
         self.unclaimed = set(self.keys)
+        # module-path key -> file key: the adapter may hold the checkpoint's saved names
+        # (model/saved_names.py), which peft maps onto the modules as it loads them
+        self.file_key = {k: k for k in self.keys}
+        if model is not None:
+            config = LoraConfig.from_pretrained(str(adapter_dir))
+            self.file_key.update(loaded_key_map(model, config, sorted(self.keys)))
 
     def pair(self, target: LoraTarget, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, B) of one layer, as `dtype`."""
-        names = [f"{PREFIX}{target.key}.lora_{x}.weight" for x in "AB"]
-        missing = [n for n in names if n not in self.keys]
+        wanted = [f"{PREFIX}{target.key}.lora_{x}.weight" for x in "AB"]
+        missing = [n for n in wanted if n not in self.file_key]
         if missing:
             raise ExportError(
                 f"the adapter has no {clip(missing[0], 100)}",
                 "export with the base the adapter was trained on (--base)",
             )
+        names = [self.file_key[n] for n in wanted]
         self.unclaimed.difference_update(names)
         a, b = (self._file.get_tensor(n).to(dtype) for n in names)
         return a, b
@@ -147,7 +156,7 @@ def iter_deltas(
     adapter_dir: Path, base: str, dtype: torch.dtype = torch.float32
 ) -> Iterator[tuple[LoraTarget, torch.Tensor, torch.Tensor]]:
     """(target, A, B) for every LoRA layer; raises at the end if a tensor was left over."""
-    tensors = AdapterTensors(adapter_dir)
+    tensors = AdapterTensors(adapter_dir, meta_base(base))
     for target in lora_targets(adapter_dir, base):
         a, b = tensors.pair(target, dtype)
         yield target, a, b

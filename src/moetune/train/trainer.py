@@ -50,6 +50,7 @@ from moetune.config.paths import anchor
 from moetune.io import atomic_write_json
 from moetune.ledger import attempt
 from moetune.lint.preflight import check_ledger
+from moetune.model.saved_names import write_checkpoint_named
 from moetune.plan.estimate import step_signature
 from moetune.plan.hardware import card_for_device
 from moetune.train.callbacks import (
@@ -181,7 +182,7 @@ def _train(
             routing.recorder.remove()
             if shift:
                 shift.recorder.remove()
-            save_adapter(trainer, run)
+            setup.notes += save_adapter(trainer, run)
             if setup.args.should_save:
                 write_offload_json(run, model)  # train.offload: what the expert store measured
     if routing.every:
@@ -375,15 +376,19 @@ def throughput(cfg: RunConfig, setup: Setup, trainer: SFTTrainer) -> dict[str, A
 # ---------------------------------------------------------------- outputs
 
 
-def save_adapter(trainer: SFTTrainer, run: RunDir) -> None:
-    """The peft adapter into a temp dir, then renamed to adapter/ in one step."""
+def save_adapter(trainer: SFTTrainer, run: RunDir) -> list[str]:
+    """The peft adapter into a temp dir, its keys in the checkpoint's own names, then
+    renamed to adapter/ in one step; notes on what peft will not load back."""
+    notes: list[str] = []
     tmp = run.root / ".adapter.tmp"
     if trainer.args.should_save:
         shutil.rmtree(tmp, ignore_errors=True)
     trainer.save_model(str(tmp))  # every process: sharded weights are gathered; main writes
     if trainer.args.should_save:
         (tmp / "training_args.bin").unlink(missing_ok=True)  # a pickle has no place there
+        notes = write_checkpoint_named(tmp, trainer.model)
         replace_dir(tmp, run.adapter)
+    return notes
 
 
 def router_warnings(router: dict[str, Any]) -> list[str]:
