@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -329,17 +330,23 @@ def test_recipe_and_analytic_plan_with_the_flag(tmp_path: Path) -> None:
     assert "REMOTE-CODE" in planned["findings"]
 
 
-def test_three_training_steps_save_an_adapter(tmp_path: Path) -> None:
+def _train_three_steps(ckpt: Path, tmp_path: Path) -> Any:
+    """Three steps with model.trust_remote_code: coverage 1, router unchanged."""
     from moetune.train.trainer import train
     from test_train_helpers import one_thread, reverse_rows, run_config, write_jsonl
 
-    ckpt = write_checkpoint(tmp_path / "ckpt", weights=True)
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(12))
     cfg = run_config(ckpt, data, tmp_path / "run", max_steps=3, save_steps=3, seq_len=16)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"trust_remote_code": True})})
     with one_thread():
         result = train(cfg, progress=False)
     assert (result.steps, result.coverage, result.router_changed) == (3, 1.0, False)
+    return result
+
+
+def test_three_training_steps_save_an_adapter(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", weights=True)
+    result = _train_three_steps(ckpt, tmp_path)
     adapter = Path(result.adapter_dir)
     saved = json.loads((adapter / "adapter_config.json").read_text())
     assert any("experts" in p for p in saved["target_parameters"])
@@ -350,9 +357,6 @@ def test_experts_as_a_module_list_train_every_expert(tmp_path: Path) -> None:
     """DeepSeek-MoE 16B's own layout: routed experts as a ModuleList of MLPs (three Linears
     each), a router that is a bare weight. Counted the same, LoRA on all 3 Linears of every
     expert (24 in 2 layers), the router left alone, three steps at coverage 1."""
-    from moetune.train.trainer import train
-    from test_train_helpers import one_thread, reverse_rows, run_config, write_jsonl
-
     ckpt = write_checkpoint(tmp_path / "ckpt", weights=True, experts_as_list=True)
     runner = CliRunner()
     inspect = runner.invoke(app, ["inspect", str(ckpt), "--trust-remote-code", "--json"])
@@ -365,12 +369,7 @@ def test_experts_as_a_module_list_train_every_expert(tmp_path: Path) -> None:
     peft = json.loads(recipe.stdout)
     assert peft["coverage"]["coverage"] == 1.0 and not peft["coverage"]["router_adapted"]
     assert peft["coverage"]["by_kind"]["experts"] == {"adapted": 24, "expected": 24}
-    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(12))
-    cfg = run_config(ckpt, data, tmp_path / "run", max_steps=3, save_steps=3, seq_len=16)
-    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"trust_remote_code": True})})
-    with one_thread():
-        result = train(cfg, progress=False)
-    assert (result.steps, result.coverage, result.router_changed) == (3, 1.0, False)
+    result = _train_three_steps(ckpt, tmp_path)
     from safetensors.torch import load_file
 
     saved = load_file(Path(result.adapter_dir) / "adapter_model.safetensors")
