@@ -49,7 +49,7 @@ def done(files):
         trainer.model.eval()
         with torch.no_grad():
             captured["logits"] = trainer.model(input_ids=probe).logits.clone()
-        real_save(trainer, run)
+        return real_save(trainer, run)
 
     with pytest.MonkeyPatch.context() as mp, one_thread():
         mp.setattr(trainer_mod, "save_adapter", spy)
