@@ -456,14 +456,13 @@ def test_a_model_without_checkpointable_layers_refuses_checkpointing() -> None:
     """diffusion_gemma_text claims support but its encoder layers are no
     GradientCheckpointingLayer: transformers calls it "not compatible", so it counts as refused."""
     from moetune.model import spec_from_config
-    from moetune.model.build import to_hf_config
     from moetune.model.census import shrunk_config
     from moetune.model.derive import checkpointing_refused
 
     spec = spec_from_config(shrunk_config("diffusion_gemma_text"), "tiny-diffusion-gemma")
-    assert checkpointing_refused(to_hf_config(spec)) == "DiffusionGemmaEncoderTextModelForCausalLM"
+    assert checkpointing_refused(spec) == "DiffusionGemmaEncoderTextModelForCausalLM"
     qwen = spec_from_config(shrunk_config("qwen3_moe"), "tiny-qwen3")
-    assert checkpointing_refused(to_hf_config(qwen)) is None
+    assert checkpointing_refused(qwen) is None
 
 
 # -- several nodes --------------------------------------------------------------------------

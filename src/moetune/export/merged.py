@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,13 +144,7 @@ def add_delta(
 
 def copy_tokenizer(source: Source, out: Path) -> list[str]:
     """Tokenizer files from the base dir (or, failing that, the adapter dir) into `out`."""
-    copied = []
-    for folder in (Path(source.base), source.adapter_dir):
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file() and not (out / name).exists():
-                shutil.copy2(folder / name, out / name)
-                copied.append(name)
-    return copied
+    return _copy_present((Path(source.base), source.adapter_dir), TOKENIZER_FILES, out)
 
 
 def copy_code(base: str, out: Path) -> list[str]:
@@ -158,11 +153,19 @@ def copy_code(base: str, out: Path) -> list[str]:
     config = Path(base) / "config.json"
     if not config.is_file():
         return []
+    names = code_files(json.loads(config.read_text(encoding="utf-8")))
+    return _copy_present((Path(base),), names, out)
+
+
+def _copy_present(folders: Sequence[Path], names: Sequence[str], out: Path) -> list[str]:
+    """Each named file found in the first folder that has it, into `out` (never over one
+    already there); the names copied."""
     copied = []
-    for name in code_files(json.loads(config.read_text(encoding="utf-8"))):
-        if (Path(base) / name).is_file() and not (out / name).exists():
-            shutil.copy2(Path(base) / name, out / name)
-            copied.append(name)
+    for folder in folders:
+        for name in names:
+            if (folder / name).is_file() and not (out / name).exists():
+                shutil.copy2(folder / name, out / name)
+                copied.append(name)
     return copied
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import moetune.lint.probes as probes
 from moetune.errors import RecipeError
 from moetune.lint.rules import Hit, LintContext, Severity, register_rule
-from moetune.model import to_hf_config
-from moetune.model.derive import checkpointing_refused
+from moetune.plan.recommend import refuses_checkpointing
 from moetune.recipe.targets import peft_name_map
 from moetune.units import count, gib
 
@@ -336,7 +335,7 @@ def engine_unserved(ctx: LintContext) -> Hit | None:
 def gc_unsupported(ctx: LintContext) -> Hit | None:
     if ctx.spec is None or not ctx.config.train.gradient_checkpointing:
         return None
-    refused = checkpointing_refused(to_hf_config(ctx.spec))
+    refused = refuses_checkpointing(ctx.spec)
     if refused is None:
         return None
     return Hit(

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from moetune.model.counting import hf_config_object
-from moetune.model.derive import build_language_model
+from moetune.model.derive import build_language_model, to_hf_config
 from moetune.model.spec import ModelSpec
+
+__all__ = ["build_model", "to_hf_config"]
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig
-
-
-def to_hf_config(spec: ModelSpec) -> PretrainedConfig:
-    """The transformers config of the (text, bf16) model `spec` describes."""
-    config = dict(spec.hf_config)
-    model_type = str(config.pop("model_type", spec.model_type))
-    return hf_config_object(model_type, config, spec.name)
 
 
 def build_model(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetune.errors import ConfigError, UnknownFamilyError
 from moetune.model.counting import (
@@ -29,6 +29,9 @@ from moetune.model.spec import ModelSpec
 from moetune.model.summary import spec_of
 from moetune.model.textlm import module_classes, serves, text_lm_class, text_model_class
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 @dataclass(frozen=True)
 class Derived:
@@ -38,6 +41,8 @@ class Derived:
     paths: ModulePaths
     layout: ExpertsLayout
     layers_prefix: str
+    # a module has `gradient_checkpointing` (what `gradient_checkpointing_enable` needs)
+    checkpointable: bool = True
 
 
 def derive(raw: dict[str, Any], name: str = "custom") -> Derived:
@@ -84,27 +89,23 @@ def _text_config(config: Any) -> Any:
     return text_config_of(config)
 
 
-def checkpointing_refused(config: Any) -> str | None:
+def to_hf_config(spec: ModelSpec) -> PretrainedConfig:
+    """The transformers config of the (text, bf16) model `spec` describes."""
+    config = dict(spec.hf_config)
+    model_type = str(config.pop("model_type", spec.model_type))
+    return hf_config_object(model_type, config, spec.name)
+
+
+def checkpointing_refused(spec: ModelSpec) -> str | None:
     """The causal-LM class's name when it refuses activation checkpointing, else None: its
     `supports_gradient_checkpointing` is False (jetmoe on transformers 5.24), or no module of
     it can checkpoint (diffusion_gemma_text's encoder layers are no GradientCheckpointingLayer,
-    and transformers refuses the model as "not compatible")."""
-    cls = causal_lm_class(config)
+    and transformers refuses the model as "not compatible") – read off the spec's cached
+    meta build, so asking costs no second build."""
+    cls = causal_lm_class(to_hf_config(spec))
     if not getattr(cls, "supports_gradient_checkpointing", True):
         return str(cls.__name__)
-    return None if _has_checkpointing_layers(cls, config) else str(cls.__name__)
-
-
-_CHECKPOINTABLE: dict[type, bool] = {}
-
-
-def _has_checkpointing_layers(cls: type, config: Any) -> bool:
-    """What `gradient_checkpointing_enable` asks: a module with a `gradient_checkpointing`
-    attribute (read off a meta build, once per class – the layer classes are the class's)."""
-    if cls not in _CHECKPOINTABLE:
-        model = build_language_model(config)
-        _CHECKPOINTABLE[cls] = any(hasattr(m, "gradient_checkpointing") for m in model.modules())
-    return _CHECKPOINTABLE[cls]
+    return None if derive_cached(spec.hf_config, spec.name).checkpointable else str(cls.__name__)
 
 
 def causal_lm_class(config: Any) -> Any:
@@ -204,7 +205,8 @@ def _read_build(model: Any, config: Any, raw: dict[str, Any], name: str) -> Deri
     prefix, layers = find_layers(model, getattr(config, "num_hidden_layers", None))
     read = [classify_layer(layer) for layer in layers]
     spec = spec_of(name, config, raw, read, outside(model, prefix) + sum_layers(read))
-    return Derived(spec, union_paths(read), layout(read, spec.hidden_size), prefix)
+    checkpointable = any(hasattr(m, "gradient_checkpointing") for m in model.modules())
+    return Derived(spec, union_paths(read), layout(read, spec.hidden_size), prefix, checkpointable)
 
 
 _CACHE: dict[str, Derived] = {}

@@ -42,7 +42,6 @@ from functools import partial
 
 from moetune.config import RunConfig
 from moetune.errors import MoetuneError
-from moetune.model import to_hf_config
 from moetune.model.derive import checkpointing_refused
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate
@@ -114,7 +113,7 @@ def refuses_checkpointing(spec: ModelSpec) -> str | None:
     if not spec.mixers:  # not read off a build: no class to ask
         return None
     try:
-        return checkpointing_refused(to_hf_config(spec))
+        return checkpointing_refused(spec)
     except MoetuneError:  # a class transformers does not ship (remote code): nothing known
         return None
 
