@@ -66,15 +66,15 @@ def _run(tmp_path: Path, method: str, seed: int = 0) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_grpo_quickstart_learns_the_new_skill_from_an_exact_match_reward(tmp_path, seed):
-    """GO at seeds 0 and 1 (benchmarks/RESULTS.md, across seeds; seed 2 is still NO-GO)."""
+    """GO at seeds 0, 1 and 2 (benchmarks/RESULTS.md, GRPO with edit_similarity)."""
     summary = _run(tmp_path, "grpo", seed)
     target = summary["target"]
     assert target["base"] < 0.2 and target["candidate"] > 0.8  # measured: 0.08 -> 1.00
     shift = summary["mean_routing_shift"]
     assert shift is not None and 0.0 <= shift < 0.05  # fp32 CPU: rollout and update agree
-    # the sft term on the replayed rows keeps the base skills (measured: sum 0.87 -> 0.875)
+    # the sft term on the replayed rows keeps the base skills (measured: sum −0.04 … +0.10)
     assert summary["verdict"] == "GO" and summary["promoted"] is not None
     for name in ("copy", "rev", "first", "sum"):
         assert summary["scores"][name]["candidate"] >= summary["scores"][name]["base"] - 0.1

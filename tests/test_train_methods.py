@@ -225,7 +225,7 @@ def test_refusals_before_anything_is_written(files, tmp_path):
          files.prompts, TrainError, "unknown reward 'nope'"),
         (dict(method="grpo", batch_size=4, grpo=GRPO),
          write_jsonl(tmp_path / "noanswer.jsonl", [{"prompt": "a"}]), DataError,
-         "exact_match reads column 'answer'"),
+         "edit_similarity) reads column 'answer'"),
         (dict(method="dpo"), files.prompts, DataError, "prompt rows"),
     ]  # fmt: skip
     for n, (over, data, error, says) in enumerate(cases):

@@ -49,6 +49,16 @@ def test_exact_match_compares_the_stripped_completion_with_the_answer_column():
     assert other(["p"], ["7"], gold=[7]) == [1.0]
 
 
+def test_edit_similarity_credits_a_near_miss_and_only_the_answer_fully():
+    f = _reward(name="edit_similarity")
+    # the right letter without the stop, a substitution, nothing in common, the answer
+    got = f(["p"] * 5, ["fhhg", "17", "x", "", " f\n"], answer=["f", "18", "f", "f", "f"])
+    assert got == [0.25, 0.5, 0.0, 0.0, 1.0]
+    assert f(["p"], ["kitten"], answer=["sitting"]) == [pytest.approx(1 - 3 / 7)]
+    gold = _reward(name="edit_similarity", column="gold")
+    assert gold(["p"], [[{"role": "assistant", "content": "ab"}]], gold=["ab"]) == [1.0]
+
+
 def test_regex_and_length_rewards():
     fmt = _reward(name="regex", pattern=r"<a>\d+</a>")
     assert fmt(["p"] * 2, ["<a>12</a>", "<a>x</a>"]) == [1.0, 0.0]

@@ -38,15 +38,18 @@ class DpoArgs(_Section):
 
 
 class RewardArgs(_Section):
-    """One GRPO reward: a registered name (exact_match, regex, length) or `module:function`."""
+    """One GRPO reward: a registered name (exact_match, edit_similarity, regex, length) or
+    `module:function`."""
 
     name: str = Field(
-        description="exact_match | regex | length, or `package.module:function` taking "
-        "(prompts, completions, **columns) and returning one float per completion."
+        description="exact_match | edit_similarity | regex | length, or "
+        "`package.module:function` taking (prompts, completions, **columns) and returning one "
+        "float per completion."
     )
     weight: FiniteFloat = Field(1.0, description="Weight of this reward in the sum.")
     column: str = Field(
-        "answer", description="exact_match: the data column holding the right answer."
+        "answer",
+        description="exact_match, edit_similarity: the data column holding the right answer.",
     )
     pattern: str | None = Field(None, description="regex: the pattern a completion must match.")
     target_chars: PositiveInt | None = Field(

@@ -188,7 +188,8 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
     for name in reward_columns(g):
         if name not in columns:
             raise DataError(
-                f"{data.path}: exact_match reads column {name!r}, which the rows lack "
+                f"{data.path}: a reward (exact_match, edit_similarity) reads column {name!r}, "
+                "which the rows lack "
                 f"(columns: {', '.join(sorted(columns))})",
                 f"add {name!r} to every row, or set column: in the reward entry",
             )

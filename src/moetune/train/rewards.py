@@ -6,6 +6,9 @@ other data columns, one value per completion. A completion is a string (plain pr
 or a list of messages (conversational ones); rewards score its text.
 
     exact_match   1.0 when the completion, stripped, equals the row's `column` column
+    edit_similarity  1 - Levenshtein distance / the longer length, against that column:
+                  1.0 exactly when exact_match is; partial credit for a near miss (the
+                  right answer and no stop yet), which exact match scores like nonsense
     regex         1.0 when the completion matches `pattern` (re.fullmatch, DOTALL)
     length        1 - |chars - target_chars| / target_chars, at least 0
 
@@ -58,6 +61,36 @@ def _exact_match(args: RewardArgs) -> RewardFunc:
     return exact_match
 
 
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions), one row at a time."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def similarity(text: str, answer: str) -> float:
+    """1 - edit distance / the longer length: 1.0 only for the answer itself, 0.0 for
+    nothing in common (and for an empty completion)."""
+    longest = max(len(text), len(answer))
+    return 1.0 - edit_distance(text, answer) / longest if longest else 1.0
+
+
+def _edit_similarity(args: RewardArgs) -> RewardFunc:
+    column = args.column
+
+    def edit_similarity(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        answers = columns[column]
+        return [
+            similarity(completion_text(c).strip(), str(a).strip())
+            for c, a in zip(completions, answers, strict=True)
+        ]
+
+    return edit_similarity
+
+
 def _regex(args: RewardArgs) -> RewardFunc:
     if not args.pattern:
         raise RewardError(
@@ -91,6 +124,7 @@ def _length(args: RewardArgs) -> RewardFunc:
 
 REWARDS: Registry[Callable[[RewardArgs], RewardFunc]] = Registry("reward", RewardError)
 REWARDS.add("exact_match", _exact_match)
+REWARDS.add("edit_similarity", _edit_similarity)
 REWARDS.add("regex", _regex)
 REWARDS.add("length", _length)
 
@@ -200,6 +234,9 @@ def reward_warnings(trainer: Any) -> list[str]:
     return [w for f in guarded if (w := f.warning()) is not None]
 
 
+_ANSWER_READERS = ("exact_match", "edit_similarity")  # the registered rewards with a `column`
+
+
 def reward_columns(grpo: GrpoArgs) -> list[str]:
-    """The data columns the registered rewards read (exact_match's answer field)."""
-    return sorted({r.column for r in grpo.rewards if r.name == "exact_match"})
+    """The data columns the registered rewards read (their answer field)."""
+    return sorted({r.column for r in grpo.rewards if r.name in _ANSWER_READERS})
