@@ -8,6 +8,7 @@ CPU step allocates it. Types that cannot be built as a decoder MoE say why in on
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -230,3 +231,45 @@ def test_no_lora_target_sits_where_autograd_never_reaches() -> None:
         if p.requires_grad and (p.grad is None or not p.grad.abs().sum())
     ]  # fmt: skip
     assert dead == []
+
+
+INKLING2 = [t for t in ("inkling2_text", "inkling2_loop_text") if t in MOE]
+
+
+def _lora_tensors(spec: Any, config: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A CPU build of `spec` wrapped by `config`: its base model and adapter state dict."""
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = causal_lm_class(to_hf_config(spec))._from_config(to_hf_config(spec))
+        model = get_peft_model(base, copy.deepcopy(config))
+    return model.get_base_model(), get_peft_model_state_dict(model)
+
+
+@pytest.mark.parametrize("model_type", INKLING2)
+def test_a_linear_whose_adapter_keys_peft_renames_is_left_out_and_named(model_type: str) -> None:
+    """transformers' inkling2_text conversion renames `sconv.weight_proj` to
+    `sconv.weight_proj.weight`, and peft's load renames adapter keys the same way. The
+    recipe leaves that Linear out, names it with why, and its adapter loads back whole;
+    a LoRA on it would not (the fact the override rests on)."""
+    from moetune.model.saved_names import AdapterNamesError, checkpoint_named, loaded
+
+    spec = _spec(model_type)
+    config = build_peft_config(spec, LORA)
+    recipe = make_recipe(spec, LORA)
+    why = recipe.coverage.to_json()["not_targeted"]
+    left_out = ["self_attn.k_proj.sconv.weight_proj", "self_attn.v_proj.sconv.weight_proj"]
+    assert sorted(why) == left_out and all("renames" in w for w in why.values())
+    assert recipe.coverage.coverage == 1.0 and "self_attn.k_proj.linear" in config.target_modules
+    assert not any(t.endswith("weight_proj") for t in config.target_modules)
+    base, tensors = _lora_tensors(spec, config)
+    named = checkpoint_named(base, config, tensors)  # the names the adapter is written in
+    assert loaded(base, config, named).keys() == tensors.keys()  # peft loads every tensor
+    with_it = copy.deepcopy(config)
+    with_it.target_modules = {*config.target_modules, "sconv.weight_proj"}
+    base, tensors = _lora_tensors(spec, with_it)
+    assert any("sconv.weight_proj.lora_A" in k for k in tensors)
+    with pytest.raises(AdapterNamesError, match="weight_proj"):
+        checkpoint_named(base, with_it, tensors)

@@ -28,13 +28,6 @@ CANNOT_TRAIN = {
     "its language model's MoeCausalLMOutputWithPast (AttributeError), with or without images",
     "qwen3_omni_moe_thinker": "transformers' Qwen3OmniMoeThinkerForConditionalGeneration "
     "reads config.vision_start_token_id, which Qwen3OmniMoeThinkerConfig lacks (AttributeError)",
-    # trained 5 steps at coverage 1, router unchanged; peft's load leaves LoRA tensors out:
-    **dict.fromkeys(
-        ("inkling2", "inkling2_loop"),
-        "transformers' inkling2_text conversion renames `sconv.weight_proj` (a bare tensor in "
-        "the checkpoint, a Linear in the model) to `sconv.weight_proj.weight`, and peft's load "
-        "applies it to the adapter: LoRA on that Linear lands on a module that does not exist",
-    ),
 }
 # over ~20 s a type on the shared CPUs (the build of their towers or text model alone)
 SLOW = {"gemma4", "glm5_next", "hy_v4_vl", "inkling2", "inkling2_loop", "inkling_mm_model",

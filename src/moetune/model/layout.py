@@ -34,8 +34,9 @@ class ModulePaths:
     # Per decoder layer, the paths above that layer really has (hybrid models mix mixers
     # and MLP kinds); empty means every layer has every path.
     present: tuple[frozenset[str], ...] = ()
-    # Linears LoRA is not aimed at because their forward is not a per-token x·Wᵀ (peft's
-    # LoRA output would not match it: DeepSeek-V4's grouped o_a_proj), layer-relative
+    # Linears LoRA is not aimed at, layer-relative: their forward is not a per-token x·Wᵀ
+    # (peft's LoRA output would not match it: DeepSeek-V4's grouped o_a_proj), or an
+    # override leaves them out (`Override.left_out`, with its why)
     not_targeted: tuple[str, ...] = ()
 
     def in_layer(self, layer: int, path: str) -> bool:
@@ -47,6 +48,7 @@ class ModulePaths:
 
 
 _MLX_FIELDS = tuple(f.name for f in fields(ModulePaths) if f.name.startswith("mlx_"))
+_LINEAR_FIELDS = ("attention", "dense_mlp", "shared")  # the peft target_modules parts
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,28 @@ class Override:
     # names w1/w2/w3; gate/up/down_proj match nothing there).
     peft_automap_names: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()  # other model_type strings this override serves
+    # Linears kept out of the LoRA targets though their forward is a plain x·Wᵀ, as
+    # (layer-relative path or a `.`-suffix of it, why): a module whose adapter keys peft's
+    # load renames away (inkling2's sconv.weight_proj)
+    left_out: tuple[tuple[str, str], ...] = ()
 
     def merged(self, built: ModulePaths) -> ModulePaths:
-        """`built` (peft's paths, read off a build) with this override's mlx-lm keys; an
-        attention key only where the build has that projection (DeepSeek's q_proj or
-        q_a_proj/q_b_proj, by q_lora_rank)."""
+        """`built` (peft's paths, read off a build) with this override's mlx-lm keys and its
+        left-out Linears moved to `not_targeted`; an attention key only where the build has
+        that projection (DeepSeek's q_proj or q_a_proj/q_b_proj, by q_lora_rank)."""
         mlx = {f: getattr(self, f) for f in _MLX_FIELDS}
         have = {p.rpartition(".")[2] for p in built.attention}
         mlx["mlx_attention"] = tuple(k for k in self.mlx_attention if k.rpartition(".")[2] in have)
-        return replace(built, **mlx)
+        return replace(self._without_left_out(built), **mlx)
+
+    def left_out_why(self, path: str) -> str | None:
+        """Why this override keeps the Linear at `path` out of the targets (None: it does not)."""
+        hits = (why for name, why in self.left_out if path == name or path.endswith(f".{name}"))
+        return next(hits, None)
+
+    def _without_left_out(self, built: ModulePaths) -> ModulePaths:
+        dropped = [p for f in _LINEAR_FIELDS for p in getattr(built, f) if self.left_out_why(p)]
+        if not dropped:
+            return built
+        kept = {f: tuple(p for p in getattr(built, f) if p not in dropped) for f in _LINEAR_FIELDS}
+        return replace(built, **kept, not_targeted=(*built.not_targeted, *dropped))

@@ -27,6 +27,13 @@ MLA = under("self_attn", ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"
                           "o_proj"))  # fmt: skip
 
 
+SCONV_RENAMED = (
+    "transformers' checkpoint conversion renames sconv.weight_proj to sconv.weight_proj.weight "
+    "on load and peft's PeftModel.from_pretrained renames an adapter's keys the same way, so "
+    "a LoRA on it would not load back (its dynamic short convolution stays frozen)"
+)
+
+
 def _switch(model_type: str, block: str, router: str, **quirks: Any) -> Override:
     """An experts-only MoE block, mlx-lm's SwitchGLU stacks in `<block>.switch_mlp`."""
     return Override(
@@ -91,6 +98,16 @@ register(
     Override("jamba", peft_automap=False, mlx_supported=False),
     # mlx-lm keeps one Linear per expert: no SwitchLinear to adapt
     Override("dbrx", peft_automap=False, mlx_supported=False),
+    # transformers' inkling2_text conversion renames `sconv.weight_proj` (a bare tensor in
+    # the checkpoint) to `sconv.weight_proj.weight` (a Linear's), and peft's load renames an
+    # adapter's keys the same way: a LoRA on it would land on no module
+    Override(
+        "inkling2_text",
+        peft_automap=False,
+        mlx_supported=False,
+        aliases=("inkling2_loop_text",),
+        left_out=(("sconv.weight_proj", SCONV_RENAMED),),
+    ),
     Override(
         "llama4",
         mlx_attention=ATTENTION,

@@ -348,7 +348,7 @@ def audit_coverage(model: nn.Module, spec: ModelSpec, lora: LoraArgs) -> Coverag
     return CoverageReport(
         spec.name, kinds, tuple(rows), absent, router, trainable, total,
         num_layers=spec.num_layers, ranks={k: v for k, v in ranks.items() if v},
-        not_targeted=dict.fromkeys(paths.not_targeted, NOT_PER_TOKEN),
+        not_targeted={p: family.left_out_why(p) or NOT_PER_TOKEN for p in paths.not_targeted},
     )  # fmt: skip
 
 
