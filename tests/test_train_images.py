@@ -22,7 +22,6 @@ from moetune.data import DataError, check_sources
 from test_train_helpers import one_thread, run_config, save_tiny_model, write_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 TEMPLATE = (  # Qwen-VL's image placeholder, in the demo tokenizer's alphabet
     "{% for m in messages %}{{ m['role'] }}:{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
@@ -81,27 +80,32 @@ def image_rows(folder: Path, n: int = 8) -> Path:
     return write_jsonl(folder / "train.jsonl", rows)
 
 
-def save_vl_checkpoint(model_type: str, out: Path) -> Path:
-    """A tiny checkpoint of transformers' own Qwen-VL-style multimodal class, with the files
-    its processor loads from: the image processor's preprocessor_config.json (naming the
-    processor class, as published checkpoints do), the tokenizer with the vision tokens and
-    the chat template."""
+QWEN_TOKENS = dict(  # config field -> the token it names, as Qwen-VL's processors expect
+    vision_start_token_id="<|vision_start|>",
+    image_token_id="<|image_pad|>",
+    vision_end_token_id="<|vision_end|>",
+    video_token_id="<|video_pad|>",
+)
+
+
+def save_vl_model(
+    model_type: str, out: Path, tokens: dict[str, str], template: str = TEMPLATE
+) -> Any:
+    """A tiny checkpoint of transformers' own multimodal class for `model_type` and the demo
+    tokenizer with `tokens` (config field -> special token) added and set in the config;
+    its config."""
     from transformers import CONFIG_MAPPING
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     from moetune.demo.tokenizer import build_tokenizer
     from moetune.model.census import tiny_multimodal_config
     from moetune.model.derive import checkpoint_class
 
     tok = build_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    tok.chat_template = TEMPLATE
-    names = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
+    tok.add_special_tokens({"additional_special_tokens": list(tokens.values())})
+    tok.chat_template = template
     values = tiny_multimodal_config(model_type)
     values.pop("model_type")
-    values.update(zip(names, tok.convert_tokens_to_ids(list(VISION_TOKENS)), strict=True))
+    values.update({k: tok.convert_tokens_to_ids(t) for k, t in tokens.items()})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = CONFIG_MAPPING[model_type](**values)
@@ -110,7 +114,19 @@ def save_vl_checkpoint(model_type: str, out: Path) -> Path:
         torch.manual_seed(0)
         checkpoint_class(config)._from_config(config, dtype=torch.float32).save_pretrained(out)
     tok.save_pretrained(out)
-    vision = config.vision_config
+    return config
+
+
+def save_vl_checkpoint(model_type: str, out: Path) -> Path:
+    """A tiny checkpoint of transformers' own Qwen-VL-style multimodal class, with the files
+    its processor loads from: the image processor's preprocessor_config.json (naming the
+    processor class, as published checkpoints do), the tokenizer with the vision tokens and
+    the chat template."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    vision = save_vl_model(model_type, out, QWEN_TOKENS).vision_config
     Qwen2VLImageProcessorPil(
         patch_size=vision.patch_size,
         merge_size=vision.spatial_merge_size,
@@ -298,3 +314,8 @@ def test_image_rows_train_the_language_model_with_the_tower_frozen_and_run(
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     summary = json.loads((Path(result.run_dir) / "summary.json").read_text())
     assert summary["data"]["images"]["images"] == 8
+    from transformers.utils import is_torchvision_available
+
+    # without torchvision the class is built from its parts, and the run says which
+    via = "AutoProcessor" if is_torchvision_available() else "parts"
+    assert (summary["processor"]["class"], summary["processor"]["via"]) == ("Qwen3VLProcessor", via)

@@ -89,7 +89,7 @@ from moetune.train.setup import Setup, prepare
 from moetune.train.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.stacks import stack_trainer
 from moetune.train.trackers import TrackerCallback, check_trackers, fan_out, tracking
-from moetune.train.vision import vision_kwargs
+from moetune.train.vision import processor_line, processor_source, vision_kwargs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -232,6 +232,8 @@ def announce(console: Console, cfg: RunConfig, setup: Setup) -> None:
     console.print(line, highlight=False)
     if setup.data_summary is not None:
         console.print(escape(setup.data_summary.one_line()), highlight=False)
+    if setup.processor is not None:  # image rows: the checkpoint's processor, and how loaded
+        console.print(escape(processor_line(setup.processor)), highlight=False)
     for note in setup.notes:
         console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     if setup.resume_from:
@@ -441,6 +443,8 @@ def write_summary(run: RunDir, result: TrainResult, checks: dict[str, Any], setu
         "coverage_by_kind": setup.coverage.to_json()["by_kind"] if setup.coverage else {},
         "engine": setup.engine,  # lora.engine as resolved (auto -> moetune | peft)
     }
+    if setup.processor is not None:  # image rows: class and how it loaded (AutoProcessor?)
+        summary["processor"] = processor_source(setup.processor)
     if checks["dist"]:  # --nproc: what accelerate ran and this rank's share of the model
         summary["distributed"] = checks["dist"]
     if "shift" in checks:  # grpo: rollout → training routing shift (routing_shift.jsonl)

@@ -55,9 +55,10 @@ def _processor_class_name(model_id: str) -> str | None:
     return str(found) if found else None
 
 
-def _image_only(cls: Any) -> type:
+def _image_only(cls: Any, empty: list[str]) -> type:
     """transformers' processor class, accepting an empty slot for the parts whose backend
-    is not installed (video, audio): everything image rows use is the class's own."""
+    is not installed (video, audio): everything image rows use is the class's own.
+    `built_without` names those slots (processor_source reads it)."""
 
     def check(self: Any, name: str, arg: Any) -> Any:
         return None if arg is None else cls.check_argument_for_proper_class(self, name, arg)
@@ -68,7 +69,7 @@ def _image_only(cls: Any) -> type:
             part.save_pretrained(save_directory)
 
     methods = {"check_argument_for_proper_class": check, "save_pretrained": save_pretrained}
-    return type(cls.__name__, (cls,), methods)
+    return type(cls.__name__, (cls,), {**methods, "built_without": tuple(empty)})
 
 
 def _template(model_id: str, tok: Any) -> str | None:
@@ -94,7 +95,7 @@ def _from_parts(model_id: str) -> tuple[Any, list[str]]:
     parts = {"image_processor": image, "tokenizer": tok}
     empty = [a for a in cls.get_attributes() if a not in parts]
     kwargs = {a: parts.get(a) for a in cls.get_attributes()}
-    return _image_only(cls)(**kwargs, chat_template=_template(model_id, tok)), empty
+    return _image_only(cls, empty)(**kwargs, chat_template=_template(model_id, tok)), empty
 
 
 def load_processor(model_id: str, chat_template: str | None = None) -> tuple[Any, list[str]]:
@@ -126,6 +127,21 @@ def load_processor(model_id: str, chat_template: str | None = None) -> tuple[Any
         proc.chat_template = template_text(chat_template)
     _pad(proc.tokenizer)
     return proc, notes
+
+
+def processor_source(proc: Any) -> dict[str, Any]:
+    """Which processor the run used and how it was loaded: `AutoProcessor` (the checkpoint's
+    processor whole) or `parts` (its image processor + tokenizer, torchvision missing)."""
+    empty = list(getattr(proc, "built_without", ()))
+    via = "parts" if hasattr(proc, "built_without") else "AutoProcessor"
+    return {"class": type(proc).__name__, "via": via, "without": empty}
+
+
+def processor_line(proc: Any) -> str:
+    """The run log's line on the processor (the fallback's warning says why)."""
+    source = processor_source(proc)
+    how = {"AutoProcessor": "AutoProcessor", "parts": "built from image processor + tokenizer"}
+    return f"processor {source['class']} ({how[source['via']]})"
 
 
 def _pad(tok: Any) -> None:

@@ -1,0 +1,179 @@
+"""Image+text rows through the checkpoint's whole processor (opt-in: -m torchvision).
+
+Every multimodal processor class of transformers 5.24 needs torchvision to construct; the
+default suite runs without it (moetune then builds the class from its parts). Here each
+tiny checkpoint is saved WITH its real processor – the class built from the tiny tokenizer,
+image and video processors, saved into the checkpoint dir as `save_pretrained` writes it –
+and moetune must load it through `AutoProcessor`, say so, and train on image rows: coverage
+1, router and vision tower unchanged, the tower run on the pixels, labels on the assistant
+tokens only. Run from the torchvision venv (docs/data.md, "Image rows with torchvision")."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from test_train_helpers import one_thread, run_config
+from test_train_images import QWEN_TOKENS, TEMPLATE, _VisionCalls, image_rows, save_vl_model
+
+
+def _torchvision_missing() -> str | None:
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # a wheel that does not match torch fails beyond ImportError
+        return f"torchvision is not importable ({type(exc).__name__}); see docs/data.md"
+    return None
+
+
+pytestmark = [
+    pytest.mark.torchvision,
+    pytest.mark.skipif(_torchvision_missing() is not None, reason=str(_torchvision_missing())),
+    pytest.mark.filterwarnings("ignore"),
+]
+
+GLM_TOKENS = dict(  # Glm4vProcessor reads the video markers off the tokenizer too
+    image_start_token_id="<|begin_of_image|>",
+    image_token_id="<|image|>",
+    image_end_token_id="<|end_of_image|>",
+    video_start_token_id="<|begin_of_video|>",
+    video_token_id="<|video|>",
+    video_end_token_id="<|end_of_video|>",
+)
+ANSWERS = {"red<eos>", "blue<eos>", "green<eos>", "ba<eos>"}  # image_rows' assistant turns
+
+
+def _patches(vision: Any) -> dict[str, Any]:
+    """The Qwen-VL-style patch geometry of a vision config, as its processors name it."""
+    return {
+        "patch_size": vision.patch_size,
+        "merge_size": vision.spatial_merge_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+    }
+
+
+def _qwen_parts(vision: Any) -> dict[str, Any]:
+    from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
+
+    small = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
+    return {
+        "image_processor": Qwen2VLImageProcessor(**_patches(vision), **small),
+        "video_processor": Qwen3VLVideoProcessor(**_patches(vision)),
+    }
+
+
+def _glm_parts(vision: Any) -> dict[str, Any]:
+    from transformers import Glm4vImageProcessor, Glm4vVideoProcessor
+
+    small = {"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}}
+    return {
+        "image_processor": Glm4vImageProcessor(**_patches(vision), **small),
+        "video_processor": Glm4vVideoProcessor(**_patches(vision)),
+    }
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a model type's processor needs: its tokens (config field -> token), the image
+    placeholder its chat template writes, its non-tokenizer parts for a vision config."""
+
+    tokens: dict[str, str]
+    placeholder: str
+    parts: Callable[[Any], dict[str, Any]]
+
+    @property
+    def template(self) -> str:
+        return TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", self.placeholder)
+
+
+QWEN = Kind(QWEN_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>", _qwen_parts)
+KINDS = {
+    "qwen3_vl_moe": QWEN,
+    "qwen3_5_moe": QWEN,
+    "glm4v_moe": Kind(GLM_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>", _glm_parts),
+}
+
+
+def save_with_processor(model_type: str, out: Path) -> str:
+    """A tiny checkpoint with its processor class built from its parts and saved beside it;
+    the class's name."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    kind = KINDS[model_type]
+    config = save_vl_model(model_type, out, kind.tokens, kind.template)
+    name = PROCESSOR_MAPPING_NAMES[model_type]
+    parts = kind.parts(config.vision_config)
+    tok = AutoTokenizer.from_pretrained(out)
+    getattr(transformers, name)(
+        tokenizer=tok, **parts, chat_template=kind.template
+    ).save_pretrained(out)
+    return str(name)
+
+
+@pytest.mark.parametrize("model_type", sorted(KINDS))
+def test_the_checkpoints_own_processor_loads_via_autoprocessor_and_trains(
+    model_type: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoConfig
+
+    from moetune.model.derive import checkpoint_class
+    from moetune.train.trainer import train
+    from moetune.train.vision import ImageCollator
+
+    base = tmp_path / "model"
+    name = save_with_processor(model_type, base)
+    cls = checkpoint_class(AutoConfig.from_pretrained(base))
+    with torch.device("meta"):
+        tower_cls = type(cls._from_config(AutoConfig.from_pretrained(base)).model.visual)
+    seen = _VisionCalls(tower_cls)
+    monkeypatch.setattr(tower_cls, "forward", seen.forward)
+    batches: list[dict[str, Any]] = []
+    collate = ImageCollator.__call__
+    monkeypatch.setattr(ImageCollator, "__call__", lambda s, rows: _kept(batches, collate(s, rows)))
+
+    cfg = run_config(base, image_rows(tmp_path / "data", n=6), tmp_path / "run", max_steps=3,
+                     save_steps=3, seq_len=64)  # fmt: skip
+    with one_thread():
+        result = train(cfg, progress=False)
+    assert (result.steps, result.coverage, result.router_changed) == (3, 1.0, False)
+    assert result.final_loss is not None and math.isfinite(result.final_loss)
+    summary = json.loads((Path(result.run_dir) / "summary.json").read_text())
+    assert summary["processor"] == {"class": name, "via": "AutoProcessor", "without": []}
+    assert seen.calls >= 3  # the tower ran on the pixels in every training step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        before = cls.from_pretrained(base).model.visual.state_dict()
+    after = seen.tower.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    _assert_labels_on_answers(batches, base)
+
+
+def _kept(batches: list[dict[str, Any]], batch: dict[str, Any]) -> dict[str, Any]:
+    batches.append(dict(batch))  # a copy: the trainer pops labels off the one it gets
+    return batch
+
+
+def _assert_labels_on_answers(batches: list[dict[str, Any]], base: Path) -> None:
+    """Every row the trainer saw learns exactly its assistant answer; image rows hold image
+    tokens, which never carry a label."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(base)
+    image_rows_seen = 0
+    for batch in batches:
+        for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True):
+            assert proc.tokenizer.decode(ids[labels != -100]) in ANSWERS
+            images = ids == proc.image_token_id
+            assert not (labels[images] != -100).any()
+            image_rows_seen += int(images.any())
+        assert "pixel_values" in batch or not (batch["input_ids"] == proc.image_token_id).any()
+    assert image_rows_seen >= 1
