@@ -12,9 +12,12 @@ must not fail a sound export, while a consumer that drops expert LoRA is off on 
     logits move when only its expert LoRA is switched off – so a consumer that silently
     drops expert LoRA fails even where the attention LoRA alone would look close, and
   * greedy outputs agree on at least `min_greedy` of the items.
-A consumer with kernels of its own (llama.cpp) differs from transformers even on the base
-alone; it also serves the base, and its tolerance is `BASE_FACTOR` × that base-vs-base
-error where this is above the dtype's (the floor is measured per consumer, per check).
+A consumer with kernels of its own (llama.cpp) differs from transformers even without any
+adapter, and its error grows with the weights' contribution (a random base's is near zero):
+it also serves the merged weights (the LoRA merged in), and its tolerance is `OWN_FACTOR` ×
+that merged-vs-merged error (against transformers on the same merged weights) where this is
+above the dtype's – the adapter as served may add nothing beyond the consumer's own numeric
+error on the trained weights (measured per consumer, per check).
 An adapter whose expert LoRA moves nothing measurable cannot be told apart from one
 served without it: that fails too, with the reason.
 """
@@ -42,9 +45,9 @@ from moetune.export.source import item_texts
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}  # rel. logits error
 EFFECT_SHARE = 0.25  # the consumer's error must stay below this share of the expert effect
-# The adapter may add at most this factor to the consumer's own base-vs-base error (LoRA
-# adds a few matmuls in the consumer's kernels; a dropped expert LoRA is ~1, far above)
-BASE_FACTOR = 3.0
+# The LoRA path may differ by at most this factor × the consumer's own merged-vs-merged
+# error (LoRA adds a few matmuls in its kernels; a dropped expert LoRA is ~1, far above)
+OWN_FACTOR = 3.0
 
 
 class CheckFailed(MoetuneError):
@@ -87,15 +90,25 @@ class Served:
 
 # consumer(export dir, source, sequences to score, prompts, new tokens) -> Served
 Consumer = Callable[[Path, Source, list[list[int]], list[list[int]], int], Served]
-# baseline(export dir, source, sequences) -> the consumer's logits of the base alone
-Baseline = Callable[[Path, Source, list[list[int]]], list[torch.Tensor]]
+
+
+@dataclass
+class OwnError:
+    """The same merged weights served by the consumer and by transformers (logits per item)."""
+
+    served: list[torch.Tensor]
+    reference: list[torch.Tensor]
+
+
+# baseline(export dir, source, sequences) -> the merged weights through both
+Baseline = Callable[[Path, Source, list[list[int]]], OwnError]
 CONSUMERS: dict[str, tuple[str, Consumer]] = {}  # format -> (consumer name, run)
-BASELINES: dict[str, Baseline] = {}  # format -> the base served by its consumer
+BASELINES: dict[str, Baseline] = {}  # format -> its merged-vs-merged measurement
 
 
 def register_consumer(fmt: str, name: str, run: Consumer, baseline: Baseline | None = None) -> None:
-    """`baseline`: for a consumer with kernels of its own, the base served by it, so the
-    check's floor is that consumer's measured base-vs-base error."""
+    """`baseline`: for a consumer with kernels of its own, the merged weights served by it
+    and by transformers, so the check's floor is that consumer's own error on them."""
     CONSUMERS[fmt] = (name, run)
     if baseline is not None:
         BASELINES[fmt] = baseline
@@ -116,7 +129,7 @@ class CheckResult:
     tolerance: float
     min_greedy: float
     logits_rel_max: float = 0.0  # the worst item (a routing flip in bf16 shows here)
-    base_error: float | None = None  # median base-vs-base error of the consumer (its kernels)
+    own_error: float | None = None  # median merged-vs-merged error of the consumer's kernels
     reason: str = ""
     per_item: list[dict[str, Any]] = field(default_factory=list)
 
@@ -153,12 +166,9 @@ class Reference:
     prompts: list[list[int]]
     served: Served
     without_experts: list[torch.Tensor]
-    base: list[torch.Tensor] = field(default_factory=list)  # the base alone (when asked)
 
 
-def reference(
-    source: Source, prompts: list[list[int]], new: int, with_base: bool = False
-) -> Reference:
+def reference(source: Source, prompts: list[list[int]], new: int) -> Reference:
     # lazy: heavy to import (peft, moetune.export)
     from peft import PeftModel
     from peft.tuners.lora.layer import ParamWrapper
@@ -171,46 +181,50 @@ def reference(
     served = hf_served(model.eval(), [], prompts, new)
     sequences = [p + g for p, g in zip(prompts, served.greedy, strict=True)]
     served.logits = hf_served(model, sequences, [], new).logits
-    base: list[torch.Tensor] = []
-    if with_base:
-        with model.disable_adapter():
-            base = hf_served(model, sequences, [], new).logits
     for module in model.modules():  # expert LoRA off: ΔW = 0 · B@A
         if isinstance(module, ParamWrapper):
             module.scaling = {k: 0.0 for k in module.scaling}
     without = hf_served(model, sequences, [], new).logits
-    return Reference(sequences, prompts, served, without, base)
+    return Reference(sequences, prompts, served, without)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def tolerance(dtype: str, base_error: float | None) -> float:
-    """The dtype's tolerance, raised to BASE_FACTOR × the consumer's own base error."""
-    return max(TOLERANCE.get(dtype, 3e-2), BASE_FACTOR * (base_error or 0.0))
+def served_floor(minimum: float, own_error: float | None) -> float:
+    """A consumer's tolerance: `minimum`, raised to OWN_FACTOR × its own error on the same
+    weights. NaN own error gives NaN (max() would drop it), which verdict_reason fails."""
+    if own_error is not None and math.isnan(own_error):
+        return math.nan
+    return max(minimum, OWN_FACTOR * (own_error or 0.0))
 
 
-def base_error(ref: Reference, served_base: list[torch.Tensor]) -> float:
-    """Median over items of the consumer's base vs transformers' base (relative logits)."""
-    return median(rel(g, r) for g, r in zip(served_base, ref.base, strict=True))
+def tolerance(dtype: str, own_error: float | None) -> float:
+    """The dtype's tolerance, raised to OWN_FACTOR × the consumer's merged-vs-merged error."""
+    return served_floor(TOLERANCE.get(dtype, 3e-2), own_error)
+
+
+def own_error(own: OwnError) -> float:
+    """Median over items of the consumer vs transformers on the same merged weights."""
+    return median(rel(g, r) for g, r in zip(own.served, own.reference, strict=True))
 
 
 def compare(
     fmt: str, consumer: str, ref: Reference, got: Served, dtype: str, min_greedy: float,
-    base_err: float | None = None,
+    own_err: float | None = None,
 ) -> CheckResult:  # fmt: skip
     errors = [rel(g, r) for g, r in zip(got.logits, ref.served.logits, strict=True)]
     effects = [rel(w, r) for w, r in zip(ref.without_experts, ref.served.logits, strict=True)]
     same = [g == r for g, r in zip(got.greedy, ref.served.greedy, strict=True)]
-    tol = tolerance(dtype, base_err)
+    tol = tolerance(dtype, own_err)
     shares = [e / max(x, 1e-30) for e, x in zip(errors, effects, strict=True)]
     result = CheckResult(
         format=fmt, consumer=consumer, passed=False, items=len(errors),
         logits_rel=median(errors), expert_effect=median(effects), effect_share=median(shares),
         greedy_match=sum(same) / len(same), tolerance=tol, min_greedy=min_greedy,
         logits_rel_max=max(errors, key=lambda e: math.inf if math.isnan(e) else e),  # NaN: worst
-        base_error=base_err,
+        own_error=own_err,
         per_item=[
             {"logits_rel": e, "expert_effect": x, "greedy_equal": s}
             for e, x, s in zip(errors, effects, same, strict=True)
@@ -226,7 +240,7 @@ def verdict_reason(r: CheckResult) -> str:
     fails it first: every comparison with NaN is false, so it would pass every test below."""
     stats = {"logits_rel": r.logits_rel, "logits_rel_max": r.logits_rel_max,
              "expert_effect": r.expert_effect, "effect_share": r.effect_share,
-             "greedy_match": r.greedy_match}  # fmt: skip
+             "greedy_match": r.greedy_match, "tolerance": r.tolerance}  # fmt: skip
     bad = [f"{name} {value}" for name, value in stats.items() if not math.isfinite(value)]
     if bad:
         return (
@@ -244,7 +258,11 @@ def verdict_reason(r: CheckResult) -> str:
             f"effect {r.expert_effect:.3g}: expert LoRA is not served as trained"
         )
     if r.logits_rel > r.tolerance:
-        own = "" if r.base_error is None else f"; the base alone differs by {r.base_error:.3g}"
+        own = (
+            ""
+            if r.own_error is None
+            else (f"; on the merged weights it differs from transformers by {r.own_error:.3g}")
+        )
         return (
             f"logits differ from the peft adapter by {r.logits_rel:.3g} (tolerance "
             f"{r.tolerance:g}{own})"
@@ -350,7 +368,7 @@ def check_export(
         texts = eval_texts(source, opts.items_file, opts.items)
     prompts = [list(tokenizer(t)["input_ids"]) for t in texts]
     baseline = BASELINES.get(fmt)
-    ref = reference(source, prompts, opts.new_tokens, with_base=baseline is not None)
+    ref = reference(source, prompts, opts.new_tokens)
     got = consume(out, source, ref.sequences, prompts, opts.new_tokens)
-    err = None if baseline is None else base_error(ref, baseline(out, source, ref.sequences))
+    err = None if baseline is None else own_error(baseline(out, source, ref.sequences))
     return compare(fmt, name, ref, got, dtype, opts.min_greedy, err)

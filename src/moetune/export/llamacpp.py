@@ -2,8 +2,9 @@
 llama-cpp-python, in its own venv (MOETUNE_LLAMACPP_PYTHON=<that venv's python>).
 
 It scores base.gguf + adapter.gguf (the LoRA as llama.cpp applies it, stacked *_exps
-experts included) – and merged.gguf where the export wrote one – on the reference's token
-ids (no tokenizer round trip), in a subprocess, one JSON document each way."""
+experts included) – and merged.gguf, against transformers on the same merged weights
+(merged-hf), for the check's floor – on the reference's token ids (no tokenizer round
+trip), in a subprocess, one JSON document each way."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from pathlib import Path
 
 import torch
 
-from moetune.export.check import ConsumerUnavailable, Served, register_consumer, run_in_venv
+from moetune.export.check import (
+    ConsumerUnavailable,
+    OwnError,
+    Served,
+    merged_consumer,
+    register_consumer,
+    run_in_venv,
+)
 from moetune.export.registry import Source
 
 RUNNER = Path(__file__).with_name("llamacpp_runner.py")
@@ -44,10 +52,17 @@ def gguf_consumer(
     return run_llamacpp(out / "base.gguf", out / "adapter.gguf", sequences, prompts, new)
 
 
-def gguf_baseline(out: Path, source: Source, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """base.gguf alone in llama.cpp: its kernels' own error on the base is the check's floor
-    (gpt-oss's sinks, clamped SwiGLU and YaRN: 1e-4 to 2e-3 relative on tiny bases)."""
-    return run_llamacpp(out / "base.gguf", None, sequences, [], 0).logits
+def gguf_baseline(out: Path, source: Source, sequences: list[list[int]]) -> OwnError:
+    """merged.gguf in llama.cpp against merged-hf in transformers: llama.cpp's own error on
+    the trained weights is the check's floor (its error grows with the weights' share: on a
+    random base alone it is near zero, too tight for the adapter's path)."""
+    if not (out / "merged.gguf").is_file() or not (out / "merged-hf").is_dir():
+        raise ConsumerUnavailable(
+            "no merged.gguf and merged-hf beside the LoRA (set MOETUNE_LLAMA_CPP so the "
+            "export converts the merged model): no floor for llama.cpp's own error"
+        )
+    served = run_llamacpp(out / "merged.gguf", None, sequences, [], 0).logits
+    return OwnError(served, merged_consumer(out / "merged-hf", source, sequences, [], 0).logits)
 
 
 register_consumer(
