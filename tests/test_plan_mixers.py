@@ -39,6 +39,7 @@ CALIBRATED = [
     ("bailing_hybrid", "linear_attention", {}),  # the same KDA kernel
     ("minimax", "linear_attention", {}),  # lightning attention beside windowed SDPA
     ("minimax", "linear_attention", {"head_dim": 32, "block_size": 16}),
+    ("lara_mini", "linear_attention", {}),  # gated DeltaNet; sliding layers: masked SDPA
 ]
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 

@@ -48,6 +48,14 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   and about 111 bytes per head dim; its backward holds ~2.25 more decay-sized gradients.
   Fitted to the trace on three tiny shapes (4 × 16, 8 × 16, 4 × 32 heads × dim) and checked
   on two held out (4 × 8, 2 × 64: kept within 2.4 %).
+- Lightning attention (`linear_attention`: minimax) through its torch block loop (bf16): per
+  head the qkv activation, copies of q/k/v per block and the gated norm (~24·d), each block's
+  decayed q·kᵀ (2·B per token) and the d×d state per block (2·d²/B) – read off the saved
+  tensors at three shapes and within 1.6 % kept of the trace at three (block 16, d 32).
+  MiniMax's full-attention layers get SDPA a sliding-window mask when the config sets one: k, v
+  are repeated to every head and the bf16 mask (2 B per pair) is kept per layer.
+- lara_mini: Qwen3.5's gated DeltaNet (the term above) beside per-head qk-norm attention; its
+  `sliding_attention` layers take the masked SDPA term (a term by layer type).
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -329,6 +337,8 @@ class ActivationProfile:
     # the family's own mixer terms over `MIXERS`; None: this family's kind is not calibrated
     mixers: dict[str, MixerTerm | None] = field(default_factory=dict)
     kind: str = "attention"  # every layer's mixer when a spec names none (hand-written tables)
+    # terms by the config's layer type, over the kind's (lara_mini's sliding-window layers)
+    by_layer_type: dict[str, MixerTerm] = field(default_factory=dict)
     masks: SpecInt = _zero  # s×s bf16 masks alive for the whole step
     gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
@@ -356,6 +366,16 @@ GEMMA4_NOTE = (
     "experts: no calibrated analytic term yet"
 )
 
+LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-norm attention
+    mixers={"attention": MixerTerm(sdpa_fused_qk_norm), "linear_attention": DELTA_NET},
+    # its sliding-window layers pass SDPA a mask: k, v repeated to every head + the mask
+    by_layer_type={
+        "sliding_attention": dataclasses.replace(
+            SLIDING, per_token=lambda s: sdpa_masked(s) + 4 * (_dims(s)[0] + _dims(s)[1])
+        )
+    },
+)
+
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
     "olmoe": QK_NORM,
@@ -365,6 +385,7 @@ PROFILES: dict[str, ActivationProfile] = {
     "qwen2_moe": ActivationProfile(shared_gate=True),
     "lfm2_moe": ActivationProfile(mixers={"conv": SHORT_CONV}),
     "minimax": ActivationProfile(mixers={"attention": SLIDING, "linear_attention": LIGHTNING_TERM}),
+    "lara_mini": LARA_MINI,
     "kimi_linear": ActivationProfile(mixers={"linear_attention": KDA}),  # + MLA (NoPE)
     "bailing_hybrid": ActivationProfile(mixers={"linear_attention": KDA}),
     "granitemoehybrid": ActivationProfile(mixers={"mamba": MAMBA2}),
@@ -407,7 +428,13 @@ def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
 def layer_terms(spec: ModelSpec) -> tuple[MixerTerm | None, ...]:
     """Each layer's mixer term; None where its kind has no calibrated term for `spec`."""
     prof = profile_for(spec.model_type)
-    return tuple(_term(prof, k, spec) for k in layer_kinds(spec))
+    types = list(spec.hf_config.get("layer_types") or [])
+    kinds = layer_kinds(spec)
+    types += [""] * (len(kinds) - len(types))
+    return tuple(
+        prof.by_layer_type.get(t) or _term(prof, k, spec) if k else NO_MIXER
+        for k, t in zip(kinds, types, strict=False)
+    )
 
 
 def _term(prof: ActivationProfile, kind: str, spec: ModelSpec) -> MixerTerm | None:
