@@ -61,7 +61,8 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
 
 A layer's token mixer (`ModelSpec.mixers`) picks its term: `MIXERS` by kind, which a
-family's profile overrides where its mixer differs. A kind with no term here is not
+family's profile overrides where its mixer differs (and, by the config's `layer_types`,
+where one type of layer keeps more: lara_mini's sliding windows). A kind with no term here is not
 calibrated, and the planner traces instead (`uncalibrated`). Extend by registering a term
 under a mixer kind, or a profile under a model_type.
 """
