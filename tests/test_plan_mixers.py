@@ -35,6 +35,9 @@ CALIBRATED = [
     ("granitemoehybrid", "mamba", {"mamba_chunk_size": 16}),
     ("granitemoehybrid", "mamba", {"mamba_n_heads": 8, "mamba_d_head": 16}),
     ("granitemoehybrid", "mamba", {"mamba_d_state": 32}),  # held out of the fit: +3 % kept
+    ("kimi_linear", "linear_attention", {}),  # KDA's torch chunked kernel, beside MLA
+    ("minimax", "linear_attention", {}),  # lightning attention beside windowed SDPA
+    ("lara_mini", "linear_attention", {}),  # gated DeltaNet; sliding layers: masked SDPA
 ]
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 
@@ -69,6 +72,16 @@ def test_linear_attention_is_most_of_what_a_hybrid_keeps() -> None:
     run = cfg(128, False)
     without = dataclasses.replace(spec, mixers=("attention",) * spec.num_layers)
     assert analytic(spec, run).peak_bytes - analytic(without, run).peak_bytes > 2_000_000
+
+
+def test_kimi_delta_attention_is_read_as_linear_attention_beside_mla() -> None:
+    """KimiLinearAttention is kimi_linear's MLA and KimiLinearDeltaAttention its KDA: read by
+    class name they once came out swapped, and the KDA layers were sized as GQA (73 % low)."""
+    for model_type in ("kimi_linear", "bailing_hybrid"):
+        spec = tiny(model_type)
+        full = [t == "full_attention" for t in spec.hf_config["layer_types"]]
+        assert layer_kinds(spec) == tuple("mla" if f else "linear_attention" for f in full)
+        assert uncalibrated(spec) == []  # bailing_hybrid runs the same KDA kernel: one term
 
 
 def test_an_uncalibrated_mixer_kind_plans_with_the_trace_and_says_so() -> None:

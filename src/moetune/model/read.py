@@ -285,14 +285,18 @@ def _mixer_kind(layer: nn.Module, blocks: dict[str, str], experts: Experts) -> s
     joined = " ".join(names)
     module_names = {p.rpartition(".")[2] for p, _ in layer.named_modules()}
     for kind, needles in _MIXER_NEEDLES:
-        if any(n in joined for n in needles):
-            return "mla" if kind == "attention" and "kv_a_proj_with_mqa" in module_names else kind
+        if any(n in joined for n in needles):  # MLA by structure, whatever the class reads
+            # as (kimi_linear's MLA class is KimiLinearAttention)
+            return "mla" if "kv_a_proj_with_mqa" in module_names else kind
     return "attention" if "q_proj" in module_names else (names[0] if names else "none")
 
 
 _MIXER_NEEDLES = (
     ("mamba", ("mamba", "ssm", "mixer")),
-    ("linear_attention", ("deltanet", "linearattention", "linear_attention", "lightning")),
+    (  # KDA (kimi_linear, bailing_hybrid) is a "…DeltaAttention"
+        "linear_attention",
+        ("deltanet", "deltaattention", "linearattention", "linear_attention", "lightning"),
+    ),
     ("conv", ("shortconv", "conv")),
     ("attention", ("attention", "attn")),
 )

@@ -354,6 +354,7 @@ def _backward_extra(
     (i, mixer), t, act = layer, step.tokens, step.act_bytes // 2
     attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
     candidates = [(int(attention), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
+    candidates.append((mixer.backward(spec) * t * act, 0))
     if i not in spec.moe_layers:
         inter = spec.dense_intermediate_size
         candidates.append((4 * inter * t * act, _largest(wrapped) * _copy_bytes(step)))

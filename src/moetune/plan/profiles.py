@@ -41,12 +41,28 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   chunk states – fitted to the trace as 33·inner + 3·heads·chunk + 28·heads·state per token
   on three tiny shapes (4 × 32 heads, chunk 32 / 16; 8 × 16 heads) and checked on a fourth
   (state 32); the pad to a whole chunk and the per-layer constant are left out.
+- Kimi delta attention (`linear_attention`: kimi_linear, bailing_hybrid) through transformers'
+  torch `chunk_kimi_delta_attention` (no flash-linear-attention): its decay is per channel, so
+  per 64-token chunk it makes C×C×dk fp32 tensors per head – the decay mask, k_β·k and q·k
+  products (12·C·dk per head per token) – plus the row loop's clones (Σ i² over the chunk)
+  and about 111 bytes per head dim; its backward holds ~2.25 more decay-sized gradients.
+  Fitted to the trace on three tiny shapes (4 × 16, 8 × 16, 4 × 32 heads × dim) and checked
+  on two held out (4 × 8, 2 × 64: kept within 2.4 %).
+- Lightning attention (`linear_attention`: minimax) through its torch block loop (bf16): per
+  head the qkv activation, copies of q/k/v per block and the gated norm (~24·d), each block's
+  decayed q·kᵀ (2·B per token) and the d×d state per block (2·d²/B) – read off the saved
+  tensors at three shapes and within 1.6 % kept of the trace at three (block 16, d 32).
+  MiniMax's full-attention layers get SDPA a sliding-window mask when the config sets one: k, v
+  are repeated to every head and the bf16 mask (2 B per pair) is kept per layer.
+- lara_mini: Qwen3.5's gated DeltaNet (the term above) beside per-head qk-norm attention; its
+  `sliding_attention` layers take the masked SDPA term (a term by layer type).
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
 
 A layer's token mixer (`ModelSpec.mixers`) picks its term: `MIXERS` by kind, which a
-family's profile overrides where its mixer differs. A kind with no term here is not
+family's profile overrides where its mixer differs (and, by the config's `layer_types`,
+where one type of layer keeps more: lara_mini's sliding windows). A kind with no term here is not
 calibrated, and the planner traces instead (`uncalibrated`). Extend by registering a term
 under a mixer kind, or a profile under a model_type.
 """
@@ -158,6 +174,47 @@ def mamba2_chunked(spec: ModelSpec) -> int:
     return 33 * inner + 3 * heads * c["mamba_chunk_size"] + 28 * heads * state
 
 
+KDA_CHUNK = 64  # chunk_kimi_delta_attention's chunk size
+KDA_BACKWARD = 2.25  # decay-mask-sized fp32 gradients alive at once in its backward (fitted)
+
+
+def _kda(spec: ModelSpec) -> tuple[int, int, int]:
+    """(heads, head dim, chunk) of Kimi delta attention: q, k and v share the head dim."""
+    c = spec.hf_config
+    return c["linear_num_heads"], c["linear_head_dim"], KDA_CHUNK
+
+
+def kimi_delta_attention(spec: ModelSpec) -> int:
+    """KDA through transformers' torch chunked kernel, per token (see the module docstring)."""
+    heads, dk, chunk = _kda(spec)
+    triangle = 4 * (chunk - 1) * (2 * chunk - 1) // 6  # the row loop's clones, Σ i² / C
+    per_head = 12 * chunk * dk + triangle + 111 * dk + 6 * dk * dk // chunk + 277
+    return heads * per_head
+
+
+def kda_backward(spec: ModelSpec) -> int:
+    """KDA's backward: gradients of its per-channel C×C×dk decay tensors (fp32)."""
+    heads, dk, chunk = _kda(spec)
+    return int(KDA_BACKWARD * 4 * heads * chunk * dk)
+
+
+def lightning_attention(spec: ModelSpec) -> int:
+    """MiniMax's lightning attention (its torch block loop, bf16), per token: per head the
+    projections' activations and copies (~24·d), each block's masked q·k (2·B) and the
+    d×d state per block (2·d²/B) – fitted to the trace (see the module docstring)."""
+    d, block = spec.head_dim, spec.hf_config["block_size"]
+    return spec.num_attention_heads * (LIGHTNING[0] * d + LIGHTNING[1] * block + 2 * d * d // block)
+
+
+LIGHTNING = (24, 2)
+
+
+def sdpa_masked(spec: ModelSpec) -> int:
+    """SDPA given a mask (a sliding window): k and v are repeated to every head first."""
+    q, _, heads = _dims(spec)
+    return 2 * 4 * q + 4 * heads
+
+
 def dsa_pairs(spec: ModelSpec) -> int:
     """MLA's pairs plus DeepSeek sparse attention's top-k mask (bf16, one per layer)."""
     return mla_pairs(spec) + 2
@@ -190,6 +247,8 @@ class MixerTerm:
     pair_transient: float = 0.0
     # per pair, alive only while the mixer runs forward (or recomputes): DSA's index scores
     forward_pairs: SpecInt = _zero
+    # per token, alive only while the mixer runs backward, beyond its saved set
+    backward: SpecInt = _zero
     no_grad: tuple[str, ...] = ()  # submodules run under torch.no_grad: adapters there keep nothing
     notes: str = ""
     fields: tuple[str, ...] = ()  # config fields the term reads (a spec without them: no term)
@@ -246,8 +305,30 @@ MAMBA2 = MixerTerm(
     notes="Mamba2 is sized as transformers' torch chunked scan keeps it (no mamba-ssm)",
     fields=("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_chunk_size"),
 )
+KDA = MixerTerm(
+    kimi_delta_attention,
+    backward=kda_backward,
+    notes=(
+        "Kimi delta attention is sized as transformers' torch chunked kernel keeps it (per "
+        "channel C×C×dk decay tensors in fp32; no flash-linear-attention): fla keeps far less"
+    ),
+    fields=("linear_num_heads", "linear_head_dim"),
+)
+LIGHTNING_TERM = MixerTerm(
+    lightning_attention,
+    notes="lightning attention is sized as transformers' torch block loop keeps it",
+    fields=("block_size",),
+)
+SLIDING = MixerTerm(
+    sdpa_masked,
+    pairs=lambda _: 2,  # the window's mask, in bf16, per layer
+    fields=("sliding_window",),
+)
 # a kind's other terms, tried in order when the family's own does not fit its config
-VARIANTS: dict[str, tuple[MixerTerm, ...]] = {"mla": (MLA, DSA)}
+VARIANTS: dict[str, tuple[MixerTerm, ...]] = {
+    "mla": (MLA, DSA),
+    "attention": (MIXERS["attention"],),
+}
 
 
 @dataclass(frozen=True)
@@ -257,6 +338,8 @@ class ActivationProfile:
     # the family's own mixer terms over `MIXERS`; None: this family's kind is not calibrated
     mixers: dict[str, MixerTerm | None] = field(default_factory=dict)
     kind: str = "attention"  # every layer's mixer when a spec names none (hand-written tables)
+    # terms by the config's layer type, over the kind's (lara_mini's sliding-window layers)
+    by_layer_type: dict[str, MixerTerm] = field(default_factory=dict)
     masks: SpecInt = _zero  # s×s bf16 masks alive for the whole step
     gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
@@ -284,6 +367,16 @@ GEMMA4_NOTE = (
     "experts: no calibrated analytic term yet"
 )
 
+LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-norm attention
+    mixers={"attention": MixerTerm(sdpa_fused_qk_norm), "linear_attention": DELTA_NET},
+    # its sliding-window layers pass SDPA a mask: k, v repeated to every head + the mask
+    by_layer_type={
+        "sliding_attention": dataclasses.replace(
+            SLIDING, per_token=lambda s: sdpa_masked(s) + 4 * (_dims(s)[0] + _dims(s)[1])
+        )
+    },
+)
+
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
     "olmoe": QK_NORM,
@@ -292,6 +385,10 @@ PROFILES: dict[str, ActivationProfile] = {
     "qwen3_5_moe_text": QWEN3_NEXT,
     "qwen2_moe": ActivationProfile(shared_gate=True),
     "lfm2_moe": ActivationProfile(mixers={"conv": SHORT_CONV}),
+    "minimax": ActivationProfile(mixers={"attention": SLIDING, "linear_attention": LIGHTNING_TERM}),
+    "lara_mini": LARA_MINI,
+    "kimi_linear": ActivationProfile(mixers={"linear_attention": KDA}),  # + MLA (NoPE)
+    "bailing_hybrid": ActivationProfile(mixers={"linear_attention": KDA}),
     "granitemoehybrid": ActivationProfile(mixers={"mamba": MAMBA2}),
     "mixtral": DEFAULT,
     "gpt_oss": ActivationProfile(
@@ -332,7 +429,13 @@ def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
 def layer_terms(spec: ModelSpec) -> tuple[MixerTerm | None, ...]:
     """Each layer's mixer term; None where its kind has no calibrated term for `spec`."""
     prof = profile_for(spec.model_type)
-    return tuple(_term(prof, k, spec) for k in layer_kinds(spec))
+    types = list(spec.hf_config.get("layer_types") or [])
+    kinds = layer_kinds(spec)
+    types += [""] * (len(kinds) - len(types))
+    return tuple(
+        prof.by_layer_type.get(t) or _term(prof, k, spec) if k else NO_MIXER
+        for k, t in zip(kinds, types, strict=False)
+    )
 
 
 def _term(prof: ActivationProfile, kind: str, spec: ModelSpec) -> MixerTerm | None:
