@@ -192,17 +192,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def served_floor(minimum: float, own_error: float | None) -> float:
-    """A consumer's tolerance: `minimum`, raised to OWN_FACTOR × its own error on the same
-    weights. NaN own error gives NaN (max() would drop it), which verdict_reason fails."""
+def tolerance(dtype: str, own_error: float | None) -> float:
+    """The dtype's tolerance, raised to OWN_FACTOR × the consumer's merged-vs-merged error.
+    NaN own error gives NaN (max() would drop it), which verdict_reason fails."""
     if own_error is not None and math.isnan(own_error):
         return math.nan
-    return max(minimum, OWN_FACTOR * (own_error or 0.0))
-
-
-def tolerance(dtype: str, own_error: float | None) -> float:
-    """The dtype's tolerance, raised to OWN_FACTOR × the consumer's merged-vs-merged error."""
-    return served_floor(TOLERANCE.get(dtype, 3e-2), own_error)
+    return max(TOLERANCE.get(dtype, 3e-2), OWN_FACTOR * (own_error or 0.0))
 
 
 def own_error(own: OwnError) -> float:

@@ -198,6 +198,9 @@ def kda_backward(spec: ModelSpec) -> int:
     return int(KDA_BACKWARD * 4 * heads * chunk * dk)
 
 
+LIGHTNING = (24, 2)  # bytes per head dim, per block position (fitted; see below)
+
+
 def lightning_attention(spec: ModelSpec) -> int:
     """MiniMax's lightning attention (its torch block loop, bf16), per token: per head the
     projections' activations and copies (~24·d), each block's masked q·k (2·B) and the
@@ -206,13 +209,16 @@ def lightning_attention(spec: ModelSpec) -> int:
     return spec.num_attention_heads * (LIGHTNING[0] * d + LIGHTNING[1] * block + 2 * d * d // block)
 
 
-LIGHTNING = (24, 2)
-
-
 def sdpa_masked(spec: ModelSpec) -> int:
     """SDPA given a mask (a sliding window): k and v are repeated to every head first."""
     q, _, heads = _dims(spec)
     return 2 * 4 * q + 4 * heads
+
+
+def sdpa_masked_qk_norm(spec: ModelSpec) -> int:
+    """Masked SDPA after per-head q/k RMSNorms: + fp32 q and k (as `sdpa_fused_qk_norm`)."""
+    q, kv, _ = _dims(spec)
+    return sdpa_masked(spec) + 4 * (q + kv)
 
 
 def dsa_pairs(spec: ModelSpec) -> int:
@@ -371,9 +377,7 @@ LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-n
     mixers={"attention": MixerTerm(sdpa_fused_qk_norm), "linear_attention": DELTA_NET},
     # its sliding-window layers pass SDPA a mask: k, v repeated to every head + the mask
     by_layer_type={
-        "sliding_attention": dataclasses.replace(
-            SLIDING, per_token=lambda s: sdpa_masked(s) + 4 * (_dims(s)[0] + _dims(s)[1])
-        )
+        "sliding_attention": dataclasses.replace(SLIDING, per_token=sdpa_masked_qk_norm)
     },
 )
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.registry import Registry
 from moetune.train.errors import DataError, TrainError
-from moetune.train.rewards import build_rewards, reward_columns
+from moetune.train.rewards import ANSWER_SCORES, build_rewards, reward_columns
 
 if TYPE_CHECKING:
     from moetune.config import RunConfig
@@ -188,7 +188,7 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
     for name in reward_columns(g):
         if name not in columns:
             raise DataError(
-                f"{data.path}: a reward (exact_match, edit_similarity) reads column {name!r}, "
+                f"{data.path}: a reward ({', '.join(ANSWER_SCORES)}) reads column {name!r}, "
                 "which the rows lack "
                 f"(columns: {', '.join(sorted(columns))})",
                 f"add {name!r} to every row, or set column: in the reward entry",

@@ -48,19 +48,6 @@ def completion_text(completion: Any) -> str:
     return str(completion[-1]["content"]) if completion else ""
 
 
-def _exact_match(args: RewardArgs) -> RewardFunc:
-    column = args.column
-
-    def exact_match(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
-        answers = columns[column]
-        return [
-            float(completion_text(c).strip() == str(a).strip())
-            for c, a in zip(completions, answers, strict=True)
-        ]
-
-    return exact_match
-
-
 def edit_distance(a: str, b: str) -> int:
     """Levenshtein distance (insertions, deletions, substitutions), one row at a time."""
     row = list(range(len(b) + 1))
@@ -78,17 +65,33 @@ def similarity(text: str, answer: str) -> float:
     return 1.0 - edit_distance(text, answer) / longest if longest else 1.0
 
 
-def _edit_similarity(args: RewardArgs) -> RewardFunc:
-    column = args.column
+Score = Callable[[str, str], float]  # (completion text, answer) -> reward
 
-    def edit_similarity(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
-        answers = columns[column]
-        return [
-            similarity(completion_text(c).strip(), str(a).strip())
-            for c, a in zip(completions, answers, strict=True)
-        ]
 
-    return edit_similarity
+def _against_answer(name: str, score: Score) -> Callable[[RewardArgs], RewardFunc]:
+    """A reward scoring each completion's text against the row's `column` (both stripped);
+    `name` is what TRL logs it under."""
+
+    def build(args: RewardArgs) -> RewardFunc:
+        column = args.column
+
+        def reward(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+            return [
+                score(completion_text(c).strip(), str(a).strip())
+                for c, a in zip(completions, columns[column], strict=True)
+            ]
+
+        reward.__name__ = reward.__qualname__ = name
+        return reward
+
+    return build
+
+
+# the registered rewards that read the row's answer column
+ANSWER_SCORES: dict[str, Score] = {
+    "exact_match": lambda text, answer: float(text == answer),  # 1.0 or 0.0
+    "edit_similarity": similarity,
+}
 
 
 def _regex(args: RewardArgs) -> RewardFunc:
@@ -123,8 +126,8 @@ def _length(args: RewardArgs) -> RewardFunc:
 
 
 REWARDS: Registry[Callable[[RewardArgs], RewardFunc]] = Registry("reward", RewardError)
-REWARDS.add("exact_match", _exact_match)
-REWARDS.add("edit_similarity", _edit_similarity)
+for _name, _score in ANSWER_SCORES.items():
+    REWARDS.add(_name, _against_answer(_name, _score))
 REWARDS.add("regex", _regex)
 REWARDS.add("length", _length)
 
@@ -234,9 +237,6 @@ def reward_warnings(trainer: Any) -> list[str]:
     return [w for f in guarded if (w := f.warning()) is not None]
 
 
-_ANSWER_READERS = ("exact_match", "edit_similarity")  # the registered rewards with a `column`
-
-
 def reward_columns(grpo: GrpoArgs) -> list[str]:
     """The data columns the registered rewards read (their answer field)."""
-    return sorted({r.column for r in grpo.rewards if r.name in _ANSWER_READERS})
+    return sorted({r.column for r in grpo.rewards if r.name in ANSWER_SCORES})
