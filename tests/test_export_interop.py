@@ -98,14 +98,16 @@ def test_llamacpp_serves_what_was_trained(
     prompts = [list(tok(p)["input_ids"]) for p in ("copy:abc>", "rev:hello>", "sum:123>")]
     ref = reference(source, prompts, 8)
     served = run_llamacpp(out / "merged.gguf", None, ref.sequences, prompts, 8)
-    full = compare("gguf", "llama.cpp merged.gguf", ref, served, "float32", 0.9)
+    # the same floor as the check: llama.cpp's own error on these merged weights
+    full = compare("gguf", "llama.cpp merged.gguf", ref, served, "float32", 0.9, lora.own_error)
     assert full.passed, full.reason
 
     _drop_experts(out / "adapter.gguf", out / "attention-only.gguf")
     dropped = run_llamacpp(
         out / "base.gguf", out / "attention-only.gguf", ref.sequences, prompts, 8
     )
-    partial = compare("gguf", "attention-only", ref, dropped, "float32", 0.9)
+    # that floor still tells an adapter whose experts were dropped
+    partial = compare("gguf", "attention-only", ref, dropped, "float32", 0.9, lora.own_error)
     assert not partial.passed
     print(f"\n{variant}: lora {lora.logits_rel:.2g} (greedy {lora.greedy_match:.0%}), merged "
           f"{full.logits_rel:.2g} (greedy {full.greedy_match:.0%}), attention-only "
