@@ -17,6 +17,7 @@ from moetune.evaluate import RUNG_KINDS, make_rung
 from moetune.export import load_formats
 from moetune.lint import RULES
 from moetune.model import OVERRIDES
+from moetune.model.fixes import MODEL_FIXES
 from moetune.recipe import STACKS
 from moetune.registry import Registry
 from moetune.train.methods import METHODS
@@ -29,6 +30,7 @@ REGISTRIES: dict[str, tuple[Registry[Any], set[str]]] = {
     "engine overrides": (ENGINE_OVERRIDES, {"dbrx"}),
     "quantizers": (QUANTIZERS, {"int8", "nf4"}),
     "model overrides": (OVERRIDES, {"qwen3_moe", "mixtral"}),
+    "model fixes": (MODEL_FIXES, {"llama4", "qwen3_omni_moe_thinker"}),
     "export formats": (load_formats(), {"merged", "vllm", "gguf", "mlx"}),
     "train methods": (METHODS, {"sft", "dpo", "grpo"}),
     "rewards": (REWARDS, {"exact_match", "regex", "length"}),
@@ -66,6 +68,7 @@ PLUG_INS = {
     "moetune.evaluate.rungs": ["moetune.evaluate.lmeval"],
     "moetune.engine.overrides": ["moetune.engine.dbrx"],
     "moetune.model.families": ["moetune.model.overrides"],
+    "moetune.model.fixes": ["moetune.model.fixes_llama4", "moetune.model.fixes_omni"],
     "moetune.export.registry": ["moetune.export." + s for s in ("merged", "vllm", "gguf", "mlx")],
 }  # fmt: skip
 

@@ -15,6 +15,7 @@ import torch
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
 from moetune.model.derive import checkpoint_class, ensure_backbone
+from moetune.model.fixes import apply_fixes
 from moetune.recipe.audit import audit_coverage
 from moetune.recipe.targets import build_peft_config, peft_notes
 from moetune.train import sharded_load
@@ -56,6 +57,7 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
             loaded: Any = cls.from_pretrained(cfg.model.id, dtype=dtype, output_loading_info=True)
             model, info = loaded
             ensure_backbone(model)
+            apply_fixes(model)  # transformers bugs in its type's class (Llama 4, Qwen3-Omni)
     except OSError as exc:
         raise TrainError(
             f"cannot load the weights of {cfg.model.id}: {str(exc).splitlines()[0]}",
