@@ -14,7 +14,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,23 @@ GLM_TOKENS = dict(  # Glm4vProcessor reads the video markers off the tokenizer t
     video_start_token_id="<|begin_of_video|>",
     video_token_id="<|video|>",
     video_end_token_id="<|end_of_video|>",
+)
+GEMMA4_NAMED = dict(  # Gemma4Processor reads these off the tokenizer, as its attributes
+    image_token="<|image|>",
+    boi_token="<|image>",
+    eoi_token="<image|>",
+    audio_token="<|audio|>",
+    boa_token="<|audio>",
+    eoa_token="<audio|>",
+)
+GEMMA4_TOKENS = dict(  # the config's fields for the same tokens (+ the video token it adds)
+    image_token_id="<|image|>",
+    boi_token_id="<|image>",
+    eoi_token_id="<image|>",
+    audio_token_id="<|audio|>",
+    boa_token_id="<|audio>",
+    eoa_token_index="<audio|>",
+    video_token_id="<|video|>",
 )
 ANSWERS = {"red<eos>", "blue<eos>", "green<eos>", "ba<eos>"}  # image_rows' assistant turns
 
@@ -79,14 +96,30 @@ def _glm_parts(vision: Any) -> dict[str, Any]:
     }
 
 
+def _gemma4_parts(vision: Any) -> dict[str, Any]:
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4ImageProcessor, Gemma4VideoProcessor
+
+    geometry = {"patch_size": vision.patch_size, "pooling_kernel_size": vision.pooling_kernel_size}
+    return {  # 70 soft tokens per image: the smallest budget the processor accepts
+        "image_processor": Gemma4ImageProcessor(**geometry, max_soft_tokens=70),
+        "video_processor": Gemma4VideoProcessor(**geometry, max_soft_tokens=70),
+        "feature_extractor": Gemma4AudioFeatureExtractor(),
+    }
+
+
 @dataclass(frozen=True)
 class Kind:
     """What a model type's processor needs: its tokens (config field -> token), the image
-    placeholder its chat template writes, its non-tokenizer parts for a vision config."""
+    placeholder its chat template writes, its non-tokenizer parts for a vision config, the
+    tokens its tokenizer carries as named attributes, its vision tower's name in `.model`,
+    a row length that holds an image's tokens and the answer after them."""
 
     tokens: dict[str, str]
     placeholder: str
     parts: Callable[[Any], dict[str, Any]]
+    named: dict[str, str] = field(default_factory=dict)
+    tower: str = "visual"
+    seq_len: int = 64
 
     @property
     def template(self) -> str:
@@ -98,7 +131,17 @@ KINDS = {
     "qwen3_vl_moe": QWEN,
     "qwen3_5_moe": QWEN,
     "glm4v_moe": Kind(GLM_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>", _glm_parts),
+    # Gemma4 resizes every image up to its budget: ~60 image tokens + boi / eoi
+    "gemma4": Kind(GEMMA4_TOKENS, "<|image|>", _gemma4_parts, GEMMA4_NAMED, "vision_tower", 128),
 }
+
+
+def _name_tokens(out: Path, named: dict[str, str]) -> None:
+    """The tokenizer's named multimodal tokens, as published checkpoints save them."""
+    if named:
+        saved = out / "tokenizer_config.json"
+        values = json.loads(saved.read_text())
+        saved.write_text(json.dumps({**values, "extra_special_tokens": named}))
 
 
 def save_with_processor(model_type: str, out: Path) -> str:
@@ -111,6 +154,7 @@ def save_with_processor(model_type: str, out: Path) -> str:
     kind = KINDS[model_type]
     config = save_vl_model(model_type, out, kind.tokens, kind.template)
     name = PROCESSOR_MAPPING_NAMES[model_type]
+    _name_tokens(out, kind.named)
     parts = kind.parts(config.vision_config)
     tok = AutoTokenizer.from_pretrained(out)
     getattr(transformers, name)(
@@ -129,11 +173,12 @@ def test_the_checkpoints_own_processor_loads_via_autoprocessor_and_trains(
     from moetune.train.trainer import train
     from moetune.train.vision import ImageCollator
 
-    base = tmp_path / "model"
+    base, tower = tmp_path / "model", KINDS[model_type].tower
     name = save_with_processor(model_type, base)
     cls = checkpoint_class(AutoConfig.from_pretrained(base))
     with torch.device("meta"):
-        tower_cls = type(cls._from_config(AutoConfig.from_pretrained(base)).model.visual)
+        built = cls._from_config(AutoConfig.from_pretrained(base))
+        tower_cls = type(built.model.get_submodule(tower))
     seen = _VisionCalls(tower_cls)
     monkeypatch.setattr(tower_cls, "forward", seen.forward)
     batches: list[dict[str, Any]] = []
@@ -141,7 +186,7 @@ def test_the_checkpoints_own_processor_loads_via_autoprocessor_and_trains(
     monkeypatch.setattr(ImageCollator, "__call__", lambda s, rows: _kept(batches, collate(s, rows)))
 
     cfg = run_config(base, image_rows(tmp_path / "data", n=6), tmp_path / "run", max_steps=3,
-                     save_steps=3, seq_len=64)  # fmt: skip
+                     save_steps=3, seq_len=KINDS[model_type].seq_len)  # fmt: skip
     with one_thread():
         result = train(cfg, progress=False)
     assert (result.steps, result.coverage, result.router_changed) == (3, 1.0, False)
@@ -151,7 +196,7 @@ def test_the_checkpoints_own_processor_loads_via_autoprocessor_and_trains(
     assert seen.calls >= 3  # the tower ran on the pixels in every training step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        before = cls.from_pretrained(base).model.visual.state_dict()
+        before = cls.from_pretrained(base).model.get_submodule(tower).state_dict()
     after = seen.tower.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     _assert_labels_on_answers(batches, base)
