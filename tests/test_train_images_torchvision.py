@@ -130,6 +130,7 @@ QWEN = Kind(QWEN_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>", _qwen_pa
 KINDS = {
     "qwen3_vl_moe": QWEN,
     "qwen3_5_moe": QWEN,
+    "qwen4_exp": QWEN,
     "glm4v_moe": Kind(GLM_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>", _glm_parts),
     # Gemma4 resizes every image up to its budget: ~60 image tokens + boi / eoi
     "gemma4": Kind(GEMMA4_TOKENS, "<|image|>", _gemma4_parts, GEMMA4_NAMED, "vision_tower", 128),
