@@ -64,6 +64,10 @@ GEMMA4_TOKENS = dict(  # the config's fields for the same tokens (+ the video to
     eoa_token_index="<audio|>",
     video_token_id="<|video|>",
 )
+MINIMAX_TOKENS = dict(  # MiniMaxM3VLProcessor's own spelling of its markers
+    image_token_index="]<]image[>[", video_token_index="]<]video[>["
+)
+MINIMAX_MARKERS = ("]<]start of image[>[", "]<]end of image[>[")  # no config field names them
 ANSWERS = {"red<eos>", "blue<eos>", "green<eos>", "ba<eos>"}  # image_rows' assistant turns
 
 
@@ -107,12 +111,23 @@ def _gemma4_parts(vision: Any) -> dict[str, Any]:
     }
 
 
+def _minimax_parts(vision: Any) -> dict[str, Any]:
+    from transformers import MiniMaxM3VLImageProcessor, MiniMaxM3VLVideoProcessor
+
+    small = {"min_pixels": 28 * 28, "max_pixels": 56 * 56}
+    return {
+        "image_processor": MiniMaxM3VLImageProcessor(**_patches(vision), **small),
+        "video_processor": MiniMaxM3VLVideoProcessor(**_patches(vision)),
+    }
+
+
 @dataclass(frozen=True)
 class Kind:
     """What a model type's processor needs: its tokens (config field -> token), the image
     placeholder its chat template writes, its non-tokenizer parts for a vision config, the
     tokens its tokenizer carries as named attributes, its vision tower's name in `.model`,
-    a row length that holds an image's tokens and the answer after them."""
+    a row length that holds an image's tokens and the answer after them, the special tokens
+    it reads that no config field names."""
 
     tokens: dict[str, str]
     placeholder: str
@@ -120,6 +135,7 @@ class Kind:
     named: dict[str, str] = field(default_factory=dict)
     tower: str = "visual"
     seq_len: int = 64
+    markers: tuple[str, ...] = ()
 
     @property
     def template(self) -> str:
@@ -133,12 +149,28 @@ KINDS = {
     "qwen4_exp": QWEN,
     "glm4v_moe": Kind(GLM_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>", _glm_parts),
     # Gemma4 resizes every image up to its budget: ~60 image tokens + boi / eoi
+    "minimax_m3_vl": Kind(
+        MINIMAX_TOKENS,
+        MINIMAX_MARKERS[0] + "]<]image[>[" + MINIMAX_MARKERS[1],
+        _minimax_parts,
+        tower="vision_tower",
+        markers=MINIMAX_MARKERS,
+    ),
     "gemma4": Kind(GEMMA4_TOKENS, "<|image|>", _gemma4_parts, GEMMA4_NAMED, "vision_tower", 128),
 }
 
 
-def _name_tokens(out: Path, named: dict[str, str]) -> None:
-    """The tokenizer's named multimodal tokens, as published checkpoints save them."""
+def _name_tokens(out: Path, named: dict[str, str], markers: tuple[str, ...]) -> None:
+    """The tokenizer's named multimodal tokens, as published checkpoints save them, and its
+    unnamed markers."""
+    if markers:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(out)
+        tok.add_special_tokens(
+            {"additional_special_tokens": list(markers)}, replace_extra_special_tokens=False
+        )
+        tok.save_pretrained(out)
     if named:
         saved = out / "tokenizer_config.json"
         values = json.loads(saved.read_text())
@@ -155,7 +187,7 @@ def save_with_processor(model_type: str, out: Path) -> str:
     kind = KINDS[model_type]
     config = save_vl_model(model_type, out, kind.tokens, kind.template)
     name = PROCESSOR_MAPPING_NAMES[model_type]
-    _name_tokens(out, kind.named)
+    _name_tokens(out, kind.named, kind.markers)
     parts = kind.parts(config.vision_config)
     tok = AutoTokenizer.from_pretrained(out)
     getattr(transformers, name)(
