@@ -319,3 +319,22 @@ def test_image_rows_train_the_language_model_with_the_tower_frozen_and_run(
     # without torchvision the class is built from its parts, and the run says which
     via = "AutoProcessor" if is_torchvision_available() else "parts"
     assert (summary["processor"]["class"], summary["processor"]["via"]) == ("Qwen3VLProcessor", via)
+
+
+def test_the_batch_joins_per_image_lists_a_processor_leaves_unconverted() -> None:
+    """Per-token tensors padded, pixels concatenated, per-image lists (UnlimitedOcr's
+    `patches_grid`, `num_local_patches`) joined in row order; a text row adds none."""
+    from types import SimpleNamespace
+
+    from moetune.train.vision import IGNORE, ImageCollator
+
+    processor = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0))
+    ids = [torch.tensor([[5, 6, 7]]), torch.tensor([[8, 9]]), torch.tensor([[4, 4, 4, 4]])]
+    rows: list[dict[str, Any]] = [{"input_ids": i, "labels": i.clone()} for i in ids]
+    rows[0].update(pixel_values=torch.ones(2, 5), patches_grid=[[1, 2], [3, 4]])
+    rows[2].update(pixel_values=torch.zeros(1, 5), patches_grid=[[5, 6]])
+    out = ImageCollator(processor, 64).batch(rows)
+    assert out["patches_grid"] == [[1, 2], [3, 4], [5, 6]]
+    assert out["pixel_values"].sum(-1).tolist() == [5.0, 5.0, 0.0]
+    assert out["input_ids"].tolist() == [[5, 6, 7, 0], [8, 9, 0, 0], [4, 4, 4, 4]]
+    assert out["labels"][1].tolist() == [8, 9, IGNORE, IGNORE]

@@ -132,6 +132,18 @@ def _hy_parts(vision: Any) -> dict[str, Any]:
     }
 
 
+def _ocr_parts(vision: Any) -> dict[str, Any]:
+    from transformers import UnlimitedOcrImageProcessor
+
+    side = vision.sam_config.image_size  # one global view the size of the SAM encoder's input
+    return {
+        "image_processor": UnlimitedOcrImageProcessor(
+            size={"height": side, "width": side}, crop_to_patches=False, tile_size=side
+        ),
+        "patch_size": vision.sam_config.patch_size,
+    }
+
+
 @dataclass(frozen=True)
 class Kind:
     """What a model type's processor needs: its tokens (config field -> token), the image
@@ -159,7 +171,6 @@ KINDS = {
     "qwen3_5_moe": QWEN,
     "qwen4_exp": QWEN,
     "glm4v_moe": Kind(GLM_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>", _glm_parts),
-    # Gemma4 resizes every image up to its budget: ~60 image tokens + boi / eoi
     "minimax_m3_vl": Kind(
         MINIMAX_TOKENS,
         MINIMAX_MARKERS[0] + "]<]image[>[" + MINIMAX_MARKERS[1],
@@ -173,6 +184,10 @@ KINDS = {
         _hy_parts,
         tower="vision_tower",
     ),
+    "unlimited_ocr": Kind(
+        {"image_token_id": "<image>"}, "<image>", _ocr_parts, tower="vision_tower"
+    ),
+    # Gemma4 resizes every image up to its budget: ~60 image tokens + boi / eoi
     "gemma4": Kind(GEMMA4_TOKENS, "<|image|>", _gemma4_parts, GEMMA4_NAMED, "vision_tower", 128),
 }
 

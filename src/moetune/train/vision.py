@@ -223,7 +223,8 @@ class ImageCollator:
         return {k: v[:, :keep] if _per_token(v, length) else v for k, v in out.items()}
 
     def batch(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """Per-token tensors right-padded and stacked; the rest (pixels, grids) concatenated."""
+        """Per-token tensors right-padded and stacked; the rest (pixels, grids, per-image
+        lists) concatenated."""
         width = max(int(r["input_ids"].shape[1]) for r in rows)
         pads = {"input_ids": self.processor.tokenizer.pad_token_id, "labels": IGNORE}
         out: dict[str, Any] = {}
@@ -233,8 +234,16 @@ class ImageCollator:
             if _per_token(first[key], int(first["input_ids"].shape[1])):
                 out[key] = torch.cat([_right_pad(v, width, pads.get(key, 0)) for v in present])
             else:
-                out[key] = torch.cat(present)
+                out[key] = _joined(present)
         return out
+
+
+def _joined(values: list[Any]) -> Any:
+    """Rows' per-image values in one: tensors concatenated; lists (what a processor leaves
+    unconverted, e.g. UnlimitedOcr's patches per image) joined in row order."""
+    if all(isinstance(v, list) for v in values):
+        return [item for v in values for item in v]
+    return torch.cat(values)
 
 
 def _per_token(value: Any, length: int) -> bool:
