@@ -144,6 +144,14 @@ def _ocr_parts(vision: Any) -> dict[str, Any]:
     }
 
 
+def _step_parts(vision: Any) -> dict[str, Any]:
+    from transformers import Step3p7ImageProcessor
+
+    side = 4 * vision.patch_size  # one feature after the tower's two stride-2 downsamplers
+    return {"image_processor": Step3p7ImageProcessor(size={"height": side, "width": side},
+                                                     patch_size=side)}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Kind:
     """What a model type's processor needs: its tokens (config field -> token), the image
@@ -183,6 +191,13 @@ KINDS = {
         "<|image_pad|>",
         _hy_parts,
         tower="vision_tower",
+    ),
+    "step3p7": Kind(
+        {"image_token_id": "<im_patch>"},
+        "<im_patch>",
+        _step_parts,
+        tower="vision_model",
+        markers=("<patch_start>", "<patch_end>", "<patch_newline>", "<im_start>", "<im_end>"),
     ),
     "unlimited_ocr": Kind(
         {"image_token_id": "<image>"}, "<image>", _ocr_parts, tower="vision_tower"
