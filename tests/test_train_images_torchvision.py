@@ -100,6 +100,16 @@ def _glm_parts(vision: Any) -> dict[str, Any]:
     }
 
 
+def _glm5_parts(vision: Any) -> dict[str, Any]:
+    from transformers import Glm5NextImageProcessor, Glm5NextVideoProcessor
+
+    small = {"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}}
+    return {
+        "image_processor": Glm5NextImageProcessor(**_patches(vision), **small),
+        "video_processor": Glm5NextVideoProcessor(**_patches(vision)),
+    }
+
+
 def _gemma4_parts(vision: Any) -> dict[str, Any]:
     from transformers import Gemma4AudioFeatureExtractor, Gemma4ImageProcessor, Gemma4VideoProcessor
 
@@ -179,6 +189,7 @@ KINDS = {
     "qwen3_5_moe": QWEN,
     "qwen4_exp": QWEN,
     "glm4v_moe": Kind(GLM_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>", _glm_parts),
+    "glm5_next": Kind(GLM_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>", _glm5_parts),
     "minimax_m3_vl": Kind(
         MINIMAX_TOKENS,
         MINIMAX_MARKERS[0] + "]<]image[>[" + MINIMAX_MARKERS[1],
@@ -207,7 +218,7 @@ KINDS = {
 }
 
 
-SLOW = {"hy_v4_vl"}  # over ~20 s on the shared CPUs (its tower's build and step)
+SLOW = {"glm5_next", "hy_v4_vl"}  # over ~20 s on the shared CPUs (its tower's build and step)
 
 
 def _name_tokens(out: Path, named: dict[str, str], markers: tuple[str, ...]) -> None:
