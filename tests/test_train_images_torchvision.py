@@ -80,7 +80,7 @@ def _patches(vision: Any) -> dict[str, Any]:
     }
 
 
-def _qwen_parts(vision: Any) -> dict[str, Any]:
+def _qwen_parts(vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
 
     small = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
@@ -90,7 +90,7 @@ def _qwen_parts(vision: Any) -> dict[str, Any]:
     }
 
 
-def _glm_parts(vision: Any) -> dict[str, Any]:
+def _glm_parts(vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import Glm4vImageProcessor, Glm4vVideoProcessor
 
     small = {"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}}
@@ -100,7 +100,7 @@ def _glm_parts(vision: Any) -> dict[str, Any]:
     }
 
 
-def _glm5_parts(vision: Any) -> dict[str, Any]:
+def _glm5_parts(vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import Glm5NextImageProcessor, Glm5NextVideoProcessor
 
     small = {"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}}
@@ -110,7 +110,20 @@ def _glm5_parts(vision: Any) -> dict[str, Any]:
     }
 
 
-def _gemma4_parts(vision: Any) -> dict[str, Any]:
+def _pixtral_parts(vision: Any, config: Any) -> dict[str, Any]:
+    from transformers import PixtralImageProcessor
+
+    patches = {"patch_size": vision.patch_size, "spatial_merge_size": config.spatial_merge_size}
+    side = 2 * vision.patch_size * config.spatial_merge_size  # 2x2 merged tokens at most
+    return {
+        "image_processor": PixtralImageProcessor(
+            patch_size=vision.patch_size, size={"longest_edge": side}
+        ),
+        **patches,
+    }
+
+
+def _gemma4_parts(vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import Gemma4AudioFeatureExtractor, Gemma4ImageProcessor, Gemma4VideoProcessor
 
     geometry = {"patch_size": vision.patch_size, "pooling_kernel_size": vision.pooling_kernel_size}
@@ -121,7 +134,7 @@ def _gemma4_parts(vision: Any) -> dict[str, Any]:
     }
 
 
-def _minimax_parts(vision: Any) -> dict[str, Any]:
+def _minimax_parts(vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import MiniMaxM3VLImageProcessor, MiniMaxM3VLVideoProcessor
 
     small = {"min_pixels": 28 * 28, "max_pixels": 56 * 56}
@@ -131,7 +144,7 @@ def _minimax_parts(vision: Any) -> dict[str, Any]:
     }
 
 
-def _hy_parts(vision: Any) -> dict[str, Any]:
+def _hy_parts(vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import HYV4VLImageProcessor, HYV4VLVideoProcessor
 
     geometry = {"patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size}
@@ -142,7 +155,7 @@ def _hy_parts(vision: Any) -> dict[str, Any]:
     }
 
 
-def _ocr_parts(vision: Any) -> dict[str, Any]:
+def _ocr_parts(vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import UnlimitedOcrImageProcessor
 
     side = vision.sam_config.image_size  # one global view the size of the SAM encoder's input
@@ -154,7 +167,7 @@ def _ocr_parts(vision: Any) -> dict[str, Any]:
     }
 
 
-def _step_parts(vision: Any) -> dict[str, Any]:
+def _step_parts(vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import Step3p7ImageProcessor
 
     side = 4 * vision.patch_size  # one feature after the tower's two stride-2 downsamplers
@@ -165,14 +178,15 @@ def _step_parts(vision: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Kind:
     """What a model type's processor needs: its tokens (config field -> token), the image
-    placeholder its chat template writes, its non-tokenizer parts for a vision config, the
+    placeholder its chat template writes, its non-tokenizer parts (and processor arguments)
+    for a vision config and the whole config, the
     tokens its tokenizer carries as named attributes, its vision tower's name in `.model`,
     a row length that holds an image's tokens and the answer after them, the special tokens
     it reads that no config field names."""
 
     tokens: dict[str, str]
     placeholder: str
-    parts: Callable[[Any], dict[str, Any]]
+    parts: Callable[..., dict[str, Any]]
     named: dict[str, str] = field(default_factory=dict)
     tower: str = "visual"
     seq_len: int = 64
@@ -190,6 +204,13 @@ KINDS = {
     "qwen4_exp": QWEN,
     "glm4v_moe": Kind(GLM_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>", _glm_parts),
     "glm5_next": Kind(GLM_TOKENS, "<|begin_of_image|><|image|><|end_of_image|>", _glm5_parts),
+    "mistral_large4": Kind(
+        {"image_token_index": "[IMG]"},
+        "[IMG]",
+        _pixtral_parts,
+        tower="vision_tower",
+        markers=("[IMG_BREAK]", "[IMG_END]"),
+    ),
     "minimax_m3_vl": Kind(
         MINIMAX_TOKENS,
         MINIMAX_MARKERS[0] + "]<]image[>[" + MINIMAX_MARKERS[1],
@@ -218,7 +239,7 @@ KINDS = {
 }
 
 
-SLOW = {"glm5_next", "hy_v4_vl"}  # over ~20 s on the shared CPUs (its tower's build and step)
+SLOW = {"glm5_next", "hy_v4_vl"}  # over ~20 s on the shared CPUs (the tower's build and step)
 
 
 def _name_tokens(out: Path, named: dict[str, str], markers: tuple[str, ...]) -> None:
@@ -249,7 +270,7 @@ def save_with_processor(model_type: str, out: Path) -> str:
     config = save_vl_model(model_type, out, kind.tokens, kind.template)
     name = PROCESSOR_MAPPING_NAMES[model_type]
     _name_tokens(out, kind.named, kind.markers)
-    parts = kind.parts(config.vision_config)
+    parts = kind.parts(config.vision_config, config)
     tok = AutoTokenizer.from_pretrained(out)
     getattr(transformers, name)(
         tokenizer=tok, **parts, chat_template=kind.template
