@@ -179,10 +179,9 @@ def _step_parts(vision: Any, _config: Any) -> dict[str, Any]:
 class Kind:
     """What a model type's processor needs: its tokens (config field -> token), the image
     placeholder its chat template writes, its non-tokenizer parts (and processor arguments)
-    for a vision config and the whole config, the
-    tokens its tokenizer carries as named attributes, its vision tower's name in `.model`,
-    a row length that holds an image's tokens and the answer after them, the special tokens
-    it reads that no config field names."""
+    from the vision config and the whole config, the tokens its tokenizer carries as named
+    attributes, its vision tower's name in `.model`, a row length that holds an image's
+    tokens and the answer after them, the special tokens it reads that no config names."""
 
     tokens: dict[str, str]
     placeholder: str
