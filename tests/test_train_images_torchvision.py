@@ -64,6 +64,7 @@ GEMMA4_TOKENS = dict(  # the config's fields for the same tokens (+ the video to
     eoa_token_index="<audio|>",
     video_token_id="<|video|>",
 )
+INKLING_TOKENS = {"image_token_id": "<|unused_200054|>"}  # Inkling2Processor's default
 MINIMAX_TOKENS = dict(  # MiniMaxM3VLProcessor's own spelling of its markers
     image_token_index="]<]image[>[", video_token_index="]<]video[>["
 )
@@ -121,6 +122,12 @@ def _pixtral_parts(vision: Any, config: Any) -> dict[str, Any]:
         ),
         **patches,
     }
+
+
+def _inkling_parts(_vision: Any, _config: Any) -> dict[str, Any]:
+    from transformers import Inkling2ImageProcessor
+
+    return {"image_processor": Inkling2ImageProcessor()}  # 40x40: 2x2 patches of 20
 
 
 def _gemma4_parts(vision: Any, _config: Any) -> dict[str, Any]:
@@ -209,6 +216,10 @@ KINDS = {
         _pixtral_parts,
         tower="vision_tower",
         markers=("[IMG_BREAK]", "[IMG_END]"),
+    ),
+    "inkling2": Kind(INKLING_TOKENS, "<|unused_200054|>", _inkling_parts, tower="vision_tower"),
+    "inkling2_loop": Kind(
+        INKLING_TOKENS, "<|unused_200054|>", _inkling_parts, tower="vision_tower"
     ),
     "minimax_m3_vl": Kind(
         MINIMAX_TOKENS,
