@@ -65,6 +65,12 @@ GEMMA4_TOKENS = dict(  # the config's fields for the same tokens (+ the video to
     video_token_id="<|video|>",
 )
 INKLING_TOKENS = {"image_token_id": "<|unused_200054|>"}  # Inkling2Processor's default
+INKLING_MM_TOKENS = dict(  # InklingProcessor's defaults, image and audio
+    image_token_id="<|unused_200054|>",
+    audio_token_id="<|unused_200053|>",
+    image_bos_token_id="<|content_image|>",
+    audio_bos_token_id="<|content_audio_input|>",
+)
 MINIMAX_TOKENS = dict(  # MiniMaxM3VLProcessor's own spelling of its markers
     image_token_index="]<]image[>[", video_token_index="]<]video[>["
 )
@@ -128,6 +134,15 @@ def _inkling_parts(_vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import Inkling2ImageProcessor
 
     return {"image_processor": Inkling2ImageProcessor()}  # 40x40: 2x2 patches of 20
+
+
+def _inkling_mm_parts(_vision: Any, _config: Any) -> dict[str, Any]:
+    from transformers import InklingFeatureExtractor, InklingImageProcessor
+
+    return {
+        "image_processor": InklingImageProcessor(),
+        "feature_extractor": InklingFeatureExtractor(),
+    }
 
 
 def _gemma4_parts(vision: Any, _config: Any) -> dict[str, Any]:
@@ -220,6 +235,12 @@ KINDS = {
     "inkling2": Kind(INKLING_TOKENS, "<|unused_200054|>", _inkling_parts, tower="vision_tower"),
     "inkling2_loop": Kind(
         INKLING_TOKENS, "<|unused_200054|>", _inkling_parts, tower="vision_tower"
+    ),
+    "inkling_mm_model": Kind(
+        INKLING_MM_TOKENS,
+        "<|content_image|><|unused_200054|>",
+        _inkling_mm_parts,
+        tower="vision_tower",
     ),
     "minimax_m3_vl": Kind(
         MINIMAX_TOKENS,
