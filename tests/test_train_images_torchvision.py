@@ -71,6 +71,9 @@ INKLING_MM_TOKENS = dict(  # InklingProcessor's defaults, image and audio
     image_bos_token_id="<|content_image|>",
     audio_bos_token_id="<|content_audio_input|>",
 )
+MUSE_TOKENS = dict(
+    image_token_id="<|patch|>", video_token_id="<|video|>", audio_token_id="<|audio|>"
+)
 MINIMAX_TOKENS = dict(  # MiniMaxM3VLProcessor's own spelling of its markers
     image_token_index="]<]image[>[", video_token_index="]<]video[>["
 )
@@ -142,6 +145,21 @@ def _inkling_mm_parts(_vision: Any, _config: Any) -> dict[str, Any]:
     return {
         "image_processor": InklingImageProcessor(),
         "feature_extractor": InklingFeatureExtractor(),
+    }
+
+
+def _muse_parts(vision: Any, _config: Any) -> dict[str, Any]:
+    from transformers import (
+        MuseGlimmerImageProcessor,
+        MuseGlimmerVideoProcessor,
+        MuseSparkFeatureExtractor,
+    )
+
+    geometry = {"patch_size": vision.patch_size, "merge_size": vision.merge_size}
+    return {
+        "image_processor": MuseGlimmerImageProcessor(**geometry, max_image_tokens=16),
+        "video_processor": MuseGlimmerVideoProcessor(**geometry),
+        "feature_extractor": MuseSparkFeatureExtractor(),
     }
 
 
@@ -220,6 +238,13 @@ class Kind:
 
 QWEN = Kind(QWEN_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>", _qwen_parts)
 KINDS = {
+    "muse_spark": Kind(
+        MUSE_TOKENS,
+        "<|patch|>",
+        _muse_parts,
+        tower="vision_tower",
+        markers=("<|image_start|>", "<|image_end|>"),
+    ),
     "qwen3_vl_moe": QWEN,
     "qwen3_5_moe": QWEN,
     "qwen4_exp": QWEN,
