@@ -295,6 +295,12 @@ KINDS = {
 }
 
 
+# the census' multimodal types left out, each with its cause (transformers 5.24 itself)
+NOT_HERE = {
+    "llama4": "its forward fails on any rows (tests/test_census_multimodal.py, CANNOT_TRAIN)",
+    "qwen3_omni_moe": "its class has no forward of its own: moetune trains the thinker",
+    "qwen3_omni_moe_thinker": "no processor class is mapped to it, and its forward fails",
+}
 SLOW = {"glm5_next", "hy_v4_vl"}  # over ~20 s on the shared CPUs (the tower's build and step)
 
 
@@ -374,6 +380,13 @@ def test_the_checkpoints_own_processor_loads_via_autoprocessor_and_trains(
     after = seen.tower.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     _assert_labels_on_answers(batches, base)
+
+
+def test_every_multimodal_type_of_the_census_is_here_or_named_with_its_cause() -> None:
+    from moetune.model.census import multimodal_model_types
+
+    assert sorted(KINDS.keys() | NOT_HERE.keys()) == multimodal_model_types()
+    assert not KINDS.keys() & NOT_HERE.keys()
 
 
 def _kept(batches: list[dict[str, Any]], batch: dict[str, Any]) -> dict[str, Any]:
