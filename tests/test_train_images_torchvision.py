@@ -2,11 +2,13 @@
 
 Every multimodal processor class of transformers 5.24 needs torchvision to construct; the
 default suite runs without it (moetune then builds the class from its parts). Here each
-tiny checkpoint is saved WITH its real processor – the class built from the tiny tokenizer,
-image and video processors, saved into the checkpoint dir as `save_pretrained` writes it –
-and moetune must load it through `AutoProcessor`, say so, and train on image rows: coverage
-1, router and vision tower unchanged, the tower run on the pixels, labels on the assistant
-tokens only. Run from the torchvision venv (docs/data.md, "Image rows with torchvision")."""
+tiny checkpoint is saved WITH its real processor – the class built from the tiny tokenizer
+and its real image / video processors and audio feature extractor, saved into the checkpoint
+dir as `save_pretrained` writes it – and moetune must load it through `AutoProcessor`, say
+so, and train on image rows: coverage 1, router and vision tower unchanged, the tower run on
+the pixels, labels on the assistant tokens only. Every multimodal type of the census is here
+or named with its cause. Run from the torchvision venv (docs/data.md, "Image rows with
+torchvision")."""
 
 from __future__ import annotations
 
@@ -290,7 +292,7 @@ KINDS = {
     "unlimited_ocr": Kind(
         {"image_token_id": "<image>"}, "<image>", _ocr_parts, tower="vision_tower"
     ),
-    # Gemma4 resizes every image up to its budget: ~60 image tokens + boi / eoi
+    # Gemma4 resizes every image up to its budget: 60 tokens for a 32x48 PNG, + boi / eoi
     "gemma4": Kind(GEMMA4_TOKENS, "<|image|>", _gemma4_parts, GEMMA4_NAMED, "vision_tower", 128),
 }
 
@@ -301,7 +303,6 @@ NOT_HERE = {
     "qwen3_omni_moe": "its class has no forward of its own: moetune trains the thinker",
     "qwen3_omni_moe_thinker": "no processor class is mapped to it, and its forward fails",
 }
-SLOW = {"glm5_next", "hy_v4_vl"}  # over ~20 s on the shared CPUs (the tower's build and step)
 
 
 def _name_tokens(out: Path, named: dict[str, str], markers: tuple[str, ...]) -> None:
@@ -340,10 +341,7 @@ def save_with_processor(model_type: str, out: Path) -> str:
     return str(name)
 
 
-@pytest.mark.parametrize(
-    "model_type",
-    [pytest.param(t, marks=[pytest.mark.slow] if t in SLOW else []) for t in sorted(KINDS)],
-)
+@pytest.mark.parametrize("model_type", sorted(KINDS))
 def test_the_checkpoints_own_processor_loads_via_autoprocessor_and_trains(
     model_type: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
