@@ -387,6 +387,22 @@ def test_every_multimodal_type_of_the_census_is_here_or_named_with_its_cause() -
     assert not KINDS.keys() & NOT_HERE.keys()
 
 
+def test_gemma4_rows_a_short_seq_len_leaves_no_answer_in_stop_before_training(tmp_path):
+    """Gemma4 fills its image-token budget (60 for a 32x48 PNG): at seq_len 64 row 1 keeps
+    no token of its answer, which stops the run in one line instead of training on nothing."""
+    from moetune.data.errors import DataError
+    from moetune.train.trainer import train
+
+    save_with_processor("gemma4", tmp_path / "model")
+    data = image_rows(tmp_path / "data", n=2)
+    cfg = run_config(tmp_path / "model", data, tmp_path / "run", max_steps=1, seq_len=64)
+    with one_thread(), pytest.raises(DataError) as err:
+        train(cfg, progress=False)
+    assert "train.seq_len 64 holds no token of its answer after its 60 image tokens" in (
+        err.value.cause
+    )
+
+
 def _kept(batches: list[dict[str, Any]], batch: dict[str, Any]) -> dict[str, Any]:
     batches.append(dict(batch))  # a copy: the trainer pops labels off the one it gets
     return batch

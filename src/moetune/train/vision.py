@@ -257,11 +257,21 @@ def _right_pad(value: torch.Tensor, width: int, fill: int) -> torch.Tensor:
 
 def check_first_row(collator: ImageCollator, dataset: Any, label: str) -> None:
     """The first row through the collator before any model is built: a processor or
-    template that cannot mask it stops the run now, not at step 1."""
+    template that cannot mask it, or a seq_len its image tokens leave no answer in (an image
+    is never cut, so e.g. Gemma4's ~280 tokens an image can fill it), stops the run now."""
     try:
-        collator([dataset[0]])
+        batch = collator([dataset[0]])
     except DataError as err:
         raise DataError(f"{label} row 1: {err.cause}", err.fix) from None
+    if collator.assistant_only and not (batch["labels"] != IGNORE).any():
+        images = int(
+            (batch["input_ids"] == getattr(collator.processor, "image_token_id", -1)).sum()
+        )
+        raise DataError(
+            f"{label} row 1: train.seq_len {collator.max_length} holds no token of its answer "
+            f"after its {images} image tokens, so it would train on nothing",
+            "raise train.seq_len (an image's tokens are never cut), or use smaller images",
+        )
 
 
 def vision_kwargs(cfg: RunConfig, processor: Any) -> dict[str, Any]:
