@@ -73,7 +73,7 @@ INKLING_MM_TOKENS = dict(  # InklingProcessor's defaults, image and audio
     image_bos_token_id="<|content_image|>",
     audio_bos_token_id="<|content_audio_input|>",
 )
-MUSE_TOKENS = dict(
+MUSE_TOKENS = dict(  # MuseSparkProcessor's defaults (its image markers: in `markers`)
     image_token_id="<|patch|>", video_token_id="<|video|>", audio_token_id="<|audio|>"
 )
 MINIMAX_TOKENS = dict(  # MiniMaxM3VLProcessor's own spelling of its markers
