@@ -319,3 +319,44 @@ def test_image_rows_train_the_language_model_with_the_tower_frozen_and_run(
     # without torchvision the class is built from its parts, and the run says which
     via = "AutoProcessor" if is_torchvision_available() else "parts"
     assert (summary["processor"]["class"], summary["processor"]["via"]) == ("Qwen3VLProcessor", via)
+
+
+def test_the_batch_joins_per_image_lists_a_processor_leaves_unconverted() -> None:
+    """Per-token tensors padded, pixels concatenated, per-image lists (UnlimitedOcr's
+    `patches_grid`, `num_local_patches`) joined in row order; a text row adds none."""
+    from types import SimpleNamespace
+
+    from moetune.train.vision import IGNORE, ImageCollator
+
+    processor = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0))
+    ids = [torch.tensor([[5, 6, 7]]), torch.tensor([[8, 9]]), torch.tensor([[4, 4, 4, 4]])]
+    rows: list[dict[str, Any]] = [{"input_ids": i, "labels": i.clone()} for i in ids]
+    rows[0].update(pixel_values=torch.ones(2, 5), patches_grid=[[1, 2], [3, 4]])
+    rows[2].update(pixel_values=torch.zeros(1, 5), patches_grid=[[5, 6]])
+    out = ImageCollator(processor, 64).batch(rows)
+    assert out["patches_grid"] == [[1, 2], [3, 4], [5, 6]]
+    assert out["pixel_values"].sum(-1).tolist() == [5.0, 5.0, 0.0]
+    assert out["input_ids"].tolist() == [[5, 6, 7, 0], [8, 9, 0, 0], [4, 4, 4, 4]]
+    assert out["labels"][1].tolist() == [8, 9, IGNORE, IGNORE]
+
+
+def test_a_seq_len_its_image_tokens_fill_stops_the_run_at_row_1(vl_base, tmp_path):
+    from moetune.train.vision import ImageCollator, check_first_row, load_processor
+
+    processor, _ = load_processor(str(vl_base))
+    image = str((tmp_path / _png(tmp_path / "r.png", COLOURS["red"], 0)).resolve())
+    turns = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+    ]
+    row = {"messages": json.dumps(turns), "images": [image]}
+    ids = ImageCollator(processor, 64)([row])["input_ids"]
+    image_tokens = int((ids == processor.image_token_id).sum())
+    check_first_row(ImageCollator(processor, 64), [row], "train.jsonl")  # room for the answer
+    with pytest.raises(DataError) as err:
+        check_first_row(ImageCollator(processor, 4), [row], "train.jsonl")
+    assert image_tokens > 0 and err.value.cause == (
+        f"train.jsonl row 1: train.seq_len 4 holds no token of its answer after its "
+        f"{image_tokens} image tokens, so it would train on nothing"
+    )
+    assert "raise train.seq_len" in err.value.fix

@@ -181,8 +181,11 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "glm5_next_text": {"num_key_value_heads": 4, "index_kpool": 4},
     "inkling2": {"vision_config": {"text_hidden_size": 64}},
     "inkling2_loop": {"vision_config": {"text_hidden_size": 64}},
+    # the SAM feature map enters the vision encoder as its patch embeddings
+    "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [32, 64]}}},
+    # the adapter reads the tower's merged patches: hidden_size x merge_size**2 wide
     "muse_spark": {"audio_config": {"out_hidden_size": 64},
-                   "vision_config": {"out_hidden_size": 64}},
+                   "vision_config": {"out_hidden_size": 64}, "out_hidden_size": 64 * 2 * 2},
 }  # fmt: skip
 
 

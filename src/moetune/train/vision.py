@@ -223,7 +223,8 @@ class ImageCollator:
         return {k: v[:, :keep] if _per_token(v, length) else v for k, v in out.items()}
 
     def batch(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """Per-token tensors right-padded and stacked; the rest (pixels, grids) concatenated."""
+        """Per-token tensors right-padded and stacked; the rest (pixels, grids, per-image
+        lists) concatenated."""
         width = max(int(r["input_ids"].shape[1]) for r in rows)
         pads = {"input_ids": self.processor.tokenizer.pad_token_id, "labels": IGNORE}
         out: dict[str, Any] = {}
@@ -233,8 +234,16 @@ class ImageCollator:
             if _per_token(first[key], int(first["input_ids"].shape[1])):
                 out[key] = torch.cat([_right_pad(v, width, pads.get(key, 0)) for v in present])
             else:
-                out[key] = torch.cat(present)
+                out[key] = _joined(present)
         return out
+
+
+def _joined(values: list[Any]) -> Any:
+    """Rows' per-image values in one: tensors concatenated; lists (what a processor leaves
+    unconverted, e.g. UnlimitedOcr's patches per image) joined in row order."""
+    if all(isinstance(v, list) for v in values):
+        return [item for v in values for item in v]
+    return torch.cat(values)
 
 
 def _per_token(value: Any, length: int) -> bool:
@@ -248,11 +257,21 @@ def _right_pad(value: torch.Tensor, width: int, fill: int) -> torch.Tensor:
 
 def check_first_row(collator: ImageCollator, dataset: Any, label: str) -> None:
     """The first row through the collator before any model is built: a processor or
-    template that cannot mask it stops the run now, not at step 1."""
+    template that cannot mask it, or a seq_len its image tokens leave no answer in (an image
+    is never cut, so e.g. Gemma4's ~280 tokens an image can fill it), stops the run now."""
     try:
-        collator([dataset[0]])
+        batch = collator([dataset[0]])
     except DataError as err:
         raise DataError(f"{label} row 1: {err.cause}", err.fix) from None
+    if collator.assistant_only and not (batch["labels"] != IGNORE).any():
+        images = int(
+            (batch["input_ids"] == getattr(collator.processor, "image_token_id", -1)).sum()
+        )
+        raise DataError(
+            f"{label} row 1: train.seq_len {collator.max_length} holds no token of its answer "
+            f"after its {images} image tokens, so it would train on nothing",
+            "raise train.seq_len (an image's tokens are never cut), or use smaller images",
+        )
 
 
 def vision_kwargs(cfg: RunConfig, processor: Any) -> dict[str, Any]:
