@@ -77,6 +77,7 @@ from moetune.plan.terms_ssm import (
     MAMBA1_FIELDS,
     MAMBA2_FIELDS,
     dense_mlp_layer,
+    mamba1_backward,
     mamba1_scan,
     mamba2_chunked,
 )
@@ -310,6 +311,7 @@ MAMBA2 = MixerTerm(
 )
 MAMBA1 = MixerTerm(
     mamba1_scan,
+    backward=mamba1_backward,
     notes=(
         "Mamba1 is sized as transformers' torch recurrent scan keeps it (a state per token and "
         "channel; no mamba-ssm): the CUDA kernel recomputes those and keeps far less"

@@ -12,7 +12,10 @@ runs without mamba-ssm / causal-conv1d, and what the trace runs):
   their broadcasts (8·I) and one more bf16 (2·I): 20·I. B and C: the norms' fp32 inputs,
   B in fp32, C in bf16 (14·N); the dt norm's input (4·R) and three rstds (12). Exact on the
   saved tensors at I 128 / 256, N 16 / 32, dt rank 8 / 16, seq 64 / 128; the per-layer
-  constants (A, D, the conv's padding, the zero initial state) are left out.
+  constants (A, D, the conv's padding, the zero initial state) are left out. Its backward
+  adds 16·I·N per token while it runs: the fp32 gradients of the discretised A and B·x, each
+  next to the full-size zero-filled gradient of one step's slice (`mamba1_backward`; with
+  checkpointing at N 32 this is the peak: the trace's 16.9 MB, 1.85× the plan without it).
 - Mamba2 (`mamba`: granitemoehybrid, nemotron_h – the same `mamba2_chunk_scan`, its sizes
   under different field names) through the torch chunked scan: the projections, the conv's
   input and output and the gated RMSNorm per channel (34·I, I = heads·head dim), per chunk of
@@ -59,6 +62,13 @@ def mamba1_scan(spec: ModelSpec) -> int:
     if rank == "auto":  # the released configs resolve it at load; a raw one may not
         rank = -(-spec.hidden_size // 16)
     return 14 * inner * state + 20 * inner + 14 * state + 4 * rank + 12
+
+
+def mamba1_backward(spec: ModelSpec) -> int:
+    """Mamba1's backward over the token loop: the fp32 gradients of exp(A·dt) and B·dt·x,
+    each accumulating a zero-filled full-size gradient per step's slice (16·I·N)."""
+    c = spec.hf_config
+    return 16 * c["mamba_expand"] * spec.hidden_size * c["mamba_d_state"]
 
 
 def dense_mlp_layer(spec: ModelSpec) -> int:
