@@ -10,7 +10,8 @@ steady state (step ≥ 2, Adam moments live through forward and backward):
 - gradients: accumulating layer by layer during backward, all of them in the step,
 - activations: what each decoder layer saves for backward, its token mixer's term picked
   by the layer's kind (`ModelSpec.mixers`: attention, mla, linear_attention …; see
-  `plan.profiles`), all layers with gradient checkpointing off; with it on, each layer's
+  `plan.profiles`), all layers with gradient checkpointing off (none in a mixer without
+  adapters before the first adapted layer: Mamba at layer 0); with it on, each layer's
   input plus one layer's recompute (a kind with no calibrated term adds nothing here, and
   `plan.fit` traces such a spec instead),
 - expert weight copies: peft's ParamWrapper materialises `W + s·B@A` for every wrapped
