@@ -171,8 +171,17 @@ def test_plan_prints_the_best_config_per_card() -> None:
     assert "RTX-4090: --set lora.engine=moetune --set model.experts_dtype=nf4" in out
 
 
-def test_plan_of_an_uncalibrated_mixer_kind_says_it_traced(tmp_path: Path) -> None:
+def test_plan_of_an_uncalibrated_mixer_kind_says_it_traced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
     from moetune.model.census import shrunk_config
+    from moetune.plan.profiles import NEMOTRON_H, PROFILES
+
+    # nemotron_h as it planned before its Mamba2 term: a kind with no calibrated term
+    uncalibrated = dataclasses.replace(NEMOTRON_H, mixers={**NEMOTRON_H.mixers, "mamba": None})
+    monkeypatch.setitem(PROFILES, "nemotron_h", uncalibrated)
 
     (tmp_path / "config.json").write_text(json.dumps(shrunk_config("nemotron_h")))
     args = ("plan", str(tmp_path), "--seq", "64", "--card", "H200")

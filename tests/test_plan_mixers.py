@@ -14,9 +14,12 @@ from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
 from moetune.plan import make_plan
 from moetune.plan.fit import analytic
-from moetune.plan.profiles import layer_kinds, uncalibrated
+from moetune.plan.profiles import NEMOTRON_H, PROFILES, layer_kinds, uncalibrated
 from moetune.plan.tracecache import cached_trace
 
+NEMOTRON_BEHIND = ["full_attention", "linear_attention", "moe", "mlp"]  # Mamba after attention
+NEMOTRON_WIDE = {"mamba_num_heads": 8, "chunk_size": 16}
+NEMOTRON_HELD_OUT = {"ssm_state_size": 32, "n_groups": 2, "mamba_head_dim": 8}  # not in the fit
 # (model_type, the mixer kind its layers calibrate); analytic vs trace: the bytes the layers
 # keep for backward (gc off − gc on) within 5 %, the peak within 2 %
 CALIBRATED = [
@@ -34,12 +37,31 @@ CALIBRATED = [
     ("granitemoehybrid", "mamba", {}),  # Mamba2's torch chunked scan
     ("granitemoehybrid", "mamba", {"mamba_chunk_size": 16}),
     ("granitemoehybrid", "mamba", {"mamba_n_heads": 8, "mamba_d_head": 16}),
-    ("granitemoehybrid", "mamba", {"mamba_d_state": 32}),  # held out of the fit: +3 % kept
+    ("granitemoehybrid", "mamba", {"mamba_d_state": 32}),  # N 32 at head dim 32: −1 % kept
+    # Mamba2 as granitemoehybrid's (other field names) behind attention; relu² MLP layers
+    ("nemotron_h", "mamba", {}),  # Mamba at layer 0: keeps nothing without checkpointing
+    ("nemotron_h", "mamba", {"layers_block_type": NEMOTRON_BEHIND}),
+    ("nemotron_h", "mamba", {"layers_block_type": NEMOTRON_BEHIND, **NEMOTRON_WIDE}),
+    ("nemotron_h", "mamba", {"layers_block_type": NEMOTRON_BEHIND, **NEMOTRON_HELD_OUT}),
+    # Mamba1's recurrent torch scan: its trace loops over the tokens (~90 s a shape)
+    pytest.param("jamba", "mamba", {}, marks=pytest.mark.slow),
+    pytest.param("jamba", "mamba", {"mamba_d_state": 32}, marks=pytest.mark.slow),
+    pytest.param(  # held out of the fit
+        "jamba", "mamba", {"hidden_size": 96, "mamba_d_state": 8}, marks=pytest.mark.slow
+    ),
     ("kimi_linear", "linear_attention", {}),  # KDA's torch chunked kernel, beside MLA
     ("minimax", "linear_attention", {}),  # lightning attention beside windowed SDPA
     ("lara_mini", "linear_attention", {}),  # gated DeltaNet; sliding layers: masked SDPA
 ]
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
+
+
+@pytest.fixture
+def no_mamba_term(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nemotron_h as it planned before its Mamba2 term: a kind with no calibrated term (a
+    real family, so its fallback trace is the real one)."""
+    mixers = {**NEMOTRON_H.mixers, "mamba": None}
+    monkeypatch.setitem(PROFILES, "nemotron_h", dataclasses.replace(NEMOTRON_H, mixers=mixers))
 
 
 def cfg(seq: int, gc: bool, **train: object) -> RunConfig:
@@ -65,6 +87,23 @@ def test_each_calibrated_mixer_kind_matches_the_trace(
     assert est_off == pytest.approx(trace_off, rel=PEAK_TOLERANCE)
 
 
+def test_a_mamba_layer_before_the_first_adapter_keeps_nothing_without_checkpointing() -> None:
+    """Without checkpointing the embeddings need no gradient, so a Mamba layer (no adapters)
+    before the first adapted layer saves nothing: sizing it put jamba's kept bytes a third
+    high (4 Mamba layers sized, 3 keep), and granitemoehybrid's Mamba2 term, fitted with it,
+    came out 25 % low per layer. With checkpointing every layer recomputes with a gradient."""
+    from moetune.plan.analytic import Step, _grad_free
+    from moetune.plan.layout import adapter_layout
+
+    for model_type, free in (("jamba", {0}), ("nemotron_h", {0, 1}), ("qwen3_next", set())):
+        spec = tiny(model_type)
+        layout = adapter_layout(spec, cfg(128, False).lora)
+        assert _grad_free(spec, Step(128, gradient_checkpointing=False), layout) == free
+        assert _grad_free(spec, Step(128), layout) == set()
+    # nemotron_h's relu² MLP layers are a kind of their own, with a term
+    assert layer_kinds(tiny("nemotron_h")) == ("mamba", "none", "attention", "mlp")
+
+
 def test_linear_attention_is_most_of_what_a_hybrid_keeps() -> None:
     """Gated DeltaNet layers keep ~5× an attention layer's bytes (chunk matrices, states):
     the GQA term the family got before left 26 % of the peak out at seq 1024, gc off."""
@@ -84,7 +123,7 @@ def test_kimi_delta_attention_is_read_as_linear_attention_beside_mla() -> None:
         assert uncalibrated(spec) == []  # bailing_hybrid runs the same KDA kernel: one term
 
 
-def test_an_uncalibrated_mixer_kind_plans_with_the_trace_and_says_so() -> None:
+def test_an_uncalibrated_mixer_kind_plans_with_the_trace_and_says_so(no_mamba_term: None) -> None:
     spec = tiny("nemotron_h")
     assert "mamba" in uncalibrated(spec)
     run = cfg(64, True)
@@ -99,7 +138,7 @@ def test_an_uncalibrated_mixer_kind_plans_with_the_trace_and_says_so() -> None:
 
 
 def test_a_failed_fallback_trace_keeps_the_analytic_and_says_why(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, no_mamba_term: None
 ) -> None:
     from moetune.errors import TraceError
     from moetune.plan import tracecache
@@ -122,7 +161,9 @@ def test_a_calibrated_spec_stays_analytic() -> None:
     assert any("gated-delta" in n for n in plan.notes)  # which kernel the term sizes
 
 
-def test_a_quantized_step_cannot_trace_and_says_what_the_analytic_leaves_out() -> None:
+def test_a_quantized_step_cannot_trace_and_says_what_the_analytic_leaves_out(
+    no_mamba_term: None,
+) -> None:
     spec = tiny("nemotron_h")
     plan = make_plan(spec, cfg(64, True, tuning="qlora"), cards=["H200"], estimator="analytic")
     assert plan.estimator == "analytic"
@@ -145,7 +186,7 @@ def test_an_indexer_family_with_more_than_dsa_keeps_the_trace() -> None:
 
 
 def test_a_fallback_to_the_trace_warns_before_it_starts_with_the_expected_time(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, no_mamba_term: None
 ) -> None:
     """jamba's analytic once fell back to a 432 s trace without a word: the warning comes
     first (before the trace runs), names the kinds and the expected time, and the JSON

@@ -299,6 +299,7 @@ _MIXER_NEEDLES = (
     ),
     ("conv", ("shortconv", "conv")),
     ("attention", ("attention", "attn")),
+    ("mlp", ("mlp",)),  # a dense MLP as the layer's only block (nemotron_h's MLP layers)
 )
 
 

@@ -10,7 +10,8 @@ steady state (step ≥ 2, Adam moments live through forward and backward):
 - gradients: accumulating layer by layer during backward, all of them in the step,
 - activations: what each decoder layer saves for backward, its token mixer's term picked
   by the layer's kind (`ModelSpec.mixers`: attention, mla, linear_attention …; see
-  `plan.profiles`), all layers with gradient checkpointing off; with it on, each layer's
+  `plan.profiles`), all layers with gradient checkpointing off (none in a mixer without
+  adapters before the first adapted layer: Mamba at layer 0); with it on, each layer's
   input plus one layer's recompute (a kind with no calibrated term adds nothing here, and
   `plan.fit` traces such a spec instead),
 - expert weight copies: peft's ParamWrapper materialises `W + s·B@A` for every wrapped
@@ -173,9 +174,9 @@ def estimate_step(spec: ModelSpec, step: Step, layout: AdapterLayout | None) -> 
     """The analytic peak of `step` on `spec` with LoRA `layout` (None: full fine-tuning)."""
     full = step.method == "full" or layout is None
     trainable = spec.total_params if full else layout.trainable_params  # type: ignore[union-attr]
-    terms = layer_terms(spec)
+    terms, frozen = layer_terms(spec), _grad_free(spec, step, layout)
     layers = [
-        _layer_cost(spec, step, _layer_adapters(layout, i), i, terms[i] or NO_MIXER)
+        _layer_cost(spec, step, _layer_adapters(layout, i), i, terms[i] or NO_MIXER, i in frozen)
         for i in range(spec.num_layers)
     ]
     base = _static(spec, step, trainable)
@@ -196,6 +197,16 @@ def estimate_step(spec: ModelSpec, step: Step, layout: AdapterLayout | None) -> 
 
 def _layer_adapters(layout: AdapterLayout | None, i: int) -> tuple[Adapter, ...] | None:
     return None if layout is None else layout.layers[i]
+
+
+def _grad_free(spec: ModelSpec, step: Step, layout: AdapterLayout | None) -> set[int]:
+    """Layers whose mixer keeps nothing: without checkpointing (which makes the embeddings
+    need a gradient) the stream needs none until the first adapted layer, so a mixer with
+    no adapters up to there (Mamba at layer 0: jamba, nemotron_h) saves nothing, nor its norms."""
+    if step.gradient_checkpointing or layout is None:
+        return set()
+    first = next((i for i, a in enumerate(layout.layers) if a), spec.num_layers - 1)
+    return {i for i in range(first + 1) if not _is_attention(spec, i)}
 
 
 # ---------------------------------------------------------------- static parts
@@ -240,16 +251,21 @@ def frozen_bytes(spec: ModelSpec, step: Step) -> float:
 
 
 def _layer_cost(
-    spec: ModelSpec, step: Step, adapters: tuple[Adapter, ...] | None, i: int, mixer: MixerTerm
+    spec: ModelSpec,
+    step: Step,
+    adapters: tuple[Adapter, ...] | None,
+    i: int,
+    mixer: MixerTerm,
+    grad_free: bool = False,
 ) -> LayerCost:
-    """Layer `i`'s bytes with its token mixer's term (an uncalibrated kind: none)."""
+    """Layer `i`'s bytes with its token mixer's term (an uncalibrated kind: none); a
+    `grad_free` mixer (`_grad_free`) keeps nothing."""
     prof = profile_for(spec.model_type)
     full = adapters is None
     wrapped = () if full else tuple(a for a in adapters if a.via == "param")  # type: ignore[union-attr]
     experts_trained = full or any(a.kind == "experts" for a in wrapped)
-    per_token = _mixer_bytes(spec, prof, mixer, adapters, i) + _mlp_bytes(
-        spec, prof, adapters, i, experts_trained
-    )
+    mixing = 0 if grad_free else _mixer_bytes(spec, prof, mixer, adapters, i)
+    per_token = mixing + _mlp_bytes(spec, prof, adapters, i, experts_trained)
     saved = per_token * step.tokens + mixer.pairs(spec) * step.pairs
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
@@ -292,9 +308,9 @@ def _mixer_bytes(
     """Norms, the token mixer's core, and every lora.Linear's kept inputs, per token."""
     h = spec.hidden_size
     total = prof.norms * 4 * h + mixer.per_token(spec)
-    if not _is_attention(spec, i):
-        return total
     if adapters is None:  # full: every weight needs its input and each norm its output
+        if not _is_attention(spec, i):
+            return total
         q = spec.num_attention_heads * spec.head_dim
         return total + 2 * h + 2 * q + prof.norms * 2 * h
     # lora.Linear casts its input to fp32 for lora_A and keeps lora_A's output

@@ -35,12 +35,10 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   layer's backward adds about 6·H of transposed copies – 16·H per token in all, fitted to the
   trace at hidden 64 and 128, seq 64 and 128 (the padding's (kernel − 1) columns per
   sequence are left out).
-- Mamba2 (`mamba`: granitemoehybrid) through transformers' torch `mamba2_chunk_scan` (what
-  runs without mamba-ssm): the projections and conv in bf16, then fp32 x·dt, B and C
-  repeated to every head, per chunk the C×C decay / C·B / masked matrices per head and the
-  chunk states – fitted to the trace as 33·inner + 3·heads·chunk + 28·heads·state per token
-  on three tiny shapes (4 × 32 heads, chunk 32 / 16; 8 × 16 heads) and checked on a fourth
-  (state 32); the pad to a whole chunk and the per-layer constant are left out.
+- State-space mixers (`mamba`: Mamba2 in granitemoehybrid and nemotron_h, Mamba1 in jamba)
+  and nemotron_h's MLP layers (`mlp`): their terms and fits are in `plan.terms_ssm`. Without
+  checkpointing a Mamba layer before the first adapted layer keeps nothing (the stream needs
+  no gradient yet): the analytic leaves it out (`analytic._grad_free`).
 - Kimi delta attention (`linear_attention`: kimi_linear, bailing_hybrid) through transformers'
   torch `chunk_kimi_delta_attention` (no flash-linear-attention): its decay is per channel, so
   per 64-token chunk it makes C×C×dk fp32 tensors per head – the decay mask, k_β·k and q·k
@@ -75,6 +73,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.model.spec import ModelSpec
+from moetune.plan.terms_ssm import (
+    MAMBA1_FIELDS,
+    MAMBA2_FIELDS,
+    dense_mlp_layer,
+    mamba1_backward,
+    mamba1_scan,
+    mamba2_chunked,
+)
 
 SpecInt = Callable[[ModelSpec], int]
 
@@ -164,14 +170,6 @@ def gated_delta_net(spec: ModelSpec) -> int:
 def short_conv(spec: ModelSpec) -> int:
     """LFM2's gated short convolution, per token: 16·H (see the module docstring)."""
     return 16 * spec.hidden_size
-
-
-def mamba2_chunked(spec: ModelSpec) -> int:
-    """Mamba2 through transformers' torch chunked scan, per token (see the module docstring)."""
-    c = spec.hf_config
-    heads, state = c["mamba_n_heads"], c["mamba_d_state"]
-    inner = heads * c["mamba_d_head"]
-    return 33 * inner + 3 * heads * c["mamba_chunk_size"] + 28 * heads * state
 
 
 KDA_CHUNK = 64  # chunk_kimi_delta_attention's chunk size
@@ -309,7 +307,16 @@ SHORT_CONV = MixerTerm(
 MAMBA2 = MixerTerm(
     mamba2_chunked,
     notes="Mamba2 is sized as transformers' torch chunked scan keeps it (no mamba-ssm)",
-    fields=("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_chunk_size"),
+    fields=MAMBA2_FIELDS["granitemoehybrid"][:4],
+)
+MAMBA1 = MixerTerm(
+    mamba1_scan,
+    backward=mamba1_backward,
+    notes=(
+        "Mamba1 is sized as transformers' torch recurrent scan keeps it (a state per token and "
+        "channel; no mamba-ssm): the CUDA kernel recomputes those and keeps far less"
+    ),
+    fields=MAMBA1_FIELDS,
 )
 KDA = MixerTerm(
     kimi_delta_attention,
@@ -381,6 +388,16 @@ LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-n
     },
 )
 
+GATE_SAVED_RELU2 = 4  # × k·I: relu² experts (no gate): the up output and the down input
+NEMOTRON_H = ActivationProfile(  # one norm per layer; each layer a single block
+    mixers={
+        "mamba": dataclasses.replace(MAMBA2, fields=MAMBA2_FIELDS["nemotron_h"][:4]),
+        "mlp": MixerTerm(dense_mlp_layer, fields=("intermediate_size",)),
+    },
+    norms=1,
+    gate_saved=GATE_SAVED_RELU2,
+)
+
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
     "olmoe": QK_NORM,
@@ -394,6 +411,8 @@ PROFILES: dict[str, ActivationProfile] = {
     "kimi_linear": ActivationProfile(mixers={"linear_attention": KDA}),  # + MLA (NoPE)
     "bailing_hybrid": ActivationProfile(mixers={"linear_attention": KDA}),
     "granitemoehybrid": ActivationProfile(mixers={"mamba": MAMBA2}),
+    "jamba": ActivationProfile(mixers={"mamba": MAMBA1}),
+    "nemotron_h": NEMOTRON_H,
     "mixtral": DEFAULT,
     "gpt_oss": ActivationProfile(
         mixers={"attention": SINKS},
