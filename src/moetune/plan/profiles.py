@@ -56,6 +56,8 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   are repeated to every head and the bf16 mask (2 B per pair) is kept per layer.
 - lara_mini: Qwen3.5's gated DeltaNet (the term above) beside per-head qk-norm attention; its
   `sliding_attention` layers take the masked SDPA term (a term by layer type).
+- hy_v4's eager MLA with sinks and its hyper-connections (a residual of several streams,
+  sized on the profile: `streams`, `residual`, `head`): see `plan.terms_mla`.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -75,12 +77,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.model.spec import ModelSpec
+from moetune.plan import terms_mla
 
 SpecInt = Callable[[ModelSpec], int]
 
 
 def _zero(_: ModelSpec) -> int:
     return 0
+
+
+def _one(_: ModelSpec) -> int:
+    return 1
 
 
 def _dims(spec: ModelSpec) -> tuple[int, int, int]:
@@ -350,6 +357,14 @@ class ActivationProfile:
     gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
     norms: int = 2  # RMSNorms per layer (input + post-attention)
+    # hyper-connections (hy_v4): residual streams (a layer's input is streams × hidden), what
+    # a layer's stream mixing keeps per token, and the streams' collapse before the final norm
+    streams: SpecInt = _one
+    residual: SpecInt = _zero
+    head: SpecInt = _zero
+    # what the first layer does not keep when its input needs no gradient (LoRA without
+    # checkpointing: the embeddings are frozen); left out (0) where that is one norm's input
+    frozen_input: SpecInt = _zero
     notes: str = ""
 
     def term(self, kind: str) -> MixerTerm | None:
@@ -380,6 +395,24 @@ LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-n
         "sliding_attention": dataclasses.replace(SLIDING, per_token=sdpa_masked_qk_norm)
     },
 )
+# eager MLA with sinks + a no-grad DSA indexer, hyper-connections (terms_mla)
+HY_V4 = ActivationProfile(
+    mixers={
+        "mla": MixerTerm(
+            terms_mla.sink_mla_attention,
+            pairs=terms_mla.sink_mla_pairs,
+            pair_transient=1.6,
+            forward_pairs=indexer_scores,
+            no_grad=("indexer.",),
+            notes="hy_v4's eager attention with sinks keeps fp32 probabilities: s² per head",
+        )
+    },
+    gate_saved=12,  # gate and up clamped before the SwiGLU
+    streams=terms_mla.hyper_streams,
+    residual=terms_mla.hyper_layer,
+    head=terms_mla.hyper_head,
+    frozen_input=terms_mla.hyper_frozen_input,
+)
 
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
@@ -405,12 +438,11 @@ PROFILES: dict[str, ActivationProfile] = {
     "deepseek_v3": ActivationProfile(kind="mla"),
     "deepseek_v32": ActivationProfile(kind="mla", mixers={"mla": DSA}),
     "gemma4_text": ActivationProfile(mixers={"attention": None}, notes=GEMMA4_NOTE),
-    # MLA + a DSA indexer, but more than the DSA term sizes (tiny configs, seq 128, gc off:
-    # the layers keep 19 % / 57 % more): axk2's low-rank gated input norm and output gate,
-    # hy_v4's hyper-connections
+    # MLA + a DSA indexer, but more than the DSA term sizes (tiny config, seq 128, gc off:
+    # the layers keep 19 % more): axk2's low-rank gated input norm and output gate
     "axk2": ActivationProfile(mixers={"mla": None}),
-    "hy_v4": ActivationProfile(mixers={"mla": None}),
-    "hy_v4_vl_text": ActivationProfile(mixers={"mla": None}),
+    "hy_v4": HY_V4,
+    "hy_v4_vl_text": HY_V4,
     # JetMoe's attention is itself a mixture of experts (routed q/o projections per token):
     # the GQA term sizes 36 % less than the trace keeps (tiny config, seq 256, gc on)
     "jetmoe": ActivationProfile(mixers={"attention": None}),
