@@ -326,6 +326,8 @@ def _mlp_bytes(
         if experts_trained
         else (2 * k * h + (prof.gate_saved - 2) * k * inter)
     )
+    if prof.routed is not None:  # a family's own expert loop (longcat's identity experts)
+        routed = prof.routed(spec, experts_trained)
     router = 4 * spec.num_experts + 16 * k
     shared = _glu_bytes(h, spec.shared_intermediate_size, _weights_trained(adapters, "shared"))
     if prof.shared_gate and spec.shared_intermediate_size:
@@ -369,12 +371,15 @@ def _backward_extra(
         k, h, inter = spec.top_k, spec.hidden_size, spec.expert_intermediate_size
         candidates.append(((4 * k * h + 4 * k * inter) * t * act, 0))
         if wrapped and experts_trained:
-            down = _down_stack(wrapped) * _copy_bytes(step)
+            down = _down_stack(wrapped, spec) * _copy_bytes(step)
             candidates.append((2 * k * inter * t * act, down))
     return max(candidates, key=sum)
 
 
-def _down_stack(wrapped: tuple[Adapter, ...]) -> int:
+def _down_stack(wrapped: tuple[Adapter, ...], spec: ModelSpec) -> int:
+    loop = profile_for(spec.model_type).stack_grads  # an eager loop's full-size gradients
+    if loop:
+        return loop * _largest(wrapped)
     downs = [a.base_numel for a in wrapped if a.kind == "experts" and "down" in a.name]
     return max(downs) if downs else _largest(wrapped)
 

@@ -74,10 +74,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from moetune.model.spec import ModelSpec
 from moetune.plan import terms_mla
+from moetune.plan.terms_mla import dsa_pairs, indexer_scores, mla_attention, mla_pairs
 
 SpecInt = Callable[[ModelSpec], int]
 
@@ -112,40 +112,6 @@ def eager_repeat_kv(spec: ModelSpec) -> int:
     """Eager attention: q and k, v repeated to every head, in bf16."""
     q, _, _ = _dims(spec)
     return 2 * 3 * q
-
-
-def _mla(spec: ModelSpec) -> dict[str, Any]:
-    c = spec.hf_config
-    return {
-        "qk": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]),
-        "v": spec.num_attention_heads * c["v_head_dim"],
-        "kv_b": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
-        "norms": c.get("kv_lora_rank") or 0,
-        "q_norm": c.get("q_lora_rank") or 0,
-    }
-
-
-def _mla_math(spec: ModelSpec) -> bool:
-    """No fused CPU kernel takes a v head dim unlike q/k's: SDPA runs the math kernel."""
-    m = _mla(spec)
-    return bool(m["qk"] != m["v"])
-
-
-def mla_attention(spec: ModelSpec) -> int:
-    """MLA's kv_a / q_a RMSNorms plus its SDPA: the math kernel's fp32 q, k, v, or (equal
-    head dims) the fused kernel's bf16 q, k, out, fp32 log-sum-exp per head, and v – a view
-    that keeps kv_b_proj's whole output (k_nope and v) alive."""
-    m = _mla(spec)
-    norms = 4 * (m["norms"] + m["q_norm"])
-    if _mla_math(spec):
-        return norms + 4 * (2 * m["qk"] + m["v"])
-    rstd = 4 * (bool(m["norms"]) + bool(m["q_norm"]))
-    return norms + rstd + 2 * (2 * m["qk"] + m["kv_b"] + m["v"]) + 4 * spec.num_attention_heads
-
-
-def mla_pairs(spec: ModelSpec) -> int:
-    """The math kernel's fp32 probabilities, per query·key pair; the fused kernel: none."""
-    return 4 * spec.num_attention_heads if _mla_math(spec) else 0
 
 
 def sdpa_gated_qk_norm(spec: ModelSpec) -> int:
@@ -226,16 +192,6 @@ def sdpa_masked_qk_norm(spec: ModelSpec) -> int:
     """Masked SDPA after per-head q/k RMSNorms: + fp32 q and k (as `sdpa_fused_qk_norm`)."""
     q, kv, _ = _dims(spec)
     return sdpa_masked(spec) + 4 * (q + kv)
-
-
-def dsa_pairs(spec: ModelSpec) -> int:
-    """MLA's pairs plus DeepSeek sparse attention's top-k mask (bf16, one per layer)."""
-    return mla_pairs(spec) + 2
-
-
-def indexer_scores(spec: ModelSpec) -> int:
-    """The indexer's fp32 q·k scores per index head, and their scaled / relu'd copy."""
-    return 2 * 4 * spec.hf_config["index_n_heads"]
 
 
 def heads_pairs(bytes_per_head: int) -> SpecInt:
@@ -365,6 +321,13 @@ class ActivationProfile:
     # what the first layer does not keep when its input needs no gradient (LoRA without
     # checkpointing: the embeddings are frozen); left out (0) where that is one norm's input
     frozen_input: SpecInt = _zero
+    # the routed experts' bytes per token (experts trained?) where the family's expert loop
+    # keeps other than grouped_mm's (longcat_flash's identity experts); None: grouped_mm's
+    routed: Callable[[ModelSpec, bool], int] | None = None
+    # an eager expert loop's backward adds each slice's zero-filled full-size gradient to the
+    # stack's running sum: that many gradients of the largest stack at once; 0: grouped_mm's
+    # (the down stack's one)
+    stack_grads: int = 0
     notes: str = ""
 
     def term(self, kind: str) -> MixerTerm | None:
@@ -413,6 +376,18 @@ HY_V4 = ActivationProfile(
     head=terms_mla.hyper_head,
     frozen_input=terms_mla.hyper_frozen_input,
 )
+# two MLA sublayers and two dense MLPs per layer; zero (identity) experts (terms_mla)
+LONGCAT_FLASH = ActivationProfile(
+    mixers={
+        "mla": dataclasses.replace(
+            MLA, per_token=terms_mla.dual_mla, pairs=terms_mla.dual_mla_pairs, absent=()
+        )
+    },
+    norms=4,
+    frozen_input=terms_mla.first_norm,
+    routed=terms_mla.zero_expert_routed,
+    stack_grads=3,  # the running sum, one slice's full-size gradient, their sum
+)
 
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
@@ -443,6 +418,7 @@ PROFILES: dict[str, ActivationProfile] = {
     "axk2": ActivationProfile(mixers={"mla": None}),
     "hy_v4": HY_V4,
     "hy_v4_vl_text": HY_V4,
+    "longcat_flash": LONGCAT_FLASH,
     # JetMoe's attention is itself a mixture of experts (routed q/o projections per token):
     # the GQA term sizes 36 % less than the trace keeps (tiny config, seq 256, gc on)
     "jetmoe": ActivationProfile(mixers={"attention": None}),

@@ -1,4 +1,5 @@
-"""Saved-bytes terms of the MLA variants beyond DeepSeek's (hy_v4, longcat_flash).
+"""Saved-bytes terms of MLA attention: DeepSeek's MLA and DSA (documented in `plan.profiles`)
+and the variants beyond them (hy_v4, longcat_flash).
 
 Read, like `plan.profiles`' terms, off the fake-tensor trace's saved tensors
 (`torch.autograd.graph.saved_tensors_hooks`, per module) and checked against `trace_step`:
@@ -22,14 +23,76 @@ Read, like `plan.profiles`' terms, off the fake-tensor trace's saved tensors
   streams before the final norm keeps 6·N·H + 12·N + 4 once. Without checkpointing the first
   layer's input (the frozen embeddings, expanded) needs no gradient under LoRA: its attention
   connection and input norm keep nothing, its write-back only the post weights.
+- longcat_flash: each layer holds two MLA sublayers (a ModuleList; DeepSeek's MLA term each,
+  its q/kv LoRA scalings are Python floats and keep nothing), two dense SwiGLU MLPs (6·I each:
+  gate out, activation, up out) and four RMSNorms. Its MoE routes over the real experts and
+  `zero_expert_num` identity experts in one eager loop; routed evenly (as the trace routes),
+  a share n / (n + zero) of the k slots per token reaches a real expert and keeps its gathered
+  input, gate/up output, activation, down input and output and the weighted product
+  (6·H + 8·I with LoRA on the stacks), an identity slot its input and the weighted product
+  (4·H); each slot also its fp32 weight and int64 token and slot indices (20 B). transformers
+  sizes the gate/up stack for the identity experts too, and peft's W + ΔW of a stack is
+  sliced per expert in that loop: in backward each slice's gradient comes back zero-filled to
+  the stack's full size and is added to the running sum – three full-size gradients of the
+  largest stack at once (the peak op, aten.add), where grouped_mm makes the down stack's one.
 
-Fitted at hidden 64, four heads, N = 4 (the census' tiny config) at seq 128 and checked on
-held-out shapes (see tests/test_plan_mixers.py's CALIBRATED list).
+Fitted at hidden 64, four heads (the census' tiny configs; longcat_flash with 4 identity
+experts beside its 4 real ones) at seq 128 and checked on held-out shapes (hy_v4: N = 2,
+hidden 128, 8 heads; longcat_flash: hidden 128, 8 identity experts), see
+tests/test_plan_mixers.py's CALIBRATED list. At the census' own longcat_flash config (256
+identity experts beside 4 real ones: ~1 token per expert) the peaks stay within 1.3 % but the
+kept bytes come out 6 % low.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from moetune.model.spec import ModelSpec
+
+
+def _mla(spec: ModelSpec) -> dict[str, Any]:
+    c = spec.hf_config
+    return {
+        "qk": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]),
+        "v": spec.num_attention_heads * c["v_head_dim"],
+        "kv_b": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+        "norms": c.get("kv_lora_rank") or 0,
+        "q_norm": c.get("q_lora_rank") or 0,
+    }
+
+
+def _mla_math(spec: ModelSpec) -> bool:
+    """No fused CPU kernel takes a v head dim unlike q/k's: SDPA runs the math kernel."""
+    m = _mla(spec)
+    return bool(m["qk"] != m["v"])
+
+
+def mla_attention(spec: ModelSpec) -> int:
+    """MLA's kv_a / q_a RMSNorms plus its SDPA: the math kernel's fp32 q, k, v, or (equal
+    head dims) the fused kernel's bf16 q, k, out, fp32 log-sum-exp per head, and v – a view
+    that keeps kv_b_proj's whole output (k_nope and v) alive."""
+    m = _mla(spec)
+    norms = 4 * (m["norms"] + m["q_norm"])
+    if _mla_math(spec):
+        return norms + 4 * (2 * m["qk"] + m["v"])
+    rstd = 4 * (bool(m["norms"]) + bool(m["q_norm"]))
+    return norms + rstd + 2 * (2 * m["qk"] + m["kv_b"] + m["v"]) + 4 * spec.num_attention_heads
+
+
+def mla_pairs(spec: ModelSpec) -> int:
+    """The math kernel's fp32 probabilities, per query·key pair; the fused kernel: none."""
+    return 4 * spec.num_attention_heads if _mla_math(spec) else 0
+
+
+def dsa_pairs(spec: ModelSpec) -> int:
+    """MLA's pairs plus DeepSeek sparse attention's top-k mask (bf16, one per layer)."""
+    return mla_pairs(spec) + 2
+
+
+def indexer_scores(spec: ModelSpec) -> int:
+    """The indexer's fp32 q·k scores per index head, and their scaled / relu'd copy."""
+    return 2 * 4 * spec.hf_config["index_n_heads"]
 
 
 def _c(spec: ModelSpec, name: str) -> int:
@@ -74,3 +137,26 @@ def hyper_frozen_input(spec: ModelSpec) -> int:
     the input norm (4·H + 4) do not keep when the layer's input needs no gradient."""
     n, h = hyper_streams(spec), spec.hidden_size
     return (6 * n * h + 4 * h + 20 * n + 4) + 4 * h + 4
+
+
+def first_norm(spec: ModelSpec) -> int:
+    """The first layer's input norm keeps nothing when its input needs no gradient."""
+    return 4 * spec.hidden_size + 4
+
+
+def dual_mla(spec: ModelSpec) -> int:
+    """longcat_flash's two MLA sublayers and two dense MLPs per layer, per token."""
+    return 2 * mla_attention(spec) + 2 * 6 * _c(spec, "ffn_hidden_size")
+
+
+def dual_mla_pairs(spec: ModelSpec) -> int:
+    return 2 * mla_pairs(spec)
+
+
+def zero_expert_routed(spec: ModelSpec, trained: bool) -> int:
+    """longcat_flash's routed slots, real experts and identity ones, per token."""
+    h, inter, n = spec.hidden_size, _c(spec, "expert_ffn_hidden_size"), _c(spec, "n_routed_experts")
+    real = n / (n + _c(spec, "zero_expert_num"))
+    # without LoRA on the stacks a real slot keeps neither its input nor the down input
+    slot = 6 * h + 8 * inter - (0 if trained else 2 * h + 2 * inter)
+    return int(spec.top_k * (real * slot + (1 - real) * 4 * h + 20))
