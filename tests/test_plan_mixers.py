@@ -233,3 +233,17 @@ def test_a_class_that_refuses_checkpointing_is_planned_without_it() -> None:
         "train.gradient_checkpointing=true" in r.overrides for r in small.recommendations
     )  # never a change the class refuses
     assert not any("refuses" in n for n in off.notes)
+
+
+def test_an_mla_pair_in_a_module_list_is_named_and_identity_experts_keep_less() -> None:
+    """longcat_flash holds two MLA sublayers per layer in a ModuleList: once read as a
+    "modulelist" mixer (traced); an identity expert's slot keeps its input and the weighted
+    product (4·H), a real one's also the gate/up and down activations (6·H + 8·I)."""
+    from moetune.plan.terms_mla import zero_expert_routed
+
+    few, many = tiny("longcat_flash", zero_expert_num=4), tiny("longcat_flash")
+    assert layer_kinds(many) == ("mla",) * 4 and uncalibrated(many) == []
+    h, inter, k = 64, 32, 2
+    assert zero_expert_routed(few, True) == k * (0.5 * (6 * h + 8 * inter) + 0.5 * 4 * h + 20)
+    assert zero_expert_routed(many, True) < zero_expert_routed(few, True)
+    assert zero_expert_routed(few, False) < zero_expert_routed(few, True)
