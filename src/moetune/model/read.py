@@ -288,6 +288,8 @@ def _mixer_kind(layer: nn.Module, blocks: dict[str, str], experts: Experts) -> s
         if any(n in joined for n in needles):  # MLA by structure, whatever the class reads
             # as (kimi_linear's MLA class is KimiLinearAttention)
             return "mla" if "kv_a_proj_with_mqa" in module_names else kind
+    if "kv_a_proj_with_mqa" in module_names:  # MLA in a container (longcat_flash: a
+        return "mla"  # ModuleList of two per layer)
     return "attention" if "q_proj" in module_names else (names[0] if names else "none")
 
 

@@ -266,6 +266,8 @@ def _layer_cost(
     experts_trained = full or any(a.kind == "experts" for a in wrapped)
     mixing = 0 if grad_free else _mixer_bytes(spec, prof, mixer, adapters, i)
     per_token = mixing + _mlp_bytes(spec, prof, adapters, i, experts_trained)
+    if i == 0 and not (full or step.gradient_checkpointing):
+        per_token -= prof.frozen_input(spec)
     saved = per_token * step.tokens + mixer.pairs(spec) * step.pairs
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
@@ -277,11 +279,16 @@ def _layer_cost(
     return LayerCost(
         saved=saved,
         copies=copies,
-        checkpoint=2 * spec.hidden_size * step.tokens * step.act_bytes // 2,
+        checkpoint=2 * _width(spec, prof) * step.tokens * step.act_bytes // 2,
         backward_act=act_grad,
         backward_copy=copy_grad,
         grads=_layer_grads(spec, step, adapters, i),
     )
+
+
+def _width(spec: ModelSpec, prof: ActivationProfile) -> int:
+    """The residual's width: hidden, times the streams of hyper-connections."""
+    return prof.streams(spec) * spec.hidden_size
 
 
 def _is_attention(spec: ModelSpec, i: int) -> int:
@@ -307,7 +314,7 @@ def _mixer_bytes(
 ) -> int:
     """Norms, the token mixer's core, and every lora.Linear's kept inputs, per token."""
     h = spec.hidden_size
-    total = prof.norms * 4 * h + mixer.per_token(spec)
+    total = prof.norms * 4 * h + prof.residual(spec) + mixer.per_token(spec)
     if adapters is None:  # full: every weight needs its input and each norm its output
         if not _is_attention(spec, i):
             return total
@@ -335,6 +342,8 @@ def _mlp_bytes(
         if experts_trained
         else (2 * k * h + (prof.gate_saved - 2) * k * inter)
     )
+    if prof.routed is not None:  # a family's own expert loop (longcat's identity experts)
+        routed = prof.routed(spec, experts_trained)
     router = 4 * spec.num_experts + 16 * k
     shared = _glu_bytes(h, spec.shared_intermediate_size, _weights_trained(adapters, "shared"))
     if prof.shared_gate and spec.shared_intermediate_size:
@@ -378,12 +387,15 @@ def _backward_extra(
         k, h, inter = spec.top_k, spec.hidden_size, spec.expert_intermediate_size
         candidates.append(((4 * k * h + 4 * k * inter) * t * act, 0))
         if wrapped and experts_trained:
-            down = _down_stack(wrapped) * _copy_bytes(step)
+            down = _down_stack(wrapped, spec) * _copy_bytes(step)
             candidates.append((2 * k * inter * t * act, down))
     return max(candidates, key=sum)
 
 
-def _down_stack(wrapped: tuple[Adapter, ...]) -> int:
+def _down_stack(wrapped: tuple[Adapter, ...], spec: ModelSpec) -> int:
+    loop = profile_for(spec.model_type).stack_grads  # an eager loop's full-size gradients
+    if loop:
+        return loop * _largest(wrapped)
     downs = [a.base_numel for a in wrapped if a.kind == "experts" and "down" in a.name]
     return max(downs) if downs else _largest(wrapped)
 
@@ -426,14 +438,14 @@ def _loss_phase(
     spec: ModelSpec, step: Step, layers: list[LayerCost], base: dict[str, float]
 ) -> dict[str, float]:
     """The loss backward: every layer's keep-set, the logits, the final norm's fp32 input."""
-    t, h = step.tokens, spec.hidden_size
+    t, h, prof = step.tokens, spec.hidden_size, profile_for(spec.model_type)
     if step.gradient_checkpointing:
         kept, copies = sum(c.checkpoint for c in layers), 0
     else:
         kept, copies = sum(c.saved for c in layers), sum(c.copies for c in layers)
     return _with(
         base,
-        activations=kept + 4 * h * t + _masks(spec, step),
+        activations=kept + (4 * h + prof.head(spec)) * t + _masks(spec, step),
         expert_weight_copies=copies,
         logits=logit_bytes(spec, step),
     )
@@ -467,8 +479,10 @@ def _backward_phases(
     kept = [c.checkpoint if gc else c.saved for c in layers]
     copies = [0 if gc else c.copies for c in layers]
     grads = [c.grads for c in layers]
-    fixed = (6 if gc else 2) * spec.hidden_size * step.tokens * step.act_bytes // 2
-    fixed += _masks(spec, step)  # the gradient between layers, the final norm, masks
+    # the gradient between layers (the residual's width), the final norm, masks
+    width = _width(spec, profile_for(spec.model_type))
+    fixed = (4 * gc * spec.hidden_size + 2 * width) * step.tokens * step.act_bytes // 2
+    fixed += _masks(spec, step)
     phases = {}
     for j, c in enumerate(layers):
         phases[f"backward (layer {j})"] = _with(

@@ -54,6 +54,8 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   are repeated to every head and the bf16 mask (2 B per pair) is kept per layer.
 - lara_mini: Qwen3.5's gated DeltaNet (the term above) beside per-head qk-norm attention; its
   `sliding_attention` layers take the masked SDPA term (a term by layer type).
+- hy_v4's eager MLA with sinks and its hyper-connections (a residual of several streams,
+  sized on the profile: `streams`, `residual`, `head`): see `plan.terms_mla`.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -70,9 +72,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from moetune.model.spec import ModelSpec
+from moetune.plan import terms_mla
+from moetune.plan.terms_mla import dsa_pairs, indexer_scores, mla_attention, mla_pairs
 from moetune.plan.terms_ssm import (
     MAMBA1_FIELDS,
     MAMBA2_FIELDS,
@@ -87,6 +90,10 @@ SpecInt = Callable[[ModelSpec], int]
 
 def _zero(_: ModelSpec) -> int:
     return 0
+
+
+def _one(_: ModelSpec) -> int:
+    return 1
 
 
 def _dims(spec: ModelSpec) -> tuple[int, int, int]:
@@ -111,40 +118,6 @@ def eager_repeat_kv(spec: ModelSpec) -> int:
     """Eager attention: q and k, v repeated to every head, in bf16."""
     q, _, _ = _dims(spec)
     return 2 * 3 * q
-
-
-def _mla(spec: ModelSpec) -> dict[str, Any]:
-    c = spec.hf_config
-    return {
-        "qk": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]),
-        "v": spec.num_attention_heads * c["v_head_dim"],
-        "kv_b": spec.num_attention_heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
-        "norms": c.get("kv_lora_rank") or 0,
-        "q_norm": c.get("q_lora_rank") or 0,
-    }
-
-
-def _mla_math(spec: ModelSpec) -> bool:
-    """No fused CPU kernel takes a v head dim unlike q/k's: SDPA runs the math kernel."""
-    m = _mla(spec)
-    return bool(m["qk"] != m["v"])
-
-
-def mla_attention(spec: ModelSpec) -> int:
-    """MLA's kv_a / q_a RMSNorms plus its SDPA: the math kernel's fp32 q, k, v, or (equal
-    head dims) the fused kernel's bf16 q, k, out, fp32 log-sum-exp per head, and v – a view
-    that keeps kv_b_proj's whole output (k_nope and v) alive."""
-    m = _mla(spec)
-    norms = 4 * (m["norms"] + m["q_norm"])
-    if _mla_math(spec):
-        return norms + 4 * (2 * m["qk"] + m["v"])
-    rstd = 4 * (bool(m["norms"]) + bool(m["q_norm"]))
-    return norms + rstd + 2 * (2 * m["qk"] + m["kv_b"] + m["v"]) + 4 * spec.num_attention_heads
-
-
-def mla_pairs(spec: ModelSpec) -> int:
-    """The math kernel's fp32 probabilities, per query·key pair; the fused kernel: none."""
-    return 4 * spec.num_attention_heads if _mla_math(spec) else 0
 
 
 def sdpa_gated_qk_norm(spec: ModelSpec) -> int:
@@ -217,16 +190,6 @@ def sdpa_masked_qk_norm(spec: ModelSpec) -> int:
     """Masked SDPA after per-head q/k RMSNorms: + fp32 q and k (as `sdpa_fused_qk_norm`)."""
     q, kv, _ = _dims(spec)
     return sdpa_masked(spec) + 4 * (q + kv)
-
-
-def dsa_pairs(spec: ModelSpec) -> int:
-    """MLA's pairs plus DeepSeek sparse attention's top-k mask (bf16, one per layer)."""
-    return mla_pairs(spec) + 2
-
-
-def indexer_scores(spec: ModelSpec) -> int:
-    """The indexer's fp32 q·k scores per index head, and their scaled / relu'd copy."""
-    return 2 * 4 * spec.hf_config["index_n_heads"]
 
 
 def heads_pairs(bytes_per_head: int) -> SpecInt:
@@ -357,6 +320,21 @@ class ActivationProfile:
     gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
     norms: int = 2  # RMSNorms per layer (input + post-attention)
+    # hyper-connections (hy_v4): residual streams (a layer's input is streams × hidden), what
+    # a layer's stream mixing keeps per token, and the streams' collapse before the final norm
+    streams: SpecInt = _one
+    residual: SpecInt = _zero
+    head: SpecInt = _zero
+    # what the first layer does not keep when its input needs no gradient (LoRA without
+    # checkpointing: the embeddings are frozen); left out (0) where that is one norm's input
+    frozen_input: SpecInt = _zero
+    # the routed experts' bytes per token (experts trained?) where the family's expert loop
+    # keeps other than grouped_mm's (longcat_flash's identity experts); None: grouped_mm's
+    routed: Callable[[ModelSpec, bool], int] | None = None
+    # an eager expert loop's backward adds each slice's zero-filled full-size gradient to the
+    # stack's running sum: that many gradients of the largest stack at once; 0: grouped_mm's
+    # (the down stack's one)
+    stack_grads: int = 0
     notes: str = ""
 
     def term(self, kind: str) -> MixerTerm | None:
@@ -386,6 +364,36 @@ LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-n
     by_layer_type={
         "sliding_attention": dataclasses.replace(SLIDING, per_token=sdpa_masked_qk_norm)
     },
+)
+# eager MLA with sinks + a no-grad DSA indexer, hyper-connections (terms_mla)
+HY_V4 = ActivationProfile(
+    mixers={
+        "mla": MixerTerm(
+            terms_mla.sink_mla_attention,
+            pairs=terms_mla.sink_mla_pairs,
+            pair_transient=1.6,
+            forward_pairs=indexer_scores,
+            no_grad=("indexer.",),
+            notes="hy_v4's eager attention with sinks keeps fp32 probabilities: s² per head",
+        )
+    },
+    gate_saved=12,  # gate and up clamped before the SwiGLU
+    streams=terms_mla.hyper_streams,
+    residual=terms_mla.hyper_layer,
+    head=terms_mla.hyper_head,
+    frozen_input=terms_mla.hyper_frozen_input,
+)
+# two MLA sublayers and two dense MLPs per layer; zero (identity) experts (terms_mla)
+LONGCAT_FLASH = ActivationProfile(
+    mixers={
+        "mla": dataclasses.replace(
+            MLA, per_token=terms_mla.dual_mla, pairs=terms_mla.dual_mla_pairs, absent=()
+        )
+    },
+    norms=4,
+    frozen_input=terms_mla.first_norm,
+    routed=terms_mla.zero_expert_routed,
+    stack_grads=3,  # the running sum, one slice's full-size gradient, their sum
 )
 
 GATE_SAVED_RELU2 = 4  # × k·I: relu² experts (no gate): the up output and the down input
@@ -424,12 +432,12 @@ PROFILES: dict[str, ActivationProfile] = {
     "deepseek_v3": ActivationProfile(kind="mla"),
     "deepseek_v32": ActivationProfile(kind="mla", mixers={"mla": DSA}),
     "gemma4_text": ActivationProfile(mixers={"attention": None}, notes=GEMMA4_NOTE),
-    # MLA + a DSA indexer, but more than the DSA term sizes (tiny configs, seq 128, gc off:
-    # the layers keep 19 % / 57 % more): axk2's low-rank gated input norm and output gate,
-    # hy_v4's hyper-connections
+    # MLA + a DSA indexer, but more than the DSA term sizes (tiny config, seq 128, gc off:
+    # the layers keep 19 % more): axk2's low-rank gated input norm and output gate
     "axk2": ActivationProfile(mixers={"mla": None}),
-    "hy_v4": ActivationProfile(mixers={"mla": None}),
-    "hy_v4_vl_text": ActivationProfile(mixers={"mla": None}),
+    "hy_v4": HY_V4,
+    "hy_v4_vl_text": HY_V4,
+    "longcat_flash": LONGCAT_FLASH,
     # JetMoe's attention is itself a mixture of experts (routed q/o projections per token):
     # the GQA term sizes 36 % less than the trace keeps (tiny config, seq 256, gc on)
     "jetmoe": ActivationProfile(mixers={"attention": None}),
