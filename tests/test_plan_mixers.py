@@ -17,6 +17,13 @@ from moetune.plan.fit import analytic
 from moetune.plan.profiles import layer_kinds, uncalibrated
 from moetune.plan.tracecache import cached_trace
 
+# Gemma-4-26B-A4B's layout at tiny width: full-attention layers with k = v and one key/value
+# head of twice the sliding layers' head dim, no per-layer inputs
+GEMMA4_26B_LAYOUT = {
+    "hidden_size_per_layer_input": 0,
+    "attention_k_eq_v": True,
+    "per_layer_config": {3: {"head_dim": 32, "num_key_value_heads": 1}},
+}
 # (model_type, the mixer kind its layers calibrate); analytic vs trace: the bytes the layers
 # keep for backward (gc off − gc on) within 5 %, the peak within 2 %
 CALIBRATED = [
@@ -38,7 +45,13 @@ CALIBRATED = [
     ("kimi_linear", "linear_attention", {}),  # KDA's torch chunked kernel, beside MLA
     ("minimax", "linear_attention", {}),  # lightning attention beside windowed SDPA
     ("lara_mini", "linear_attention", {}),  # gated DeltaNet; sliding layers: masked SDPA
-]
+    # per layer type: masked SDPA on sliding windows, causal on full attention (own head dim)
+    ("gemma4_text", "attention", {}),  # the census shape: per-layer inputs of width 256
+    ("gemma4_text", "attention", GEMMA4_26B_LAYOUT),  # k = v, 2 kv heads of twice the dim
+    # held out of the fit: 8 heads, a 64-token window, no per-layer inputs
+    ("gemma4_text", "attention", {**GEMMA4_26B_LAYOUT, "num_attention_heads": 8,
+                                  "sliding_window": 64}),
+]  # fmt: skip
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 
 
@@ -212,3 +225,27 @@ def test_a_class_that_refuses_checkpointing_is_planned_without_it() -> None:
         "train.gradient_checkpointing=true" in r.overrides for r in small.recommendations
     )  # never a change the class refuses
     assert not any("refuses" in n for n in off.notes)
+
+
+def test_gemma4_plans_by_layer_type_through_its_text_model() -> None:
+    """Gemma 4's sliding and full-attention layers get a term each (the released layout's
+    full layers: k = v, 2 kv heads of 512, repeated to every head by SDPA); the multimodal
+    checkpoint plans its text model with the same terms; shared k/v layers stay traced."""
+    from moetune.model import load_spec
+    from moetune.plan.profiles import layer_terms
+
+    released = load_spec("google/gemma-4-26B-A4B-it")
+    assert uncalibrated(released) == []
+    sliding, full = layer_terms(released)[0], layer_terms(released)[5]
+    # q/k/v norms + masked SDPA: 16 heads × 256 (k, v repeated from 8) + the window's mask
+    assert (sliding.per_token(released), sliding.pairs(released)) == (65_856, 2)
+    # full: 16 q heads + 2 kv heads × 512, k and v repeated to 16 heads (dim > 256), no mask
+    assert (full.per_token(released), full.pairs(released)) == (106_720, 0)
+    text, multimodal = tiny("gemma4_text"), spec_from_config(shrunk_config("gemma4"), "gemma4")
+    assert multimodal.model_type == "gemma4_text" and uncalibrated(multimodal) == []
+    assert layer_terms(multimodal) == layer_terms(text)
+    plan = make_plan(multimodal, cfg(64, True), cards=["H200"], estimator="analytic")
+    assert plan.estimator == "analytic"
+    types = ["sliding_attention", "full_attention"] * 2
+    shared = tiny("gemma4_text", layer_types=types, num_kv_shared_layers=2)
+    assert uncalibrated(shared) == ["attention"]

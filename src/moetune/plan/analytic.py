@@ -323,7 +323,8 @@ def _mlp_bytes(
     shared = _glu_bytes(h, spec.shared_intermediate_size, _weights_trained(adapters, "shared"))
     if prof.shared_gate and spec.shared_intermediate_size:
         shared += 2 * h
-    return routed + router + shared
+    beside = _glu_bytes(h, prof.mlp_beside_experts(spec), _weights_trained(adapters, "dense"))
+    return routed + router + shared + beside
 
 
 def _weights_trained(adapters: tuple[Adapter, ...] | None, kind: str) -> bool:
@@ -403,7 +404,10 @@ def _with(base: dict[str, float], **parts: float) -> dict[str, float]:
 
 
 def _masks(spec: ModelSpec, step: Step) -> int:
-    return profile_for(spec.model_type).masks(spec) * 2 * step.pairs
+    """s×s masks and per-token tensors alive for the whole step (gemma4's per-layer inputs)."""
+    prof = profile_for(spec.model_type)
+    resident = prof.resident(spec) + (prof.checkpointed(spec) if step.gradient_checkpointing else 0)
+    return prof.masks(spec) * 2 * step.pairs + resident * step.tokens
 
 
 def _loss_phase(

@@ -56,6 +56,9 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   are repeated to every head and the bf16 mask (2 B per pair) is kept per layer.
 - lara_mini: Qwen3.5's gated DeltaNet (the term above) beside per-head qk-norm attention; its
   `sliding_attention` layers take the masked SDPA term (a term by layer type).
+- gemma4_text: per-head q/k/v norms, masked SDPA on sliding-window layers and causal SDPA
+  on full-attention layers with their own head dim, a term by layer type each; see
+  `plan.terms_gemma4` for how they were read off the trace.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -75,6 +78,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.model.spec import ModelSpec
+from moetune.plan.terms_gemma4 import (
+    gemma4_dense_mlp,
+    gemma4_full,
+    gemma4_sliding,
+    per_layer_inputs,
+    per_layer_inputs_norm,
+)
 
 SpecInt = Callable[[ModelSpec], int]
 
@@ -347,9 +357,13 @@ class ActivationProfile:
     # terms by the config's layer type, over the kind's (lara_mini's sliding-window layers)
     by_layer_type: dict[str, MixerTerm] = field(default_factory=dict)
     masks: SpecInt = _zero  # s×s bf16 masks alive for the whole step
+    resident: SpecInt = _zero  # bytes per token alive for the whole step, outside the layers
+    checkpointed: SpecInt = _zero  # … only with checkpointing (the embeddings require grad)
     gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
     norms: int = 2  # RMSNorms per layer (input + post-attention)
+    # intermediate size of a dense MLP that runs beside the routed experts (gemma4)
+    mlp_beside_experts: SpecInt = _zero
     notes: str = ""
 
     def term(self, kind: str) -> MixerTerm | None:
@@ -368,9 +382,19 @@ SINKS = MixerTerm(
     pair_transient=1.6,
     notes="attention sinks need eager attention: probabilities are s² per head",
 )
-GEMMA4_NOTE = (
-    "gemma4's sliding-window layers keep an s×s mask each, and a dense MLP runs beside the "
-    "experts: no calibrated analytic term yet"
+GEMMA4 = ActivationProfile(  # its layers by type: see plan.terms_gemma4
+    mixers={"attention": None},  # a layer type other than these two: not calibrated
+    by_layer_type={
+        "sliding_attention": MixerTerm(
+            gemma4_sliding, pairs=lambda _: 2, absent=("num_kv_shared_layers",)
+        ),  # + the window's bf16 mask
+        "full_attention": MixerTerm(gemma4_full, absent=("num_kv_shared_layers",)),
+    },
+    norms=8,  # 4 around the mixer and MLP, 3 on the dense / expert branches, the router's
+    mlp_beside_experts=gemma4_dense_mlp,
+    resident=per_layer_inputs,
+    checkpointed=per_layer_inputs_norm,
+    notes="gemma4's layers are sized as SDPA runs them (k, v repeated where masked)",
 )
 
 LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-norm attention
@@ -404,7 +428,7 @@ PROFILES: dict[str, ActivationProfile] = {
     "deepseek_v2": ActivationProfile(kind="mla"),
     "deepseek_v3": ActivationProfile(kind="mla"),
     "deepseek_v32": ActivationProfile(kind="mla", mixers={"mla": DSA}),
-    "gemma4_text": ActivationProfile(mixers={"attention": None}, notes=GEMMA4_NOTE),
+    "gemma4_text": GEMMA4,
     # MLA + a DSA indexer, but more than the DSA term sizes (tiny configs, seq 128, gc off:
     # the layers keep 19 % / 57 % more): axk2's low-rank gated input norm and output gate,
     # hy_v4's hyper-connections
@@ -437,9 +461,18 @@ def layer_terms(spec: ModelSpec) -> tuple[MixerTerm | None, ...]:
     kinds = layer_kinds(spec)
     types += [""] * (len(kinds) - len(types))
     return tuple(
-        prof.by_layer_type.get(t) or _term(prof, k, spec) if k else NO_MIXER
+        _typed(prof.by_layer_type[t], spec)
+        if k and t in prof.by_layer_type
+        else _term(prof, k, spec)
+        if k
+        else NO_MIXER
         for k, t in zip(kinds, types, strict=False)
     )
+
+
+def _typed(term: MixerTerm, spec: ModelSpec) -> MixerTerm | None:
+    """A layer type's own term where it fits `spec` (gemma4 with shared k/v: none)."""
+    return term if term.fits(spec) else None
 
 
 def _term(prof: ActivationProfile, kind: str, spec: ModelSpec) -> MixerTerm | None:
