@@ -249,3 +249,21 @@ def test_gemma4_plans_by_layer_type_through_its_text_model() -> None:
     types = ["sliding_attention", "full_attention"] * 2
     shared = tiny("gemma4_text", layer_types=types, num_kv_shared_layers=2)
     assert uncalibrated(shared) == ["attention"]
+
+
+@pytest.mark.slow
+def test_gemma4_at_the_released_heads_and_a_long_sequence() -> None:
+    """Gemma-4-26B-A4B's heads (16 × 256 on windows of 1024; full layers k = v, 2 kv heads ×
+    512, repeated by SDPA) at tiny width, seq 1024: the q norm's fp32 backward on the full
+    layer is the checkpointed peak (`q_norm_backward`, fitted at seq 2048)."""
+    layout = {
+        "hidden_size_per_layer_input": 0, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 256, "sliding_window": 1024, "attention_k_eq_v": True,
+        "num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "per_layer_config": {5: {"head_dim": 512, "num_key_value_heads": 2}},
+    }  # fmt: skip
+    spec = tiny("gemma4_text", **layout)
+    for gc in (True, False):
+        run = cfg(1024, gc)
+        est, traced = analytic(spec, run).peak_bytes, cached_trace(spec, run).peak_bytes
+        assert est == pytest.approx(traced, rel=PEAK_TOLERANCE)

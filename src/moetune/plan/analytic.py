@@ -247,13 +247,12 @@ def _layer_cost(
     full = adapters is None
     wrapped = () if full else tuple(a for a in adapters if a.via == "param")  # type: ignore[union-attr]
     experts_trained = full or any(a.kind == "experts" for a in wrapped)
-    per_token = _mixer_bytes(spec, prof, mixer, adapters, i) + _mlp_bytes(
-        spec, prof, adapters, i, experts_trained
-    )
+    mlp = _mlp_bytes(spec, prof, adapters, i, experts_trained)
+    per_token = _mixer_bytes(spec, prof, mixer, adapters, i) + mlp
     saved = per_token * step.tokens + mixer.pairs(spec) * step.pairs
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
-    act_grad, copy_grad = _backward_extra(spec, step, wrapped, (i, mixer), experts_trained)
+    act_grad, copy_grad = _backward_extra(spec, step, wrapped, (i, mixer, mlp), experts_trained)
     if step.split_lora:  # split LoRA never forms W+ΔW nor a full-size weight gradient;
         # its grouped matmuls keep activation-dtype copies of the factors for backward
         copies = sum(_factor_cast(a) for a in wrapped) * _copy_bytes(step)
@@ -343,19 +342,22 @@ def _backward_extra(
     spec: ModelSpec,
     step: Step,
     wrapped: tuple[Adapter, ...],
-    layer: tuple[int, MixerTerm],
+    layer: tuple[int, MixerTerm, int],
     experts_trained: bool,
 ) -> tuple[int, int]:
     """(activation-gradient bytes, weight-gradient bytes) on top of the layer's saved set.
 
-    The largest of: the routed tokens' gradients (4·k·H + 4·k·I per token); with LoRA on
+    The largest of: a late mixer backward's transients (net of the MLP's freed saved set);
+    the routed tokens' gradients (4·k·H + 4·k·I per token); with LoRA on
     the stacks, the down stack's full-size weight gradient next to its input gradient
     (2·k·I per token); for T² attention kernels, the extra probability-sized tensors.
     """
-    (i, mixer), t, act = layer, step.tokens, step.act_bytes // 2
+    (i, mixer, mlp), t, act = layer, step.tokens, step.act_bytes // 2
     attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
     candidates = [(int(attention), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
     candidates.append((mixer.backward(spec) * t * act, 0))
+    # the mixer's own backward runs after the MLP's: the MLP's saved set is freed by then
+    candidates.append(((mixer.late_backward(spec) - mlp) * t * act, 0))
     if i not in spec.moe_layers:
         inter = spec.dense_intermediate_size
         candidates.append((4 * inter * t * act, _largest(wrapped) * _copy_bytes(step)))

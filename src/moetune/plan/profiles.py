@@ -56,9 +56,8 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   are repeated to every head and the bf16 mask (2 B per pair) is kept per layer.
 - lara_mini: Qwen3.5's gated DeltaNet (the term above) beside per-head qk-norm attention; its
   `sliding_attention` layers take the masked SDPA term (a term by layer type).
-- gemma4_text: per-head q/k/v norms, masked SDPA on sliding-window layers and causal SDPA
-  on full-attention layers with their own head dim, a term by layer type each; see
-  `plan.terms_gemma4` for how they were read off the trace.
+- gemma4_text: a term by layer type (masked SDPA on sliding windows, causal on full attention
+  with its own head dim), read off the trace as `plan.terms_gemma4` says.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -78,13 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.model.spec import ModelSpec
-from moetune.plan.terms_gemma4 import (
-    gemma4_dense_mlp,
-    gemma4_full,
-    gemma4_sliding,
-    per_layer_inputs,
-    per_layer_inputs_norm,
-)
+from moetune.plan import terms_gemma4 as g4
 
 SpecInt = Callable[[ModelSpec], int]
 
@@ -265,6 +258,9 @@ class MixerTerm:
     forward_pairs: SpecInt = _zero
     # per token, alive only while the mixer runs backward, beyond its saved set
     backward: SpecInt = _zero
+    # per token, alive while the mixer's own backward runs, net of its saved set freed by then
+    # (the MLP's is subtracted by the analytic): gemma4's fp32 q-norm backward
+    late_backward: SpecInt = _zero
     no_grad: tuple[str, ...] = ()  # submodules run under torch.no_grad: adapters there keep nothing
     notes: str = ""
     fields: tuple[str, ...] = ()  # config fields the term reads (a spec without them: no term)
@@ -382,18 +378,24 @@ SINKS = MixerTerm(
     pair_transient=1.6,
     notes="attention sinks need eager attention: probabilities are s² per head",
 )
+_SHARED_KV = ("num_kv_shared_layers",)  # layers reusing another's k/v: not sized
 GEMMA4 = ActivationProfile(  # its layers by type: see plan.terms_gemma4
     mixers={"attention": None},  # a layer type other than these two: not calibrated
-    by_layer_type={
+    by_layer_type={  # sliding windows keep a bf16 mask per layer (2 B per pair)
         "sliding_attention": MixerTerm(
-            gemma4_sliding, pairs=lambda _: 2, absent=("num_kv_shared_layers",)
-        ),  # + the window's bf16 mask
-        "full_attention": MixerTerm(gemma4_full, absent=("num_kv_shared_layers",)),
+            g4.gemma4_sliding,
+            pairs=lambda _: 2,
+            absent=_SHARED_KV,
+            late_backward=g4.q_norm_backward(full=False),
+        ),
+        "full_attention": MixerTerm(
+            g4.gemma4_full, absent=_SHARED_KV, late_backward=g4.q_norm_backward(full=True)
+        ),
     },
     norms=8,  # 4 around the mixer and MLP, 3 on the dense / expert branches, the router's
-    mlp_beside_experts=gemma4_dense_mlp,
-    resident=per_layer_inputs,
-    checkpointed=per_layer_inputs_norm,
+    mlp_beside_experts=g4.gemma4_dense_mlp,
+    resident=g4.per_layer_inputs,
+    checkpointed=g4.per_layer_inputs_norm,
     notes="gemma4's layers are sized as SDPA runs them (k, v repeated where masked)",
 )
 
@@ -460,19 +462,16 @@ def layer_terms(spec: ModelSpec) -> tuple[MixerTerm | None, ...]:
     types = list(spec.hf_config.get("layer_types") or [])
     kinds = layer_kinds(spec)
     types += [""] * (len(kinds) - len(types))
-    return tuple(
-        _typed(prof.by_layer_type[t], spec)
-        if k and t in prof.by_layer_type
-        else _term(prof, k, spec)
-        if k
-        else NO_MIXER
-        for k, t in zip(kinds, types, strict=False)
-    )
+    return tuple(_layer_term(prof, k, t, spec) for k, t in zip(kinds, types, strict=False))
 
 
-def _typed(term: MixerTerm, spec: ModelSpec) -> MixerTerm | None:
-    """A layer type's own term where it fits `spec` (gemma4 with shared k/v: none)."""
-    return term if term.fits(spec) else None
+def _layer_term(prof: ActivationProfile, kind: str, typ: str, spec: ModelSpec) -> MixerTerm | None:
+    """The layer type's own term where the profile has one (None where it does not fit `spec`:
+    gemma4 with shared k/v), else the kind's."""
+    typed = prof.by_layer_type.get(typ) if kind else None
+    if typed is not None:
+        return typed if typed.fits(spec) else None
+    return _term(prof, kind, spec)
 
 
 def _term(prof: ActivationProfile, kind: str, spec: ModelSpec) -> MixerTerm | None:

@@ -27,6 +27,14 @@ post-attention, pre/post feed-forward, the post norms of the dense and expert br
 the experts' pre-norm, the router's) and the dense MLP that runs beside the experts. Layers
 that reuse another layer's k/v (`num_kv_shared_layers`) are not sized (they stay traced).
 
+At the released heads (query width 16 × 512 = 8192 on full layers) but tiny width, the
+checkpointed step peaks in the full layer's backward, inside q's norm: five query-width fp32
+tensors (the pow / mean / mul gradients) beside the k / v norms' fp32 gradients, after the
+MLP's and SDPA's saved sets and o_proj's adapter input are freed (`q_norm_backward`, a
+`MixerTerm.late_backward`). Read off the live tensors at the trace's peak and fitted at seq
+2048 (16 and 8 heads, k = v) and at 8 kv heads × 512 without k = v (16 B per kv element
+where v is k, 8 without); at real widths the experts' backward stays larger.
+
 Checked against `trace_step` (seq 128, gc off − gc on, and both peaks) on the census shape
 (4 × 16 heads, window 32, per-layer inputs 256), at seq 256, with per-layer inputs of 64 and
 none, with the released full-layer layout (k = v, one kv head of twice the dim), and held
@@ -34,6 +42,8 @@ out at 8 heads with a 64-token window: kept within 1.3 %, peaks within 1.1 %, al
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from moetune.model.spec import ModelSpec
 
@@ -81,6 +91,31 @@ def per_layer_input(spec: ModelSpec) -> int:
     input, bf16) and the fp32 input of the norm after its projection."""
     width = spec.hf_config.get("hidden_size_per_layer_input") or 0
     return 2 * width + 4 * spec.hidden_size + 8 if width else 0
+
+
+Q_NORM_BACKWARD = 20  # fp32 bytes per query element while q's norm runs backward (5 tensors)
+O_PROJ_INPUT = 4  # o_proj's adapter keeps its (query-width) input in fp32: freed by then
+KV_BACKWARD = 8  # fp32 bytes per key/value element alive then (k / v norm gradients; fitted)
+FREED_NORMS = 7  # of the layer's 8 full-width norms, those after the mixer (freed by then)
+
+
+def q_norm_backward(full: bool) -> Callable[[ModelSpec], int]:
+    """The q norm's fp32 backward (the pow / mean / mul gradients: five query-width fp32
+    tensors) and the k / v norms' fp32 gradients (twice where v is k), net of what is freed
+    by then: SDPA's saved set, o_proj's adapter input and the norms after the mixer. Only a
+    layer whose query width dwarfs its hidden size peaks here (tiny widths at the released
+    heads); at real widths the experts' backward is larger."""
+
+    def late(spec: ModelSpec) -> int:
+        d, kv = full_layer_dims(spec) if full else (spec.head_dim, spec.num_kv_heads)
+        repeated = d > GQA_MAX_HEAD_DIM if full else True
+        query = spec.num_attention_heads * d
+        freed = sdpa_bytes(spec, d, kv, repeated) + FREED_NORMS * 4 * spec.hidden_size
+        k_eq_v = full and bool(spec.hf_config.get("attention_k_eq_v"))
+        kv_bytes = KV_BACKWARD * (1 + k_eq_v) * kv * d  # k = v: both norms' gradients on k
+        return (Q_NORM_BACKWARD - O_PROJ_INPUT) * query + kv_bytes - freed
+
+    return late
 
 
 def _per_layer_width(spec: ModelSpec) -> int:
