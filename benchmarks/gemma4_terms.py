@@ -48,7 +48,9 @@ SHAPES: dict[str, tuple[int, dict[str, Any]]] = {
     "full layer k = v, 1 kv head × 32 (fit)": (128, TINY_26B),
     "8 heads, window 64 (held out)": (128, {**TINY_26B, "num_attention_heads": 8,
                                            "sliding_window": 64}),
-    "26B-A4B heads, seq 2048 (held out)": (2048, RELEASED),
+    "26B-A4B heads, seq 2048 (fit: q-norm backward)": (2048, RELEASED),
+    "26B-A4B layout, 8 heads, seq 2048 (fit)": (2048, {**RELEASED, "num_attention_heads": 8}),
+    "26B-A4B heads, seq 1024 (held out)": (1024, RELEASED),
 }  # fmt: skip
 
 
