@@ -323,7 +323,7 @@ def _mlp_bytes(
     if prof.shared_gate and spec.shared_intermediate_size:
         shared += 2 * h
     beside = _glu_bytes(h, prof.mlp_beside_experts(spec), _weights_trained(adapters, "dense"))
-    return routed + router + shared + beside
+    return routed + router + shared + beside + prof.moe_layer_extra(spec)
 
 
 def _weights_trained(adapters: tuple[Adapter, ...] | None, kind: str) -> bool:

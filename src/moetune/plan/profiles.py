@@ -56,6 +56,7 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   are repeated to every head and the bf16 mask (2 B per pair) is kept per layer.
 - lara_mini: Qwen3.5's gated DeltaNet (the term above) beside per-head qk-norm attention; its
   `sliding_attention` layers take the masked SDPA term (a term by layer type).
+- axk2: the DSA term plus an output gate and low-rank gated RMSNorms (`plan.terms_axk2`).
 - gemma4_text: a term by layer type (masked SDPA on sliding windows, causal on full attention
   with its own head dim), read off the trace as `plan.terms_gemma4` says.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
@@ -77,6 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.model.spec import ModelSpec
+from moetune.plan import terms_axk2 as axk2
 from moetune.plan import terms_gemma4 as g4
 
 SpecInt = Callable[[ModelSpec], int]
@@ -360,6 +362,7 @@ class ActivationProfile:
     norms: int = 2  # RMSNorms per layer (input + post-attention)
     # intermediate size of a dense MLP that runs beside the routed experts (gemma4)
     mlp_beside_experts: SpecInt = _zero
+    moe_layer_extra: SpecInt = _zero  # per token in MoE layers only (axk2's gated norm)
     notes: str = ""
 
     def term(self, kind: str) -> MixerTerm | None:
@@ -382,22 +385,23 @@ _SHARED_KV = ("num_kv_shared_layers",)  # layers reusing another's k/v: not size
 GEMMA4 = ActivationProfile(  # its layers by type: see plan.terms_gemma4
     mixers={"attention": None},  # a layer type other than these two: not calibrated
     by_layer_type={  # sliding windows keep a bf16 mask per layer (2 B per pair)
-        "sliding_attention": MixerTerm(
-            g4.gemma4_sliding,
-            pairs=lambda _: 2,
-            absent=_SHARED_KV,
-            late_backward=g4.q_norm_backward(full=False),
-        ),
-        "full_attention": MixerTerm(
-            g4.gemma4_full, absent=_SHARED_KV, late_backward=g4.q_norm_backward(full=True)
-        ),
-    },
+        "sliding_attention": MixerTerm(g4.gemma4_sliding, pairs=lambda _: 2, absent=_SHARED_KV,
+                                       late_backward=g4.q_norm_backward(full=False)),
+        "full_attention": MixerTerm(g4.gemma4_full, absent=_SHARED_KV,
+                                    late_backward=g4.q_norm_backward(full=True))},
     norms=8,  # 4 around the mixer and MLP, 3 on the dense / expert branches, the router's
     mlp_beside_experts=g4.gemma4_dense_mlp,
     resident=g4.per_layer_inputs,
     checkpointed=g4.per_layer_inputs_norm,
     notes="gemma4's layers are sized as SDPA runs them (k, v repeated where masked)",
-)
+)  # fmt: skip
+
+AXK2 = ActivationProfile(  # DSA + an output gate; gated input norms (post-attention: MoE)
+    kind="mla",
+    mixers={"mla": dataclasses.replace(DSA, per_token=lambda s: mla_attention(s)
+                                       + axk2.output_gate(s) + axk2.gated_norm(s))},
+    moe_layer_extra=axk2.gated_norm,
+)  # fmt: skip
 
 LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-norm attention
     mixers={"attention": MixerTerm(sdpa_fused_qk_norm), "linear_attention": DELTA_NET},
@@ -431,10 +435,9 @@ PROFILES: dict[str, ActivationProfile] = {
     "deepseek_v3": ActivationProfile(kind="mla"),
     "deepseek_v32": ActivationProfile(kind="mla", mixers={"mla": DSA}),
     "gemma4_text": GEMMA4,
-    # MLA + a DSA indexer, but more than the DSA term sizes (tiny configs, seq 128, gc off:
-    # the layers keep 19 % / 57 % more): axk2's low-rank gated input norm and output gate,
-    # hy_v4's hyper-connections
-    "axk2": ActivationProfile(mixers={"mla": None}),
+    # MLA + a DSA indexer, but hyper-connections beside: the layers keep 57 % more than the
+    # DSA term sizes (tiny config, seq 128, gc off)
+    "axk2": AXK2,
     "hy_v4": ActivationProfile(mixers={"mla": None}),
     "hy_v4_vl_text": ActivationProfile(mixers={"mla": None}),
     # JetMoe's attention is itself a mixture of experts (routed q/o projections per token):
