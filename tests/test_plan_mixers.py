@@ -20,6 +20,13 @@ from moetune.plan.tracecache import cached_trace
 NEMOTRON_BEHIND = ["full_attention", "linear_attention", "moe", "mlp"]  # Mamba after attention
 NEMOTRON_WIDE = {"mamba_num_heads": 8, "chunk_size": 16}
 NEMOTRON_HELD_OUT = {"ssm_state_size": 32, "n_groups": 2, "mamba_head_dim": 8}  # not in the fit
+# Gemma-4-26B-A4B's layout at tiny width: full-attention layers with k = v and one key/value
+# head of twice the sliding layers' head dim, no per-layer inputs
+GEMMA4_26B_LAYOUT = {
+    "hidden_size_per_layer_input": 0,
+    "attention_k_eq_v": True,
+    "per_layer_config": {3: {"head_dim": 32, "num_key_value_heads": 1}},
+}
 # (model_type, the mixer kind its layers calibrate); analytic vs trace: the bytes the layers
 # keep for backward (gc off − gc on) within 5 %, the peak within 2 %
 CALIBRATED = [
@@ -59,7 +66,17 @@ CALIBRATED = [
     # two MLA sublayers per layer (a ModuleList) and identity experts beside 4 real ones
     ("longcat_flash", "mla", {"zero_expert_num": 4}),
     ("longcat_flash", "mla", {"zero_expert_num": 8, "hidden_size": 128}),  # held out
-]
+    # DSA + an output gate and gated RMSNorms (the post-attention one in MoE layers only)
+    ("axk2", "mla", {}),  # equal q/k and v head dims: the fused SDPA kernel
+    ("axk2", "mla", {"v_head_dim": 8}),  # the math kernel, s² fp32
+    ("axk2", "mla", {"gated_norm_rank": 32, "hidden_size": 128}),  # held out of the fit
+    # per layer type: masked SDPA on sliding windows, causal on full attention (own head dim)
+    ("gemma4_text", "attention", {}),  # the census shape: per-layer inputs of width 256
+    ("gemma4_text", "attention", GEMMA4_26B_LAYOUT),  # k = v, 2 kv heads of twice the dim
+    # held out of the fit: 8 heads, a 64-token window, no per-layer inputs
+    ("gemma4_text", "attention", {**GEMMA4_26B_LAYOUT, "num_attention_heads": 8,
+                                  "sliding_window": 64}),
+]  # fmt: skip
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 
 
@@ -185,10 +202,9 @@ def test_an_unknown_kind_in_a_known_family_is_uncalibrated() -> None:
 
 
 def test_an_indexer_family_with_more_than_dsa_keeps_the_trace() -> None:
-    """axk2 is MLA + an indexer too, but keeps more than the DSA term sizes (a gated input
-    norm): it stays uncalibrated rather than planned 19 % low."""
-    assert uncalibrated(tiny("glm_moe_dsa")) == []
-    assert uncalibrated(tiny("axk2")) == ["mla"]
+    """axk2 (gated norms, an output gate) and hy_v4 (hyper-connections) are MLA + an indexer
+    too, but keep more than the DSA term sizes (19 % / 57 %): each has its own terms on top."""
+    assert all(uncalibrated(tiny(t)) == [] for t in ("glm_moe_dsa", "axk2", "hy_v4"))
 
 
 def test_hyper_connections_widen_what_each_layer_keeps_and_checkpoints() -> None:
@@ -288,3 +304,45 @@ def test_an_mla_pair_in_a_module_list_is_named_and_identity_experts_keep_less() 
     assert zero_expert_routed(few, True) == k * (0.5 * (6 * h + 8 * inter) + 0.5 * 4 * h + 20)
     assert zero_expert_routed(many, True) < zero_expert_routed(few, True)
     assert zero_expert_routed(few, False) < zero_expert_routed(few, True)
+
+
+def test_gemma4_plans_by_layer_type_through_its_text_model() -> None:
+    """Gemma 4's sliding and full-attention layers get a term each (the released layout's
+    full layers: k = v, 2 kv heads of 512, repeated to every head by SDPA); the multimodal
+    checkpoint plans its text model with the same terms; shared k/v layers stay traced."""
+    from moetune.model import load_spec
+    from moetune.plan.profiles import layer_terms
+
+    released = load_spec("google/gemma-4-26B-A4B-it")
+    assert uncalibrated(released) == []
+    sliding, full = layer_terms(released)[0], layer_terms(released)[5]
+    # q/k/v norms + masked SDPA: 16 heads × 256 (k, v repeated from 8) + the window's mask
+    assert (sliding.per_token(released), sliding.pairs(released)) == (65_856, 2)
+    # full: 16 q heads + 2 kv heads × 512, k and v repeated to 16 heads (dim > 256), no mask
+    assert (full.per_token(released), full.pairs(released)) == (106_720, 0)
+    text, multimodal = tiny("gemma4_text"), spec_from_config(shrunk_config("gemma4"), "gemma4")
+    assert multimodal.model_type == "gemma4_text" and uncalibrated(multimodal) == []
+    assert layer_terms(multimodal) == layer_terms(text)
+    plan = make_plan(multimodal, cfg(64, True), cards=["H200"], estimator="analytic")
+    assert plan.estimator == "analytic"
+    types = ["sliding_attention", "full_attention"] * 2
+    shared = tiny("gemma4_text", layer_types=types, num_kv_shared_layers=2)
+    assert uncalibrated(shared) == ["attention"]
+
+
+@pytest.mark.slow
+def test_gemma4_at_the_released_heads_and_a_long_sequence() -> None:
+    """Gemma-4-26B-A4B's heads (16 × 256 on windows of 1024; full layers k = v, 2 kv heads ×
+    512, repeated by SDPA) at tiny width, seq 1024: the q norm's fp32 backward on the full
+    layer is the checkpointed peak (`q_norm_backward`, fitted at seq 2048)."""
+    layout = {
+        "hidden_size_per_layer_input": 0, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 256, "sliding_window": 1024, "attention_k_eq_v": True,
+        "num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "per_layer_config": {5: {"head_dim": 512, "num_key_value_heads": 2}},
+    }  # fmt: skip
+    spec = tiny("gemma4_text", **layout)
+    for gc in (True, False):
+        run = cfg(1024, gc)
+        est, traced = analytic(spec, run).peak_bytes, cached_trace(spec, run).peak_bytes
+        assert est == pytest.approx(traced, rel=PEAK_TOLERANCE)

@@ -265,13 +265,14 @@ def _layer_cost(
     wrapped = () if full else tuple(a for a in adapters if a.via == "param")  # type: ignore[union-attr]
     experts_trained = full or any(a.kind == "experts" for a in wrapped)
     mixing = 0 if grad_free else _mixer_bytes(spec, prof, mixer, adapters, i)
-    per_token = mixing + _mlp_bytes(spec, prof, adapters, i, experts_trained)
+    mlp = _mlp_bytes(spec, prof, adapters, i, experts_trained)
+    per_token = mixing + mlp
     if i == 0 and not (full or step.gradient_checkpointing):
         per_token -= prof.frozen_input(spec)
     saved = per_token * step.tokens + mixer.pairs(spec) * step.pairs
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
-    act_grad, copy_grad = _backward_extra(spec, step, wrapped, (i, mixer), experts_trained)
+    act_grad, copy_grad = _backward_extra(spec, step, wrapped, (i, mixer, mlp), experts_trained)
     if step.split_lora:  # split LoRA never forms W+ΔW nor a full-size weight gradient;
         # its grouped matmuls keep activation-dtype copies of the factors for backward
         copies = sum(_factor_cast(a) for a in wrapped) * _copy_bytes(step)
@@ -348,7 +349,8 @@ def _mlp_bytes(
     shared = _glu_bytes(h, spec.shared_intermediate_size, _weights_trained(adapters, "shared"))
     if prof.shared_gate and spec.shared_intermediate_size:
         shared += 2 * h
-    return routed + router + shared
+    beside = _glu_bytes(h, prof.mlp_beside_experts(spec), _weights_trained(adapters, "dense"))
+    return routed + router + shared + beside + prof.moe_layer_extra(spec)
 
 
 def _weights_trained(adapters: tuple[Adapter, ...] | None, kind: str) -> bool:
@@ -367,19 +369,22 @@ def _backward_extra(
     spec: ModelSpec,
     step: Step,
     wrapped: tuple[Adapter, ...],
-    layer: tuple[int, MixerTerm],
+    layer: tuple[int, MixerTerm, int],
     experts_trained: bool,
 ) -> tuple[int, int]:
     """(activation-gradient bytes, weight-gradient bytes) on top of the layer's saved set.
 
-    The largest of: the routed tokens' gradients (4·k·H + 4·k·I per token); with LoRA on
+    The largest of: a late mixer backward's transients (net of the MLP's freed saved set);
+    the routed tokens' gradients (4·k·H + 4·k·I per token); with LoRA on
     the stacks, the down stack's full-size weight gradient next to its input gradient
     (2·k·I per token); for T² attention kernels, the extra probability-sized tensors.
     """
-    (i, mixer), t, act = layer, step.tokens, step.act_bytes // 2
+    (i, mixer, mlp), t, act = layer, step.tokens, step.act_bytes // 2
     attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
     candidates = [(int(attention), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
     candidates.append((mixer.backward(spec) * t * act, 0))
+    # the mixer's own backward runs after the MLP's: the MLP's saved set is freed by then
+    candidates.append(((mixer.late_backward(spec) - mlp) * t * act, 0))
     if i not in spec.moe_layers:
         inter = spec.dense_intermediate_size
         candidates.append((4 * inter * t * act, _largest(wrapped) * _copy_bytes(step)))
@@ -431,7 +436,10 @@ def _with(base: dict[str, float], **parts: float) -> dict[str, float]:
 
 
 def _masks(spec: ModelSpec, step: Step) -> int:
-    return profile_for(spec.model_type).masks(spec) * 2 * step.pairs
+    """s×s masks and per-token tensors alive for the whole step (gemma4's per-layer inputs)."""
+    prof = profile_for(spec.model_type)
+    resident = prof.resident(spec) + (prof.checkpointed(spec) if step.gradient_checkpointing else 0)
+    return prof.masks(spec) * 2 * step.pairs + resident * step.tokens
 
 
 def _loss_phase(

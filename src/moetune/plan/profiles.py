@@ -56,6 +56,9 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   `sliding_attention` layers take the masked SDPA term (a term by layer type).
 - hy_v4's eager MLA with sinks and its hyper-connections (a residual of several streams,
   sized on the profile: `streams`, `residual`, `head`): see `plan.terms_mla`.
+- axk2: the DSA term plus an output gate and low-rank gated RMSNorms (`plan.terms_axk2`).
+- gemma4_text: a term by layer type (masked SDPA on sliding windows, causal on full attention
+  with its own head dim), read off the trace as `plan.terms_gemma4` says.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -74,6 +77,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moetune.model.spec import ModelSpec
+from moetune.plan import terms_axk2 as axk2
+from moetune.plan import terms_gemma4 as g4
 from moetune.plan import terms_mla
 from moetune.plan.terms_mla import dsa_pairs, indexer_scores, mla_attention, mla_pairs
 from moetune.plan.terms_ssm import (
@@ -216,6 +221,9 @@ class MixerTerm:
     forward_pairs: SpecInt = _zero
     # per token, alive only while the mixer runs backward, beyond its saved set
     backward: SpecInt = _zero
+    # per token, alive while the mixer's own backward runs, net of its saved set freed by then
+    # (the MLP's is subtracted by the analytic): gemma4's fp32 q-norm backward
+    late_backward: SpecInt = _zero
     no_grad: tuple[str, ...] = ()  # submodules run under torch.no_grad: adapters there keep nothing
     notes: str = ""
     fields: tuple[str, ...] = ()  # config fields the term reads (a spec without them: no term)
@@ -317,6 +325,8 @@ class ActivationProfile:
     # terms by the config's layer type, over the kind's (lara_mini's sliding-window layers)
     by_layer_type: dict[str, MixerTerm] = field(default_factory=dict)
     masks: SpecInt = _zero  # s×s bf16 masks alive for the whole step
+    resident: SpecInt = _zero  # bytes per token alive for the whole step, outside the layers
+    checkpointed: SpecInt = _zero  # … only with checkpointing (the embeddings require grad)
     gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
     norms: int = 2  # RMSNorms per layer (input + post-attention)
@@ -335,6 +345,9 @@ class ActivationProfile:
     # stack's running sum: that many gradients of the largest stack at once; 0: grouped_mm's
     # (the down stack's one)
     stack_grads: int = 0
+    # intermediate size of a dense MLP that runs beside the routed experts (gemma4)
+    mlp_beside_experts: SpecInt = _zero
+    moe_layer_extra: SpecInt = _zero  # per token in MoE layers only (axk2's gated norm)
     notes: str = ""
 
     def term(self, kind: str) -> MixerTerm | None:
@@ -353,10 +366,27 @@ SINKS = MixerTerm(
     pair_transient=1.6,
     notes="attention sinks need eager attention: probabilities are s² per head",
 )
-GEMMA4_NOTE = (
-    "gemma4's sliding-window layers keep an s×s mask each, and a dense MLP runs beside the "
-    "experts: no calibrated analytic term yet"
-)
+_SHARED_KV = ("num_kv_shared_layers",)  # layers reusing another's k/v: not sized
+GEMMA4 = ActivationProfile(  # its layers by type: see plan.terms_gemma4
+    mixers={"attention": None},  # a layer type other than these two: not calibrated
+    by_layer_type={  # sliding windows keep a bf16 mask per layer (2 B per pair)
+        "sliding_attention": MixerTerm(g4.gemma4_sliding, pairs=lambda _: 2, absent=_SHARED_KV,
+                                       late_backward=g4.q_norm_backward(full=False)),
+        "full_attention": MixerTerm(g4.gemma4_full, absent=_SHARED_KV,
+                                    late_backward=g4.q_norm_backward(full=True))},
+    norms=8,  # 4 around the mixer and MLP, 3 on the dense / expert branches, the router's
+    mlp_beside_experts=g4.gemma4_dense_mlp,
+    resident=g4.per_layer_inputs,
+    checkpointed=g4.per_layer_inputs_norm,
+    notes="gemma4's layers are sized as SDPA runs them (k, v repeated where masked)",
+)  # fmt: skip
+
+AXK2 = ActivationProfile(  # DSA + an output gate; gated input norms (post-attention: MoE)
+    kind="mla",
+    mixers={"mla": dataclasses.replace(DSA, per_token=lambda s: mla_attention(s)
+                                       + axk2.output_gate(s) + axk2.gated_norm(s))},
+    moe_layer_extra=axk2.gated_norm,
+)  # fmt: skip
 
 LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-norm attention
     mixers={"attention": MixerTerm(sdpa_fused_qk_norm), "linear_attention": DELTA_NET},
@@ -431,10 +461,8 @@ PROFILES: dict[str, ActivationProfile] = {
     "deepseek_v2": ActivationProfile(kind="mla"),
     "deepseek_v3": ActivationProfile(kind="mla"),
     "deepseek_v32": ActivationProfile(kind="mla", mixers={"mla": DSA}),
-    "gemma4_text": ActivationProfile(mixers={"attention": None}, notes=GEMMA4_NOTE),
-    # MLA + a DSA indexer, but more than the DSA term sizes (tiny config, seq 128, gc off:
-    # the layers keep 19 % more): axk2's low-rank gated input norm and output gate
-    "axk2": ActivationProfile(mixers={"mla": None}),
+    "gemma4_text": GEMMA4,
+    "axk2": AXK2,  # MLA + DSA, an output gate and low-rank gated norms (terms_axk2)
     "hy_v4": HY_V4,
     "hy_v4_vl_text": HY_V4,
     "longcat_flash": LONGCAT_FLASH,
@@ -463,10 +491,16 @@ def layer_terms(spec: ModelSpec) -> tuple[MixerTerm | None, ...]:
     types = list(spec.hf_config.get("layer_types") or [])
     kinds = layer_kinds(spec)
     types += [""] * (len(kinds) - len(types))
-    return tuple(
-        prof.by_layer_type.get(t) or _term(prof, k, spec) if k else NO_MIXER
-        for k, t in zip(kinds, types, strict=False)
-    )
+    return tuple(_layer_term(prof, k, t, spec) for k, t in zip(kinds, types, strict=False))
+
+
+def _layer_term(prof: ActivationProfile, kind: str, typ: str, spec: ModelSpec) -> MixerTerm | None:
+    """The layer type's own term where the profile has one (None where it does not fit `spec`:
+    gemma4 with shared k/v), else the kind's."""
+    typed = prof.by_layer_type.get(typ) if kind else None
+    if typed is not None:
+        return typed if typed.fits(spec) else None
+    return _term(prof, kind, spec)
 
 
 def _term(prof: ActivationProfile, kind: str, spec: ModelSpec) -> MixerTerm | None:
