@@ -60,6 +60,9 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
 
+Attention with its own experts or convolutions (JetMoE's mixture of attention) is sized in
+`plan.terms_conv`, whose docstring says how each term was read off.
+
 A layer's token mixer (`ModelSpec.mixers`) picks its term: `MIXERS` by kind, which a
 family's profile overrides where its mixer differs (and, by the config's `layer_types`,
 where one type of layer keeps more: lara_mini's sliding windows). A kind with no term here is not
@@ -75,6 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.model.spec import ModelSpec
+from moetune.plan.terms_conv import jetmoe_moa
 
 SpecInt = Callable[[ModelSpec], int]
 
@@ -330,6 +334,7 @@ SLIDING = MixerTerm(
     pairs=lambda _: 2,  # the window's mask, in bf16, per layer
     fields=("sliding_window",),
 )
+_MOA = ("kv_channels", "intermediate_size")  # JetMoE's attention experts
 # a kind's other terms, tried in order when the family's own does not fit its config
 VARIANTS: dict[str, tuple[MixerTerm, ...]] = {
     "mla": (MLA, DSA),
@@ -411,9 +416,8 @@ PROFILES: dict[str, ActivationProfile] = {
     "axk2": ActivationProfile(mixers={"mla": None}),
     "hy_v4": ActivationProfile(mixers={"mla": None}),
     "hy_v4_vl_text": ActivationProfile(mixers={"mla": None}),
-    # JetMoe's attention is itself a mixture of experts (routed q/o projections per token):
-    # the GQA term sizes 36 % less than the trace keeps (tiny config, seq 256, gc on)
-    "jetmoe": ActivationProfile(mixers={"attention": None}),
+    # JetMoe's attention is itself a mixture of experts (routed q/o projections per token)
+    "jetmoe": ActivationProfile(mixers={"attention": MixerTerm(jetmoe_moa, fields=_MOA)}),
 }
 
 
