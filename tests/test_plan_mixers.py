@@ -40,6 +40,9 @@ CALIBRATED = [
     ("kimi_linear", "linear_attention", {}),  # KDA's torch chunked kernel, beside MLA
     ("minimax", "linear_attention", {}),  # lightning attention beside windowed SDPA
     ("lara_mini", "linear_attention", {}),  # gated DeltaNet; sliding layers: masked SDPA
+    ("inkling_text", "conv", {}),  # relative-bias math SDPA between fp32 short convs
+    ("inkling_text", "conv", {"num_attention_heads": 8, "swa_num_attention_heads": 8}),
+    ("inkling_text", "conv", {"rel_extent": 256}),  # held out of the fit
     ("jetmoe", "attention", {}),  # a mixture of attention experts (routed q / o stacks)
     ("jetmoe", "attention", {"kv_channels": 64}),
     ("jetmoe", "attention", {"num_experts_per_tok": 3}),  # held out of the fit

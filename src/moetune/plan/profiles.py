@@ -60,7 +60,8 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
 
-Attention with its own experts or convolutions (JetMoE's mixture of attention) is sized in
+Attention with its own experts or convolutions (JetMoE's mixture of attention, Inkling's
+relative-bias attention between fp32 short convolutions) is sized in
 `plan.terms_conv`, whose docstring says how each term was read off.
 
 A layer's token mixer (`ModelSpec.mixers`) picks its term: `MIXERS` by kind, which a
@@ -78,7 +79,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.model.spec import ModelSpec
-from moetune.plan.terms_conv import jetmoe_moa
+from moetune.plan.terms_conv import (
+    inkling_full,
+    inkling_pairs,
+    inkling_sliding,
+    jetmoe_moa,
+)
 
 SpecInt = Callable[[ModelSpec], int]
 
@@ -386,6 +392,15 @@ LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-n
     },
 )
 
+INKLING_NOTE = "inkling's attention is sized as the math SDPA kernel keeps it (fp32, s² per head)"
+INKLING = ActivationProfile(  # relative-bias SDPA (math kernel) between short convolutions
+    mixers={"conv": MixerTerm(inkling_full, pairs=inkling_pairs, notes=INKLING_NOTE)},
+    by_layer_type={
+        "hybrid_sliding": MixerTerm(inkling_sliding, pairs=inkling_pairs, notes=INKLING_NOTE)
+    },
+    masks=lambda spec: (layer_type_masks(spec) + 1) // 2,  # a bool mask per layer type
+)
+
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
     "olmoe": QK_NORM,
@@ -417,6 +432,7 @@ PROFILES: dict[str, ActivationProfile] = {
     "hy_v4": ActivationProfile(mixers={"mla": None}),
     "hy_v4_vl_text": ActivationProfile(mixers={"mla": None}),
     # JetMoe's attention is itself a mixture of experts (routed q/o projections per token)
+    "inkling_text": INKLING,
     "jetmoe": ActivationProfile(mixers={"attention": MixerTerm(jetmoe_moa, fields=_MOA)}),
 }
 
