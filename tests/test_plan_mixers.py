@@ -43,6 +43,11 @@ CALIBRATED = [
     ("inkling_text", "conv", {}),  # relative-bias math SDPA between fp32 short convs
     ("inkling_text", "conv", {"num_attention_heads": 8, "swa_num_attention_heads": 8}),
     ("inkling_text", "conv", {"rel_extent": 256}),  # held out of the fit
+    ("inkling2_text", "conv", {}),  # eager sink attention, dynamic k/v convs, block residuals
+    ("inkling2_text", "conv", {"n_layers_per_attn_res_block": 2}),  # more residual states
+    ("inkling2_text", "conv", {"hidden_size": 128}),  # held out of the fit
+    ("inkling2_loop_text", "conv", {}),  # no layer in its loop range: Inkling2's layers
+    ("inkling2_loop_text", "conv", {"num_attention_heads": 8, "swa_num_attention_heads": 8}),
     ("jetmoe", "attention", {}),  # a mixture of attention experts (routed q / o stacks)
     ("jetmoe", "attention", {"kv_channels": 64}),
     ("jetmoe", "attention", {"num_experts_per_tok": 3}),  # held out of the fit
@@ -146,6 +151,15 @@ def test_an_unknown_kind_in_a_known_family_is_uncalibrated() -> None:
     odd = dataclasses.replace(spec, mixers=("attention", "retention", "attention", "attention"))
     assert uncalibrated(odd) == ["retention"]
     assert uncalibrated(dataclasses.replace(spec, mixers=())) == []  # every layer: attention
+
+
+def test_an_inkling2_loop_build_whose_layers_loop_keeps_the_trace() -> None:
+    """Loop layers run several passes with message residuals no term sizes: such a build is
+    uncalibrated (the census' tiny config has none in range and plans analytically)."""
+    looping = {"loop_layer_index_start": 2, "loop_layer_index_end": 4}
+    spec = tiny("inkling2_loop_text", n_layers_per_attn_res_block=2, **looping)
+    assert uncalibrated(spec) == ["conv"] and uncalibrated(tiny("inkling2_loop_text")) == []
+    assert uncalibrated(tiny("inkling2_text", n_layers_per_attn_res_block=2)) == []
 
 
 def test_an_indexer_family_with_more_than_dsa_keeps_the_trace() -> None:

@@ -61,7 +61,7 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
 
 Attention with its own experts or convolutions (JetMoE's mixture of attention, Inkling's
-relative-bias attention between fp32 short convolutions) is sized in
+and Inkling2's relative-bias attention between fp32 short convolutions) is sized in
 `plan.terms_conv`, whose docstring says how each term was read off.
 
 A layer's token mixer (`ModelSpec.mixers`) picks its term: `MIXERS` by kind, which a
@@ -79,12 +79,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.model.spec import ModelSpec
-from moetune.plan.terms_conv import (
-    inkling_full,
-    inkling_pairs,
-    inkling_sliding,
-    jetmoe_moa,
-)
+from moetune.plan import terms_conv as conv
 
 SpecInt = Callable[[ModelSpec], int]
 
@@ -269,11 +264,14 @@ class MixerTerm:
     notes: str = ""
     fields: tuple[str, ...] = ()  # config fields the term reads (a spec without them: no term)
     absent: tuple[str, ...] = ()  # fields of a variant the term does not size
+    sized: Callable[[ModelSpec], bool] | None = None  # a build the term sizes (inkling2_loop)
 
     def fits(self, spec: ModelSpec) -> bool:
         c = spec.hf_config
-        return all(c.get(f) is not None for f in self.fields) and not any(
-            c.get(f) for f in self.absent
+        return (
+            all(c.get(f) is not None for f in self.fields)
+            and not any(c.get(f) for f in self.absent)
+            and (self.sized is None or self.sized(spec))
         )
 
 
@@ -392,14 +390,24 @@ LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-n
     },
 )
 
-INKLING_NOTE = "inkling's attention is sized as the math SDPA kernel keeps it (fp32, s² per head)"
-INKLING = ActivationProfile(  # relative-bias SDPA (math kernel) between short convolutions
-    mixers={"conv": MixerTerm(inkling_full, pairs=inkling_pairs, notes=INKLING_NOTE)},
-    by_layer_type={
-        "hybrid_sliding": MixerTerm(inkling_sliding, pairs=inkling_pairs, notes=INKLING_NOTE)
-    },
+
+def _sconv_layers(terms: tuple[SpecInt, ...], note: str, sized: Any = None, **prof: Any) -> Any:
+    """Inkling's layers, all of kind `conv`: (full, sliding, per pair) terms by layer type."""
+    full, sliding = (MixerTerm(f, pairs=terms[2], notes=note, sized=sized) for f in terms[:2])
+    return ActivationProfile({"conv": full}, by_layer_type={"hybrid_sliding": sliding}, **prof)
+
+
+INKLING = _sconv_layers(  # relative-bias SDPA (math kernel) between short convolutions
+    (conv.inkling_full, conv.inkling_sliding, conv.inkling_pairs),
+    "inkling's attention is sized as the math SDPA kernel keeps it (fp32, s² per head)",
     masks=lambda spec: (layer_type_masks(spec) + 1) // 2,  # a bool mask per layer type
 )
+INKLING2_TERMS = (conv.inkling2_full, conv.inkling2_sliding, conv.inkling2_pairs)
+INKLING2_NOTE = "inkling2's attention is sized as eager attention keeps it (s² per head)"
+# eager sink attention, dynamic k/v convs, block residuals; its softcapped SwiGLU runs in
+# fp32: gate, up, tanh and products (24·k·I) + the down input
+INKLING2 = _sconv_layers(INKLING2_TERMS, INKLING2_NOTE, gate_saved=26)
+INKLING2_LOOP = _sconv_layers(INKLING2_TERMS, INKLING2_NOTE, conv.no_loop_layers, gate_saved=26)
 
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
@@ -433,7 +441,9 @@ PROFILES: dict[str, ActivationProfile] = {
     "hy_v4_vl_text": ActivationProfile(mixers={"mla": None}),
     # JetMoe's attention is itself a mixture of experts (routed q/o projections per token)
     "inkling_text": INKLING,
-    "jetmoe": ActivationProfile(mixers={"attention": MixerTerm(jetmoe_moa, fields=_MOA)}),
+    "inkling2_text": INKLING2,
+    "inkling2_loop_text": INKLING2_LOOP,
+    "jetmoe": ActivationProfile(mixers={"attention": MixerTerm(conv.jetmoe_moa, fields=_MOA)}),
 }
 
 
@@ -456,8 +466,9 @@ def layer_terms(spec: ModelSpec) -> tuple[MixerTerm | None, ...]:
     types = list(spec.hf_config.get("layer_types") or [])
     kinds = layer_kinds(spec)
     types += [""] * (len(kinds) - len(types))
+    by_type = {t: m for t, m in prof.by_layer_type.items() if m.fits(spec)}
     return tuple(
-        prof.by_layer_type.get(t) or _term(prof, k, spec) if k else NO_MIXER
+        by_type.get(t) or _term(prof, k, spec) if k else NO_MIXER
         for k, t in zip(kinds, types, strict=False)
     )
 
