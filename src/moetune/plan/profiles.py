@@ -78,8 +78,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import moetune.plan.terms_conv as conv
 from moetune.model.spec import ModelSpec
-from moetune.plan import terms_conv as conv
 
 SpecInt = Callable[[ModelSpec], int]
 
