@@ -63,6 +63,10 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
 
+Attention with its own experts or convolutions (JetMoE's mixture of attention, Inkling's
+and Inkling2's relative-bias attention between fp32 short convolutions) is sized in
+`plan.terms_conv`, whose docstring says how each term was read off.
+
 A layer's token mixer (`ModelSpec.mixers`) picks its term: `MIXERS` by kind, which a
 family's profile overrides where its mixer differs (and, by the config's `layer_types`,
 where one type of layer keeps more: lara_mini's sliding windows). A kind with no term here is not
@@ -75,7 +79,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import moetune.plan.terms_conv as conv
 from moetune.model.spec import ModelSpec
 from moetune.plan import terms_axk2 as axk2
 from moetune.plan import terms_gemma4 as g4
@@ -228,11 +234,14 @@ class MixerTerm:
     notes: str = ""
     fields: tuple[str, ...] = ()  # config fields the term reads (a spec without them: no term)
     absent: tuple[str, ...] = ()  # fields of a variant the term does not size
+    sized: Callable[[ModelSpec], bool] | None = None  # a build the term sizes (inkling2_loop)
 
     def fits(self, spec: ModelSpec) -> bool:
         c = spec.hf_config
-        return all(c.get(f) is not None for f in self.fields) and not any(
-            c.get(f) for f in self.absent
+        return (
+            all(c.get(f) is not None for f in self.fields)
+            and not any(c.get(f) for f in self.absent)
+            and (self.sized is None or self.sized(spec))
         )
 
 
@@ -308,6 +317,7 @@ SLIDING = MixerTerm(
     pairs=lambda _: 2,  # the window's mask, in bf16, per layer
     fields=("sliding_window",),
 )
+_MOA = ("kv_channels", "intermediate_size")  # JetMoE's attention experts
 # a kind's other terms, tried in order when the family's own does not fit its config
 VARIANTS: dict[str, tuple[MixerTerm, ...]] = {
     "mla": (MLA, DSA),
@@ -436,6 +446,25 @@ NEMOTRON_H = ActivationProfile(  # one norm per layer; each layer a single block
     gate_saved=GATE_SAVED_RELU2,
 )
 
+
+def _sconv_layers(terms: tuple[SpecInt, ...], note: str, sized: Any = None, **prof: Any) -> Any:
+    """Inkling's layers, all of kind `conv`: (full, sliding, per pair) terms by layer type."""
+    full, sliding = (MixerTerm(f, pairs=terms[2], notes=note, sized=sized) for f in terms[:2])
+    return ActivationProfile({"conv": full}, by_layer_type={"hybrid_sliding": sliding}, **prof)
+
+
+INKLING = _sconv_layers(  # relative-bias SDPA (math kernel) between short convolutions
+    (conv.inkling_full, conv.inkling_sliding, conv.inkling_pairs),
+    "inkling's attention is sized as the math SDPA kernel keeps it (fp32, s² per head)",
+    masks=lambda spec: (layer_type_masks(spec) + 1) // 2,  # a bool mask per layer type
+)
+INKLING2_TERMS = (conv.inkling2_full, conv.inkling2_sliding, conv.inkling2_pairs)
+INKLING2_NOTE = "inkling2's attention is sized as eager attention keeps it (s² per head)"
+# eager sink attention, dynamic k/v convs, block residuals; its softcapped SwiGLU runs in
+# fp32: gate, up, tanh and products (24·k·I) + the down input
+INKLING2 = _sconv_layers(INKLING2_TERMS, INKLING2_NOTE, gate_saved=26)
+INKLING2_LOOP = _sconv_layers(INKLING2_TERMS, INKLING2_NOTE, conv.no_loop_layers, gate_saved=26)
+
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
     "olmoe": QK_NORM,
@@ -466,9 +495,11 @@ PROFILES: dict[str, ActivationProfile] = {
     "hy_v4": HY_V4,
     "hy_v4_vl_text": HY_V4,
     "longcat_flash": LONGCAT_FLASH,
-    # JetMoe's attention is itself a mixture of experts (routed q/o projections per token):
-    # the GQA term sizes 36 % less than the trace keeps (tiny config, seq 256, gc on)
-    "jetmoe": ActivationProfile(mixers={"attention": None}),
+    # JetMoe's attention is itself a mixture of experts (routed q/o projections per token)
+    "inkling_text": INKLING,
+    "inkling2_text": INKLING2,
+    "inkling2_loop_text": INKLING2_LOOP,
+    "jetmoe": ActivationProfile(mixers={"attention": MixerTerm(conv.jetmoe_moa, fields=_MOA)}),
 }
 
 
