@@ -38,6 +38,9 @@ CALIBRATED = [
     ("kimi_linear", "linear_attention", {}),  # KDA's torch chunked kernel, beside MLA
     ("minimax", "linear_attention", {}),  # lightning attention beside windowed SDPA
     ("lara_mini", "linear_attention", {}),  # gated DeltaNet; sliding layers: masked SDPA
+    # split-projection gated DeltaNet + QSA-indexed attention, 4 hyper-connection streams
+    ("qwen4_exp_text", "linear_attention", {}),
+    ("qwen4_exp_text", "linear_attention", {"linear_num_key_heads": 4}),
 ]
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 

@@ -250,6 +250,7 @@ def _layer_cost(
     per_token = _mixer_bytes(spec, prof, mixer, adapters, i) + _mlp_bytes(
         spec, prof, adapters, i, experts_trained
     )
+    per_token += prof.residual(spec)  # hyper-connections' stream mixing
     saved = per_token * step.tokens + mixer.pairs(spec) * step.pairs
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
@@ -261,11 +262,16 @@ def _layer_cost(
     return LayerCost(
         saved=saved,
         copies=copies,
-        checkpoint=2 * spec.hidden_size * step.tokens * step.act_bytes // 2,
+        checkpoint=2 * _width(spec) * step.tokens * step.act_bytes // 2,
         backward_act=act_grad,
         backward_copy=copy_grad,
         grads=_layer_grads(spec, step, adapters, i),
     )
+
+
+def _width(spec: ModelSpec) -> int:
+    """The residual's width per token: H, or N·H with N hyper-connection streams."""
+    return profile_for(spec.model_type).streams(spec) * spec.hidden_size
 
 
 def _is_attention(spec: ModelSpec, i: int) -> int:
@@ -402,6 +408,10 @@ def _with(base: dict[str, float], **parts: float) -> dict[str, float]:
     return out
 
 
+def _head(spec: ModelSpec) -> int:
+    return profile_for(spec.model_type).head(spec)
+
+
 def _masks(spec: ModelSpec, step: Step) -> int:
     return profile_for(spec.model_type).masks(spec) * 2 * step.pairs
 
@@ -417,7 +427,7 @@ def _loss_phase(
         kept, copies = sum(c.saved for c in layers), sum(c.copies for c in layers)
     return _with(
         base,
-        activations=kept + 4 * h * t + _masks(spec, step),
+        activations=kept + (4 * h + _head(spec)) * t + _masks(spec, step),
         expert_weight_copies=copies,
         logits=logit_bytes(spec, step),
     )
@@ -451,8 +461,9 @@ def _backward_phases(
     kept = [c.checkpoint if gc else c.saved for c in layers]
     copies = [0 if gc else c.copies for c in layers]
     grads = [c.grads for c in layers]
-    fixed = (6 if gc else 2) * spec.hidden_size * step.tokens * step.act_bytes // 2
-    fixed += _masks(spec, step)  # the gradient between layers, the final norm, masks
+    fixed = (6 if gc else 2) * _width(spec) * step.tokens * step.act_bytes // 2
+    fixed += _masks(spec, step) + _head(spec) * step.tokens  # the gradient between layers,
+    # the final norm (and the streams' collapse), masks
     phases = {}
     for j, c in enumerate(layers):
         phases[f"backward (layer {j})"] = _with(

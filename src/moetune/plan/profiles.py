@@ -75,12 +75,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.model.spec import ModelSpec
+from moetune.plan import terms_hybrid as hyper
+from moetune.plan.terms_hybrid import gated_delta_net
 
 SpecInt = Callable[[ModelSpec], int]
 
 
 def _zero(_: ModelSpec) -> int:
     return 0
+
+
+def _one(_: ModelSpec) -> int:
+    return 1
 
 
 def _dims(spec: ModelSpec) -> tuple[int, int, int]:
@@ -145,20 +151,6 @@ def sdpa_gated_qk_norm(spec: ModelSpec) -> int:
     """Per-head q/k norms (+ their fp32 rstd) and a sigmoid gate on the output (Qwen3-Next)."""
     q, _, heads = _dims(spec)
     return sdpa_fused_qk_norm(spec) + 4 * q + 4 * (heads + spec.num_kv_heads)
-
-
-DELTA_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk size
-
-
-def gated_delta_net(spec: ModelSpec) -> int:
-    """Gated DeltaNet through the torch chunked kernel, per token (see the module docstring)."""
-    c, chunk = spec.hf_config, DELTA_CHUNK
-    hv, hk = c["linear_num_value_heads"], c["linear_num_key_heads"]
-    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-    conv = 2 * hk * dk + hv * dv  # q, k, v channels through the causal conv
-    # conv in/out · chunk matrices · q/k/w/u per head · v/out/norm · states · gates and norms
-    per_head = 20 * chunk + 32 * dk + 26 * dv + 4 * dk * dv // chunk + 34
-    return 4 * conv + hv * per_head
 
 
 def short_conv(spec: ModelSpec) -> int:
@@ -350,6 +342,11 @@ class ActivationProfile:
     gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
     norms: int = 2  # RMSNorms per layer (input + post-attention)
+    # hyper-connections: residual streams per token, each layer's stream mixing per token, and
+    # the final collapse of the streams per token (plan.terms_hyper)
+    streams: SpecInt = _one
+    residual: SpecInt = _zero
+    head: SpecInt = _zero
     notes: str = ""
 
     def term(self, kind: str) -> MixerTerm | None:
@@ -381,12 +378,29 @@ LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-n
     },
 )
 
+QWEN4_EXP = ActivationProfile(  # gated DeltaNet beside QSA-indexed attention, 4 streams
+    mixers={
+        "linear_attention": dataclasses.replace(DELTA_NET, per_token=hyper.split_delta_net),
+        "attention": MixerTerm(
+            hyper.qsa_attention,
+            pairs=hyper.qsa_pairs,
+            fields=("indexer_head_dim", "indexer_n_heads", "indexer_compress_ratio"),
+        ),
+    },
+    norms=0,  # no layer norms: each gated residual normalises the streams
+    shared_gate=True,
+    streams=hyper.hyper_streams,
+    residual=hyper.gated_residual_layer,
+    head=hyper.gated_residual_head,
+)
+
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
     "olmoe": QK_NORM,
     "minimax_m2": QK_NORM,  # full-width q/k norms, as OLMoE
     "qwen3_next": QWEN3_NEXT,
     "qwen3_5_moe_text": QWEN3_NEXT,
+    "qwen4_exp_text": QWEN4_EXP,
     "qwen2_moe": ActivationProfile(shared_gate=True),
     "lfm2_moe": ActivationProfile(mixers={"conv": SHORT_CONV}),
     "minimax": ActivationProfile(mixers={"attention": SLIDING, "linear_attention": LIGHTNING_TERM}),

@@ -1,0 +1,107 @@
+"""Saved bytes of hybrid linear-attention families' layers, per token: term functions.
+
+Read off the fake-tensor trace's saved tensors (`torch.autograd.graph.saved_tensors_hooks`)
+module by module, gradient checkpointing off, then checked against `trace_step` on whole tiny
+models at held-out shapes (tests/test_plan_mixers.py):
+
+- Gated DeltaNet's torch chunked kernel: see `plan.profiles` (Qwen3-Next's fused in_proj_qkvz
+  layout). Qwen4-Exp projects q/k/v, z, b and a separately: the conv reads in_proj_qkv's output
+  as is, so the fused layout's concatenated q/k/v copy (2 B per conv channel) and z's copy out
+  of the fused output (4 B per value channel) are not kept – at hk 2 and 4 key heads (4 value
+  heads × 16) the term then matches the kernel's saved bytes to the byte per token.
+- Hyper-connections carry `N` residual streams per token (`hc_count` / `hc_mult`): a layer's
+  checkpointed input and the gradient between layers are `N·H` wide, and each of a layer's two
+  stream mixers (before the mixer, before the MLP) keeps its own saved set.
+- Qwen4-Exp's gated residual: a grouped RMSNorm over the `N·H` streams (fp32 input, 4·N·H, and
+  a per-group rstd), its bf16 output and the sigmoid'd mix weights (2·N·H each), the low-rank
+  silu (2·r) and the injection weights (2·N); the layer then keeps the block output and the
+  weights for each injection product (2·H + 2·N, twice) – checked at N·H = 4 × 64 and 2 × 128.
+- Qwen4-Exp's attention: per-head q/k RMSNorms (fp32 q, k + rstd), q, then k and v repeated to
+  every head (the causal and the indexer's selection masks make SDPA take a mask), the sigmoid
+  output gate (4·q) and the boolean masks (2 B per pair). Its QSA indexer runs with grad, one
+  query at a time: query i scores the i / c pooled key blocks (c = `indexer_compress_ratio`),
+  and per block keeps the fp32 normed pooled key and its fp32 copy for the matmul (8·d), the
+  relu'd scores (4 per index head), the rope's cos / sin rows (4·head_dim) and the block
+  start (8) – Σ i / c = s² / 2c blocks, so X / 2c per query·key pair. Fitted at d = 16, c = 4
+  and d = 32, c = 8 (seq 128, 256): within 4 % of the indexer's saved bytes.
+- GLM-5-Next's manifold hyper-connections (mHC): the flattened streams in fp32 and normed
+  (8·N·H), the N² comb weights through `hc_sinkhorn_iters` Sinkhorn normalisations (each keeps
+  the matrix and its sums: ~2·4·N² per iteration), and the collapse product; the layer keeps
+  the block output, `post` and `comb` for the two expansion products.
+"""
+
+from __future__ import annotations
+
+from moetune.model.spec import ModelSpec
+
+DELTA_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk size
+
+
+def gated_delta_net(spec: ModelSpec) -> int:
+    """Gated DeltaNet through the torch chunked kernel, per token (see the module docstring)."""
+    c, chunk = spec.hf_config, DELTA_CHUNK
+    hv, hk = c["linear_num_value_heads"], c["linear_num_key_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    conv = 2 * hk * dk + hv * dv  # q, k, v channels through the causal conv
+    # conv in/out · chunk matrices · q/k/w/u per head · v/out/norm · states · gates and norms
+    per_head = 20 * chunk + 32 * dk + 26 * dv + 4 * dk * dv // chunk + 34
+    return 4 * conv + hv * per_head
+
+
+def split_delta_net(spec: ModelSpec) -> int:
+    """Gated DeltaNet with separate q/k/v, z projections (Qwen4-Exp): no copies out of a fused
+    projection (see the module docstring)."""
+    c = spec.hf_config
+    conv = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    return gated_delta_net(spec) - 2 * (conv + value) - 4 * value
+
+
+def _hc(spec: ModelSpec) -> tuple[int, int]:
+    """(streams N, N·H) of a hyper-connected residual."""
+    c = spec.hf_config
+    streams = int(c.get("hc_count") or c.get("hc_mult") or 1)
+    return streams, streams * spec.hidden_size
+
+
+def hyper_streams(spec: ModelSpec) -> int:
+    """Residual streams per token: the width of a checkpoint and of the inter-layer gradient."""
+    return _hc(spec)[0]
+
+
+def gated_residual(spec: ModelSpec, inject: bool = True) -> int:
+    """One Qwen4-Exp gated residual mixer: grouped norm (fp32 in + rstd), bf16 normed streams
+    and mix weights, the low-rank silu and (with `inject`) the injection weights."""
+    n, width = _hc(spec)
+    rank = spec.hf_config["hc_lowrank"]
+    return 4 * width + 4 * n + 4 * width + 2 * rank + (2 * n if inject else 0)
+
+
+def gated_residual_layer(spec: ModelSpec) -> int:
+    """A Qwen4-Exp layer's two gated residuals and its two injection products."""
+    n, _ = _hc(spec)
+    return 2 * gated_residual(spec) + 2 * (2 * spec.hidden_size + 2 * n)
+
+
+def gated_residual_head(spec: ModelSpec) -> int:
+    """The final mixer that collapses the streams before the model's norm (no injection)."""
+    return gated_residual(spec, inject=False)
+
+
+def qsa_attention(spec: ModelSpec) -> int:
+    """Qwen4-Exp's output-gated qk-norm attention under masked SDPA, plus its indexer's
+    per-token q (fp32 normed and its fp32 copy for the scores)."""
+    c, heads, kv_heads = spec.hf_config, spec.num_attention_heads, spec.num_kv_heads
+    q, kv = heads * spec.head_dim, kv_heads * spec.head_dim
+    sdpa = 2 * 4 * q + 4 * heads  # q, out and k, v repeated to every head; fp32 lse
+    norms = 4 * (q + kv) + 4 * (heads + kv_heads)  # fp32 q, k and their rstd
+    index_q = c["indexer_n_heads"] * (8 * c["indexer_head_dim"] + 4)
+    return sdpa + norms + 4 * q + index_q  # + the sigmoid gate's input and output
+
+
+def qsa_pairs(spec: ModelSpec) -> int:
+    """Per query·key pair: the two boolean masks, and the indexer's per-block saved set over
+    the s² / 2c blocks its per-query loop scores."""
+    c = spec.hf_config
+    block = 8 * c["indexer_head_dim"] + 4 * c["indexer_n_heads"] + 4 * spec.head_dim + 8
+    return 2 + block // (2 * c["indexer_compress_ratio"])
