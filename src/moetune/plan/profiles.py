@@ -56,6 +56,10 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   are repeated to every head and the bf16 mask (2 B per pair) is kept per layer.
 - lara_mini: Qwen3.5's gated DeltaNet (the term above) beside per-head qk-norm attention; its
   `sliding_attention` layers take the masked SDPA term (a term by layer type).
+- qwen4_exp_text: gated DeltaNet with separate projections, QSA-indexed gated attention and
+  hyper-connected residual streams (a profile's `streams` / `residual` / `head`): the terms and
+  their fit are in `plan.terms_hybrid`. Its eager expert loop, routed balanced as the trace
+  routes it, keeps what the grouped_mm term sizes per routed token.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
