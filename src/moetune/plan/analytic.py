@@ -318,7 +318,8 @@ def _mlp_bytes(
     """Routed experts + router, shared experts, or the dense MLP, per token."""
     h = spec.hidden_size
     if i not in spec.moe_layers:
-        return _glu_bytes(h, spec.dense_intermediate_size, _weights_trained(adapters, "dense"))
+        dense = _weights_trained(adapters, "dense")
+        return _glu_bytes(h, spec.dense_intermediate_size, dense, prof.glu_saved)
     k, inter = spec.top_k, spec.expert_intermediate_size
     routed = (
         (4 * k * h + prof.gate_saved * k * inter)
@@ -326,7 +327,8 @@ def _mlp_bytes(
         else (2 * k * h + (prof.gate_saved - 2) * k * inter)
     )
     router = 4 * spec.num_experts + 16 * k
-    shared = _glu_bytes(h, spec.shared_intermediate_size, _weights_trained(adapters, "shared"))
+    trained = _weights_trained(adapters, "shared")
+    shared = _glu_bytes(h, spec.shared_intermediate_size, trained, prof.glu_saved)
     if prof.shared_gate and spec.shared_intermediate_size:
         shared += 2 * h
     return routed + router + shared
@@ -337,11 +339,12 @@ def _weights_trained(adapters: tuple[Adapter, ...] | None, kind: str) -> bool:
     return adapters is None or any(a.kind == kind and a.via == "param" for a in adapters)
 
 
-def _glu_bytes(hidden: int, inter: int, weights_trained: bool) -> int:
-    """Gated MLP: gate out, activation, up out; + inputs when the weights need gradients."""
+def _glu_bytes(hidden: int, inter: int, weights_trained: bool, saved: int = 6) -> int:
+    """Gated MLP: gate out, activation, up out (`saved`·I: more where it clamps); + inputs
+    when the weights need gradients."""
     if not inter:
         return 0
-    return 6 * inter + (2 * hidden + 2 * inter if weights_trained else 0)
+    return saved * inter + (2 * hidden + 2 * inter if weights_trained else 0)
 
 
 def _backward_extra(
@@ -360,7 +363,9 @@ def _backward_extra(
     (i, mixer), t, act = layer, step.tokens, step.act_bytes // 2
     attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
     candidates = [(int(attention), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
-    candidates.append((mixer.backward(spec) * t * act, 0))
+    # the MLP side's stream mixing is freed by the time the mixer runs backward
+    freed = profile_for(spec.model_type).mlp_residual(spec)
+    candidates.append(((mixer.backward(spec) - freed) * t * act, 0))
     if i not in spec.moe_layers:
         inter = spec.dense_intermediate_size
         candidates.append((4 * inter * t * act, _largest(wrapped) * _copy_bytes(step)))

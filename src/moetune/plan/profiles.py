@@ -56,10 +56,11 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
   are repeated to every head and the bf16 mask (2 B per pair) is kept per layer.
 - lara_mini: Qwen3.5's gated DeltaNet (the term above) beside per-head qk-norm attention; its
   `sliding_attention` layers take the masked SDPA term (a term by layer type).
-- qwen4_exp_text: gated DeltaNet with separate projections, QSA-indexed gated attention and
-  hyper-connected residual streams (a profile's `streams` / `residual` / `head`): the terms and
-  their fit are in `plan.terms_hybrid`. Its eager expert loop, routed balanced as the trace
-  routes it, keeps what the grouped_mm term sizes per routed token.
+- Hyper-connected hybrids (a profile's `streams` / `residual` / `head`; terms and fits in
+  `plan.terms_hybrid`): qwen4_exp_text – split-projection gated DeltaNet, QSA-indexed gated
+  attention, gated residual streams; glm5_next_text – KDA beside MLA + DSA, mHC streams. Their
+  eager expert loops, routed balanced as the trace routes them, keep what the grouped_mm term
+  sizes per routed token.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -344,12 +345,14 @@ class ActivationProfile:
     by_layer_type: dict[str, MixerTerm] = field(default_factory=dict)
     masks: SpecInt = _zero  # s×s bf16 masks alive for the whole step
     gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
+    glu_saved: int = 6  # × I: the same for dense and shared GLU MLPs
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
     norms: int = 2  # RMSNorms per layer (input + post-attention)
     # hyper-connections: residual streams per token, each layer's stream mixing per token, and
     # the final collapse of the streams per token (plan.terms_hyper)
     streams: SpecInt = _one
     residual: SpecInt = _zero
+    mlp_residual: SpecInt = _zero  # the MLP side's share of `residual`
     head: SpecInt = _zero
     notes: str = ""
 
@@ -398,6 +401,15 @@ QWEN4_EXP = ActivationProfile(  # gated DeltaNet beside QSA-indexed attention, 4
     head=hyper.gated_residual_head,
 )
 
+GLM5_NEXT = ActivationProfile(  # KDA beside MLA + a pooled DSA indexer, 4 mHC streams
+    mixers={"linear_attention": KDA},
+    streams=hyper.hyper_streams,
+    residual=hyper.mhc_layer,
+    mlp_residual=hyper.mhc_mlp_side,
+    gate_saved=14,  # clamped SwiGLU: as gpt_oss's, the clamps' copies beyond gate_up
+    glu_saved=10,  # the dense and shared MLPs clamp too: + the clamped gate and up
+)
+
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
     "olmoe": QK_NORM,
@@ -405,6 +417,7 @@ PROFILES: dict[str, ActivationProfile] = {
     "qwen3_next": QWEN3_NEXT,
     "qwen3_5_moe_text": QWEN3_NEXT,
     "qwen4_exp_text": QWEN4_EXP,
+    "glm5_next_text": GLM5_NEXT,
     "qwen2_moe": ActivationProfile(shared_gate=True),
     "lfm2_moe": ActivationProfile(mixers={"conv": SHORT_CONV}),
     "minimax": ActivationProfile(mixers={"attention": SLIDING, "linear_attention": LIGHTNING_TERM}),

@@ -24,10 +24,17 @@ models at held-out shapes (tests/test_plan_mixers.py):
   relu'd scores (4 per index head), the rope's cos / sin rows (4·head_dim) and the block
   start (8) – Σ i / c = s² / 2c blocks, so X / 2c per query·key pair. Fitted at d = 16, c = 4
   and d = 32, c = 8 (seq 128, 256): within 4 % of the indexer's saved bytes.
-- GLM-5-Next's manifold hyper-connections (mHC): the flattened streams in fp32 and normed
-  (8·N·H), the N² comb weights through `hc_sinkhorn_iters` Sinkhorn normalisations (each keeps
-  the matrix and its sums: ~2·4·N² per iteration), and the collapse product; the layer keeps
-  the block output, `post` and `comb` for the two expansion products.
+- GLM-5-Next's manifold hyper-connections (mHC): the flattened streams' norm in fp32 (4·N·H +
+  rstd; the frozen projection after it keeps no input), the 2·iters − 1 Sinkhorn divisions
+  (each an N×N fp32 matrix and its N sums), the gates (12·N² + 28·N, fitted) and the bf16
+  streams for the collapse (2·N·H); the layer keeps the block output, post and comb for each
+  expansion. Fitted at N = 4 with 20 and 10 Sinkhorn iterations (exact to 16 B per token),
+  N = 2 / 10 iterations within 3 %. In backward the MLP side's mixer is freed before the
+  token mixer's own backward runs, which the gc-on peak (a KDA layer's backward) shows.
+- GLM-5-Next's token mixers are the families' own: its KDA (`linear_attention`) is
+  kimi_linear's kernel and term (within 0.3 % of the saved bytes), its MLA + pooled indexer the
+  DSA term; its SwiGLUs clamp gate and up (experts as gpt_oss's `gate_saved`, and the dense
+  and shared MLPs keep 10·I).
 """
 
 from __future__ import annotations
@@ -105,3 +112,25 @@ def qsa_pairs(spec: ModelSpec) -> int:
     c = spec.hf_config
     block = 8 * c["indexer_head_dim"] + 4 * c["indexer_n_heads"] + 4 * spec.head_dim + 8
     return 2 + block // (2 * c["indexer_compress_ratio"])
+
+
+def mhc(spec: ModelSpec) -> int:
+    """One GLM-5-Next manifold hyper-connection (see the module docstring): the flattened
+    streams' norm (fp32 in + rstd; the frozen projection keeps no input), the Sinkhorn
+    divisions (an N×N fp32 matrix and N sums each), the gates (fitted) and the bf16 streams
+    for the collapse."""
+    n, width = _hc(spec)
+    divisions = 2 * spec.hf_config["hc_sinkhorn_iters"] - 1
+    return 4 * width + 4 + divisions * 4 * (n * n + n) + 12 * n * n + 28 * n + 2 * width
+
+
+def mhc_mlp_side(spec: ModelSpec) -> int:
+    """The MLP side's half of `mhc_layer`: freed before the token mixer runs backward."""
+    return mhc_layer(spec) // 2
+
+
+def mhc_layer(spec: ModelSpec) -> int:
+    """A GLM-5-Next layer's two mHC mixers and its two expansions (post · out + comb · in):
+    the block output, post and comb in bf16."""
+    n, _ = _hc(spec)
+    return 2 * mhc(spec) + 2 * (2 * spec.hidden_size + 2 * n + 2 * n * n)
