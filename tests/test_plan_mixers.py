@@ -49,6 +49,15 @@ CALIBRATED = [
             ("attention", {"hc_count": 2, "linear_value_head_dim": 32, "indexer_n_heads": 4}),
         ]
     ),
+    # KDA beside MLA + a pooled DSA indexer, 4 mHC streams (Sinkhorn-normalised mixing)
+    *(
+        pytest.param("glm5_next_text", kind, over, marks=pytest.mark.slow)
+        for kind, over in [
+            ("linear_attention", {}),
+            ("linear_attention", {"hc_sinkhorn_iters": 10}),
+            ("mla", {"hc_mult": 2, "linear_head_dim": 32}),  # held out of the fit
+        ]
+    ),
 ]
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 
