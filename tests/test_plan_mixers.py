@@ -110,6 +110,24 @@ def test_hyper_connected_streams_are_what_a_checkpoint_keeps() -> None:
     assert narrow < (1 - PEAK_TOLERANCE) * 10_206_684
 
 
+def test_hybrid_terms_are_the_saved_bytes_read_off_the_trace() -> None:
+    """Per-token bytes the trace's modules saved (saved_tensors_hooks, seq 128 and 256 to take
+    the weights out; measured 2026-12-03): the hyper-connection and split-DeltaNet terms give
+    them to the byte."""
+    from moetune.plan import terms_hybrid as hybrid
+
+    measured = [
+        (hybrid.mhc, "glm5_next_text", {}, 4452 + 512),  # 4 streams, 20 Sinkhorn iterations
+        (hybrid.mhc, "glm5_next_text", {"hc_sinkhorn_iters": 10}, 2852 + 512),
+        (hybrid.gated_residual, "qwen4_exp_text", {}, 2136),  # 4 streams × 64
+        (hybrid.gated_residual, "qwen4_exp_text", {"hc_count": 2}, 1100),
+        (hybrid.split_delta_net, "qwen4_exp_text", {}, 9032),  # 2 key heads, 4 value heads
+        (hybrid.split_delta_net, "qwen4_exp_text", {"linear_num_key_heads": 4}, 9160),
+    ]
+    for term, model_type, over, saved in measured:
+        assert term(tiny(model_type, **over)) == saved, (term.__name__, over)
+
+
 def test_kimi_delta_attention_is_read_as_linear_attention_beside_mla() -> None:
     """KimiLinearAttention is kimi_linear's MLA and KimiLinearDeltaAttention its KDA: read by
     class name they once came out swapped, and the KDA layers were sized as GQA (73 % low)."""
