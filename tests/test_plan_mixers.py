@@ -45,8 +45,9 @@ CALIBRATED = [
         for kind, over in [
             ("linear_attention", {}),
             ("linear_attention", {"linear_num_key_heads": 4}),
-            # held out of the fit: 2 streams, wider value heads, 4 index heads
-            ("attention", {"hc_count": 2, "linear_value_head_dim": 32, "indexer_n_heads": 4}),
+            # held out of the fit: 2 streams; wider value heads
+            ("attention", {"hc_count": 2}),
+            ("linear_attention", {"linear_value_head_dim": 32}),
         ]
     ),
     # KDA beside MLA + a pooled DSA indexer, 4 mHC streams (Sinkhorn-normalised mixing)

@@ -388,11 +388,7 @@ LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-n
 QWEN4_EXP = ActivationProfile(  # gated DeltaNet beside QSA-indexed attention, 4 streams
     mixers={
         "linear_attention": dataclasses.replace(DELTA_NET, per_token=hyper.split_delta_net),
-        "attention": MixerTerm(
-            hyper.qsa_attention,
-            pairs=hyper.qsa_pairs,
-            fields=("indexer_head_dim", "indexer_n_heads", "indexer_compress_ratio"),
-        ),
+        "attention": MixerTerm(hyper.qsa_attention, pairs=hyper.qsa_masks, no_grad=("indexer.",)),
     },
     norms=0,  # no layer norms: each gated residual normalises the streams
     shared_gate=True,

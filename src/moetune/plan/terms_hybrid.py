@@ -18,12 +18,12 @@ models at held-out shapes (tests/test_plan_mixers.py):
   weights for each injection product (2·H + 2·N, twice) – checked at N·H = 4 × 64 and 2 × 128.
 - Qwen4-Exp's attention: per-head q/k RMSNorms (fp32 q, k + rstd), q, then k and v repeated to
   every head (the causal and the indexer's selection masks make SDPA take a mask), the sigmoid
-  output gate (4·q) and the boolean masks (2 B per pair). Its QSA indexer runs with grad, one
-  query at a time: query i scores the i / c pooled key blocks (c = `indexer_compress_ratio`),
-  and per block keeps the fp32 normed pooled key and its fp32 copy for the matmul (8·d), the
-  relu'd scores (4 per index head), the rope's cos / sin rows (4·head_dim) and the block
-  start (8) – Σ i / c = s² / 2c blocks, so X / 2c per query·key pair. Fitted at d = 16, c = 4
-  and d = 32, c = 8 (seq 128, 256): within 4 % of the indexer's saved bytes.
+  output gate (4·q) and the two boolean masks (2 B per pair). Its QSA indexer runs with grad,
+  one query at a time, and saves a lot (per pooled block ~8·d + 4·heads + 4·head_dim + 8 B:
+  ~26 B per pair at d 16, c 4), but its output is a boolean selection: nothing differentiable
+  depends on it, so each query's graph – and what it saved – is freed in the forward, and its
+  projection's LoRA keeps nothing (`no_grad`). Counting it anyway put the peaks 1-2 % and the
+  kept bytes 2-4 % over the trace; without it they are 1-2 % and 2-4 % under (see RESULTS.md).
 - GLM-5-Next's manifold hyper-connections (mHC): the flattened streams' norm in fp32 (4·N·H +
   rstd; the frozen projection after it keeps no input), the 2·iters − 1 Sinkhorn divisions
   (each an N×N fp32 matrix and its N sums), the gates (12·N² + 28·N, fitted) and the bf16
@@ -96,22 +96,18 @@ def gated_residual_head(spec: ModelSpec) -> int:
 
 
 def qsa_attention(spec: ModelSpec) -> int:
-    """Qwen4-Exp's output-gated qk-norm attention under masked SDPA, plus its indexer's
-    per-token q (fp32 normed and its fp32 copy for the scores)."""
-    c, heads, kv_heads = spec.hf_config, spec.num_attention_heads, spec.num_kv_heads
+    """Qwen4-Exp's output-gated qk-norm attention under masked SDPA (its indexer keeps
+    nothing: see the module docstring)."""
+    heads, kv_heads = spec.num_attention_heads, spec.num_kv_heads
     q, kv = heads * spec.head_dim, kv_heads * spec.head_dim
     sdpa = 2 * 4 * q + 4 * heads  # q, out and k, v repeated to every head; fp32 lse
     norms = 4 * (q + kv) + 4 * (heads + kv_heads)  # fp32 q, k and their rstd
-    index_q = c["indexer_n_heads"] * (8 * c["indexer_head_dim"] + 4)
-    return sdpa + norms + 4 * q + index_q  # + the sigmoid gate's input and output
+    return sdpa + norms + 4 * q  # + the sigmoid gate's input and output
 
 
-def qsa_pairs(spec: ModelSpec) -> int:
-    """Per query·key pair: the two boolean masks, and the indexer's per-block saved set over
-    the s² / 2c blocks its per-query loop scores."""
-    c = spec.hf_config
-    block = 8 * c["indexer_head_dim"] + 4 * c["indexer_n_heads"] + 4 * spec.head_dim + 8
-    return 2 + block // (2 * c["indexer_compress_ratio"])
+def qsa_masks(_: ModelSpec) -> int:
+    """Per query·key pair: the causal mask and the indexer's selection, boolean."""
+    return 2
 
 
 def mhc(spec: ModelSpec) -> int:
