@@ -22,8 +22,9 @@ models at held-out shapes (tests/test_plan_mixers.py):
   one query at a time, and saves a lot (per pooled block ~8·d + 4·heads + 4·head_dim + 8 B:
   ~26 B per pair at d 16, c 4), but its output is a boolean selection: nothing differentiable
   depends on it, so each query's graph – and what it saved – is freed in the forward, and its
-  projection's LoRA keeps nothing (`no_grad`). Counting it anyway put the peaks 1-2 % and the
-  kept bytes 2-4 % over the trace; without it they are 1-2 % and 2-4 % under (see RESULTS.md).
+  projection's LoRA keeps nothing (`no_grad`). Counted, it put the gc-off peak 1.0-2.4 % and
+  the kept bytes 2.2-5.4 % over the trace on six shapes; without it they are 0.8-2.0 % and
+  1.5-4.2 % under, and the index head dims no longer change the result (as in the trace).
 - GLM-5-Next's manifold hyper-connections (mHC): the flattened streams' norm in fp32 (4·N·H +
   rstd; the frozen projection after it keeps no input), the 2·iters − 1 Sinkhorn divisions
   (each an N×N fp32 matrix and its N sums), the gates (12·N² + 28·N, fitted) and the bf16
