@@ -14,7 +14,13 @@ from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
 from moetune.plan import make_plan
 from moetune.plan.fit import analytic
-from moetune.plan.profiles import NEMOTRON_H, PROFILES, layer_kinds, uncalibrated
+from moetune.plan.profiles import (
+    NEMOTRON_H,
+    PROFILES,
+    ActivationProfile,
+    layer_kinds,
+    uncalibrated,
+)
 from moetune.plan.recommend import refuses_checkpointing
 from moetune.plan.tracecache import cached_trace
 
@@ -89,6 +95,27 @@ CALIBRATED = [
     ("jetmoe", "attention", {}),  # a mixture of attention experts (routed q / o stacks)
     ("jetmoe", "attention", {"kv_channels": 64}),
     ("jetmoe", "attention", {"num_experts_per_tok": 3}),  # held out of the fit
+    # split-projection gated DeltaNet + QSA-indexed attention, 4 hyper-connection streams; its
+    # indexer scores one query at a time, so each trace takes ~1 min: -m slow
+    *(
+        pytest.param("qwen4_exp_text", kind, over, marks=pytest.mark.slow)
+        for kind, over in [
+            ("linear_attention", {}),
+            ("linear_attention", {"linear_num_key_heads": 4}),
+            # held out of the fit: 2 streams; wider value heads
+            ("attention", {"hc_count": 2}),
+            ("linear_attention", {"linear_value_head_dim": 32}),
+        ]
+    ),
+    # KDA beside MLA + a pooled DSA indexer, 4 mHC streams (Sinkhorn-normalised mixing)
+    *(
+        pytest.param("glm5_next_text", kind, over, marks=pytest.mark.slow)
+        for kind, over in [
+            ("linear_attention", {}),
+            ("linear_attention", {"hc_sinkhorn_iters": 10}),
+            ("mla", {"hc_mult": 2, "linear_head_dim": 32}),  # held out of the fit
+        ]
+    ),
 ]  # fmt: skip
 KEPT_TOLERANCE, PEAK_TOLERANCE = 0.05, 0.02
 
@@ -152,6 +179,40 @@ def test_linear_attention_is_most_of_what_a_hybrid_keeps() -> None:
     run = cfg(128, False)
     without = dataclasses.replace(spec, mixers=("attention",) * spec.num_layers)
     assert analytic(spec, run).peak_bytes - analytic(without, run).peak_bytes > 2_000_000
+
+
+def test_hyper_connected_streams_are_what_a_checkpoint_keeps() -> None:
+    """qwen4_exp_text carries 4 residual streams: a checkpoint and the gradient between layers
+    are 4·H wide. The trace's peaks (seq 128, measured 2026-12-03) against the analytic; sized
+    one stream wide, gc on comes out 2.2 % low (at seq 128 the LM-head tile is most of it)."""
+    spec = tiny("qwen4_exp_text")
+    assert uncalibrated(spec) == [] and spec.hf_config["hc_count"] == 4
+    on, off = analytic(spec, cfg(128, True)), analytic(spec, cfg(128, False))
+    assert on.peak_bytes == pytest.approx(10_206_684, rel=PEAK_TOLERANCE)
+    assert off.peak_bytes == pytest.approx(18_950_188, rel=PEAK_TOLERANCE)
+    one = ActivationProfile(**{**vars(PROFILES["qwen4_exp_text"]), "streams": lambda _: 1})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(PROFILES, "qwen4_exp_text", one)
+        narrow = analytic(spec, cfg(128, True)).peak_bytes
+    assert narrow < (1 - PEAK_TOLERANCE) * 10_206_684
+
+
+def test_hybrid_terms_are_the_saved_bytes_read_off_the_trace() -> None:
+    """Per-token bytes the trace's modules saved (saved_tensors_hooks, seq 128 and 256 to take
+    the weights out; measured 2026-12-03): the hyper-connection and split-DeltaNet terms give
+    them to the byte."""
+    from moetune.plan import terms_hybrid as hybrid
+
+    measured = [
+        (hybrid.mhc, "glm5_next_text", {}, 4452 + 512),  # 4 streams, 20 Sinkhorn iterations
+        (hybrid.mhc, "glm5_next_text", {"hc_sinkhorn_iters": 10}, 2852 + 512),
+        (hybrid.gated_residual, "qwen4_exp_text", {}, 2136),  # 4 streams × 64
+        (hybrid.gated_residual, "qwen4_exp_text", {"hc_count": 2}, 1100),
+        (hybrid.split_delta_net, "qwen4_exp_text", {}, 9032),  # 2 key heads, 4 value heads
+        (hybrid.split_delta_net, "qwen4_exp_text", {"linear_num_key_heads": 4}, 9160),
+    ]
+    for term, model_type, over, saved in measured:
+        assert term(tiny(model_type, **over)) == saved, (term.__name__, over)
 
 
 def test_kimi_delta_attention_is_read_as_linear_attention_beside_mla() -> None:

@@ -336,7 +336,8 @@ def _mlp_bytes(
     """Routed experts + router, shared experts, or the dense MLP, per token."""
     h = spec.hidden_size
     if i not in spec.moe_layers:
-        return _glu_bytes(h, spec.dense_intermediate_size, _weights_trained(adapters, "dense"))
+        dense = _weights_trained(adapters, "dense")
+        return _glu_bytes(h, spec.dense_intermediate_size, dense, prof.glu_saved)
     k, inter = spec.top_k, spec.expert_intermediate_size
     routed = (
         (4 * k * h + prof.gate_saved * k * inter)
@@ -346,7 +347,8 @@ def _mlp_bytes(
     if prof.routed is not None:  # a family's own expert loop (longcat's identity experts)
         routed = prof.routed(spec, experts_trained)
     router = 4 * spec.num_experts + 16 * k
-    shared = _glu_bytes(h, spec.shared_intermediate_size, _weights_trained(adapters, "shared"))
+    trained = _weights_trained(adapters, "shared")
+    shared = _glu_bytes(h, spec.shared_intermediate_size, trained, prof.glu_saved)
     if prof.shared_gate and spec.shared_intermediate_size:
         shared += 2 * h
     beside = _glu_bytes(h, prof.mlp_beside_experts(spec), _weights_trained(adapters, "dense"))
@@ -358,11 +360,12 @@ def _weights_trained(adapters: tuple[Adapter, ...] | None, kind: str) -> bool:
     return adapters is None or any(a.kind == kind and a.via == "param" for a in adapters)
 
 
-def _glu_bytes(hidden: int, inter: int, weights_trained: bool) -> int:
-    """Gated MLP: gate out, activation, up out; + inputs when the weights need gradients."""
+def _glu_bytes(hidden: int, inter: int, weights_trained: bool, saved: int = 6) -> int:
+    """Gated MLP: gate out, activation, up out (`saved`·I: more where it clamps); + inputs
+    when the weights need gradients."""
     if not inter:
         return 0
-    return 6 * inter + (2 * hidden + 2 * inter if weights_trained else 0)
+    return saved * inter + (2 * hidden + 2 * inter if weights_trained else 0)
 
 
 def _backward_extra(
@@ -382,7 +385,8 @@ def _backward_extra(
     (i, mixer, mlp), t, act = layer, step.tokens, step.act_bytes // 2
     attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
     candidates = [(int(attention), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
-    candidates.append((mixer.backward(spec) * t * act, 0))
+    freed = profile_for(spec.model_type).mlp_residual(spec)  # the MLP side's stream mixing
+    candidates.append(((mixer.backward(spec) - freed) * t * act, 0))
     # the mixer's own backward runs after the MLP's: the MLP's saved set is freed by then
     candidates.append(((mixer.late_backward(spec) - mlp) * t * act, 0))
     if i not in spec.moe_layers:
@@ -487,10 +491,11 @@ def _backward_phases(
     kept = [c.checkpoint if gc else c.saved for c in layers]
     copies = [0 if gc else c.copies for c in layers]
     grads = [c.grads for c in layers]
-    # the gradient between layers (the residual's width), the final norm, masks
+    # the gradient between layers and the recomputed input (the residual's width), the final
+    # norm and the streams' collapse, masks
     width = _width(spec, profile_for(spec.model_type))
-    fixed = (4 * gc * spec.hidden_size + 2 * width) * step.tokens * step.act_bytes // 2
-    fixed += _masks(spec, step)
+    fixed = (6 if gc else 2) * width * step.tokens * step.act_bytes // 2
+    fixed += _masks(spec, step) + profile_for(spec.model_type).head(spec) * step.tokens
     phases = {}
     for j, c in enumerate(layers):
         phases[f"backward (layer {j})"] = _with(

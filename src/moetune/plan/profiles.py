@@ -59,6 +59,11 @@ transformers 5.24 / peft 0.21 forward, read off the fake-tensor trace's saved te
 - axk2: the DSA term plus an output gate and low-rank gated RMSNorms (`plan.terms_axk2`).
 - gemma4_text: a term by layer type (masked SDPA on sliding windows, causal on full attention
   with its own head dim), read off the trace as `plan.terms_gemma4` says.
+- Hyper-connected hybrids (a profile's `streams` / `residual` / `head`; terms and fits in
+  `plan.terms_hybrid`): qwen4_exp_text – split-projection gated DeltaNet, QSA-indexed gated
+  attention, gated residual streams; glm5_next_text – KDA beside MLA + DSA, mHC streams. Their
+  eager expert loops, routed balanced as the trace routes them, keep what the grouped_mm term
+  sizes per routed token.
 - Experts (grouped_mm): the gathered input (2·k·H) when the stacks need a weight gradient,
   the gate/up output and its activation (`gate_saved`·k·I), the down input (2·k·I, again
   only with LoRA on the stacks) and the down output for the routing-weight product (2·k·H).
@@ -85,7 +90,9 @@ import moetune.plan.terms_conv as conv
 from moetune.model.spec import ModelSpec
 from moetune.plan import terms_axk2 as axk2
 from moetune.plan import terms_gemma4 as g4
+from moetune.plan import terms_hybrid as hyper
 from moetune.plan import terms_mla
+from moetune.plan.terms_hybrid import gated_delta_net
 from moetune.plan.terms_mla import dsa_pairs, indexer_scores, mla_attention, mla_pairs
 from moetune.plan.terms_ssm import (
     MAMBA1_FIELDS,
@@ -135,20 +142,6 @@ def sdpa_gated_qk_norm(spec: ModelSpec) -> int:
     """Per-head q/k norms (+ their fp32 rstd) and a sigmoid gate on the output (Qwen3-Next)."""
     q, _, heads = _dims(spec)
     return sdpa_fused_qk_norm(spec) + 4 * q + 4 * (heads + spec.num_kv_heads)
-
-
-DELTA_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk size
-
-
-def gated_delta_net(spec: ModelSpec) -> int:
-    """Gated DeltaNet through the torch chunked kernel, per token (see the module docstring)."""
-    c, chunk = spec.hf_config, DELTA_CHUNK
-    hv, hk = c["linear_num_value_heads"], c["linear_num_key_heads"]
-    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-    conv = 2 * hk * dk + hv * dv  # q, k, v channels through the causal conv
-    # conv in/out · chunk matrices · q/k/w/u per head · v/out/norm · states · gates and norms
-    per_head = 20 * chunk + 32 * dk + 26 * dv + 4 * dk * dv // chunk + 34
-    return 4 * conv + hv * per_head
 
 
 def short_conv(spec: ModelSpec) -> int:
@@ -338,13 +331,16 @@ class ActivationProfile:
     resident: SpecInt = _zero  # bytes per token alive for the whole step, outside the layers
     checkpointed: SpecInt = _zero  # … only with checkpointing (the embeddings require grad)
     gate_saved: int = 8  # × k·I: gate/up output + activation product (gated experts)
+    glu_saved: int = 6  # × I: the same for dense and shared GLU MLPs
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate) × shared output
     norms: int = 2  # RMSNorms per layer (input + post-attention)
-    # hyper-connections (hy_v4): residual streams (a layer's input is streams × hidden), what
-    # a layer's stream mixing keeps per token, and the streams' collapse before the final norm
+    # hyper-connections (hy_v4, qwen4_exp, glm5_next): residual streams (a layer's input is
+    # streams × hidden), what a layer's stream mixing keeps per token, and the streams'
+    # collapse before the final norm
     streams: SpecInt = _one
     residual: SpecInt = _zero
     head: SpecInt = _zero
+    mlp_residual: SpecInt = _zero  # the MLP side's share of `residual` (terms_hybrid)
     # what the first layer does not keep when its input needs no gradient (LoRA without
     # checkpointing: the embeddings are frozen); left out (0) where that is one norm's input
     frozen_input: SpecInt = _zero
@@ -465,12 +461,35 @@ INKLING2_NOTE = "inkling2's attention is sized as eager attention keeps it (s² 
 INKLING2 = _sconv_layers(INKLING2_TERMS, INKLING2_NOTE, gate_saved=26)
 INKLING2_LOOP = _sconv_layers(INKLING2_TERMS, INKLING2_NOTE, conv.no_loop_layers, gate_saved=26)
 
+QWEN4_EXP = ActivationProfile(  # gated DeltaNet beside QSA-indexed attention, 4 streams
+    mixers={
+        "linear_attention": dataclasses.replace(DELTA_NET, per_token=hyper.split_delta_net),
+        "attention": MixerTerm(hyper.qsa_attention, pairs=hyper.qsa_masks, no_grad=("indexer.",)),
+    },
+    norms=0,  # no layer norms: each gated residual normalises the streams
+    shared_gate=True,
+    streams=hyper.hyper_streams,
+    residual=hyper.gated_residual_layer,
+    head=hyper.gated_residual_head,
+)
+
+GLM5_NEXT = ActivationProfile(  # KDA beside MLA + a pooled DSA indexer, 4 mHC streams
+    mixers={"linear_attention": KDA},
+    streams=hyper.hyper_streams,
+    residual=hyper.mhc_layer,
+    mlp_residual=hyper.mhc_mlp_side,
+    gate_saved=14,  # clamped SwiGLU: as gpt_oss's, the clamps' copies beyond gate_up
+    glu_saved=10,  # the dense and shared MLPs clamp too: + the clamped gate and up
+)
+
 PROFILES: dict[str, ActivationProfile] = {
     "qwen3_moe": QK_NORM,
     "olmoe": QK_NORM,
     "minimax_m2": QK_NORM,  # full-width q/k norms, as OLMoE
     "qwen3_next": QWEN3_NEXT,
     "qwen3_5_moe_text": QWEN3_NEXT,
+    "qwen4_exp_text": QWEN4_EXP,
+    "glm5_next_text": GLM5_NEXT,
     "qwen2_moe": ActivationProfile(shared_gate=True),
     "lfm2_moe": ActivationProfile(mixers={"conv": SHORT_CONV}),
     "minimax": ActivationProfile(mixers={"attention": SLIDING, "linear_attention": LIGHTNING_TERM}),
