@@ -89,6 +89,21 @@ def test_llama4_backbone_merges_images_as_transformers_forward_does() -> None:
     assert torch.isfinite(out.loss) and out.loss.item() > 0
 
 
+def test_probe_llama4_tower_still_takes_no_bfloat16_pixels_and_the_fix_casts_them() -> None:
+    model = _llama4()
+    pixels = _image_batch()["pixel_values"].to(torch.bfloat16)  # Llama4ImageProcessor's dtype
+    with torch.no_grad(), pytest.raises(RuntimeError, match="BFloat16"):
+        model.get_image_features(pixel_values=pixels)
+    apply_fixes(model)
+    ids = _image_batch()["input_ids"]
+    with torch.no_grad():
+        half = model(input_ids=ids, pixel_values=pixels).logits
+        full = model(input_ids=ids, pixel_values=pixels.float()).logits
+        hidden = model.base_model(input_ids=ids, pixel_values=pixels).last_hidden_state
+    assert torch.equal(half, full)  # the same pixels, cast to the tower's float32
+    assert (model.get_output_embeddings()(hidden) - full).abs().max().item() < 1e-5
+
+
 def test_probe_omni_thinker_config_still_lacks_vision_start_token_id() -> None:
     from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as omni
 

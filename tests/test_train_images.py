@@ -89,11 +89,15 @@ QWEN_TOKENS = dict(  # config field -> the token it names, as Qwen-VL's processo
 
 
 def save_vl_model(
-    model_type: str, out: Path, tokens: dict[str, str], template: str = TEMPLATE
+    model_type: str,
+    out: Path,
+    tokens: dict[str, str],
+    template: str = TEMPLATE,
+    vision: dict[str, Any] | None = None,
 ) -> Any:
     """A tiny checkpoint of transformers' own multimodal class for `model_type` and the demo
-    tokenizer with `tokens` (config field -> special token) added and set in the config;
-    its config."""
+    tokenizer with `tokens` (config field -> special token) added and set in the config, its
+    vision config changed by `vision`; its config."""
     from transformers import CONFIG_MAPPING
 
     from moetune.demo.tokenizer import build_tokenizer
@@ -106,6 +110,8 @@ def save_vl_model(
     values = tiny_multimodal_config(model_type)
     values.pop("model_type")
     values.update({k: tok.convert_tokens_to_ids(t) for k, t in tokens.items()})
+    if vision:
+        values["vision_config"] = {**values["vision_config"], **vision}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = CONFIG_MAPPING[model_type](**values)

@@ -79,6 +79,15 @@ MUSE_TOKENS = dict(  # MuseSparkProcessor's defaults (its image markers: in `mar
 MINIMAX_TOKENS = dict(  # MiniMaxM3VLProcessor's own spelling of its markers
     image_token_index="]<]image[>[", video_token_index="]<]video[>["
 )
+LLAMA4_TOKENS = dict(  # the config's fields: the features go to the patch tokens
+    image_token_index="<|patch|>",
+    boi_token_index="<|image_start|>",
+    eoi_token_index="<|image_end|>",
+)
+# one 28x28 tile: 2x2 patches of 14, pixel-shuffled to one feature; the census' tower (width
+# 48) counts but cannot run: its shuffle MLP takes hidden 64 / pixel_shuffle_ratio**2 = 256
+LLAMA4_VISION = {"image_size": 28, "intermediate_size": 256}
+LLAMA4_MARKERS = ("<|image|>", "<|tile_x_separator|>", "<|tile_y_separator|>")  # no field
 MINIMAX_MARKERS = ("]<]start of image[>[", "]<]end of image[>[")  # no config field names them
 ANSWERS = {"red<eos>", "blue<eos>", "green<eos>", "ba<eos>"}  # image_rows' assistant turns
 
@@ -209,6 +218,18 @@ def _ocr_parts(vision: Any, _config: Any) -> dict[str, Any]:
     }
 
 
+def _llama4_parts(vision: Any, _config: Any) -> dict[str, Any]:
+    from transformers import Llama4ImageProcessor
+
+    side = vision.image_size  # one tile the tower's size: no tiling, one global view
+    return {
+        "image_processor": Llama4ImageProcessor(size={"height": side, "width": side},
+                                                max_patches=1),
+        "patch_size": vision.patch_size,
+        "pixel_shuffle_ratio": vision.pixel_shuffle_ratio,
+    }  # fmt: skip
+
+
 def _step_parts(vision: Any, _config: Any) -> dict[str, Any]:
     from transformers import Step3p7ImageProcessor
 
@@ -222,8 +243,9 @@ class Kind:
     """What a model type's processor needs: its tokens (config field -> token), the image
     placeholder its chat template writes, its non-tokenizer parts (and processor arguments)
     from the vision config and the whole config, the tokens its tokenizer carries as named
-    attributes, its vision tower's name in `.model`, a row length that holds an image's
-    tokens and the answer after them, the special tokens it reads that no config names."""
+    attributes, its vision tower's name in `.model` (or in the model, where it has none), a
+    row length that holds an image's tokens and the answer after them, the special tokens it
+    reads that no config names, the changes its tiny vision config needs to run."""
 
     tokens: dict[str, str]
     placeholder: str
@@ -232,6 +254,7 @@ class Kind:
     tower: str = "visual"
     seq_len: int = 64
     markers: tuple[str, ...] = ()
+    vision: dict[str, Any] = field(default_factory=dict)
 
     @property
     def template(self) -> str:
@@ -269,6 +292,14 @@ KINDS = {
         _inkling_mm_parts,
         tower="vision_tower",
     ),
+    "llama4": Kind(
+        LLAMA4_TOKENS,
+        "<|image|>",
+        _llama4_parts,
+        tower="vision_model",
+        markers=LLAMA4_MARKERS,
+        vision=LLAMA4_VISION,
+    ),
     "minimax_m3_vl": Kind(
         MINIMAX_TOKENS,
         MINIMAX_MARKERS[0] + "]<]image[>[" + MINIMAX_MARKERS[1],
@@ -299,7 +330,6 @@ KINDS = {
 
 # the census' multimodal types left out, each with its cause (transformers 5.24 itself)
 NOT_HERE = {
-    "llama4": "not yet: its text rows train through moetune's fixes (model/fixes_llama4.py)",
     "qwen3_omni_moe": "its class has no forward of its own: moetune trains the thinker",
     "qwen3_omni_moe_thinker": "no processor class is mapped to it, and its forward fails",
 }
@@ -330,7 +360,7 @@ def save_with_processor(model_type: str, out: Path) -> str:
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     kind = KINDS[model_type]
-    config = save_vl_model(model_type, out, kind.tokens, kind.template)
+    config = save_vl_model(model_type, out, kind.tokens, kind.template, kind.vision)
     name = PROCESSOR_MAPPING_NAMES[model_type]
     _name_tokens(out, kind.named, kind.markers)
     parts = kind.parts(config.vision_config, config)
@@ -356,7 +386,7 @@ def test_the_checkpoints_own_processor_loads_via_autoprocessor_and_trains(
     cls = checkpoint_class(AutoConfig.from_pretrained(base))
     with torch.device("meta"):
         built = cls._from_config(AutoConfig.from_pretrained(base))
-        tower_cls = type(built.model.get_submodule(tower))
+        tower_cls = type(_tower(built, tower))
     seen = _VisionCalls(tower_cls)
     monkeypatch.setattr(tower_cls, "forward", seen.forward)
     batches: list[dict[str, Any]] = []
@@ -374,7 +404,7 @@ def test_the_checkpoints_own_processor_loads_via_autoprocessor_and_trains(
     assert seen.calls >= 3  # the tower ran on the pixels in every training step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        before = cls.from_pretrained(base).model.get_submodule(tower).state_dict()
+        before = _tower(cls.from_pretrained(base), tower).state_dict()
     after = seen.tower.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     _assert_labels_on_answers(batches, base)
@@ -401,6 +431,12 @@ def test_gemma4_rows_a_short_seq_len_leaves_no_answer_in_stop_before_training(tm
     assert "train.seq_len 64 holds no token of its answer after its 60 image tokens" in (
         err.value.cause
     )
+
+
+def _tower(model: Any, name: str) -> Any:
+    """The vision tower: under `.model`, or beside the language model where a class has no
+    `.model` (Llama4ForConditionalGeneration)."""
+    return getattr(model, "model", model).get_submodule(name)
 
 
 def _kept(batches: list[dict[str, Any]], batch: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Llama 4's multimodal checkpoint trains as `Llama4ForConditionalGeneration` (the fix for
-model_type "llama4"), working around two transformers 5.24 bugs in that class:
+model_type "llama4"), working around three transformers 5.24 bugs in that class:
 
 - its `forward` builds its output from `outputs.image_outputs`, but its language model
   (`Llama4ForCausalLM`) returns a `MoeCausalLMOutputWithPast`, which has no such field:
@@ -7,13 +7,17 @@ model_type "llama4"), working around two transformers 5.24 bugs in that class:
 - it names `base_model_prefix = "model"` and holds no `model` (vision tower, projector and
   causal LM sit side by side), so it has no backbone that returns the last hidden state:
   TRL's fused LM head calls `base_model` for one and gets the whole model, or the causal LM
-  (`model.derive.ensure_backbone`), whose output is logits.
+  (`model.derive.ensure_backbone`), whose output is logits;
+- its vision tower runs on pixels in its own dtype, but `Llama4ImageProcessor` normalises
+  them in bfloat16 and `get_image_features` casts nothing: a float32 model's image rows
+  raise "expected scalar type Float but found BFloat16" in the patch embedding.
 
 Both instances get a same-named subclass (parameters and state dict untouched): the causal
 LM's output gains the `image_outputs` slot (None: it sees embeddings, not images); the
-multimodal forward encodes the images itself and fills the slot with the vision tower's
-output; its `base_model` is a view that merges the projected image features into the token
-embeddings as transformers' forward does, then runs the text decoder.
+multimodal forward encodes the images itself (cast to the tower's dtype) and fills the slot
+with the vision tower's output; its `base_model` is a view that merges the projected image
+features into the token embeddings as transformers' forward does, then runs the text
+decoder (the same cast on its images).
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ def _encoded(model: Any, pixel_values: Any, given: dict[str, Any] | None) -> dic
     """The encoder outputs by modality: those given, the images' encoded where missing."""
     encoded = dict(given or {})
     if encoded.get("image") is None and pixel_values is not None:
-        encoded["image"] = model.get_image_features(pixel_values=pixel_values, return_dict=True)
+        pixels = pixel_values.to(model.vision_model.dtype)  # the processor's are bfloat16
+        encoded["image"] = model.get_image_features(pixel_values=pixels, return_dict=True)
     return encoded
 
 
