@@ -30,8 +30,9 @@ import torch.multiprocessing as mp
 
 from moetune.config import RunConfig, parse_config
 from moetune.model import spec_from_config
-from moetune.plan.analytic import Step, estimate_step
+from moetune.plan.analytic import estimate_step
 from moetune.plan.sharding import per_rank_bytes
+from moetune.plan.step import Step
 from moetune.plan.tracker import FROZEN, GRADIENTS, OPTIMIZER, TRAINABLE, ByteTracker
 
 RESULTS = Path(__file__).with_name("RESULTS.md")

@@ -10,9 +10,10 @@ from moetune.config import RunConfig, parse_config
 from moetune.model import load_spec, spec_from_config
 from moetune.model.spec import ModelSpec
 from moetune.model.tiny import tiny_config
-from moetune.plan.analytic import COMPONENTS, Step, estimate_step
+from moetune.plan.analytic import COMPONENTS, estimate_step
 from moetune.plan.fit import analytic
 from moetune.plan.layout import formula_layout
+from moetune.plan.step import Step
 
 GiB = 1024**3
 

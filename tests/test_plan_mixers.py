@@ -160,8 +160,9 @@ def test_a_mamba_layer_before_the_first_adapter_keeps_nothing_without_checkpoint
     before the first adapted layer saves nothing: sizing it put jamba's kept bytes a third
     high (4 Mamba layers sized, 3 keep), and granitemoehybrid's Mamba2 term, fitted with it,
     came out 25 % low per layer. With checkpointing every layer recomputes with a gradient."""
-    from moetune.plan.analytic import Step, _grad_free
+    from moetune.plan.analytic import _grad_free
     from moetune.plan.layout import adapter_layout
+    from moetune.plan.step import Step
 
     for model_type, free in (("jamba", {0}), ("nemotron_h", {0, 1}), ("qwen3_next", set())):
         spec = tiny(model_type)

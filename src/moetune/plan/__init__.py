@@ -13,11 +13,12 @@ against it. Overhead beyond live tensors (`plan.overhead`) is a separate line.
 from __future__ import annotations
 
 from moetune.plan import serve_vllm  # noqa: F401 – registers vLLM in plan.serve's registry
-from moetune.plan.analytic import AnalyticEstimate, Step, estimate, estimate_step
+from moetune.plan.analytic import AnalyticEstimate, estimate, estimate_step
 from moetune.plan.fit import CardFit, MemoryPlan, Recommendation, analytic, card_fit
 from moetune.plan.hardware import Card, all_cards, card_ids, get_card
 from moetune.plan.overhead import Overhead, overhead_for
 from moetune.plan.planner import make_plan
+from moetune.plan.step import Step
 
 __all__ = [
     "AnalyticEstimate",

@@ -21,10 +21,11 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.errors import MoetuneError
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import DTYPE_BYTES, AnalyticEstimate
+from moetune.plan.analytic import AnalyticEstimate
 from moetune.plan.fit import analytic
 from moetune.plan.layout import adapter_layout
 from moetune.plan.offload import layer_expert_bytes
+from moetune.plan.step import DTYPE_BYTES
 
 # Engines that train MoEs with expert parallelism today (moetune plans it only).
 ENGINES = (

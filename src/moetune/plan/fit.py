@@ -14,11 +14,12 @@ from typing import Any, Literal
 from moetune.config import RunConfig
 from moetune.errors import MoetuneError
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import AnalyticEstimate, Step, estimate_step
+from moetune.plan.analytic import AnalyticEstimate, estimate_step
 from moetune.plan.hardware import Card
 from moetune.plan.layout import AdapterLayout, adapter_layout
 from moetune.plan.methods import as_trained, method_terms, with_rollout
 from moetune.plan.overhead import Overhead, card_overhead
+from moetune.plan.step import Step
 
 Estimator = Literal["trace", "analytic"]
 GiB = 1024**3

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moetune.plan.analytic import DTYPE_BYTES
+from moetune.plan.step import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from moetune.config import RunConfig

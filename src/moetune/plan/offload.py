@@ -28,7 +28,7 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.errors import ConfigError, MoetuneError
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import DTYPE_BYTES, QUANT_BYTES, Step, expert_bytes_per_param
+from moetune.plan.analytic import QUANT_BYTES, expert_bytes_per_param
 from moetune.plan.estimate import MFU, flops_per_token
 from moetune.plan.fit import Recommendation, analytic
 from moetune.plan.hardware import (
@@ -40,6 +40,7 @@ from moetune.plan.hardware import (
     get_link,
 )
 from moetune.plan.overhead import card_overhead
+from moetune.plan.step import DTYPE_BYTES, Step
 
 MiB = 1024**2
 GiB = 1024**3

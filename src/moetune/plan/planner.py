@@ -13,13 +13,13 @@ import moetune.plan.tracecache as tracecache
 from moetune.config import RunConfig
 from moetune.errors import ConfigError, TraceError
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import split_lora
 from moetune.plan.fit import Estimator, MemoryPlan, Recommendation, analytic, card_fit
 from moetune.plan.hardware import Card, all_cards, get_card
 from moetune.plan.methods import as_trained, method_notes, method_terms, with_rollout
 from moetune.plan.overhead import Overhead, overhead_for
 from moetune.plan.profiles import mixer_notes, profile_for, uncalibrated
 from moetune.plan.recommend import recommend, refuses_checkpointing
+from moetune.plan.step import split_lora
 from moetune.plan.tracetime import expected_trace_s
 
 Warn = Callable[[str], None]

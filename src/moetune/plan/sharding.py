@@ -46,12 +46,13 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.errors import ConfigError
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import ADAPTER_BYTES, AnalyticEstimate, Step, expert_bytes_per_param
+from moetune.plan.analytic import AnalyticEstimate, expert_bytes_per_param
 from moetune.plan.expert_parallel import ExpertParallelPlan, plan_expert_parallel
 from moetune.plan.fit import CardFit, analytic, card_fit
 from moetune.plan.hardware import Card, get_card
 from moetune.plan.layout import adapter_layout
 from moetune.plan.profiles import uncalibrated
+from moetune.plan.step import ADAPTER_BYTES, Step
 from moetune.units import human_bytes
 
 SHARDED = ("frozen_weights", "trainable_weights", "gradients", "optimizer_state",

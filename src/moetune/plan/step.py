@@ -1,0 +1,72 @@
+"""The training step the planner sizes: sequence, batch, method, dtypes and engine, read
+off a run config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moetune.config import RunConfig
+from moetune.model.spec import ModelSpec
+
+Method = Literal["lora", "full", "qlora"]
+Optimizer = Literal["fused", "foreach", "for-loop"]
+ADAPTER_BYTES = 4  # peft autocast_adapter_dtype=True keeps LoRA weights in fp32
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Step:
+    """The training step being sized."""
+
+    seq_len: int
+    batch_size: int = 1
+    gradient_checkpointing: bool = True
+    method: Method = "lora"
+    optimizer: Optimizer = "fused"
+    quantization: str = "none"
+    weight_bytes: int = 2
+    split_lora: bool = False  # lora.engine moetune: expert LoRA on routed tokens, no W+ΔW
+    experts_dtype: str = "bf16"  # moetune's frozen expert storage: bf16 | int8 | nf4
+    experts_double_quant: bool = False
+    fused_head: bool = True  # TRL SFTTrainer's tiled LM head (moetune's trainer) vs full logits
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.batch_size
+
+    @property
+    def pairs(self) -> int:
+        """Query·key pairs per head over the batch (sequences attend within themselves)."""
+        return self.batch_size * self.seq_len * self.seq_len
+
+    @property
+    def act_bytes(self) -> int:
+        """QLoRA's upcast norms and embeddings carry fp32 hidden states."""
+        return 4 if self.method == "qlora" else self.weight_bytes
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, spec: ModelSpec, optimizer: Optimizer = "fused") -> Step:
+        quant = cfg.train.quantization
+        if cfg.train.tuning == "qlora" and quant == "none":
+            quant = "bnb-4bit"
+        return cls(
+            seq_len=cfg.train.seq_len,
+            batch_size=cfg.train.batch_size,
+            gradient_checkpointing=cfg.train.gradient_checkpointing,
+            method=cfg.train.tuning,
+            optimizer=optimizer,
+            quantization=quant,
+            weight_bytes=DTYPE_BYTES[cfg.model.dtype],
+            split_lora=split_lora(spec, cfg),
+            experts_dtype=cfg.model.experts_dtype,
+            experts_double_quant=cfg.model.experts_double_quant,
+        )
+
+
+def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
+    """Whether the step runs moetune's split-LoRA experts (`lora.engine` resolved on `spec`)."""
+    # lazy: heavy to import (torch, peft via moetune.engine)
+    from moetune.engine.resolve import resolve_engine
+
+    return cfg.train.tuning != "full" and resolve_engine(spec, cfg.lora) == "moetune"
