@@ -6,7 +6,7 @@ checkpointing on and off, and "kept" = gc off − gc on (what the layers save fo
 "raw" is the analytic with the generic GQA profile gemma4 had before its terms (the plan
 traced instead). Prints a markdown table for benchmarks/RESULTS.md.
 
-    python benchmarks/gemma4_terms.py [--only NAME,NAME]
+    python benchmarks/gemma4_terms.py [--only NAME,NAME] [--smoke] [--threads N]
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import argparse
 import time
 from typing import Any
 from unittest import mock
+
+import bench_env
 
 from moetune.config import parse_config
 from moetune.model import spec_from_config
@@ -77,7 +79,11 @@ def row(name: str, seq: int, over: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated shape names (prefixes)")
-    only = [s for s in parser.parse_args().only.split(",") if s]
+    parser.add_argument("--smoke", action="store_true", help="the census shape only")
+    bench_env.add_argument(parser)
+    args = parser.parse_args()
+    bench_env.apply()
+    only = ["census shape"] if args.smoke else [s for s in args.only.split(",") if s]
     print("| shape | seq | trace peak gc on / off (MiB) | raw kept | peak gc on | peak gc off "
           "| kept | s |\n|---|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for name, (seq, over) in SHAPES.items():

@@ -24,6 +24,7 @@ EXPECT: dict[str, tuple[list[str], str]] = {
     "demo_base.py": (["mixed"], r'"step": 2, "train_s"'),
     "census_tiers.py": ([], r'"passed": \{"count": 3, "recipe": 3, "plan": 3\}'),
     "experts_lora.py": ([], r"speed.*\d"),
+    "gemma4_terms.py": ([], r"\| census shape .*\| 128 \| \d+\.\d / \d+\.\d \|"),
     "gpu_validate.py": (["--cases", "30b-peft-2k", "--no-tracker"], r"30b-peft-2k"),
     "grpo_step.py": ([], r"\| 4 \| \d+\.\d+ \| \d+\.\d+ \|"),
     "planner_accuracy.py": ([], r"worst: [+-]\d+\.\d %"),
