@@ -336,7 +336,7 @@ HY_V4 = ActivationProfile(
         )
     },
     gate_saved=12,  # gate and up clamped before the SwiGLU
-    streams=terms_mla.hyper_streams,
+    streams=hyper.hyper_streams,
     residual=terms_mla.hyper_layer,
     head=terms_mla.hyper_head,
     frozen_input=terms_mla.hyper_frozen_input,

@@ -49,6 +49,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.model.spec import ModelSpec
+from moetune.plan.terms_hybrid import hyper_streams
 
 
 def _mla(spec: ModelSpec) -> dict[str, Any]:
@@ -113,11 +114,6 @@ def sink_mla_attention(spec: ModelSpec) -> int:
 def sink_mla_pairs(spec: ModelSpec) -> int:
     """The fp32 probabilities and their bf16 cast, per query·key pair."""
     return 6 * spec.num_attention_heads
-
-
-def hyper_streams(spec: ModelSpec) -> int:
-    """Residual streams a layer passes on (1 without hyper-connections)."""
-    return _c(spec, "hc_mult") or 1
 
 
 def hyper_layer(spec: ModelSpec) -> int:
