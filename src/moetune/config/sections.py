@@ -51,6 +51,12 @@ class ModelArgs(_Section):
     experts_double_quant: bool = Field(
         False, description="nf4: quantise the absmax scales too (about 0.4 bits/param less)."
     )
+    quantized_base: Literal["as_stored", "dequantize"] = Field(
+        "as_stored",
+        description="A base published quantised (FP8 / MXFP4 / NVFP4 / INT4 quantization_config): "
+        "as_stored keeps every frozen expert stack in the checkpoint's own bytes (lora.engine "
+        "moetune); dequantize inflates it to model.dtype at load, as transformers does.",
+    )
     trust_remote_code: bool = Field(
         False,
         description="Run the modeling code a checkpoint ships (config.json's auto_map, for a "
