@@ -33,8 +33,10 @@ def test_fp8_equals_transformers_dequantize(dtype: torch.dtype) -> None:
 
     bufs = BlockFP8.quantize(_w(3, 64, 96), block=(32, 32))
     assert bufs["weight"].dtype == torch.float8_e4m3fn and bufs["scale_inv"].shape == (3, 2, 3)
-    ref = torch.stack([Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype)
-                       for w, s in zip(bufs["weight"], bufs["scale_inv"])])  # fmt: skip
+    pairs = zip(bufs["weight"], bufs["scale_inv"], strict=True)
+    ref = torch.stack(
+        [Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype) for w, s in pairs]
+    )
     mine = BlockFP8.dequantize(bufs, (64, 96), dtype)
     assert mine.dtype == dtype and torch.equal(mine, ref)
 
@@ -48,7 +50,7 @@ def test_fp8_packed_fp4_ue8m0_equals_transformers(dtype: torch.dtype) -> None:
     weight = torch.randint(-128, 128, (2, 16, 32), generator=g, dtype=torch.int8)
     scale = torch.randint(110, 135, (2, 16, 2), generator=g, dtype=torch.uint8)
     ref = torch.stack([Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype)
-                       for w, s in zip(weight, scale)])  # fmt: skip
+                       for w, s in zip(weight, scale, strict=True)])  # fmt: skip
     mine = BlockFP8.dequantize({"weight": weight, "scale_inv": scale}, (16, 64), dtype)
     assert torch.equal(mine, ref)
 

@@ -28,6 +28,8 @@ from moetune.registry import Registry
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
     "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # published FP8 / FP4 checkpoints (engine/stored.py)
 }  # fmt: skip
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
@@ -124,12 +126,15 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Seg
 
 # ---------------------------------------------------------------- layouts
 
-Layout = Callable[[dict[str, Segment], str, str, int], "list[Segment] | None"]
+# (index, stack prefix, stack name, experts, per-expert key suffix: "weight" for float
+# checkpoints, a stored format's own – "weight_scale_inv" …) -> segments
+Layout = Callable[[dict[str, Segment], str, str, int, str], "list[Segment] | None"]
 LAYOUTS: Registry[Layout] = Registry("expert checkpoint layout", OffloadError)
 
 
 @LAYOUTS.register("fused")
-def _fused(index: dict[str, Segment], prefix: str, name: str, experts: int) -> list[Segment] | None:
+def _fused(index: dict[str, Segment], prefix: str, name: str, experts: int,
+           suffix: str = "weight") -> list[Segment] | None:  # fmt: skip
     seg = index.get(f"{prefix}.{name}")
     return [seg] if seg is not None else None
 
@@ -139,10 +144,10 @@ def _per_expert(parts: dict[str, tuple[str, ...]], prefixes: Callable[[str], lis
     concatenated (along the output rows) to make it."""
 
     def layout(
-        index: dict[str, Segment], prefix: str, name: str, experts: int
+        index: dict[str, Segment], prefix: str, name: str, experts: int, suffix: str = "weight"
     ) -> list[Segment] | None:
         for base in prefixes(prefix):
-            keys = [f"{base}.{e}.{p}.weight" for e in range(experts) for p in parts.get(name, ())]
+            keys = [f"{base}.{e}.{p}.{suffix}" for e in range(experts) for p in parts.get(name, ())]
             if keys and all(k in index for k in keys):
                 return [index[k] for k in keys]
         return None

@@ -70,9 +70,11 @@ def expert_device_map(expert_paths: list[str], device: str | torch.device) -> di
 
 
 def _stream(model: PreTrainedModel, model_dir: Path, device_map: dict[str, Any],
-            dtype: torch.dtype, skip: frozenset[str] | set[str] = frozenset()) -> None:  # fmt: skip
+            dtype: torch.dtype, skip: frozenset[str] | set[str] = frozenset(),
+            extra: dict[str, Any] | None = None) -> None:  # fmt: skip
     """One tensor at a time through the loader `from_pretrained` uses (transformers 5.23–5.24);
-    keys in `skip` are not read (offloaded expert stacks)."""
+    keys in `skip` are not read (offloaded or stored expert stacks); `extra` adds tensors read
+    lazily (`x[...]`: quantised Linears, dequantised as they load)."""
     # lazy: heavy to import (safetensors, transformers)
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -90,6 +92,7 @@ def _stream(model: PreTrainedModel, model_dir: Path, device_map: dict[str, Any],
     with contextlib.ExitStack() as files_open, mock.patch.dict(os.environ, _SYNC_LOAD):
         handles = [files_open.enter_context(safe_open(str(f), framework="pt")) for f in files]
         slices = {k: h.get_slice(k) for h in handles for k in h.keys() if k not in skip}  # noqa: SIM118
+        slices.update(extra or {})
         info, _ = convert_and_load_state_dict_in_model(model, slices, load)
     if info.mismatched_keys or info.conversion_errors:
         bad = sorted(map(str, [*info.mismatched_keys, *info.conversion_errors]))[:3]

@@ -24,6 +24,7 @@ import torch
 
 from moetune.engine.quant import QUANTIZERS, QuantError, Quantizer, register
 
+Buffers = dict[str, torch.Tensor]
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
@@ -37,6 +38,7 @@ class StoredFormat(Quantizer):
     """
 
     stored: ClassVar[bool] = True
+    experts_only: ClassVar[bool] = False  # publishers leave the other Linears in float
     label: ClassVar[str]  # how a person names it: "block FP8 (e4m3, 128x128 scales)"
     keys: ClassVar[dict[str, tuple[str, str]]]
     scales: ClassVar[tuple[str, ...]]
@@ -51,13 +53,18 @@ class StoredFormat(Quantizer):
         raise NotImplementedError
 
     @classmethod
+    def config(cls, **options: Any) -> dict[str, Any]:
+        """The `quantization_config` a publisher writes for this format (tiny checkpoints)."""
+        raise NotImplementedError
+
+    @classmethod
     def weight_suffix(cls) -> str:
         """The per-Linear key suffix of the packed weight (first of `keys`)."""
         return next(iter(cls.keys.values()))[0]
 
     @classmethod
     def check(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int], where: str) -> None:
-        """Refuse mis-shaped buffers and NaN / Inf / zero scales, naming the tensor."""
+        """Refuse mis-shaped buffers and (real ones) NaN / Inf / zero scales, naming the tensor."""
         for name, shape in cls.shapes(buffers, out_in).items():
             got = tuple(buffers[name].shape[1:])
             if got != shape:
@@ -67,13 +74,15 @@ class StoredFormat(Quantizer):
                     "use the config.json published with these weights (or re-download them)",
                 )
         for name in cls.scales:
+            if buffers[name].is_meta:
+                continue
             values = cls.scale_values(name, buffers[name])
             if not bool(torch.isfinite(values).all()) or bool((values == 0).any()):
                 raise QuantError(f"{where}: {cls.name} scales {name!r} hold NaN, Inf or zero",
                                  "re-download the checkpoint: its scales are corrupt")  # fmt: skip
 
     @classmethod
-    def shapes(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    def shapes(cls, buffers: Buffers, out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         """Each buffer's per-expert shape for an [out, in] weight (block sizes from the buffers)."""
         raise NotImplementedError
 
@@ -104,6 +113,7 @@ def describe(qcfg: dict[str, Any]) -> str:
 
 
 def _divides(size: int, parts: int, what: str) -> int:
+    """size / parts, refused where it is not whole."""
     if parts <= 0 or size % parts:
         raise QuantError(f"{what}: a block of {size}/{parts} does not divide the weight",
                          "use the config.json published with these weights")  # fmt: skip
@@ -132,7 +142,9 @@ def _pack_e2m1(values: torch.Tensor) -> torch.Tensor:
 def _blockwise(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """[E, out, in] -> [E, out/rows, rows, in/cols, cols]."""
     e, out, inp = w.shape
-    return w.reshape(e, out // rows, rows, inp // cols, cols)
+    return w.reshape(
+        e, _divides(out, rows, "block rows"), rows, _divides(inp, cols, "block cols"), cols
+    )
 
 
 # ---------------------------------------------------------------- block FP8
@@ -146,7 +158,10 @@ class BlockFP8(StoredFormat):
 
     name = method = "fp8"
     label = "block FP8 (quant_method fp8)"
-    keys = {"weight": ("weight", ""), "scale_inv": ("weight_scale_inv", "_scale_inv")}
+    keys: ClassVar[dict[str, tuple[str, str]]] = {
+        "weight": ("weight", ""),
+        "scale_inv": ("weight_scale_inv", "_scale_inv"),
+    }
     scales = ("scale_inv",)
 
     @classmethod
@@ -159,7 +174,12 @@ class BlockFP8(StoredFormat):
         return 1 + 4 / (rows * cols)
 
     @classmethod
-    def shapes(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    def config(cls, block: tuple[int, int] = (128, 128), **options: Any) -> dict[str, Any]:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(block)}  # fmt: skip
+
+    @classmethod
+    def shapes(cls, buffers: Buffers, out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         out, inp = out_in
         packed = buffers["weight"].dtype == torch.int8  # two e2m1 codes a byte
         rows, cols = buffers["scale_inv"].shape[1:]
@@ -209,8 +229,12 @@ class MXFP4(StoredFormat):
 
     name = method = "mxfp4"
     label = "MXFP4 (quant_method mxfp4)"
-    keys = {"blocks": ("weight_blocks", "_blocks"), "scales": ("weight_scales", "_scales")}
+    keys: ClassVar[dict[str, tuple[str, str]]] = {
+        "blocks": ("weight_blocks", "_blocks"),
+        "scales": ("weight_scales", "_scales"),
+    }
     scales = ("scales",)
+    experts_only = True
     BLOCK = 32
 
     @classmethod
@@ -222,7 +246,13 @@ class MXFP4(StoredFormat):
         return 0.5 + 1 / cls.BLOCK
 
     @classmethod
-    def shapes(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    def config(cls, **options: Any) -> dict[str, Any]:
+        keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                "lm_head"]  # fmt: skip
+        return {"quant_method": "mxfp4", "modules_to_not_convert": keep}
+
+    @classmethod
+    def shapes(cls, buffers: Buffers, out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         out, inp = out_in
         groups = _divides(inp, cls.BLOCK, "mxfp4 blocks of 32")
         return {"blocks": (out, groups, cls.BLOCK // 2), "scales": (out, groups)}
@@ -241,7 +271,7 @@ class MXFP4(StoredFormat):
     @classmethod
     def quantize(cls, w: torch.Tensor, *, double_quant: bool = False) -> dict[str, torch.Tensor]:
         e, out, inp = w.shape
-        groups = w.float().reshape(e, out, inp // cls.BLOCK, cls.BLOCK)
+        groups = w.float().reshape(e, out, _divides(inp, cls.BLOCK, "mxfp4 blocks"), cls.BLOCK)
         amax = groups.abs().amax(-1).clamp_min(2.0**-126)
         exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # largest e2m1 is 6
         packed = _pack_e2m1(groups / exp.exp2().unsqueeze(-1))
@@ -260,7 +290,8 @@ class NVFP4(StoredFormat):
 
     name = method = "nvfp4"
     label = "NVFP4 (quant_method modelopt, quant_algo NVFP4)"
-    keys = {"weight": ("weight", ""), "scale": ("weight_scale", "_scale"),
+    keys: ClassVar[dict[str, tuple[str, str]]] = {
+        "weight": ("weight", ""), "scale": ("weight_scale", "_scale"),
             "scale_2": ("weight_scale_2", "_scale_2")}  # fmt: skip
     scales = ("scale", "scale_2")
     BLOCK = 16
@@ -275,7 +306,12 @@ class NVFP4(StoredFormat):
         return 0.5 + 1 / cls.BLOCK
 
     @classmethod
-    def shapes(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    def config(cls, **options: Any) -> dict[str, Any]:
+        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": cls.BLOCK,
+                "exclude_modules": ["lm_head"]}  # fmt: skip
+
+    @classmethod
+    def shapes(cls, buffers: Buffers, out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         out, inp = out_in
         parts = buffers["scale_2"].shape[1] if buffers["scale_2"].ndim == 2 else 0
         _divides(out, parts, "nvfp4 second-level scales")
@@ -296,7 +332,7 @@ class NVFP4(StoredFormat):
     @classmethod
     def quantize(cls, w: torch.Tensor, *, double_quant: bool = False) -> dict[str, torch.Tensor]:
         e, out, inp = w.shape
-        groups = w.float().reshape(e, out, inp // cls.BLOCK, cls.BLOCK)
+        groups = w.float().reshape(e, out, _divides(inp, cls.BLOCK, "nvfp4 blocks"), cls.BLOCK)
         second = (w.float().abs().reshape(e, -1).amax(-1) / (6.0 * FP8_MAX)).clamp_min(1e-12)
         block = groups.abs().amax(-1) / 6.0 / second.view(e, 1, 1)
         scale = block.clamp_min(2.0**-9).to(torch.float8_e4m3fn)
@@ -316,7 +352,10 @@ class Int4Packed(StoredFormat):
 
     name = method = "int4"
     label = "INT4 (compressed-tensors pack-quantized, symmetric)"
-    keys = {"packed": ("weight_packed", "_packed"), "scale": ("weight_scale", "_scale")}
+    keys: ClassVar[dict[str, tuple[str, str]]] = {
+        "packed": ("weight_packed", "_packed"),
+        "scale": ("weight_scale", "_scale"),
+    }
     scales = ("scale",)
 
     @classmethod
@@ -335,7 +374,15 @@ class Int4Packed(StoredFormat):
         return 0.5 + 2 / min(groups or [128])
 
     @classmethod
-    def shapes(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    def config(cls, group: int = 32, **options: Any) -> dict[str, Any]:
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                   "group_size": group}  # fmt: skip
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
+                "ignore": ["lm_head"]}  # fmt: skip
+
+    @classmethod
+    def shapes(cls, buffers: Buffers, out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         out, inp = out_in
         groups = buffers["scale"].shape[-1]
         _divides(inp, groups, "int4 scale groups")
@@ -357,7 +404,7 @@ class Int4Packed(StoredFormat):
     def quantize(cls, w: torch.Tensor, *, double_quant: bool = False, group: int = 32,
                  dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:  # fmt: skip
         e, out, inp = w.shape
-        groups = w.float().reshape(e, out, inp // group, group)
+        groups = w.float().reshape(e, out, _divides(inp, group, "int4 groups"), group)
         scale = (groups.abs().amax(-1) / 7.5).clamp_min(1e-8).to(dtype)
         codes = torch.round(groups / scale.float().unsqueeze(-1)).clamp(-8, 7).to(torch.int8)
         unsigned = (codes.reshape(e, out, inp) + 8).to(torch.uint8)

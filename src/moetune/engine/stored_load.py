@@ -1,0 +1,266 @@
+"""Load a base published quantised (FP8 / MXFP4 / NVFP4 / INT4) with its expert stacks kept as
+the checkpoint stores them.
+
+The model is built with meta Parameters. Each fused expert stack's buffers are read straight
+from the safetensors files (per-expert keys back to back, `offload_files` layouts) into a
+`QuantizedStack` of the stored format – no float copy of a stack exists at any time. Every
+other quantised Linear (DeepSeek's FP8 attention, dense and shared MLP) is dequantised to the
+compute dtype as it streams through transformers' loader, one tensor at a time: it is a few
+per cent of such a base, and its float weights are what LoRA wraps there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moetune.engine.offload_files import LAYOUTS, Segment, dtype_name, index_dir, read_into
+from moetune.engine.quant import (
+    QUANTIZED,
+    QuantError,
+    QuantizedStack,
+    _mark_quantized,
+    experts_modules,
+    is_transposed,
+    stacks_of,
+)
+from moetune.engine.stored import StoredFormat, stored_format
+from moetune.model.derive import causal_lm_class, ensure_backbone
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedModel
+
+# tensors a published checkpoint carries beside the weights that moetune's path does not use
+_UNUSED = ("input_scale", "weight_shape", "weight_zero_point", "k_scale", "v_scale")
+
+
+@dataclass
+class StoredReport:
+    """What was kept as stored and what was dequantised at load."""
+
+    format: str
+    label: str
+    stacks: int = 0
+    stored_bytes: int = 0  # the expert stacks as held
+    float_bytes: int = 0  # the same stacks in the compute dtype (what dequantising would hold)
+    dequantized: list[str] = field(default_factory=list)  # other Linears, float at load
+    dequantized_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "dequantized": len(self.dequantized)}
+
+
+@dataclass(frozen=True)
+class StackFiles:
+    """Where one expert stack's stored buffers lie: buffer -> (segments, stacked shape, dtype)."""
+
+    buffers: dict[str, tuple[list[Segment], tuple[int, ...], torch.dtype]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for segs, _, _ in self.buffers.values() for s in segs)
+
+    def read(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (segs, shape, dtype) in self.buffers.items():
+            out[name] = torch.empty(shape, dtype=dtype)
+            read_into(segs, out[name])
+        return out
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        return {n: torch.empty(shape, dtype=d, device="meta")
+                for n, (_, shape, d) in self.buffers.items()}  # fmt: skip
+
+
+def checkpoint_format(model_dir: str | Path) -> tuple[type[StoredFormat], dict[str, Any]] | None:
+    """The stored format of a local checkpoint's config.json (None: a float checkpoint)."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    qcfg = config.get("quantization_config") or (config.get("text_config") or {}).get(
+        "quantization_config")  # fmt: skip
+    fmt = stored_format(qcfg)
+    return None if fmt is None else (fmt, qcfg)
+
+
+def stack_files(fmt: type[StoredFormat], index: dict[str, Segment], prefix: str, name: str,
+                shape: tuple[int, int, int], transposed: bool) -> StackFiles:  # fmt: skip
+    """Find and shape-check stack `prefix.name`'s stored buffers in the checkpoint's files."""
+    experts = shape[0]
+    out_in = (shape[2], shape[1]) if transposed else (shape[1], shape[2])
+    buffers = {}
+    for buf, suffixes in fmt.keys.items():
+        segs = _find(index, prefix, name, experts, suffixes)
+        if segs is None:
+            raise QuantError(
+                f"{prefix}.{name}: the {fmt.label} checkpoint has no {suffixes[0]!r} tensors "
+                "for it",
+                "point model.id at the complete checkpoint, with its config.json",
+            )
+        buffers[buf] = (segs, _stacked_shape(segs, experts), segs[0].dtype)
+    files = StackFiles(buffers)
+    fmt.check(files.meta(), out_in, f"{prefix}.{name}")
+    return files
+
+
+def _find(index: dict[str, Segment], prefix: str, name: str, experts: int,
+          suffixes: tuple[str, str]) -> list[Segment] | None:  # fmt: skip
+    fused = index.get(f"{prefix}.{name}{suffixes[1]}")
+    if fused is not None:
+        return [fused]
+    for layout_name, layout in LAYOUTS.items():
+        if layout_name != "fused":
+            found = layout(index, prefix, name, experts, suffixes[0])
+            if found is not None:
+                return found
+    return None
+
+
+def _stacked_shape(segs: list[Segment], experts: int) -> tuple[int, ...]:
+    """Per-expert tensors concatenated along their rows (scalars side by side) under an E dim."""
+    if len(segs) == 1 and segs[0].shape and segs[0].shape[0] == experts:
+        return segs[0].shape  # fused: stored with its expert dim
+    parts = len(segs) // experts
+    first = segs[0].shape
+    if len(first) == 0 or first == (1,):
+        return (experts, parts)
+    return (experts, parts * first[0], *first[1:])
+
+
+class _Dequantized:
+    """A quantised Linear's weight as transformers' loader reads it: `tensor[...]` dequantises."""
+
+    def __init__(self, fmt: type[StoredFormat], segs: dict[str, Segment],
+                 out_in: tuple[int, int], dtype: torch.dtype, key: str) -> None:  # fmt: skip
+        self.fmt, self.segs, self.shape, self.dtype, self.key = fmt, segs, out_in, dtype, key
+        self.stored_bytes = sum(s.nbytes for s in segs.values())
+
+    def __getitem__(self, _: Any) -> torch.Tensor:
+        bufs = {}
+        for name, seg in self.segs.items():
+            buf = torch.empty(seg.shape, dtype=seg.dtype)
+            read_into([seg], buf)
+            bufs[name] = buf.reshape(1, *(seg.shape or (1,)))
+        self.fmt.check(bufs, self.shape, self.key)
+        return self.fmt.dequantize(bufs, self.shape, self.dtype)[0]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return dtype_name(self.dtype)
+
+
+def dequantized_linears(fmt: type[StoredFormat], index: dict[str, Segment], model: nn.Module,
+                        dtype: torch.dtype) -> dict[str, _Dequantized]:  # fmt: skip
+    """Every quantised non-expert Linear weight, by the key transformers loads it under."""
+    found = {}
+    for key in index:
+        if not key.endswith(f".{fmt.weight_suffix()}"):
+            continue
+        base = key.removesuffix(f".{fmt.weight_suffix()}")
+        segs = {b: index.get(f"{base}.{suffix}") for b, (suffix, _) in fmt.keys.items()}
+        if any(s is None for s in segs.values()) or len(segs) < 2:
+            continue  # a float tensor the format left alone (norms, embeddings, the router)
+        try:
+            param = model.get_parameter(f"{base}.weight")
+        except AttributeError:
+            continue  # not a parameter of the built model (expert keys: read as stacks)
+        found[f"{base}.weight"] = _Dequantized(fmt, segs, tuple(param.shape), dtype, base)  # type: ignore[arg-type]
+    return found
+
+
+def stored_keys(fmt: type[StoredFormat], index: dict[str, Segment],
+                linears: dict[str, _Dequantized]) -> set[str]:  # fmt: skip
+    """Keys the stream must not read raw: quantised weights, their scales and unused extras."""
+    bases = {k.removesuffix(".weight") for k in linears}
+    suffixes = [s for s, _ in fmt.keys.values()] + list(_UNUSED)
+    return {f"{b}.{s}" for b in bases for s in suffixes if f"{b}.{s}" in index}
+
+
+def load_stored(
+    model_dir: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16
+) -> tuple[PreTrainedModel, StoredReport]:
+    """A causal LM from a published quantised checkpoint, expert stacks as stored on `device`."""
+    from moetune.engine.quant_load import _finish, _stream
+
+    model, fmt, index, stacks = open_stored(model_dir, dtype)
+    linears = dequantized_linears(fmt, index, model, dtype)
+    report = StoredReport(fmt.name, fmt.label, dequantized=sorted(linears))
+    report.dequantized_bytes = sum(_numel(d.shape) * dtype.itemsize for d in linears.values())
+    skip = stored_keys(fmt, index, linears) | stack_keys(index, stacks)
+    _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip, extra=linears)
+    for (path, name), files in stacks.items():
+        module = model.get_submodule(path)
+        stack = QuantizedStack(tuple(module._parameters[name].shape), is_transposed(module),  # type: ignore[union-attr]
+                               dtype, fmt.name, files.read())  # fmt: skip
+        fmt.check(dict(stack.named_buffers()), stack.out_in, f"{path}.{name}")
+        _install_stack(module, name, stack.to(device), report)
+    _finish(model, device)
+    return model, report
+
+
+def open_stored(
+    model_dir: str | Path, dtype: torch.dtype
+) -> tuple[Any, type[StoredFormat], dict[str, Segment], dict[tuple[str, str], StackFiles]]:
+    """The meta-built model, its format, the files' index and where each stack's buffers lie –
+    every shape checked before a byte of weights is read."""
+    # lazy: heavy to import (accelerate, transformers)
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    found = checkpoint_format(model_dir)
+    if found is None:
+        raise QuantError(f"{model_dir} is not a quantised checkpoint (no quantization_config)",
+                         "load it as a float base")  # fmt: skip
+    fmt, _ = found
+    config = AutoConfig.from_pretrained(model_dir)
+    config.__dict__.pop("quantization_config", None)  # moetune reads the stored bytes itself
+    with init_empty_weights(include_buffers=False):
+        model = ensure_backbone(causal_lm_class(config)._from_config(config, dtype=dtype))
+    index = index_dir(model_dir)
+    stacks = {(path, n): stack_files(fmt, index, path, n, tuple(m._parameters[n].shape),  # type: ignore[union-attr,arg-type]
+                                     is_transposed(m))
+              for path, m, names in experts_modules(model) for n in names}  # fmt: skip
+    return model, fmt, index, stacks
+
+
+def stack_keys(index: dict[str, Segment], stacks: dict[tuple[str, str], StackFiles]) -> set[str]:
+    taken = {(s.path, s.offset) for f in stacks.values() for segs, _, _ in f.buffers.values()
+             for s in segs}  # fmt: skip
+    return {k for k, s in index.items() if (s.path, s.offset) in taken}
+
+
+def _install_stack(
+    module: nn.Module, name: str, stack: QuantizedStack, report: StoredReport
+) -> None:
+    _mark_quantized(module)
+    module.get_submodule(QUANTIZED).add_module(name, stack)
+    param = module._parameters.pop(name)
+    report.stacks += 1
+    report.stored_bytes += stack.nbytes
+    report.float_bytes += _numel(param.shape) * stack.dtype.itemsize  # type: ignore[union-attr]
+
+
+def _numel(shape: Any) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def dequantize_stacks_(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Every quantised stack back to a frozen float Parameter in place, one stack in float at a
+    time (model.quantized_base: dequantize; the merged export). Returns how many."""
+    done = 0
+    for module in list(model.modules()):
+        for name, stack in stacks_of(module).items():
+            weight = stack.dequantize(dtype or stack.dtype)
+            del module.get_submodule(QUANTIZED)._modules[name]
+            module._parameters[name] = torch.nn.Parameter(weight, requires_grad=False)
+            done += 1
+    return done
