@@ -39,6 +39,10 @@ def check_stored(cfg: RunConfig, engine: str) -> str | None:
             "stacks (it re-materialises every float stack)",
             f"set lora.engine: auto or moetune (lora.targets with experts), {fix}",
         )
+    if as_stored and (cfg.train.nproc > 1 or cfg.train.nnodes > 1):
+        raise TrainError(f"a base kept as stored ({fmt}) trains in one process for now",
+                         f"set train.nproc: 1 and train.nnodes: 1 (train.offload reaches far "
+                         f"larger bases), {fix}")  # fmt: skip
     if not as_stored and cfg.train.offload != "none":
         raise TrainError("train.offload streams the stored bytes of a quantised base",
                          "set model.quantized_base: as_stored, or train.offload: none")  # fmt: skip
