@@ -42,6 +42,7 @@ from moetune.engine.quant import (
     quantizer_for,
     stacks_of,
 )
+from moetune.engine.quant_load import _stream
 from moetune.engine.stored_load import (
     StackFiles,
     StoredReport,
@@ -68,8 +69,6 @@ def load_offloaded(
     # lazy: heavy to import (accelerate, transformers)
     from accelerate import init_empty_weights
     from transformers import AutoConfig
-
-    from moetune.engine.quant_load import _stream
 
     if stored:
         return _load_stored(model_dir, mode, device, dtype)
@@ -173,7 +172,6 @@ def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
                  dtype: torch.dtype) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
     """Stored stacks into the store: `disk` leaves them in the base's files, `cpu` reads each
     once into host RAM – either way in the stored bytes, dequantised on the device per expert."""
-    from moetune.engine.quant_load import _stream
 
     model, fmt, index, stacks = open_stored(model_dir, dtype)
     linears = dequantized_linears(fmt, index, model, dtype)

@@ -1,4 +1,4 @@
-"""Expert stacks as the checkpoint stores them: block FP8, MXFP4, NVFP4, INT4 (knowledge §13).
+"""Expert stacks as a checkpoint stores them: FP8, MXFP4, NVFP4, INT4 (docs/knowledge.md §14).
 
 Each published format is a `Quantizer` in engine/quant.py's registry, beside int8 / NF4, with
 the trait `stored`: its buffers are the checkpoint's own tensors, read as they are

@@ -28,6 +28,7 @@ from moetune.engine.quant import (
     is_transposed,
     stacks_of,
 )
+from moetune.engine.quant_load import _finish, _stream
 from moetune.engine.stored import StoredFormat, stored_format
 from moetune.model.derive import causal_lm_class, ensure_backbone
 
@@ -190,7 +191,6 @@ def load_stored(
     model_dir: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[PreTrainedModel, StoredReport]:
     """A causal LM from a published quantised checkpoint, expert stacks as stored on `device`."""
-    from moetune.engine.quant_load import _finish, _stream
 
     model, fmt, index, stacks = open_stored(model_dir, dtype)
     linears = dequantized_linears(fmt, index, model, dtype)

@@ -21,6 +21,7 @@ import torch
 
 from moetune.engine.quant import QUANTIZERS, QuantError, experts_modules, is_transposed
 from moetune.engine.stored import StoredFormat
+from moetune.model.derive import causal_lm_class
 
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
 _KEEP_FLOAT = ("embed_tokens", "lm_head", ".gate.", ".router.", "norm")  # as publishers leave them
@@ -65,8 +66,6 @@ def _fused_stacks(src: Path) -> dict[str, bool]:
     # lazy: heavy to import (accelerate, transformers)
     from accelerate import init_empty_weights
     from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class
 
     config = AutoConfig.from_pretrained(src)
     with init_empty_weights():
