@@ -163,3 +163,18 @@ def test_vllm_leaves_the_stored_base_as_published(bases: dict[str, Path], tmp_pa
     assert not list((tmp_path / "out").glob("model*.safetensors"))
     assert str(bases["fp8"]) in json.loads((tmp_path / "out" / "vllm.json").read_text())["serve"]
     assert result.details["family"] == "qwen3_moe"
+
+
+def test_cli_prints_and_emits_survival(bases: dict[str, Path], tmp_path: Path) -> None:
+    args = ["export", str(bases["adapter"]), "--base", str(bases["mxfp4"]), "--format", "merged",
+            "--requantize", "--survival-floor", "0", "--no-check"]  # fmt: skip
+    shown = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert shown.exit_code == 0, shown.output
+    assert "re-quantised (mxfp4)" in shown.output and "survives" in shown.output
+    emitted = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b"), "--json"])
+    figures = json.loads(emitted.stdout)["details"]["survival"]
+    assert figures["format"] == "mxfp4" and 0 < figures["survival"] < 1
+    vllm = CliRunner().invoke(
+        app, [*args[:5], "vllm", "--requantize", "--out", str(tmp_path / "c")]
+    )
+    assert vllm.exit_code == 2 and "--requantize" in vllm.output

@@ -1,4 +1,4 @@
-"""Exports over a base published quantised (FP8 / MXFP4 / NVFP4 / INT4, knowledge §13).
+"""Exports over a base published quantised (block FP8, MXFP4, NVFP4, INT4: engine/stored.py).
 
 The base is read by moetune itself (`engine.stored_load`) – never by transformers'
 `from_pretrained`, which dequantises FP8 silently on a CPU and refuses to train MXFP4 – and
