@@ -195,7 +195,7 @@ def export_merged(source: Source, out: Path, opts: ExportOptions) -> ExportResul
     dtype = resolve_dtype(source.base, opts.dtype)
     stored, survival = stored_of(source.base), None
     if opts.extra.get("requantize"):
-        counts, survival = export_requantized(source, out, opts, dtype)
+        counts, survival = export_requantized(source, out, opts, dtype, merge_into)
     else:
         counts = write_merged(source, out, opts, dtype)
     tokenizer = copy_tokenizer(source, out)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -118,13 +119,14 @@ def refuse_low(figures: dict[str, Any], label: str, floor: float) -> None:
 
 
 def export_requantized(
-    source: Source, out: Path, opts: ExportOptions, dtype: torch.dtype
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Merge in float32, measure survival (refused below the floor), write `out` in the base's
-    stored format with the other tensors in `dtype`; (merge counts, survival figures)."""
-    # lazy: heavy to import (moetune.export.merged, engine.stored_write)
+    source: Source, out: Path, opts: ExportOptions, dtype: torch.dtype,
+    merge_into: Callable[[Any, Source], dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """Merge (`merge_into`, merged.py's) in float32, measure survival (refused below the
+    floor), write `out` in the base's stored format with the other tensors in `dtype`;
+    (merge counts, survival figures)."""
+    # lazy: heavy to import (engine.stored_write)
     from moetune.engine.stored_write import write_stored
-    from moetune.export.merged import merge_into
 
     fmt, qcfg = need_stored(source.base)
     model, stacks, rest = load_dequantized(source.base, torch.float32)
