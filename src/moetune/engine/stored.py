@@ -107,6 +107,13 @@ def stored_format(qcfg: dict[str, Any] | None) -> type[StoredFormat] | None:
                      "or its bf16 release")  # fmt: skip
 
 
+def quant_config_of(config: dict[str, Any]) -> Any:
+    """A config.json's `quantization_config` (a multimodal one's under text_config)."""
+    text = config.get("text_config")
+    return config.get("quantization_config") or (
+        text.get("quantization_config") if isinstance(text, dict) else None)  # fmt: skip
+
+
 def describe(qcfg: dict[str, Any]) -> str:
     parts = [qcfg.get("quant_method"), qcfg.get("quant_algo"), qcfg.get("format")]
     return " / ".join(str(p) for p in parts if p) or "an unnamed quant_method"

@@ -29,7 +29,7 @@ from moetune.engine.quant import (
     stacks_of,
 )
 from moetune.engine.quant_load import _finish, _stream
-from moetune.engine.stored import StoredFormat, stored_format
+from moetune.engine.stored import StoredFormat, quant_config_of, stored_format
 from moetune.model.derive import causal_lm_class, ensure_backbone
 
 if TYPE_CHECKING:
@@ -80,14 +80,11 @@ class StackFiles:
 
 def checkpoint_format(model_dir: str | Path) -> tuple[type[StoredFormat], dict[str, Any]] | None:
     """The stored format of a local checkpoint's config.json (None: a float checkpoint)."""
-    path = Path(model_dir) / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None  # no readable config here: the loader says what is wrong with it
-    qcfg = config.get("quantization_config") if isinstance(config, dict) else None
-    if not qcfg and isinstance(config.get("text_config"), dict):
-        qcfg = config["text_config"].get("quantization_config")
+    qcfg = quant_config_of(config) if isinstance(config, dict) else None
     fmt = stored_format(qcfg)
     return None if fmt is None or not isinstance(qcfg, dict) else (fmt, qcfg)
 

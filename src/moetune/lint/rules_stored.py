@@ -14,15 +14,14 @@ from moetune.units import gib
 def _stored(model_id: str) -> tuple[Any, Any] | None:
     """(format, quantization_config) of the base, None for a float one or one not readable."""
     # lazy: heavy to import (moetune.engine, torch)
-    from moetune.engine.stored import stored_format
+    from moetune.engine.stored import quant_config_of, stored_format
 
     try:
         _, raw = resolve_config(model_id)
-        qcfg = raw.get("quantization_config") or (raw.get("text_config") or {}).get(
-            "quantization_config")  # fmt: skip
+        qcfg = quant_config_of(raw)
         fmt = stored_format(qcfg)
     except MoetuneError:
-        return None  # unreadable: QUANT-FORMAT-UNREADABLE or the loader says so
+        return None  # not readable here: the loader says why
     return None if fmt is None else (fmt, qcfg)
 
 
