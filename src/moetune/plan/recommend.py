@@ -56,17 +56,17 @@ from moetune.plan.moves import (
     Move,
     Storage,
     with_lora,
-    with_model,
     with_train,
 )
 from moetune.plan.offload import fitting_offload, offload_recommendation
-from moetune.plan.stored import expert_bytes, held_as, published_format
+from moetune.plan.stored import expert_bytes, held_as, published_format, restored
 
 MAX_CANDIDATES = 800  # analytic re-plans per plan at most (≈ 5 ms each)
 RECS_PER_CARD = 3
 ALTERNATIVES_WITHIN = 1.0  # quality cost above a card's best that alternatives may add
 MIN_RANK = MIN_EXPERT_RANK = 4
 MIN_SEQ = 256
+MIN_SAVING = 0.25  # of the expert bytes, for re-storing them as another kind (a quality cost)
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,8 @@ def _parts(spec: ModelSpec) -> dict[str, bool]:
 
 def _storages(cfg: RunConfig, spec: ModelSpec) -> list[Storage]:
     """Expert storages leaner than the config's (quantised experts train LoRA, not full) –
-    in bytes too: int8 on a base kept as FP8, NF4 on one kept as MXFP4 would inflate it."""
+    in bytes too, by MIN_SAVING for another kind: int8 on a base kept as FP8 saves nothing,
+    NF4 on one kept as MXFP4 3 % for a second rounding."""
     if not _split_serves(cfg, spec):
         return []
     level = LEVEL[cfg.model.experts_dtype]
@@ -175,12 +176,12 @@ def _storages(cfg: RunConfig, spec: ModelSpec) -> list[Storage]:
     if cfg.model.experts_dtype == "nf4" and not cfg.model.experts_double_quant:
         leaner.append(Storage("nf4", True, "NF4 double quant (≈ 0.4 bit/param less)"))
     now = expert_bytes(spec, cfg)
-    return [s for s in leaner if expert_bytes(spec, _stored_as(cfg, s)) < now]
+    return [s for s in leaner if expert_bytes(spec, restored(cfg, s)) < now * _bound(cfg, s)]
 
 
-def _stored_as(cfg: RunConfig, storage: Storage) -> RunConfig:
-    dq = {"experts_double_quant": True} if storage.double_quant else {}
-    return with_model(with_lora(cfg, engine="moetune"), experts_dtype=storage.dtype, **dq)
+def _bound(cfg: RunConfig, storage: Storage) -> float:
+    """The fraction of the expert bytes a storage must come under (dq on NF4: any saving)."""
+    return 1.0 if storage.dtype == cfg.model.experts_dtype else 1 - MIN_SAVING
 
 
 def _rank_and_seq_steps(
@@ -288,7 +289,7 @@ def _with_storage(spec: ModelSpec, storage: Storage | None, c: RunConfig) -> _St
     sets = [] if c.lora.engine == "moetune" else ["lora.engine=moetune"]
     sets += [f"model.experts_dtype={storage.dtype}"]
     sets += ["model.experts_double_quant=true"] if storage.double_quant else []
-    c = _stored_as(c, storage)  # as the --set say
+    c = restored(c, storage)  # as the --set say
     return c, [f"{storage.words} on engine moetune"], sets
 
 

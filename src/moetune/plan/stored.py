@@ -13,6 +13,7 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import expert_bytes_per_param
+from moetune.plan.moves import Storage, with_lora, with_model
 from moetune.plan.step import Step
 from moetune.units import gib
 
@@ -39,6 +40,12 @@ def held_as(spec: ModelSpec, cfg: RunConfig) -> str:
     if Step.from_config(cfg, spec).stored_bytes:
         return f"experts as published {published_format(spec)}"
     return cfg.model.dtype
+
+
+def restored(cfg: RunConfig, storage: Storage) -> RunConfig:
+    """`cfg` with its frozen experts stored as `storage` (int8 / NF4) on moetune's engine."""
+    dq = {"experts_double_quant": True} if storage.double_quant else {}
+    return with_model(with_lora(cfg, engine="moetune"), experts_dtype=storage.dtype, **dq)
 
 
 def stored_summary(spec: ModelSpec, cfg: RunConfig) -> dict[str, Any] | None:
