@@ -104,9 +104,11 @@ def trace_step(
     `steps=2` also covers the steady state, where the Adam moments stay live through
     forward and backward. `engine="moetune"` traces moetune's split-LoRA experts instead of
     peft's ParamWrapper; `experts_dtype` "int8"/"nf4" stores the frozen expert stacks
-    quantised (engine.quant), which needs that engine. `loss` "fused" is TRL's tiled LM
-    head (what moetune trains with), "full" the model's own loss on full logits. Neither
-    config is modified.
+    quantised (engine.quant), which needs that engine; a published format's name ("fp8",
+    "mxfp4" …: a base kept as stored) builds them in its layout with its own `quantize` on
+    meta (default block / group: 128×128 FP8, INT4 groups of 32, as published). `loss`
+    "fused" is TRL's tiled LM head (what moetune trains with), "full" the model's own loss
+    on full logits. Neither config is modified.
     """
     _check_inputs(seq_len, batch_size, steps, dtype, device, fake, optimizer)
     _check_loss(loss)
