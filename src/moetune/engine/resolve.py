@@ -10,7 +10,7 @@ it cannot serve is an error with the fix, never a silent fallback.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from moetune.config import LoraArgs
 from moetune.engine.quant import QuantError
@@ -55,6 +55,12 @@ def stored_experts(spec: ModelSpec, quantized_base: str = "as_stored") -> type[S
         return stored_format(spec.quant_config)
     except QuantError:
         return None
+
+
+def stored_options(spec: ModelSpec, quantized_base: str = "as_stored") -> dict[str, Any] | None:
+    """The blocks / groups of a base kept as stored (StoredFormat.options), else None."""
+    fmt = stored_experts(spec, quantized_base)
+    return None if fmt is None or spec.quant_config is None else fmt.options(spec.quant_config)
 
 
 def split_engine_serves(spec: ModelSpec) -> bool:

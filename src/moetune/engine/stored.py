@@ -58,6 +58,11 @@ class StoredFormat(Quantizer):
         raise NotImplementedError
 
     @classmethod
+    def options(cls, qcfg: dict[str, Any]) -> dict[str, Any]:
+        """The `quantize` / `config` options that reproduce a checkpoint's blocks or groups."""
+        return {}
+
+    @classmethod
     def weight_suffix(cls) -> str:
         """The per-Linear key suffix of the packed weight (first of `keys`)."""
         return next(iter(cls.keys.values()))[0]
@@ -179,6 +184,10 @@ class BlockFP8(StoredFormat):
     def bytes_per_param(cls, qcfg: dict[str, Any]) -> float:
         rows, cols = qcfg.get("weight_block_size") or (128, 128)
         return 1 + 4 / (rows * cols)
+
+    @classmethod
+    def options(cls, qcfg: dict[str, Any]) -> dict[str, Any]:
+        return {"block": tuple(qcfg.get("weight_block_size") or (128, 128))}
 
     @classmethod
     def config(cls, block: tuple[int, int] = (128, 128), **options: Any) -> dict[str, Any]:
@@ -376,9 +385,13 @@ class Int4Packed(StoredFormat):
 
     @classmethod
     def bytes_per_param(cls, qcfg: dict[str, Any]) -> float:
+        return 0.5 + 2 / cls.options(qcfg)["group"]
+
+    @classmethod
+    def options(cls, qcfg: dict[str, Any]) -> dict[str, Any]:
         groups = [(g.get("weights") or {}).get("group_size") or 128
                   for g in (qcfg.get("config_groups") or {}).values()]  # fmt: skip
-        return 0.5 + 2 / min(groups or [128])
+        return {"group": min(groups or [128])}
 
     @classmethod
     def config(cls, group: int = 32, **options: Any) -> dict[str, Any]:

@@ -62,17 +62,6 @@ def load_dequantized(base: str, dtype: torch.dtype) -> tuple[Any, dict[str, Quan
     return model.eval(), stacks, bool(report.dequantized)
 
 
-def requant_options(fmt: type[StoredFormat], qcfg: dict[str, Any]) -> dict[str, Any]:
-    """The `quantize` / `config` options that reproduce the base's blocks or groups."""
-    if fmt.name == "fp8":
-        return {"block": tuple(qcfg.get("weight_block_size") or (128, 128))}
-    if fmt.name == "int4":
-        groups = [(g.get("weights") or {}).get("group_size") or 128
-                  for g in (qcfg.get("config_groups") or {}).values()]  # fmt: skip
-        return {"group": min(groups or [128])}
-    return {}
-
-
 def stack_survival(
     merged: torch.Tensor, stack: QuantizedStack, fmt: type[StoredFormat], options: dict[str, Any]
 ) -> tuple[float, float]:
@@ -131,7 +120,7 @@ def export_requantized(
     fmt, qcfg = need_stored(source.base)
     model, stacks, rest = load_dequantized(source.base, torch.float32)
     counts = merge_into(model, source)
-    options = requant_options(fmt, qcfg)
+    options = fmt.options(qcfg)
     figures = {"format": fmt.name, **survival(model, stacks, fmt, options)}
     refuse_low(figures, fmt.label, float(opts.extra.get("survival_floor", SURVIVAL_FLOOR)))
     floats = out / ".float"

@@ -59,14 +59,13 @@ from moetune.plan.moves import (
     with_train,
 )
 from moetune.plan.offload import fitting_offload, offload_recommendation
-from moetune.plan.stored import expert_bytes, held_as, published_format, restored
+from moetune.plan.stored import held_as, published_format, restored
 
 MAX_CANDIDATES = 800  # analytic re-plans per plan at most (≈ 5 ms each)
 RECS_PER_CARD = 3
 ALTERNATIVES_WITHIN = 1.0  # quality cost above a card's best that alternatives may add
 MIN_RANK = MIN_EXPERT_RANK = 4
 MIN_SEQ = 256
-MIN_SAVING = 0.25  # of the expert bytes, for re-storing them as another kind (a quality cost)
 
 
 @dataclass(frozen=True)
@@ -166,22 +165,15 @@ def _parts(spec: ModelSpec) -> dict[str, bool]:
 
 
 def _storages(cfg: RunConfig, spec: ModelSpec) -> list[Storage]:
-    """Expert storages leaner than the config's (quantised experts train LoRA, not full) –
-    in bytes too, by MIN_SAVING for another kind: int8 on a base kept as FP8 saves nothing,
-    NF4 on one kept as MXFP4 3 % for a second rounding."""
-    if not _split_serves(cfg, spec):
+    """Expert storages leaner than the config's (quantised experts train LoRA, not full); a
+    published quantised base trains as stored (or dequantised), never re-stored."""
+    if not _split_serves(cfg, spec) or published_format(spec):
         return []
     level = LEVEL[cfg.model.experts_dtype]
     leaner = [s for s in STORAGES if LEVEL[s.dtype] > level]
     if cfg.model.experts_dtype == "nf4" and not cfg.model.experts_double_quant:
         leaner.append(Storage("nf4", True, "NF4 double quant (≈ 0.4 bit/param less)"))
-    now = expert_bytes(spec, cfg)
-    return [s for s in leaner if expert_bytes(spec, restored(cfg, s)) < now * _bound(cfg, s)]
-
-
-def _bound(cfg: RunConfig, storage: Storage) -> float:
-    """The fraction of the expert bytes a storage must come under (dq on NF4: any saving)."""
-    return 1.0 if storage.dtype == cfg.model.experts_dtype else 1 - MIN_SAVING
+    return leaner
 
 
 def _rank_and_seq_steps(

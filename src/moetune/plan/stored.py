@@ -12,7 +12,6 @@ from typing import Any
 
 from moetune.config import RunConfig
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import expert_bytes_per_param
 from moetune.plan.moves import Storage, with_lora, with_model
 from moetune.plan.step import Step
 from moetune.units import gib
@@ -26,11 +25,6 @@ def published_format(spec: ModelSpec) -> str:
 
     fmt = stored_experts(spec)
     return fmt.label.split(" (")[0] if fmt else ""  # "MXFP4 (quant_method mxfp4)" -> "MXFP4"
-
-
-def expert_bytes(spec: ModelSpec, cfg: RunConfig) -> float:
-    """Bytes per routed-expert parameter as `cfg` holds the frozen stacks."""
-    return expert_bytes_per_param(spec, Step.from_config(cfg, spec))
 
 
 def held_as(spec: ModelSpec, cfg: RunConfig) -> str:

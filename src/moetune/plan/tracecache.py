@@ -84,7 +84,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
     # lazy: heavy to import (torch, peft via moetune.engine, moetune.plan.trace)
     import torch
 
-    from moetune.engine.resolve import resolve_engine
+    from moetune.engine.resolve import resolve_engine, stored_options
     from moetune.plan.trace import trace_step
 
     if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":
@@ -108,6 +108,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
         engine=resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base),
         experts_dtype=step.stored_experts or cfg.model.experts_dtype,  # a base kept as stored
         double_quant=cfg.model.experts_double_quant,
+        experts_options=stored_options(spec, cfg.model.quantized_base),
     )
 
 
