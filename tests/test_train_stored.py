@@ -177,3 +177,15 @@ def test_stored_scale_check_names_the_tensor() -> None:
     bufs["scale_inv"][0, 1, 1] = 0
     with pytest.raises(QuantError, match=r"experts\.gate_up_proj"):
         BlockFP8.check(bufs, (16, 16), "model.layers.0.mlp.experts.gate_up_proj")
+
+
+@pytest.mark.parametrize("offload", ["disk", "cpu"])
+def test_bad_scales_refused_when_offloaded(bases: dict[str, Path], tmp_path: Path,
+                                           offload: str) -> None:  # fmt: skip
+    """Offloaded stacks are read per step, but their scales are checked once at load."""
+    from moetune.train import train
+
+    cfg = _cfg(bases, "fp8", tmp_path / "run", offload=offload)
+    cfg.model.id = str(_broken(bases, tmp_path, _zero_scale))
+    with pytest.raises(QuantError, match="NaN, Inf or zero"):
+        train(cfg, progress=False)
