@@ -189,3 +189,47 @@ def test_bad_scales_refused_when_offloaded(bases: dict[str, Path], tmp_path: Pat
     cfg.model.id = str(_broken(bases, tmp_path, _zero_scale))
     with pytest.raises(QuantError, match="NaN, Inf or zero"):
         train(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A bf16 base whose dims every format's blocks divide, and its FP8 and MXFP4 releases."""
+    import transformers
+
+    from moetune.model.tiny import tiny_config
+
+    root = tmp_path_factory.mktemp("wide")
+    config = transformers.AutoConfig.for_model(**{**tiny_config("qwen3_moe-dense0"),
+        "hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 64})  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(root / "bf16")
+    return {"bf16": root / "bf16", "fp8": write_stored(root / "bf16", root / "fp8", "fp8", block=(32, 32)),
+            "mxfp4": write_stored(root / "bf16", root / "mxfp4", "mxfp4")}  # fmt: skip
+
+
+def _bytes_read_per_step(model_dir: Path) -> int:
+    """Disk offload: bytes the store reads from the files for one forward + backward."""
+    from moetune.engine import IMPLEMENTATION, register
+    from moetune.engine.offload import store_of
+    from moetune.engine.offload_load import load_offloaded
+    from moetune.engine.stored_load import checkpoint_format
+
+    stored = checkpoint_format(model_dir) is not None
+    model, _, _ = load_offloaded(model_dir, "disk", "cpu", torch.float32, stored=stored)
+    register()
+    model.set_experts_implementation(IMPLEMENTATION)
+    ids = torch.arange(12)[None] % model.config.vocab_size
+    model.get_input_embeddings().weight.requires_grad_(True)  # a backward through the experts
+    model(input_ids=ids, labels=ids).loss.backward()
+    stats = store_of(model).stats  # type: ignore[union-attr]
+    return sum(stats.bytes_read.values())
+
+
+def test_offload_reads_the_stored_bytes(wide: dict[str, Path]) -> None:
+    """An FP8 base reads about half of its bf16 release per step, MXFP4 about a quarter."""
+    bf16 = _bytes_read_per_step(wide["bf16"])
+    fp8, mxfp4 = _bytes_read_per_step(wide["fp8"]), _bytes_read_per_step(wide["mxfp4"])
+    assert bf16 > 0
+    assert fp8 / bf16 == pytest.approx((1 + 4 / 32**2) / 2, abs=1e-3)  # 1 B + a scale a block
+    assert mxfp4 / bf16 == pytest.approx((0.5 + 1 / 32) / 2, abs=1e-3)  # e2m1 + e8m0 per 32
