@@ -204,8 +204,9 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(root / "bf16")
-    return {"bf16": root / "bf16", "fp8": write_stored(root / "bf16", root / "fp8", "fp8", block=(32, 32)),
-            "mxfp4": write_stored(root / "bf16", root / "mxfp4", "mxfp4")}  # fmt: skip
+    bf16 = root / "bf16"
+    fp8 = write_stored(bf16, root / "fp8", "fp8", block=(32, 32))
+    return {"bf16": bf16, "fp8": fp8, "mxfp4": write_stored(bf16, root / "mxfp4", "mxfp4")}
 
 
 def _bytes_read_per_step(model_dir: Path) -> int:
