@@ -234,3 +234,24 @@ def test_offload_reads_the_stored_bytes(wide: dict[str, Path]) -> None:
     assert bf16 > 0
     assert fp8 / bf16 == pytest.approx((1 + 4 / 32**2) / 2, abs=1e-3)  # 1 B + a scale a block
     assert mxfp4 / bf16 == pytest.approx((0.5 + 1 / 32) / 2, abs=1e-3)  # e2m1 + e8m0 per 32
+
+
+def test_dpo_and_grpo_over_a_stored_base(bases: dict[str, Path], tmp_path: Path) -> None:
+    """The methods load the base the same way: both train over the stored stacks."""
+    from moetune.train import train
+
+    words = ["abc", "moe", "tune", "lora"] * 2
+    pref = write_jsonl(tmp_path / "pref.jsonl", [
+        {"prompt": f"rev:{w}>", "chosen": w[::-1], "rejected": w} for w in words])  # fmt: skip
+    rows = write_jsonl(tmp_path / "rows.jsonl", [
+        {"prompt": f"rev:{w}>", "answer": w[::-1]} for w in words])  # fmt: skip
+    grpo = {"num_generations": 4, "max_completion_length": 6}
+    runs = [("dpo", pref, {}), ("grpo", rows, {"batch_size": 8, "grpo": grpo})]
+    with one_thread():
+        for method, data, extra in runs:
+            cfg = run_config(bases["fp8"], data, tmp_path / method, method=method, max_steps=2,
+                             lora__targets=["attention", "experts"], **extra)  # fmt: skip
+            result = train(cfg, progress=False)
+            assert (result.method, result.steps, result.coverage) == (method, 2, 1.0)
+            quant = json.loads((tmp_path / method / "quant.json").read_text())
+            assert quant["format"] == "fp8" and not result.router_changed
