@@ -123,14 +123,14 @@ def _bad_shape(t: dict[str, torch.Tensor], _: Path) -> None:
 
 def _unknown(t: dict[str, torch.Tensor], out: Path) -> None:
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "higgs", "bits": 4}
     (out / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize(("edit", "says"), [
     (_nan_scale, "NaN, Inf or zero"), (_zero_scale, "NaN, Inf or zero"),
     (_no_scale, "no 'weight_scale_inv' tensors"), (_bad_shape, "does not divide"),
-    (_unknown, "cannot read checkpoints quantised as awq"),
+    (_unknown, "cannot read checkpoints quantised as higgs"),
 ])  # fmt: skip
 def test_bad_checkpoints_refused_in_one_line(bases: dict[str, Path], tmp_path: Path,
                                              edit: Any, says: str) -> None:  # fmt: skip

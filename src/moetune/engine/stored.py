@@ -107,6 +107,8 @@ def stored_format(qcfg: dict[str, Any] | None) -> type[StoredFormat] | None:
     for fmt in stored_formats():
         if fmt.reads(qcfg):
             return fmt
+    if transformers_trains(qcfg):
+        return None  # bitsandbytes, GPTQ …: transformers' own quantizer trains it as before
     raise QuantError(f"moetune cannot read checkpoints quantised as {describe(qcfg)}",
                      f"use one stored as {', '.join(f.label for f in stored_formats())}, "
                      "or its bf16 release")  # fmt: skip
@@ -117,6 +119,18 @@ def quant_config_of(config: dict[str, Any]) -> Any:
     text = config.get("text_config")
     return config.get("quantization_config") or (
         text.get("quantization_config") if isinstance(text, dict) else None)  # fmt: skip
+
+
+def transformers_trains(qcfg: dict[str, Any]) -> bool:
+    """Whether the installed transformers' own quantizer for `qcfg` trains (its
+    `is_trainable`, on this machine's libraries); any failure to tell counts as no."""
+    # lazy: heavy to import (transformers)
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    try:
+        return bool(AutoHfQuantizer.from_config(dict(qcfg), pre_quantized=True).is_trainable)
+    except Exception:  # a missing library, an unknown method: it cannot train here
+        return False
 
 
 def describe(qcfg: dict[str, Any]) -> str:
