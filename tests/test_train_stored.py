@@ -194,16 +194,9 @@ def test_bad_scales_refused_when_offloaded(bases: dict[str, Path], tmp_path: Pat
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A bf16 base whose dims every format's blocks divide, and its FP8 and MXFP4 releases."""
-    import transformers
-
-    from moetune.model.tiny import tiny_config
-
     root = tmp_path_factory.mktemp("wide")
-    config = transformers.AutoConfig.for_model(**{**tiny_config("qwen3_moe-dense0"),
-        "hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 64})  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    model.save_pretrained(root / "bf16")
+    save_tiny_model(root / "bf16", hidden_size=64, moe_intermediate_size=32, intermediate_size=64,
+                    head_dim=16, dtype="bfloat16")  # fmt: skip
     bf16 = root / "bf16"
     fp8 = write_stored(bf16, root / "fp8", "fp8", block=(32, 32))
     return {"bf16": bf16, "fp8": fp8, "mxfp4": write_stored(bf16, root / "mxfp4", "mxfp4")}
@@ -255,3 +248,29 @@ def test_dpo_and_grpo_over_a_stored_base(bases: dict[str, Path], tmp_path: Path)
             assert (result.method, result.steps, result.coverage) == (method, 2, 1.0)
             quant = json.loads((tmp_path / method / "quant.json").read_text())
             assert quant["format"] == "fp8" and not result.router_changed
+
+
+@pytest.mark.parametrize("method", ["mxfp4", "nvfp4", "int4"])
+def test_every_format_trains_as_its_dequantised_copy(wide: dict[str, Path], tmp_path: Path,
+                                                     method: str) -> None:  # fmt: skip
+    """The other published formats through the same run: the adapter of the run over the
+    dequantised fp32 copy, to 1e-5."""
+    from moetune.train import train
+
+    stored = write_stored(wide["bf16"], tmp_path / method, method)
+    model, _ = load_stored(stored, "cpu", torch.float32)
+    dequantize_stacks_(model)
+    model.save_pretrained(tmp_path / "dequantized")
+    for extra in stored.glob("*token*"):
+        shutil.copy2(extra, tmp_path / "dequantized" / extra.name)
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    runs = {}
+    with one_thread():
+        for name, base in (("stored", stored), ("copy", tmp_path / "dequantized")):
+            cfg = run_config(base, data, tmp_path / name, lora__targets=["attention", "experts"],
+                             max_steps=2, save_steps=2)  # fmt: skip
+            runs[name] = train(cfg, progress=False)
+    assert runs["stored"].coverage == 1.0
+    mine, theirs = _adapter(tmp_path / "stored"), _adapter(tmp_path / "copy")
+    for key, value in theirs.items():
+        assert float((mine[key] - value).norm() / value.norm().clamp_min(1e-12)) < 1e-5, key
