@@ -90,8 +90,8 @@ def test_run_equals_the_dequantised_copy(bases: dict[str, Path], tmp_path: Path,
     if offload != "none":
         stats = json.loads((tmp_path / "fp8" / "offload.json").read_text())
         assert stats["stored_bytes"] == quant["stored_bytes"]  # the store holds stored bytes
-        if offload == "disk":
-            assert stats["bytes_read"]["forward"] >= quant["stored_bytes"]
+        if offload == "disk":  # 3 steps, and the base's routing in one forward (not 8)
+            assert 3 < stats["bytes_read"]["forward"] / quant["stored_bytes"] < 5
 
 
 def _broken(bases: dict[str, Path], tmp_path: Path, edit: Any) -> Path:

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 COLLAPSE_SHARE = 0.5  # one expert the first choice of more than this share of tokens
 DRIFT_MARGIN = 0.10  # top-1 share above the base's by more than this (+ sampling error)
 BASE_ROWS = 256  # training rows the base's routing is measured on
+# offloaded experts: every forward streams the whole base, so the base's routing is measured
+# in one forward of at most this many tokens (at least one batch) instead of BASE_ROWS / batch
+OFFLOAD_BASE_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -442,12 +445,13 @@ class RoutingCallback(TrainerCallback):
             self.base = self.measured_base(model, dataset, collate, batch)
 
     def measured_base(
-        self, model: nn.Module, dataset: Any, collate: Callable[[list[Any]], Any], batch: int
-    ) -> dict[int, LayerLoad]:
-        """What `measure_base` stores, returned (empty with routing off)."""
+        self, model: nn.Module, dataset: Any, collate: Callable[[list[Any]], Any], batch: int,
+        limit: int = BASE_ROWS,
+    ) -> dict[int, LayerLoad]:  # fmt: skip
+        """What `measure_base` stores, returned (empty with routing off); `limit` rows."""
         if not self.every:
             return {}
-        rows = sample_rows(len(dataset), BASE_ROWS)
+        rows = sample_rows(len(dataset), limit)
         device = next(model.parameters()).device
         inputs = batches(dataset, collate, rows, batch, device)
         return base_routing(self.recorder, model, inputs)
@@ -461,6 +465,15 @@ class RoutingCallback(TrainerCallback):
             "drift_margin": DRIFT_MARGIN,
             "line": drift_line(self.base, sorted(self.drifted), layers),
         }
+
+
+def base_sample(batch: int, seq_len: int, offloaded: bool) -> tuple[int, int]:
+    """(batch, rows) the base's routing is measured in: the trainer's batches over BASE_ROWS
+    rows; offloaded, one forward (each reads every layer's experts from host RAM or disk)."""
+    if not offloaded:
+        return batch, BASE_ROWS
+    rows = min(BASE_ROWS, max(batch, OFFLOAD_BASE_TOKENS // max(seq_len, 1)))
+    return rows, rows
 
 
 def sample_rows(total: int, rows: int) -> list[int]:

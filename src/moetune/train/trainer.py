@@ -80,6 +80,7 @@ from moetune.train.routing import (
     LayerLoad,
     RoutingCallback,
     RoutingRecorder,
+    base_sample,
     compare_router,
     router_weights,
     summarize,
@@ -174,8 +175,10 @@ def _train(
         trainer, routing = build_trainer(cfg, setup, run, model, console)
         shift = callback_of(trainer, ShiftCallback)
         rows, collate = method_of(cfg).routing_rows(trainer, setup.tokenizer)
-        batch = cfg.train.batch_size
-        routing.base = from_main(lambda: routing.measured_base(model, rows, collate, batch))
+        batch, limit = base_sample(
+            cfg.train.batch_size, cfg.train.seq_len, cfg.train.offload != "none"
+        )
+        routing.base = from_main(lambda: routing.measured_base(model, rows, collate, batch, limit))
         setup.selection = select_experts(cfg, setup, run, model, trainer, console)
         with disk_full_stops(run):
             fit(trainer, setup, console)
