@@ -168,7 +168,7 @@ def stack_segments(index: dict[str, Segment], prefix: str, name: str,
     """The file segments that fill stack `prefix.name` of `shape`, by the first layout that
     finds them all; a layout whose bytes do not add up to the stack is a mismatch."""
     for layout_name, layout in LAYOUTS.items():
-        found = layout(index, prefix, name, shape[0])
+        found = layout(index, prefix, name, shape[0], "weight")
         if found is None:
             continue
         elements = sum(s.nbytes // s.dtype.itemsize for s in found)

@@ -15,7 +15,7 @@ import contextlib
 import os
 import tempfile
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from moetune.engine.offload import (
 )
 from moetune.engine.offload_files import OffloadError, Segment, index_dir, read_into, stack_segments
 from moetune.engine.quant import (
+    QuantizedStack,
     QuantReport,
     _install,
     _mark_quantized,
@@ -40,6 +41,15 @@ from moetune.engine.quant import (
     experts_modules,
     quantizer_for,
     stacks_of,
+)
+from moetune.engine.stored_load import (
+    StackFiles,
+    StoredReport,
+    dequantized_linears,
+    install_stack,
+    open_stored,
+    stack_keys,
+    stored_keys,
 )
 from moetune.model.derive import causal_lm_class, ensure_backbone
 
@@ -51,15 +61,18 @@ if TYPE_CHECKING:
 def load_offloaded(
     model_dir: str | Path, mode: Mode, device: str | torch.device,
     dtype: torch.dtype = torch.bfloat16, *, experts_dtype: str = "bf16",
-    double_quant: bool = False, scratch_dir: str | Path | None = None,
-) -> tuple[PreTrainedModel, ExpertStore, QuantReport | None]:  # fmt: skip
-    """A causal LM from a local checkpoint whose expert stacks live in an ExpertStore."""
+    double_quant: bool = False, scratch_dir: str | Path | None = None, stored: bool = False,
+) -> tuple[PreTrainedModel, ExpertStore, QuantReport | StoredReport | None]:  # fmt: skip
+    """A causal LM from a local checkpoint whose expert stacks live in an ExpertStore;
+    `stored`: a published quantised base, its stacks kept (and read) as the files store them."""
     # lazy: heavy to import (accelerate, transformers)
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
     from moetune.engine.quant_load import _stream
 
+    if stored:
+        return _load_stored(model_dir, mode, device, dtype)
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):
         model = ensure_backbone(causal_lm_class(config)._from_config(config, dtype=dtype))
@@ -134,3 +147,51 @@ def _finish(model: Any, device: str | torch.device) -> None:
                            "point model.id at the complete model directory")  # fmt: skip
     model.to(device)
     model.eval()
+
+
+@dataclass
+class FileStored:
+    """A published quantised stack left in the base's own files, read as stored per fetch."""
+
+    like: QuantizedStack  # shape, layout and format; its buffers are meta
+    files: StackFiles
+
+    @property
+    def nbytes(self) -> int:
+        return self.files.nbytes
+
+    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Any, int]:
+        bufs = self.files.read(pin)
+        moved = {n: b.to(device, non_blocking=True) for n, b in bufs.items()}
+        like = self.like
+        return QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, moved), (
+            self.files.nbytes
+        )
+
+
+def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
+                 dtype: torch.dtype) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
+    """Stored stacks into the store: `disk` leaves them in the base's files, `cpu` reads each
+    once into host RAM – either way in the stored bytes, dequantised on the device per expert."""
+    from moetune.engine.quant_load import _stream
+
+    model, fmt, index, stacks = open_stored(model_dir, dtype)
+    linears = dequantized_linears(fmt, index, model, dtype)
+    report = StoredReport(fmt.name, fmt.label, dequantized=sorted(linears))
+    skip = stored_keys(fmt, index, linears) | stack_keys(index, stacks)
+    _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip, extra=linears)
+    store = ExpertStore(mode, device)
+    for path, module, names in list(experts_modules(model)):
+        sources: dict[str, tuple[Source, torch.dtype]] = {}
+        for name in names:
+            files = stacks[(path, name)]
+            like = install_stack(module, name, files.meta(), dtype, report)
+            if mode == "disk":
+                sources[name] = FileStored(like, files), dtype
+            else:
+                held = QuantizedStack(like.shape, like.transposed, dtype, fmt.name, files.read())
+                sources[name] = host_source(held, store.pin), dtype
+        install(module, store, sources, names)
+    _finish(model, device)
+    attach(model, store)
+    return model, store, report

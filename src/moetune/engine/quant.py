@@ -68,6 +68,7 @@ class Quantizer:
     method: ClassVar[str]  # the experts_dtype it serves: "int8" | "nf4"
     priority: ClassVar[int] = 0
     double_quant: ClassVar[bool] = False  # whether it can double-quantise its scales
+    stored: ClassVar[bool] = False  # a published checkpoint format: read as stored, not made
 
     @classmethod
     def available(cls) -> bool:
@@ -93,7 +94,7 @@ def register(cls: type[Quantizer]) -> type[Quantizer]:
 
 def quantizer_for(method: str, *, double_quant: bool = False) -> type[Quantizer]:
     """The backend used for `method` here: the highest-priority available one."""
-    backends = [q for _, q in QUANTIZERS.items()]
+    backends = [q for _, q in QUANTIZERS.items() if not q.stored]
     found = [q for q in backends if q.method == method and q.available()]
     if not found:
         methods = sorted({q.method for q in backends})

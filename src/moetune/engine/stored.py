@@ -37,7 +37,7 @@ class StoredFormat(Quantizer):
     finite and non-zero). `bytes_per_param` is what the planner asks; it never names a format.
     """
 
-    stored: ClassVar[bool] = True
+    stored = True
     experts_only: ClassVar[bool] = False  # publishers leave the other Linears in float
     label: ClassVar[str]  # how a person names it: "block FP8 (e4m3, 128x128 scales)"
     keys: ClassVar[dict[str, tuple[str, str]]]
@@ -92,7 +92,7 @@ class StoredFormat(Quantizer):
 
 
 def stored_formats() -> list[type[StoredFormat]]:
-    return [q for _, q in QUANTIZERS.items() if getattr(q, "stored", False)]  # type: ignore[misc]
+    return [q for _, q in QUANTIZERS.items() if q.stored]  # type: ignore[misc]
 
 
 def stored_format(qcfg: dict[str, Any] | None) -> type[StoredFormat] | None:

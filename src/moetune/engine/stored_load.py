@@ -11,6 +11,7 @@ per cent of such a base, and its float weights are what LoRA wraps there.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,10 +65,10 @@ class StackFiles:
     def nbytes(self) -> int:
         return sum(s.nbytes for segs, _, _ in self.buffers.values() for s in segs)
 
-    def read(self) -> dict[str, torch.Tensor]:
+    def read(self, pin: bool = False) -> dict[str, torch.Tensor]:
         out = {}
         for name, (segs, shape, dtype) in self.buffers.items():
-            out[name] = torch.empty(shape, dtype=dtype)
+            out[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
             read_into(segs, out[name])
         return out
 
@@ -78,13 +79,16 @@ class StackFiles:
 
 def checkpoint_format(model_dir: str | Path) -> tuple[type[StoredFormat], dict[str, Any]] | None:
     """The stored format of a local checkpoint's config.json (None: a float checkpoint)."""
-    import json
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    qcfg = config.get("quantization_config") or (config.get("text_config") or {}).get(
-        "quantization_config")  # fmt: skip
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # no readable config here: the loader says what is wrong with it
+    qcfg = config.get("quantization_config") if isinstance(config, dict) else None
+    if not qcfg and isinstance(config.get("text_config"), dict):
+        qcfg = config["text_config"].get("quantization_config")
     fmt = stored_format(qcfg)
-    return None if fmt is None else (fmt, qcfg)
+    return None if fmt is None or not isinstance(qcfg, dict) else (fmt, qcfg)
 
 
 def stack_files(fmt: type[StoredFormat], index: dict[str, Segment], prefix: str, name: str,
@@ -195,11 +199,7 @@ def load_stored(
     skip = stored_keys(fmt, index, linears) | stack_keys(index, stacks)
     _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip, extra=linears)
     for (path, name), files in stacks.items():
-        module = model.get_submodule(path)
-        stack = QuantizedStack(tuple(module._parameters[name].shape), is_transposed(module),  # type: ignore[union-attr]
-                               dtype, fmt.name, files.read())  # fmt: skip
-        fmt.check(dict(stack.named_buffers()), stack.out_in, f"{path}.{name}")
-        _install_stack(module, name, stack.to(device), report)
+        install_stack(model.get_submodule(path), name, files.read(), dtype, report, device)
     _finish(model, device)
     return model, report
 
@@ -235,15 +235,23 @@ def stack_keys(index: dict[str, Segment], stacks: dict[tuple[str, str], StackFil
     return {k for k, s in index.items() if (s.path, s.offset) in taken}
 
 
-def _install_stack(
-    module: nn.Module, name: str, stack: QuantizedStack, report: StoredReport
-) -> None:
+def install_stack(module: nn.Module, name: str, buffers: dict[str, torch.Tensor],
+                  dtype: torch.dtype, report: StoredReport,
+                  device: str | torch.device | None = None) -> QuantizedStack:  # fmt: skip
+    """The stored buffers as `module.quantized[name]` in place of its (meta) float Parameter;
+    real buffers have their scales checked (NaN / Inf / zero) first."""
+    param = module._parameters[name]
+    assert param is not None
+    shape = (param.shape[0], param.shape[1], param.shape[2])
+    stack = QuantizedStack(shape, is_transposed(module), dtype, report.format, buffers)
+    stack.backend.check(dict(stack.named_buffers()), stack.out_in, name)  # type: ignore[attr-defined]
     _mark_quantized(module)
-    module.get_submodule(QUANTIZED).add_module(name, stack)
-    param = module._parameters.pop(name)
+    module.get_submodule(QUANTIZED).add_module(name, stack if device is None else stack.to(device))
+    module._parameters.pop(name)
     report.stacks += 1
     report.stored_bytes += stack.nbytes
-    report.float_bytes += _numel(param.shape) * stack.dtype.itemsize  # type: ignore[union-attr]
+    report.float_bytes += _numel(param.shape) * dtype.itemsize
+    return stack
 
 
 def _numel(shape: Any) -> int:

@@ -36,7 +36,7 @@ def write_stored(
     `options` go to the format's `quantize` and `config` (fp8 `block`, int4 `group`).
     """
     fmt = QUANTIZERS.get(method)
-    if not getattr(fmt, "stored", False):
+    if not fmt.stored:
         raise QuantError(
             f"{method!r} is not a published storage format", "use fp8, mxfp4, nvfp4 or int4"
         )

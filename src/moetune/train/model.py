@@ -23,6 +23,7 @@ from moetune.train.callbacks import quiet
 from moetune.train.checkpoint import RunDir
 from moetune.train.errors import TrainError
 from moetune.train.setup import Placement, Setup
+from moetune.train.stored import stored_base
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,6 +48,8 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
 
         scratch = Path(cfg.output.dir) / ".staging" / "offload"  # cleared with the staging dir
         return load_offloaded_model(cfg, place, dtype, _model_dir(cfg.model.id), scratch)
+    if stored_base(cfg) is not None:  # published FP8 / FP4: read as stored
+        return load_stored_model(cfg, place, dtype, engine)
     if cfg.model.experts_dtype != "bf16":
         return load_quantized_model(cfg, place, dtype, engine)
     if not sharded_load.loads_weights():  # its shard comes from rank 0 in prepare()
@@ -97,6 +100,27 @@ def load_quantized_model(
             double_quant=cfg.model.experts_double_quant,
         )  # fmt: skip
     register()  # every quantised stack, LoRA or not, goes one expert at a time
+    model.set_experts_implementation(IMPLEMENTATION)
+    model.__dict__[_QUANT_REPORT] = report
+    return model
+
+
+def load_stored_model(
+    cfg: RunConfig, place: Placement, dtype: torch.dtype, engine: str
+) -> nn.Module:
+    """A published quantised base: expert stacks as stored, trained one expert at a time by
+    the split engine; or (model.quantized_base: dequantize) inflated to model.dtype at load."""
+    # lazy: heavy to import (moetune)
+    from moetune.engine import IMPLEMENTATION, register
+    from moetune.engine.stored_load import dequantize_stacks_, load_stored
+
+    with quiet():
+        model, report = load_stored(cfg.model.id, place.device, dtype)
+    apply_fixes(model)
+    if cfg.model.quantized_base == "dequantize":
+        dequantize_stacks_(model)
+        return sharded_load.note_loaded(model)
+    register()  # every stored stack, LoRA or not, goes one expert at a time
     model.set_experts_implementation(IMPLEMENTATION)
     model.__dict__[_QUANT_REPORT] = report
     return model

@@ -88,13 +88,14 @@ def load_offloaded_model(cfg: RunConfig, place: Placement, dtype: torch.dtype,
     # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
     from moetune.engine.offload_load import load_offloaded
+    from moetune.train.stored import stored_base
 
     _check_files(cfg, Path(model_dir))
     scratch.mkdir(parents=True, exist_ok=True)
     model, _, report = load_offloaded(
         model_dir, cast("Mode", cfg.train.offload), place.device, dtype,
         experts_dtype=cfg.model.experts_dtype, double_quant=cfg.model.experts_double_quant,
-        scratch_dir=scratch,
+        scratch_dir=scratch, stored=stored_base(cfg) is not None,
     )  # fmt: skip
     register()  # offloaded stacks only stream through moetune's experts forward
     model.set_experts_implementation(IMPLEMENTATION)

@@ -178,6 +178,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     from moetune.engine.resolve import resolve_engine
     from moetune.train.offload import check_offload, local_dir
     from moetune.train.select import check_selection
+    from moetune.train.stored import check_stored
 
     place = resolve_placement(cfg.train)
     method = method_of(cfg)
@@ -188,6 +189,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)  # after the lint said why
+    check_stored(cfg, engine)  # a published FP8 / FP4 base: keys, shapes, engine
     check_offload(cfg, engine, local_dir(cfg.model.id))  # train.offload: refused up front
     tokenizer = load_tokenizer(cfg.model.id)
     data, eval_data = load_train_data(

@@ -1,0 +1,53 @@
+"""A base published quantised (FP8 / MXFP4 / NVFP4 / INT4) in a run: refused up front where it
+cannot work – every key and shape checked from the files' headers before a weight is read."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moetune.config import RunConfig
+from moetune.train.errors import TrainError
+
+
+def stored_base(cfg: RunConfig) -> str | None:
+    """The stored format of a published quantised local base (None: a float one)."""
+    # lazy: heavy to import (moetune.engine)
+    from moetune.engine.stored_load import checkpoint_format
+
+    found = checkpoint_format(cfg.model.id) if os.path.isdir(cfg.model.id) else None
+    return None if found is None else found[0].name
+
+
+def check_stored(cfg: RunConfig, engine: str) -> str | None:
+    """Refuse what a stored base cannot do; its format's name, or None for a float base."""
+    fmt = stored_base(cfg)  # a format moetune cannot read: QuantError, named with the readable
+    if fmt is None:
+        return None
+    as_stored = cfg.model.quantized_base == "as_stored"
+    fix = "or set model.quantized_base: dequantize (inflates the experts to model.dtype)"
+    if cfg.model.experts_dtype != "bf16":
+        raise TrainError(
+            f"the base is already stored as {fmt}; model.experts_dtype "
+            f"{cfg.model.experts_dtype} would quantise it a second time",
+            "set model.experts_dtype: bf16 (the stored bytes are kept as they are)",
+        )
+    if as_stored and engine != "moetune":
+        raise TrainError(
+            f"the base's experts are stored as {fmt}; peft's experts path cannot wrap stored "
+            "stacks (it re-materialises every float stack)",
+            f"set lora.engine: auto or moetune (lora.targets with experts), {fix}",
+        )
+    if as_stored and (cfg.train.nproc > 1 or cfg.train.nnodes > 1):
+        raise TrainError(f"a base kept as stored ({fmt}) trains in one process for now",
+                         f"set train.nproc: 1 and train.nnodes: 1 (train.offload reaches far "
+                         f"larger bases), {fix}")  # fmt: skip
+    if not as_stored and cfg.train.offload != "none":
+        raise TrainError("train.offload streams the stored bytes of a quantised base",
+                         "set model.quantized_base: as_stored, or train.offload: none")  # fmt: skip
+    # lazy: heavy to import (moetune.engine, transformers)
+    from moetune.engine.stored_load import open_stored
+
+    open_stored(cfg.model.id, torch.float32)  # every stack's keys and shapes, from the headers
+    return fmt
