@@ -95,11 +95,13 @@ def plan(config: Path) -> dict[str, Any]:
 
 
 class Peak(threading.Thread):
-    """The peak RSS of `pid` and its descendants, sampled every 20 ms."""
+    """The peak RSS of `pid` and its descendants, sampled every 20 ms; and the bytes the
+    kernel read from storage for it (/proc/PID/io read_bytes: the store's preads plus the
+    readahead they trigger, the load's reads included), last seen before it exits."""
 
     def __init__(self, pid: int, every: float = 0.02) -> None:
         super().__init__(daemon=True)
-        self.root, self.every, self.peak = psutil.Process(pid), every, 0
+        self.root, self.every, self.peak, self.disk_read = psutil.Process(pid), every, 0, 0
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -107,14 +109,15 @@ class Peak(threading.Thread):
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
                 rss = sum(p.memory_info().rss for p in procs)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                self.disk_read = max(self.disk_read, self.root.io_counters().read_bytes)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
                 rss = 0
             self.peak = max(self.peak, rss)
             self.done.wait(self.every)
 
 
-def train(config: Path, log: Path) -> tuple[int, int, float]:
-    """`moetune train run.yaml`: its exit code, peak RSS and seconds (output to `log`)."""
+def train(config: Path, log: Path) -> tuple[int, int, int, float]:
+    """`moetune train run.yaml`: exit code, peak RSS, disk bytes read, seconds (log: output)."""
     cmd = [sys.executable, "-m", "moetune", "train", str(config)]
     started = time.perf_counter()
     with log.open("w") as sink:
@@ -124,7 +127,7 @@ def train(config: Path, log: Path) -> tuple[int, int, float]:
         rc = proc.wait()
     sampler.done.set()
     sampler.join()
-    return rc, sampler.peak, time.perf_counter() - started
+    return rc, sampler.peak, sampler.disk_read, time.perf_counter() - started
 
 
 def bf16_recorded(layers: int) -> float | None:
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"plan: host RAM {planned['host_ram_bytes'] / GiB:.2f} GiB, bytes moved/step "
             f"{sum(planned['bytes_moved_per_step'].values()) / GiB:.2f} GiB; training…"
         )
-        rc, peak, seconds = train(config, scratch / "train.log")
+        rc, peak, disk_read, seconds = train(config, scratch / "train.log")
         log = (scratch / "train.log").read_text(errors="replace")
         offload_json = scratch / "run" / "offload.json"
         if rc != 0 or not offload_json.exists():
@@ -195,6 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         "hidden_size", "moe_intermediate_size", "vocab_size")},
         "block": list(block), "checkpoint": written, "rank": args.rank, "seq": args.seq,
         "steps": args.steps, "train_s": round(seconds, 1), "rss_peak": peak,
+        "proc_read_bytes": disk_read,
         "plan": {k: planned[k] for k in ("host_ram_bytes", "device_peak_bytes",
                                           "bytes_moved_per_step", "disk_bytes", "transfer_s")},
         "offload": stats, "bytes_read_per_step": read_step, "plan_bytes_per_step": moved_plan,
@@ -239,6 +243,10 @@ def describe(r: dict[str, Any]) -> str:
         f"- bytes read per step, FP8 / bf16: {g(read)} / {g(bf16)} = **{read / bf16:.3f}** "
         f"(bf16: {r['bf16_from']}); by phase (whole run): "
         + ", ".join(f"{k} {g(v)}" for k, v in r["offload"]["bytes_read"].items()),
+        f"- the kernel's reads for the train process (/proc/PID/io read_bytes, load and "
+        f"readahead included): {g(r['proc_read_bytes'])} over the run, "
+        f"{r['proc_read_bytes'] / max(1, sum(r['offload']['bytes_read'].values())):.2f}× the "
+        f"store's count.",
     ]  # fmt: skip
     return "\n".join(lines)
 
