@@ -246,7 +246,8 @@ def describe(r: dict[str, Any]) -> str:
         f"- the kernel's reads for the train process (/proc/PID/io read_bytes, load and "
         f"readahead included): {g(r['proc_read_bytes'])} over the run, "
         f"{r['proc_read_bytes'] / max(1, sum(r['offload']['bytes_read'].values())):.2f}× the "
-        f"store's count.",
+        f"store's count; the store's layer fetches: {r['offload']['fetches']} over "
+        f"{r['steps']} steps of {r['offload']['layers']} layers (≈ 2 × layers a step expected).",
     ]  # fmt: skip
     return "\n".join(lines)
 
