@@ -21,8 +21,15 @@ GEN_TEMPLATE = (  # a chat template whose assistant turns TRL can mask ({% gener
 )
 
 
-def save_tiny_model(out: Path, seed: int = 0, chat_template: str | None = None) -> Path:
-    """Qwen3-MoE, hidden 16, 2 MoE layers, 4 experts, top-2 + the demo char tokenizer."""
+def save_tiny_model(
+    out: Path,
+    seed: int = 0,
+    chat_template: str | None = None,
+    dtype: str = "float32",
+    **config_over: Any,
+) -> Path:
+    """Qwen3-MoE, hidden 16, 2 MoE layers, 4 experts, top-2 + the demo char tokenizer
+    (`config_over`: other config fields, e.g. wider dims)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from moetune.demo.tokenizer import build_tokenizer
@@ -46,8 +53,10 @@ def save_tiny_model(out: Path, seed: int = 0, chat_template: str | None = None) 
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
     )
+    for key, value in config_over.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    Qwen3MoeForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 

@@ -123,14 +123,14 @@ def _bad_shape(t: dict[str, torch.Tensor], _: Path) -> None:
 
 def _unknown(t: dict[str, torch.Tensor], out: Path) -> None:
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "higgs", "bits": 4}
     (out / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize(("edit", "says"), [
     (_nan_scale, "NaN, Inf or zero"), (_zero_scale, "NaN, Inf or zero"),
     (_no_scale, "no 'weight_scale_inv' tensors"), (_bad_shape, "does not divide"),
-    (_unknown, "cannot read checkpoints quantised as awq"),
+    (_unknown, "cannot read checkpoints quantised as higgs"),
 ])  # fmt: skip
 def test_bad_checkpoints_refused_in_one_line(bases: dict[str, Path], tmp_path: Path,
                                              edit: Any, says: str) -> None:  # fmt: skip
@@ -177,3 +177,100 @@ def test_stored_scale_check_names_the_tensor() -> None:
     bufs["scale_inv"][0, 1, 1] = 0
     with pytest.raises(QuantError, match=r"experts\.gate_up_proj"):
         BlockFP8.check(bufs, (16, 16), "model.layers.0.mlp.experts.gate_up_proj")
+
+
+@pytest.mark.parametrize("offload", ["disk", "cpu"])
+def test_bad_scales_refused_when_offloaded(bases: dict[str, Path], tmp_path: Path,
+                                           offload: str) -> None:  # fmt: skip
+    """Offloaded stacks are read per step, but their scales are checked once at load."""
+    from moetune.train import train
+
+    cfg = _cfg(bases, "fp8", tmp_path / "run", offload=offload)
+    cfg.model.id = str(_broken(bases, tmp_path, _zero_scale))
+    with pytest.raises(QuantError, match="NaN, Inf or zero"):
+        train(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A bf16 base whose dims every format's blocks divide, and its FP8 and MXFP4 releases."""
+    root = tmp_path_factory.mktemp("wide")
+    save_tiny_model(root / "bf16", hidden_size=64, moe_intermediate_size=32, intermediate_size=64,
+                    head_dim=16, dtype="bfloat16")  # fmt: skip
+    bf16 = root / "bf16"
+    fp8 = write_stored(bf16, root / "fp8", "fp8", block=(32, 32))
+    return {"bf16": bf16, "fp8": fp8, "mxfp4": write_stored(bf16, root / "mxfp4", "mxfp4")}
+
+
+def _bytes_read_per_step(model_dir: Path) -> int:
+    """Disk offload: bytes the store reads from the files for one forward + backward."""
+    from moetune.engine import IMPLEMENTATION, register
+    from moetune.engine.offload import store_of
+    from moetune.engine.offload_load import load_offloaded
+    from moetune.engine.stored_load import checkpoint_format
+
+    stored = checkpoint_format(model_dir) is not None
+    model, _, _ = load_offloaded(model_dir, "disk", "cpu", torch.float32, stored=stored)
+    register()
+    model.set_experts_implementation(IMPLEMENTATION)
+    ids = torch.arange(12)[None] % model.config.vocab_size
+    model.get_input_embeddings().weight.requires_grad_(True)  # a backward through the experts
+    model(input_ids=ids, labels=ids).loss.backward()
+    stats = store_of(model).stats  # type: ignore[union-attr]
+    return sum(stats.bytes_read.values())
+
+
+def test_offload_reads_the_stored_bytes(wide: dict[str, Path]) -> None:
+    """An FP8 base reads about half of its bf16 release per step, MXFP4 about a quarter."""
+    bf16 = _bytes_read_per_step(wide["bf16"])
+    fp8, mxfp4 = _bytes_read_per_step(wide["fp8"]), _bytes_read_per_step(wide["mxfp4"])
+    assert bf16 > 0
+    assert fp8 / bf16 == pytest.approx((1 + 4 / 32**2) / 2, abs=1e-3)  # 1 B + a scale a block
+    assert mxfp4 / bf16 == pytest.approx((0.5 + 1 / 32) / 2, abs=1e-3)  # e2m1 + e8m0 per 32
+
+
+def test_dpo_and_grpo_over_a_stored_base(bases: dict[str, Path], tmp_path: Path) -> None:
+    """The methods load the base the same way: both train over the stored stacks."""
+    from moetune.train import train
+
+    words = ["abc", "moe", "tune", "lora"] * 2
+    pref = write_jsonl(tmp_path / "pref.jsonl", [
+        {"prompt": f"rev:{w}>", "chosen": w[::-1], "rejected": w} for w in words])  # fmt: skip
+    rows = write_jsonl(tmp_path / "rows.jsonl", [
+        {"prompt": f"rev:{w}>", "answer": w[::-1]} for w in words])  # fmt: skip
+    grpo = {"num_generations": 4, "max_completion_length": 6}
+    runs = [("dpo", pref, {}), ("grpo", rows, {"batch_size": 8, "grpo": grpo})]
+    with one_thread():
+        for method, data, extra in runs:
+            cfg = run_config(bases["fp8"], data, tmp_path / method, method=method, max_steps=2,
+                             lora__targets=["attention", "experts"], **extra)  # fmt: skip
+            result = train(cfg, progress=False)
+            assert (result.method, result.steps, result.coverage) == (method, 2, 1.0)
+            quant = json.loads((tmp_path / method / "quant.json").read_text())
+            assert quant["format"] == "fp8" and not result.router_changed
+
+
+@pytest.mark.parametrize("method", ["mxfp4", "nvfp4", "int4"])
+def test_every_format_trains_as_its_dequantised_copy(wide: dict[str, Path], tmp_path: Path,
+                                                     method: str) -> None:  # fmt: skip
+    """The other published formats through the same run: the adapter of the run over the
+    dequantised fp32 copy, to 1e-5."""
+    from moetune.train import train
+
+    stored = write_stored(wide["bf16"], tmp_path / method, method)
+    model, _ = load_stored(stored, "cpu", torch.float32)
+    dequantize_stacks_(model)
+    model.save_pretrained(tmp_path / "dequantized")
+    for extra in stored.glob("*token*"):
+        shutil.copy2(extra, tmp_path / "dequantized" / extra.name)
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    runs = {}
+    with one_thread():
+        for name, base in (("stored", stored), ("copy", tmp_path / "dequantized")):
+            cfg = run_config(base, data, tmp_path / name, lora__targets=["attention", "experts"],
+                             max_steps=2, save_steps=2)  # fmt: skip
+            runs[name] = train(cfg, progress=False)
+    assert runs["stored"].coverage == 1.0
+    mine, theirs = _adapter(tmp_path / "stored"), _adapter(tmp_path / "copy")
+    for key, value in theirs.items():
+        assert float((mine[key] - value).norm() / value.norm().clamp_min(1e-12)) < 1e-5, key

@@ -51,6 +51,17 @@ def export_cmd(
     vllm_layout: Annotated[
         str, typer.Option(help="vllm: auto (what the family's wrapper reads) | fused (peft's).")
     ] = "auto",
+    requantize: Annotated[
+        bool,
+        typer.Option(
+            help="merged over a quantised base: write it back in the base's stored format "
+            "(refused when too little of the LoRA effect survives the rounding)."
+        ),
+    ] = False,
+    survival_floor: Annotated[
+        float,
+        typer.Option(min=0.0, max=1.0, help="--requantize: least share of ΔW that must survive."),
+    ] = 0.5,
     trust_remote_code: Annotated[
         bool,
         typer.Option(help="Run the base's own modeling code (read it first; a run keeps its own)."),
@@ -69,8 +80,9 @@ def export_cmd(
         doc = run_check_only(check_only, CheckOptions(items=limit, items_file=items))
     else:
         given = _required(source, fmt, out)
+        extra = {"vllm_layout": vllm_layout, "survival_floor": survival_floor}
         opts = export_options(
-            dtype=dtype, max_shard_size=max_shard_size, extra={"vllm_layout": vllm_layout}
+            dtype=dtype, max_shard_size=max_shard_size, extra=extra | _requant(requantize, fmt)
         )
         doc = export(*given, opts, check_opts, base, trust_remote_code)
     if as_json:
@@ -88,10 +100,25 @@ def _required(source: Path | None, fmt: str | None, out: Path | None) -> tuple[P
     return source, fmt, out
 
 
+def _requant(requantize: bool, fmt: str | None) -> dict[str, Any]:
+    if requantize and fmt != "merged":
+        raise ConfigError(
+            f"--requantize re-quantises a merged checkpoint, not a {fmt} export",
+            "use --format merged --requantize (or drop --requantize)",
+        )
+    return {"requantize": requantize}
+
+
 def _print(doc: dict[str, Any]) -> None:
     console.print(f"[bold]{doc['format']}[/] → {escape(doc['out'])} ({len(doc['files'])} files)")
     for note in doc["notes"]:
         console.print(f"  note: {escape(note)}")
+    survival = doc.get("details", {}).get("survival")
+    if survival and survival["survival"] is not None:
+        console.print(
+            f"re-quantised ({survival['format']}): {survival['survival']:.1%} of the expert LoRA "
+            f"effect survives (worst {escape(survival['worst_stack'])}: {survival['worst']:.1%})"
+        )
     check = doc["check"]
     if "skipped" in check:
         console.print(f"check: skipped – {escape(check['skipped'])}")

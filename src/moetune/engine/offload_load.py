@@ -42,14 +42,13 @@ from moetune.engine.quant import (
     quantizer_for,
     stacks_of,
 )
+from moetune.engine.quant_load import _stream
 from moetune.engine.stored_load import (
     StackFiles,
     StoredReport,
-    dequantized_linears,
+    check_scales,
     install_stack,
-    open_stored,
-    stack_keys,
-    stored_keys,
+    stream_all_but_stacks,
 )
 from moetune.model.derive import causal_lm_class, ensure_backbone
 
@@ -68,8 +67,6 @@ def load_offloaded(
     # lazy: heavy to import (accelerate, transformers)
     from accelerate import init_empty_weights
     from transformers import AutoConfig
-
-    from moetune.engine.quant_load import _stream
 
     if stored:
         return _load_stored(model_dir, mode, device, dtype)
@@ -173,23 +170,21 @@ def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
                  dtype: torch.dtype) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
     """Stored stacks into the store: `disk` leaves them in the base's files, `cpu` reads each
     once into host RAM – either way in the stored bytes, dequantised on the device per expert."""
-    from moetune.engine.quant_load import _stream
 
-    model, fmt, index, stacks = open_stored(model_dir, dtype)
-    linears = dequantized_linears(fmt, index, model, dtype)
-    report = StoredReport(fmt.name, fmt.label, dequantized=sorted(linears))
-    skip = stored_keys(fmt, index, linears) | stack_keys(index, stacks)
-    _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip, extra=linears)
+    model, stacks, report = stream_all_but_stacks(model_dir, device, dtype)
     store = ExpertStore(mode, device)
     for path, module, names in list(experts_modules(model)):
         sources: dict[str, tuple[Source, torch.dtype]] = {}
         for name in names:
             files = stacks[(path, name)]
             like = install_stack(module, name, files.meta(), dtype, report)
+            check_scales(like, files)
             if mode == "disk":
                 sources[name] = FileStored(like, files), dtype
             else:
-                held = QuantizedStack(like.shape, like.transposed, dtype, fmt.name, files.read())
+                held = QuantizedStack(
+                    like.shape, like.transposed, dtype, report.format, files.read()
+                )
                 sources[name] = host_source(held, store.pin), dtype
         install(module, store, sources, names)
     _finish(model, device)

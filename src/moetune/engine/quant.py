@@ -92,9 +92,12 @@ def register(cls: type[Quantizer]) -> type[Quantizer]:
     return QUANTIZERS.add(cls.name, cls)
 
 
-def quantizer_for(method: str, *, double_quant: bool = False) -> type[Quantizer]:
-    """The backend used for `method` here: the highest-priority available one."""
-    backends = [q for _, q in QUANTIZERS.items() if not q.stored]
+def quantizer_for(
+    method: str, *, double_quant: bool = False, stored: bool = False
+) -> type[Quantizer]:
+    """The backend used for `method` here: the highest-priority available one; a published
+    format (`stored`) only where asked – the planner's trace builds a stored base with it."""
+    backends = [q for _, q in QUANTIZERS.items() if stored or not q.stored]
     found = [q for q in backends if q.method == method and q.available()]
     if not found:
         methods = sorted({q.method for q in backends})
@@ -221,11 +224,13 @@ class QuantizedStack(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, method: str = "int8", *, transposed: bool = False,
-                   double_quant: bool = False, chunk: int = 8) -> QuantizedStack:  # fmt: skip
-        """Quantise [E, out, in] (or [E, in, out] if transposed), `chunk` experts at a time."""
-        backend = quantizer_for(method, double_quant=double_quant)
+                   double_quant: bool = False, chunk: int = 8,
+                   options: dict[str, Any] | None = None) -> QuantizedStack:  # fmt: skip
+        """Quantise [E, out, in] (or [E, in, out] if transposed), `chunk` experts at a time;
+        `options`: a published format's blocks or groups (StoredFormat.options)."""
+        backend = quantizer_for(method, double_quant=double_quant, stored=True)
         canonical = weight.detach().transpose(1, 2) if transposed else weight.detach()
-        parts = [backend.quantize(c.float(), double_quant=double_quant)
+        parts = [backend.quantize(c.float(), double_quant=double_quant, **(options or {}))
                  for c in canonical.split(chunk)]  # fmt: skip
         buffers = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         shape = (weight.shape[0], weight.shape[1], weight.shape[2])
@@ -416,12 +421,14 @@ class _Plan:
     layer: str = ""
     device: torch.device | None = None  # None: stay where the float weight is
     error_experts: int | None = None  # experts measured per stack, evenly spread; None: all
+    options: tuple[tuple[str, Any], ...] = ()  # a published format's blocks or groups
 
 
 def _install(module: nn.Module, name: str, weight: torch.Tensor, plan: _Plan) -> None:
     """Quantise `weight` into module.quantized[name], record its error, drop the float."""
     stack = QuantizedStack.from_float(weight, plan.method, transposed=is_transposed(module),
-                                      double_quant=plan.double_quant)  # fmt: skip
+                                      double_quant=plan.double_quant,
+                                      options=dict(plan.options))  # fmt: skip
     errors = _output_errors(weight, stack, plan.error_experts)
     mean = sum(errors) / len(errors)
     row = StackQuant(plan.layer, name, stack.shape, weight.nbytes, stack.nbytes, mean, max(errors))
@@ -449,15 +456,17 @@ def _output_errors(weight: torch.Tensor, stack: QuantizedStack, count: int | Non
 
 
 def quantize_experts_(model: nn.Module, dtype: str = "int8", double_quant: bool = False, *,
-                      error_experts: int | None = None) -> QuantReport:  # fmt: skip
+                      error_experts: int | None = None,
+                      options: dict[str, Any] | None = None) -> QuantReport:  # fmt: skip
     """Replace every fused expert stack by a QuantizedStack in place; the floats are freed.
 
     Plain or peft-wrapped models; to put LoRA on quantised experts, wrap inside
     `peft_targets`. The experts become frozen storage.
     """
-    backend = quantizer_for(dtype, double_quant=double_quant)
+    backend = quantizer_for(dtype, double_quant=double_quant, stored=True)
     report = QuantReport(dtype, double_quant, backend.name)
-    plan = _Plan(dtype, double_quant, report, error_experts=error_experts)
+    plan = _Plan(dtype, double_quant, report, error_experts=error_experts,
+                 options=tuple((options or {}).items()))  # fmt: skip
     for path, module, names in list(experts_modules(model)):
         _mark_quantized(module)
         for name in names:

@@ -10,9 +10,11 @@ it cannot serve is an error with the fix, never a silent fallback.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from moetune.config import LoraArgs
+from moetune.engine.quant import QuantError
+from moetune.engine.stored import StoredFormat, stored_format
 from moetune.errors import RecipeError
 from moetune.model.build import build_model
 from moetune.model.spec import ModelSpec
@@ -20,13 +22,17 @@ from moetune.model.spec import ModelSpec
 Engine = Literal["peft", "moetune"]
 
 
-def resolve_engine(spec: ModelSpec, lora: LoraArgs, experts_dtype: str = "bf16") -> Engine:
+def resolve_engine(
+    spec: ModelSpec, lora: LoraArgs, experts_dtype: str = "bf16", quantized_base: str = "as_stored"
+) -> Engine:
     """The engine a run with `lora` on `spec` trains (and is planned) with.
 
-    It matters where the experts carry LoRA or are stored quantised (`experts_dtype`):
-    quantised stacks run one expert at a time on moetune's path, LoRA or not.
+    It matters where the experts carry LoRA or are stored quantised (`experts_dtype`, or a
+    published quantised base kept as stored: `model.quantized_base`): quantised stacks run
+    one expert at a time on moetune's path, LoRA or not.
     """
-    uses_experts = "experts" in lora.targets or experts_dtype != "bf16"
+    quantised = experts_dtype != "bf16" or stored_experts(spec, quantized_base) is not None
+    uses_experts = "experts" in lora.targets or quantised
     if lora.engine == "peft" or lora.stack != "peft" or not (spec.is_moe and uses_experts):
         return "peft"
     served = split_engine_serves(spec)
@@ -37,6 +43,24 @@ def resolve_engine(spec: ModelSpec, lora: LoraArgs, experts_dtype: str = "bf16")
             "set lora.engine: auto or peft",
         )
     return "moetune" if served else "peft"
+
+
+def stored_experts(spec: ModelSpec, quantized_base: str = "as_stored") -> type[StoredFormat] | None:
+    """The published format a run keeps `spec`'s routed expert stacks in: None for a float
+    checkpoint, for `model.quantized_base: dequantize`, and for a format moetune cannot read
+    (the loader refuses that one; a plan sizes it as float)."""
+    if quantized_base != "as_stored" or not spec.quant_config:
+        return None
+    try:
+        return stored_format(spec.quant_config)
+    except QuantError:
+        return None
+
+
+def stored_options(spec: ModelSpec, quantized_base: str = "as_stored") -> dict[str, Any] | None:
+    """The blocks / groups of a base kept as stored (StoredFormat.options), else None."""
+    fmt = stored_experts(spec, quantized_base)
+    return None if fmt is None or spec.quant_config is None else fmt.options(spec.quant_config)
 
 
 def split_engine_serves(spec: ModelSpec) -> bool:

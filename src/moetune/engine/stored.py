@@ -1,4 +1,4 @@
-"""Expert stacks as the checkpoint stores them: block FP8, MXFP4, NVFP4, INT4 (knowledge §13).
+"""Expert stacks as a checkpoint stores them: FP8, MXFP4, NVFP4, INT4 (docs/knowledge.md §14).
 
 Each published format is a `Quantizer` in engine/quant.py's registry, beside int8 / NF4, with
 the trait `stored`: its buffers are the checkpoint's own tensors, read as they are
@@ -58,6 +58,11 @@ class StoredFormat(Quantizer):
         raise NotImplementedError
 
     @classmethod
+    def options(cls, qcfg: dict[str, Any]) -> dict[str, Any]:
+        """The `quantize` / `config` options that reproduce a checkpoint's blocks or groups."""
+        return {}
+
+    @classmethod
     def weight_suffix(cls) -> str:
         """The per-Linear key suffix of the packed weight (first of `keys`)."""
         return next(iter(cls.keys.values()))[0]
@@ -102,9 +107,30 @@ def stored_format(qcfg: dict[str, Any] | None) -> type[StoredFormat] | None:
     for fmt in stored_formats():
         if fmt.reads(qcfg):
             return fmt
+    if transformers_trains(qcfg):
+        return None  # bitsandbytes, GPTQ …: transformers' own quantizer trains it as before
     raise QuantError(f"moetune cannot read checkpoints quantised as {describe(qcfg)}",
                      f"use one stored as {', '.join(f.label for f in stored_formats())}, "
                      "or its bf16 release")  # fmt: skip
+
+
+def quant_config_of(config: dict[str, Any]) -> Any:
+    """A config.json's `quantization_config` (a multimodal one's under text_config)."""
+    text = config.get("text_config")
+    return config.get("quantization_config") or (
+        text.get("quantization_config") if isinstance(text, dict) else None)  # fmt: skip
+
+
+def transformers_trains(qcfg: dict[str, Any]) -> bool:
+    """Whether the installed transformers' own quantizer for `qcfg` trains (its
+    `is_trainable`, on this machine's libraries); any failure to tell counts as no."""
+    # lazy: heavy to import (transformers)
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    try:
+        return bool(AutoHfQuantizer.from_config(dict(qcfg), pre_quantized=True).is_trainable)
+    except Exception:  # a missing library, an unknown method: it cannot train here
+        return False
 
 
 def describe(qcfg: dict[str, Any]) -> str:
@@ -172,6 +198,10 @@ class BlockFP8(StoredFormat):
     def bytes_per_param(cls, qcfg: dict[str, Any]) -> float:
         rows, cols = qcfg.get("weight_block_size") or (128, 128)
         return 1 + 4 / (rows * cols)
+
+    @classmethod
+    def options(cls, qcfg: dict[str, Any]) -> dict[str, Any]:
+        return {"block": tuple(qcfg.get("weight_block_size") or (128, 128))}
 
     @classmethod
     def config(cls, block: tuple[int, int] = (128, 128), **options: Any) -> dict[str, Any]:
@@ -369,9 +399,13 @@ class Int4Packed(StoredFormat):
 
     @classmethod
     def bytes_per_param(cls, qcfg: dict[str, Any]) -> float:
+        return 0.5 + 2 / cls.options(qcfg)["group"]
+
+    @classmethod
+    def options(cls, qcfg: dict[str, Any]) -> dict[str, Any]:
         groups = [(g.get("weights") or {}).get("group_size") or 128
                   for g in (qcfg.get("config_groups") or {}).values()]  # fmt: skip
-        return 0.5 + 2 / min(groups or [128])
+        return {"group": min(groups or [128])}
 
     @classmethod
     def config(cls, group: int = 32, **options: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ per cent of such a base, and its float weights are what LoRA wraps there.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,8 @@ from moetune.engine.quant import (
     is_transposed,
     stacks_of,
 )
-from moetune.engine.stored import StoredFormat, stored_format
+from moetune.engine.quant_load import _finish, _stream
+from moetune.engine.stored import StoredFormat, quant_config_of, stored_format
 from moetune.model.derive import causal_lm_class, ensure_backbone
 
 if TYPE_CHECKING:
@@ -65,11 +67,14 @@ class StackFiles:
     def nbytes(self) -> int:
         return sum(s.nbytes for segs, _, _ in self.buffers.values() for s in segs)
 
-    def read(self, pin: bool = False) -> dict[str, torch.Tensor]:
+    def read(
+        self, pin: bool = False, only: tuple[str, ...] | None = None
+    ) -> dict[str, torch.Tensor]:
         out = {}
         for name, (segs, shape, dtype) in self.buffers.items():
-            out[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
-            read_into(segs, out[name])
+            if only is None or name in only:
+                out[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                read_into(segs, out[name])
         return out
 
     def meta(self) -> dict[str, torch.Tensor]:
@@ -79,14 +84,11 @@ class StackFiles:
 
 def checkpoint_format(model_dir: str | Path) -> tuple[type[StoredFormat], dict[str, Any]] | None:
     """The stored format of a local checkpoint's config.json (None: a float checkpoint)."""
-    path = Path(model_dir) / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None  # no readable config here: the loader says what is wrong with it
-    qcfg = config.get("quantization_config") if isinstance(config, dict) else None
-    if not qcfg and isinstance(config.get("text_config"), dict):
-        qcfg = config["text_config"].get("quantization_config")
+    qcfg = quant_config_of(config) if isinstance(config, dict) else None
     fmt = stored_format(qcfg)
     return None if fmt is None or not isinstance(qcfg, dict) else (fmt, qcfg)
 
@@ -190,18 +192,25 @@ def load_stored(
     model_dir: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[PreTrainedModel, StoredReport]:
     """A causal LM from a published quantised checkpoint, expert stacks as stored on `device`."""
-    from moetune.engine.quant_load import _finish, _stream
-
-    model, fmt, index, stacks = open_stored(model_dir, dtype)
-    linears = dequantized_linears(fmt, index, model, dtype)
-    report = StoredReport(fmt.name, fmt.label, dequantized=sorted(linears))
-    report.dequantized_bytes = sum(_numel(d.shape) * dtype.itemsize for d in linears.values())
-    skip = stored_keys(fmt, index, linears) | stack_keys(index, stacks)
-    _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip, extra=linears)
+    model, stacks, report = stream_all_but_stacks(model_dir, device, dtype)
     for (path, name), files in stacks.items():
         install_stack(model.get_submodule(path), name, files.read(), dtype, report, device)
     _finish(model, device)
     return model, report
+
+
+def stream_all_but_stacks(
+    model_dir: str | Path, device: str | torch.device, dtype: torch.dtype
+) -> tuple[Any, dict[tuple[str, str], StackFiles], StoredReport]:
+    """The model with every tensor but the expert stacks loaded onto `device` (quantised
+    Linears dequantised as they stream), where each stack lies, and the report begun."""
+    model, fmt, index, stacks = open_stored(model_dir, dtype)
+    linears = dequantized_linears(fmt, index, model, dtype)
+    report = StoredReport(fmt.name, fmt.label, dequantized=sorted(linears))
+    report.dequantized_bytes = sum(math.prod(d.shape) * dtype.itemsize for d in linears.values())
+    skip = stored_keys(fmt, index, linears) | stack_keys(index, stacks)
+    _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip, extra=linears)
+    return model, stacks, report
 
 
 def open_stored(
@@ -244,21 +253,22 @@ def install_stack(module: nn.Module, name: str, buffers: dict[str, torch.Tensor]
     assert param is not None
     shape = (param.shape[0], param.shape[1], param.shape[2])
     stack = QuantizedStack(shape, is_transposed(module), dtype, report.format, buffers)
-    stack.backend.check(dict(stack.named_buffers()), stack.out_in, name)  # type: ignore[attr-defined]
+    where = f"{type(module).__name__}.{name}"
+    stack.backend.check(dict(stack.named_buffers()), stack.out_in, where)  # type: ignore[attr-defined]
     _mark_quantized(module)
     module.get_submodule(QUANTIZED).add_module(name, stack if device is None else stack.to(device))
     module._parameters.pop(name)
     report.stacks += 1
     report.stored_bytes += stack.nbytes
-    report.float_bytes += _numel(param.shape) * dtype.itemsize
+    report.float_bytes += math.prod(param.shape) * dtype.itemsize
     return stack
 
 
-def _numel(shape: Any) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
+def check_scales(like: QuantizedStack, files: StackFiles) -> None:
+    """A stack left in the files: its scales alone read once and checked (NaN / Inf / zero)."""
+    fmt = like.backend
+    assert issubclass(fmt, StoredFormat)
+    fmt.check(files.meta() | files.read(only=fmt.scales), like.out_in, "an expert stack")
 
 
 def dequantize_stacks_(model: nn.Module, dtype: torch.dtype | None = None) -> int:

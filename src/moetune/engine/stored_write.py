@@ -21,6 +21,7 @@ import torch
 
 from moetune.engine.quant import QUANTIZERS, QuantError, experts_modules, is_transposed
 from moetune.engine.stored import StoredFormat
+from moetune.model.derive import causal_lm_class
 
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
 _KEEP_FLOAT = ("embed_tokens", "lm_head", ".gate.", ".router.", "norm")  # as publishers leave them
@@ -28,12 +29,13 @@ _KEEP_FLOAT = ("embed_tokens", "lm_head", ".gate.", ".router.", "norm")  # as pu
 
 def write_stored(
     src: str | Path, out: str | Path, method: str, *, rest: bool | None = None,
-    shard_bytes: int = 2**30, **options: Any,
+    shard_bytes: int = 2**30, dtype: torch.dtype | None = None, **options: Any,
 ) -> Path:  # fmt: skip
     """`src` (config.json + *.safetensors, float) rewritten under `out` stored as `method`.
 
     `rest`: quantise the non-expert Linears too (default: the format's publishers' habit).
     `options` go to the format's `quantize` and `config` (fp8 `block`, int4 `group`).
+    `dtype`: the float tensors left unquantised are written in it (default: as in `src`).
     """
     fmt = QUANTIZERS.get(method)
     if not fmt.stored:
@@ -49,7 +51,8 @@ def write_stored(
     shards = _Shards(out, shard_bytes)
     for key, tensor in _tensors(src):
         for name, value in _convert(fmt, key, tensor, fused, rest, options).items():
-            shards.add(name, value)
+            kept = value is tensor and dtype is not None and value.is_floating_point()
+            shards.add(name, value.to(dtype) if kept else value)
     shards.close()
     config["quantization_config"] = fmt.config(**options)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -65,8 +68,6 @@ def _fused_stacks(src: Path) -> dict[str, bool]:
     # lazy: heavy to import (accelerate, transformers)
     from accelerate import init_empty_weights
     from transformers import AutoConfig
-
-    from moetune.model.derive import causal_lm_class
 
     config = AutoConfig.from_pretrained(src)
     with init_empty_weights():

@@ -100,7 +100,7 @@ def load_model(cfg: RunConfig) -> tuple[Any, Any]:
     place = resolve_placement(cfg.train)
     tokenizer = load_tokenizer(cfg.model.id)
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
-    engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)
+    engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
     model = load_weights(cfg, place, engine).to(place.device)
     model.eval()
     torch.manual_seed(cfg.train.seed)

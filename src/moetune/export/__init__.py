@@ -83,7 +83,16 @@ def record_of(source: Source, result: ExportResult) -> dict[str, object]:
         "base": str(base.resolve()) if base.is_dir() else source.base,
         "dtype": str(result.details.get("dtype", "float32")), "files": result.files,
         "trust_remote_code": source.trust_remote_code,
+        **survival_of(result),
     }  # fmt: skip
+
+
+def survival_of(result: ExportResult) -> dict[str, object]:
+    """A re-quantised merge's survival figures without the per-stack table (export.json)."""
+    figures = result.details.get("survival")
+    if not isinstance(figures, dict):
+        return {}
+    return {"survival": {k: v for k, v in figures.items() if k != "stacks"}}
 
 
 __all__ = [

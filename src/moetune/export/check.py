@@ -311,10 +311,17 @@ def tokenizer_of(source: Source) -> Any:
 def merged_consumer(
     out: Path, source: Source, sequences: list[list[int]], prompts: list[list[int]], new: int
 ) -> Served:
-    """The merged checkpoint in plain transformers (float32 compute, its stored values)."""
+    """The merged checkpoint in plain transformers (float32 compute, its stored values); one
+    re-quantised (--requantize) read as a stored base is, its stacks dequantised."""
 
-    # lazy: heavy to import (transformers)
+    # lazy: heavy to import (transformers, moetune.export)
     from transformers import AutoModelForCausalLM
+
+    from moetune.export.merged import load_base
+    from moetune.export.stored_base import stored_of
+
+    if stored_of(str(out)) is not None:
+        return hf_served(load_base(str(out), torch.float32), sequences, prompts, new)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

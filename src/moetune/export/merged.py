@@ -29,6 +29,7 @@ from moetune.export.registry import (
     Source,
     register,
 )
+from moetune.export.stored_base import export_requantized, load_dequantized, stored_of
 from moetune.model.derive import checkpoint_class
 from moetune.model.remote import code_files
 
@@ -41,7 +42,7 @@ TOKENIZER_FILES = (
 
 def resolve_dtype(base: str, requested: str) -> torch.dtype:
     """`requested`, or for auto the dtype the base's config.json states, else the one its
-    safetensors hold (bf16 when neither says)."""
+    safetensors hold (bf16 when neither says); bf16 for a base stored quantised."""
     if requested != "auto":
         if requested not in DTYPES:
             raise ExportError(
@@ -51,6 +52,8 @@ def resolve_dtype(base: str, requested: str) -> torch.dtype:
     # lazy: heavy to import (transformers)
     from transformers import AutoConfig
 
+    if stored_of(base) is not None:
+        return torch.bfloat16  # what its publishers compute in; its weights are not floats
     stated = getattr(AutoConfig.from_pretrained(base), "dtype", None)
     if stated is None:
         return _stored_dtype(base) or torch.bfloat16
@@ -75,9 +78,14 @@ def _stored_dtype(base: str) -> torch.dtype | None:
 
 
 def load_base(base: str, dtype: torch.dtype) -> Any:
-    """The base's causal LM with its real weights; refuses a checkpoint with missing tensors."""
+    """The base's causal LM with its real weights; refuses a checkpoint with missing tensors.
+    A base stored quantised is read by moetune and its expert stacks dequantised (never by
+    transformers, which dequantises FP8 silently on a CPU and refuses MXFP4 training)."""
     # lazy: heavy to import (transformers)
     from transformers import AutoConfig
+
+    if stored_of(base) is not None:
+        return load_dequantized(base, dtype)[0]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -185,14 +193,21 @@ def saved_layout(folder: Path) -> dict[str, tuple[list[int], str]]:
 
 def export_merged(source: Source, out: Path, opts: ExportOptions) -> ExportResult:
     dtype = resolve_dtype(source.base, opts.dtype)
-    model = load_base(source.base, dtype)
-    counts = merge_into(model, source)
-    model.save_pretrained(str(out), max_shard_size=opts.max_shard_size)
+    stored, survival = stored_of(source.base), None
+    if opts.extra.get("requantize"):
+        counts, survival = export_requantized(source, out, opts, dtype, merge_into)
+    else:
+        counts = write_merged(source, out, opts, dtype)
     tokenizer = copy_tokenizer(source, out)
     code = copy_code(source.base, out)
     result = ExportResult("merged", out, files=sorted(p.name for p in out.iterdir()))
     result.details = {"dtype": str(dtype).removeprefix("torch."), **counts, "tokenizer": tokenizer}
-    result.details["layout"] = layout_vs_base(source.base, out)
+    result.details["layout"] = layout_vs_base(source.base, out, stored and not survival)
+    if stored:
+        result.details["stored_base"] = stored[0].name
+        result.details["requantized"] = survival is not None
+    if survival is not None:
+        result.details["survival"] = survival
     if code:
         result.details["code"] = code
     if not tokenizer:
@@ -200,9 +215,20 @@ def export_merged(source: Source, out: Path, opts: ExportOptions) -> ExportResul
     return result
 
 
-def layout_vs_base(base: str, out: Path) -> dict[str, Any]:
-    """Whether the merged files hold exactly the base checkpoint's tensor names and shapes."""
-    if not Path(base).is_dir() or not any(Path(base).glob("*.safetensors")):
+def write_merged(
+    source: Source, out: Path, opts: ExportOptions, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The base with ΔW added, saved by transformers in `dtype`; the merge counts."""
+    model = load_base(source.base, dtype)
+    counts = merge_into(model, source)
+    model.save_pretrained(str(out), max_shard_size=opts.max_shard_size)
+    return counts
+
+
+def layout_vs_base(base: str, out: Path, unquantised: Any = False) -> dict[str, Any]:
+    """Whether the merged files hold exactly the base checkpoint's tensor names and shapes
+    (not compared when a quantised base was written unquantised: its scales are gone)."""
+    if unquantised or not Path(base).is_dir() or not any(Path(base).glob("*.safetensors")):
         return {"compared": False}
     mine, theirs = saved_layout(out), saved_layout(Path(base))
     same_shapes = all(mine[k][0] == theirs[k][0] for k in mine.keys() & theirs.keys())

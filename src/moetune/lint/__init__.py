@@ -13,6 +13,7 @@ from moetune.lint import (  # noqa: F401
     rules_offload,
     rules_peft,
     rules_serve,
+    rules_stored,
 )
 from moetune.lint.rules import RULES, LintContext, lint, rule_table
 

@@ -297,7 +297,8 @@ def _engine(ctx: LintContext) -> str:
     from moetune.engine.resolve import resolve_engine
 
     try:
-        return resolve_engine(ctx.spec, ctx.config.lora, ctx.config.model.experts_dtype)
+        model = ctx.config.model
+        return resolve_engine(ctx.spec, ctx.config.lora, model.experts_dtype, model.quantized_base)
     except RecipeError:
         return "moetune"  # ENGINE-MOETUNE-UNSERVED reports it
 

@@ -78,8 +78,9 @@ class ModelSpec:
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # Layers that hold attention (jamba interleaves Mamba mixers); None means every layer.
     attention_layer_ids: tuple[int, ...] | None = None
-    # Checkpoint quantization (e.g. "mxfp4", "fp8"); counts and hf_config are for the bf16 model.
-    quant_method: str | None = None
+    # The checkpoint's config.json `quantization_config` as published (None: a float
+    # checkpoint); counts and hf_config are for the float model (engine/stored.py reads it).
+    quant_config: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     # Token mixer of each layer as built (attention, mla, linear_attention, mamba, conv …);
     # empty for a spec not read off a build (made by hand).
     mixers: tuple[str, ...] = ()
@@ -90,6 +91,11 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0 and len(self.moe_layers) > 0
+
+    @property
+    def quant_method(self) -> str | None:
+        """The checkpoint's quant_method (e.g. "mxfp4", "fp8"); None for a float one."""
+        return (self.quant_config or {}).get("quant_method")
 
     @property
     def mixer_counts(self) -> dict[str, int]:
@@ -135,6 +141,7 @@ class ModelSpec:
             "total_params": self.total_params,
             "active_params": self.active_params,
             "quant_method": self.quant_method,
+            "quant_config": self.quant_config,
             "mixers": self.mixer_counts,
             "components": self.components.as_dict(),
         }

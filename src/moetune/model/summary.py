@@ -49,7 +49,7 @@ def spec_of(
         dtype=_dtype(raw, config),
         hf_config=_hf_dict(config),
         attention_layer_ids=attention_layers(read),
-        quant_method=(raw.get("quantization_config") or {}).get("quant_method"),
+        quant_config=raw.get("quantization_config") or None,
         mixers=tuple(r.mixer for r in read),
         dense_layer_ids=dense_layers(read, moe),
     )

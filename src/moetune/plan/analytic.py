@@ -155,8 +155,12 @@ def _static(spec: ModelSpec, step: Step, trainable: int) -> dict[str, float]:
 
 def expert_bytes_per_param(spec: ModelSpec, step: Step) -> float:
     """Bytes per routed-expert parameter as moetune stores the frozen stacks (engine/quant):
-    int8 + one fp32 scale per output row; NF4 nibbles + an fp32 absmax per 64 (double
-    quant: an int8 absmax per 64 and an fp32 scale per 256 of those)."""
+    a published base kept as stored, what its format says; int8 + one fp32 scale per output
+    row; NF4 nibbles + an fp32 absmax per 64 (double quant: an int8 absmax per 64 and an
+    fp32 scale per 256 of those). Everything else is at the compute dtype (a stored base's
+    other quantised Linears are dequantised at load)."""
+    if step.stored_bytes:
+        return step.stored_bytes
     if step.experts_dtype == "int8":
         return 1 + 4 / spec.hidden_size
     if step.experts_dtype == "nf4":

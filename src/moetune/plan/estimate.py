@@ -153,7 +153,7 @@ def launch_signature(spec: Any, cfg: RunConfig) -> dict[str, Any]:
     # lazy: heavy to import (torch, peft via moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
-    engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)
+    engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
     return step_signature(cfg, engine, cfg.lane.runpod.gpu_count or cfg.train.nproc)
 
 

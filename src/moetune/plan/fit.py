@@ -111,6 +111,7 @@ class MemoryPlan:
     requested: Estimator | None = None  # the estimator asked for, when another one ran
     # the analytic's fallback to the trace, as warned before it ran (planner.fallback_warning)
     fallback: dict[str, Any] | None = None
+    stored: dict[str, Any] | None = None  # a published quantised base (plan.stored)
 
     @property
     def overhead_bytes(self) -> int:
@@ -141,6 +142,7 @@ class MemoryPlan:
             "best": {card: r.to_json() for card, r in self.best.items()},
             "notes": list(self.notes),
             "fallback": self.fallback,
+            "stored_experts": self.stored,
         }
 
 

@@ -11,7 +11,8 @@ from typing import Any
 from moetune.config import RunConfig
 
 COSTS: dict[str, float] = {  # see the table above; "dq": nf4 already, quantise its scales
-    "qlora→lora": 0.0, "engine": 0.0, "dq": 0.0, "explicit": 0.05, "gc": 0.1, "batch": 0.2,
+    "qlora→lora": 0.0, "engine": 0.0, "dq": 0.0, "as_stored": 0.0, "explicit": 0.05,
+    "gc": 0.1, "batch": 0.2,
     "int8": 0.25, "full→lora": 0.5, "nf4": 0.6, "expert_rank": 0.7, "rank": 1.0,
     "dense": 1.1, "shared": 1.2, "attention": 1.6, "seq": 2.0,
 }  # fmt: skip
@@ -74,6 +75,13 @@ MOVES: tuple[Move, ...] = (
         if c.lora.engine != "moetune" and "experts" in c.lora.targets else None,  # + _usable_moves
         lambda o, n: ("engine moetune (split LoRA: same adapter, no W+ΔW copies)",
                       "lora.engine=moetune"),
+    ),
+    Move(  # the published values themselves: dequantised they are the same numbers
+        "as_stored",
+        lambda c: with_model(c, quantized_base="as_stored")
+        if c.model.quantized_base == "dequantize" else None,  # + _usable_moves: a stored base
+        lambda o, n: ("keep the routed experts as published (split LoRA over the stored bytes)",
+                      "model.quantized_base=as_stored"),
     ),
     Move(
         "explicit",

@@ -2,9 +2,10 @@
 host RAM or on disk, the bytes a step moves, and the step time they allow.
 
 What moves: the routed expert stacks of every MoE layer – frozen, and most of an MoE's
-bytes (as stored: int8 / NF4 stacks move their quantised bytes). Everything else stays
-on the device: attention, routers, shared experts, embeddings, the LM head, LoRA factors,
-their gradients and the optimizer state. A layer's stacks reach the device just before
+bytes (as stored: int8 / NF4 stacks move their quantised bytes, a base kept as published
+its checkpoint's bytes, dequantised one expert at a time on the device). Everything else
+stays on the device: attention, routers, shared experts, embeddings, the LM head, LoRA
+factors, their gradients and the optimizer state. A layer's stacks reach the device just before
 it runs, the next layer's prefetched meanwhile, so the device holds two layers of them.
 
 Per step (one optimizer step: `grad_accum` micro-batches) each micro-batch reads every
@@ -195,8 +196,9 @@ def _device(cfg: RunConfig, card: Card | str | None) -> Card | None:
 
 
 def layer_expert_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
-    """One MoE layer's routed expert stacks as the run stores them (int8 / NF4: quantised;
-    bitsandbytes runs: fp32, which prepare_model_for_kbit_training upcasts them to)."""
+    """One MoE layer's routed expert stacks as the run stores them (int8 / NF4 or a base
+    kept as published: quantised; bitsandbytes runs: fp32, which
+    prepare_model_for_kbit_training upcasts them to)."""
     if not spec.moe_layers or not spec.components.routed_experts:
         raise ConfigError(
             f"{spec.name} has no routed experts: train.offload streams expert stacks",
@@ -212,7 +214,7 @@ def file_layer_bytes(spec: ModelSpec, cfg: RunConfig, layer: int) -> int:
     checkpoint's own dtype (bf16 files widened to fp32 after the read move 2 bytes a
     parameter, not 4); quantised stacks and host copies move as stored."""
     step = Step.from_config(cfg, spec)
-    quantised = step.quantization in QUANT_BYTES or step.experts_dtype in ("int8", "nf4")
+    quantised = step.quantization in QUANT_BYTES or step.experts_quantised
     if cfg.train.offload != "disk" or quantised:
         return layer
     file_bytes = DTYPE_BYTES.get(spec.dtype, step.weight_bytes)

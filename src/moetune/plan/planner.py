@@ -20,6 +20,7 @@ from moetune.plan.overhead import Overhead, overhead_for
 from moetune.plan.profiles import mixer_notes, profile_for, uncalibrated
 from moetune.plan.recommend import recommend, refuses_checkpointing
 from moetune.plan.step import split_lora
+from moetune.plan.stored import stored_summary
 from moetune.plan.tracetime import expected_trace_s
 
 Warn = Callable[[str], None]
@@ -54,6 +55,7 @@ def make_plan(
         warn(slow["warning"])
     used, fallback, (peak, components, op, phase, trainable) = _estimate_as(spec, cfg, estimator)
     fits = {c.id: card_fit(c, peak) for c in chosen}
+    stored = stored_summary(spec, cfg)
     plan = MemoryPlan(
         model=spec.name,
         estimator=used,
@@ -66,9 +68,10 @@ def make_plan(
         total_params=spec.total_params,
         fits=fits,
         settings=_settings(cfg),
-        notes=[*fallback, *gc_off, *_notes(spec, cfg)],
+        notes=[*([stored["text"]] if stored else []), *fallback, *gc_off, *_notes(spec, cfg)],
         requested=estimator if used != estimator else None,
         fallback=slow,
+        stored=stored,
     )
     missing = [c for c in chosen if not fits[c.id].fits]
     plan.recommendations.extend(recommend(spec, cfg, missing))
@@ -204,6 +207,7 @@ def _settings(cfg: RunConfig) -> dict[str, Any]:
         "dtype": cfg.model.dtype,
         "experts_dtype": cfg.model.experts_dtype,
         "experts_double_quant": cfg.model.experts_double_quant,
+        "quantized_base": cfg.model.quantized_base,
         "optimizer": "fused AdamW (HF Trainer / TRL default), steady state",
     }
 

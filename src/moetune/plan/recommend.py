@@ -10,6 +10,7 @@ rank alone (`lora.expert_rank`), of the whole rank, and of the sequence length.
 Quality costs, lower first – set in one place, `COSTS` (plan/moves.py, beside the moves):
 
     engine switch, bitsandbytes → bf16 0     same adapter and numerics (split LoRA: fp32 1e-5)
+    a published base kept as stored   0     the same weights, dequantised one expert at a time
     explicit expert targets           0.05  rank r on gate_up instead of peft's 2r
     gradient checkpointing on         0.1   same result, ≈ 30 % slower
     batch → 1 (+ accumulation)        0.2   same effective batch, slower
@@ -55,10 +56,10 @@ from moetune.plan.moves import (
     Move,
     Storage,
     with_lora,
-    with_model,
     with_train,
 )
 from moetune.plan.offload import fitting_offload, offload_recommendation
+from moetune.plan.stored import held_as, published_format, restored
 
 MAX_CANDIDATES = 800  # analytic re-plans per plan at most (≈ 5 ms each)
 RECS_PER_CARD = 3
@@ -120,6 +121,8 @@ def refuses_checkpointing(spec: ModelSpec) -> str | None:
 
 def _usable_moves(cfg: RunConfig, spec: ModelSpec) -> list[Move]:
     absent = {k for k, has in _parts(spec).items() if not has}
+    if not published_format(spec):
+        absent.add("as_stored")
     if not (_split_serves(cfg, spec) and _on_peft(cfg, spec)):
         absent.add("engine")
     if refuses_checkpointing(spec):  # never recommend what the class refuses
@@ -142,7 +145,8 @@ def _on_peft(cfg: RunConfig, spec: ModelSpec) -> bool:
     # lazy: heavy to import (torch, peft via moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
-    return resolve_engine(spec, cfg.lora) == "peft"
+    m = cfg.model
+    return resolve_engine(spec, cfg.lora, m.experts_dtype, m.quantized_base) == "peft"
 
 
 def _move_subsets(cfg: RunConfig, spec: ModelSpec) -> Iterator[tuple[Move, ...]]:
@@ -161,8 +165,9 @@ def _parts(spec: ModelSpec) -> dict[str, bool]:
 
 
 def _storages(cfg: RunConfig, spec: ModelSpec) -> list[Storage]:
-    """Expert storages leaner than the config's (quantised experts train LoRA, not full)."""
-    if not _split_serves(cfg, spec):
+    """Expert storages leaner than the config's (quantised experts train LoRA, not full); a
+    published quantised base trains as stored (or dequantised), never re-stored."""
+    if not _split_serves(cfg, spec) or published_format(spec):
         return []
     level = LEVEL[cfg.model.experts_dtype]
     leaner = [s for s in STORAGES if LEVEL[s.dtype] > level]
@@ -276,9 +281,7 @@ def _with_storage(spec: ModelSpec, storage: Storage | None, c: RunConfig) -> _St
     sets = [] if c.lora.engine == "moetune" else ["lora.engine=moetune"]
     sets += [f"model.experts_dtype={storage.dtype}"]
     sets += ["model.experts_double_quant=true"] if storage.double_quant else []
-    c = with_lora(c, engine="moetune")
-    dq = {"experts_double_quant": True} if storage.double_quant else {}  # as the --set say
-    c = with_model(c, experts_dtype=storage.dtype, **dq)
+    c = restored(c, storage)  # as the --set say
     return c, [f"{storage.words} on engine moetune"], sets
 
 
@@ -328,7 +331,9 @@ def recommend(spec: ModelSpec, cfg: RunConfig, cards: list[Card]) -> list[Recomm
             rec = _fitting(card, leanest, lean.peak_bytes)
             out += [replace(rec, notes=(*rec.notes, _CAPPED))] if rec else []
     stuck = [c for c in cards if c not in reachable]
-    out += [_offloaded(spec, cfg, c, leanest) or _no_fit(cfg, c, leanest, lean) for c in stuck]
+    out += [
+        _offloaded(spec, cfg, c, leanest) or _no_fit(spec, cfg, c, leanest, lean) for c in stuck
+    ]
     return sorted(out, key=lambda r: (not r.fits, r.cost, r.card))
 
 
@@ -337,7 +342,7 @@ _CAPPED = f"the search stopped after {MAX_CANDIDATES} re-plans: a cheaper change
 
 # moves that never add memory, whatever else changes: an option with all of them (and the
 # leanest expert storage) bounds every option that differs only in these from below
-_NEVER_MORE = ("engine", "gc", "batch", "full→lora")
+_NEVER_MORE = ("engine", "as_stored", "gc", "batch", "full→lora")
 
 
 class _Search:
@@ -454,13 +459,13 @@ def _speed_only(spec: ModelSpec, cfg: RunConfig) -> _Candidate | None:
 
 
 def _no_fit(
-    cfg: RunConfig, card: Card, leanest: _Candidate | None, est: AnalyticEstimate
+    spec: ModelSpec, cfg: RunConfig, card: Card, leanest: _Candidate | None, est: AnalyticEstimate
 ) -> Recommendation:
     """No searched change fits: how far the leanest one (`est`) is, and what is left."""
     lean_cfg = leanest.cfg if leanest else cfg
     fit = card_fit(card, est.peak_bytes)
     frozen = est.components.get("frozen_weights") or est.components["trainable_weights"]
-    stored = "experts as NF4" if lean_cfg.model.experts_dtype == "nf4" else cfg.model.dtype
+    stored = held_as(spec, lean_cfg)
     offload = (
         "unified memory: offloading frees nothing" if card.host_link is None
         else "offloading the frozen experts does not fit either"

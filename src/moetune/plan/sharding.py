@@ -382,7 +382,7 @@ def device_report(
     ranks = nodes * gpus
     plans = {c: plan_devices(spec, cfg, c, ranks, strategy, sizes) for c in cards}
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
-    quantised = cfg.model.experts_dtype != "bf16"  # loaded whole on every rank
+    quantised = Step.from_config(cfg, spec).experts_quantised  # loaded whole on every rank
     host = host_ram(sizes, gpus, strategy, not quantised) if strategy != "ddp" else None
     notes = _report_notes(spec) + _load_notes(host)
     notes += _node_notes(sizes, nodes, gpus, host)

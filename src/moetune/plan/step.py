@@ -4,7 +4,7 @@ off a run config."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from moetune.config import RunConfig
 from moetune.model.spec import ModelSpec
@@ -29,6 +29,11 @@ class Step:
     split_lora: bool = False  # lora.engine moetune: expert LoRA on routed tokens, no W+ΔW
     experts_dtype: str = "bf16"  # moetune's frozen expert storage: bf16 | int8 | nf4
     experts_double_quant: bool = False
+    # A published quantised base kept as stored (model.quantized_base as_stored): its
+    # format (engine/stored.py's quantizer name) and bytes per routed-expert parameter,
+    # asked of the format; "" / 0: none.
+    stored_experts: str = ""
+    stored_bytes: float = 0.0
     fused_head: bool = True  # TRL SFTTrainer's tiled LM head (moetune's trainer) vs full logits
 
     @property
@@ -41,6 +46,11 @@ class Step:
         return self.batch_size * self.seq_len * self.seq_len
 
     @property
+    def experts_quantised(self) -> bool:
+        """The frozen expert stacks are held quantised: int8 / NF4, or as published."""
+        return self.experts_dtype != "bf16" or bool(self.stored_bytes)
+
+    @property
     def act_bytes(self) -> int:
         """QLoRA's upcast norms and embeddings carry fp32 hidden states."""
         return 4 if self.method == "qlora" else self.weight_bytes
@@ -50,6 +60,7 @@ class Step:
         quant = cfg.train.quantization
         if cfg.train.tuning == "qlora" and quant == "none":
             quant = "bnb-4bit"
+        split = split_lora(spec, cfg)
         return cls(
             seq_len=cfg.train.seq_len,
             batch_size=cfg.train.batch_size,
@@ -58,9 +69,10 @@ class Step:
             optimizer=optimizer,
             quantization=quant,
             weight_bytes=DTYPE_BYTES[cfg.model.dtype],
-            split_lora=split_lora(spec, cfg),
+            split_lora=split,
             experts_dtype=cfg.model.experts_dtype,
             experts_double_quant=cfg.model.experts_double_quant,
+            **_stored(spec, cfg, split and quant == "none"),
         )
 
 
@@ -69,4 +81,19 @@ def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
     # lazy: heavy to import (torch, peft via moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
-    return cfg.train.tuning != "full" and resolve_engine(spec, cfg.lora) == "moetune"
+    m = cfg.model
+    engine = resolve_engine(spec, cfg.lora, m.experts_dtype, m.quantized_base)
+    return cfg.train.tuning != "full" and engine == "moetune"
+
+
+def _stored(spec: ModelSpec, cfg: RunConfig, split: bool) -> dict[str, Any]:
+    """The stored format's name and bytes when the run keeps the published expert stacks:
+    a stored base trains on the split engine; int8 / NF4 experts re-store them instead."""
+    # lazy: heavy to import (torch via moetune.engine)
+    from moetune.engine.resolve import stored_experts
+
+    fmt = stored_experts(spec, cfg.model.quantized_base)
+    if fmt is None or not split or cfg.model.experts_dtype != "bf16":
+        return {}
+    qcfg = spec.quant_config or {}
+    return {"stored_experts": fmt.name, "stored_bytes": fmt.bytes_per_param(qcfg)}

@@ -93,6 +93,7 @@ def trace_step(
     experts_dtype: str = "bf16",
     double_quant: bool = False,
     loss: str = "fused",
+    experts_options: dict[str, Any] | None = None,
 ) -> TraceResult:
     """Trace one training step and return its peak live tensor bytes.
 
@@ -104,9 +105,11 @@ def trace_step(
     `steps=2` also covers the steady state, where the Adam moments stay live through
     forward and backward. `engine="moetune"` traces moetune's split-LoRA experts instead of
     peft's ParamWrapper; `experts_dtype` "int8"/"nf4" stores the frozen expert stacks
-    quantised (engine.quant), which needs that engine. `loss` "fused" is TRL's tiled LM
-    head (what moetune trains with), "full" the model's own loss on full logits. Neither
-    config is modified.
+    quantised (engine.quant), which needs that engine; a published format's name ("fp8",
+    "mxfp4" …: a base kept as stored) builds them in its layout with its own `quantize` on
+    meta, at the checkpoint's blocks / groups (`experts_options`, StoredFormat.options). `loss`
+    "fused" is TRL's tiled LM head (what moetune trains with), "full" the model's own loss
+    on full logits. Neither config is modified.
     """
     _check_inputs(seq_len, batch_size, steps, dtype, device, fake, optimizer)
     _check_loss(loss)
@@ -121,7 +124,7 @@ def trace_step(
             warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys")
             model = build_step_model(
                 copy.deepcopy(hf_config), copy.deepcopy(peft_config), dtype, device, fake,
-                engine, (experts_dtype, double_quant),
+                engine, (experts_dtype, double_quant, experts_options or {}),
             )  # fmt: skip
             prepare_for_training(model, peft_config is None, gradient_checkpointing)
             fused = loss == "fused"
@@ -214,7 +217,7 @@ def build_step_model(
     device: str,
     fake: bool,
     engine: str = "peft",
-    experts: tuple[str, bool] = ("bf16", False),
+    experts: tuple[str, bool, dict[str, Any]] = ("bf16", False, {}),
 ) -> Any:
     """The model (a PeftModel when `peft_config` is given), on `meta` when fake."""
     # lazy: heavy to import (peft, transformers via moetune.engine)
@@ -242,14 +245,15 @@ def build_step_model(
     return model
 
 
-def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool) -> None:
+def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool,
+              options: dict[str, Any]) -> None:  # fmt: skip
     """Expert stacks quantised as the trainer loads them, each on the split forward."""
     # lazy: heavy to import (peft, transformers via moetune.engine)
     from moetune.engine import IMPLEMENTATION, register
     from moetune.engine.quant import quantize_experts_, require_split_engine
 
     require_split_engine(engine, experts_dtype)
-    quantize_experts_(model, experts_dtype, double_quant, error_experts=0)
+    quantize_experts_(model, experts_dtype, double_quant, error_experts=0, options=options)
     register()
     model.set_experts_implementation(IMPLEMENTATION)
 

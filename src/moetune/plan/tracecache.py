@@ -21,6 +21,7 @@ from moetune.config import RunConfig
 from moetune.errors import ConfigError
 from moetune.model import to_hf_config
 from moetune.model.spec import ModelSpec
+from moetune.plan.step import Step
 from moetune.recipe.targets import build_peft_config
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ def _tracer_digest() -> str:
         here / "tracker.py",
         engine / "experts_lora.py",
         engine / "quant.py",
+        engine / "stored.py",
     ]
     text = b"".join(f.read_bytes() for f in files if f.exists())
     return hashlib.sha256(text).hexdigest()[:16]
@@ -65,6 +67,7 @@ def trace_key(spec: ModelSpec, cfg: RunConfig, optimizer: str) -> str:
         "model": spec.hf_config,
         "dtype": cfg.model.dtype,
         "experts": [cfg.model.experts_dtype, cfg.model.experts_double_quant],
+        "stored": [cfg.model.quantized_base, spec.quant_config],
         "lora": None if cfg.train.tuning == "full" else cfg.lora.model_dump(mode="json"),
         "train": cfg.train.model_dump(mode="json"),
         "optimizer": optimizer,
@@ -81,7 +84,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
     # lazy: heavy to import (torch, peft via moetune.engine, moetune.plan.trace)
     import torch
 
-    from moetune.engine.resolve import resolve_engine
+    from moetune.engine.resolve import resolve_engine, stored_options
     from moetune.plan.trace import trace_step
 
     if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":
@@ -89,6 +92,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
             "the trace estimator cannot run quantized (bitsandbytes) steps on fake tensors",
             "use --estimator analytic for qlora / bnb quantization",
         )
+    step = Step.from_config(cfg, spec)
     peft_config = None
     if cfg.train.tuning != "full":  # sized without dropout: see planner.make_plan's notes
         peft_config = build_peft_config(spec, cfg.lora.model_copy(update={"dropout": 0.0}))
@@ -101,9 +105,10 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
         dtype=getattr(torch, cfg.model.dtype),
         optimizer=optimizer,
         steps=STEPS,
-        engine=resolve_engine(spec, cfg.lora, cfg.model.experts_dtype),
-        experts_dtype=cfg.model.experts_dtype,
+        engine=resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base),
+        experts_dtype=step.stored_experts or cfg.model.experts_dtype,  # a base kept as stored
         double_quant=cfg.model.experts_double_quant,
+        experts_options=stored_options(spec, cfg.model.quantized_base),
     )
 
 

@@ -188,7 +188,8 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     cfg, gc_off = as_checkpointable(cfg, spec)  # jetmoe refuses it: off, and said
     check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)
-    engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype)  # after the lint said why
+    base = cfg.model  # the engine, after the lint said why
+    engine = resolve_engine(spec, cfg.lora, base.experts_dtype, base.quantized_base)
     check_stored(cfg, engine)  # a published FP8 / FP4 base: keys, shapes, engine
     check_offload(cfg, engine, local_dir(cfg.model.id))  # train.offload: refused up front
     tokenizer = load_tokenizer(cfg.model.id)

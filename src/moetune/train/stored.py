@@ -8,16 +8,21 @@ import os
 import torch
 
 from moetune.config import RunConfig
+from moetune.model.sources import resolve_config
 from moetune.train.errors import TrainError
 
 
 def stored_base(cfg: RunConfig) -> str | None:
-    """The stored format of a published quantised local base (None: a float one)."""
+    """The stored format of a base published quantised – a local dir, a bundled or a hub id
+    (its config.json) – or None for a float one."""
+    if cfg.model.is_gguf:
+        return None
     # lazy: heavy to import (moetune.engine)
-    from moetune.engine.stored_load import checkpoint_format
+    from moetune.engine.stored import quant_config_of, stored_format
 
-    found = checkpoint_format(cfg.model.id) if os.path.isdir(cfg.model.id) else None
-    return None if found is None else found[0].name
+    _, raw = resolve_config(cfg.model.id)
+    fmt = stored_format(quant_config_of(raw))
+    return None if fmt is None else fmt.name
 
 
 def check_stored(cfg: RunConfig, engine: str) -> str | None:
@@ -49,5 +54,6 @@ def check_stored(cfg: RunConfig, engine: str) -> str | None:
     # lazy: heavy to import (moetune.engine, transformers)
     from moetune.engine.stored_load import open_stored
 
-    open_stored(cfg.model.id, torch.float32)  # every stack's keys and shapes, from the headers
+    if os.path.isdir(cfg.model.id):  # a hub base is checked once its files are here
+        open_stored(cfg.model.id, torch.float32)  # every stack's keys and shapes, from headers
     return fmt

@@ -230,6 +230,9 @@ def announce(console: Console, cfg: RunConfig, setup: Setup) -> None:
         f"({setup.engine} engine) · router {router} · aux loss {aux_text} ({aux.reason})"
     )
     console.print(line, highlight=False)
+    stored = setup.plan.stored if setup.plan is not None else None
+    if stored:  # a published quantised base: how its experts are held
+        console.print(escape(stored["text"]), highlight=False)
     if setup.data_summary is not None:
         console.print(escape(setup.data_summary.one_line()), highlight=False)
     if setup.processor is not None:  # image rows: the checkpoint's processor, and how loaded
