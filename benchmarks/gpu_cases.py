@@ -306,7 +306,7 @@ def build(case: Case, spec: Any, device: torch.device) -> Any:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        experts = (case.experts_dtype, case.double_quant)
+        experts = (case.experts_dtype, case.double_quant, {})  # no format options (NF4 / int8)
         model = build_step_model(to_hf_config(spec), peft_config, torch.bfloat16, str(device),
                                  False, case.engine, experts)  # fmt: skip
     add_fused_head(model)
