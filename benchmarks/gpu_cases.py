@@ -31,6 +31,15 @@ max_memory_allocated, and carries the store's counts (peak resident expert bytes
 per phase); no tracker pass (the copies run on a side thread). All default cases: ~500 s if
 every guess holds, so with `--budget-s 420` the NF4 tracker pass and, if NF4 ran long, the
 offload case (its own build, after NF4) are what the budget leaves out.
+
+Stored bases (`Case.stored`: "fp8", "mxfp4"): a random bf16 Qwen3-MoE / gpt-oss of
+STORED_SHAPES (6 layers, 32 experts, hidden 1024; ~0.5 B params) saved on the CPU, rewritten by
+`engine.stored_write.write_stored` in the published layout (block FP8 128x128, MXFP4 experts)
+and loaded by `engine.stored_load.load_stored` with the stacks as stored on the device (what
+`moetune train` does for such a base), then peft + split LoRA as the other builds; the plan is
+the trace (or, where the trace cannot build the stored base, the analytic: `predicted_from`)
+of the same shape with the checkpoint's quantization_config. ~30 s to build (CPU work, guess)
++ ~25 s of steps each; they run before NF4, so a tight budget drops NF4 first.
 """
 
 from __future__ import annotations
@@ -48,13 +57,29 @@ from typing import Any
 
 import torch
 
-QWEN, OLMOE = "Qwen/Qwen3-30B-A3B", "allenai/OLMoE-1B-7B-0924"
+QWEN, OLMOE, GPT_OSS = "Qwen/Qwen3-30B-A3B", "allenai/OLMoE-1B-7B-0924", "openai/gpt-oss-20b"
 SMOKE_SEQ_DIVISOR = 64
 # Tiny shapes of each family for --smoke (2 layers, 8 experts; NF4 blocks need in % 64 == 0).
 SMOKE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"num_experts": 8, "head_dim": 16, "num_key_value_heads": 2},
     "olmoe": {"num_experts": 8, "num_key_value_heads": 4},
-}
+    "gpt_oss": {"num_local_experts": 8, "head_dim": 16, "num_key_value_heads": 2,
+                "layer_types": ["sliding_attention", "full_attention"]},
+}  # fmt: skip
+# Stored (published-layout) bases: tiny but not trivial on the GPU – a few layers, block sizes
+# that divide (fp8 128x128, mxfp4 32) – written from a random float checkpoint by
+# engine.stored_write and loaded by engine.stored_load (expert stacks as stored).
+STORED_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 768,
+                  "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+                  "num_experts": 32, "num_local_experts": 32, "num_experts_per_tok": 8,
+                  "num_hidden_layers": 6, "vocab_size": 32768},
+    "gpt_oss": {"hidden_size": 1024, "intermediate_size": 768, "num_attention_heads": 16,
+                "num_key_value_heads": 4, "head_dim": 64, "num_local_experts": 32,
+                "num_experts_per_tok": 4, "num_hidden_layers": 6, "vocab_size": 32768,
+                "layer_types": ["sliding_attention", "full_attention"] * 3},
+}  # fmt: skip
+SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}
 SMOKE_COMMON = {
     "hidden_size": 64,
     "intermediate_size": 64,
@@ -83,12 +108,13 @@ class Case:
     tracker_s: float = 10.0  # H200 wall seconds: 2 steps under the Python-level ByteTracker
     default: bool = True  # run when --cases is not given
     offload: str = "none"  # train.offload: expert stacks streamed from host RAM or disk
+    stored: str = ""  # a published format (fp8, mxfp4): the base written and loaded as stored
 
     @property
     def group(self) -> tuple[Any, ...]:
         """Cases with the same group share one built model."""
         return (self.model, self.experts_dtype, self.double_quant, self.rank, self.mapping,
-                self.offload)  # fmt: skip
+                self.offload, self.stored)  # fmt: skip
 
     def config(self, seq_len: int) -> Any:
         from moetune.config import parse_config
@@ -112,6 +138,11 @@ CASES = (
     Case("30b-moetune-2k-nogc", QWEN, "moetune", 2048, gc=False, expect_s=8, tracker_s=6),
     Case("olmoe-peft-4k", OLMOE, "peft", 4096, expect_s=8, tracker_s=5),
     Case("olmoe-moetune-4k", OLMOE, "moetune", 4096, expect_s=6, tracker_s=4),
+    # stored bases (STORED_SHAPES: 6 layers, 32 experts, hidden 1024): block-FP8 Qwen3-MoE and
+    # MXFP4 gpt-oss, each expert dequantised alone in the split forward and backward
+    Case("qwen3-fp8-stored-2k", QWEN, "moetune", 2048, stored="fp8", expect_s=25, tracker_s=40),
+    Case("gptoss-mxfp4-stored-2k", GPT_OSS, "moetune", 2048, stored="mxfp4", expect_s=25,
+         tracker_s=40),
     # one expert dequantised at a time: ~1.5 M eager aten ops per step (launch-bound)
     Case("30b-moetune-nf4dq-2k", QWEN, "moetune", 2048, experts_dtype="nf4", double_quant=True,
          expect_s=70, tracker_s=150),
@@ -129,6 +160,7 @@ _FRESH_HOOKS = "_gpu_validate_fresh_hooks"  # input-embedding hook ids right aft
 BUILD_S = {QWEN: 30.0, OLMOE: 8.0}  # H200 guess: random init of the bf16 weights on the GPU
 NF4_BUILD_S = 15.0  # quantising 96 expert stacks on the GPU, on top of the bf16 build
 OFFLOAD_BUILD_S = 20.0  # copying the stacks into pinned host RAM (or a scratch file)
+STORED_BUILD_S = 30.0  # random init on the CPU, save, write_stored, load_stored (~1 GB)
 
 
 # ---------------------------------------------------------------- predictions (CPU)
@@ -138,10 +170,26 @@ def spec_for(case: Case, smoke: bool) -> Any:
     from moetune.model import load_spec, spec_from_config
 
     spec = load_spec(case.model)
-    if not smoke:
+    if not smoke and not case.stored:
         return spec
+    if case.stored:  # the shape written, its quantization_config as the checkpoint has it
+        tiny = {**SMOKE_COMMON, **SMOKE_SHAPES[spec.model_type], "num_local_experts": 8}
+        shape = tiny if smoke else STORED_SHAPES[spec.model_type]
+        shape = {**shape, **SPECIAL_IDS, "quantization_config": stored_config(case, smoke)}
+        return spec_from_config({**spec.hf_config, **shape}, f"{case.model} ({case.stored})")
     shape = {**SMOKE_COMMON, **SMOKE_SHAPES[spec.model_type]}
     return spec_from_config({**spec.hf_config, **shape}, f"{case.model} (smoke)")
+
+
+def stored_options(case: Case, smoke: bool) -> dict[str, Any]:
+    """write_stored's options: the smoke shape's 64-wide Linears take 32x32 FP8 blocks."""
+    return {"block": (32, 32)} if smoke and case.stored == "fp8" else {}
+
+
+def stored_config(case: Case, smoke: bool) -> dict[str, Any]:
+    from moetune.engine.quant import QUANTIZERS
+
+    return QUANTIZERS.get(case.stored).config(**stored_options(case, smoke))
 
 
 def seq_for(case: Case, smoke: bool) -> int:
@@ -157,10 +205,18 @@ def predict(case: Case, smoke: bool) -> dict[str, Any]:
     from moetune.plan.tracecache import cached_trace
 
     spec, cfg = spec_for(case, smoke), case.config(seq_for(case, smoke))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trace = cached_trace(spec, cfg)
     est = analytic(spec, cfg)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trace = cached_trace(spec, cfg)
+    except Exception as exc:  # a stored base the trace does not build yet: the analytic stands
+        if not case.stored:
+            raise
+        return {"predicted_bytes": est.peak_bytes, "predicted_from": "analytic",
+                "trace_failed": f"{type(exc).__name__}: {exc}", "analytic_bytes": est.peak_bytes,
+                "analytic_phase": est.peak_phase, "overhead_bytes": None,
+                "trainable_params": None, "total_params": None}  # fmt: skip
     return {
         "predicted_bytes": trace.peak_bytes,
         "predicted_peak": {"op": trace.peak_op, "phase": trace.peak_phase,
@@ -245,15 +301,60 @@ def build(case: Case, spec: Any, device: torch.device) -> Any:
 
     cfg = case.config(2048)
     peft_config = build_peft_config(spec, cfg.lora.model_copy(update={"dropout": 0.0}))
+    if case.stored:
+        return build_stored(case, spec, peft_config, device)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        experts = (case.experts_dtype, case.double_quant)
+        experts = (case.experts_dtype, case.double_quant, {})  # no format options (NF4 / int8)
         model = build_step_model(to_hf_config(spec), peft_config, torch.bfloat16, str(device),
                                  False, case.engine, experts)  # fmt: skip
     add_fused_head(model)
     if case.offload != "none":  # the stacks leave the device for the store
         offload(model, case, device)
+    embeddings = model.get_base_model().get_input_embeddings()
+    model.__dict__[_FRESH_HOOKS] = set(embeddings._forward_hooks)
+    return model
+
+
+def build_stored(case: Case, spec: Any, peft_config: Any, device: torch.device) -> Any:
+    """A random float checkpoint of `spec`'s shape (CPU), rewritten in the published layout
+    (engine.stored_write), loaded with its expert stacks as stored (engine.stored_load) on
+    `device`, then LoRA and the split engine as build_step_model puts them on."""
+    import tempfile
+
+    from peft import get_peft_model
+
+    from moetune.engine import IMPLEMENTATION, apply_split_lora, register
+    from moetune.engine.overrides import apply_overrides
+    from moetune.engine.quant import peft_targets
+    from moetune.engine.stored_load import load_stored
+    from moetune.engine.stored_write import write_stored
+    from moetune.model import to_hf_config
+    from moetune.model.derive import causal_lm_class
+    from moetune.plan.trace import add_fused_head
+
+    smoke = device.type != "cuda"
+    hf_config = to_hf_config(spec)
+    hf_config.__dict__.pop("quantization_config", None)  # the float source has none
+    root = Path(tempfile.mkdtemp(prefix="gpu-validate-stored-"))
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        float_model = causal_lm_class(hf_config)._from_config(hf_config, dtype=torch.bfloat16)
+        float_model.save_pretrained(root / "float")
+        del float_model
+        write_stored(root / "float", root / "stored", case.stored,
+                     **stored_options(case, smoke))  # fmt: skip
+        model, report = load_stored(root / "stored", device, torch.bfloat16)
+        register()
+        model.set_experts_implementation(IMPLEMENTATION)
+        with peft_targets(model):
+            model = get_peft_model(model, peft_config)
+        apply_overrides(model)
+        apply_split_lora(model)
+    model.__dict__["_gpu_validate_stored"] = report.to_json()
+    add_fused_head(model)
     embeddings = model.get_base_model().get_input_embeddings()
     model.__dict__[_FRESH_HOOKS] = set(embeddings._forward_hooks)
     return model
@@ -435,6 +536,8 @@ def run_case(
     out: dict[str, Any] = {"weight_bytes": weights,
                            "attn_implementation": config._attn_implementation,
                            "experts_implementation": config._experts_implementation}  # fmt: skip
+    if "_gpu_validate_stored" in model.__dict__:  # what load_stored kept as stored
+        out["stored"] = model.__dict__["_gpu_validate_stored"]
     with in_place_folds(device.type != "cuda"):  # CPU: TRL's folds copy, CUDA's don't
         out["warm_up_s"] = round(warm_up(model, seq, device), 2)
         out |= measured_pass(model, seq, device, weights)
@@ -464,6 +567,9 @@ def grouped(cases: list[Case]) -> Iterator[list[Case]]:
 
 
 def build_seconds(case: Case) -> float:
+    if case.stored:
+        return STORED_BUILD_S
     extra = NF4_BUILD_S if case.experts_dtype != "bf16" else 0
     extra += OFFLOAD_BUILD_S if case.offload != "none" else 0
+    extra += STORED_BUILD_S if case.stored else 0
     return BUILD_S.get(case.model, 30.0) + extra

@@ -30,6 +30,7 @@ EXPECT: dict[str, tuple[list[str], str]] = {
     "planner_accuracy.py": ([], r"worst: [+-]\d+\.\d %"),
     "sharded_load.py": ([], r"rank 1: peak RSS \d+\.\d+ GiB.*plan \d+\.\d+ GiB"),
     "sharding_accuracy.py": ([], r"world 2 rank 1: measured \d+\.\d+ MiB, planned"),
+    "stored_offload.py": ([], r"\| peak RSS of `moetune train` \| \d+\.\d+ .iB .*\| \d\.\d+ \|"),
     "trace_speed.py": ([], r"peak +\d+\.\d+ GiB"),
 }
 

@@ -222,3 +222,20 @@ def test_offload_cases_stream_the_experts(tmp_path: Path, name: str):
     assert (row["error"] is None) == (row["predicted_bytes"] is None)
     case = next(c for c in gpu_cases.CASES if c.name == name)
     assert case.default == (case.offload == "cpu") and case.model == gpu_cases.OLMOE
+
+
+def test_smoke_stored_bases_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """fp8 / mxfp4 cases: written by write_stored, loaded as stored, stepped; a plan beside."""
+    monkeypatch.setenv("MOETUNE_CACHE_DIR", str(tmp_path / "cache"))
+    names = ("qwen3-fp8-stored-2k", "gptoss-mxfp4-stored-2k")
+    rc = gv.main(["--smoke", "--cases", ",".join(names), "--out", str(tmp_path / "out"),
+                  "--results", str(tmp_path / "RESULTS.md"), "--no-tracker"])  # fmt: skip
+    assert rc == 0
+    rows = json.loads((tmp_path / "out" / "gpu_validate.json").read_text())["cases"]
+    assert [r["case"] for r in rows] == list(names)
+    for r, fmt in zip(rows, ("fp8", "mxfp4"), strict=True):
+        assert r["status"] == "ok", r.get("reason")
+        assert r["stored"]["format"] == fmt and r["stored"]["stacks"] == 4
+        assert r["stored"]["stored_bytes"] < r["stored"]["float_bytes"] / 1.9
+        assert r["predicted_bytes"] > r["weight_bytes"] > 0 and r["measured_bytes"] > 0
+        assert r["error"] is not None and len(r["step_times_s"]) == 3
