@@ -73,7 +73,9 @@ def write_run(root: Path, model: Path, args: argparse.Namespace) -> Path:
         "output": {"dir": str(root / "run"), "ledger": str(root / "ledger.jsonl")},
         "train": {"offload": "disk", "max_steps": args.steps, "seq_len": args.seq,
                   "batch_size": 1, "device": "cpu", "precision": "fp32",
-                  "gradient_checkpointing": False, "save_steps": 1000, "learning_rate": 1e-4},
+                  "gradient_checkpointing": False, "save_steps": 1000, "learning_rate": 1e-4,
+                  # the base's routing forward reads the base once more: not a step's bytes
+                  "routing_every": 0},
     })  # fmt: skip
     path = root / "run.yaml"
     path.write_text(dump_config(cfg), encoding="utf-8")
