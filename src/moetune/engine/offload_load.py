@@ -158,19 +158,16 @@ class FileStored:
         return self.files.nbytes
 
     def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Any, int]:
-        bufs = self.files.read(pin)
+        like, bufs = self.like, self.files.read(pin)
         moved = {n: b.to(device, non_blocking=True) for n, b in bufs.items()}
-        like = self.like
-        return QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, moved), (
-            self.files.nbytes
-        )
+        stack = QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, moved)
+        return stack, self.nbytes
 
 
 def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
                  dtype: torch.dtype) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
     """Stored stacks into the store: `disk` leaves them in the base's files, `cpu` reads each
     once into host RAM – either way in the stored bytes, dequantised on the device per expert."""
-
     model, stacks, report = stream_all_but_stacks(model_dir, device, dtype)
     store = ExpertStore(mode, device)
     for path, module, names in list(experts_modules(model)):
@@ -182,9 +179,8 @@ def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
             if mode == "disk":
                 sources[name] = FileStored(like, files), dtype
             else:
-                held = QuantizedStack(
-                    like.shape, like.transposed, dtype, report.format, files.read()
-                )
+                bufs = files.read()
+                held = QuantizedStack(like.shape, like.transposed, dtype, report.format, bufs)
                 sources[name] = host_source(held, store.pin), dtype
         install(module, store, sources, names)
     _finish(model, device)
