@@ -154,3 +154,34 @@ def test_check_refuses_bad_scales_and_shapes() -> None:
         BlockFP8.check(dict(bufs, weight=bufs["weight"][:, :, :16]), (32, 32), "layer 0")
     with pytest.raises(QuantError, match="does not divide"):
         MXFP4.check(MXFP4.quantize(_w(1, 8, 64)), (8, 48), "layer 0")
+
+
+def test_stored_linear_exact_input_gradient_and_lora_through_peft() -> None:
+    """A StoredLinear equals nn.Linear over its dequantised weight in output and input
+    gradient, keeps no float weight, and takes LoRA through peft as an nn.Linear."""
+    from peft import LoraConfig, get_peft_model
+
+    from moetune.engine.stored_linear import StoredLinear, dequantize_linears_
+
+    w = _w(1, 32, 64)
+    stack = QuantizedStack((1, 32, 64), False, torch.float32, "fp8",
+                           BlockFP8.quantize(w, block=(16, 32)))  # fmt: skip
+    bias = torch.randn(32)
+    stored = StoredLinear(stack, bias)
+    plain = torch.nn.Linear(64, 32)
+    plain.weight.data, plain.bias.data = stack.expert(0, torch.float32), bias.clone()
+    x1 = torch.randn(5, 64, dtype=torch.float64).float().requires_grad_(True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    stored(x1).square().sum().backward()
+    plain(x2).square().sum().backward()
+    assert torch.equal(stored(x1), plain(x2)) and torch.equal(x1.grad, x2.grad)
+    assert stored.weight.untyped_storage().nbytes() <= 4  # a stand-in, not a float weight
+    assert "weight" not in stored.state_dict() and "stored.weight" in stored.state_dict()
+    assert stored.to(torch.bfloat16).weight.untyped_storage().nbytes() <= 2  # still a stand-in
+
+    model = torch.nn.Sequential()
+    model.add_module("proj", StoredLinear(stack, None))
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["proj"]))
+    assert type(peft_model.base_model.model.proj.base_layer) is StoredLinear
+    assert dequantize_linears_(model) == 1  # back to a plain Linear, under peft's wrapper too
+    assert type(peft_model.base_model.model.proj.base_layer) is torch.nn.Linear

@@ -59,11 +59,14 @@ def test_frozen_bytes_are_the_stored_experts_and_the_rest_at_bf16(
     quant: dict[str, Any], per_param: float
 ) -> None:
     spec = small(quant)
-    rest = spec.total_params - ROUTED
     step = Step.from_config(run(), spec)
     assert step.stored_bytes == per_param and step.split_lora
+    # FP8's publishers quantise the attention Linears too (kept as stored); MXFP4's do not
+    linears = spec.components.attention if quant is FP8 else 0
+    assert step.stored_linear_bytes == (per_param if linears else 0)
+    rest = spec.total_params - ROUTED - linears
     frozen = analytic(spec, run()).components["frozen_weights"]
-    assert frozen == ROUTED * per_param + rest * 2  # 313,344 (MXFP4) / 589,968 (FP8) + rest
+    assert frozen == (ROUTED + linears) * per_param + rest * 2
     # dequantize: everything at model.dtype, as a float checkpoint of the same model
     inflated = analytic(spec, run(quantized_base="dequantize")).components["frozen_weights"]
     assert inflated == spec.total_params * 2
@@ -124,6 +127,20 @@ def test_the_trace_counts_the_stored_stacks() -> None:
     assert trace.at_peak["frozen_weights"] == frozen + rotary
     inflated = run(quantized_base="dequantize")
     assert trace_key(spec, cfg, "fused") != trace_key(spec, inflated, "fused")
+
+
+def test_the_trace_counts_stored_linears_too() -> None:
+    """FP8 (32x32 blocks, dividing every Linear here): the attention Linears are StoredLinears
+    in the trace too; analytic and trace agree (the q/k norms, counted with the attention,
+    stay float in both the checkpoint and the trace: a few bytes)."""
+    from moetune.plan.tracecache import run_trace
+
+    spec, cfg = small({**FP8, "weight_block_size": [32, 32]}), run()
+    frozen = analytic(spec, cfg).components["frozen_weights"]
+    traced = run_trace(spec, cfg).at_peak["frozen_weights"]
+    assert traced == pytest.approx(frozen, rel=1e-3)
+    inflated = analytic(spec, run(quantized_base="dequantize")).components["frozen_weights"]
+    assert frozen < 0.55 * inflated  # ≈ half: only embeddings, lm_head and norms stay bf16
 
 
 def test_recommendations_never_inflate_a_stored_base() -> None:

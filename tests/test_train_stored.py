@@ -87,6 +87,7 @@ def test_run_equals_the_dequantised_copy(bases: dict[str, Path], tmp_path: Path,
         assert float((mine[key] - value).norm() / value.norm().clamp_min(1e-12)) < 1e-5, key
     quant = json.loads((tmp_path / "fp8" / "quant.json").read_text())
     assert quant["format"] == "fp8" and quant["stacks"] == 4
+    assert quant["linears_stored"] == 8 and quant["dequantized"] == 0  # q/k/v/o: kept as stored
     if offload != "none":
         stats = json.loads((tmp_path / "fp8" / "offload.json").read_text())
         assert stats["stored_bytes"] == quant["stored_bytes"]  # the store holds stored bytes

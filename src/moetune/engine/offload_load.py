@@ -168,7 +168,7 @@ def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
                  dtype: torch.dtype) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
     """Stored stacks into the store: `disk` leaves them in the base's files, `cpu` reads each
     once into host RAM – either way in the stored bytes, dequantised on the device per expert."""
-    model, stacks, report = stream_all_but_stacks(model_dir, device, dtype)
+    model, stacks, report = stream_all_but_stacks(model_dir, device, dtype, keep_linears=True)
     store = ExpertStore(mode, device)
     for path, module, names in list(experts_modules(model)):
         sources: dict[str, tuple[Source, torch.dtype]] = {}

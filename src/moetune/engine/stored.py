@@ -96,6 +96,16 @@ class StoredFormat(Quantizer):
         return scale.float()
 
 
+# what publishers leave in float beside a quantised checkpoint's Linears (key fragments)
+PUBLISHED_FLOAT = ("embed_tokens", "lm_head", ".gate.", ".router.", "norm")
+
+
+def published_quantised(key: str) -> bool:
+    """Whether publishers quantise the Linear weight at `key` (a state-dict key or a module
+    path): not the embeddings, lm_head, norms or the router."""
+    return not any(k in f"{key}." for k in PUBLISHED_FLOAT)
+
+
 def stored_formats() -> list[type[StoredFormat]]:
     return [q for _, q in QUANTIZERS.items() if q.stored]  # type: ignore[misc]
 

@@ -4,15 +4,17 @@ the checkpoint stores them.
 The model is built with meta Parameters. Each fused expert stack's buffers are read straight
 from the safetensors files (per-expert keys back to back, `offload_files` layouts) into a
 `QuantizedStack` of the stored format – no float copy of a stack exists at any time. Every
-other quantised Linear (DeepSeek's FP8 attention, dense and shared MLP) is dequantised to the
-compute dtype as it streams through transformers' loader, one tensor at a time: it is a few
-per cent of such a base, and its float weights are what LoRA wraps there.
+other quantised Linear (DeepSeek's FP8 attention, dense and shared MLP) becomes a
+`StoredLinear` over its stored bytes (`keep_linears`, what training does), or is dequantised
+to the compute dtype as it streams through transformers' loader, one tensor at a time (the
+merged export, `model.quantized_base: dequantize`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,7 @@ from moetune.engine.quant import (
 )
 from moetune.engine.quant_load import _finish, _stream
 from moetune.engine.stored import StoredFormat, quant_config_of, stored_format
+from moetune.engine.stored_linear import StoredLinear, dequantize_linears_
 from moetune.model.derive import causal_lm_class, ensure_backbone
 
 if TYPE_CHECKING:
@@ -43,7 +46,7 @@ _UNUSED = ("input_scale", "weight_shape", "weight_zero_point", "k_scale", "v_sca
 
 @dataclass
 class StoredReport:
-    """What was kept as stored and what was dequantised at load."""
+    """What was kept as stored (the expert stacks, the other Linears) and what was dequantised."""
 
     format: str
     label: str
@@ -52,6 +55,8 @@ class StoredReport:
     float_bytes: int = 0  # the same stacks in the compute dtype (what dequantising would hold)
     dequantized: list[str] = field(default_factory=list)  # other Linears, float at load
     dequantized_bytes: int = 0
+    linears_stored: int = 0  # other quantised Linears kept as stored (StoredLinear)
+    linears_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "dequantized": len(self.dequantized)}
@@ -146,12 +151,7 @@ class _Dequantized:
         self.stored_bytes = sum(s.nbytes for s in segs.values())
 
     def __getitem__(self, _: Any) -> torch.Tensor:
-        bufs = {}
-        for name, seg in self.segs.items():
-            buf = torch.empty(seg.shape, dtype=seg.dtype)
-            read_into([seg], buf)
-            bufs[name] = buf.reshape(1, *(seg.shape or (1,)))
-        self.fmt.check(bufs, self.shape, self.key)
+        bufs = read_linear(self.fmt, self.segs, self.shape, self.key)
         return self.fmt.dequantize(bufs, self.shape, self.dtype)[0]
 
     def get_shape(self) -> list[int]:
@@ -161,38 +161,75 @@ class _Dequantized:
         return dtype_name(self.dtype)
 
 
-def dequantized_linears(fmt: type[StoredFormat], index: dict[str, Segment], model: nn.Module,
-                        dtype: torch.dtype) -> dict[str, _Dequantized]:  # fmt: skip
-    """Every quantised non-expert Linear weight, by the key transformers loads it under."""
+def read_linear(fmt: type[StoredFormat], segs: dict[str, Segment], out_in: tuple[int, int],
+                where: str) -> dict[str, torch.Tensor]:  # fmt: skip
+    """One Linear's stored tensors as buffers with a leading (one-expert) dim, checked."""
+    bufs = {}
+    for name, seg in segs.items():
+        buf = torch.empty(seg.shape, dtype=seg.dtype)
+        read_into([seg], buf)
+        bufs[name] = buf.reshape(1, *(seg.shape or (1,)))
+    fmt.check(bufs, out_in, where)
+    return bufs
+
+
+def quantised_linears(
+    fmt: type[StoredFormat], index: dict[str, Segment], model: nn.Module
+) -> dict[str, tuple[dict[str, Segment], tuple[int, int]]]:
+    """Every quantised non-expert Linear of the built model: its module path -> the segments
+    of its stored tensors and its [out, in]."""
     found = {}
+    suffix = f".{fmt.weight_suffix()}"
     for key in index:
-        if not key.endswith(f".{fmt.weight_suffix()}"):
-            continue
-        base = key.removesuffix(f".{fmt.weight_suffix()}")
-        segs = {b: index.get(f"{base}.{suffix}") for b, (suffix, _) in fmt.keys.items()}
-        if any(s is None for s in segs.values()) or len(segs) < 2:
+        base = key.removesuffix(suffix)
+        segs = {b: index.get(f"{base}.{s}") for b, (s, _) in fmt.keys.items()}
+        if not key.endswith(suffix) or len(segs) < 2 or any(v is None for v in segs.values()):
             continue  # a float tensor the format left alone (norms, embeddings, the router)
         try:
             param = model.get_parameter(f"{base}.weight")
         except AttributeError:
             continue  # not a parameter of the built model (expert keys: read as stacks)
-        found[f"{base}.weight"] = _Dequantized(fmt, segs, tuple(param.shape), dtype, base)  # type: ignore[arg-type]
-    return found
+        found[base] = (segs, (param.shape[0], param.shape[1]))
+    return found  # type: ignore[return-value]
+
+
+def dequantized_linears(fmt: type[StoredFormat], index: dict[str, Segment], model: nn.Module,
+                        dtype: torch.dtype) -> dict[str, _Dequantized]:  # fmt: skip
+    """Every quantised non-expert Linear weight, by the key transformers loads it under."""
+    return {f"{base}.weight": _Dequantized(fmt, segs, out_in, dtype, base)
+            for base, (segs, out_in) in quantised_linears(fmt, index, model).items()}  # fmt: skip
+
+
+def store_linears_(fmt: type[StoredFormat], index: dict[str, Segment], model: nn.Module,
+                   dtype: torch.dtype, report: StoredReport) -> list[str]:  # fmt: skip
+    """Every quantised non-expert Linear as a StoredLinear over its stored bytes (on the CPU;
+    the model moves with them); the paths."""
+    found = quantised_linears(fmt, index, model)
+    for base, (segs, out_in) in found.items():
+        bufs = read_linear(fmt, segs, out_in, base)
+        stack = QuantizedStack((1, *out_in), False, dtype, fmt.name, bufs)
+        parent, _, leaf = base.rpartition(".")
+        bias = model.get_submodule(base).bias  # meta: the stream fills it
+        model.get_submodule(parent).add_module(leaf, StoredLinear(stack, bias))  # type: ignore[arg-type]
+        report.linears_bytes += stack.nbytes
+    report.linears_stored = len(found)
+    return list(found)
 
 
 def stored_keys(fmt: type[StoredFormat], index: dict[str, Segment],
-                linears: dict[str, _Dequantized]) -> set[str]:  # fmt: skip
+                bases: Iterable[str]) -> set[str]:  # fmt: skip
     """Keys the stream must not read raw: quantised weights, their scales and unused extras."""
-    bases = {k.removesuffix(".weight") for k in linears}
     suffixes = [s for s, _ in fmt.keys.values()] + list(_UNUSED)
     return {f"{b}.{s}" for b in bases for s in suffixes if f"{b}.{s}" in index}
 
 
 def load_stored(
-    model_dir: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16
-) -> tuple[PreTrainedModel, StoredReport]:
-    """A causal LM from a published quantised checkpoint, expert stacks as stored on `device`."""
-    model, stacks, report = stream_all_but_stacks(model_dir, device, dtype)
+    model_dir: str | Path, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
+    keep_linears: bool = False,
+) -> tuple[PreTrainedModel, StoredReport]:  # fmt: skip
+    """A causal LM from a published quantised checkpoint, expert stacks as stored on `device`;
+    the other quantised Linears kept as stored too (`keep_linears`) or dequantised."""
+    model, stacks, report = stream_all_but_stacks(model_dir, device, dtype, keep_linears)
     for (path, name), files in stacks.items():
         install_stack(model.get_submodule(path), name, files.read(), dtype, report, device)
     _finish(model, device)
@@ -200,15 +237,20 @@ def load_stored(
 
 
 def stream_all_but_stacks(
-    model_dir: str | Path, device: str | torch.device, dtype: torch.dtype
-) -> tuple[Any, dict[tuple[str, str], StackFiles], StoredReport]:
-    """The model with every tensor but the expert stacks loaded onto `device` (quantised
-    Linears dequantised as they stream), where each stack lies, and the report begun."""
+    model_dir: str | Path, device: str | torch.device, dtype: torch.dtype,
+    keep_linears: bool = False,
+) -> tuple[Any, dict[tuple[str, str], StackFiles], StoredReport]:  # fmt: skip
+    """The model with every tensor but the expert stacks loaded onto `device` (the other
+    quantised Linears kept as StoredLinears, or dequantised as they stream), where each stack
+    lies, and the report begun."""
     model, fmt, index, stacks = open_stored(model_dir, dtype)
-    linears = dequantized_linears(fmt, index, model, dtype)
-    report = StoredReport(fmt.name, fmt.label, dequantized=sorted(linears))
+    report = StoredReport(fmt.name, fmt.label)
+    linears = {} if keep_linears else dequantized_linears(fmt, index, model, dtype)
+    report.dequantized = sorted(linears)
     report.dequantized_bytes = sum(math.prod(d.shape) * dtype.itemsize for d in linears.values())
-    skip = stored_keys(fmt, index, linears) | stack_keys(index, stacks)
+    kept = store_linears_(fmt, index, model, dtype, report) if keep_linears else []
+    bases = [k.removesuffix(".weight") for k in linears] + kept
+    skip = stored_keys(fmt, index, bases) | stack_keys(index, stacks)
     _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip, extra=linears)
     return model, stacks, report
 
@@ -272,8 +314,8 @@ def check_scales(like: QuantizedStack, files: StackFiles) -> None:
 
 
 def dequantize_stacks_(model: nn.Module, dtype: torch.dtype | None = None) -> int:
-    """Every quantised stack back to a frozen float Parameter in place, one stack in float at a
-    time (model.quantized_base: dequantize; the merged export). Returns how many."""
+    """Every quantised stack (and StoredLinear) back to a frozen float Parameter in place, one
+    in float at a time (model.quantized_base: dequantize; the merged export). Returns how many."""
     done = 0
     for module in list(model.modules()):
         for name, stack in stacks_of(module).items():
@@ -281,4 +323,4 @@ def dequantize_stacks_(model: nn.Module, dtype: torch.dtype | None = None) -> in
             del module.get_submodule(QUANTIZED)._modules[name]
             module._parameters[name] = torch.nn.Parameter(weight, requires_grad=False)
             done += 1
-    return done
+    return done + dequantize_linears_(model)

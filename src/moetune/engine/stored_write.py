@@ -20,11 +20,10 @@ from typing import Any
 import torch
 
 from moetune.engine.quant import QUANTIZERS, QuantError, experts_modules, is_transposed
-from moetune.engine.stored import StoredFormat
+from moetune.engine.stored import StoredFormat, published_quantised
 from moetune.model.derive import causal_lm_class
 
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
-_KEEP_FLOAT = ("embed_tokens", "lm_head", ".gate.", ".router.", "norm")  # as publishers leave them
 
 
 def write_stored(
@@ -95,8 +94,7 @@ def _convert(fmt: type[StoredFormat], key: str, tensor: torch.Tensor, fused: dic
         return {f"{key}{fused_suffix}": bufs[b].contiguous()
                 for b, (_, fused_suffix) in fmt.keys.items()}  # fmt: skip
     expert = bool(_PER_EXPERT.search(key))
-    linear = rest and tensor.ndim == 2 and key.endswith(".weight") and not any(
-        k in key for k in _KEEP_FLOAT)  # fmt: skip
+    linear = rest and tensor.ndim == 2 and key.endswith(".weight") and published_quantised(key)
     if not (expert or linear):
         return {key: tensor}
     base = key.removesuffix(".weight")

@@ -157,8 +157,8 @@ def expert_bytes_per_param(spec: ModelSpec, step: Step) -> float:
     """Bytes per routed-expert parameter as moetune stores the frozen stacks (engine/quant):
     a published base kept as stored, what its format says; int8 + one fp32 scale per output
     row; NF4 nibbles + an fp32 absmax per 64 (double quant: an int8 absmax per 64 and an
-    fp32 scale per 256 of those). Everything else is at the compute dtype (a stored base's
-    other quantised Linears are dequantised at load)."""
+    fp32 scale per 256 of those). A stored base's other quantised Linears are at
+    `step.stored_linear_bytes` (frozen_bytes), everything else at the compute dtype."""
     if step.stored_bytes:
         return step.stored_bytes
     if step.experts_dtype == "int8":
@@ -169,11 +169,14 @@ def expert_bytes_per_param(spec: ModelSpec, step: Step) -> float:
 
 
 def frozen_bytes(spec: ModelSpec, step: Step) -> float:
-    if step.quantization not in QUANT_BYTES:
-        routed = spec.components.routed_experts
-        rest = (spec.total_params - routed) * step.weight_bytes
-        return rest + routed * expert_bytes_per_param(spec, step)
     c = spec.components
+    if step.quantization not in QUANT_BYTES:
+        routed = c.routed_experts
+        linears = c.attention + c.dense_mlp + c.shared_experts if step.stored_linear_bytes else 0
+        rest = (spec.total_params - routed - linears) * step.weight_bytes
+        return (
+            rest + routed * expert_bytes_per_param(spec, step) + linears * step.stored_linear_bytes
+        )
     # bitsandbytes replaces nn.Linear only; prepare_model_for_kbit_training upcasts the
     # rest (fused experts, routers, embeddings, lm_head, norms) to fp32.
     linears = c.attention + c.dense_mlp + c.shared_experts

@@ -34,6 +34,9 @@ class Step:
     # asked of the format; "" / 0: none.
     stored_experts: str = ""
     stored_bytes: float = 0.0
+    # its other quantised Linears (attention, dense and shared MLP), kept as stored too where
+    # the format's publishers quantise them (not gpt-oss's MXFP4): bytes per parameter, 0: none
+    stored_linear_bytes: float = 0.0
     fused_head: bool = True  # TRL SFTTrainer's tiled LM head (moetune's trainer) vs full logits
 
     @property
@@ -95,5 +98,6 @@ def _stored(spec: ModelSpec, cfg: RunConfig, split: bool) -> dict[str, Any]:
     fmt = stored_experts(spec, cfg.model.quantized_base)
     if fmt is None or not split or cfg.model.experts_dtype != "bf16":
         return {}
-    qcfg = spec.quant_config or {}
-    return {"stored_experts": fmt.name, "stored_bytes": fmt.bytes_per_param(qcfg)}
+    per_param = fmt.bytes_per_param(spec.quant_config or {})
+    linears = 0.0 if fmt.experts_only else per_param
+    return {"stored_experts": fmt.name, "stored_bytes": per_param, "stored_linear_bytes": linears}

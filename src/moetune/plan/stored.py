@@ -62,16 +62,17 @@ def stored_summary(spec: ModelSpec, cfg: RunConfig) -> dict[str, Any] | None:
         "routed_experts_params": routed,
         "routed_experts_bytes": round(routed * per_param),
         "rest_dtype": cfg.model.dtype,
-        "text": _words(published_format(spec), kept, round(routed * per_param), cfg),
+        "linears_as_stored": bool(step.stored_linear_bytes),
+        "text": _words(published_format(spec), kept, round(routed * per_param), cfg, step),
     }
 
 
-def _words(name: str, kept: bool, routed_bytes: int, cfg: RunConfig) -> str:
+def _words(name: str, kept: bool, routed_bytes: int, cfg: RunConfig, step: Step) -> str:
     if kept:
-        return (
-            f"routed experts as published: {name}, {gib(routed_bytes)}; the rest in "
-            f"{cfg.model.dtype} (quantised Linears dequantised at load)"
-        )
+        linears = step.stored_linear_bytes
+        rest = "attention, dense and shared MLP Linears as published too, " if linears else ""
+        held = f"{name}, {gib(routed_bytes)}; {rest}the rest in {cfg.model.dtype}"
+        return f"routed experts as published: {held}"
     held = cfg.model.experts_dtype if cfg.model.experts_dtype != "bf16" else cfg.model.dtype
     return (
         f"the base is published {name} ({gib(routed_bytes)} of routed experts): "

@@ -251,9 +251,11 @@ def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool,
     # lazy: heavy to import (peft, transformers via moetune.engine)
     from moetune.engine import IMPLEMENTATION, register
     from moetune.engine.quant import quantize_experts_, require_split_engine
+    from moetune.engine.stored_linear import store_float_linears_
 
     require_split_engine(engine, experts_dtype)
     quantize_experts_(model, experts_dtype, double_quant, error_experts=0, options=options)
+    store_float_linears_(model, experts_dtype, options)  # a stored base's other Linears
     register()
     model.set_experts_implementation(IMPLEMENTATION)
 

@@ -115,7 +115,8 @@ def load_stored_model(
     from moetune.engine.stored_load import dequantize_stacks_, load_stored
 
     with quiet():
-        model, report = load_stored(_model_dir(cfg.model.id), place.device, dtype)
+        as_stored = cfg.model.quantized_base == "as_stored"  # every stored Linear kept so too
+        model, report = load_stored(_model_dir(cfg.model.id), place.device, dtype, as_stored)
     apply_fixes(model)
     if cfg.model.quantized_base == "dequantize":
         dequantize_stacks_(model)
