@@ -24,6 +24,8 @@ LoRA and optimizer state with them, and need CUDA (and libaio): benchmarks/RESUL
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import threading
 import weakref
 from collections.abc import Iterator
@@ -177,6 +179,21 @@ class OffloadStats:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
 
 
+MMAP_THRESHOLD = 4 << 20  # bytes: larger blocks are mapped, and unmapped when freed
+
+
+def fixed_mmap_threshold() -> bool:
+    """glibc raises its mmap threshold to the largest block freed (up to 32 MiB): from then on
+    the per-expert float weights a streamed step dequantises (tens of MiB each, freed at once)
+    come from the heap and fragment it – +0.9 GiB of peak RSS on the 27-layer FP8 disk run
+    (RESULTS.md). A fixed threshold maps and unmaps them. Whether it was set (glibc only)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its own allocator's policy
+        return False
+
+
 class ExpertStore:
     """The offloaded stacks of every layer, materialised one layer (plus the next) at a time."""
 
@@ -192,6 +209,7 @@ class ExpertStore:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moetune-offload")
         self._side = torch.cuda.Stream(self.device) if self.pin else None
         weakref.finalize(self, self._pool.shutdown, wait=False)
+        fixed_mmap_threshold()
 
     def add_layer(self, sources: dict[str, tuple[Source, torch.dtype]]) -> int:
         self.layers.append(sources)
