@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 DEFAULT_THREADS = 2
 
@@ -58,3 +59,24 @@ def describe() -> str:
     """For RESULTS.md lines: how the threads were set when this figure was measured."""
     wait = os.environ.get("OMP_WAIT_POLICY", "(unset: active)")
     return f"{THREADS} threads, OMP_WAIT_POLICY={wait}"
+
+
+def append_results(results: Path, head: str, text: str) -> None:
+    """`text` at the end of RESULTS.md under `head` (added once), written to a temp file and
+    renamed: an interrupted record leaves the file as it was."""
+    body = results.read_text(encoding="utf-8") if results.exists() else ""
+    body = body.rstrip("\n") + "\n\n" + (head + "\n\n" if head not in body else "") + text + "\n"
+    tmp = results.with_suffix(".md.tmp")
+    tmp.write_text(body, encoding="utf-8")
+    os.replace(tmp, results)
+
+
+def drop_cache(path: Path) -> None:
+    """fsync a written file and let the kernel drop its pages (they would only evict others')."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

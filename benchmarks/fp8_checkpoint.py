@@ -15,12 +15,12 @@ A helper of benchmarks/stored_offload.py (not a benchmark itself).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import bench_env
 import torch
 
 CHUNK = 16  # experts drawn and quantised at once (16 x 768 x 2048 fp32 = 96 MiB)
@@ -75,57 +75,6 @@ def _edges(cfg: dict[str, Any], gen: torch.Generator) -> Iterator[tuple[str, tor
     yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16)
 
 
-def drop_cache(path: Path) -> None:
-    """fsync and let the kernel drop the written pages (they would only evict others')."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-class Shards:
-    """Tensors into model-0000k-of-0000n.safetensors of at most `limit` bytes, and the index."""
-
-    def __init__(self, out: Path, limit: int) -> None:
-        self.out, self.limit = out, limit
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size, self.total = 0, 0
-        self.files: list[Path] = []
-        self.where: dict[str, int] = {}
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if self.pending and self.size + tensor.nbytes > self.limit:
-            self.flush()
-        self.pending[name] = tensor
-        self.size += tensor.nbytes
-        self.total += tensor.nbytes
-
-    def flush(self) -> None:
-        from safetensors.torch import save_file
-
-        path = self.out / f".part-{len(self.files):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        drop_cache(path)
-        self.where.update(dict.fromkeys(self.pending, len(self.files)))
-        self.files.append(path)
-        self.pending, self.size = {}, 0
-
-    def close(self) -> int:
-        if self.pending:
-            self.flush()
-        n = len(self.files)
-        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for path, name in zip(self.files, names, strict=True):
-            path.rename(self.out / name)
-        index = {"metadata": {"total_size": self.total},
-                 "weight_map": {k: names[i] for k, i in sorted(self.where.items())}}  # fmt: skip
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index))
-        return self.total
-
-
 def full_config(cfg: dict[str, Any], block: tuple[int, int]) -> dict[str, Any]:
     """config.json: the shape, the demo tokenizer's special ids, the FP8 quantization_config."""
     from moetune.engine.stored import BlockFP8
@@ -140,6 +89,7 @@ def write_fp8_checkpoint(
 ) -> dict[str, Any]:  # fmt: skip
     """config.json + tokenizer + FP8 shards under `out`; returns bytes, seconds, params/s."""
     from moetune.demo.tokenizer import build_tokenizer
+    from moetune.engine.stored_write import Shards
 
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):
@@ -151,7 +101,7 @@ def write_fp8_checkpoint(
     cfg = {**cfg, "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
            "bos_token_id": tok.bos_token_id}  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    shards = Shards(out, shard_bytes)
+    shards = Shards(out, shard_bytes, bench_env.drop_cache)
     started, params = time.perf_counter(), 0
     for key, t in _edges(cfg, gen):
         shards.add(key, t)
@@ -169,7 +119,7 @@ def write_fp8_checkpoint(
     # config.json last: its presence with the index marks a complete checkpoint (see `reused`)
     (out / "config.json").write_text(json.dumps(full_config(cfg, block), indent=1))
     seconds = time.perf_counter() - started
-    return {"bytes": total, "params": params, "write_s": round(seconds, 1),
+    return {"bytes": total, "params": params, "write_s": round(seconds, 3),
             "params_per_s": round(params / seconds)}  # fmt: skip
 
 

@@ -115,7 +115,7 @@ def write_checkpoint(out: Path, cfg: dict[str, Any], progress: bool) -> int:
         tensors = make()
         save_file(tensors, str(out / f".{name}.tmp"), metadata={"format": "pt"})
         os.replace(out / f".{name}.tmp", out / name)
-        _drop_cache(out / name)
+        bench_env.drop_cache(out / name)
         weight_map |= dict.fromkeys(tensors, name)
         total += (out / name).stat().st_size
         del tensors
@@ -142,17 +142,6 @@ def _edges(cfg: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]
     return {"model.embed_tokens.weight": _rand((v, h), gen, 0.02),
             "lm_head.weight": _rand((v, h), gen, 0.02),
             "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}  # fmt: skip
-
-
-def _drop_cache(path: Path) -> None:
-    """fsync and let the kernel drop the written pages (they would only evict others')."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def expected_bytes(cfg: dict[str, Any]) -> int:
@@ -357,15 +346,6 @@ def plan_line(r: dict[str, Any]) -> str:
             f"{plan.get('bytes_moved_per_step')}, step {plan.get('step_time_s')} s")  # fmt: skip
 
 
-def record(results: Path, text: str) -> None:
-    head = "## offload_disk: LoRA on a base larger than RAM, experts read from disk"
-    body = results.read_text(encoding="utf-8") if results.exists() else ""
-    body = body.rstrip("\n") + "\n\n" + (head + "\n\n" if head not in body else "") + text + "\n"
-    tmp = results.with_suffix(".md.tmp")
-    tmp.write_text(body, encoding="utf-8")
-    os.replace(tmp, results)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 27; smoke 4)")
@@ -397,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.record:
-        record(Path(__file__).with_name("RESULTS.md"), text)
+        head = "## offload_disk: LoRA on a base larger than RAM, experts read from disk"
+        bench_env.append_results(Path(__file__).with_name("RESULTS.md"), head, text)
     return 0
 
 

@@ -216,7 +216,7 @@ def describe(r: dict[str, Any]) -> str:
         if c["reused"]
         else (
             f"written in {c['write_s']} s ({c['params_per_s'] / 1e6:.3g} M params/s, "
-            f"{c['bytes'] / c['write_s'] / 1e6:.3g} MB/s)"
+            f"{c['bytes'] / max(c['write_s'], 1e-3) / 1e6:.3g} MB/s)"
         )
     )
     host = p["host_ram_bytes"]
@@ -252,14 +252,6 @@ def describe(r: dict[str, Any]) -> str:
         f"{r['steps']} steps of {r['offload']['layers']} layers (≈ 2 × layers a step expected).",
     ]  # fmt: skip
     return "\n".join(lines)
-
-
-def record(text: str) -> None:
-    body = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else ""
-    body = body.rstrip("\n") + "\n\n" + (HEAD + "\n\n" if HEAD not in body else "") + text + "\n"
-    tmp = RESULTS.with_suffix(".md.tmp")
-    tmp.write_text(body, encoding="utf-8")
-    os.replace(tmp, RESULTS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -302,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.record:
-        record(text)
+        bench_env.append_results(RESULTS, HEAD, text)
     return 0
 
 

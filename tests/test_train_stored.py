@@ -29,13 +29,20 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("stored")
     float_dir = save_tiny_model(root / "float")
     fp8 = write_stored(float_dir, root / "fp8", "fp8", block=BLOCK)
-    model, _ = load_stored(fp8, "cpu", torch.float32)
-    dequantize_stacks_(model)
-    model.save_pretrained(root / "fp8-dequantized")
-    for extra in fp8.glob("*token*"):
-        shutil.copy2(extra, root / "fp8-dequantized" / extra.name)
     data = write_jsonl(root / "d.jsonl", reverse_rows(16))
-    return {"float": float_dir, "fp8": fp8, "copy": root / "fp8-dequantized", "data": data}
+    copy = dequantized_copy(fp8, root / "fp8-dequantized")
+    return {"float": float_dir, "fp8": fp8, "copy": copy, "data": data}
+
+
+def dequantized_copy(stored: Path, out: Path) -> Path:
+    """A stored base saved back in fp32, dequantised as moetune dequantises it, with its
+    tokenizer: the reference a run over the stored base must equal."""
+    model, _ = load_stored(stored, "cpu", torch.float32)
+    dequantize_stacks_(model)
+    model.save_pretrained(out)
+    for extra in stored.glob("*token*"):
+        shutil.copy2(extra, out / extra.name)
+    return out
 
 
 def _cfg(bases: dict[str, Path], base: str, out: Path, **train: Any) -> Any:
@@ -259,11 +266,7 @@ def test_every_format_trains_as_its_dequantised_copy(wide: dict[str, Path], tmp_
     from moetune.train import train
 
     stored = write_stored(wide["bf16"], tmp_path / method, method)
-    model, _ = load_stored(stored, "cpu", torch.float32)
-    dequantize_stacks_(model)
-    model.save_pretrained(tmp_path / "dequantized")
-    for extra in stored.glob("*token*"):
-        shutil.copy2(extra, tmp_path / "dequantized" / extra.name)
+    dequantized_copy(stored, tmp_path / "dequantized")
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
     runs = {}
     with one_thread():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ def write_stored(
     fused = _fused_stacks(src)
     rest = (not fmt.experts_only) if rest is None else rest
     out.mkdir(parents=True, exist_ok=True)
-    shards = _Shards(out, shard_bytes)
+    shards = Shards(out, shard_bytes)
     for key, tensor in _tensors(src):
         for name, value in _convert(fmt, key, tensor, fused, rest, options).items():
             kept = value is tensor and dtype is not None and value.is_floating_point()
@@ -112,15 +112,17 @@ def _one(value: torch.Tensor) -> torch.Tensor:
     return value.reshape(()) if value.numel() == 1 and value.ndim == 1 else value.contiguous()
 
 
-class _Shards:
-    """Tensors into model-0000k-of-0000n.safetensors of at most `limit` bytes, and the index."""
+class Shards:
+    """Tensors into model-0000k-of-0000n.safetensors of at most `limit` bytes, and the index;
+    `written` sees each file once written (a benchmark drops it from the page cache)."""
 
-    def __init__(self, out: Path, limit: int) -> None:
-        self.out, self.limit = out, limit
+    def __init__(self, out: Path, limit: int,
+                 written: Callable[[Path], None] | None = None) -> None:  # fmt: skip
+        self.out, self.limit, self.written = out, limit, written
         self.pending: dict[str, torch.Tensor] = {}
-        self.size, self.files = 0, []  # type: ignore[var-annotated]
+        self.size, self.total = 0, 0
+        self.files: list[Path] = []
         self.where: dict[str, int] = {}
-        self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if self.pending and self.size + tensor.nbytes > self.limit:
@@ -133,13 +135,16 @@ class _Shards:
         # lazy: heavy to import
         from safetensors.torch import save_file
 
-        path = self.out / f"part-{len(self.files):05d}.safetensors"
+        path = self.out / f".part-{len(self.files):05d}.safetensors"
         save_file(self.pending, str(path), metadata={"format": "pt"})
+        if self.written is not None:
+            self.written(path)
         self.where.update(dict.fromkeys(self.pending, len(self.files)))
         self.files.append(path)
         self.pending, self.size = {}, 0
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """The last file, every file's final name and the index; the bytes written."""
         if self.pending:
             self._flush()
         n = len(self.files)
@@ -149,3 +154,4 @@ class _Shards:
         index = {"metadata": {"total_size": self.total},
                  "weight_map": {k: names[i] for k, i in sorted(self.where.items())}}  # fmt: skip
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return self.total
