@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +181,12 @@ def stack_segments(index: dict[str, Segment], prefix: str, name: str,
         f"{prefix}.{name} is in none of the expert layouts moetune reads ({', '.join(LAYOUTS)})",
         "set train.offload: none, or register a Layout in engine/offload_files.py",
     )
+
+
+def keys_of(index: dict[str, Segment], segments: Iterable[Segment]) -> set[str]:
+    """The keys of `index` whose bytes are among `segments` (what a stream must not read)."""
+    taken = {(s.path, s.offset) for s in segments}
+    return {key for key, s in index.items() if (s.path, s.offset) in taken}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -31,7 +31,14 @@ from moetune.engine.offload import (
     install,
     spill_source,
 )
-from moetune.engine.offload_files import OffloadError, Segment, index_dir, read_into, stack_segments
+from moetune.engine.offload_files import (
+    OffloadError,
+    Segment,
+    index_dir,
+    keys_of,
+    read_into,
+    stack_segments,
+)
 from moetune.engine.quant import (
     QuantizedStack,
     QuantReport,
@@ -80,9 +87,9 @@ def load_offloaded(
                            "set train.offload: none")  # fmt: skip
     plans = {path: {n: stack_segments(index, path, n, tuple(m._parameters[n].shape))  # type: ignore[union-attr]
                     for n in names} for path, m, names in experts}  # type: ignore[union-attr]  # fmt: skip
-    taken = {(s.path, s.offset) for stacks in plans.values() for segs in stacks.values()
-             for s in segs}  # fmt: skip
-    skip = {key for key, s in index.items() if (s.path, s.offset) in taken}
+    skip = keys_of(
+        index, (s for stacks in plans.values() for segs in stacks.values() for s in segs)
+    )
     _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip)
     store = ExpertStore(mode, device)
     quant = _Quant(experts_dtype, double_quant) if experts_dtype != "bf16" else None

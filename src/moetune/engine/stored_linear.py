@@ -62,16 +62,16 @@ class StoredLinear(nn.Linear):
         return f"{super().extra_repr()}, stored={self.stored.backend.name}"
 
 
-def stored_linears(model: nn.Module) -> list[tuple[str, StoredLinear]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, StoredLinear)]
+def replace_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    model.get_submodule(parent).add_module(leaf, module)
 
 
 def dequantize_linears_(model: nn.Module) -> int:
     """Every StoredLinear back to a plain frozen Linear in place; how many."""
-    found = stored_linears(model)
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, StoredLinear)]
     for path, module in found:
-        parent, _, leaf = path.rpartition(".")
-        model.get_submodule(parent).add_module(leaf, module.dequantized())
+        replace_module(model, path, module.dequantized())
     return len(found)
 
 
@@ -90,7 +90,6 @@ def store_float_linears_(model: nn.Module, method: str, options: dict[str, Any])
         except QuantError:
             continue  # blocks that do not divide it: float, as published
         stack = QuantizedStack((1, *module.weight.shape), False, module.weight.dtype, method, bufs)  # type: ignore[arg-type]
-        parent, _, leaf = path.rpartition(".")
-        model.get_submodule(parent).add_module(leaf, StoredLinear(stack, module.bias))
+        replace_module(model, path, StoredLinear(stack, module.bias))
         done += 1
     return done

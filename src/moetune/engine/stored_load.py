@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moetune.engine.offload_files import LAYOUTS, Segment, dtype_name, index_dir, read_into
+from moetune.engine.offload_files import (
+    LAYOUTS,
+    Segment,
+    dtype_name,
+    index_dir,
+    keys_of,
+    read_into,
+)
 from moetune.engine.quant import (
     QUANTIZED,
     QuantError,
@@ -33,7 +40,7 @@ from moetune.engine.quant import (
 )
 from moetune.engine.quant_load import _finish, _stream
 from moetune.engine.stored import StoredFormat, quant_config_of, stored_format
-from moetune.engine.stored_linear import StoredLinear, dequantize_linears_
+from moetune.engine.stored_linear import StoredLinear, dequantize_linears_, replace_module
 from moetune.model.derive import causal_lm_class, ensure_backbone
 
 if TYPE_CHECKING:
@@ -148,7 +155,6 @@ class _Dequantized:
     def __init__(self, fmt: type[StoredFormat], segs: dict[str, Segment],
                  out_in: tuple[int, int], dtype: torch.dtype, key: str) -> None:  # fmt: skip
         self.fmt, self.segs, self.shape, self.dtype, self.key = fmt, segs, out_in, dtype, key
-        self.stored_bytes = sum(s.nbytes for s in segs.values())
 
     def __getitem__(self, _: Any) -> torch.Tensor:
         bufs = read_linear(self.fmt, self.segs, self.shape, self.key)
@@ -181,9 +187,11 @@ def quantised_linears(
     found = {}
     suffix = f".{fmt.weight_suffix()}"
     for key in index:
+        if not key.endswith(suffix):
+            continue
         base = key.removesuffix(suffix)
         segs = {b: index.get(f"{base}.{s}") for b, (s, _) in fmt.keys.items()}
-        if not key.endswith(suffix) or len(segs) < 2 or any(v is None for v in segs.values()):
+        if len(segs) < 2 or any(v is None for v in segs.values()):
             continue  # a float tensor the format left alone (norms, embeddings, the router)
         try:
             param = model.get_parameter(f"{base}.weight")
@@ -208,9 +216,8 @@ def store_linears_(fmt: type[StoredFormat], index: dict[str, Segment], model: nn
     for base, (segs, out_in) in found.items():
         bufs = read_linear(fmt, segs, out_in, base)
         stack = QuantizedStack((1, *out_in), False, dtype, fmt.name, bufs)
-        parent, _, leaf = base.rpartition(".")
         bias = model.get_submodule(base).bias  # meta: the stream fills it
-        model.get_submodule(parent).add_module(leaf, StoredLinear(stack, bias))  # type: ignore[arg-type]
+        replace_module(model, base, StoredLinear(stack, bias))  # type: ignore[arg-type]
         report.linears_bytes += stack.nbytes
     report.linears_stored = len(found)
     return list(found)
@@ -250,7 +257,8 @@ def stream_all_but_stacks(
     report.dequantized_bytes = sum(math.prod(d.shape) * dtype.itemsize for d in linears.values())
     kept = store_linears_(fmt, index, model, dtype, report) if keep_linears else []
     bases = [k.removesuffix(".weight") for k in linears] + kept
-    skip = stored_keys(fmt, index, bases) | stack_keys(index, stacks)
+    held = (s for f in stacks.values() for segs, _, _ in f.buffers.values() for s in segs)
+    skip = stored_keys(fmt, index, bases) | keys_of(index, held)
     _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip, extra=linears)
     return model, stacks, report
 
@@ -278,12 +286,6 @@ def open_stored(
                                      is_transposed(m))
               for path, m, names in experts_modules(model) for n in names}  # fmt: skip
     return model, fmt, index, stacks
-
-
-def stack_keys(index: dict[str, Segment], stacks: dict[tuple[str, str], StackFiles]) -> set[str]:
-    taken = {(s.path, s.offset) for f in stacks.values() for segs, _, _ in f.buffers.values()
-             for s in segs}  # fmt: skip
-    return {k for k, s in index.items() if (s.path, s.offset) in taken}
 
 
 def install_stack(module: nn.Module, name: str, buffers: dict[str, torch.Tensor],
