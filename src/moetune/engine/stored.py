@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from moetune.engine.quant import QUANTIZERS, QuantError, Quantizer, register
+from moetune.model.sources import resolve_config
 
 Buffers = dict[str, torch.Tensor]
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -122,6 +123,15 @@ def stored_format(qcfg: dict[str, Any] | None) -> type[StoredFormat] | None:
     raise QuantError(f"moetune cannot read checkpoints quantised as {describe(qcfg)}",
                      f"use one stored as {', '.join(f.label for f in stored_formats())}, "
                      "or its bf16 release")  # fmt: skip
+
+
+def base_format(model_id: str) -> tuple[type[StoredFormat], dict[str, Any]] | None:
+    """(format, quantization_config) a base is published in – a local dir, a bundled or a hub
+    id, by its config.json – or None for a float one; QuantError for one moetune cannot read."""
+    _, raw = resolve_config(model_id)
+    qcfg = quant_config_of(raw)
+    fmt = stored_format(qcfg)
+    return None if fmt is None else (fmt, qcfg)
 
 
 def quant_config_of(config: dict[str, Any]) -> Any:

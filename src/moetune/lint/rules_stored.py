@@ -7,22 +7,18 @@ from typing import Any
 import moetune.lint.probes_stored as probes
 from moetune.errors import MoetuneError
 from moetune.lint.rules import Hit, LintContext, register_rule
-from moetune.model.sources import resolve_config
 from moetune.units import gib
 
 
 def _stored(model_id: str) -> tuple[Any, Any] | None:
     """(format, quantization_config) of the base, None for a float one or one not readable."""
     # lazy: heavy to import (moetune.engine, torch)
-    from moetune.engine.stored import quant_config_of, stored_format
+    from moetune.engine.stored import base_format
 
     try:
-        _, raw = resolve_config(model_id)
-        qcfg = quant_config_of(raw)
-        fmt = stored_format(qcfg)
+        return base_format(model_id)
     except MoetuneError:
         return None  # not readable here: the loader says why
-    return None if fmt is None else (fmt, qcfg)
 
 
 @register_rule(

@@ -8,7 +8,6 @@ import os
 import torch
 
 from moetune.config import RunConfig
-from moetune.model.sources import resolve_config
 from moetune.train.errors import TrainError
 
 
@@ -18,11 +17,10 @@ def stored_base(cfg: RunConfig) -> str | None:
     if cfg.model.is_gguf:
         return None
     # lazy: heavy to import (moetune.engine)
-    from moetune.engine.stored import quant_config_of, stored_format
+    from moetune.engine.stored import base_format
 
-    _, raw = resolve_config(cfg.model.id)
-    fmt = stored_format(quant_config_of(raw))
-    return None if fmt is None else fmt.name
+    found = base_format(cfg.model.id)
+    return None if found is None else found[0].name
 
 
 def check_stored(cfg: RunConfig, engine: str) -> str | None:
