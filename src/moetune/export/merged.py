@@ -202,7 +202,7 @@ def export_merged(source: Source, out: Path, opts: ExportOptions) -> ExportResul
     code = copy_code(source.base, out)
     result = ExportResult("merged", out, files=sorted(p.name for p in out.iterdir()))
     result.details = {"dtype": str(dtype).removeprefix("torch."), **counts, "tokenizer": tokenizer}
-    result.details["layout"] = layout_vs_base(source.base, out, stored and not survival)
+    result.details["layout"] = layout_vs_base(source.base, out, bool(stored) and survival is None)
     if stored:
         result.details["stored_base"] = stored[0].name
         result.details["requantized"] = survival is not None
@@ -225,7 +225,7 @@ def write_merged(
     return counts
 
 
-def layout_vs_base(base: str, out: Path, unquantised: Any = False) -> dict[str, Any]:
+def layout_vs_base(base: str, out: Path, unquantised: bool = False) -> dict[str, Any]:
     """Whether the merged files hold exactly the base checkpoint's tensor names and shapes
     (not compared when a quantised base was written unquantised: its scales are gone)."""
     if unquantised or not Path(base).is_dir() or not any(Path(base).glob("*.safetensors")):

@@ -41,9 +41,7 @@ def stored_of(base: str) -> Stored | None:
     # lazy: heavy to import (engine.stored_load: transformers)
     from moetune.engine.stored_load import checkpoint_format
 
-    if not (Path(base) / "config.json").is_file():
-        return None
-    return checkpoint_format(base)
+    return checkpoint_format(base)  # None where no config.json can be read
 
 
 def load_dequantized(base: str, dtype: torch.dtype) -> tuple[Any, dict[str, QuantizedStack], bool]:
