@@ -91,7 +91,8 @@ def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
 
 def _stored(spec: ModelSpec, cfg: RunConfig, split: bool) -> dict[str, Any]:
     """The stored format's name and bytes when the run keeps the published expert stacks:
-    a stored base trains on the split engine; int8 / NF4 experts re-store them instead."""
+    a stored base trains on the split engine; int8 / NF4 asked over one (which train
+    refuses) is planned as asked."""
     # lazy: heavy to import (torch via moetune.engine)
     from moetune.engine.resolve import stored_experts
 
