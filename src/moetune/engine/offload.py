@@ -37,7 +37,8 @@ from typing import Any, Literal, Protocol, Union
 import torch
 from torch import nn
 
-from moetune.engine.offload_files import OffloadError, Segment, read_into, write_tensors
+from moetune.engine.direct_io import DirectReader, Piece
+from moetune.engine.offload_files import OffloadError, Segment, pieces_of, write_tensors
 from moetune.engine.quant import (
     QUANTIZED,
     QuantizedStack,
@@ -56,14 +57,15 @@ _STORE = "_moetune_offload_store"  # on the model: its ExpertStore
 
 
 class Source(Protocol):
-    """Where one stack waits; `load` materialises it on a device (returns bytes read from files)."""
+    """Where one stack waits. `prepare` gives the stack to fill on a device and the file
+    pieces that fill it (none for a stack held in host RAM: it is copied at once)."""
 
     @property
     def nbytes(self) -> int:
         """Bytes moved to the device per fetch (the stored form: quantised if it is)."""
         ...
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]: ...
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]: ...
 
 
 @dataclass
@@ -74,10 +76,10 @@ class HostFloat:
     def nbytes(self) -> int:
         return self.tensor.nbytes
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]:
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]:
         w = self.tensor.to(device, non_blocking=True)
         w = w.clone() if w is self.tensor else w  # a CPU device still gets its own copy
-        return w.to(dtype), 0
+        return w.to(dtype), []
 
 
 @dataclass
@@ -89,10 +91,9 @@ class FileFloat:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]:
-        buf = torch.empty(self.shape, dtype=self.segments[0].dtype, pin_memory=pin)
-        read = read_into(self.segments, buf)
-        return buf.to(device, non_blocking=True).to(dtype), read
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]:
+        out = torch.empty(self.shape, dtype=dtype, device=device)  # the read widens into it
+        return out, pieces_of(self.segments, out)
 
 
 @dataclass
@@ -103,10 +104,10 @@ class HostQuant:
     def nbytes(self) -> int:
         return self.stack.nbytes
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]:
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]:
         bufs = {n: b.to(device, non_blocking=True) for n, b in self.stack.named_buffers()}
         bufs = {n: b.clone() if b is self.stack.get_buffer(n) else b for n, b in bufs.items()}
-        return _quant_like(self.stack, bufs, dtype), 0
+        return _quant_like(self.stack, bufs, dtype), []
 
 
 @dataclass
@@ -118,13 +119,11 @@ class FileQuant:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments.values())
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]:
-        bufs, read = {}, 0
-        for name, seg in self.segments.items():
-            buf = torch.empty(seg.shape, dtype=seg.dtype, pin_memory=pin)
-            read += read_into([seg], buf)
-            bufs[name] = buf.to(device, non_blocking=True)
-        return _quant_like(self.like, bufs, dtype), read
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]:
+        bufs = {n: torch.empty(s.shape, dtype=s.dtype, device=device)
+                for n, s in self.segments.items()}  # fmt: skip
+        pieces = [p for n, s in self.segments.items() for p in pieces_of([s], bufs[n])]
+        return _quant_like(self.like, bufs, dtype), pieces
 
 
 def _quant_like(
@@ -207,6 +206,7 @@ class ExpertStore:
         self._current, self._step = -1, 1
         self._lock, self._count_lock = threading.RLock(), threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moetune-offload")
+        self.reader = DirectReader()  # its own workers: a prefetch never queues behind a load
         self._side = torch.cuda.Stream(self.device) if self.pin else None
         weakref.finalize(self, self._pool.shutdown, wait=False)
         fixed_mmap_threshold()
@@ -283,12 +283,14 @@ class ExpertStore:
 
     def _load(self, layer: int, phase: str) -> dict[str, Weight]:
         """Materialise one layer's stacks (runs on the side thread when prefetching)."""
-        out, moved, read = {}, 0, 0
+        out, moved, pieces = {}, 0, list[Piece]()
         with torch.cuda.stream(self._side) if self._side is not None else _nothing():
             for name, (source, dtype) in self.layers[layer].items():
-                out[name], n = source.load(self.device, dtype, self.pin)
-                moved, read = moved + source.nbytes, read + n
-                self._count(out[name])
+                out[name], more = source.prepare(self.device, dtype)
+                pieces, moved = pieces + more, moved + source.nbytes
+            read = self.reader.read(pieces)  # the whole layer's reads at once, in flight
+        for weight in out.values():
+            self._count(weight)
         with self._count_lock:
             self.stats.fetches += 1
             self.stats.bytes_moved[phase] += moved

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moetune.engine.direct_io import Piece
 from moetune.engine.offload import (
     ExpertStore,
     FileFloat,
@@ -164,11 +165,10 @@ class FileStored:
     def nbytes(self) -> int:
         return self.files.nbytes
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Any, int]:
-        like, bufs = self.like, self.files.read(pin)
-        moved = {n: b.to(device, non_blocking=True) for n, b in bufs.items()}
-        stack = QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, moved)
-        return stack, self.nbytes
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Any, list[Piece]]:
+        like, (bufs, pieces) = self.like, self.files.prepare(device)
+        stack = QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, bufs)
+        return stack, pieces
 
 
 def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
