@@ -117,9 +117,10 @@ def test_disk_reads_a_bf16_file_as_bf16_when_it_computes_in_fp32(tiny: ModelSpec
 
 def test_a_cpu_device_is_host_ram_and_its_peak_is_the_process(tiny: ModelSpec) -> None:
     run = cfg("cpu", device="cpu")
-    frozen = analytic(tiny, run).components["frozen_weights"]
+    fp32 = run.model_copy(update={"model": run.model.model_copy(update={"dtype": "float32"})})
+    frozen = analytic(tiny, fp32).components["frozen_weights"]  # a CPU computes fp32
     plan = plan_offload(tiny, run, "H100-80GB")  # train.device cpu wins over the card
-    assert plan.card is None and plan.fits is None
+    assert plan.card == "cpu" and plan.fits is (plan.device_peak_bytes <= plan.usable_bytes)
     parts = plan.device_components
     assert parts["resident_weights"] == frozen  # cpu offload on a CPU: the stacks live there
     assert parts["process_baseline"] == CPU_PROCESS_BASELINE and "overhead" not in parts

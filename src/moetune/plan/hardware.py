@@ -9,6 +9,7 @@ up. Extend by adding an entry there, not by code.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -17,7 +18,7 @@ from typing import Any, Literal
 from moetune.errors import UnknownCardError
 
 GiB = 1024**3
-CardKind = Literal["cuda", "unified", "mps"]
+CardKind = Literal["cuda", "unified", "mps", "cpu"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,26 @@ class HostLink:
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "gb_per_s": self.gb_per_s}
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """What a CPU "card" (this host, `plan.host`) computes and reads at: measured by
+    `moetune doctor --calibrate`, written by hand, or conservative defaults."""
+
+    fp32_gflops: float  # achieved matmul GFLOP/s at a step's expert shapes, all threads
+    bf16_gflops: float
+    memcpy_gb_per_s: float  # a large RAM-to-RAM copy, decimal GB/s
+    disk_read_gb_per_s: float  # O_DIRECT sequential read of the checkpoint's file system
+    calibrated: bool  # False: defaults, not this host's figures
+    source: str  # where the figures come from (a file, or "defaults")
+
+    def gflops(self, precision_bytes: int) -> float:
+        """The matmul rate at the compute dtype's width (2: bf16, else fp32)."""
+        return self.bf16_gflops if precision_bytes == 2 else self.fp32_gflops
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -58,6 +79,12 @@ class Card:
     host_link: HostLink | None = None  # None: unified memory (offloading frees nothing)
     host_ram_bytes: int | None = None  # RAM of the card's usual node (decimal GB in the json)
     gpus_per_node: int = 1
+    rates: HostRates | None = None  # the CPU card's measured rates (GPU cards: None)
+
+    @property
+    def is_host(self) -> bool:
+        """A CPU "card": device and host are one RAM, so its peak is the process's RSS."""
+        return self.kind == "cpu"
 
     @property
     def is_cuda(self) -> bool:
@@ -78,6 +105,7 @@ class Card:
             "host_link": self.host_link.to_json() if self.host_link else None,
             "host_ram_bytes": self.host_ram_bytes,
             "gpus_per_node": self.gpus_per_node,
+            "rates": self.rates.to_json() if self.rates else None,
         }
 
 
@@ -122,6 +150,16 @@ def disk_read_bytes_per_s() -> float:
     return float(_data()["disk"]["read_gb_per_s"]) * 1e9
 
 
+# Cards built from this machine when asked for (plan.host registers "cpu"); the registry
+# imports none of them, the package's __init__ does.
+_HOST_CARDS: dict[str, Callable[[], Card]] = {}
+
+
+def register_host_card(card_id: str, build: Callable[[], Card]) -> None:
+    """Make `get_card(card_id)` build the card from this host on each call."""
+    _HOST_CARDS[card_id] = build
+
+
 def card_ids() -> list[str]:
     """Every card id, in catalog order (largest datacenter cards first)."""
     return list(_catalog())
@@ -132,14 +170,18 @@ def all_cards() -> list[Card]:
 
 
 def get_card(card_id: str) -> Card:
-    """The card with `card_id` (case-insensitive), or UnknownCardError listing the ids."""
+    """The card with `card_id` (case-insensitive; "cpu": this host, `plan.host`), or
+    UnknownCardError listing the ids."""
+    key = card_id.strip().lower()
+    if key in _HOST_CARDS:
+        return _HOST_CARDS[key]()
     by_lower = {k.lower(): v for k, v in _catalog().items()}
     try:
-        return by_lower[card_id.strip().lower()]
+        return by_lower[key]
     except KeyError:
         raise UnknownCardError(
             f"unknown card {card_id!r}",
-            f"use one of: {', '.join(card_ids())}",
+            f"use one of: {', '.join([*card_ids(), *_HOST_CARDS])}",
         ) from None
 
 

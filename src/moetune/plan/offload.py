@@ -14,15 +14,17 @@ on, and again in the backward (the input gradient needs the weights). The copies
 the compute (prefetch), so the step takes max(compute, transfer); `balance_tokens` are the
 tokens per step at which the two are equal – below it the step is transfer-bound.
 
-The device is host RAM itself when no card is named or `train.device` is cpu; the
-device peak is then the process's expected peak RSS (everything resident, two layers of
-streamed stacks, the step's tensors and `CPU_PROCESS_BASELINE`). Disk offload assumes the
-engine drops a layer's mapped file pages once copied, so they are not counted.
+The device is host RAM itself – the CPU card, this host (`plan.host`) – when no card is
+named or `train.device` is cpu; the device peak is then the process's expected peak RSS
+(everything resident at the compute dtype – fp32 unless train.precision is bf16, as train
+loads it –, two layers of streamed stacks, the step's tensors and `CPU_PROCESS_BASELINE`),
+checked against the RAM available, and the step time comes from the host's measured
+rates (`plan.cpu_step`). Disk offload assumes the engine drops a layer's mapped file pages
+once copied, so they are not counted.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,31 +32,20 @@ from moetune.config import RunConfig
 from moetune.errors import ConfigError, MoetuneError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import QUANT_BYTES, expert_bytes_per_param
+from moetune.plan.cpu_step import STREAM_EFFICIENCY, cpu_step
 from moetune.plan.estimate import MFU, flops_per_token
 from moetune.plan.fit import Recommendation, analytic
-from moetune.plan.hardware import (
-    CPU_LINK,
-    Card,
-    HostLink,
-    disk_read_bytes_per_s,
-    get_card,
-    get_link,
-)
-from moetune.plan.overhead import card_overhead
+from moetune.plan.hardware import Card, HostLink, all_cards, disk_read_bytes_per_s, get_card
+from moetune.plan.host import CPU_CARD, UNCALIBRATED, cpu_card, has_cuda
+from moetune.plan.overhead import CPU_PROCESS_BASELINE, card_overhead
 from moetune.plan.step import DTYPE_BYTES, Step
 
 MiB = 1024**2
 GiB = 1024**3
 STREAMED_LAYERS = 2  # the layer running and the one prefetched
-# Measured here (torch 2.13 CPU, transformers 5.24, TRL, RESULTS.md): tiny-model training
-# processes, whose own tensors are < 10 MiB, peak at 562–651 MiB RSS (imports alone 486).
-CPU_PROCESS_BASELINE = 600 * MiB
 # Assumed, not measured here: a CUDA process's host side (CUDA runtime, cuBLAS / cuDNN
 # host code, torch, transformers, the trainer) beside its pinned buffers.
 CUDA_HOST_BASELINE = 3 * GiB
-# Achieved fp32 GFLOP/s of one CPU core in a training step: a 1024² matmul measured
-# 12.7 GFLOP/s on one shared EPYC core at load 10; an idle server core does 2–4× that.
-CPU_GFLOPS_PER_CORE = 25.0
 
 
 @dataclass(frozen=True)
@@ -62,7 +53,7 @@ class OffloadPlan:
     """`moetune plan --offload`: bytes by place, bytes moved, and the time they take."""
 
     offload: str  # "cpu" | "disk"
-    card: str | None  # None: the device is host RAM (CPU)
+    card: str  # "cpu": the device is this host's RAM
     device_peak_bytes: int
     device_components: dict[str, int]
     pinned_host_bytes: int  # cpu: the offloaded stacks; disk: the staging buffers
@@ -78,11 +69,14 @@ class OffloadPlan:
     compute_s: float
     transfer_s: float
     balance_tokens: int
-    usable_bytes: int | None = None  # the card's (None: CPU)
+    usable_bytes: int | None = None  # the card's (CPU: the RAM available now)
     notes: tuple[str, ...] = ()
+    overlapped_s: float | None = None  # CPU: Σ max(read, compute) per layer (plan.cpu_step)
 
     @property
     def step_time_s(self) -> float:
+        if self.overlapped_s is not None:
+            return self.overlapped_s
         return max(self.compute_s, self.transfer_s)
 
     @property
@@ -91,7 +85,8 @@ class OffloadPlan:
 
     @property
     def fits(self) -> bool | None:
-        """The device peak within the card's usable memory (None: a CPU device)."""
+        """The device peak within the card's usable memory (CPU: the process's RSS within
+        the RAM available; None: no figure)."""
         return None if self.usable_bytes is None else self.device_peak_bytes <= self.usable_bytes
 
     @property
@@ -132,41 +127,61 @@ class OffloadPlan:
 
 
 def plan_offload(spec: ModelSpec, cfg: RunConfig, card: Card | str | None = None) -> OffloadPlan:
-    """The offload plan of `cfg` (train.offload cpu or disk) on `card` (None: CPU)."""
+    """The offload plan of `cfg` (train.offload cpu or disk) on `card` (None: this host)."""
     chosen = _device(cfg, card)
+    cfg = as_run_on(cfg, chosen)
     layer = layer_expert_bytes(spec, cfg)
     n_moe = len(spec.moe_layers)
+    file_layer = file_layer_bytes(spec, cfg, layer)
     components = _device_components(spec, cfg, chosen, layer * n_moe, layer)
     peak = sum(components.values())
-    place = _host(cfg, chosen, file_layer_bytes(spec, cfg, layer) * n_moe, layer, peak)
-    moved = bytes_moved(spec, cfg, file_layer_bytes(spec, cfg, layer))
+    moved = bytes_moved(spec, cfg, file_layer)
     rate = _transfer_rate(cfg, chosen)
     tokens = cfg.train.seq_len * cfg.train.batch_size * cfg.train.grad_accum
-    per_token = flops_per_token(spec.active_params, cfg.train.gradient_checkpointing)
-    compute_per_token = per_token / _flops_per_s(chosen)
-    transfer = sum(moved.values()) / rate
+    times = _times(spec, cfg, chosen, file_layer, layer, sum(moved.values()) / rate)
     return OffloadPlan(
         offload=cfg.train.offload,
-        card=chosen.id if chosen else None,
+        card=chosen.id,
         device_peak_bytes=peak,
         device_components=components,
         offloaded_bytes=layer * n_moe,
         layer_expert_bytes=layer,
         bytes_moved_per_step=moved,
-        host_link=chosen.host_link if chosen and chosen.host_link else get_link(CPU_LINK),
+        host_link=_link(chosen),
         transfer_bytes_per_s=rate,
         tokens_per_step=tokens,
-        compute_s=tokens * compute_per_token,
-        transfer_s=transfer,
-        balance_tokens=round(transfer / compute_per_token),
-        usable_bytes=chosen.usable_bytes if chosen else None,
+        balance_tokens=round(times["transfer_s"] / times["compute_s"] * tokens),
+        usable_bytes=chosen.usable_bytes,
         notes=_notes(cfg, chosen),
-        **place,
+        **times,
+        **_host(cfg, chosen, file_layer * n_moe, layer, peak),
     )
 
 
-def _device(cfg: RunConfig, card: Card | str | None) -> Card | None:
-    """The card the plan is for (None: host RAM is the device), refusing what cannot work."""
+def as_run_on(cfg: RunConfig, card: Card) -> RunConfig:
+    """`cfg` as train runs it on `card`: a CPU computes fp32 unless train.precision is bf16,
+    so its frozen weights are loaded fp32 whatever model.dtype says (train.setup)."""
+    if not card.is_host or cfg.train.precision == "bf16":
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})})
+
+
+def _times(
+    spec: ModelSpec, cfg: RunConfig, card: Card, file_layer: int, layer: int, transfer: float
+) -> dict[str, float | None]:
+    """compute_s, transfer_s and (CPU) the overlapped step time."""
+    if card.is_host:
+        step = cpu_step(spec, cfg, card, file_layer, layer)
+        return {"compute_s": step.cpu_s, "transfer_s": step.read_s, "overlapped_s": step.step_s}
+    tokens = cfg.train.seq_len * cfg.train.batch_size * cfg.train.grad_accum
+    per_token = flops_per_token(spec.active_params, cfg.train.gradient_checkpointing)
+    compute = tokens * per_token / (card.bf16_tflops * 1e12 * MFU)
+    return {"compute_s": compute, "transfer_s": transfer, "overlapped_s": None}
+
+
+def _device(cfg: RunConfig, card: Card | str | None) -> Card:
+    """The card the plan is for (this host's CPU card when none is named or train.device
+    is cpu), refusing what cannot work."""
     offload = cfg.train.offload
     if offload not in ("cpu", "disk"):
         raise ConfigError(
@@ -185,7 +200,7 @@ def _device(cfg: RunConfig, card: Card | str | None) -> Card | None:
         )
     chosen = get_card(card) if isinstance(card, str) else card
     if chosen is None or cfg.train.device == "cpu":
-        return None
+        return cpu_card()
     if chosen.host_link is None:
         raise ConfigError(
             f"{chosen.id} is unified memory: host RAM and the device are one pool, so "
@@ -229,7 +244,7 @@ def bytes_moved(spec: ModelSpec, cfg: RunConfig, layer: int) -> dict[str, int]:
 
 
 def _device_components(
-    spec: ModelSpec, cfg: RunConfig, card: Card | None, offloaded: int, layer: int
+    spec: ModelSpec, cfg: RunConfig, card: Card, offloaded: int, layer: int
 ) -> dict[str, int]:
     """The analytic peak with the frozen weights split into what stays and what streams
     (the frozen bytes are live in every phase, so the peak phase does not change)."""
@@ -237,7 +252,7 @@ def _device_components(
     parts = dict(est.components)
     frozen = parts.pop("frozen_weights", 0)
     resident = frozen - offloaded
-    if card is None and cfg.train.offload == "cpu":
+    if card.is_host and cfg.train.offload == "cpu":
         resident = frozen  # host RAM is the device: the offloaded stacks live there too
     out = {
         "resident_weights": resident,
@@ -245,17 +260,17 @@ def _device_components(
         "lora": parts.pop("trainable_weights", 0),
         **parts,
     }
-    if card is None:
+    if card.is_host:
         return {**out, "process_baseline": CPU_PROCESS_BASELINE}
     return {**out, "overhead": card_overhead(card, sum(out.values())).total}
 
 
 def _host(
-    cfg: RunConfig, card: Card | None, offloaded: int, layer: int, device_peak: int
+    cfg: RunConfig, card: Card, offloaded: int, layer: int, device_peak: int
 ) -> dict[str, int]:
     """Pinned host bytes, all host RAM the run needs, what the host has, disk read."""
     disk = offloaded if cfg.train.offload == "disk" else 0
-    if card is None:  # one memory: the device peak is the process
+    if card.is_host:  # one memory: the device peak is the process
         pinned = offloaded if cfg.train.offload == "cpu" else 0
         need = device_peak
     else:
@@ -270,50 +285,67 @@ def _host(
 
 
 def host_ram_available(cfg: RunConfig, card: Card | None) -> int:
-    """hardware.host_ram_gb, else the card's usual node, else this machine's RAM."""
+    """hardware.host_ram_gb, else the card's usual node (the CPU card: this host's RAM),
+    else this machine's RAM."""
     if cfg.hardware.host_ram_gb:
         return int(cfg.hardware.host_ram_gb * 1e9)
-    if card is not None and card.host_ram_bytes:
-        return card.host_ram_bytes
-    import psutil  # this machine: the device is its RAM
-
-    return int(psutil.virtual_memory().total)
+    return (card.host_ram_bytes if card else None) or cpu_card().memory_bytes
 
 
-def _transfer_rate(cfg: RunConfig, card: Card | None) -> float:
-    link = (card.host_link if card else None) or get_link(CPU_LINK)
-    if cfg.train.offload == "disk":  # disk → staging → device, pipelined: the slower
-        return min(link.bytes_per_s, disk_read_bytes_per_s())
-    return link.bytes_per_s
+def _link(card: Card) -> HostLink:
+    assert card.host_link is not None, "_device refuses cards without a host link"
+    return card.host_link
 
 
-def _flops_per_s(card: Card | None) -> float:
-    if card is None:
-        return CPU_GFLOPS_PER_CORE * 1e9 * (os.cpu_count() or 1)
-    return card.bf16_tflops * 1e12 * MFU
+def _transfer_rate(cfg: RunConfig, card: Card) -> float:
+    """What the stream reads at: the link, and with disk offload the slower of it and the
+    disk (a CPU card: its measured disk rate × STREAM_EFFICIENCY; offload cpu on a CPU
+    crosses no link, so its memcpy rate stands)."""
+    link = _link(card).bytes_per_s
+    if cfg.train.offload != "disk":
+        return link
+    if card.rates is not None:
+        return card.rates.disk_read_gb_per_s * 1e9 * STREAM_EFFICIENCY
+    return min(link, disk_read_bytes_per_s())
 
 
-def _notes(cfg: RunConfig, card: Card | None) -> tuple[str, ...]:
+def _notes(cfg: RunConfig, card: Card) -> tuple[str, ...]:
     notes = [
         "offloaded: every MoE layer's routed expert stacks (frozen); the rest stays resident",
+        *(_cpu_notes(cfg, card) if card.is_host else _gpu_notes(cfg, card)),
     ]
-    if card is None:
-        notes.append(
-            f"the device is host RAM: the peak is the process's RSS, with a "
-            f"{CPU_PROCESS_BASELINE // MiB} MiB torch + transformers baseline (measured); "
-            f"compute at {CPU_GFLOPS_PER_CORE:g} GFLOP/s per core (assumed)"
-        )
-    else:
-        notes.append(
-            f"compute at MFU {MFU} of the card's bf16 peak (plan.estimate); host side "
-            f"{CUDA_HOST_BASELINE // GiB} GiB beside the pinned buffers (assumed)"
-        )
+    return tuple(notes)
+
+
+def _gpu_notes(cfg: RunConfig, card: Card) -> list[str]:
+    notes = [
+        f"compute at MFU {MFU} of the card's bf16 peak (plan.estimate); host side "
+        f"{CUDA_HOST_BASELINE // GiB} GiB beside the pinned buffers (assumed)"
+    ]
     if cfg.train.offload == "disk":
         notes.append(
             f"disk read {disk_read_bytes_per_s() / 1e9:g} GB/s assumed (one NVMe); mapped file "
             "pages are dropped after each layer's copy, so the OS page cache is not counted"
         )
-    return tuple(notes)
+    return notes
+
+
+def _cpu_notes(cfg: RunConfig, card: Card) -> list[str]:
+    rates = card.rates
+    assert rates is not None, "a CPU card carries its rates"
+    where = f"measured ({rates.source})" if rates.calibrated else UNCALIBRATED
+    notes = [
+        f"the device is this host's RAM: the peak is the process's RSS (compute dtype, "
+        f"{CPU_PROCESS_BASELINE // MiB} MiB process baseline, measured), fit against the RAM "
+        f"available now; matmul {rates.gflops(4):g} / {rates.gflops(2):g} GFLOP/s fp32 / "
+        f"bf16, memcpy {rates.memcpy_gb_per_s:g} GB/s – {where}"
+    ]
+    if cfg.train.offload == "disk":
+        notes.append(
+            f"disk read {rates.disk_read_gb_per_s:g} GB/s × {STREAM_EFFICIENCY} (the reader's "
+            "share of O_DIRECT, assumed); the step is Σ max(read, compute) per layer and phase"
+        )
+    return notes
 
 
 def with_offload(cfg: RunConfig, offload: str) -> RunConfig:
@@ -321,13 +353,16 @@ def with_offload(cfg: RunConfig, offload: str) -> RunConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"offload": offload})})
 
 
-def offload_plans(spec: ModelSpec, cfg: RunConfig, cards: list[str]) -> dict[str, OffloadPlan]:
+def offload_plans(
+    spec: ModelSpec, cfg: RunConfig, cards: list[str] | None
+) -> dict[str, OffloadPlan]:
     """`plan --offload`: per card with a host link (unified-memory cards have nothing to
-    offload to: when they are all there is, that refusal), or one plan keyed "cpu" when
-    train.device is cpu."""
-    if cfg.train.device == "cpu":
-        return {"cpu": plan_offload(spec, cfg, None)}
-    chosen = [get_card(c) for c in cards]
+    offload to: when they are all there is, that refusal), or one plan keyed "cpu" – this
+    host – when train.device is cpu, or no card is named (`cards` None) and no CUDA
+    device is here."""
+    if cfg.train.device == "cpu" or (cards is None and not has_cuda()):
+        return {CPU_CARD: plan_offload(spec, cfg, None)}
+    chosen = [get_card(c) for c in cards] if cards is not None else all_cards()
     linked = [c for c in chosen if c.host_link is not None] or chosen[:1]
     return {c.id: plan_offload(spec, cfg, c) for c in linked}
 

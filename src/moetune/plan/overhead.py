@@ -36,6 +36,10 @@ from moetune.plan.hardware import Card
 MiB = 1024**2
 CUDA_CONTEXT_BYTES = 512 * MiB
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
+# Measured here (torch 2.13 CPU, transformers 5.24, TRL, RESULTS.md): tiny-model training
+# processes, whose own tensors are < 10 MiB, peak at 562–651 MiB RSS (imports alone 486);
+# `moetune train` itself (CLI, TRL trainer, tokenizer, dataset) on a 4.5 MB model: 533 MiB.
+CPU_PROCESS_BASELINE = 600 * MiB
 CALIBRATION_RESERVED_BYTES = 85_000_000_000  # measured max_memory_reserved (≈ 85 GB)
 CALIBRATION_LIVE_BYTES = 79_023_709_448  # trace_step, steps=2, same step (73.6 GiB)
 ALLOCATOR_FRACTION = (
@@ -70,11 +74,18 @@ def _mps(live_bytes: int) -> dict[str, int]:
     return {"allocator": round(ALLOCATOR_FRACTION * live_bytes)}
 
 
-_BY_KIND = {"cuda": _cuda, "unified": _cuda, "mps": _mps}
+def _cpu(live_bytes: int) -> dict[str, int]:
+    """A CPU card's process beside its tensors (plan.offload.CPU_PROCESS_BASELINE, measured
+    there: torch, transformers, TRL, the CLI); glibc's allocator is not modelled."""
+    return {"process_baseline": CPU_PROCESS_BASELINE}
+
+
+_BY_KIND = {"cuda": _cuda, "unified": _cuda, "mps": _mps, "cpu": _cpu}
 
 
 def overhead_for(kind: str, live_bytes: int) -> Overhead:
-    """The overhead a card of `kind` ("cuda", "unified", "mps") adds to `live_bytes`."""
+    """The overhead a card of `kind` ("cuda", "unified", "mps", "cpu") adds to
+    `live_bytes`."""
     return Overhead(_BY_KIND[kind](live_bytes), kind)
 
 
