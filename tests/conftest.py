@@ -13,6 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # process shares the cores; passive waiting keeps the suite's time stable on CI.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The plan's cpu card reads host.json from the user's config dir: tests see no such file
+# (defaults) unless one writes its own (never created: the dir does not exist).
+os.environ.setdefault("MOETUNE_HOST_FILE", str(Path(__file__).parent / ".no-host" / "host.json"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,5 +1,5 @@
-"""The pipeline's commands: inspect, plan, lint, recipe, train, doctor, schema, quickstart,
-eval, gate, report – each calls one entry function."""
+"""The pipeline's commands: inspect, plan, lint, recipe, train, schema, quickstart,
+eval, gate, report (doctor: cli.doctor) – each calls one entry function."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def plan(
     result = make_plan(spec, cfg, cards=card, estimator=estimator)
     findings = lint(lint_context(cfg, spec, result, site_of(cfg.lane.provider)))
     devices = _devices(spec, cfg, list(result.fits), gpus, strategy, nodes)
-    offloads = _offloads(spec, cfg, list(result.fits))
+    offloads = _offloads(spec, cfg, card)
     if as_json:
         extra = {"devices": devices.to_json()} if devices else {}
         extra |= {"offload": {k: p.to_json() for k, p in offloads.items()}} if offloads else {}
@@ -138,8 +138,9 @@ def plan(
             console.print(f"[dim]note:[/] {escape(note)}")
 
 
-def _offloads(spec: Any, cfg: Any, cards: list[str]) -> dict[str, Any]:
-    """The offload plan per card when train.offload is cpu or disk (--offload or the YAML)."""
+def _offloads(spec: Any, cfg: Any, cards: list[str] | None) -> dict[str, Any]:
+    """The offload plan per card when train.offload is cpu or disk (--offload or the YAML):
+    the --card cards, else the catalog's, else (no CUDA here) this host's "cpu" card."""
     if cfg.train.offload == "none":
         return {}
     # lazy: the stage loads only when its command runs
@@ -296,34 +297,6 @@ def _report_train(result: Any, as_json: bool) -> None:
     )
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
-
-
-@app.command()
-@friendly
-def doctor(as_json: JsonOpt = False) -> None:
-    """Installed versions, known-bad combinations, hub settings, disk and accelerators."""
-    # lazy: the stage loads only when its command runs
-    from moetune.lint.doctor import run_doctor
-
-    report = run_doctor()
-    if as_json:
-        emit_json(report.to_json())
-        return
-    for name, ver in report.versions.items():
-        console.print(f"{name:>14} {ver}")
-    xet = report.hf_hub_disable_xet
-    console.print(
-        f"HF_HUB_DISABLE_XET={xet!s:<6} {'ok' if xet == '1' else 'set it to 1 before big pulls'}"
-    )
-    console.print(f"free disk at {report.cache_dir}: {gib(report.free_disk_bytes)}")
-    accel = ", ".join(str(a["name"]) for a in report.accelerators) or "none (CPU only)"
-    console.print(f"accelerators: {accel}")
-    mlx = report.mlx
-    if mlx.get("mlx_lm"):
-        where = mlx["device"] or f"no backend ({mlx['error']})"
-        console.print(f"mlx-lm {mlx['mlx_lm']} on mlx {mlx['mlx'] or '(absent)'}: {where}")
-    for p in report.problems:
-        console.print(f"[red]known bad:[/] {p['message']} – fix: {p['fix']}")
 
 
 @app.command()

@@ -14,7 +14,7 @@ GiB = 1024**3
 def offload_components_table(plans: dict[str, Any]) -> Table:
     """The device peak by component of the first plan (only `overhead` differs per card)."""
     key, plan = next(iter(plans.items()))
-    where = "host RAM (CPU device)" if plan.card is None else key
+    where = "this host's RAM (CPU device)" if plan.card == "cpu" else key
     title = f"offload {plan.offload}: device peak by component on {where}"
     table = Table(title=title, title_justify="left")
     table.add_column("component")
@@ -54,7 +54,12 @@ def _moved(p: Any) -> str:
 
 def _link(p: Any) -> str:
     disk = "disk → " if p.offload == "disk" else ""
-    return f"{disk}{p.host_link.name}, {p.transfer_bytes_per_s / 1e9:g} GB/s"
+    return f"{disk}{p.host_link.name}, {p.transfer_bytes_per_s / 1e9:.3g} GB/s"
+
+
+def _tokens_per_s(p: Any) -> str:
+    rate = p.tokens_per_s
+    return f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}"
 
 
 _CARD_ROWS: tuple[tuple[str, Any], ...] = (
@@ -68,5 +73,5 @@ _CARD_ROWS: tuple[tuple[str, Any], ...] = (
     ("host link", _link),
     ("step time", lambda p: f"{p.step_time_s:.2f} s ({p.bound})"),
     ("balance tokens", lambda p: f"{p.balance_tokens:,}"),
-    ("tokens/s", lambda p: f"{p.tokens_per_s:,.0f}"),
+    ("tokens/s", _tokens_per_s),
 )

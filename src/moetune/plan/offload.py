@@ -337,12 +337,12 @@ def _cpu_notes(cfg: RunConfig, card: Card) -> list[str]:
     notes = [
         f"the device is this host's RAM: the peak is the process's RSS (compute dtype, "
         f"{CPU_PROCESS_BASELINE // MiB} MiB process baseline, measured), fit against the RAM "
-        f"available now; matmul {rates.gflops(4):g} / {rates.gflops(2):g} GFLOP/s fp32 / "
-        f"bf16, memcpy {rates.memcpy_gb_per_s:g} GB/s – {where}"
+        f"available now; matmul {rates.gflops(4):.1f} / {rates.gflops(2):.1f} GFLOP/s fp32 / "
+        f"bf16, memcpy {rates.memcpy_gb_per_s:.2f} GB/s – {where}"
     ]
     if cfg.train.offload == "disk":
         notes.append(
-            f"disk read {rates.disk_read_gb_per_s:g} GB/s × {STREAM_EFFICIENCY} (the reader's "
+            f"disk read {rates.disk_read_gb_per_s:.2f} GB/s × {STREAM_EFFICIENCY} (the reader's "
             "share of O_DIRECT, assumed); the step is Σ max(read, compute) per layer and phase"
         )
     return notes

@@ -187,8 +187,10 @@ def _estimate(
 
 
 def _plan_overhead(cards: list[Card], peak: int) -> Overhead:
-    """The plan's overhead line: CUDA's terms unless every chosen card is Apple (MPS)."""
-    kind = "mps" if cards and all(c.kind == "mps" for c in cards) else "cuda"
+    """The plan's overhead line: CUDA's terms unless every chosen card is Apple (MPS), or
+    every one is this host (CPU: the process beside the tensors)."""
+    kinds = {c.kind for c in cards}
+    kind = kinds.pop() if len(kinds) == 1 and kinds <= {"mps", "cpu"} else "cuda"
     return overhead_for(kind, peak)
 
 

@@ -1,0 +1,139 @@
+"""`moetune doctor --calibrate`: measure this host once for the plan's CPU card.
+
+Three figures, each the rate a CPU-offloaded step depends on (`plan.cpu_step`):
+
+- matmul GFLOP/s, fp32 and bf16, at an expert matmul's shape (`SHAPE`: a Qwen3-30B-A3B
+  expert's hidden × intermediate, 256 rows) on torch's configured threads;
+- memcpy GB/s: a `MEMCPY_BYTES` tensor copied into another (bytes copied per second);
+- the disk's sequential read rate with O_DIRECT on the file system of `--path`
+  (`engine.direct_io.read_rate`, the reader the offload stream uses), over a file given
+  with `--file` or a temporary one written there and always removed.
+
+Each measure runs for about `SECONDS` (the disk probe: as long as its file takes), so a
+calibration takes well under a minute. The result is written to `plan.host.host_file()`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+
+from moetune.errors import ConfigError
+from moetune.lint.doctor import hf_cache_dir
+from moetune.plan.host import HostProfile, cpu_name, ram, save_host
+
+SHAPE = (256, 2048, 768)  # rows × hidden → intermediate: one expert's gate/up projection
+MEMCPY_BYTES = 256 << 20
+SECONDS = 1.0  # per compute measure: long enough to average a shared core's noise
+PROBE_BYTES = 1 << 30  # the temporary file's size: past any drive's cache and readahead
+WRITE_BLOCK = 64 << 20
+
+
+def calibrate(
+    path: Path | None = None, file: Path | None = None, probe_bytes: int = PROBE_BYTES
+) -> HostProfile:
+    """Measure this host (the disk on `path`'s file system, or reading `file`)."""
+    # lazy: heavy to import (torch)
+    import torch
+
+    where = path or default_dir()
+    disk, direct = disk_read_gb_per_s(where, file, probe_bytes)
+    total, _ = ram()
+    return HostProfile(
+        cpu=cpu_name(), cores=os.cpu_count() or 1, threads=torch.get_num_threads(),
+        ram_bytes=total, measured_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        fp32_gflops=matmul_gflops(torch.float32), bf16_gflops=matmul_gflops(torch.bfloat16),
+        memcpy_gb_per_s=memcpy_gb_per_s(), disk_read_gb_per_s=disk, disk_direct=direct,
+        disk_path=str((file.parent if file else where).resolve()), source="calibrated",
+    )  # fmt: skip
+
+
+def calibrate_and_save(
+    path: Path | None = None, file: Path | None = None, probe_bytes: int = PROBE_BYTES
+) -> tuple[HostProfile, Path]:
+    profile = calibrate(path, file, probe_bytes)
+    return profile, save_host(profile)
+
+
+def default_dir() -> Path:
+    """The HF cache (where checkpoints land) when it exists, else the working dir."""
+    cache = hf_cache_dir()
+    return cache if cache.is_dir() else Path.cwd()
+
+
+def _rate(run: Callable[[], None], units: float) -> float:
+    """`units` per second of `run`, repeated for about SECONDS after one warm-up."""
+    run()
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < SECONDS or count < 3:
+        run()
+        count += 1
+    return units * count / elapsed
+
+
+def matmul_gflops(dtype: object) -> float:
+    """GFLOP/s of an expert-shaped matmul in `dtype` on torch's configured threads."""
+    import torch  # lazy: heavy to import (torch)
+
+    m, k, n = SHAPE
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)  # type: ignore[call-overload]
+    return _rate(lambda: torch.mm(a, b), 2.0 * m * k * n) / 1e9
+
+
+def memcpy_gb_per_s(nbytes: int = MEMCPY_BYTES) -> float:
+    """Decimal GB/s of one large RAM-to-RAM copy (bytes copied per second)."""
+    import torch  # lazy: heavy to import (torch)
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    return _rate(lambda: dst.copy_(src), float(nbytes)) / 1e9
+
+
+def disk_read_gb_per_s(where: Path, file: Path | None, probe_bytes: int) -> tuple[float, bool]:
+    """(GB/s, O_DIRECT used) reading `file`, or a temporary file of `probe_bytes` in
+    `where`; the engine's own reader measures it."""
+    from moetune.engine.direct_io import read_rate  # lazy: heavy to import (torch)
+
+    if file is not None:
+        if not file.is_file():
+            raise ConfigError(f"--file {file} is not a file", "name a large file on the disk")
+        got = read_rate([file], budget=probe_bytes)
+        return got.bytes_per_s / 1e9, got.direct
+    with _probe_file(where, probe_bytes) as probe:
+        got = read_rate([probe], budget=probe_bytes)
+    return got.bytes_per_s / 1e9, got.direct
+
+
+@contextmanager
+def _probe_file(where: Path, nbytes: int) -> Iterator[Path]:
+    """A file of `nbytes` in `where`, on the disk (fsynced), removed on the way out."""
+    if not where.is_dir():
+        raise ConfigError(f"--path {where} is not a directory", "name the checkpoint's dir")
+    free = shutil.disk_usage(where).free
+    if free < 2 * nbytes:
+        raise ConfigError(
+            f"{where} has {free / 2**30:.1f} GiB free, the disk probe writes "
+            f"{nbytes / 2**30:.1f} GiB",
+            "pass --path on a disk with room, or --file with a large file to read",
+        )
+    fd, name = tempfile.mkstemp(prefix=".moetune-calibrate-", dir=where)
+    try:
+        _fill(fd, nbytes)
+        yield Path(name)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def _fill(fd: int, nbytes: int) -> None:
+    """Write `nbytes` of random bytes (a compressing file system must not shrink them)."""
+    block = os.urandom(min(WRITE_BLOCK, nbytes))
+    left = nbytes
+    while left > 0:
+        left -= os.write(fd, block[:left])
+    os.fsync(fd)

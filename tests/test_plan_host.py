@@ -1,0 +1,191 @@
+"""This host as a card ("cpu"): `moetune doctor --calibrate` measures and stores its rates,
+a hand-written host.json is read (a bad one refused in one line), a CPU-only host's
+`plan --offload disk` plans it, and the offload step time follows its rates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import moetune.lint.calibrate as calibrate
+import moetune.plan.host as host
+import moetune.plan.offload as offload
+from moetune.cli import app
+from moetune.config import RunConfig, parse_config
+from moetune.errors import ConfigError
+from moetune.model import spec_from_config
+from moetune.model.census import shrunk_config
+from moetune.model.spec import ModelSpec
+from moetune.plan.cpu_step import STREAM_EFFICIENCY
+from moetune.plan.fit import analytic
+from moetune.plan.host import HostProfile, cpu_card, load_host
+from moetune.plan.overhead import CPU_PROCESS_BASELINE
+from moetune.plan.offload import plan_offload
+from test_train_helpers import write_small_moe_config
+
+GB = 10**9
+HAND = {
+    "cpu": "Hand CPU", "cores": 8, "threads": 8, "ram_bytes": 64 * GB,
+    "measured_at": "2026-12-05T00:00:00Z", "fp32_gflops": 200.0, "bf16_gflops": 400.0,
+    "memcpy_gb_per_s": 10.0, "disk_read_gb_per_s": 2.0,
+}  # fmt: skip
+
+
+@pytest.fixture
+def host_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """host.json in a temp config dir; this machine's RAM fixed at 64 GB total, 40 free."""
+    path = tmp_path / "config" / "host.json"
+    monkeypatch.setenv("MOETUNE_HOST_FILE", str(path))
+    monkeypatch.setattr(host, "ram", lambda: (64 * GB, 40 * GB))
+    return path
+
+
+def write(path: Path, **over: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**HAND, **over}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelSpec:
+    return spec_from_config(shrunk_config("qwen3_moe"), "qwen3_moe")
+
+
+def cfg(offload: str = "disk", **train: Any) -> RunConfig:
+    raw = {"lora": {"rank": 4, "targets": ["attention", "experts"]},
+           "train": {"seq_len": 64, "offload": offload, **train}}  # fmt: skip
+    return parse_config(raw)
+
+
+def test_calibrate_writes_host_json_and_leaves_no_probe_behind(
+    host_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibrate, "SECONDS", 0.05)
+    monkeypatch.setattr(calibrate, "ram", host.ram)  # the fixture's 64 GB
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = ["doctor", "--calibrate", "--path", str(disk), "--probe-mib", "4", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert shown["stored_at"] == str(host_file) and shown["source"] == "calibrated"
+    assert list(disk.iterdir()) == []  # the 4 MiB probe file is gone
+    stored = load_host()
+    assert stored is not None and stored.model_dump() == json.loads(host_file.read_text())
+    assert stored.fp32_gflops > 0 and stored.memcpy_gb_per_s > 0 and stored.disk_read_gb_per_s > 0
+    assert stored.ram_bytes == 64 * GB and stored.disk_path == str(disk.resolve())
+
+
+def test_a_hand_written_file_is_the_cpu_card(host_file: Path) -> None:
+    write(host_file)
+    card = cpu_card()
+    assert card.id == "cpu" and card.is_host and card.name == "this host (Hand CPU)"
+    assert card.memory_bytes == 64 * GB and card.usable_bytes == 40 * GB  # available now
+    assert card.rates is not None and card.rates.calibrated
+    assert (card.rates.gflops(4), card.rates.gflops(2)) == (200.0, 400.0)
+    assert card.host_link is not None and card.host_link.bytes_per_s == 10 * GB
+
+
+def test_no_file_is_defaults_that_say_so(host_file: Path, tiny: ModelSpec) -> None:
+    card = cpu_card()
+    assert card.rates is not None and not card.rates.calibrated
+    assert card.memory_bytes == 64 * GB  # this machine's RAM
+    notes = " ".join(plan_offload(tiny, cfg(), None).notes)
+    assert "uncalibrated: run `moetune doctor --calibrate`" in notes
+
+
+@pytest.mark.parametrize(
+    ("over", "cause"),
+    [({"fp32_gflops": -1}, "fp32_gflops: Input should be greater than 0"),
+     ({"disk_gbps": 1.0}, "disk_gbps: Extra inputs are not permitted")],
+)  # fmt: skip
+def test_a_bad_file_is_refused_in_one_line(host_file: Path, tmp_path: Path,
+                                           over: dict[str, Any], cause: str) -> None:  # fmt: skip
+    write(host_file, **over)
+    with pytest.raises(ConfigError, match=cause):
+        load_host()
+    model = write_small_moe_config(tmp_path / "model")
+    result = CliRunner().invoke(app, ["plan", str(model), "--card", "cpu"])
+    assert result.exit_code == 2
+    assert cause in result.output and "Traceback" not in result.output
+    assert "doctor --calibrate" in result.output  # the fix
+
+
+def test_a_file_that_is_not_json_is_refused(host_file: Path) -> None:
+    host_file.parent.mkdir(parents=True)
+    host_file.write_text("{fp32: fast}")
+    with pytest.raises(ConfigError, match="not JSON"):
+        load_host()
+
+
+def test_a_cpu_only_host_plans_itself(
+    host_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(host_file)
+    monkeypatch.setattr(offload, "has_cuda", lambda: False)
+    model = write_small_moe_config(tmp_path / "model")
+    args = ["plan", str(model), "--offload", "disk", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plans = json.loads(result.stdout)["offload"]
+    assert list(plans) == ["cpu"]
+    cpu = plans["cpu"]
+    assert cpu["usable_bytes"] == 40 * GB and cpu["host_ram_available_bytes"] == 64 * GB
+    assert cpu["transfer_bytes_per_s"] == pytest.approx(2 * GB * STREAM_EFFICIENCY)
+    # with CUDA here the catalog's cards are planned, and --card cpu still plans this host
+    monkeypatch.setattr(offload, "has_cuda", lambda: True)
+    gpu = json.loads(CliRunner().invoke(app, args).stdout)["offload"]
+    assert "cpu" not in gpu and "H100-80GB" in gpu
+    named = json.loads(CliRunner().invoke(app, [*args, "--card", "cpu"]).stdout)["offload"]
+    assert list(named) == ["cpu"]
+
+
+def test_the_peak_is_the_process_rss_at_the_compute_dtype(host_file: Path, tiny: ModelSpec) -> None:
+    write(host_file)
+    plan = plan_offload(tiny, cfg("cpu"), None)
+    fp32 = parse_config({**cfg("cpu").model_dump(), "model": {"dtype": "float32"}})
+    frozen = analytic(tiny, fp32).components["frozen_weights"]  # train loads fp32 on a CPU
+    parts = plan.device_components
+    assert parts["resident_weights"] == frozen and parts["process_baseline"] == CPU_PROCESS_BASELINE
+    assert plan.device_peak_bytes == sum(parts.values()) == plan.host_ram_bytes
+    assert plan.fits is (plan.device_peak_bytes <= 40 * GB)
+    bf16 = plan_offload(tiny, cfg("cpu", precision="bf16"), None)
+    assert bf16.device_components["resident_weights"] == frozen // 2
+
+
+def _rates(host_file: Path, **over: Any) -> Any:
+    write(host_file, **over)
+    return cpu_card()
+
+
+def test_step_time_follows_the_rates(host_file: Path, tiny: ModelSpec) -> None:
+    run = cfg("disk", gradient_checkpointing=True, grad_accum=2)
+    slow = plan_offload(tiny, run, _rates(host_file, disk_read_gb_per_s=1e-3))
+    # read-bound: 4 MoE layers × 3 phases × 2 micro-batches, each layer's file bytes at
+    # the disk rate × the reader's efficiency, plus the non-expert compute
+    file_layer = slow.bytes_moved_per_step["forward"] / (4 * 2)
+    read = 24 * file_layer / (1e-3 * GB * STREAM_EFFICIENCY)
+    assert slow.bound == "transfer" and slow.transfer_s == pytest.approx(read)
+    rest = slow.step_time_s - read
+    assert 0 < rest < slow.compute_s
+    half = plan_offload(tiny, run, _rates(host_file, disk_read_gb_per_s=5e-4))
+    assert half.step_time_s - rest == pytest.approx(2 * read)  # half the disk: twice the reads
+    # compute-bound: a fast disk leaves the cores, whose time is the step
+    fast = plan_offload(tiny, run, _rates(host_file, disk_read_gb_per_s=1e3))
+    assert fast.bound == "compute" and fast.step_time_s == pytest.approx(fast.compute_s)
+    quicker = plan_offload(tiny, run, _rates(host_file, disk_read_gb_per_s=1e3, fp32_gflops=400.0,
+                                             memcpy_gb_per_s=20.0))  # fmt: skip
+    assert quicker.step_time_s == pytest.approx(fast.step_time_s / 2)
+
+
+def test_offload_cpu_on_a_cpu_reads_nothing(host_file: Path, tiny: ModelSpec) -> None:
+    plan = plan_offload(tiny, cfg("cpu"), _rates(host_file, disk_read_gb_per_s=1e-6))
+    assert plan.transfer_s == 0 and plan.step_time_s == pytest.approx(plan.compute_s)
+
+
+def test_the_profile_documents_every_field() -> None:
+    assert all(f.description for f in HostProfile.model_fields.values())
