@@ -23,8 +23,8 @@ from moetune.model.spec import ModelSpec
 from moetune.plan.cpu_step import STREAM_EFFICIENCY
 from moetune.plan.fit import analytic
 from moetune.plan.host import HostProfile, cpu_card, load_host
-from moetune.plan.overhead import CPU_PROCESS_BASELINE
 from moetune.plan.offload import plan_offload
+from moetune.plan.overhead import CPU_PROCESS_BASELINE
 from test_train_helpers import write_small_moe_config
 
 GB = 10**9

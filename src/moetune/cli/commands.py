@@ -39,7 +39,7 @@ from moetune.cli.render import (
 from moetune.cli.render_offload import offload_cards_table, offload_components_table
 from moetune.config import load_config, schema_rows
 from moetune.errors import ConfigError
-from moetune.units import gib, human_bytes
+from moetune.units import human_bytes
 
 
 @app.command()

@@ -67,7 +67,7 @@ def default_dir() -> Path:
     return cache if cache.is_dir() else Path.cwd()
 
 
-def _rate(run: Callable[[], None], units: float) -> float:
+def _rate(run: Callable[[], object], units: float) -> float:
     """`units` per second of `run`, repeated for about SECONDS after one warm-up."""
     run()
     count, start = 0, time.perf_counter()

@@ -12,8 +12,10 @@ against it. Overhead beyond live tensors (`plan.overhead`) is a separate line.
 
 from __future__ import annotations
 
-from moetune.plan import host  # noqa: F401 – registers the "cpu" card (this host)
-from moetune.plan import serve_vllm  # noqa: F401 – registers vLLM in plan.serve's registry
+from moetune.plan import (
+    host,  # noqa: F401 – registers the "cpu" card (this host)
+    serve_vllm,  # noqa: F401 – registers vLLM in plan.serve's registry
+)
 from moetune.plan.analytic import AnalyticEstimate, estimate, estimate_step
 from moetune.plan.fit import CardFit, MemoryPlan, Recommendation, analytic, card_fit
 from moetune.plan.hardware import Card, all_cards, card_ids, get_card

@@ -138,7 +138,9 @@ def plan_offload(spec: ModelSpec, cfg: RunConfig, card: Card | str | None = None
     moved = bytes_moved(spec, cfg, file_layer)
     rate = _transfer_rate(cfg, chosen)
     tokens = cfg.train.seq_len * cfg.train.batch_size * cfg.train.grad_accum
-    times = _times(spec, cfg, chosen, file_layer, layer, sum(moved.values()) / rate)
+    compute, transfer, overlapped = _times(
+        spec, cfg, chosen, file_layer, layer, sum(moved.values()) / rate
+    )
     return OffloadPlan(
         offload=cfg.train.offload,
         card=chosen.id,
@@ -150,10 +152,12 @@ def plan_offload(spec: ModelSpec, cfg: RunConfig, card: Card | str | None = None
         host_link=_link(chosen),
         transfer_bytes_per_s=rate,
         tokens_per_step=tokens,
-        balance_tokens=round(times["transfer_s"] / times["compute_s"] * tokens),
+        compute_s=compute,
+        transfer_s=transfer,
+        overlapped_s=overlapped,
+        balance_tokens=round(transfer / compute * tokens),
         usable_bytes=chosen.usable_bytes,
         notes=_notes(cfg, chosen),
-        **times,
         **_host(cfg, chosen, file_layer * n_moe, layer, peak),
     )
 
@@ -168,15 +172,14 @@ def as_run_on(cfg: RunConfig, card: Card) -> RunConfig:
 
 def _times(
     spec: ModelSpec, cfg: RunConfig, card: Card, file_layer: int, layer: int, transfer: float
-) -> dict[str, float | None]:
-    """compute_s, transfer_s and (CPU) the overlapped step time."""
+) -> tuple[float, float, float | None]:
+    """(compute s, transfer s, the overlapped step s: CPU only) of one optimizer step."""
     if card.is_host:
         step = cpu_step(spec, cfg, card, file_layer, layer)
-        return {"compute_s": step.cpu_s, "transfer_s": step.read_s, "overlapped_s": step.step_s}
+        return step.cpu_s, step.read_s, step.step_s
     tokens = cfg.train.seq_len * cfg.train.batch_size * cfg.train.grad_accum
     per_token = flops_per_token(spec.active_params, cfg.train.gradient_checkpointing)
-    compute = tokens * per_token / (card.bf16_tflops * 1e12 * MFU)
-    return {"compute_s": compute, "transfer_s": transfer, "overlapped_s": None}
+    return tokens * per_token / (card.bf16_tflops * 1e12 * MFU), transfer, None
 
 
 def _device(cfg: RunConfig, card: Card | str | None) -> Card:
