@@ -129,13 +129,22 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     result, peak = train(config, host_file)
     moved = json.loads((root / "run" / "offload.json").read_text())["bytes_read"]
     return {
-        "host": json.loads(host_file.read_text()), "model": str(model), "steps": result["steps"],
+        "host": json.loads(host_file.read_text()), "model": _model_words(model, args),
+        "steps": result["steps"],
         "plan": {k: plan[k] for k in ("device_peak_bytes", "step_time_s", "compute_s",
                                       "transfer_s", "bound", "bytes_moved_per_step")},
         "rss_peak": peak, "step_s": result["loop_seconds"] / max(result["steps"], 1),
         "read_per_step": sum(moved.values()) / max(result["steps"], 1),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }  # fmt: skip
+
+
+def _model_words(model: Path, args: argparse.Namespace) -> str:
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9
+    if args.model:
+        return f"{model} ({size:.1f} GB)"
+    return (f"random bf16 Qwen3-MoE, {args.layers} layers × {args.experts} experts (hidden "
+            f"{args.hidden}, expert {args.moe}, vocab {args.vocab}), {size:.2f} GB")  # fmt: skip
 
 
 def describe(r: dict[str, Any]) -> str:

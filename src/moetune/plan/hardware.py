@@ -3,7 +3,9 @@
 The data lives in `cards.json` beside this module (one documented entry per card, with
 the source of its numbers in `notes`; the host links and the disk read rate the offload
 plan streams at, each with its source in `_about`); this module only types and looks it
-up. Extend by adding an entry there, not by code.
+up. Extend by adding an entry there, not by code. One card is not in the catalog: "cpu",
+this host, built from its RAM and measured rates when asked for (`plan.host`, registered
+with `register_host_card`).
 """
 
 from __future__ import annotations
