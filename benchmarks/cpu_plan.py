@@ -78,7 +78,11 @@ def write_model(out: Path, args: argparse.Namespace) -> Path:
         bos_token_id=tok.bos_token_id, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: never a float32 copy in RAM
+    try:
+        Qwen3MoeForCausalLM(config).save_pretrained(out)
+    finally:
+        torch.set_default_dtype(torch.float32)
     tok.save_pretrained(out)
     return out
 

@@ -189,3 +189,15 @@ def test_offload_cpu_on_a_cpu_reads_nothing(host_file: Path, tiny: ModelSpec) ->
 
 def test_the_profile_documents_every_field() -> None:
     assert all(f.description for f in HostProfile.model_fields.values())
+
+
+def test_the_memory_plan_for_this_host_alone_counts_fp32(host_file: Path, tiny: ModelSpec) -> None:
+    from moetune.plan import make_plan
+
+    run = cfg("none")
+    fp32 = parse_config({**run.model_dump(), "model": {"dtype": "float32"}})
+    on_cpu = make_plan(tiny, run, cards=["cpu"])
+    assert on_cpu.peak_bytes == analytic(tiny, fp32).peak_bytes > analytic(tiny, run).peak_bytes
+    assert on_cpu.overhead.terms == {"process_baseline": CPU_PROCESS_BASELINE}
+    mixed = make_plan(tiny, run, cards=["cpu", "H100-80GB"])  # the configured dtype
+    assert mixed.peak_bytes == analytic(tiny, run).peak_bytes

@@ -11,9 +11,9 @@ prefetch), so the phase takes max(read, CPU) per layer:
   the expert matmuls, each the larger of its FLOPs at the measured matmul rate and the
   bytes of the experts it touches at memcpy rate (a few tokens per expert: memory-bound).
 
-The rest of the model (attention, router, shared experts, head) adds its FLOPs at the
-matmul rate, outside the overlap. The widening and the matmuls share the cores; the disk
-read does not (O_DIRECT is DMA).
+The rest of the model (attention, router, shared experts, head) adds the same roofline
+(its FLOPs, or its weights read once a phase), outside the overlap. The widening and the
+matmuls share the cores; the disk read does not (O_DIRECT is DMA).
 """
 
 from __future__ import annotations
@@ -77,13 +77,23 @@ def _experts_s(spec: ModelSpec, cfg: RunConfig, rates: HostRates, layer: int) ->
 
 
 def _rest_s(spec: ModelSpec, cfg: RunConfig, rates: HostRates) -> float:
-    """Everything but the routed experts: its FLOPs at the matmul rate."""
+    """Everything but the routed experts, as a roofline too: its FLOPs at the matmul rate,
+    or its weights (embeddings aside: a lookup reads a few rows) read once a phase at the
+    memcpy rate – with few tokens the attention and head matmuls are memory-bound."""
     routed = len(spec.moe_layers) * spec.top_k * 3 * spec.hidden_size
     rest = max(spec.active_params - routed * spec.expert_intermediate_size, 0)
     tokens = cfg.train.seq_len * cfg.train.batch_size * cfg.train.grad_accum
-    return tokens * flops_per_token(rest, cfg.train.gradient_checkpointing) / _flop_rate(cfg, rates)
+    flops = tokens * flops_per_token(rest, cfg.train.gradient_checkpointing)
+    c = spec.components
+    weights = (c.total - c.routed_experts - c.embeddings) * _compute_bytes(cfg)
+    reads = cfg.train.grad_accum * _phases(cfg) * weights
+    return max(flops / _flop_rate(cfg, rates), reads / (rates.memcpy_gb_per_s * 1e9))
+
+
+def _compute_bytes(cfg: RunConfig) -> int:
+    return 2 if cfg.train.precision == "bf16" else 4
 
 
 def _flop_rate(cfg: RunConfig, rates: HostRates) -> float:
     """bf16 matmuls when the run computes in bf16; fp32 otherwise (a CPU's auto)."""
-    return rates.gflops(2 if cfg.train.precision == "bf16" else 4) * 1e9
+    return rates.gflops(_compute_bytes(cfg)) * 1e9

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
 
+from moetune.config import RunConfig
 from moetune.errors import ConfigError
 from moetune.io import atomic_write_json
 from moetune.plan.hardware import Card, HostLink, HostRates, register_host_card
@@ -144,6 +145,14 @@ def cpu_card() -> Card:
         notes=f"measured {profile.measured_at}" if profile else UNCALIBRATED,
         host_link=link, host_ram_bytes=total, rates=rates,
     )  # fmt: skip
+
+
+def as_run_on(cfg: RunConfig, card: Card) -> RunConfig:
+    """`cfg` as train runs it on `card`: a CPU computes fp32 unless train.precision is bf16,
+    so its frozen weights are loaded fp32 whatever model.dtype says (train.setup)."""
+    if not card.is_host or cfg.train.precision == "bf16":
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})})
 
 
 def has_cuda() -> bool:

@@ -36,7 +36,7 @@ from moetune.plan.cpu_step import STREAM_EFFICIENCY, cpu_step
 from moetune.plan.estimate import MFU, flops_per_token
 from moetune.plan.fit import Recommendation, analytic
 from moetune.plan.hardware import Card, HostLink, all_cards, disk_read_bytes_per_s, get_card
-from moetune.plan.host import CPU_CARD, UNCALIBRATED, cpu_card, has_cuda
+from moetune.plan.host import CPU_CARD, UNCALIBRATED, as_run_on, cpu_card, has_cuda, ram
 from moetune.plan.overhead import CPU_PROCESS_BASELINE, card_overhead
 from moetune.plan.step import DTYPE_BYTES, Step
 
@@ -162,14 +162,6 @@ def plan_offload(spec: ModelSpec, cfg: RunConfig, card: Card | str | None = None
     )
 
 
-def as_run_on(cfg: RunConfig, card: Card) -> RunConfig:
-    """`cfg` as train runs it on `card`: a CPU computes fp32 unless train.precision is bf16,
-    so its frozen weights are loaded fp32 whatever model.dtype says (train.setup)."""
-    if not card.is_host or cfg.train.precision == "bf16":
-        return cfg
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})})
-
-
 def _times(
     spec: ModelSpec, cfg: RunConfig, card: Card, file_layer: int, layer: int, transfer: float
 ) -> tuple[float, float, float | None]:
@@ -292,7 +284,7 @@ def host_ram_available(cfg: RunConfig, card: Card | None) -> int:
     else this machine's RAM."""
     if cfg.hardware.host_ram_gb:
         return int(cfg.hardware.host_ram_gb * 1e9)
-    return (card.host_ram_bytes if card else None) or cpu_card().memory_bytes
+    return (card.host_ram_bytes if card else None) or ram()[0]
 
 
 def _link(card: Card) -> HostLink:

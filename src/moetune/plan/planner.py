@@ -15,6 +15,7 @@ from moetune.errors import ConfigError, TraceError
 from moetune.model.spec import ModelSpec
 from moetune.plan.fit import Estimator, MemoryPlan, Recommendation, analytic, card_fit
 from moetune.plan.hardware import Card, all_cards, get_card
+from moetune.plan.host import as_run_on
 from moetune.plan.methods import as_trained, method_notes, method_terms, with_rollout
 from moetune.plan.overhead import Overhead, overhead_for
 from moetune.plan.profiles import mixer_notes, profile_for, uncalibrated
@@ -49,6 +50,8 @@ def make_plan(
     chosen = [get_card(c) for c in cards] if cards else all_cards()
     if estimator not in ("trace", "analytic"):
         raise ConfigError(f"unknown estimator {estimator!r}", "use trace or analytic")
+    if chosen and all(c.is_host for c in chosen):  # this host alone: as train runs there
+        cfg = as_run_on(cfg, chosen[0])
     cfg, gc_off = as_checkpointable(cfg, spec)
     slow = fallback_warning(spec, cfg, estimator)
     if slow is not None:
