@@ -62,7 +62,7 @@ def moetune(args: list[str], host_file: Path) -> dict[str, Any]:
 
 def write_model(out: Path, args: argparse.Namespace) -> Path:
     """A random bf16 Qwen3-MoE of the asked shape, with the demo tokenizer."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # lazy: only when building one
 
     from moetune.demo.tokenizer import build_tokenizer
 
