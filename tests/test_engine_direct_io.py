@@ -82,3 +82,19 @@ def test_read_rate_reads_the_budget(shard: tuple[Path, dict[str, torch.Tensor]])
     rate = read_rate([path], budget=ALIGN * 4, depth=2, chunk=ALIGN)
     assert rate.nbytes == min(ALIGN * 4, path.stat().st_size // ALIGN * ALIGN)
     assert rate.bytes_per_s > 0
+
+
+def test_host_buffers_are_reused_only_when_nothing_holds_them() -> None:
+    from moetune.engine.offload import HostBuffers
+
+    pool = HostBuffers()
+    a = pool.empty((4, 8), dtype=torch.float32)
+    first, view = a.data_ptr(), a[1]
+    del a
+    b = pool.empty((4, 8), dtype=torch.float32)
+    assert b.data_ptr() != first  # a view of the first buffer still holds it
+    del view
+    c = pool.empty((2, 16), dtype=torch.float32)  # the same bytes, another shape
+    assert c.data_ptr() == first and c.shape == (2, 16) and c.is_contiguous()
+    d = pool.empty((3,), dtype=torch.float32)  # no free buffer of that size: a new one
+    assert d.data_ptr() not in (first, b.data_ptr())

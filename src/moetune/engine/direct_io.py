@@ -34,7 +34,7 @@ import torch
 from moetune.errors import MoetuneError
 
 ALIGN = 4096  # bytes: O_DIRECT wants offset, length and address aligned to the logical block
-CHUNK = 8 << 20  # bytes per read: well past the size where an NVMe or a cloud disk peaks
+CHUNK = 16 << 20  # bytes per read: past the size where an NVMe or a cloud disk peaks
 DEPTH = 4  # reads in flight: enough to keep a queue on the device, few enough for 2 cores
 GAP = 1 << 20  # bytes: a hole this small between two pieces is read through, not split
 

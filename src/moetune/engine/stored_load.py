@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,13 +82,16 @@ class StackFiles:
         return sum(s.nbytes for segs, _, _ in self.buffers.values() for s in segs)
 
     def prepare(
-        self, device: torch.device | str = "cpu", only: tuple[str, ...] | None = None
+        self,
+        device: torch.device | str = "cpu",
+        only: tuple[str, ...] | None = None,
+        empty: Callable[..., torch.Tensor] = torch.empty,
     ) -> tuple[dict[str, torch.Tensor], list[Piece]]:
-        """Empty buffers on `device` and the file pieces that fill them."""
+        """Empty buffers on `device` (from `empty`) and the file pieces that fill them."""
         out, pieces = {}, []
         for name, (segs, shape, dtype) in self.buffers.items():
             if only is None or name in only:
-                out[name] = torch.empty(shape, dtype=dtype, device=device)
+                out[name] = empty(shape, dtype=dtype, device=device)
                 pieces += pieces_of(segs, out[name])
         return out, pieces
 
