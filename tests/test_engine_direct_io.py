@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def test_reads_are_aligned_bounded_and_cover_every_byte() -> None:
     assert all(r.end - r.start <= 8192 for r in reads)
     covered = sorted((r.start + at, r.start + at + n) for r in reads for at, n, _, _ in r.parts)
     assert covered[0][0] == 100 and covered[-1][1] == 100 + 30_000
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))  # no hole
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))  # no hole
     assert all(n % 2 == 0 for r in reads for _, n, _, _ in r.parts)  # whole bf16 elements
     assert len(reads) == 4  # bytes 100..30100 in 8 KiB windows, not one read per piece
 
