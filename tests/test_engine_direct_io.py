@@ -99,3 +99,14 @@ def test_host_buffers_are_reused_only_when_nothing_holds_them() -> None:
     assert c.data_ptr() == first and c.shape == (2, 16) and c.is_contiguous()
     d = pool.empty((3,), dtype=torch.float32)  # no free buffer of that size: a new one
     assert d.data_ptr() not in (first, b.data_ptr())
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts /proc/self/fd")
+def test_reading_leaves_no_file_open(shard: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = shard
+    seg = read_header(path)["experts.0.w"]
+    before = len(list(Path("/proc/self/fd").iterdir()))
+    for _ in range(5):
+        read_into([seg], torch.empty(37, 53, dtype=torch.bfloat16))
+    read_rate([path], budget=ALIGN)
+    assert len(list(Path("/proc/self/fd").iterdir())) == before

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moetune.engine.direct_io import Piece, default_reader
+from moetune.engine.direct_io import Piece, read_once
 from moetune.engine.offload_files import (
     LAYOUTS,
     Segment,
@@ -97,7 +97,7 @@ class StackFiles:
 
     def read(self, only: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         out, pieces = self.prepare("cpu", only)
-        default_reader().read(pieces)
+        read_once(pieces)
         return out
 
     def meta(self) -> dict[str, torch.Tensor]:
