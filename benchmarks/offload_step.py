@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log = (root / "train.log").read_text(errors="replace")
             raise SystemExit(f"moetune train failed (rc {rc}):\n{log[-3000:]}")
         steps = step_times(root / "run")
+        if not steps:
+            metrics = (root / "run" / "metrics.jsonl").read_text()
+            raise SystemExit(f"no step times in metrics.jsonl:\n{metrics[-2000:]}")
         stats = json.loads((root / "run" / "offload.json").read_text())
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -209,6 +210,8 @@ class OffloadStats:
     peak_resident_bytes: int = 0
     fetches: int = 0  # layer materialisations
     waits: int = 0  # of them, read in the foreground (not prefetched in time)
+    load_s: float = 0.0  # seconds spent materialising layers (reads and widening), any thread
+    wait_s: float = 0.0  # of the compute thread, blocked on the store: what the stream costs
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     bytes_read: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
 
@@ -262,7 +265,9 @@ class ExpertStore:
         """Stack `name` of `layer` on the device; materialises the layer if it is not."""
         with self._lock:
             if layer not in self._live or layer != self._current:
+                start = time.perf_counter()
                 self._advance(layer, _phase(backward))
+                self.stats.wait_s += time.perf_counter() - start
             return self._live[layer][name]
 
     def wait_prefetch(self) -> None:
@@ -322,7 +327,7 @@ class ExpertStore:
 
     def _load(self, layer: int, phase: str) -> dict[str, Weight]:
         """Materialise one layer's stacks (runs on the side thread when prefetching)."""
-        out, moved, pieces = {}, 0, list[Piece]()
+        out, moved, pieces, start = {}, 0, list[Piece](), time.perf_counter()
         with torch.cuda.stream(self._side) if self._side is not None else _nothing():
             for name, (source, dtype) in self.layers[layer].items():
                 out[name], more = source.prepare(self.device, dtype, self.empty)
@@ -334,6 +339,7 @@ class ExpertStore:
             self.stats.fetches += 1
             self.stats.bytes_moved[phase] += moved
             self.stats.bytes_read[phase] += read
+            self.stats.load_s += time.perf_counter() - start
         return out
 
     def _count(self, weight: Weight) -> None:
