@@ -37,16 +37,25 @@ HEAD = "## offload_step: a disk-offloaded `moetune train` against its plan (step
 
 
 def step_times(run_dir: Path) -> list[float]:
-    """Seconds per optimizer step from the trainer's metrics rows: tokens since the last row
-    over its tokens/s, shared among the steps between the rows."""
+    """Seconds per optimizer step from the trainer's metrics rows (each row's `seconds`
+    since the row before, shared among the steps between them)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r.get("tokens_per_s")]
-    out, tokens, step = [], 0, 0
-    for r in rows:
-        seconds = (r["tokens"] - tokens) / r["tokens_per_s"]
-        out += [seconds / max(1, r["step"] - step)] * max(1, r["step"] - step)
-        tokens, step = r["tokens"], r["step"]
+    out, step = [], 0
+    for r in (r for r in rows if "seconds" in r):
+        n = max(1, r["step"] - step)
+        out += [r["seconds"] / n] * n
+        step = r["step"]
     return out
+
+
+def write_smoke(model: Path) -> None:
+    """A 2-layer checkpoint of offload_disk's smoke shape, with the demo tokenizer."""
+    from moetune.demo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    ids = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+    write_checkpoint(model, {**SMOKE, "num_hidden_layers": 2, **ids}, progress=False)
+    tok.save_pretrained(model)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,7 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         model = Path(args.model) if args.model else root / "base"
         if not args.model:
-            write_checkpoint(model, {**SMOKE, "num_hidden_layers": 2}, progress=False)
+            write_smoke(model)
         config = write_run(root, model, args)
         planned = plan(config)
         rc, peak, disk_read, seconds = train(config, root / "train.log")
@@ -83,12 +92,12 @@ def describe(r: dict[str, Any]) -> str:
         f"- {m['date']} · {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / GiB:.1f} GiB RAM, "
         f"{m['threads']} · `{r['model']}` · train.offload disk, fp32, LoRA r {r['rank']} on "
         f"the experts, batch 1 × {r['seq']} tokens · steps (s): "
-        + ", ".join(f"{s:.1f}" for s in r["steps"]),
+        + ", ".join(f"{s:.3g}" for s in r["steps"]),
         "",
         "| | plan | measured | measured / plan |",
         "|---|---|---|---|",
-        f"| step time (steady) | {p['step_time_s']:.1f} s ({p.get('bound', '?')}-bound) | "
-        f"{r['step_s']:.1f} s | {r['step_s'] / p['step_time_s']:.3f} |",
+        f"| step time (steady) | {p["step_time_s"]:.3g} s ({p.get('bound', '?')}-bound) | "
+        f"{r["step_s"]:.3g} s | {r["step_s"] / p["step_time_s"]:.3f} |",
         f"| peak RSS | {host / GiB:.2f} GiB | {r['rss_peak'] / GiB:.2f} GiB | "
         f"{r['rss_peak'] / host:.3f} |",
         f"| bytes read per step | {sum(p['bytes_moved_per_step'].values()) / GiB:.2f} GiB | "
