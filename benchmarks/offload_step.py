@@ -96,8 +96,8 @@ def describe(r: dict[str, Any]) -> str:
         "",
         "| | plan | measured | measured / plan |",
         "|---|---|---|---|",
-        f"| step time (steady) | {p["step_time_s"]:.3g} s ({p.get('bound', '?')}-bound) | "
-        f"{r["step_s"]:.3g} s | {r["step_s"] / p["step_time_s"]:.3f} |",
+        f"| step time (steady) | {p['step_time_s']:.3g} s ({p.get('bound', '?')}-bound) | "
+        f"{r['step_s']:.3g} s | {r['step_s'] / p['step_time_s']:.3f} |",
         f"| peak RSS | {host / GiB:.2f} GiB | {r['rss_peak'] / GiB:.2f} GiB | "
         f"{r['rss_peak'] / host:.3f} |",
         f"| bytes read per step | {sum(p['bytes_moved_per_step'].values()) / GiB:.2f} GiB | "
