@@ -209,8 +209,9 @@ def _copy_part(buf: torch.Tensor, at: int, nbytes: int, piece: Piece, inner: int
     if stream is None:
         dst.copy_(src.view(piece.span.dtype))
         return
-    with torch.cuda.stream(stream):
-        dst.copy_(src.view(piece.span.dtype), non_blocking=True)
+    with torch.cuda.stream(stream):  # across, then widened on the device (a casting
+        moved = src.view(piece.span.dtype).to(dst.device, non_blocking=True)  # H2D copy_
+        dst.copy_(moved, non_blocking=True)  # would cast on the host, unpinned and blocking
 
 
 def _close(pool: ThreadPoolExecutor, fds: dict[str, tuple[int, bool]]) -> None:
