@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def test_reads_are_aligned_bounded_and_cover_every_byte() -> None:
     assert all(r.end - r.start <= 8192 for r in reads)
     covered = sorted((r.start + at, r.start + at + n) for r in reads for at, n, _, _ in r.parts)
     assert covered[0][0] == 100 and covered[-1][1] == 100 + 30_000
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))  # no hole
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))  # no hole
     assert all(n % 2 == 0 for r in reads for _, n, _, _ in r.parts)  # whole bf16 elements
     assert len(reads) == 4  # bytes 100..30100 in 8 KiB windows, not one read per piece
 
@@ -82,3 +83,30 @@ def test_read_rate_reads_the_budget(shard: tuple[Path, dict[str, torch.Tensor]])
     rate = read_rate([path], budget=ALIGN * 4, depth=2, chunk=ALIGN)
     assert rate.nbytes == min(ALIGN * 4, path.stat().st_size // ALIGN * ALIGN)
     assert rate.bytes_per_s > 0
+
+
+def test_host_buffers_are_reused_only_when_nothing_holds_them() -> None:
+    from moetune.engine.offload import HostBuffers
+
+    pool = HostBuffers()
+    a = pool.empty((4, 8), dtype=torch.float32)
+    first, view = a.data_ptr(), a[1]
+    del a
+    b = pool.empty((4, 8), dtype=torch.float32)
+    assert b.data_ptr() != first  # a view of the first buffer still holds it
+    del view
+    c = pool.empty((2, 16), dtype=torch.float32)  # the same bytes, another shape
+    assert c.data_ptr() == first and c.shape == (2, 16) and c.is_contiguous()
+    d = pool.empty((3,), dtype=torch.float32)  # no free buffer of that size: a new one
+    assert d.data_ptr() not in (first, b.data_ptr())
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts /proc/self/fd")
+def test_reading_leaves_no_file_open(shard: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = shard
+    seg = read_header(path)["experts.0.w"]
+    before = len(list(Path("/proc/self/fd").iterdir()))
+    for _ in range(5):
+        read_into([seg], torch.empty(37, 53, dtype=torch.bfloat16))
+    read_rate([path], budget=ALIGN)
+    assert len(list(Path("/proc/self/fd").iterdir())) == before

@@ -34,7 +34,7 @@ import torch
 from moetune.errors import MoetuneError
 
 ALIGN = 4096  # bytes: O_DIRECT wants offset, length and address aligned to the logical block
-CHUNK = 8 << 20  # bytes per read: well past the size where an NVMe or a cloud disk peaks
+CHUNK = 16 << 20  # bytes per read: past the size where an NVMe or a cloud disk peaks
 DEPTH = 4  # reads in flight: enough to keep a queue on the device, few enough for 2 cores
 GAP = 1 << 20  # bytes: a hole this small between two pieces is read through, not split
 
@@ -104,7 +104,8 @@ def plan_reads(pieces: Iterable[Piece], chunk: int = CHUNK) -> list[_Read]:
 
 class DirectReader:
     """Runs batches of pieces: `DEPTH` aligned reads in flight, O_DIRECT where the file
-    system takes it. One per ExpertStore (its workers and staging buffers are reused)."""
+    system takes it. One per ExpertStore (its workers, staging buffers and open files are
+    reused); `close()` (also run when it is collected) shuts the workers and the files."""
 
     def __init__(self, depth: int = DEPTH, chunk: int = CHUNK, direct: bool = True) -> None:
         self.depth, self.chunk, self.direct = depth, chunk, direct
@@ -112,7 +113,7 @@ class DirectReader:
         self._local = threading.local()
         self._fds: dict[str, tuple[int, bool]] = {}
         self._fd_lock = threading.Lock()
-        weakref.finalize(self, _close, self._pool, self._fds)
+        self.close = weakref.finalize(self, _close, self._pool, self._fds)
 
     def read(self, pieces: Sequence[Piece]) -> int:
         """Fill every piece's tensor; returns the bytes of the pieces (what was wanted)."""
@@ -208,8 +209,9 @@ def _copy_part(buf: torch.Tensor, at: int, nbytes: int, piece: Piece, inner: int
     if stream is None:
         dst.copy_(src.view(piece.span.dtype))
         return
-    with torch.cuda.stream(stream):
-        dst.copy_(src.view(piece.span.dtype), non_blocking=True)
+    with torch.cuda.stream(stream):  # across, then widened on the device (a casting
+        moved = src.view(piece.span.dtype).to(dst.device, non_blocking=True)  # H2D copy_
+        dst.copy_(moved, non_blocking=True)  # would cast on the host, unpinned and blocking
 
 
 def _close(pool: ThreadPoolExecutor, fds: dict[str, tuple[int, bool]]) -> None:
@@ -219,16 +221,14 @@ def _close(pool: ThreadPoolExecutor, fds: dict[str, tuple[int, bool]]) -> None:
             os.close(fd)
 
 
-_DEFAULT: list[DirectReader] = []
-_DEFAULT_LOCK = threading.Lock()
-
-
-def default_reader() -> DirectReader:
-    """The process's shared reader (loading, and stores that do not bring their own)."""
-    with _DEFAULT_LOCK:
-        if not _DEFAULT:
-            _DEFAULT.append(DirectReader())
-        return _DEFAULT[0]
+def read_once(pieces: Sequence[Piece]) -> int:
+    """`DirectReader.read` with a reader of its own, closed after: loading reads each file
+    once, and an open descriptor would keep a deleted file's space taken."""
+    reader = DirectReader()
+    try:
+        return reader.read(pieces)
+    finally:
+        reader.close()
 
 
 # ---------------------------------------------------------------- measuring the disk
@@ -258,8 +258,11 @@ def read_rate(paths: Sequence[str | Path], budget: int = 1 << 30, depth: int = D
         pieces.append(Piece(Span(str(path), 0, _down(size), torch.uint8), None))
         left -= _down(size)
     reader = DirectReader(depth, chunk)
-    start = time.perf_counter()
-    nbytes = reader.read([p for p in pieces if p.span.nbytes])
-    seconds = time.perf_counter() - start
-    direct = all(reader._fd(str(p))[1] for p in paths)
+    try:
+        start = time.perf_counter()
+        nbytes = reader.read([p for p in pieces if p.span.nbytes])
+        seconds = time.perf_counter() - start
+        direct = all(reader._fd(str(p))[1] for p in paths)
+    finally:
+        reader.close()
     return ReadRate(nbytes / max(seconds, 1e-9), nbytes, direct, depth, chunk)

@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import math
 import threading
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,7 @@ from moetune.engine.quant import (
 from moetune.engine.quant import peft_targets as quant_targets
 
 Mode = Literal["cpu", "disk"]
+Empty = Callable[..., torch.Tensor]  # torch.empty's signature: (shape, *, dtype, device)
 Weight = Union[torch.Tensor, QuantizedStack]  # noqa: UP007 (a runtime alias)
 PHASES = ("forward", "recompute", "backward")
 OFFLOADED = "_moetune_offloaded"  # on an experts module: {parameter name: StackRef}
@@ -65,7 +68,8 @@ class Source(Protocol):
         """Bytes moved to the device per fetch (the stored form: quantised if it is)."""
         ...
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]: ...
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]: ...  # fmt: skip
 
 
 @dataclass
@@ -76,10 +80,11 @@ class HostFloat:
     def nbytes(self) -> int:
         return self.tensor.nbytes
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]:
-        w = self.tensor.to(device, non_blocking=True)
-        w = w.clone() if w is self.tensor else w  # a CPU device still gets its own copy
-        return w.to(dtype), []
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]:  # fmt: skip
+        if device.type == "cpu":  # one pass, widening as it copies (its own copy: counted)
+            return empty(self.tensor.shape, dtype=dtype).copy_(self.tensor), []
+        return self.tensor.to(device, non_blocking=True).to(dtype), []
 
 
 @dataclass
@@ -91,8 +96,9 @@ class FileFloat:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]:
-        out = torch.empty(self.shape, dtype=dtype, device=device)  # the read widens into it
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]:  # fmt: skip
+        out = empty(self.shape, dtype=dtype, device=device)  # the read widens into it
         return out, pieces_of(self.segments, out)
 
 
@@ -104,7 +110,8 @@ class HostQuant:
     def nbytes(self) -> int:
         return self.stack.nbytes
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]:
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]:  # fmt: skip
         bufs = {n: b.to(device, non_blocking=True) for n, b in self.stack.named_buffers()}
         bufs = {n: b.clone() if b is self.stack.get_buffer(n) else b for n, b in bufs.items()}
         return _quant_like(self.stack, bufs, dtype), []
@@ -119,8 +126,9 @@ class FileQuant:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments.values())
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Weight, list[Piece]]:
-        bufs = {n: torch.empty(s.shape, dtype=s.dtype, device=device)
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]:  # fmt: skip
+        bufs = {n: empty(s.shape, dtype=s.dtype, device=device)
                 for n, s in self.segments.items()}  # fmt: skip
         pieces = [p for n, s in self.segments.items() for p in pieces_of([s], bufs[n])]
         return _quant_like(self.like, bufs, dtype), pieces
@@ -159,6 +167,37 @@ def spill_source(weight: Weight, scratch: Path) -> Source:
 # ---------------------------------------------------------------- the store
 
 
+class HostBuffers:
+    """Host memory for the stacks a CPU store materialises, reused once nothing holds it.
+
+    Fresh tensors of hundreds of MB cost their page faults on every fetch (the kernel zeroes
+    each page): widening a stack into fresh memory ran at half the rate of widening into
+    memory already touched. A buffer is handed out again only when no tensor refers to its
+    storage any more (a view or a tensor saved for backward keeps it taken), and one is made
+    only when every buffer of that size is taken – so the buffers never outnumber the stacks
+    that were alive at once, and the peak is the store's own."""
+
+    def __init__(self) -> None:
+        self._storages: list[torch.UntypedStorage] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: Any, *, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            storage = next((s for s in self._storages if s.nbytes() == nbytes and _free(s)), None)
+            if storage is None:
+                storage = torch.UntypedStorage(nbytes)
+                self._storages.append(storage)
+            strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+            return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), strides)
+
+
+def _free(storage: torch.UntypedStorage) -> bool:
+    """Only the pool's own reference is left (private API: without it, nothing is reused)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and count(storage._cdata) == 1
+
+
 @dataclass
 class OffloadStats:
     """What the store measured; bytes_moved/bytes_read by phase."""
@@ -171,6 +210,8 @@ class OffloadStats:
     peak_resident_bytes: int = 0
     fetches: int = 0  # layer materialisations
     waits: int = 0  # of them, read in the foreground (not prefetched in time)
+    load_s: float = 0.0  # seconds spent materialising layers (reads and widening), any thread
+    wait_s: float = 0.0  # of the compute thread, blocked on the store: what the stream costs
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     bytes_read: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
 
@@ -207,6 +248,7 @@ class ExpertStore:
         self._lock, self._count_lock = threading.RLock(), threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moetune-offload")
         self.reader = DirectReader()  # its own workers: a prefetch never queues behind a load
+        self.empty: Empty = HostBuffers().empty if self.device.type == "cpu" else torch.empty
         self._side = torch.cuda.Stream(self.device) if self.pin else None
         weakref.finalize(self, self._pool.shutdown, wait=False)
         fixed_mmap_threshold()
@@ -223,7 +265,9 @@ class ExpertStore:
         """Stack `name` of `layer` on the device; materialises the layer if it is not."""
         with self._lock:
             if layer not in self._live or layer != self._current:
+                start = time.perf_counter()
                 self._advance(layer, _phase(backward))
+                self.stats.wait_s += time.perf_counter() - start
             return self._live[layer][name]
 
     def wait_prefetch(self) -> None:
@@ -283,10 +327,10 @@ class ExpertStore:
 
     def _load(self, layer: int, phase: str) -> dict[str, Weight]:
         """Materialise one layer's stacks (runs on the side thread when prefetching)."""
-        out, moved, pieces = {}, 0, list[Piece]()
+        out, moved, pieces, start = {}, 0, list[Piece](), time.perf_counter()
         with torch.cuda.stream(self._side) if self._side is not None else _nothing():
             for name, (source, dtype) in self.layers[layer].items():
-                out[name], more = source.prepare(self.device, dtype)
+                out[name], more = source.prepare(self.device, dtype, self.empty)
                 pieces, moved = pieces + more, moved + source.nbytes
             read = self.reader.read(pieces)  # the whole layer's reads at once, in flight
         for weight in out.values():
@@ -295,6 +339,7 @@ class ExpertStore:
             self.stats.fetches += 1
             self.stats.bytes_moved[phase] += moved
             self.stats.bytes_read[phase] += read
+            self.stats.load_s += time.perf_counter() - start
         return out
 
     def _count(self, weight: Weight) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from moetune.engine.direct_io import DirectReader, Piece, Span, default_reader
+from moetune.engine.direct_io import DirectReader, Piece, Span, read_once
 from moetune.errors import MoetuneError
 from moetune.registry import Registry
 
@@ -92,7 +92,8 @@ def read_into(
 ) -> int:
     """Fill `out` with the segments back to back, cast to its dtype on the way; returns the
     bytes read. Never mmap, never the page cache: nothing of the file stays in the process."""
-    return (reader or default_reader()).read(pieces_of(segments, out))
+    pieces = pieces_of(segments, out)
+    return reader.read(pieces) if reader is not None else read_once(pieces)
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Segment]:

@@ -23,6 +23,7 @@ import torch
 
 from moetune.engine.direct_io import Piece
 from moetune.engine.offload import (
+    Empty,
     ExpertStore,
     FileFloat,
     Mode,
@@ -165,8 +166,9 @@ class FileStored:
     def nbytes(self) -> int:
         return self.files.nbytes
 
-    def prepare(self, device: torch.device, dtype: torch.dtype) -> tuple[Any, list[Piece]]:
-        like, (bufs, pieces) = self.like, self.files.prepare(device)
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Any, list[Piece]]:  # fmt: skip
+        like, (bufs, pieces) = self.like, self.files.prepare(device, empty=empty)
         stack = QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, bufs)
         return stack, pieces
 

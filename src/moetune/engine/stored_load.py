@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moetune.engine.direct_io import Piece, default_reader
+from moetune.engine.direct_io import Piece, read_once
 from moetune.engine.offload_files import (
     LAYOUTS,
     Segment,
@@ -82,19 +82,22 @@ class StackFiles:
         return sum(s.nbytes for segs, _, _ in self.buffers.values() for s in segs)
 
     def prepare(
-        self, device: torch.device | str = "cpu", only: tuple[str, ...] | None = None
+        self,
+        device: torch.device | str = "cpu",
+        only: tuple[str, ...] | None = None,
+        empty: Callable[..., torch.Tensor] = torch.empty,
     ) -> tuple[dict[str, torch.Tensor], list[Piece]]:
-        """Empty buffers on `device` and the file pieces that fill them."""
+        """Empty buffers on `device` (from `empty`) and the file pieces that fill them."""
         out, pieces = {}, []
         for name, (segs, shape, dtype) in self.buffers.items():
             if only is None or name in only:
-                out[name] = torch.empty(shape, dtype=dtype, device=device)
+                out[name] = empty(shape, dtype=dtype, device=device)
                 pieces += pieces_of(segs, out[name])
         return out, pieces
 
     def read(self, only: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         out, pieces = self.prepare("cpu", only)
-        default_reader().read(pieces)
+        read_once(pieces)
         return out
 
     def meta(self) -> dict[str, torch.Tensor]:

@@ -132,7 +132,12 @@ class MetricsCallback(TrainerCallback):
         then, before = self._mark
         self._mark = (now, tokens)
         rate = (tokens - before) / (now - then) if now > then else 0.0
-        return {"tokens": tokens, "tokens_per_s": round(rate, 1), "memory_bytes": memory_now()}
+        return {
+            "tokens": tokens,
+            "tokens_per_s": round(rate, 1),
+            "memory_bytes": memory_now(),
+            "seconds": round(now - then, 3),
+        }  # since the row before: slow steps read here
 
 
 def refuse_non_finite(row: dict[str, Any]) -> None:
