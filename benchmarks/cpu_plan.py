@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -132,15 +133,29 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     plan = moetune(["plan", str(config), "--card", "cpu"], host_file)["offload"]["cpu"]
     result, peak = train(config, host_file)
     moved = json.loads((root / "run" / "offload.json").read_text())["bytes_read"]
+    steps = step_times(root / "run")
     return {
         "host": json.loads(host_file.read_text()), "model": _model_words(model, args),
         "steps": result["steps"],
         "plan": {k: plan[k] for k in ("device_peak_bytes", "step_time_s", "compute_s",
                                       "transfer_s", "bound", "bytes_moved_per_step")},
         "rss_peak": peak, "step_s": result["loop_seconds"] / max(result["steps"], 1),
+        "steps_s": steps, "steady_s": statistics.median(steps[1:] or steps),
         "read_per_step": sum(moved.values()) / max(result["steps"], 1),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }  # fmt: skip
+
+
+def step_times(run_dir: Path) -> list[float]:
+    """Seconds per optimizer step from metrics.jsonl (each row's `seconds` since the row
+    before, shared among the steps between them)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out, step = [], 0
+    for r in (r for r in rows if "seconds" in r):
+        n = max(1, r["step"] - step)
+        out += [r["seconds"] / n] * n
+        step = r["step"]
+    return out or [0.0]
 
 
 def _model_words(model: Path, args: argparse.Namespace) -> str:
@@ -156,7 +171,8 @@ def describe(r: dict[str, Any]) -> str:
     planned_read = sum(p["bytes_moved_per_step"].values())
     rows = [
         ("peak RSS of `moetune train`", p["device_peak_bytes"] / GiB, r["rss_peak"] / GiB, "GiB"),
-        ("step (mean of the run's steps)", p["step_time_s"], r["step_s"], "s"),
+        ("step (median after the first)", p["step_time_s"], r["steady_s"], "s"),
+        ("step (mean, the first's warm-up included)", p["step_time_s"], r["step_s"], "s"),
         ("bytes read per step", planned_read / GiB, r["read_per_step"] / GiB, "GiB"),
     ]
     table = ["| | plan (`--card cpu`) | measured | measured / plan |", "|---|---|---|---|"]
@@ -165,7 +181,8 @@ def describe(r: dict[str, Any]) -> str:
         f"- {r['when']} · {h['cpu']}, {h['cores']} cores, {bench_env.describe()} · host.json: "
         f"fp32 {h['fp32_gflops']:.1f} GFLOP/s, memcpy {h['memcpy_gb_per_s']:.2f} GB/s, disk "
         f"{h['disk_read_gb_per_s']:.2f} GB/s ({'O_DIRECT' if h['disk_direct'] else 'cached'})"
-        f" · {r['model']}, {r['steps']} steps; plan {p['bound']}-bound (compute "
+        f" · {r['model']}, {r['steps']} steps ("
+        + ", ".join(f"{x:.3g}" for x in r["steps_s"]) + f" s); plan {p['bound']}-bound (compute "
         f"{p['compute_s']:.2f} s, read {p['transfer_s']:.2f} s)",
         "", *table,
     ])  # fmt: skip
