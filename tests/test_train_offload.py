@@ -137,6 +137,45 @@ def test_offloaded_int8_experts_stream_quantised(
     assert quant["method"] == "int8" and len(quant["layers"]) == LAYERS
 
 
+def test_the_run_reports_the_plan_of_its_offload(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:  # fmt: skip
+    """summary.json, preflight.json, the closing line, the ledger row and the HTML report all
+    carry the disk-offload plan of the run (host RAM is the device on a CPU: the process's
+    planned RSS), not the plan of the same model held whole on one device."""
+    from moetune.cli.commands import _report_train
+    from moetune.cli.common import console
+    from moetune.model import load_spec
+    from moetune.plan import make_plan
+    from moetune.plan.offload import plan_offload
+    from moetune.report import build_report
+    from moetune.units import human_bytes
+
+    result = _run(tiny, tmp_path / "run", "disk")
+    cfg = run_config(*tiny, tmp_path / "run", lora__engine="moetune", offload="disk",
+                     lora__targets=["attention", "experts"], max_steps=3, save_steps=3)  # fmt: skip
+    cfg.model.dtype = "float32"  # a CPU run holds the base in fp32 (setup.Placement)
+    spec = load_spec(str(tiny[0]))
+    planned = plan_offload(spec, cfg, None).host_ram_bytes
+    assert planned != make_plan(spec, cfg, cards=[]).peak_bytes  # not the offload-none plan
+    assert result.planned_peak_bytes == planned
+    run = tmp_path / "run"
+    memory = json.loads((run / "summary.json").read_text())["memory"]
+    assert (memory["planned_peak_bytes"], memory["planned_by"]) == (planned, "offload")
+    assert memory["measured"] == "process_peak_rss" and "peak RSS" in memory["compared"]
+    assert memory["measured_over_planned"] == round(result.peak_memory_bytes / planned, 4)
+    preflight = json.loads((run / "preflight.json").read_text())["run_plan"]
+    assert preflight["peak_bytes"] == planned and preflight["detail"]["offload"] == "disk"
+    row = json.loads((tmp_path / "ledger.jsonl").read_text().splitlines()[-1])
+    assert row["metrics"]["planned_peak_bytes"] == planned
+    with console.capture() as captured:
+        _report_train(result, False)
+    line = " ".join(captured.get().split())  # unwrapped
+    assert f"{human_bytes(planned)} planned (offload disk, host RAM as device)" in line
+    html = build_report(run).read_text()
+    assert f"{planned:,}" in html and "planned peak (offload disk, host RAM as device)" in html
+
+
 @pytest.mark.parametrize(
     ("over", "match"),
     [({"lora__engine": "peft"}, "split-LoRA engine"),
