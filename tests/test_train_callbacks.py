@@ -12,9 +12,10 @@ from rich.console import Console
 
 from moetune.config import dump_config, parse_config
 from moetune.io import atomic_write_text
-from moetune.train.callbacks import MetricsCallback, RichProgress, human_bytes
+from moetune.train.callbacks import MetricsCallback, RichProgress, human_bytes, rate_text
 from moetune.train.checkpoint import JsonlLog, config_diff, replace_dir
 from moetune.train.errors import TrainError
+from moetune.train.offload import StoreMeter
 
 ARGS = SimpleNamespace(should_save=True)
 
@@ -69,6 +70,57 @@ def test_progress_bar_shows_loss_throughput_and_memory():
     quiet = RichProgress(metrics, Console(file=io.StringIO(), quiet=True))
     quiet.on_train_begin(ARGS, _state(0, 0), None)
     assert quiet.progress is None  # progress=False draws nothing
+
+
+def test_slow_steps_show_decimals_and_seconds_per_step():
+    """A 41 s offload step of 128 tokens is 3.12 tok/s, not "0 tok/s", and says s/step."""
+    clock = iter([0.0, 82.0, 83.0])
+    rows: list[dict] = []
+    metrics = MetricsCallback(rows.append, clock=lambda: next(clock))
+    metrics.on_train_begin(ARGS, _state(0, 0), None)
+    metrics.on_log(ARGS, _state(2, 256), None, logs={"loss": 2.0})
+    metrics.on_log(ARGS, _state(3, 256 + 2000), None, logs={"loss": 1.9})
+    assert (rows[0]["tokens_per_s"], rows[0]["step_seconds"]) == (3.12, 41.0)
+    assert (rows[1]["tokens_per_s"], rows[1]["step_seconds"]) == (2000.0, 1.0)
+    assert rate_text(3.12, 41.0) == "3.12 tok/s · 41.0 s/step"
+    assert rate_text(0.0412, 3100.0) == "0.041 tok/s · 3100.0 s/step"
+    assert rate_text(1500.0, 0.2) == "1,500 tok/s"
+
+
+class _Store:
+    """An expert store's surface the meter uses: its stats and its fetch."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.stats = SimpleNamespace(bytes_read={"forward": 0, "backward": 0})
+        self.clock = clock
+
+    def fetch(self, layer: int, name: str, backward: bool = False) -> str:
+        self.clock[0] += 3.0  # the read this fetch waited for
+        self.stats.bytes_read["backward" if backward else "forward"] += 3 * 2**30
+        return name
+
+
+def test_offload_progress_says_bytes_read_rate_and_bound():
+    now = [0.0]
+    store = _Store(now)
+    meter = StoreMeter(store, clock=lambda: now[0])
+    assert store.fetch(0, "down_proj") == "down_proj"  # the meter times the store's own fetch
+    store.fetch(1, "down_proj", backward=True)
+    now[0] += 2.0  # compute
+    step = meter.step()
+    assert step["read_bytes"] == 6 * 2**30 and step["read_bytes_per_s"] == 6 * 2**30 / 8
+    assert (step["blocked_share"], step["bound"]) == (0.75, "read")
+    now[0] += 10.0  # a step of compute only: nothing read
+    assert meter.line() == "read 0 B · 0 B/s · compute-bound (blocked 0% of the step)"
+    out = io.StringIO()
+    bar = RichProgress(MetricsCallback(lambda row: None), Console(file=out, width=200),
+                       meter.line)  # fmt: skip
+    bar.on_train_begin(ARGS, _state(0, 0), None)
+    store.fetch(0, "gate_up_proj")
+    now[0] += 1.0
+    bar.on_step_end(ARGS, _state(1, 10), None)
+    bar.close()
+    assert "read 3.0 GiB · 768.0 MiB/s · read-bound (blocked 75% of the step)" in out.getvalue()
 
 
 def test_human_bytes():
