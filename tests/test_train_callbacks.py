@@ -74,7 +74,7 @@ def test_progress_bar_shows_loss_throughput_and_memory():
 
 def test_slow_steps_show_decimals_and_seconds_per_step():
     """A 41 s offload step of 128 tokens is 3.12 tok/s, not "0 tok/s", and says s/step."""
-    clock = iter([0.0, 82.0, 83.0])
+    clock = iter([0.0, 82.0, 83.0, 1000.0])
     rows: list[dict] = []
     metrics = MetricsCallback(rows.append, clock=lambda: next(clock))
     metrics.on_train_begin(ARGS, _state(0, 0), None)
@@ -82,6 +82,8 @@ def test_slow_steps_show_decimals_and_seconds_per_step():
     metrics.on_log(ARGS, _state(3, 256 + 2000), None, logs={"loss": 1.9})
     assert (rows[0]["tokens_per_s"], rows[0]["step_seconds"]) == (3.12, 41.0)
     assert (rows[1]["tokens_per_s"], rows[1]["step_seconds"]) == (2000.0, 1.0)
+    metrics.on_train_end(ARGS, _state(3, 2256), None)
+    assert metrics.loop["tokens_per_s"] == 2.26  # the whole loop's rate: not rounded to 2.3
     assert rate_text(3.12, 41.0) == "3.12 tok/s · 41.0 s/step"
     assert rate_text(0.0412, 3100.0) == "0.041 tok/s · 3100.0 s/step"
     assert rate_text(1500.0, 0.2) == "1,500 tok/s"

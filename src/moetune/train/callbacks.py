@@ -111,7 +111,7 @@ class MetricsCallback(TrainerCallback):
         real run pays them; model loading and data preparation not)."""
         then, before = self._begin
         seconds, tokens = self.clock() - then, int(state.num_input_tokens_seen - before)
-        rate = round(tokens / seconds, 1) if tokens and seconds > 0 else None
+        rate = _significant(tokens / seconds) if tokens and seconds > 0 else None
         self.loop = {"tokens": tokens, "tokens_per_s": rate, "loop_seconds": round(seconds, 3)}
 
     def on_log(
