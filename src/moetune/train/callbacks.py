@@ -26,6 +26,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 from transformers import TrainerCallback
 
 from moetune.train.errors import TrainError
@@ -87,15 +88,17 @@ _KEEP = {  # TRL/HF log key -> metrics.jsonl field
 
 
 class MetricsCallback(TrainerCallback):
-    """One metrics row per log: step, loss, lr, tokens/s, memory (+ aux loss when on); and,
-    once training ends, `loop`: the tokens and tokens/s of the whole training loop."""
+    """One metrics row per log: step, loss, lr, tokens/s, memory (+ aux loss when on, and
+    `extra`'s figures: train.offload's reads); and, once training ends, `loop`: the tokens
+    and tokens/s of the whole training loop."""
 
     def __init__(
         self,
         write: Callable[[dict[str, Any]], None],
         clock: Callable[[], float] = time.perf_counter,
+        extra: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        self.write, self.clock = write, clock
+        self.write, self.clock, self.extra = write, clock, extra
         self.last: dict[str, Any] = {}
         self.loop: dict[str, Any] = {}
         self._mark = self._begin = (0.0, 0)
@@ -124,6 +127,7 @@ class MetricsCallback(TrainerCallback):
         row.update({out: logs[key] for key, out in _KEEP.items() if key in logs})
         if "loss" in logs:
             row.update(self._throughput(state.num_input_tokens_seen, state.global_step))
+            row.update(self.extra() if self.extra is not None else {})
         if args.should_save:
             self.write(row)  # the diverged row is kept: it says when it happened
         self.last = {**self.last, **row}
@@ -177,6 +181,9 @@ def refuse_non_finite(row: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- progress
 
 
+INFO_COLUMN = Column(ratio=1, no_wrap=False, overflow="fold")  # wraps, never cut with "…"
+
+
 class RichProgress(TrainerCallback):
     """A rich progress bar: steps, loss, tokens/s and memory from `metrics`; with
     train.offload, `stream` says after every step what the store read and what bound it."""
@@ -199,7 +206,7 @@ class RichProgress(TrainerCallback):
             TextColumn("[bold]train"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
+            TextColumn("{task.fields[info]}", table_column=INFO_COLUMN),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=self.console,

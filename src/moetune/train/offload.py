@@ -161,6 +161,11 @@ class StoreMeter:
             "bound": "read" if share > self.BOUND_SHARE else "compute",
         }
 
+    def totals(self) -> dict[str, Any]:
+        """Since the store was metered: every metrics.jsonl row carries them (cumulative, so
+        any two rows give the reads and the blocked time between them)."""
+        return {"offload_read_bytes": self._read(), "offload_blocked_s": round(self.blocked, 3)}
+
     def line(self) -> str:
         """ "read 1.2 GiB · 310.0 MiB/s · read-bound (blocked 62% of the step)"."""
         s = self.step()

@@ -83,23 +83,28 @@ def _per_rank(spec: ModelSpec, cfg: RunConfig, device: str, memory: Any) -> RunP
     return RunPlan(
         "per_rank", f"per rank of {ranks}, {cfg.train.strategy}", peak, required,
         f"one rank's live tensors with {cfg.train.strategy} over {ranks} ranks vs the main "
-        "rank's measured peak", parts, {"ranks": ranks, "strategy": cfg.train.strategy},
+        f"rank's measured peak{_rss(device)}", parts,
+        {"ranks": ranks, "strategy": cfg.train.strategy},
     )  # fmt: skip
 
 
 def _memory(spec: ModelSpec, cfg: RunConfig, device: str, memory: Any) -> RunPlan | None:
     if memory is None:
         return None
-    rss = " (a CPU run's peak RSS also holds the Python process: it reads high)"
     return RunPlan(
         "memory",
         "one device",
         memory.peak_bytes,
         memory.required_bytes,
-        f"live tensors on one device vs the measured peak{rss if device != 'cuda' else ''}",
+        f"live tensors on one device vs the measured peak{_rss(device)}",
         dict(memory.components),
         {"estimator": memory.estimator},
     )
+
+
+def _rss(device: str) -> str:
+    """Off CUDA the measured peak is the process RSS, which a tensor plan does not count."""
+    return "" if device == "cuda" else " (peak RSS also holds the Python process: reads high)"
 
 
 BUILDERS: tuple[Builder, ...] = (_offload, _per_rank, _memory)  # the first that applies

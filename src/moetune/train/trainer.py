@@ -282,10 +282,10 @@ def build_trainer(
         fan_out(run.routing.append, *([feed.routing] if feed else [])),
         lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
     )
-    metrics = MetricsCallback(run.metrics.append)
+    meter = store_meter(model)  # train.offload: what each step read, and what bound it
+    metrics = MetricsCallback(run.metrics.append, extra=meter.totals if meter else None)
     shift = rollout_shift(cfg, setup, run, model, console, feed)
     callbacks = (metrics, routing, *shift, *([feed] if feed else []), CheckpointCommitter(run))
-    meter = store_meter(model)  # train.offload: what each step read, and what bound it
     bar = RichProgress(metrics, console, meter.line if meter else None)
     for callback in (*callbacks, bar):  # the bar shows the row
         trainer.add_callback(callback)  # metrics just made; the feed logs what routing saw
