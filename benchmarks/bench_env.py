@@ -34,6 +34,7 @@ THREADS = _threads_from(sys.argv[1:])
 PINNED = "torch" not in sys.modules
 if PINNED:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the CLI does (cli/common.py)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(THREADS)
 

@@ -150,8 +150,9 @@ CASES = (
     # of stacks, ~2 × 12.9 GB over PCIe per step; no tracker pass (its copies run on a thread)
     Case("olmoe-moetune-offload-cpu-4k", OLMOE, "moetune", 4096, offload="cpu", expect_s=25,
          tracker_s=0),
+    # the disk reader of engine/direct_io.py (pinned staging, a CUDA stream per reader worker)
     Case("olmoe-moetune-offload-disk-4k", OLMOE, "moetune", 4096, offload="disk", expect_s=90,
-         tracker_s=0, default=False),
+         tracker_s=0),
     # vanilla peft (names auto-mapped, gate_up rank 2r): plan.overhead's calibration step
     Case("30b-peft-automap-2k", QWEN, "peft", 2048, mapping="automap", expect_s=40,
          tracker_s=12, default=False),

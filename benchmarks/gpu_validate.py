@@ -94,6 +94,10 @@ def compare(case: Case, seq: int, pred: dict[str, Any], meas: dict[str, Any]) ->
     row["analytic_error"] = _rel(pred["analytic_bytes"], measured)
     row["within_goal"] = row["error"] is not None and abs(row["error"]) <= GOAL
     row["tokens_per_s"] = round(seq / meas["step_s"], 1)
+    plan = pred.get("plan")
+    planned_s = plan.get("step_time_s") if isinstance(plan, dict) else None
+    if planned_s:  # an offload row: the plan's step time (stream vs compute) against the step
+        row["planned_step_s"], row["step_error"] = planned_s, _rel(planned_s, meas["step_s"])
     if "tracker_bytes" in meas:
         row["tracker_error"] = pred["predicted_bytes"] / meas["tracker_bytes"] - 1
     if "max_reserved_bytes" in meas and pred.get("overhead_bytes") is not None:
@@ -245,9 +249,16 @@ def table(rows: list[dict[str, Any]], smoke: bool = False) -> str:
             f"| {r['case']} | {mem(r['predicted_bytes'])} | {mem(r['measured_bytes'])} | "
             f"{pct(r['error'])} | {mem(r.get('tracker_bytes'))} | {pct(r['analytic_error'])} | "
             f"{mem(r.get('required_measured_bytes'))} | {mem(r.get('required_predicted_bytes'))} "
-            f"| {r['step_s']} |"
+            f"| {r['step_s']}{_planned_step(r)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _planned_step(row: dict[str, Any]) -> str:
+    """An offload row's step time beside the plan's (the stream at the host link's rate)."""
+    if row.get("planned_step_s") is None:
+        return ""
+    return f" (planned {row['planned_step_s']:.3g}, {100 * row['step_error']:+.0f} %)"
 
 
 def markdown(data: dict[str, Any]) -> str:

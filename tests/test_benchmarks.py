@@ -31,6 +31,8 @@ EXPECT: dict[str, tuple[list[str], str]] = {
     "gemma4_terms.py": ([], r"\| census shape .*\| 128 \| \d+\.\d / \d+\.\d \|"),
     "gpu_validate.py": (["--cases", "30b-peft-2k", "--no-tracker"], r"30b-peft-2k"),
     "grpo_step.py": ([], r"\| 4 \| \d+\.\d+ \| \d+\.\d+ \|"),
+    "offload_step.py": ([], r"\| peak RSS \| \d+\.\d+ GiB \| \d+\.\d+ GiB \| \d\.\d+ \|"),
+    "offload_stream.py": ([], r"disk stream / O_DIRECT: \d+\.\d+ · cpu stream / memcpy: \d"),
     "planner_accuracy.py": ([], r"worst: [+-]\d+\.\d %"),
     "sharded_load.py": ([], r"rank 1: peak RSS \d+\.\d+ GiB.*plan \d+\.\d+ GiB"),
     "sharding_accuracy.py": ([], r"world 2 rank 1: measured \d+\.\d+ MiB, planned"),

@@ -235,6 +235,24 @@ def test_the_counter_sees_weights_kept_alive(tiny: tuple[Path, Path]) -> None:
     assert store.stats.resident_bytes == 0
 
 
+def test_the_store_clocks_its_loads_and_the_waits(tiny: tuple[Path, Path]) -> None:
+    """load_s: time materialising layers; wait_s: what the compute thread spent blocked on
+    them – with no compute between fetches, every load but the first prefetch is waited on."""
+    import time
+
+    from moetune.engine.offload_load import load_offloaded
+
+    _, store, _ = load_offloaded(tiny[0], "disk", "cpu", torch.float32)
+    read = store.reader.read
+    store.reader.read = lambda pieces: (time.sleep(0.05), read(pieces))[1]  # a slow disk
+    for layer in range(LAYERS):
+        store.fetch(layer, "down_proj")
+    store.wait_prefetch()
+    assert store.stats.fetches == LAYERS + 1  # the last layer turns round: one read ahead
+    assert store.stats.load_s >= 0.05 * store.stats.fetches
+    assert 0.05 * LAYERS <= store.stats.wait_s <= store.stats.load_s + 0.05
+
+
 def test_disk_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/offload_disk.py --smoke: writes the checkpoint shard by shard, takes a step
     with its experts read from the files, measures, and deletes the checkpoint."""

@@ -138,6 +138,10 @@ class GuardedGroup(TyperGroup):
 # 10x or more whenever another process shares the cores (measured: quickstart 70 s vs
 # > 6 min). Passive waiting costs little; users can still set their own policy.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Transparent huge pages for torch's large CPU tensors (read once, at the first one): an
+# offloaded step allocates every layer's widened stacks afresh, and 4 KiB page faults cost
+# the disk stream 0.53 vs 1.09 GB/s of a 1.7 GB/s disk (benchmarks/offload_stream.py).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 console = Console(file=MaskedStream("stdout"))  # type: ignore[arg-type]
 app = typer.Typer(

@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import math
 import threading
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,8 @@ from typing import Any, Literal, Protocol, Union
 import torch
 from torch import nn
 
-from moetune.engine.offload_files import OffloadError, Segment, read_into, write_tensors
+from moetune.engine.direct_io import DirectReader, Piece
+from moetune.engine.offload_files import OffloadError, Segment, pieces_of, write_tensors
 from moetune.engine.quant import (
     QUANTIZED,
     QuantizedStack,
@@ -48,6 +51,7 @@ from moetune.engine.quant import (
 from moetune.engine.quant import peft_targets as quant_targets
 
 Mode = Literal["cpu", "disk"]
+Empty = Callable[..., torch.Tensor]  # torch.empty's signature: (shape, *, dtype, device)
 Weight = Union[torch.Tensor, QuantizedStack]  # noqa: UP007 (a runtime alias)
 PHASES = ("forward", "recompute", "backward")
 OFFLOADED = "_moetune_offloaded"  # on an experts module: {parameter name: StackRef}
@@ -56,14 +60,16 @@ _STORE = "_moetune_offload_store"  # on the model: its ExpertStore
 
 
 class Source(Protocol):
-    """Where one stack waits; `load` materialises it on a device (returns bytes read from files)."""
+    """Where one stack waits. `prepare` gives the stack to fill on a device and the file
+    pieces that fill it (none for a stack held in host RAM: it is copied at once)."""
 
     @property
     def nbytes(self) -> int:
         """Bytes moved to the device per fetch (the stored form: quantised if it is)."""
         ...
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]: ...
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]: ...  # fmt: skip
 
 
 @dataclass
@@ -74,10 +80,11 @@ class HostFloat:
     def nbytes(self) -> int:
         return self.tensor.nbytes
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]:
-        w = self.tensor.to(device, non_blocking=True)
-        w = w.clone() if w is self.tensor else w  # a CPU device still gets its own copy
-        return w.to(dtype), 0
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]:  # fmt: skip
+        if device.type == "cpu":  # one pass, widening as it copies (its own copy: counted)
+            return empty(self.tensor.shape, dtype=dtype).copy_(self.tensor), []
+        return self.tensor.to(device, non_blocking=True).to(dtype), []
 
 
 @dataclass
@@ -89,10 +96,10 @@ class FileFloat:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]:
-        buf = torch.empty(self.shape, dtype=self.segments[0].dtype, pin_memory=pin)
-        read = read_into(self.segments, buf)
-        return buf.to(device, non_blocking=True).to(dtype), read
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]:  # fmt: skip
+        out = empty(self.shape, dtype=dtype, device=device)  # the read widens into it
+        return out, pieces_of(self.segments, out)
 
 
 @dataclass
@@ -103,10 +110,11 @@ class HostQuant:
     def nbytes(self) -> int:
         return self.stack.nbytes
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]:
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]:  # fmt: skip
         bufs = {n: b.to(device, non_blocking=True) for n, b in self.stack.named_buffers()}
         bufs = {n: b.clone() if b is self.stack.get_buffer(n) else b for n, b in bufs.items()}
-        return _quant_like(self.stack, bufs, dtype), 0
+        return _quant_like(self.stack, bufs, dtype), []
 
 
 @dataclass
@@ -118,13 +126,12 @@ class FileQuant:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments.values())
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Weight, int]:
-        bufs, read = {}, 0
-        for name, seg in self.segments.items():
-            buf = torch.empty(seg.shape, dtype=seg.dtype, pin_memory=pin)
-            read += read_into([seg], buf)
-            bufs[name] = buf.to(device, non_blocking=True)
-        return _quant_like(self.like, bufs, dtype), read
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Weight, list[Piece]]:  # fmt: skip
+        bufs = {n: empty(s.shape, dtype=s.dtype, device=device)
+                for n, s in self.segments.items()}  # fmt: skip
+        pieces = [p for n, s in self.segments.items() for p in pieces_of([s], bufs[n])]
+        return _quant_like(self.like, bufs, dtype), pieces
 
 
 def _quant_like(
@@ -160,6 +167,37 @@ def spill_source(weight: Weight, scratch: Path) -> Source:
 # ---------------------------------------------------------------- the store
 
 
+class HostBuffers:
+    """Host memory for the stacks a CPU store materialises, reused once nothing holds it.
+
+    Fresh tensors of hundreds of MB cost their page faults on every fetch (the kernel zeroes
+    each page): widening a stack into fresh memory ran at half the rate of widening into
+    memory already touched. A buffer is handed out again only when no tensor refers to its
+    storage any more (a view or a tensor saved for backward keeps it taken), and one is made
+    only when every buffer of that size is taken – so the buffers never outnumber the stacks
+    that were alive at once, and the peak is the store's own."""
+
+    def __init__(self) -> None:
+        self._storages: list[torch.UntypedStorage] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: Any, *, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            storage = next((s for s in self._storages if s.nbytes() == nbytes and _free(s)), None)
+            if storage is None:
+                storage = torch.UntypedStorage(nbytes)
+                self._storages.append(storage)
+            strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+            return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), strides)
+
+
+def _free(storage: torch.UntypedStorage) -> bool:
+    """Only the pool's own reference is left (private API: without it, nothing is reused)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and count(storage._cdata) == 1
+
+
 @dataclass
 class OffloadStats:
     """What the store measured; bytes_moved/bytes_read by phase."""
@@ -172,6 +210,8 @@ class OffloadStats:
     peak_resident_bytes: int = 0
     fetches: int = 0  # layer materialisations
     waits: int = 0  # of them, read in the foreground (not prefetched in time)
+    load_s: float = 0.0  # seconds spent materialising layers (reads and widening), any thread
+    wait_s: float = 0.0  # of the compute thread, blocked on the store: what the stream costs
     bytes_moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     bytes_read: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
 
@@ -207,6 +247,8 @@ class ExpertStore:
         self._current, self._step = -1, 1
         self._lock, self._count_lock = threading.RLock(), threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moetune-offload")
+        self.reader = DirectReader()  # its own workers: a prefetch never queues behind a load
+        self.empty: Empty = HostBuffers().empty if self.device.type == "cpu" else torch.empty
         self._side = torch.cuda.Stream(self.device) if self.pin else None
         weakref.finalize(self, self._pool.shutdown, wait=False)
         fixed_mmap_threshold()
@@ -223,7 +265,9 @@ class ExpertStore:
         """Stack `name` of `layer` on the device; materialises the layer if it is not."""
         with self._lock:
             if layer not in self._live or layer != self._current:
+                start = time.perf_counter()
                 self._advance(layer, _phase(backward))
+                self.stats.wait_s += time.perf_counter() - start
             return self._live[layer][name]
 
     def wait_prefetch(self) -> None:
@@ -283,16 +327,19 @@ class ExpertStore:
 
     def _load(self, layer: int, phase: str) -> dict[str, Weight]:
         """Materialise one layer's stacks (runs on the side thread when prefetching)."""
-        out, moved, read = {}, 0, 0
+        out, moved, pieces, start = {}, 0, list[Piece](), time.perf_counter()
         with torch.cuda.stream(self._side) if self._side is not None else _nothing():
             for name, (source, dtype) in self.layers[layer].items():
-                out[name], n = source.load(self.device, dtype, self.pin)
-                moved, read = moved + source.nbytes, read + n
-                self._count(out[name])
+                out[name], more = source.prepare(self.device, dtype, self.empty)
+                pieces, moved = pieces + more, moved + source.nbytes
+            read = self.reader.read(pieces)  # the whole layer's reads at once, in flight
+        for weight in out.values():
+            self._count(weight)
         with self._count_lock:
             self.stats.fetches += 1
             self.stats.bytes_moved[phase] += moved
             self.stats.bytes_read[phase] += read
+            self.stats.load_s += time.perf_counter() - start
         return out
 
     def _count(self, weight: Weight) -> None:

@@ -1,9 +1,10 @@
 """Where each frozen expert stack lies in a base's safetensors files, and reading it by offset.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (dtype, shape,
-data_offsets of every tensor) and the raw bytes. Reading a stack with `os.preadv` into a
-buffer – never mmap – keeps the page cache out of the process RSS, so a base larger than
-RAM streams through a process whose RSS stays at a couple of layers.
+data_offsets of every tensor) and the raw bytes. Stacks are read by offset through
+engine/direct_io.py (aligned O_DIRECT reads, several in flight) – never mmap, never through
+the page cache – so a base larger than RAM streams through a process whose RSS stays at a
+couple of layers.
 
 Checkpoints store experts fused (gpt_oss: `experts.gate_up_proj`) or one tensor per expert
 (qwen2_moe-style `experts.{e}.gate_proj.weight`, mixtral-style `experts.{e}.w1.weight`);
@@ -14,7 +15,6 @@ the built model to the file segments that fill it, expert by expert, in row-majo
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from moetune.engine.direct_io import DirectReader, Piece, Span, read_once
 from moetune.errors import MoetuneError
 from moetune.registry import Registry
 
@@ -39,13 +40,9 @@ class OffloadError(MoetuneError):
 
 
 @dataclass(frozen=True)
-class Segment:
-    """One tensor's bytes in a file."""
+class Segment(Span):
+    """One tensor's bytes in a file (offset: absolute, from the file's start)."""
 
-    path: str
-    offset: int  # absolute, from the file's start
-    nbytes: int
-    dtype: torch.dtype
     shape: tuple[int, ...]
 
 
@@ -77,39 +74,26 @@ def index_dir(model_dir: str | Path) -> dict[str, Segment]:
     return {k: s for f in files for k, s in read_header(f).items()}
 
 
-def read_into(segments: list[Segment], out: torch.Tensor) -> int:
-    """Fill `out` (contiguous CPU, the segments' dtype) with the segments back to back;
-    returns the bytes read. pread, not mmap: nothing of the file is mapped into the process."""
-    flat = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-    pos = 0
+def pieces_of(segments: list[Segment], out: torch.Tensor) -> list[Piece]:
+    """The segments filling `out` (contiguous, any dtype or device) back to back."""
+    flat, pos, pieces = out.view(-1), 0, []
     for seg in segments:
-        fd = os.open(seg.path, os.O_RDONLY)
-        try:
-            _pread_all(fd, flat[pos : pos + seg.nbytes], seg.offset)
-            _drop_cached(fd, seg)
-        finally:
-            os.close(fd)
-        pos += seg.nbytes
-    if pos != out.nbytes:
-        raise OffloadError(f"read {pos} bytes for a {out.nbytes}-byte stack",
-                           "check that config.json belongs to these weights")  # fmt: skip
-    return pos
+        n = seg.nbytes // seg.dtype.itemsize
+        pieces.append(Piece(seg, flat[pos : pos + n]))
+        pos += n
+    if pos != out.numel():
+        raise OffloadError(f"the checkpoint holds {pos} elements for a {out.numel()}-element "
+                           "stack", "check that config.json belongs to these weights")  # fmt: skip
+    return pieces
 
 
-def _drop_cached(fd: int, seg: Segment) -> None:
-    """Let the kernel drop the pages just read: a base larger than RAM cycles through the
-    page cache with no hits, and would only push other processes' pages out."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, seg.offset, seg.nbytes, os.POSIX_FADV_DONTNEED)
-
-
-def _pread_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise OffloadError("a safetensors file ended early", "re-download the base")
-        done += n
+def read_into(
+    segments: list[Segment], out: torch.Tensor, reader: DirectReader | None = None
+) -> int:
+    """Fill `out` with the segments back to back, cast to its dtype on the way; returns the
+    bytes read. Never mmap, never the page cache: nothing of the file stays in the process."""
+    pieces = pieces_of(segments, out)
+    return reader.read(pieces) if reader is not None else read_once(pieces)
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Segment]:

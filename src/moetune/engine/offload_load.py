@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moetune.engine.direct_io import Piece
 from moetune.engine.offload import (
+    Empty,
     ExpertStore,
     FileFloat,
     Mode,
@@ -164,11 +166,11 @@ class FileStored:
     def nbytes(self) -> int:
         return self.files.nbytes
 
-    def load(self, device: torch.device, dtype: torch.dtype, pin: bool) -> tuple[Any, int]:
-        like, bufs = self.like, self.files.read(pin)
-        moved = {n: b.to(device, non_blocking=True) for n, b in bufs.items()}
-        stack = QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, moved)
-        return stack, self.nbytes
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Any, list[Piece]]:  # fmt: skip
+        like, (bufs, pieces) = self.like, self.files.prepare(device, empty=empty)
+        stack = QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, bufs)
+        return stack, pieces
 
 
 def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,

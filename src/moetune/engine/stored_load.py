@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moetune.engine.direct_io import Piece, read_once
 from moetune.engine.offload_files import (
     LAYOUTS,
     Segment,
     dtype_name,
     index_dir,
     keys_of,
+    pieces_of,
     read_into,
 )
 from moetune.engine.quant import (
@@ -79,14 +81,23 @@ class StackFiles:
     def nbytes(self) -> int:
         return sum(s.nbytes for segs, _, _ in self.buffers.values() for s in segs)
 
-    def read(
-        self, pin: bool = False, only: tuple[str, ...] | None = None
-    ) -> dict[str, torch.Tensor]:
-        out = {}
+    def prepare(
+        self,
+        device: torch.device | str = "cpu",
+        only: tuple[str, ...] | None = None,
+        empty: Callable[..., torch.Tensor] = torch.empty,
+    ) -> tuple[dict[str, torch.Tensor], list[Piece]]:
+        """Empty buffers on `device` (from `empty`) and the file pieces that fill them."""
+        out, pieces = {}, []
         for name, (segs, shape, dtype) in self.buffers.items():
             if only is None or name in only:
-                out[name] = torch.empty(shape, dtype=dtype, pin_memory=pin)
-                read_into(segs, out[name])
+                out[name] = empty(shape, dtype=dtype, device=device)
+                pieces += pieces_of(segs, out[name])
+        return out, pieces
+
+    def read(self, only: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        out, pieces = self.prepare("cpu", only)
+        read_once(pieces)
         return out
 
     def meta(self) -> dict[str, torch.Tensor]:
