@@ -89,40 +89,42 @@ def test_slow_steps_show_decimals_and_seconds_per_step():
     assert rate_text(1500.0, 0.2) == "1,500 tok/s"
 
 
-class _Store:
-    """An expert store's surface the meter uses: its stats and its fetch."""
-
-    def __init__(self, clock: list[float]) -> None:
-        self.stats = SimpleNamespace(bytes_read={"forward": 0, "backward": 0})
-        self.clock = clock
-
-    def fetch(self, layer: int, name: str, backward: bool = False) -> str:
-        self.clock[0] += 3.0  # the read this fetch waited for
-        self.stats.bytes_read["backward" if backward else "forward"] += 3 * 2**30
-        return name
+def _stats(mode: str = "disk") -> SimpleNamespace:
+    """The store counters the meter reads (engine/offload.py's OffloadStats)."""
+    phases = {"forward": 0, "backward": 0}
+    return SimpleNamespace(mode=mode, bytes_read=dict(phases), bytes_moved=dict(phases),
+                           load_s=0.0, wait_s=0.0)  # fmt: skip
 
 
 def test_offload_progress_says_bytes_read_rate_and_bound():
     now = [0.0]
-    store = _Store(now)
-    meter = StoreMeter(store, clock=lambda: now[0])
-    assert store.fetch(0, "down_proj") == "down_proj"  # the meter times the store's own fetch
-    store.fetch(1, "down_proj", backward=True)
-    now[0] += 2.0  # compute
+    stats = _stats()
+    meter = StoreMeter(stats, clock=lambda: now[0])
+    stats.bytes_read["forward"] += 6 * 2**30  # read in 4 s of loading, 6 s of them waited
+    stats.load_s, stats.wait_s, now[0] = 4.0, 6.0, 8.0
     step = meter.step()
-    assert step["read_bytes"] == 6 * 2**30 and step["read_bytes_per_s"] == 6 * 2**30 / 8
-    assert (step["blocked_share"], step["bound"]) == (0.75, "read")
+    assert step["read_bytes"] == 6 * 2**30 and step["read_bytes_per_s"] == 6 * 2**30 / 4
+    assert (step["wait_share"], step["bound"]) == (0.75, "read")
     now[0] += 10.0  # a step of compute only: nothing read
-    assert meter.line() == "read 0 B · 0 B/s · compute-bound (blocked 0% of the step)"
+    assert meter.line() == "read 0 B at 0 B/s · compute-bound (waited 0% of the step)"
+    assert meter.totals() == {"offload_bytes_read": 6 * 2**30, "offload_load_s": 4.0,
+                              "offload_wait_s": 6.0}  # fmt: skip
     out = io.StringIO()
     bar = RichProgress(MetricsCallback(lambda row: None), Console(file=out, width=200),
                        meter.line)  # fmt: skip
     bar.on_train_begin(ARGS, _state(0, 0), None)
-    store.fetch(0, "gate_up_proj")
-    now[0] += 1.0
+    stats.bytes_read["backward"] += 3 * 2**30
+    stats.load_s, stats.wait_s, now[0] = 6.0, 6.5, now[0] + 1.0
     bar.on_step_end(ARGS, _state(1, 10), None)
     bar.close()
-    assert "read 3.0 GiB · 768.0 MiB/s · read-bound (blocked 75% of the step)" in out.getvalue()
+    assert "read 3.0 GiB at 1.5 GiB/s · compute-bound (waited 50% of the step)" in out.getvalue()
+
+
+def test_cpu_offload_progress_says_what_was_copied():
+    stats, now = _stats("cpu"), [0.0]
+    meter = StoreMeter(stats, clock=lambda: now[0])
+    stats.bytes_moved["forward"], stats.load_s, stats.wait_s, now[0] = 2**30, 0.5, 0.9, 1.0
+    assert meter.line() == "copied 1.0 GiB at 2.0 GiB/s · read-bound (waited 90% of the step)"
 
 
 def test_human_bytes():

@@ -155,12 +155,12 @@ def test_the_run_reports_the_plan_of_its_offload(
 
     result = _run(tiny, tmp_path / "run", "disk", progress=True)
     bar = " ".join(capsys.readouterr().err.split())
-    assert re.search(r"read \d+\.\d KiB · \d+\.\d [KM]iB/s · (read|compute)-bound \(blocked", bar)
+    assert re.search(r"read \d+\.\d KiB at \d+\.\d [KMG]iB/s · (read|compute)-bound \(waited", bar)
     assert "tok/s" in bar and " 0 tok/s" not in bar
     rows = [
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
-    read = [r["offload_read_bytes"] for r in rows if "loss" in r]
+    read = [r["offload_bytes_read"] for r in rows if "loss" in r]
     assert read == sorted(read) and read[0] >= LAYERS * LAYER_BYTES  # a step reads every layer
     cfg = run_config(*tiny, tmp_path / "run", lora__engine="moetune", offload="disk",
                      lora__targets=["attention", "experts"], max_steps=3, save_steps=3)  # fmt: skip

@@ -121,57 +121,54 @@ def write_offload_json(run: RunDir, model: nn.Module) -> dict[str, Any] | None:
     return stats
 
 
+# per train.offload mode, the counter of what a fetch brings in and its word: disk reads the
+# files, cpu copies from host RAM (which bytes_read does not count)
+_COUNTERS = {"disk": ("bytes_read", "read"), "cpu": ("bytes_moved", "copied")}
+
+
 class StoreMeter:
-    """Per optimizer step of an offloaded run: the bytes the expert store read, the rate
-    it delivered them at over the step, and what bound the step – the share of the step
-    the training thread spent blocked in the store's fetch (waiting for a prefetch or
-    reading in the foreground). The store counts bytes, not waits, so its `fetch` is
-    timed here, on this store only (experts modules reach it through `store.fetch`)."""
+    """Per optimizer step of an offloaded run, from the store's own counters: the bytes it
+    read, the rate its reader read them at (bytes over its load time), and what bound the
+    step – the share of the step the training thread waited on the store (`wait_s`)."""
 
-    BOUND_SHARE = 0.5  # blocked for more than half the step: reading bounds it
+    BOUND_SHARE = 0.5  # waiting more than half the step: reading bounds it
 
-    def __init__(self, store: Any, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.stats, self.clock, self.blocked = store.stats, clock, 0.0
-        fetch = store.fetch
+    def __init__(self, stats: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.stats, self.clock = stats, clock
+        self.counter, self.verb = _COUNTERS.get(stats.mode, _COUNTERS["disk"])
+        self._mark = self._now()
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = clock()
-            try:
-                return fetch(*args, **kwargs)
-            finally:
-                self.blocked += clock() - start
-
-        store.fetch = timed
-        self._mark = (clock(), self._read(), 0.0)
-
-    def _read(self) -> int:
-        return int(sum(self.stats.bytes_read.values()))
+    def _now(self) -> tuple[float, int, float, float]:
+        s = self.stats
+        return self.clock(), int(sum(getattr(s, self.counter).values())), s.load_s, s.wait_s
 
     def step(self) -> dict[str, Any]:
         """The figures since the last call (the last optimizer step)."""
-        now, read = self.clock(), self._read()
-        then, before, blocked_before = self._mark
-        self._mark = (now, read, self.blocked)
-        seconds, blocked = now - then, self.blocked - blocked_before
-        share = blocked / seconds if seconds > 0 else 0.0
+        now = self._now()
+        seconds, read, load, wait = (a - b for a, b in zip(now, self._mark, strict=True))
+        self._mark = now
+        share = wait / seconds if seconds > 0 else 0.0
         return {
-            "read_bytes": read - before,
-            "read_bytes_per_s": (read - before) / seconds if seconds > 0 else 0.0,
-            "blocked_share": round(share, 3),
+            "read_bytes": int(read),
+            "read_bytes_per_s": read / load if load > 0 else 0.0,
+            "wait_share": round(share, 3),
             "bound": "read" if share > self.BOUND_SHARE else "compute",
         }
 
     def totals(self) -> dict[str, Any]:
-        """Since the store was metered: every metrics.jsonl row carries them (cumulative, so
-        any two rows give the reads and the blocked time between them)."""
-        return {"offload_read_bytes": self._read(), "offload_blocked_s": round(self.blocked, 3)}
+        """Since the run began: every metrics.jsonl row carries them (cumulative, so any two
+        rows give the reads and the waiting between them)."""
+        _, read, load, wait = self._now()
+        return {f"offload_{self.counter}": read, "offload_load_s": round(load, 3),
+                "offload_wait_s": round(wait, 3)}  # fmt: skip
 
     def line(self) -> str:
-        """ "read 1.2 GiB · 310.0 MiB/s · read-bound (blocked 62% of the step)"."""
+        """ "read 1.2 GiB at 310.0 MiB/s · read-bound (waited 62% of the step)"."""
         s = self.step()
         return (
-            f"read {human_bytes(s['read_bytes'])} · {human_bytes(s['read_bytes_per_s'])}/s · "
-            f"{s['bound']}-bound (blocked {s['blocked_share']:.0%} of the step)"
+            f"{self.verb} {human_bytes(s['read_bytes'])} at "
+            f"{human_bytes(s['read_bytes_per_s'])}/s · "
+            f"{s['bound']}-bound (waited {s['wait_share']:.0%} of the step)"
         )
 
 
@@ -181,4 +178,4 @@ def store_meter(model: nn.Module) -> StoreMeter | None:
     from moetune.engine.offload import store_of
 
     store = store_of(model)
-    return StoreMeter(store) if store is not None else None
+    return StoreMeter(store.stats) if store is not None else None
