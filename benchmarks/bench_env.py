@@ -62,14 +62,20 @@ def describe() -> str:
     return f"{THREADS} threads, OMP_WAIT_POLICY={wait}"
 
 
-def append_results(results: Path, head: str, text: str) -> None:
-    """`text` at the end of RESULTS.md under `head` (added once), written to a temp file and
-    renamed: an interrupted record leaves the file as it was."""
-    body = results.read_text(encoding="utf-8") if results.exists() else ""
-    body = body.rstrip("\n") + "\n\n" + (head + "\n\n" if head not in body else "") + text + "\n"
-    tmp = results.with_suffix(".md.tmp")
+def write_results(results: Path, body: str) -> None:
+    """RESULTS.md replaced by `body`, written to a temp file and renamed: an interrupted
+    record leaves the file as it was. Every benchmark writes RESULTS.md through this (or
+    append_results) and only when asked with `--record` (tests/test_benchmarks.py)."""
+    tmp = results.with_name(results.name + ".tmp")
     tmp.write_text(body, encoding="utf-8")
     os.replace(tmp, results)
+
+
+def append_results(results: Path, head: str, text: str) -> None:
+    """`text` at the end of RESULTS.md under `head` (added once)."""
+    body = results.read_text(encoding="utf-8") if results.exists() else ""
+    body = body.rstrip("\n") + "\n\n" + (head + "\n\n" if head not in body else "") + text + "\n"
+    write_results(results, body)
 
 
 def drop_cache(path: Path) -> None:

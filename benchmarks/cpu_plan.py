@@ -147,13 +147,12 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 
 def step_times(run_dir: Path) -> list[float]:
-    """Seconds per optimizer step from metrics.jsonl (each row's `seconds` since the row
-    before, shared among the steps between them)."""
+    """Seconds per optimizer step from metrics.jsonl (each row's `step_seconds`: the mean
+    over the steps since the row before)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     out, step = [], 0
-    for r in (r for r in rows if "seconds" in r):
-        n = max(1, r["step"] - step)
-        out += [r["seconds"] / n] * n
+    for r in (r for r in rows if r.get("step_seconds") is not None):
+        out += [float(r["step_seconds"])] * max(1, r["step"] - step)
         step = r["step"]
     return out or [0.0]
 

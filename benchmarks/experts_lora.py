@@ -392,7 +392,7 @@ def record(rows: list[dict], device: torch.device, dtype: torch.dtype, quick: bo
     head, _, tail = text.partition(SECTION)
     body, sep, rest = tail.partition("\n## ")  # the lines go at the end of this section
     after = f"\n## {rest}" if sep else ""
-    RESULTS.write_text(f"{head}{SECTION}{body.rstrip()}\n{lines}{after}")
+    bench_env.write_results(RESULTS, f"{head}{SECTION}{body.rstrip()}\n{lines}{after}")
 
 
 def choices(text: str, allowed: tuple[str, ...] | list[str], what: str) -> list[str]:

@@ -26,7 +26,7 @@ A device run: `--out $OUT --budget-s 420` with a 540 s timeout; then, on this ma
 copy of the tree does not come back).
 
     python benchmarks/gpu_validate.py [--out DIR] [--budget-s 420] [--cases a,b]
-        [--results PATH | --no-record] [--jobs N] [--no-tracker] [--json] [--smoke]
+        [--record [--results PATH]] [--jobs N] [--no-tracker] [--json] [--smoke]
     python benchmarks/gpu_validate.py --record-from gpu_validate.json [--results PATH]
 """
 
@@ -284,7 +284,7 @@ def record(path: Path, data: dict[str, Any]) -> None:
     head, _, tail = text.partition(SECTION)
     body, sep, rest = tail.partition("\n## ")
     after = f"\n## {rest}" if sep else ""
-    _write(path, f"{head}{SECTION}{body.rstrip()}\n\n{markdown(data)}{after}")
+    bench_env.write_results(path, f"{head}{SECTION}{body.rstrip()}\n\n{markdown(data)}{after}")
 
 
 # ---------------------------------------------------------------- entry
@@ -314,10 +314,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--results",
         type=Path,
         default=None,
-        help="append the summary here (default benchmarks/RESULTS.md; --smoke "
-        "appends only when given)",
+        help="where --record and --record-from append (default benchmarks/RESULTS.md)",
     )
-    ap.add_argument("--no-record", action="store_true", help="append to no results file")
+    ap.add_argument("--record", action="store_true", help="append the summary to --results")
     ap.add_argument(
         "--record-from",
         type=Path,
@@ -392,13 +391,11 @@ def finish(run: Run) -> int:
     args, data = run.args, report(run)
     path = write_json(run.out, data)
     _write(run.out / "gpu_validate.md", markdown(data))
-    results = None if args.no_record else args.results or (None if args.smoke else RESULTS)
-    if not data["summary"]["ok"]:
-        results = None  # nothing finished: nothing to record
-    if results is not None:
+    results = (args.results or RESULTS) if data["summary"]["ok"] else None  # none finished
+    if args.record and results is not None:
         record(results, data)
     print(json.dumps(data, indent=2, default=str) if args.json else markdown(data))
-    print(f"wrote {path}" + (f"; appended to {results}" if results else ""))
+    print(f"wrote {path}" + (f"; appended to {results}" if args.record and results else ""))
     return 0
 
 

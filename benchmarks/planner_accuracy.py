@@ -7,11 +7,11 @@ newest families instead (hybrid linear attention, MLA with an indexer, …) at r
 seq {2048, 8192} × gc on/off; a flagship whose mixer kind has no calibrated analytic term
 is planned with the trace (`plan.fit`), and its raw analytic error is shown apart.
 Traces are cached on disk (`~/.cache/moetune/traces`), so a rerun only pays for what
-changed. Prints the worst relative error and its case and appends a dated line to
-benchmarks/RESULTS.md.
+changed. Prints the worst relative error and its case; `--record` appends a dated line
+to benchmarks/RESULTS.md.
 
     python benchmarks/planner_accuracy.py [--quick | --flagships] [--json] [--models a,b]
-        [--seqs 2048,8192] [--no-record]
+        [--seqs 2048,8192] [--record]
 """
 
 from __future__ import annotations
@@ -197,9 +197,7 @@ def record(s: dict[str, Any]) -> None:
     text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
     if SECTION not in text:
         text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n"
-    tmp = RESULTS.with_suffix(".md.tmp")
-    tmp.write_text(insert_in_section(text, SECTION, result_line(s)))
-    tmp.replace(RESULTS)
+    bench_env.write_results(RESULTS, insert_in_section(text, SECTION, result_line(s)))
 
 
 def result_line(s: dict[str, Any]) -> str:
@@ -243,14 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print every case as JSON")
     ap.add_argument("--models", help="comma list of model ids (default: the grid's)")
     ap.add_argument("--seqs", help="comma list of sequence lengths (default: the grid's)")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     ap.add_argument("--smoke", action="store_true", help="the demo base only; never records")
     bench_env.add_argument(ap)
     args = ap.parse_args(argv)
     bench_env.apply()
     name = "flagships" if args.flagships else "quick" if args.quick else "full"
     name = "smoke" if args.smoke else name
-    args.no_record = args.no_record or args.smoke
     smoke = (str(SHIPPED_DIR),)
     default = {"full": MODELS, "quick": QUICK_MODELS, "flagships": FLAGSHIPS, "smoke": smoke}[name]
     models = tuple(args.models.split(",")) if args.models else default
@@ -268,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"worst: {100 * s['worst_error']:+.1f} % at {s['worst_case']}; "
               f"mean |error| {100 * s['mean_abs_error']:.2f} %")  # fmt: skip
-    if not args.no_record:
+    if args.record and not args.smoke:  # a smoke figure is no result
         record(s)
     return 0
 

@@ -7,11 +7,11 @@ safetensors, written under a temp dir and deleted after), trains the same LoRA s
 each), and samples every rank's RSS from this parent with psutil (the launcher's children
 carry RANK in their environment). The plan: `plan.sharding.host_ram` for the load and, as a
 CPU rank also trains in host RAM, the per-rank training peak (`per_rank_bytes`) plus the
-runtime, whichever is larger. Appends the figures, the machine and the date to RESULTS.md.
+runtime, whichever is larger. `--record` appends the figures, machine and date to RESULTS.md.
 
-    python benchmarks/sharded_load.py [--smoke] [--no-record]
+    python benchmarks/sharded_load.py [--smoke] [--record]
 
-`--smoke`: the tiny test model (31 KB), nothing recorded unless asked.
+`--smoke`: the tiny test model (31 KB).
 """
 
 from __future__ import annotations
@@ -214,17 +214,14 @@ def record(line: str) -> None:
     text = RESULTS.read_text() if RESULTS.exists() else ""
     if SECTION not in text:
         text += f"\n{SECTION}\n\n`python benchmarks/sharded_load.py`\n\n"
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text(text + line)
-    tmp.replace(RESULTS)
+    bench_env.write_results(RESULTS, text + line)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny model (a fast check)")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--record", action="store_true", help="append even with --smoke")
-    parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     bench_env.add_argument(parser)
     args = parser.parse_args()
@@ -232,7 +229,7 @@ def main() -> int:
     m = measure(args.smoke, args.steps)
     line = report(m)
     print(json.dumps(m) if args.json else line, end="" if not args.json else "\n")
-    if (not args.smoke or args.record) and not args.no_record:
+    if args.record:
         record(line)
     return 0
 

@@ -6,9 +6,9 @@ size 2 (torch.multiprocessing spawn, gloo) and FSDP2 (`fully_shard` on each deco
 then on the model). Each rank counts its live tensor bytes with a TorchDispatchMode byte
 tracker (`plan.tracker.ByteTracker`, DTensors counted by their local shard) over the second
 step (Adam moments live), and the peak is compared with `per_rank_bytes(spec, cfg, N,
-"fsdp")` and with the single-device analytic. Appends a dated line to RESULTS.md.
+"fsdp")` and with the single-device analytic. `--record` appends a dated line to RESULTS.md.
 
-    python benchmarks/sharding_accuracy.py [--no-record]
+    python benchmarks/sharding_accuracy.py [--record]
 """
 
 from __future__ import annotations
@@ -185,14 +185,13 @@ def measure_world(world: int) -> list[int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-record", action="store_true", help="Do not append to RESULTS.md.")
+    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--smoke", action="store_true", help="a tiny model; never records")
     bench_env.add_argument(parser)
     args = parser.parse_args()
     bench_env.apply()
     if args.smoke:
         os.environ["MOETUNE_BENCH_SMOKE"] = "1"
-        args.no_record = True
     spec, cfg = spec_from_config(dict(CONFIG), "bench-moe"), run_config()
     # the step here takes the model's own loss (full logits), not TRL's fused LM head
     step = replace(Step.from_config(cfg, spec), fused_head=False)
@@ -208,7 +207,7 @@ def main() -> int:
             rows.append((world, rank, peak, planned, err))
             print(f"world {world} rank {rank}: measured {peak / 2**20:.2f} MiB, "
                   f"planned {planned / 2**20:.2f} MiB ({err:+.1%})")  # fmt: skip
-    if not args.no_record:
+    if args.record and not args.smoke:  # a smoke figure is no result
         _record(spec.total_params, rows)
     return 0
 
@@ -226,9 +225,7 @@ def _record(params: int, rows: list[tuple[int, int, int, int, float]]) -> None:
     text = RESULTS.read_text() if RESULTS.exists() else ""
     if SECTION not in text:
         text += f"\n{SECTION}\n\n`python benchmarks/sharding_accuracy.py`\n\n"
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text(text + line)
-    tmp.replace(RESULTS)
+    bench_env.write_results(RESULTS, text + line)
 
 
 if __name__ == "__main__":

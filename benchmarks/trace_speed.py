@@ -2,9 +2,9 @@
 
 Traces one step of Qwen3-30B-A3B and Qwen3-235B-A22B (vanilla peft LoRA r=16 on attention
 and auto-mapped experts, seq 1024, batch 1, gradient checkpointing on), each in its own
-process so max RSS is per model, and appends a dated line to benchmarks/RESULTS.md.
+process so max RSS is per model; `--record` appends a dated line to benchmarks/RESULTS.md.
 
-    python benchmarks/trace_speed.py [--json] [--models 30b,235b] [--seq 1024] [--no-record]
+    python benchmarks/trace_speed.py [--json] [--models 30b,235b] [--seq 1024] [--record]
 """
 
 from __future__ import annotations
@@ -78,8 +78,6 @@ def machine() -> str:
 
 def record(rows: list[dict[str, Any]]) -> None:
     """Append one dated line per model to RESULTS.md."""
-    if not RESULTS.exists():
-        RESULTS.write_text(RESULTS_HEADER)
     today = datetime.date.today().isoformat()
     lines = [
         f"- {today} trace_speed: {r['model']} LoRA r16 seq {r['seq_len']} gc on: "
@@ -87,8 +85,8 @@ def record(rows: list[dict[str, Any]]) -> None:
         f"{r['peak_op']} ({r['peak_phase']}), max RSS {r['max_rss_gib']} GiB [{machine()}]\n"
         for r in rows
     ]
-    with RESULTS.open("a") as out:
-        out.writelines(lines)
+    text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
+    bench_env.write_results(RESULTS, text + "".join(lines))
 
 
 def main() -> None:
@@ -96,7 +94,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     parser.add_argument("--models", default="30b,235b", help="comma-separated: 30b, 235b")
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--no-record", action="store_true", help="don't append to RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument(
         "--smoke", action="store_true", help="the demo base at seq 64; never records"
@@ -104,7 +102,7 @@ def main() -> None:
     bench_env.add_argument(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.models, args.seq, args.no_record = "demo", 64, True
+        args.models, args.seq, args.record = "demo", 64, False
     if args.child:
         bench_env.apply()
         print(json.dumps(trace_one(args.child, args.seq)))
@@ -119,7 +117,7 @@ def main() -> None:
                 f"peak {r['peak_gib']:7.2f} GiB  at {r['peak_op']} ({r['peak_phase']})  "
                 f"RSS {r['max_rss_gib']:.2f} GiB"
             )
-    if not args.no_record:
+    if args.record:
         record(rows)
 
 

@@ -3,10 +3,14 @@ start it – so a renamed config field or API breaks the suite, not the next mea
 
 The scripts are found on disk (a new one is covered by itself); each must pin its threads
 through bench_env before torch loads, take --smoke, and leave RESULTS.md untouched there.
+Beyond --smoke, no script writes RESULTS.md unless asked with --record: every write goes
+through bench_env (write_results / append_results), reached only under an `if` on the
+record flag, which defaults to off (read from each script's syntax tree).
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import re
@@ -73,3 +77,111 @@ def test_smoke_run(name: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(pattern, done.stdout), done.stdout[-3000:]
     assert _digest() == before, f"{name} --smoke wrote to RESULTS.md"
+
+
+WRITERS = {"write_results", "append_results"}  # bench_env's: the only ways to RESULTS.md
+WRITE_ATTRS = {"write_text", "write_bytes", "open", "replace", "rename", "with_suffix"}
+
+
+def _guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Under an `if` that tests the record flag (args.record, args.record_from)."""
+    while node in parents:
+        child, node = node, parents[node]
+        if isinstance(node, ast.If) and child in node.body and "record" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def _enclosing(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str | None:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.FunctionDef):
+            return node.name
+    return None
+
+
+def _reaching(tree: ast.Module, parents: dict[ast.AST, ast.AST]) -> set[str | None]:
+    """Functions (None: module level) that write RESULTS.md when called, unguarded."""
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    reach: set[str | None] = set()
+    while True:
+        more = {
+            _enclosing(c, parents)
+            for c in calls
+            if (isinstance(c.func, ast.Attribute) and c.func.attr in WRITERS)
+            or (isinstance(c.func, ast.Name) and (c.func.id in WRITERS or c.func.id in reach))
+            if not _guarded(c, parents)
+        }
+        if more <= reach:
+            return reach
+        reach |= more
+
+
+def _turns_on(target: ast.expr, value: ast.expr) -> bool:
+    off = isinstance(value, ast.Constant) and value.value is False
+    return isinstance(target, ast.Attribute) and target.attr == "record" and not off
+
+
+def _assigned_record(tree: ast.Module) -> list[str]:
+    """Assignments that could turn the record flag on (only `= False` is allowed)."""
+    bad = []
+    for node in (n for n in ast.walk(tree) if isinstance(n, ast.Assign)):
+        for target in node.targets:
+            pairs = [(target, node.value)]
+            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs = list(zip(target.elts, node.value.elts, strict=True))
+            bad += [ast.unparse(node) for t, v in pairs if _turns_on(t, v)]
+    return bad
+
+
+def _own_writes(tree: ast.Module) -> list[str]:
+    """Calls that write RESULTS.md around bench_env (RESULTS.write_text, tmp.replace(RESULTS))."""
+    return [
+        ast.unparse(c)
+        for c in ast.walk(tree)
+        if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+        and c.func.attr in WRITE_ATTRS and "RESULTS" in ast.unparse(c)
+    ]  # fmt: skip
+
+
+def _names(tree: ast.Module) -> set[str]:
+    return {getattr(n, "attr", getattr(n, "id", "")) for n in ast.walk(tree)}
+
+
+def record_problems(source: str) -> list[str]:
+    """Why `source` (a benchmark script) could write RESULTS.md without --record."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = [f"{name or 'module level'} writes RESULTS.md unguarded"
+           for name in _reaching(tree, parents) if name in (None, "main")]  # fmt: skip
+    out += [f"writes RESULTS.md itself: {call}" for call in _own_writes(tree)]
+    out += [f"turns recording on: {a}" for a in _assigned_record(tree)]
+    if "--no-record" in source:
+        out.append("--no-record: recording must be asked for, not declined")
+    flag = re.search(r'"--record",\s*action="store_true"', source)
+    if _names(tree) & WRITERS and not flag:
+        out.append("writes RESULTS.md but has no --record flag (store_true)")
+    return out
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_results_are_written_only_with_record(name: str) -> None:
+    assert record_problems((BENCH / name).read_text()) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("def main(args):\n    args.record = args.record or not args.smoke\n"
+         "    if args.record:\n        bench_env.append_results(RESULTS, 'h', 't')\n",
+         "turns recording on"),
+        ("def record(t):\n    bench_env.write_results(RESULTS, t)\n"
+         "def main(args):\n    if args.smoke:\n        return 0\n    record('t')\n",
+         "main writes RESULTS.md unguarded"),
+        ("def main(args):\n    if not args.no_record:\n        RESULTS.open('a').write('x')\n",
+         "writes RESULTS.md itself"),
+    ],
+)  # fmt: skip
+def test_the_record_check_finds_a_default_write(source: str, says: str) -> None:
+    """The check above is not vacuous: the patterns the scripts used to have are caught."""
+    assert any(says in problem for problem in record_problems(source))

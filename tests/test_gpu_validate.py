@@ -31,7 +31,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         mp.setenv("MOETUNE_CACHE_DIR", str(root / "cache"))  # no stale or shared traces
         threads = torch.get_num_threads()
         rc = gv.main(["--smoke", "--cases", ",".join(SMOKE_CASES), "--out", str(root / "out"),
-                      "--results", str(root / "RESULTS.md")])  # fmt: skip
+                      "--record", "--results", str(root / "RESULTS.md")])  # fmt: skip
     data = json.loads((root / "out" / "gpu_validate.json").read_text())
     return {"rc": rc, "data": data, "root": root, "threads": threads}
 
@@ -100,7 +100,7 @@ def test_record_from_appends_under_the_same_section(smoke: dict[str, Any], tmp_p
 
 def test_budget_skips_cases_and_still_writes_the_json(tmp_path: Path):
     out, results = tmp_path / "out", tmp_path / "RESULTS.md"
-    argv = ["--smoke", "--budget-s", "0", "--out", str(out), "--results", str(results)]
+    argv = ["--smoke", "--budget-s", "0", "--out", str(out), "--record", "--results", str(results)]
     assert gv.main(argv) == 0
     data = json.loads((out / "gpu_validate.json").read_text())
     assert [r["status"] for r in data["cases"]] == ["skipped"] * len(data["cases"])
@@ -208,7 +208,7 @@ def test_offload_cases_stream_the_experts(tmp_path: Path, name: str):
     """The offload cases' smoke: experts in the store, at most two layers of them on the
     device at a time; the plan beside it where plan.offload exists."""
     out = tmp_path / "out"
-    assert gv.main(["--smoke", "--cases", name, "--out", str(out), "--no-record"]) == 0
+    assert gv.main(["--smoke", "--cases", name, "--out", str(out)]) == 0
     (row,) = json.loads((out / "gpu_validate.json").read_text())["cases"]
     assert row["status"] == "ok" and row["offload"] == name.split("-")[3]
     assert row["experts_implementation"] == "moetune_lora"
@@ -221,7 +221,7 @@ def test_offload_cases_stream_the_experts(tmp_path: Path, name: str):
     assert row["measured_bytes"] == row["weight_bytes"] + stats["peak_resident_bytes"]
     assert (row["error"] is None) == (row["predicted_bytes"] is None)
     case = next(c for c in gpu_cases.CASES if c.name == name)
-    assert case.default == (case.offload == "cpu") and case.model == gpu_cases.OLMOE
+    assert case.default and case.model == gpu_cases.OLMOE  # both offload cases run by default
 
 
 def test_smoke_stored_bases_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -12,9 +12,10 @@ from rich.console import Console
 
 from moetune.config import dump_config, parse_config
 from moetune.io import atomic_write_text
-from moetune.train.callbacks import MetricsCallback, RichProgress, human_bytes
+from moetune.train.callbacks import MetricsCallback, RichProgress, human_bytes, rate_text
 from moetune.train.checkpoint import JsonlLog, config_diff, replace_dir
 from moetune.train.errors import TrainError
+from moetune.train.offload import StoreMeter
 
 ARGS = SimpleNamespace(should_save=True)
 
@@ -69,6 +70,61 @@ def test_progress_bar_shows_loss_throughput_and_memory():
     quiet = RichProgress(metrics, Console(file=io.StringIO(), quiet=True))
     quiet.on_train_begin(ARGS, _state(0, 0), None)
     assert quiet.progress is None  # progress=False draws nothing
+
+
+def test_slow_steps_show_decimals_and_seconds_per_step():
+    """A 41 s offload step of 128 tokens is 3.12 tok/s, not "0 tok/s", and says s/step."""
+    clock = iter([0.0, 82.0, 83.0, 1000.0])
+    rows: list[dict] = []
+    metrics = MetricsCallback(rows.append, clock=lambda: next(clock))
+    metrics.on_train_begin(ARGS, _state(0, 0), None)
+    metrics.on_log(ARGS, _state(2, 256), None, logs={"loss": 2.0})
+    metrics.on_log(ARGS, _state(3, 256 + 2000), None, logs={"loss": 1.9})
+    assert (rows[0]["tokens_per_s"], rows[0]["step_seconds"]) == (3.12, 41.0)
+    assert (rows[1]["tokens_per_s"], rows[1]["step_seconds"]) == (2000.0, 1.0)
+    metrics.on_train_end(ARGS, _state(3, 2256), None)
+    assert metrics.loop["tokens_per_s"] == 2.26  # the whole loop's rate: not rounded to 2.3
+    assert rate_text(3.12, 41.0) == "3.12 tok/s · 41.0 s/step"
+    assert rate_text(0.0412, 3100.0) == "0.041 tok/s · 3100.0 s/step"
+    assert rate_text(1500.0, 0.2) == "1,500 tok/s"
+
+
+def _stats(mode: str = "disk") -> SimpleNamespace:
+    """The store counters the meter reads (engine/offload.py's OffloadStats)."""
+    phases = {"forward": 0, "backward": 0}
+    return SimpleNamespace(mode=mode, bytes_read=dict(phases), bytes_moved=dict(phases),
+                           load_s=0.0, wait_s=0.0)  # fmt: skip
+
+
+def test_offload_progress_says_bytes_read_rate_and_bound():
+    now = [0.0]
+    stats = _stats()
+    meter = StoreMeter(stats, clock=lambda: now[0])
+    stats.bytes_read["forward"] += 6 * 2**30  # read in 4 s of loading, 6 s of them waited
+    stats.load_s, stats.wait_s, now[0] = 4.0, 6.0, 8.0
+    step = meter.step()
+    assert step["read_bytes"] == 6 * 2**30 and step["read_bytes_per_s"] == 6 * 2**30 / 4
+    assert (step["wait_share"], step["bound"]) == (0.75, "read")
+    now[0] += 10.0  # a step of compute only: nothing read
+    assert meter.line() == "read 0 B at 0 B/s · compute-bound (waited 0% of the step)"
+    assert meter.totals() == {"offload_bytes_read": 6 * 2**30, "offload_load_s": 4.0,
+                              "offload_wait_s": 6.0}  # fmt: skip
+    out = io.StringIO()
+    bar = RichProgress(MetricsCallback(lambda row: None), Console(file=out, width=200),
+                       meter.line)  # fmt: skip
+    bar.on_train_begin(ARGS, _state(0, 0), None)
+    stats.bytes_read["backward"] += 3 * 2**30
+    stats.load_s, stats.wait_s, now[0] = 6.0, 6.5, now[0] + 1.0
+    bar.on_step_end(ARGS, _state(1, 10), None)
+    bar.close()
+    assert "read 3.0 GiB at 1.5 GiB/s · compute-bound (waited 50% of the step)" in out.getvalue()
+
+
+def test_cpu_offload_progress_says_what_was_copied():
+    stats, now = _stats("cpu"), [0.0]
+    meter = StoreMeter(stats, clock=lambda: now[0])
+    stats.bytes_moved["forward"], stats.load_s, stats.wait_s, now[0] = 2**30, 0.5, 0.9, 1.0
+    assert meter.line() == "copied 1.0 GiB at 2.0 GiB/s · read-bound (waited 90% of the step)"
 
 
 def test_human_bytes():

@@ -279,6 +279,13 @@ def test_two_processes_train_the_adapter_of_one(tiny, one, two):
     assert ran["sharded_parameters"] == (ran["parameters"] if two.strategy != "ddp" else 0)
     if two.strategy == "fsdp":  # a sharded load: rank 0 alone read the weights
         _assert_loaded_once(ran["load"]["ranks"], tiny.model)
+    # one rank's share is planned, everywhere the run reports it (launcher's result included)
+    planned = json.loads((two.run / "preflight.json").read_text())["run_plan"]
+    assert planned["kind"] == summary["memory"]["planned_by"] == "per_rank"
+    assert planned["detail"] == {"ranks": 2, "strategy": two.strategy}
+    figure = planned["peak_bytes"]
+    assert summary["memory"]["planned_peak_bytes"] == two.result["planned_peak_bytes"] == figure
+    assert mine[0].metrics["planned_peak_bytes"] == figure
 
 
 def _weights(model_dir: Path) -> tuple[int, int]:

@@ -11,6 +11,7 @@ offloaded quantised; what cannot work is refused before the run dir is written.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _run(tiny: tuple[Path, Path], out: Path, offload: str, resume: bool = False,
-         **over: Any) -> Any:  # fmt: skip
+         progress: bool = False, **over: Any) -> Any:  # fmt: skip
     from moetune.train import train
 
     experts_dtype = over.pop("experts_dtype", "bf16")
@@ -63,7 +64,7 @@ def _run(tiny: tuple[Path, Path], out: Path, offload: str, resume: bool = False,
                      offload=offload, **train_over)  # fmt: skip
     cfg.model.experts_dtype = experts_dtype
     with one_thread():
-        return train(cfg, resume=resume, progress=False)
+        return train(cfg, resume=resume, progress=progress)
 
 
 def _adapter(result: Any) -> dict[str, torch.Tensor]:
@@ -135,6 +136,54 @@ def test_offloaded_int8_experts_stream_quantised(
     assert sum(stats["bytes_read"].values()) > 0  # read back from the scratch file
     quant = json.loads((tmp_path / "run" / "quant.json").read_text())
     assert quant["method"] == "int8" and len(quant["layers"]) == LAYERS
+
+
+def test_the_run_reports_the_plan_of_its_offload(
+    tiny: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:  # fmt: skip
+    """summary.json, preflight.json, the closing line, the ledger row and the HTML report all
+    carry the disk-offload plan of the run (host RAM is the device on a CPU: the process's
+    planned RSS), not the plan of the same model held whole on one device; the progress
+    line and metrics.jsonl say what the store read."""
+    from moetune.cli.commands import _report_train
+    from moetune.cli.common import console
+    from moetune.model import load_spec
+    from moetune.plan import make_plan
+    from moetune.plan.offload import plan_offload
+    from moetune.report import build_report
+    from moetune.units import human_bytes
+
+    result = _run(tiny, tmp_path / "run", "disk", progress=True)
+    bar = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"read \d+\.\d KiB at \d+\.\d [KMG]iB/s · (read|compute)-bound \(waited", bar)
+    assert "tok/s" in bar and " 0 tok/s" not in bar
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    read = [r["offload_bytes_read"] for r in rows if "loss" in r]
+    assert read == sorted(read) and read[0] >= LAYERS * LAYER_BYTES  # a step reads every layer
+    cfg = run_config(*tiny, tmp_path / "run", lora__engine="moetune", offload="disk",
+                     lora__targets=["attention", "experts"], max_steps=3, save_steps=3)  # fmt: skip
+    cfg.model.dtype = "float32"  # a CPU run holds the base in fp32 (setup.Placement)
+    spec = load_spec(str(tiny[0]))
+    planned = plan_offload(spec, cfg, None).host_ram_bytes
+    assert planned != make_plan(spec, cfg, cards=[]).peak_bytes  # not the offload-none plan
+    assert result.planned_peak_bytes == planned
+    run = tmp_path / "run"
+    memory = json.loads((run / "summary.json").read_text())["memory"]
+    assert (memory["planned_peak_bytes"], memory["planned_by"]) == (planned, "offload")
+    assert memory["measured"] == "process_peak_rss" and "peak RSS" in memory["compared"]
+    assert memory["measured_over_planned"] == round(result.peak_memory_bytes / planned, 4)
+    preflight = json.loads((run / "preflight.json").read_text())["run_plan"]
+    assert preflight["peak_bytes"] == planned and preflight["detail"]["offload"] == "disk"
+    row = json.loads((tmp_path / "ledger.jsonl").read_text().splitlines()[-1])
+    assert row["metrics"]["planned_peak_bytes"] == planned
+    with console.capture() as captured:
+        _report_train(result, False)
+    line = " ".join(captured.get().split())  # unwrapped
+    assert f"{human_bytes(planned)} planned (offload disk, host RAM as device)" in line
+    html = build_report(run).read_text()
+    assert f"{planned:,}" in html and "planned peak (offload disk, host RAM as device)" in html
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,9 @@ def test_measured_memory_next_to_the_plan(done):
     assert memory["measured_peak_bytes"] == done.result.peak_memory_bytes > 0
     assert memory["measured"] == "process_peak_rss"
     assert memory["planned_peak_bytes"] == plan["peak_bytes"] == done.result.planned_peak_bytes
+    run_plan = _json(done.run / "preflight.json")["run_plan"]  # no offload, one process
+    assert (memory["planned_by"], run_plan["peak_bytes"]) == ("memory", plan["peak_bytes"])
+    assert done.result.planned_by == "one device" and memory["compared"]
 
 
 def test_adapter_loads_with_plain_peft_and_gives_the_same_logits(done, files):

@@ -287,13 +287,14 @@ def _report_train(result: Any, as_json: bool) -> None:
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "–"
     router = "changed" if result.router_changed else "unchanged"
     planned = human_bytes(result.planned_peak_bytes) if result.planned_peak_bytes else "–"
+    by = f" ({result.planned_by})" if result.planned_by else ""
     console.print(f"adapter: {escape(result.adapter_dir)}")
     console.print(
         f"{result.steps} steps · final loss {loss} · LoRA coverage {result.coverage:.0%} · "
         f"router {router} · aux loss {'on' if result.aux_loss else 'off'} · {result.seconds:.1f} s"
     )
     console.print(
-        f"peak memory {human_bytes(result.peak_memory_bytes)} measured, {planned} planned"
+        f"peak memory {human_bytes(result.peak_memory_bytes)} measured, {planned} planned{by}"
     )
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}")

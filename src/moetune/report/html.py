@@ -243,25 +243,26 @@ def config_section(inp: Inputs) -> dict[str, Any]:
 
 
 def memory_section(inp: Inputs) -> dict[str, Any]:
-    """The plan's prediction next to the measured peak (summary.json, else metrics.jsonl)."""
+    """The plan of the configuration that ran (offload, nproc: preflight.json's run_plan,
+    else its memory plan) next to the measured peak (summary.json, else metrics.jsonl)."""
     mem = inp.get("summary.json").get("memory") or {}
-    plan = inp.get("preflight.json").get("plan") or {}
+    plan = inp.get("preflight.json").get("run_plan") or _memory_plan(inp)
     measured, how = mem.get("measured_peak_bytes"), mem.get("measured") or ""
     logged = [r["memory_bytes"] for r in inp.metrics if isinstance(r.get("memory_bytes"), int)]
     if measured is None and logged:  # unfinished run: the largest figure logged so far
         measured, how = max(logged), "largest memory_bytes in metrics.jsonl"
     candidates = (
         (
-            "planned peak (tensors)",
+            f"planned peak ({plan.get('label', 'one device')})",
             mem.get("planned_peak_bytes") or plan.get("peak_bytes"),
-            f"estimator: {plan.get('estimator', '–')}",
+            mem.get("compared") or plan.get("compared") or "",
         ),
         (
             "planned required (with overhead)",
             mem.get("planned_required_bytes") or plan.get("required_bytes"),
             "what the plan requires of a card",
         ),
-        ("measured peak", measured, MEASURED_NOTES.get(how, how)),
+        ("measured peak", measured, _measured_note(how, plan)),
     )
     rows = [(label, value, note) for label, value, note in candidates if isinstance(value, int)]
     if not rows:
@@ -275,6 +276,19 @@ def memory_section(inp: Inputs) -> dict[str, Any]:
         "ratio": measured / planned if measured and planned else None,
         "plot": plots.memory_plot([(label, value) for label, value, _ in rows]),
     }
+
+
+def _measured_note(how: str, plan: dict[str, Any]) -> str:
+    """How the peak was measured; a CPU offload plan counts the whole process, as RSS does."""
+    if how == "process_peak_rss" and plan.get("kind") == "offload":
+        return "process peak RSS (the whole Python process, as the offload plan counts it)"
+    return MEASURED_NOTES.get(how, how)
+
+
+def _memory_plan(inp: Inputs) -> dict[str, Any]:
+    """A run dir from before run_plan: the preflight's memory plan in run_plan's keys."""
+    plan = inp.get("preflight.json").get("plan") or {}
+    return {**plan, "compared": f"estimator: {plan.get('estimator', '–')}"}
 
 
 MEASURED_NOTES = {

@@ -26,6 +26,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 from transformers import TrainerCallback
 
 from moetune.train.errors import TrainError
@@ -87,29 +88,33 @@ _KEEP = {  # TRL/HF log key -> metrics.jsonl field
 
 
 class MetricsCallback(TrainerCallback):
-    """One metrics row per log: step, loss, lr, tokens/s, memory (+ aux loss when on); and,
-    once training ends, `loop`: the tokens and tokens/s of the whole training loop."""
+    """One metrics row per log: step, loss, lr, tokens/s, memory (+ aux loss when on, and
+    `extra`'s figures: train.offload's reads); and, once training ends, `loop`: the tokens
+    and tokens/s of the whole training loop."""
 
     def __init__(
         self,
         write: Callable[[dict[str, Any]], None],
         clock: Callable[[], float] = time.perf_counter,
+        extra: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        self.write, self.clock = write, clock
+        self.write, self.clock, self.extra = write, clock, extra
         self.last: dict[str, Any] = {}
         self.loop: dict[str, Any] = {}
         self._mark = self._begin = (0.0, 0)
+        self._step = 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # after a resume's checkpoint is loaded: tokens count from where this attempt starts
         self._mark = self._begin = (self.clock(), state.num_input_tokens_seen)
+        self._step = state.global_step
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Non-padding tokens over the loop's wall time (checkpoints and eval included, as a
         real run pays them; model loading and data preparation not)."""
         then, before = self._begin
         seconds, tokens = self.clock() - then, int(state.num_input_tokens_seen - before)
-        rate = round(tokens / seconds, 1) if tokens and seconds > 0 else None
+        rate = _significant(tokens / seconds) if tokens and seconds > 0 else None
         self.loop = {"tokens": tokens, "tokens_per_s": rate, "loop_seconds": round(seconds, 3)}
 
     def on_log(
@@ -121,23 +126,41 @@ class MetricsCallback(TrainerCallback):
         row: dict[str, Any] = {"step": state.global_step}
         row.update({out: logs[key] for key, out in _KEEP.items() if key in logs})
         if "loss" in logs:
-            row.update(self._throughput(state.num_input_tokens_seen))
+            row.update(self._throughput(state.num_input_tokens_seen, state.global_step))
+            row.update(self.extra() if self.extra is not None else {})
         if args.should_save:
             self.write(row)  # the diverged row is kept: it says when it happened
         self.last = {**self.last, **row}
         refuse_non_finite(row)
 
-    def _throughput(self, tokens: int) -> dict[str, Any]:
+    def _throughput(self, tokens: int, step: int) -> dict[str, Any]:
+        """Tokens/s (3 significant figures: a slow offload step is not "0") and seconds per
+        optimizer step since the last loss row."""
         now = self.clock()
-        then, before = self._mark
-        self._mark = (now, tokens)
+        (then, before), steps = self._mark, step - self._step
+        self._mark, self._step = (now, tokens), step
         rate = (tokens - before) / (now - then) if now > then else 0.0
-        return {
-            "tokens": tokens,
-            "tokens_per_s": round(rate, 1),
-            "memory_bytes": memory_now(),
-            "seconds": round(now - then, 3),
-        }  # since the row before: slow steps read here
+        per_step = round((now - then) / steps, 3) if steps > 0 else None
+        return {"tokens": tokens, "tokens_per_s": _significant(rate), "step_seconds": per_step,
+                "memory_bytes": memory_now()}  # fmt: skip
+
+
+def _significant(value: float, digits: int = 3) -> float:
+    """`value` to `digits` significant figures, at least one decimal (12345.6, 3.21, 0.0412)."""
+    if value <= 0 or not math.isfinite(value):
+        return 0.0
+    return round(value, max(1, digits - 1 - math.floor(math.log10(value))))
+
+
+def rate_text(tokens_per_s: float, step_seconds: float | None) -> str:
+    """The progress bar's speed: tok/s with the decimals a slow run needs, and s/step once
+    a step takes a second or more (where tok/s alone hides how long the wait is)."""
+    if tokens_per_s >= 100:
+        rate = f"{tokens_per_s:,.0f} tok/s"
+    else:
+        rate = f"{tokens_per_s:.3g} tok/s" if tokens_per_s >= 1 else f"{tokens_per_s:.2g} tok/s"
+    slow = step_seconds is not None and step_seconds >= 1
+    return f"{rate} · {step_seconds:.1f} s/step" if slow else rate
 
 
 def refuse_non_finite(row: dict[str, Any]) -> None:
@@ -158,13 +181,23 @@ def refuse_non_finite(row: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- progress
 
 
-class RichProgress(TrainerCallback):
-    """A rich progress bar: steps, loss, tokens/s and memory from `metrics`."""
+INFO_COLUMN = Column(ratio=1, no_wrap=False, overflow="fold")  # wraps, never cut with "…"
 
-    def __init__(self, metrics: MetricsCallback, console: Console) -> None:
-        self.metrics, self.console = metrics, console
+
+class RichProgress(TrainerCallback):
+    """A rich progress bar: steps, loss, tokens/s and memory from `metrics`; with
+    train.offload, `stream` says after every step what the store read and what bound it."""
+
+    def __init__(
+        self,
+        metrics: MetricsCallback,
+        console: Console,
+        stream: Callable[[], str] | None = None,
+    ) -> None:
+        self.metrics, self.console, self.stream = metrics, console, stream
         self.progress: Progress | None = None
         self.task: Any = None
+        self.info = self.streamed = ""  # the last log's figures; the last step's reads
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not state.is_world_process_zero or self.console.quiet:
@@ -173,7 +206,7 @@ class RichProgress(TrainerCallback):
             TextColumn("[bold]train"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
+            TextColumn("{task.fields[info]}", table_column=INFO_COLUMN),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=self.console,
@@ -182,20 +215,22 @@ class RichProgress(TrainerCallback):
             "train", total=state.max_steps, completed=state.global_step, info=""
         )
         self.progress.start()
+        if self.stream is not None:  # marks the start: reads before training are no step's
+            self.stream()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, completed=state.global_step)
+        if self.progress is None:
+            return
+        self.streamed = f" · {self.stream()}" if self.stream is not None else ""
+        self.progress.update(self.task, completed=state.global_step, info=self.info + self.streamed)
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         last = self.metrics.last
         if self.progress is None or "loss" not in last:
             return
-        info = (
-            f"loss {last['loss']:.4f} · {last['tokens_per_s']:,.0f} tok/s · "
-            f"{human_bytes(last['memory_bytes'])}"
-        )
-        self.progress.update(self.task, info=info)
+        speed = rate_text(last["tokens_per_s"], last.get("step_seconds"))
+        self.info = f"loss {last['loss']:.4f} · {speed} · {human_bytes(last['memory_bytes'])}"
+        self.progress.update(self.task, info=self.info + self.streamed)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()

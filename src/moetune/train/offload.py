@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -18,6 +20,7 @@ import torch
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
 from moetune.train.errors import TrainError
+from moetune.units import human_bytes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -116,3 +119,63 @@ def write_offload_json(run: RunDir, model: nn.Module) -> dict[str, Any] | None:
     stats = store.stats.to_json()
     atomic_write_json(run.root / FILE, stats)
     return stats
+
+
+# per train.offload mode, the counter of what a fetch brings in and its word: disk reads the
+# files, cpu copies from host RAM (which bytes_read does not count)
+_COUNTERS = {"disk": ("bytes_read", "read"), "cpu": ("bytes_moved", "copied")}
+
+
+class StoreMeter:
+    """Per optimizer step of an offloaded run, from the store's own counters: the bytes it
+    read, the rate its reader read them at (bytes over its load time), and what bound the
+    step – the share of the step the training thread waited on the store (`wait_s`)."""
+
+    BOUND_SHARE = 0.5  # waiting more than half the step: reading bounds it
+
+    def __init__(self, stats: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.stats, self.clock = stats, clock
+        self.counter, self.verb = _COUNTERS.get(stats.mode, _COUNTERS["disk"])
+        self._mark = self._now()
+
+    def _now(self) -> tuple[float, int, float, float]:
+        s = self.stats
+        return self.clock(), int(sum(getattr(s, self.counter).values())), s.load_s, s.wait_s
+
+    def step(self) -> dict[str, Any]:
+        """The figures since the last call (the last optimizer step)."""
+        now = self._now()
+        seconds, read, load, wait = (a - b for a, b in zip(now, self._mark, strict=True))
+        self._mark = now
+        share = wait / seconds if seconds > 0 else 0.0
+        return {
+            "read_bytes": int(read),
+            "read_bytes_per_s": read / load if load > 0 else 0.0,
+            "wait_share": round(share, 3),
+            "bound": "read" if share > self.BOUND_SHARE else "compute",
+        }
+
+    def totals(self) -> dict[str, Any]:
+        """Since the run began: every metrics.jsonl row carries them (cumulative, so any two
+        rows give the reads and the waiting between them)."""
+        _, read, load, wait = self._now()
+        return {f"offload_{self.counter}": read, "offload_load_s": round(load, 3),
+                "offload_wait_s": round(wait, 3)}  # fmt: skip
+
+    def line(self) -> str:
+        """ "read 1.2 GiB at 310.0 MiB/s · read-bound (waited 62% of the step)"."""
+        s = self.step()
+        return (
+            f"{self.verb} {human_bytes(s['read_bytes'])} at "
+            f"{human_bytes(s['read_bytes_per_s'])}/s · "
+            f"{s['bound']}-bound (waited {s['wait_share']:.0%} of the step)"
+        )
+
+
+def store_meter(model: nn.Module) -> StoreMeter | None:
+    """The meter of an offloaded model's store; None without train.offload."""
+    # lazy: heavy to import (moetune)
+    from moetune.engine.offload import store_of
+
+    store = store_of(model)
+    return StoreMeter(store.stats) if store is not None else None

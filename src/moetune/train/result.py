@@ -20,7 +20,7 @@ class TrainResult:
     router_changed: bool
     seconds: float
     peak_memory_bytes: int  # measured: CUDA max allocated, else the process peak RSS
-    planned_peak_bytes: int | None  # the memory plan's prediction for this run
+    planned_peak_bytes: int | None  # the plan of the configuration that ran (planned.py)
     aux_loss: bool = False
     method: str = "sft"  # train.method
     routing_shift: float | None = None  # grpo: mean rollout → training top-k set shift
@@ -36,6 +36,9 @@ class TrainResult:
     device: str | None = None
     card: str | None = None
     signature: dict[str, Any] = field(default_factory=dict)
+    # Which plan gave planned_peak_bytes ("offload disk, host RAM as device", "per rank of 2,
+    # fsdp", "one device"): the closing line names it.
+    planned_by: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

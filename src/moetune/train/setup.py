@@ -27,6 +27,7 @@ from moetune.plan.planner import as_checkpointable
 from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.errors import TrainError
 from moetune.train.methods import method_of
+from moetune.train.planned import RunPlan, plan_of_run
 from moetune.train.recovery import ResumePoint, resume_point_of, set_aside
 from moetune.train.vision import ImageCollator, check_first_row, load_processor
 
@@ -143,7 +144,7 @@ class Setup:
     place: Placement
     spec: ModelSpec
     findings: list[Any]
-    plan: Any  # moetune.plan.MemoryPlan
+    plan: Any  # moetune.plan.MemoryPlan: the preflight's, one device holding every weight
     overridden: list[str]  # error findings trained through with allow_errors
     tokenizer: PreTrainedTokenizerBase
     data: TrainData
@@ -158,16 +159,18 @@ class Setup:
     selection: ExpertSelection | None = None
     data_summary: Summary | None = None  # the one line `moetune train` prints of the data
     processor: Any = None  # image+text rows: the checkpoint's processor (vision.py)
+    run_plan: RunPlan | None = None  # the plan of the configuration that runs (planned.py)
 
     @property
     def planned_peak_bytes(self) -> int | None:
-        return getattr(self.plan, "peak_bytes", None)
+        return self.run_plan.peak_bytes if self.run_plan is not None else None
 
     def preflight_json(self) -> dict[str, Any]:
         return {
             "findings": [f.to_json() for f in self.findings],
             "errors_overridden": self.overridden,
             "plan": self.plan.to_json() if self.plan is not None else None,
+            "run_plan": self.run_plan.to_json() if self.run_plan is not None else None,
             "aux_loss": self.aux.to_json(),
         }
 
@@ -192,6 +195,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     engine = resolve_engine(spec, cfg.lora, base.experts_dtype, base.quantized_base)
     check_stored(cfg, engine)  # a published FP8 / FP4 base: keys, shapes, engine
     check_offload(cfg, engine, local_dir(cfg.model.id))  # train.offload: refused up front
+    run_plan = plan_of_run(spec, as_run(cfg, place), place.device, plan)  # offload, nproc
     tokenizer = load_tokenizer(cfg.model.id)
     data, eval_data = load_train_data(
         cfg.data, tokenizer, cfg.train.seq_len, method.formats, cfg.train.seed, rows
@@ -219,6 +223,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         data_summary=summary,
         notes=gc_off + seen,
         processor=processor,
+        run_plan=run_plan,
     )
     with args.main_process_first(local=False, desc="moetune run dir"):  # the others wait
         if args.should_save:
@@ -251,9 +256,7 @@ def preflight(
 ) -> tuple[list[Any], Any, list[str]]:
     """Lint and plan the run as it will really run (its dtype); an error finding stops it."""
 
-    dtype = place.load_dtype(cfg.model.dtype)
-    as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})
-    findings, plan = lint_run(as_run)
+    findings, plan = lint_run(as_run(cfg, place))
     errors = [f for f in findings if f.severity == "error"]
     if errors and not allow_errors:
         more = f" (and {len(errors) - 1} more: {', '.join(f.rule_id for f in errors[1:])})"
@@ -262,6 +265,12 @@ def preflight(
             f"{errors[0].fix} – or pass --allow-errors to train anyway (it is recorded)",
         )
     return findings, plan, [f.rule_id for f in errors]
+
+
+def as_run(cfg: RunConfig, place: Placement) -> RunConfig:
+    """`cfg` in the dtype the base really loads in (fp32 runs hold it in float32)."""
+    dtype = place.load_dtype(cfg.model.dtype)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})
 
 
 def load_tokenizer(model_id: str) -> PreTrainedTokenizerBase:

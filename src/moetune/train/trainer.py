@@ -72,7 +72,7 @@ from moetune.train.lock import hold
 from moetune.train.methods import method_of
 from moetune.train.model import load_model, wrap_lora
 from moetune.train.nodes import node_loss_stops, world
-from moetune.train.offload import write_offload_json
+from moetune.train.offload import store_meter, write_offload_json
 from moetune.train.recovery import CheckpointCommitter, disk_full_stops
 from moetune.train.result import TrainResult
 from moetune.train.rewards import reward_warnings
@@ -201,6 +201,7 @@ def _train(
         seconds=round(time.perf_counter() - started, 3),
         peak_memory_bytes=peak_memory()[0],
         planned_peak_bytes=setup.planned_peak_bytes,
+        planned_by=setup.run_plan.label if setup.run_plan else None,
         aux_loss=setup.aux.enabled,
         method=cfg.train.method,
         routing_shift=shift.summary()["mean_shift"] if shift else None,
@@ -281,10 +282,12 @@ def build_trainer(
         fan_out(run.routing.append, *([feed.routing] if feed else [])),
         lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
     )
-    metrics = MetricsCallback(run.metrics.append)
+    meter = store_meter(model)  # train.offload: what each step read, and what bound it
+    metrics = MetricsCallback(run.metrics.append, extra=meter.totals if meter else None)
     shift = rollout_shift(cfg, setup, run, model, console, feed)
     callbacks = (metrics, routing, *shift, *([feed] if feed else []), CheckpointCommitter(run))
-    for callback in (*callbacks, RichProgress(metrics, console)):  # the bar shows the row
+    bar = RichProgress(metrics, console, meter.line if meter else None)
+    for callback in (*callbacks, bar):  # the bar shows the row
         trainer.add_callback(callback)  # metrics just made; the feed logs what routing saw
     return trainer, routing
 
@@ -422,16 +425,21 @@ def final_loss(trainer: SFTTrainer) -> float | None:
 
 
 def memory_json(setup: Setup, measured: int) -> dict[str, Any]:
-    """The measured peak (the result's: read once, so the two agree) next to the plan's
-    prediction for the same run."""
+    """The measured peak (the result's: read once, so the two agree) next to the plan of
+    the configuration that ran (offload, nproc, quantised experts: planned.py), saying
+    which planned figure it is compared with and how the peak was measured."""
     how = peak_memory()[1]
-    planned = setup.planned_peak_bytes
+    plan = setup.run_plan
+    planned = plan.peak_bytes if plan else None
     return {
         "measured_peak_bytes": measured,
         "measured": how,
         "planned_peak_bytes": planned,
-        "planned_required_bytes": getattr(setup.plan, "required_bytes", None),
+        "planned_required_bytes": plan.required_bytes if plan else None,
         "measured_over_planned": round(measured / planned, 4) if planned else None,
+        "planned_by": plan.kind if plan else None,  # offload | per_rank | memory
+        "compared": plan.compared if plan else None,
+        "planned_components": plan.components if plan else {},
     }
 
 
