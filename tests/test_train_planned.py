@@ -66,7 +66,8 @@ def test_offload_with_int8_experts_plans_their_quantised_bytes(
     setup = _prepared(cfg)
     plan = plan_offload(setup.spec, _as_run(cfg), None)
     assert setup.run_plan.kind == "offload" and setup.planned_peak_bytes == plan.host_ram_bytes
-    assert setup.run_plan.detail == plan.to_json()
+    drop = lambda d: {k: v for k, v in d.items() if k != "usable_bytes"}  # noqa: E731  RAM free now
+    assert drop(setup.run_plan.detail) == drop(plan.to_json())
     bf16 = _prepared(_config(tiny, tmp_path / "bf16", offload="cpu"))
     held = "resident_weights"  # host RAM is the device: the offloaded stacks are held there
     assert setup.run_plan.components[held] < bf16.run_plan.components[held]
