@@ -7,9 +7,11 @@ prefetch), so the phase takes max(read, CPU) per layer:
 
 - read = the layer's file bytes / (disk rate × `STREAM_EFFICIENCY`); offload cpu reads
   nothing (the stacks already are in the RAM the CPU computes from);
-- CPU = widening (a bf16 file computed in fp32: the fp32 layer written at memcpy rate) +
-  the expert matmuls, each the larger of its FLOPs at the measured matmul rate and the
-  bytes of the experts it touches at memcpy rate (a few tokens per expert: memory-bound).
+- CPU = widening (a bf16 file computed in fp32: the bf16 bytes read and the fp32 bytes
+  written, at the memory's traffic rate) + the expert matmuls, each the larger of its FLOPs
+  at the measured matmul rate and the bytes of the experts it touches read at that rate (a
+  few tokens per expert: memory-bound). The traffic rate is twice the memcpy figure
+  `doctor --calibrate` stores: a copy of N bytes reads N and writes N.
 
 The rest of the model (attention, router, shared experts, head) adds the same roofline
 (its FLOPs, or its weights read once a phase), outside the overlap. The widening and the
@@ -25,9 +27,10 @@ from moetune.model.spec import ModelSpec
 from moetune.plan.estimate import flops_per_token
 from moetune.plan.hardware import Card, HostRates
 
-# The offload reader (engine/direct_io) reaches 0.8–1.0× the O_DIRECT rate `read_rate`
-# measures (its author's figures on this VM); a plan takes the low end. Assumed, not fitted.
-STREAM_EFFICIENCY = 0.8
+# The offload reader (engine/direct_io) handed over 0.77–1.12× the O_DIRECT rate `read_rate`
+# measures, in 4 interleaved rounds on this VM (benchmarks/offload_stream.py, RESULTS.md);
+# a plan takes 0.9. Assumed from that benchmark, not fitted to a training run.
+STREAM_EFFICIENCY = 0.9
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,14 @@ def _read_s(cfg: RunConfig, rates: HostRates, file_layer: int) -> float:
     return file_layer / (rates.disk_read_gb_per_s * 1e9 * STREAM_EFFICIENCY)
 
 
+def _traffic(rates: HostRates) -> float:
+    """Bytes per second the memory moves (reads + writes): a memcpy moves each byte twice."""
+    return 2 * rates.memcpy_gb_per_s * 1e9
+
+
 def _widen_s(rates: HostRates, file_layer: int, layer: int) -> float:
     """A file read narrower than it computes is widened into the compute copy."""
-    return layer / (rates.memcpy_gb_per_s * 1e9) if layer > file_layer else 0.0
+    return (file_layer + layer) / _traffic(rates) if layer > file_layer else 0.0
 
 
 def _experts_s(spec: ModelSpec, cfg: RunConfig, rates: HostRates, layer: int) -> float:
@@ -73,13 +81,13 @@ def _experts_s(spec: ModelSpec, cfg: RunConfig, rates: HostRates, layer: int) ->
     per_expert = 3 * spec.hidden_size * spec.expert_intermediate_size
     flops = 2.0 * tokens * spec.top_k * per_expert
     touched = min(spec.num_experts, tokens * spec.top_k) / max(spec.num_experts, 1)
-    return max(flops / _flop_rate(cfg, rates), touched * layer / (rates.memcpy_gb_per_s * 1e9))
+    return max(flops / _flop_rate(cfg, rates), touched * layer / _traffic(rates))
 
 
 def _rest_s(spec: ModelSpec, cfg: RunConfig, rates: HostRates) -> float:
     """Everything but the routed experts, as a roofline too: its FLOPs at the matmul rate,
     or its weights (embeddings aside: a lookup reads a few rows) read once a phase at the
-    memcpy rate – with few tokens the attention and head matmuls are memory-bound."""
+    memory's rate – with few tokens the attention and head matmuls are memory-bound."""
     routed = len(spec.moe_layers) * spec.top_k * 3 * spec.hidden_size
     rest = max(spec.active_params - routed * spec.expert_intermediate_size, 0)
     tokens = cfg.train.seq_len * cfg.train.batch_size * cfg.train.grad_accum
@@ -87,7 +95,7 @@ def _rest_s(spec: ModelSpec, cfg: RunConfig, rates: HostRates) -> float:
     c = spec.components
     weights = (c.total - c.routed_experts - c.embeddings) * _compute_bytes(cfg)
     reads = cfg.train.grad_accum * _phases(cfg) * weights
-    return max(flops / _flop_rate(cfg, rates), reads / (rates.memcpy_gb_per_s * 1e9))
+    return max(flops / _flop_rate(cfg, rates), reads / _traffic(rates))
 
 
 def _compute_bytes(cfg: RunConfig) -> int:
