@@ -312,7 +312,7 @@ def rollout_shift(
         return ()
     return (
         ShiftCallback(
-            ShiftRecorder(model, setup.spec),
+            ShiftRecorder(model, setup.spec, cfg.train.grpo.routing_replay == "replay"),
             cfg.train.grpo.shift_warn,
             fan_out(run.shift.append, *([feed.shift] if feed else [])),
             lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
