@@ -174,6 +174,20 @@ def test_grpo_on_mixtral_with_a_kl_reference(files):
     assert rows and all(x["tokens"] > 0 for x in rows[0]["layers"])
 
 
+@pytest.mark.parametrize("engine", ["moetune", "peft"])
+def test_grpo_with_routing_replay_trains_the_rollouts_experts(files, tmp_path, engine):
+    cfg = run_config(
+        files.qwen, files.prompts, tmp_path / engine, method="grpo", max_steps=2, batch_size=4,
+        grpo={**GRPO, "routing_replay": "replay"}, lora__engine=engine,
+    )  # fmt: skip
+    result = train(cfg, progress=False)
+    shift = json.loads((Path(result.run_dir) / "summary.json").read_text())["routing_shift"]
+    assert shift["routing_replay"] == "replay" and result.router_changed is False
+    compared = sum(x["tokens"] for r in _jsonl(Path(result.run_dir) / "routing_shift.jsonl")
+                   for x in r["layers"])  # fmt: skip
+    assert shift["replayed_tokens"] >= compared > 0  # every compared token was replayed
+
+
 def test_shift_recorder_sees_a_router_that_moved_between_rollout_and_training(files):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -202,6 +216,7 @@ def test_shift_recorder_sees_a_router_that_moved_between_rollout_and_training(fi
     assert [x.tokens for x in same] == [2 * 8, 2 * 8] and all(x.share == 0 for x in same)
     moved = step(perturb=True)
     assert all(x.share > 0.5 for x in moved)  # negated router: top-2 of 4 flips
+    assert all(x.top1_share == 1.0 for x in moved)  # the first choice becomes the last
 
 
 def test_grpo_with_an_all_nan_reward_fails_naming_it(files, tmp_path):

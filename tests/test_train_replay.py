@@ -80,9 +80,13 @@ def _experts_seen(model: torch.nn.Module) -> tuple[dict[int, list[torch.Tensor]]
 PROMPT = torch.tensor([[15, 4, 22, 23, 40], [15, 4, 5, 6, 40]])
 
 
-def _rollout_then_train(path: Any, replay: bool) -> tuple[Any, dict, dict, torch.Tensor]:
+def _rollout_then_train(
+    path: Any, replay: bool, checkpointing: bool = False
+) -> tuple[Any, dict, dict, torch.Tensor]:
     """Generate, negate the routers (the policy moved), train forward + backward."""
     model = _policy(path)
+    if checkpointing:  # backward re-runs the routers: they must replay the same choice
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     recorder = ShiftRecorder(model, load_spec(str(path)), replay=replay)
     model.eval()
     seen, handles = _experts_seen(model)
@@ -118,8 +122,9 @@ def test_replay_routes_every_fed_token_to_the_rollouts_experts(qwen):
     assert _agreement(rollout, train) == 1.0
 
 
-def test_replay_keeps_the_router_frozen_and_grads_match_a_forced_reference(qwen):
-    model, rollout, train, seqs = _rollout_then_train(qwen, replay=True)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_replay_keeps_the_router_frozen_and_grads_match_a_forced_reference(qwen, checkpointing):
+    model, rollout, train, seqs = _rollout_then_train(qwen, True, checkpointing)
     assert all(p.grad is None for n, p in model.named_parameters() if "mlp.gate" in n)
     reference = _policy(qwen)
     reference.load_state_dict(model.state_dict())

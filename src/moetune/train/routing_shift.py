@@ -91,7 +91,7 @@ class ShiftRecorder:
 
     def __init__(self, model: nn.Module, spec: ModelSpec, replay: bool = False) -> None:
         self.num_experts, self.top_k, self.replay = spec.num_experts, spec.top_k, replay
-        self.replayed = 0  # router calls whose choice replay replaced (all tokens they saw)
+        self.replayed = 0  # tokens (summed over layers) routed to the rollout's experts
         self._forced: dict[int, torch.Tensor] = {}  # layer -> the indices the last pass used
         self._phase: str | None = None
         self._shape: tuple[torch.Tensor, torch.Tensor] | None = None  # ids, mask of the call
@@ -133,7 +133,6 @@ class ShiftRecorder:
                 return None
             forced = self._rollout_choice(layer).to(indices.device)
             self._forced[layer] = forced
-            self.replayed += 1
             return replayed(module, output, forced)
 
         return record
@@ -159,6 +158,7 @@ class ShiftRecorder:
             match = _matching(candidates, ids[b][at])
             if match is not None:
                 forced[b, at] = match[: len(at)]
+                self.replayed += len(at)
         return forced.reshape(-1, forced.shape[-1])
 
     def _end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -271,4 +271,6 @@ class ShiftCallback(TrainerCallback):
             "max_step_shift": round(max(self.shares), 6) if self.shares else None,
             "mean_top1_shift": round(sum(self.top1) / len(self.top1), 6) if self.top1 else None,
             "warn_at": self.warn_at,
+            "routing_replay": "replay" if self.recorder.replay else "off",
+            "replayed_tokens": self.recorder.replayed,  # summed over MoE layers
         }
