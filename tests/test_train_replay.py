@@ -87,13 +87,14 @@ def _rollout_then_train(
     model = _policy(path)
     if checkpointing:  # backward re-runs the routers: they must replay the same choice
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    recorder = ShiftRecorder(model, load_spec(str(path)), replay=replay)
+    ShiftRecorder(model, load_spec(str(path)), replay=replay)  # its hooks stay on the model
     model.eval()
     seen, handles = _experts_seen(model)
     with torch.no_grad():
         seqs = model.generate(input_ids=PROMPT, max_new_tokens=4, min_new_tokens=4,
                               do_sample=False)  # fmt: skip
-    rollout = {i: torch.cat([c.reshape(2, -1, c.shape[-1]) for c in cs], 1) for i, cs in seen.items()}
+    rollout = {i: torch.cat([c.reshape(2, -1, c.shape[-1]) for c in cs], 1)
+               for i, cs in seen.items()}  # fmt: skip
     seen.clear()
     with torch.no_grad():
         for layer in model.get_base_model().model.layers:
@@ -143,7 +144,8 @@ def test_replay_keeps_the_router_frozen_and_grads_match_a_forced_reference(qwen,
 
 
 def _forced_router(router: Any, forced: torch.Tensor) -> Any:
-    """Qwen3-MoE's router with the choice forced, written out by hand (fp32: the grouped-mm experts take no float64)."""
+    """Qwen3-MoE's router with the choice forced, written out by hand (fp32: the grouped-mm
+    experts take no float64)."""
 
     def forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
