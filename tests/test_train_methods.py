@@ -186,6 +186,8 @@ def test_grpo_with_routing_replay_trains_the_rollouts_experts(files, tmp_path, e
     compared = sum(x["tokens"] for r in _jsonl(Path(result.run_dir) / "routing_shift.jsonl")
                    for x in r["layers"])  # fmt: skip
     assert shift["replayed_tokens"] >= compared > 0  # every compared token was replayed
+    live = shift["adapter_live"]  # TRL's generation and fused-head training pass agree
+    assert live["tokens"] > 0 and live["rollout_vs_policy"] < 1e-4
 
 
 def test_shift_recorder_sees_a_router_that_moved_between_rollout_and_training(files):
@@ -242,6 +244,8 @@ def test_refusals_before_anything_is_written(files, tmp_path):
          write_jsonl(tmp_path / "noanswer.jsonl", [{"prompt": "a"}]), DataError,
          "edit_similarity) reads column 'answer'"),
         (dict(method="dpo"), files.prompts, DataError, "prompt rows"),
+        (dict(method="grpo", batch_size=4, grpo={**GRPO, "use_vllm": True}), files.prompts,
+         TrainError, "vLLM weight sync merges only peft's linear LoRA"),
     ]  # fmt: skip
     for n, (over, data, error, says) in enumerate(cases):
         out = tmp_path / f"run{n}"

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
+from moetune.train.adapter_live import LiveCheck
 from moetune.train.replay import gate_of, replayed
 from moetune.train.routing import hook_routing, routed_experts, routed_weights, router_modules
 
@@ -225,7 +226,8 @@ def _matching(rows: list[tuple[torch.Tensor, torch.Tensor]], tokens: torch.Tenso
 
 class ShiftCallback(TrainerCallback):
     """Writes the rollout→training routing shift per logged step; warns once per layer when
-    its share exceeds `warn_at` (all warnings also in `.warnings`)."""
+    its share exceeds `warn_at` (all warnings also in `.warnings`). With `live`, runs the
+    adapter-live check of the first rollouts too (its verdict in `summary()`)."""
 
     def __init__(
         self,
@@ -233,14 +235,18 @@ class ShiftCallback(TrainerCallback):
         warn_at: float,
         write: Callable[[dict[str, Any]], None],
         warn: Callable[[str], None] = lambda message: None,
+        live: LiveCheck | None = None,
     ) -> None:
         self.recorder, self.warn_at, self.write, self.warn = recorder, warn_at, write, warn
+        self.live = live
         self.warnings: list[str] = []
         self.shares: list[float] = []  # mean share over layers, per step with matches
         self.top1: list[float] = []  # the same for the first choice
         self._warned: set[int] = set()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.live is not None and not self.live.done:
+            self.live.on_step_end(args, state, control)  # raises on a rollout from the base
         layers = self.recorder.take()
         if not layers:
             return
@@ -263,6 +269,10 @@ class ShiftCallback(TrainerCallback):
                 )
                 self.warn(self.warnings[-1])
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.live is not None:
+            self.live.remove()
+
     def summary(self) -> dict[str, Any]:
         mean = sum(self.shares) / len(self.shares) if self.shares else None
         return {
@@ -273,4 +283,5 @@ class ShiftCallback(TrainerCallback):
             "warn_at": self.warn_at,
             "routing_replay": "replay" if self.recorder.replay else "off",
             "replayed_tokens": self.recorder.replayed,  # summed over MoE layers
+            "adapter_live": self.live.result if self.live is not None else None,
         }
