@@ -154,7 +154,8 @@ class LiveCheck(TrainerCallback):
         """The base's log-probs of the sample's tokens (adapter disabled, no grad)."""
         assert sample.full is not None
         ids = sample.full.unsqueeze(0).to(next(self.model.parameters()).device)
-        disable: Callable[[], Any] = getattr(self.model, "disable_adapter")
+        peft: Any = self.model  # a PeftModel: disable_adapter() turns every LoRA off
+        disable: Callable[[], Any] = peft.disable_adapter
         was = self.model.training
         self.model.eval()
         try:
@@ -197,11 +198,7 @@ def _picked(
     per: dict[int, torch.Tensor], tokens: torch.Tensor, rollout: dict[int, torch.Tensor]
 ) -> dict[int, float]:
     """Tokens fed -> log-prob of the token that follows, where the rollout has one too."""
-    return {
-        k: float(v[tokens[k]])
-        for k, v in per.items()
-        if k in rollout and k < len(tokens)
-    }
+    return {k: float(v[tokens[k]]) for k, v in per.items() if k in rollout and k < len(tokens)}
 
 
 def _max_gap(a: dict[int, float], b: dict[int, float], keys: list[int]) -> float:

@@ -73,9 +73,10 @@ GATES: dict[str, Gate] = {
 
 def innermost(module: nn.Module) -> Any:
     """The router class under any peft wrappers (their `base_layer`)."""
-    while hasattr(module, "base_layer"):
-        module = module.base_layer
-    return module
+    inner: Any = module  # peft wrappers are typed loosely
+    while hasattr(inner, "base_layer"):
+        inner = inner.base_layer
+    return inner
 
 
 def gate_of(router: nn.Module) -> Gate:

@@ -53,6 +53,7 @@ from moetune.lint.preflight import check_ledger
 from moetune.model.saved_names import write_checkpoint_named
 from moetune.plan.estimate import step_signature
 from moetune.plan.hardware import card_for_device
+from moetune.train.adapter_live import LiveCheck
 from moetune.train.callbacks import (
     MetricsCallback,
     RichProgress,
@@ -85,7 +86,6 @@ from moetune.train.routing import (
     router_weights,
     summarize,
 )
-from moetune.train.adapter_live import LiveCheck
 from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
 from moetune.train.setup import Setup, prepare
 from moetune.train.sharded_load import adapter_only_saves, from_main, install
@@ -317,7 +317,7 @@ def rollout_shift(
             cfg.train.grpo.shift_warn,
             fan_out(run.shift.append, *([feed.shift] if feed else [])),
             lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
-            LiveCheck(model, cfg.train.grpo.temperature),  # the first rollouts sample from the policy, not the base
+            LiveCheck(model, cfg.train.grpo.temperature),  # rollouts from the policy?
         ),
     )
 
