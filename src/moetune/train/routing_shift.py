@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
+from moetune.plan.methods import ROLLOUTS_KEPT
 from moetune.train.adapter_live import LiveCheck
 from moetune.train.replay import gate_of, replayed
 from moetune.train.routing import hook_routing, routed_experts, routed_weights, router_modules
@@ -118,7 +119,8 @@ class ShiftRecorder:
         mask = mask if isinstance(mask, torch.Tensor) else torch.ones_like(ids)
         self._shape, self._calls, self._forced = (ids, mask[:, -ids.shape[1] :].bool()), {}, {}
         if self._phase == "rollout" and (not self._rollouts or _cache_empty(cache)):
-            self._rollouts = [*self._rollouts[-7:], _Rollout()]  # a new generate call
+            kept = self._rollouts[-(ROLLOUTS_KEPT - 1) :]  # the plan counts ROLLOUTS_KEPT
+            self._rollouts = [*kept, _Rollout()]  # a new generate call
 
     def _hook(self, layer: int) -> Callable[[nn.Module, Any, Any], None]:
         def record(module: nn.Module, args: Any, output: Any) -> Any:
