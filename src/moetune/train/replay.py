@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moetune.registry import Registry
 from moetune.train.errors import TrainError
 
 if TYPE_CHECKING:
@@ -58,17 +59,19 @@ SOFTMAX_NORM_FLAG = Gate(_softmax, None)
 SOFTMAX_NORMALISED = Gate(_softmax, True)
 SIGMOID = Gate(_sigmoid, None, scaled=True, eps=1e-20)
 
-GATES: dict[str, Gate] = {
-    "Qwen2MoeTopKRouter": SOFTMAX_NORM_FLAG,
-    "Qwen3MoeTopKRouter": SOFTMAX_NORM_FLAG,
-    "Qwen3NextTopKRouter": SOFTMAX_NORM_FLAG,
-    "OlmoeTopKRouter": SOFTMAX_NORM_FLAG,
-    "MixtralTopKRouter": SOFTMAX_NORMALISED,
-    "DeepseekV2TopkRouter": Gate(_softmax, False, scaled=True),
-    "DeepseekV3TopkRouter": SIGMOID,
-    "Glm4MoeTopkRouter": SIGMOID,
-    "Dots1TopkRouter": SIGMOID,
-}
+GATES: Registry[Gate] = Registry("router gate rule", TrainError)
+for _name, _gate in (
+    ("Qwen2MoeTopKRouter", SOFTMAX_NORM_FLAG),
+    ("Qwen3MoeTopKRouter", SOFTMAX_NORM_FLAG),
+    ("Qwen3NextTopKRouter", SOFTMAX_NORM_FLAG),
+    ("OlmoeTopKRouter", SOFTMAX_NORM_FLAG),
+    ("MixtralTopKRouter", SOFTMAX_NORMALISED),  # normalises always, no flag
+    ("DeepseekV2TopkRouter", Gate(_softmax, False, scaled=True)),
+    ("DeepseekV3TopkRouter", SIGMOID),
+    ("Glm4MoeTopkRouter", SIGMOID),
+    ("Dots1TopkRouter", SIGMOID),
+):
+    GATES.add(_name, _gate)
 
 
 def innermost(module: nn.Module) -> Any:
@@ -82,13 +85,13 @@ def innermost(module: nn.Module) -> Any:
 def gate_of(router: nn.Module) -> Gate:
     """The registered gate rule of a router, or a one-line refusal with the fix."""
     name = type(innermost(router)).__name__
-    if name not in GATES:
+    if name not in GATES.names():
         raise TrainError(
             f"train.grpo.routing_replay: replay has no gate rule for router {name}",
             "set train.grpo.routing_replay: off, or add the family's rule to "
             "moetune.train.replay.GATES",
         )
-    return GATES[name]
+    return GATES.get(name)
 
 
 def replayed(router: nn.Module, output: Any, indices: torch.Tensor) -> Any:
