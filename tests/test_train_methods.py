@@ -135,6 +135,8 @@ def test_grpo_trains_and_records_the_routing_shift(grpo):
     layers = rows[0]["layers"]
     assert [x["layer"] for x in layers] == [0, 1] and all(x["tokens"] > 0 for x in layers)
     assert all(0.0 <= x["shift"] <= 1.0 for r in rows for x in r["layers"])
+    assert all(0.0 <= x["top1_shift"] <= 1.0 for r in rows for x in r["layers"])
+    assert all("mean_top1_shift" in r for r in rows)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["routing_shift"]["steps"] == 4
     # the base's routing was measured on the prompts, so collapse is judged against it
@@ -159,6 +161,8 @@ def test_grpo_routing_shift_reaches_the_trackers(grpo):
         assert logged[step] == pytest.approx(row["mean_shift"], abs=1e-6)
         layer = {e.step: e.value for e in events.Scalars("train/moe/routing_shift/layer_1")}
         assert layer[step] == pytest.approx(row["layers"][1]["shift"], abs=1e-6)
+    top1 = {e.step: e.value for e in events.Scalars("train/moe/routing_shift_top1_mean")}
+    assert top1 == pytest.approx({s: r["mean_top1_shift"] for s, r in rows.items()}, abs=1e-6)
 
 
 def test_grpo_on_mixtral_with_a_kl_reference(files):
