@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 from moetune.train.errors import TrainError
 
 SEPARATION = 1e-3  # policy vs base log-prob gap (max over tokens) needed to tell them apart
+MAX_TOKENS = 64  # sampled positions compared: a vocab-sized fp32 row each (151k: 0.6 MB)
 
 
 @dataclass
@@ -101,7 +102,7 @@ class LiveCheck(TrainerCallback):
         logits = getattr(output, "logits", None)
         with torch.no_grad():
             if phase == "rollout" and isinstance(logits, torch.Tensor):
-                self._keep(ids, mask, logits[0, -1:].detach().cpu())
+                self._keep(ids, mask, logits[0, -1:])
             elif phase == "train":
                 self._policy(output, self._inputs)
 
@@ -111,7 +112,9 @@ class LiveCheck(TrainerCallback):
         if sample.closed:
             return
         sample.tokens.append(ids[mask])
-        sample.logps[len(sample.ids())] = (last[0].float() / self.temperature).log_softmax(-1)
+        if len(sample.logps) < MAX_TOKENS:  # later positions: their tokens only
+            row = (last[0].detach().float() / self.temperature).log_softmax(-1)
+            sample.logps[len(sample.ids())] = row.cpu()
 
     def _policy(self, output: Any, inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
         assert self.sample is not None

@@ -317,7 +317,8 @@ def rollout_shift(
             cfg.train.grpo.shift_warn,
             fan_out(run.shift.append, *([feed.shift] if feed else [])),
             lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
-            LiveCheck(model, cfg.train.grpo.temperature),  # rollouts from the policy?
+            # rollouts from the policy? (one rank's extra forward would hang a sharded run)
+            None if launched() else LiveCheck(model, cfg.train.grpo.temperature),
         ),
     )
 
