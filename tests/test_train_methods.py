@@ -137,6 +137,12 @@ def test_grpo_trains_and_records_the_routing_shift(grpo):
     assert all(0.0 <= x["shift"] <= 1.0 for r in rows for x in r["layers"])
     assert all(0.0 <= x["top1_shift"] <= 1.0 for r in rows for x in r["layers"])
     assert all("mean_top1_shift" in r for r in rows)
+    logged = {r["step"]: r for r in _jsonl(run / "metrics.jsonl") if "loss" in r}
+    assert set(logged) == {1, 2, 3, 4}  # a loss row per step carries that step's shift too
+    assert {s: r["routing_shift"] for s, r in logged.items()} == {
+        r["step"]: r["mean_shift"] for r in rows}  # fmt: skip
+    assert {s: r["routing_shift_top1"] for s, r in logged.items()} == {
+        r["step"]: r["mean_top1_shift"] for r in rows}  # fmt: skip
     summary = json.loads((run / "summary.json").read_text())
     assert summary["routing_shift"]["steps"] == 4
     # the base's routing was measured on the prompts, so collapse is judged against it

@@ -244,6 +244,7 @@ class ShiftCallback(TrainerCallback):
         self.warnings: list[str] = []
         self.shares: list[float] = []  # mean share over layers, per step with matches
         self.top1: list[float] = []  # the same for the first choice
+        self._since_log: list[tuple[float, float]] = []  # (set, top-1) per step since a log
         self._warned: set[int] = set()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -256,6 +257,7 @@ class ShiftCallback(TrainerCallback):
         top1 = sum(x.top1_share for x in layers) / len(layers)
         self.shares.append(mean)
         self.top1.append(top1)
+        self._since_log.append((mean, top1))
         if args.should_save:
             row = {"step": state.global_step, "mean_shift": round(mean, 6)}
             row["mean_top1_shift"] = round(top1, 6)
@@ -270,6 +272,18 @@ class ShiftCallback(TrainerCallback):
                     f"{self.warn_at:.0%}); train.grpo.routing_replay: replay removes it"
                 )
                 self.warn(self.warnings[-1])
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
+        """The loss row gains the mean shift of the steps since the last one (metrics.jsonl
+        keeps it: add this callback before MetricsCallback)."""
+        if logs is None or "loss" not in logs or not self._since_log:
+            return
+        n = len(self._since_log)
+        logs["routing_shift"] = round(sum(s for s, _ in self._since_log) / n, 6)
+        logs["routing_shift_top1"] = round(sum(t for _, t in self._since_log) / n, 6)
+        self._since_log = []
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.live is not None:

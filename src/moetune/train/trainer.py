@@ -284,7 +284,8 @@ def build_trainer(
     )
     metrics = MetricsCallback(run.metrics.append)
     shift = rollout_shift(cfg, setup, run, model, console, feed)
-    callbacks = (metrics, routing, *shift, *([feed] if feed else []), CheckpointCommitter(run))
+    # shift first: its on_log puts the shift into the loss row that metrics then writes
+    callbacks = (*shift, metrics, routing, *([feed] if feed else []), CheckpointCommitter(run))
     for callback in (*callbacks, RichProgress(metrics, console)):  # the bar shows the row
         trainer.add_callback(callback)  # metrics just made; the feed logs what routing saw
     return trainer, routing
