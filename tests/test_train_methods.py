@@ -184,15 +184,19 @@ def test_grpo_on_mixtral_with_a_kl_reference(files):
     assert rows and all(x["tokens"] > 0 for x in rows[0]["layers"])
 
 
-@pytest.mark.parametrize("engine", ["moetune", "peft"])
+@pytest.mark.parametrize("engine", ["moetune", "peft", "moetune+offload"])
 def test_grpo_with_routing_replay_trains_the_rollouts_experts(files, tmp_path, engine):
+    """Split LoRA, peft, and frozen experts offloaded to host RAM (streamed per layer)."""
+    name, _, offload = engine.partition("+")
     cfg = run_config(
-        files.qwen, files.prompts, tmp_path / engine, method="grpo", max_steps=2, batch_size=4,
-        grpo={**GRPO, "routing_replay": "replay"}, lora__engine=engine,
+        files.qwen, files.prompts, tmp_path / name, method="grpo", max_steps=2, batch_size=4,
+        grpo={**GRPO, "routing_replay": "replay"}, lora__engine=name,
+        **({"offload": "cpu"} if offload else {}),
     )  # fmt: skip
     result = train(cfg, progress=False)
     shift = json.loads((Path(result.run_dir) / "summary.json").read_text())["routing_shift"]
     assert shift["routing_replay"] == "replay" and result.router_changed is False
+    assert (Path(result.run_dir) / "offload.json").is_file() == bool(offload)
     compared = sum(x["tokens"] for r in _jsonl(Path(result.run_dir) / "routing_shift.jsonl")
                    for x in r["layers"])  # fmt: skip
     assert shift["replayed_tokens"] >= compared > 0  # every compared token was replayed
