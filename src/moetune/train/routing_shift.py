@@ -45,12 +45,9 @@ class _Rollout:
     tokens: list[list[torch.Tensor]] = field(default_factory=list)  # row -> chunks
     routes: dict[int, list[list[torch.Tensor]]] = field(default_factory=dict)  # layer -> row ->
 
-    def rows(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [
-            (torch.cat(tok), torch.cat(self.routes[layer][b]))
-            for b, tok in enumerate(self.tokens)
-            if layer in self.routes
-        ]
+    def routed(self, row: int, layer: int) -> torch.Tensor | None:
+        """[tokens fed, k] of one row in one layer (None: the layer was not recorded)."""
+        return torch.cat(self.routes[layer][row]) if layer in self.routes else None
 
 
 @dataclass
@@ -100,6 +97,7 @@ class ShiftRecorder:
         self._calls: dict[int, torch.Tensor] = {}
         self._rollouts: list[_Rollout] = []
         self._counts: dict[int, list[int]] = {}  # layer -> tokens, set differs, top-1 differs
+        self._match: list[tuple[_Rollout, int] | None] | None = None  # per training row
         if replay:  # refuse a router without a gate rule before the first rollout
             for router in router_modules(model, spec).values():
                 gate_of(router)
@@ -118,6 +116,7 @@ class ShiftRecorder:
         mask = kwargs.get("attention_mask")
         mask = mask if isinstance(mask, torch.Tensor) else torch.ones_like(ids)
         self._shape, self._calls, self._forced = (ids, mask[:, -ids.shape[1] :].bool()), {}, {}
+        self._match = None
         if self._phase == "rollout" and (not self._rollouts or _cache_empty(cache)):
             kept = self._rollouts[-(ROLLOUTS_KEPT - 1) :]  # the plan counts ROLLOUTS_KEPT
             self._rollouts = [*kept, _Rollout()]  # a new generate call
@@ -153,16 +152,33 @@ class ShiftRecorder:
         """[tokens, k] for the training call: the rollout's experts where the rollout fed the
         token (prompt and completion, all but the last), the router's own elsewhere."""
         assert self._shape is not None
-        ids, mask = (t.cpu() for t in self._shape)
+        mask = self._shape[1].cpu()
         forced = self._calls[layer].clone()
-        candidates = [row for r in self._rollouts for row in r.rows(layer)]
-        for b in range(ids.shape[0]):
-            at = mask[b].nonzero().squeeze(-1)[:-1]
-            match = _matching(candidates, ids[b][at])
-            if match is not None:
-                forced[b, at] = match[: len(at)]
+        for b, match in enumerate(self._matched()):
+            rollout = None if match is None else match[0].routed(match[1], layer)
+            if rollout is not None:
+                at = mask[b].nonzero().squeeze(-1)[:-1]
+                forced[b, at] = rollout[: len(at)]
                 self.replayed += len(at)
         return forced.reshape(-1, forced.shape[-1])
+
+    def _matched(self) -> list[tuple[_Rollout, int] | None]:
+        """Per row of this training call, the first rollout row fed exactly its tokens (all
+        but its last) – found once per call, shared by every layer."""
+        if self._match is None:
+            assert self._shape is not None
+            ids, mask = (t.cpu() for t in self._shape)
+            self._match = [self._find(ids[b][mask[b]][:-1]) for b in range(ids.shape[0])]
+        return self._match
+
+    def _find(self, tokens: torch.Tensor) -> tuple[_Rollout, int] | None:
+        n = len(tokens)
+        for rollout in self._rollouts:
+            for row, chunks in enumerate(rollout.tokens):
+                fed = torch.cat(chunks)
+                if len(fed) >= n and torch.equal(fed[:n], tokens):
+                    return rollout, row
+        return None
 
     def _end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         phase, self._phase = self._phase, None
@@ -185,14 +201,13 @@ class ShiftRecorder:
 
     def _compare(self) -> None:
         assert self._shape is not None
-        ids, mask = (t.cpu() for t in self._shape)
+        mask = self._shape[1].cpu()
         for layer, routes in self._calls.items():
-            candidates = [row for r in self._rollouts for row in r.rows(layer)]
-            for b in range(ids.shape[0]):
-                tokens, train = ids[b][mask[b]][:-1], routes[b][mask[b]][:-1]
-                match = _matching(candidates, tokens)
-                if match is not None:
-                    self._count(layer, train, match[: len(tokens)])
+            for b, match in enumerate(self._matched()):
+                rollout = None if match is None else match[0].routed(match[1], layer)
+                if rollout is not None:
+                    train = routes[b][mask[b]][:-1]
+                    self._count(layer, train, rollout[: len(train)])
 
     def _count(self, layer: int, train: torch.Tensor, rollout: torch.Tensor) -> None:
         count = self._counts.setdefault(layer, [0, 0, 0])
@@ -215,15 +230,6 @@ class ShiftRecorder:
 def _cache_empty(cache: Any) -> bool:
     length = getattr(cache, "get_seq_length", None)
     return bool(callable(length) and length() == 0)
-
-
-def _matching(rows: list[tuple[torch.Tensor, torch.Tensor]], tokens: torch.Tensor) -> Any:
-    """The rollout routing of the first row fed exactly these tokens first, or None."""
-    n = len(tokens)
-    for fed, routes in rows:
-        if len(fed) >= n and torch.equal(fed[:n], tokens):
-            return routes
-    return None
 
 
 class ShiftCallback(TrainerCallback):
