@@ -11,7 +11,7 @@ moetune's ShiftRecorder counts, per MoE layer, the share of tokens whose top-k e
 (and whose first choice) differs from the rollout's; with replay it counts the tokens it
 routed to the rollout's experts. The LoRA starts at zero (the first step): every figure is
 the numerics of the two passes alone, no policy movement. Times are side by side in one
-process; `--record` appends the table to RESULTS.md.
+process after one untimed warm-up round; `--record` appends the table to RESULTS.md.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def measure(path: Path, dtype: torch.dtype, rounds: int, n: int, new: int) -> di
     model = policy(path)
     spec = load_spec(str(path))
     batch = prompts(tok, n, 4)
+    warm = rollout(model, batch, dtype, new)  # first-call costs out of both timings
+    train_pass(model, warm, batch["attention_mask"], tok.eos_token_id)
     off = ShiftRecorder(model, spec)
     layers: list[LayerShift] = []
     times = {"off": 0.0, "replay": 0.0}
