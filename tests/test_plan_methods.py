@@ -62,3 +62,23 @@ def test_sft_plan_is_unchanged_by_the_method_terms(qwen):
     terms = method_terms(c, qwen)
     assert (terms.seq_len, terms.batch_size, terms.rollout_bytes) == (1024, 1, 0)
     assert analytic(qwen, c).peak_phase != "rollout"
+
+
+def test_grpo_counts_the_routing_record_and_the_replayed_indices(qwen):
+    """Qwen3-30B-A3B: 48 MoE layers, top-8; 8 rows of 1024 + 16 tokens (int64 indices)."""
+    assert (len(qwen.moe_layers), qwen.top_k) == (48, 8)
+    off = cfg(method="grpo", batch_size=8)
+    on = cfg(method="grpo", batch_size=8, grpo={"routing_replay": "replay"})
+    tokens = 8 * 1040
+    replay = tokens * 48 * 8 * 8
+    assert method_terms(on, qwen).replay_bytes == replay == 25_559_040
+    assert method_terms(off, qwen).replay_bytes == 0
+    kept = 8 * tokens  # the last 8 rollouts: tokens + 8 indices per MoE layer each
+    assert method_terms(off, qwen).routing_record_bytes == kept * 8 + kept * 48 * 8 * 8
+    plain, replayed = analytic(qwen, off), analytic(qwen, on)
+    assert replayed.peak_bytes == plain.peak_bytes + replay
+    assert replayed.components["routing_replay"] == replay
+    notes = make_plan(qwen, on, cards=["H100-80GB"]).notes
+    line = next(n for n in notes if n.startswith("grpo routing record"))
+    assert "8 expert indices per token × 48 MoE layers" in line and "195.5 MiB" in line
+    assert "routing replay holds 24.4 MiB on the device" in line

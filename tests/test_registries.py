@@ -21,6 +21,7 @@ from moetune.model.fixes import MODEL_FIXES
 from moetune.recipe import STACKS
 from moetune.registry import Registry
 from moetune.train.methods import METHODS
+from moetune.train.replay import GATES
 from moetune.train.rewards import REWARDS, build_reward
 from test_layering import edges
 
@@ -35,6 +36,7 @@ REGISTRIES: dict[str, tuple[Registry[Any], set[str]]] = {
     "train methods": (METHODS, {"sft", "dpo", "grpo"}),
     "rewards": (REWARDS, {"exact_match", "regex", "length"}),
     "recipe stacks": (STACKS, {"peft", "mlx"}),
+    "router gate rules": (GATES, {"Qwen3MoeTopKRouter", "DeepseekV3TopkRouter"}),
 }
 
 

@@ -259,6 +259,13 @@ def test_grpo_routing_shift_is_plotted_with_the_layers_over_the_warning(trained,
     assert "above the warning line in layer 2</p>" in section and "layer 3</p>" not in section
     assert "train.grpo.shift_warn (0.2)" in section
     assert len(_pngs(section)) == 1
+    # per layer: the token-weighted set share, the first-choice share (absent: –), the worst
+    assert '<tr><td>2</td><td class="n">100</td><td class="n">16.50%</td>' in section
+    assert '<td class="n">–</td><td class="n">30.00%</td></tr>' in section
+    rows[1]["layers"][1]["top1_shift"] = 0.1  # a record with first choices: 0.1 × 50 / 100
+    (run / "routing_shift.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    section = build_report(run).read_text()
+    assert '<td class="n">16.50%</td><td class="n">5.00%</td>' in section
     plain = build_report(trained, out=tmp_path / "sft.html").read_text()  # sft: no rollouts
     assert "the method samples no rollouts (only grpo does)" in plain
 

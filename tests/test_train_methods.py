@@ -135,6 +135,14 @@ def test_grpo_trains_and_records_the_routing_shift(grpo):
     layers = rows[0]["layers"]
     assert [x["layer"] for x in layers] == [0, 1] and all(x["tokens"] > 0 for x in layers)
     assert all(0.0 <= x["shift"] <= 1.0 for r in rows for x in r["layers"])
+    assert all(0.0 <= x["top1_shift"] <= 1.0 for r in rows for x in r["layers"])
+    assert all("mean_top1_shift" in r for r in rows)
+    logged = {r["step"]: r for r in _jsonl(run / "metrics.jsonl") if "loss" in r}
+    assert set(logged) == {1, 2, 3, 4}  # a loss row per step carries that step's shift too
+    assert {s: r["routing_shift"] for s, r in logged.items()} == {
+        r["step"]: r["mean_shift"] for r in rows}  # fmt: skip
+    assert {s: r["routing_shift_top1"] for s, r in logged.items()} == {
+        r["step"]: r["mean_top1_shift"] for r in rows}  # fmt: skip
     summary = json.loads((run / "summary.json").read_text())
     assert summary["routing_shift"]["steps"] == 4
     # the base's routing was measured on the prompts, so collapse is judged against it
@@ -159,6 +167,8 @@ def test_grpo_routing_shift_reaches_the_trackers(grpo):
         assert logged[step] == pytest.approx(row["mean_shift"], abs=1e-6)
         layer = {e.step: e.value for e in events.Scalars("train/moe/routing_shift/layer_1")}
         assert layer[step] == pytest.approx(row["layers"][1]["shift"], abs=1e-6)
+    top1 = {e.step: e.value for e in events.Scalars("train/moe/routing_shift_top1_mean")}
+    assert top1 == pytest.approx({s: r["mean_top1_shift"] for s, r in rows.items()}, abs=1e-6)
 
 
 def test_grpo_on_mixtral_with_a_kl_reference(files):
@@ -172,6 +182,26 @@ def test_grpo_on_mixtral_with_a_kl_reference(files):
     assert list(trainer.model.peft_config) == ["default"]
     rows = _jsonl(Path(result.run_dir) / "routing_shift.jsonl")
     assert rows and all(x["tokens"] > 0 for x in rows[0]["layers"])
+
+
+@pytest.mark.parametrize("engine", ["moetune", "peft", "moetune+offload"])
+def test_grpo_with_routing_replay_trains_the_rollouts_experts(files, tmp_path, engine):
+    """Split LoRA, peft, and frozen experts offloaded to host RAM (streamed per layer)."""
+    name, _, offload = engine.partition("+")
+    cfg = run_config(
+        files.qwen, files.prompts, tmp_path / name, method="grpo", max_steps=2, batch_size=4,
+        grpo={**GRPO, "routing_replay": "replay"}, lora__engine=name,
+        **({"offload": "cpu"} if offload else {}),
+    )  # fmt: skip
+    result = train(cfg, progress=False)
+    shift = json.loads((Path(result.run_dir) / "summary.json").read_text())["routing_shift"]
+    assert shift["routing_replay"] == "replay" and result.router_changed is False
+    assert (Path(result.run_dir) / "offload.json").is_file() == bool(offload)
+    compared = sum(x["tokens"] for r in _jsonl(Path(result.run_dir) / "routing_shift.jsonl")
+                   for x in r["layers"])  # fmt: skip
+    assert shift["replayed_tokens"] >= compared > 0  # every compared token was replayed
+    live = shift["adapter_live"]  # TRL's generation and fused-head training pass agree
+    assert live["tokens"] > 0 and live["rollout_vs_policy"] < 1e-4
 
 
 def test_shift_recorder_sees_a_router_that_moved_between_rollout_and_training(files):
@@ -202,6 +232,7 @@ def test_shift_recorder_sees_a_router_that_moved_between_rollout_and_training(fi
     assert [x.tokens for x in same] == [2 * 8, 2 * 8] and all(x.share == 0 for x in same)
     moved = step(perturb=True)
     assert all(x.share > 0.5 for x in moved)  # negated router: top-2 of 4 flips
+    assert all(x.top1_share == 1.0 for x in moved)  # the first choice becomes the last
 
 
 def test_grpo_with_an_all_nan_reward_fails_naming_it(files, tmp_path):
@@ -227,6 +258,8 @@ def test_refusals_before_anything_is_written(files, tmp_path):
          write_jsonl(tmp_path / "noanswer.jsonl", [{"prompt": "a"}]), DataError,
          "edit_similarity) reads column 'answer'"),
         (dict(method="dpo"), files.prompts, DataError, "prompt rows"),
+        (dict(method="grpo", batch_size=4, grpo={**GRPO, "use_vllm": True}), files.prompts,
+         TrainError, "vLLM weight sync merges only peft's linear LoRA"),
     ]  # fmt: skip
     for n, (over, data, error, says) in enumerate(cases):
         out = tmp_path / f"run{n}"

@@ -50,3 +50,23 @@ def test_preference_and_rl_train_quantised_experts(files, method, experts_dtype,
             ref = peft_model(input_ids=ids).logits
     # the expert LoRA moved the policy away from its reference (the quantised base)
     assert float((tuned - ref).norm() / ref.norm()) > 1e-6
+
+
+def test_grpo_replays_the_rollouts_routing_on_quantised_experts_with_the_adapter_live(files):
+    """Replay acts on the router's output, so int8 stacks route as the rollout did; the length
+    reward moves the adapter, so the live check can tell the policy from the base."""
+    root, model = files
+    data = write_jsonl(root / "replay.jsonl", prompt_rows(16))
+    grpo = {**GRPO_LENGTH, "routing_replay": "replay"}
+    cfg = run_config(model, data, root / "replay", method="grpo", max_steps=4, batch_size=8,
+                     grpo=grpo)  # fmt: skip
+    cfg.model.experts_dtype = "int8"
+    result, _ = train_capturing(cfg)
+    run = Path(result.run_dir)
+    shift = json.loads((run / "summary.json").read_text())["routing_shift"]
+    compared = sum(x["tokens"] for line in (run / "routing_shift.jsonl").read_text().splitlines()
+                   for x in json.loads(line)["layers"])  # fmt: skip
+    assert shift["routing_replay"] == "replay" and shift["replayed_tokens"] >= compared > 0
+    assert result.router_changed is False and "int8" in (run / "quant.json").read_text()
+    live = shift["adapter_live"]
+    assert live["verdict"] == "live" and live["rollout_vs_policy"] < live["rollout_vs_base"]

@@ -100,6 +100,15 @@ def _expected(logged: Any, step: int) -> dict[str, float]:
     return out
 
 
+def test_the_first_choice_shift_reaches_the_trackers_beside_the_set_shift():
+    row = {"step": 2, "mean_shift": 0.2, "mean_top1_shift": 0.1,
+           "layers": [{"layer": 3, "tokens": 10, "shift": 0.2, "top1_shift": 0.1}]}  # fmt: skip
+    assert shift_metrics(row) == {
+        "moe/routing_shift/layer_3": 0.2, "moe/routing_shift_mean": 0.2,
+        "moe/routing_shift_top1/layer_3": 0.1, "moe/routing_shift_top1_mean": 0.1,
+    }  # fmt: skip
+
+
 def test_tensorboard_events_hold_loss_and_moe_metrics(tensorboard_run):
     logged = tensorboard_run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

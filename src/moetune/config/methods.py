@@ -95,6 +95,13 @@ class GrpoArgs(_Section):
         description="Warn when the share of tokens whose top-k experts differ between the "
         "rollout and the training pass exceeds this in any layer.",
     )
+    routing_replay: Literal["off", "replay"] = Field(
+        "off",
+        description="replay: the training pass routes each token the rollout saw to the "
+        "experts the rollout chose, gate weights recomputed from the current router logits "
+        "over them (routing replay, R3); off: the router picks again (see docs/train.md for "
+        "the measured shift that chose the default).",
+    )
     use_vllm: bool = Field(
         False, description="CUDA only: generate with TRL's vLLM mode (needs vllm installed)."
     )

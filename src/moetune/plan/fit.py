@@ -153,8 +153,11 @@ def analytic(spec: ModelSpec, cfg: RunConfig) -> AnalyticEstimate:
     peak, components, phase = with_rollout(
         method_terms(cfg, spec), est.peak_bytes, est.components, est.peak_phase
     )
-    if phase == est.peak_phase:
+    if (peak, phase) == (est.peak_bytes, est.peak_phase):
         return est
+    if phase == est.peak_phase:  # the trained step plus the replayed routing indices
+        phases = {**est.phases, phase: peak}
+        return replace(est, components=components, peak_bytes=peak, phases=phases)
     phases = {**est.phases, "rollout": peak}
     return replace(est, components=components, peak_bytes=peak, peak_phase=phase, phases=phases)
 

@@ -1,7 +1,8 @@
 """The report's "Routing shift" section (train.method grpo): per step, the share of tokens
 whose top-k expert set differs between the rollout pass and the training pass
 (RUN_DIR/routing_shift.jsonl, written by train/routing_shift.py) – the known source of MoE
-RL instability – against the train.grpo.shift_warn line."""
+RL instability – against the train.grpo.shift_warn line, and per layer the set and
+first-choice shares."""
 
 from __future__ import annotations
 
@@ -33,6 +34,30 @@ def shift_section(inp: Any) -> dict[str, Any]:
         "over": over,
         "warn_at": warn_at,
         "plot": plots.shift_plot(steps, mean, {k: layers[k] for k in shown}, warn_at),
+        "layers": layer_table(rows),
+        "replay": lookup(inp.config, "train.grpo.routing_replay"),
+    }
+
+
+def layer_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per MoE layer over all records: the token-weighted top-k set and top-1 shift, the
+    worst step's set shift (top-1 None where the records predate it)."""
+    seen: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        for entry in row["layers"]:
+            seen.setdefault(int(entry["layer"]), []).append(entry)
+    return [_layer_row(layer, entries) for layer, entries in sorted(seen.items())]
+
+
+def _layer_row(layer: int, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens = sum(int(e["tokens"]) for e in entries) or 1
+    top1 = [e for e in entries if "top1_shift" in e]
+    return {
+        "layer": layer,
+        "tokens": tokens,
+        "shift": sum(e["shift"] * e["tokens"] for e in entries) / tokens,
+        "worst": max(float(e["shift"]) for e in entries),
+        "top1": sum(e["top1_shift"] * e["tokens"] for e in top1) / tokens if top1 else None,
     }
 
 

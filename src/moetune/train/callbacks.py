@@ -84,6 +84,8 @@ _KEEP = {  # TRL/HF log key -> metrics.jsonl field
     "kl": "kl",
     "rewards/accuracies": "reward_accuracy",  # dpo: share of pairs with chosen > rejected
     "rewards/margins": "reward_margin",
+    "routing_shift": "routing_shift",  # grpo: ShiftCallback adds them to the loss row
+    "routing_shift_top1": "routing_shift_top1",
 }
 
 

@@ -172,6 +172,12 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
             f"of train.grpo.num_generations = {g.num_generations}",
             "make the batch a multiple of the group (e.g. batch_size: 8, num_generations: 4)",
         )
+    if g.use_vllm and "experts" in cfg.lora.targets:
+        raise TrainError(
+            "train.grpo.use_vllm: TRL's vLLM weight sync merges only peft's linear LoRA "
+            "layers, so the rollouts would sample from the base experts, not the policy",
+            "set train.grpo.use_vllm: false (TRL's own generation runs the expert LoRA)",
+        )
     if g.use_vllm and cfg.train.device != "cuda":
         raise TrainError(
             "train.grpo.use_vllm needs CUDA", "set train.device: cuda, or use_vllm off"

@@ -18,6 +18,7 @@ Keys (the integrations prefix them, TensorBoard and W&B with `train/`):
     moe/entropy/layer_N  moe/top1_share/layer_N  moe/dead_experts/layer_N
     moe/top1_drift/layer_N (top-1 share minus the base's)   moe/entropy_min  moe/dead_experts_total
     moe/routing_shift/layer_N  moe/routing_shift_mean        (grpo)
+    moe/routing_shift_top1/layer_N  moe/routing_shift_top1_mean (grpo)
     memory/peak_bytes  memory/planned_peak_bytes  memory/measured_over_planned
 
 No key is a prefix folder of another: MLflow's file store keeps each metric as a file.
@@ -150,7 +151,14 @@ def routing_metrics(layers: list[dict[str, Any]], base: dict[int, LayerLoad]) ->
 def shift_metrics(row: dict[str, Any]) -> dict[str, float]:
     """A routing_shift.jsonl record as tracker scalars."""
     out = {f"moe/routing_shift/layer_{x['layer']}": x["shift"] for x in row["layers"]}
-    return {**out, "moe/routing_shift_mean": row["mean_shift"]}
+    top1 = {
+        f"moe/routing_shift_top1/layer_{x['layer']}": x["top1_shift"]
+        for x in row["layers"]
+        if "top1_shift" in x
+    }
+    if "mean_top1_shift" in row:
+        top1["moe/routing_shift_top1_mean"] = row["mean_top1_shift"]
+    return {**out, **top1, "moe/routing_shift_mean": row["mean_shift"]}
 
 
 def memory_metrics(planned: int | None) -> dict[str, float]:

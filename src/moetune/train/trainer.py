@@ -53,6 +53,7 @@ from moetune.lint.preflight import check_ledger
 from moetune.model.saved_names import write_checkpoint_named
 from moetune.plan.estimate import step_signature
 from moetune.plan.hardware import card_for_device
+from moetune.train.adapter_live import LiveCheck
 from moetune.train.callbacks import (
     MetricsCallback,
     RichProgress,
@@ -285,7 +286,8 @@ def build_trainer(
     meter = store_meter(model)  # train.offload: what each step read, and what bound it
     metrics = MetricsCallback(run.metrics.append, extra=meter.totals if meter else None)
     shift = rollout_shift(cfg, setup, run, model, console, feed)
-    callbacks = (metrics, routing, *shift, *([feed] if feed else []), CheckpointCommitter(run))
+    # shift first: its on_log puts the shift into the loss row that metrics then writes
+    callbacks = (*shift, metrics, routing, *([feed] if feed else []), CheckpointCommitter(run))
     bar = RichProgress(metrics, console, meter.line if meter else None)
     for callback in (*callbacks, bar):  # the bar shows the row
         trainer.add_callback(callback)  # metrics just made; the feed logs what routing saw
@@ -315,10 +317,12 @@ def rollout_shift(
         return ()
     return (
         ShiftCallback(
-            ShiftRecorder(model, setup.spec),
+            ShiftRecorder(model, setup.spec, cfg.train.grpo.routing_replay == "replay"),
             cfg.train.grpo.shift_warn,
             fan_out(run.shift.append, *([feed.shift] if feed else [])),
             lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
+            # rollouts from the policy? (one rank's extra forward would hang a sharded run)
+            None if launched() else LiveCheck(model, cfg.train.grpo.temperature),
         ),
     )
 
