@@ -99,6 +99,8 @@ def test_host_buffers_are_reused_only_when_nothing_holds_them() -> None:
     assert c.data_ptr() == first and c.shape == (2, 16) and c.is_contiguous()
     d = pool.empty((3,), dtype=torch.float32)  # no free buffer of that size: a new one
     assert d.data_ptr() not in (first, b.data_ptr())
+    pool.clear()  # the end of training: nothing kept for later
+    assert pool.empty((4, 8), dtype=torch.float32).data_ptr() not in (b.data_ptr(), c.data_ptr())
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts /proc/self/fd")

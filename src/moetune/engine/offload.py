@@ -191,6 +191,11 @@ class HostBuffers:
             strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
             return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), strides)
 
+    def clear(self) -> None:
+        """Forget every buffer: those no tensor holds are freed now, the others with them."""
+        with self._lock:
+            self._storages.clear()
+
 
 def _free(storage: torch.UntypedStorage) -> bool:
     """Only the pool's own reference is left (private API: without it, nothing is reused)."""
@@ -248,7 +253,8 @@ class ExpertStore:
         self._lock, self._count_lock = threading.RLock(), threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moetune-offload")
         self.reader = DirectReader()  # its own workers: a prefetch never queues behind a load
-        self.empty: Empty = HostBuffers().empty if self.device.type == "cpu" else torch.empty
+        self.buffers = HostBuffers()
+        self.empty: Empty = self.buffers.empty if self.device.type == "cpu" else torch.empty
         self._side = torch.cuda.Stream(self.device) if self.pin else None
         weakref.finalize(self, self._pool.shutdown, wait=False)
         fixed_mmap_threshold()
@@ -286,6 +292,7 @@ class ExpertStore:
             self._drain()
             self._live.clear()
             self._current = -1
+            self.buffers.clear()  # the host memory they held goes back too
 
     def _advance(self, layer: int, phase: str) -> None:
         step = layer - self._current if self._current >= 0 and layer != self._current else 0
