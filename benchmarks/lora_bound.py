@@ -7,7 +7,10 @@ one forward + backward with frozen experts and LoRA rank r on both projections
 
 * peft 0.21 `ParamWrapper` (one adapter: `_LoraFactorsProxy`) folds the factors into the
   stack on every forward, `W' = baddbmm(W, B, A)` (reads W, writes W'), and runs the
-  experts forward (transformers' `grouped_mm`) on W'. Since W' requires grad, backward
+  experts forward (transformers' `grouped_mm`) on W'. With both stacks adapted the
+  wrappers nest, and peft 0.21.2 folds each stack twice per forward (an aten-level trace
+  shows four `baddbmm` for two stacks; tests/test_bench_lora_bound.py counts them), one
+  of them differentiated. Since W' requires grad, backward
   computes the full weight gradient dW' = xᵀ·g per expert (N written) and from it the
   factor gradients dB = dW'·Aᵀ and dA = Bᵀ·dW' (two reads of dW', 2·N·r FLOPs each).
 * split LoRA runs the same grouped base matmuls on W, plus the low-rank path x·A·B
@@ -98,14 +101,18 @@ def base_kernels(shape: Shape) -> list[Kernel]:
     ]
 
 
+FOLDS_PER_FORWARD = 2  # peft 0.21.2 with nested wrappers (module docstring)
+
+
 def peft_kernels(shape: Shape) -> list[Kernel]:
     """peft's ParamWrapper: fold W + B·A, the experts forward on W', and dW' in backward."""
     s, e, r = shape.pairs, shape.experts, shape.rank
     out = base_kernels(shape)
     for k, n in shape.projections():
         weights = e * k * n
-        out.append(Kernel(f"fold W' {k}->{n}", 2.0 * weights * (r + 1),
-                          float((2 * weights + e * r * (k + n)) * shape.dtype_bytes)))  # fmt: skip
+        fold = _mm(f"fold W' {k}->{n}", n, r, k, shape, e)  # B·A, plus W read and W' written
+        fold = Kernel(fold.name, fold.flops, fold.bytes + 2 * weights * shape.dtype_bytes)
+        out += [fold] * FOLDS_PER_FORWARD
         out.append(_mm(f"dW' {k}->{n}", k, s // e, n, shape, e))
         out.append(_mm(f"dB = dW'·Aᵀ {k}->{n}", n, k, r, shape, e))
         out.append(_mm(f"dA = Bᵀ·dW' {k}->{n}", r, n, k, shape, e))

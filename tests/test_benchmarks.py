@@ -26,6 +26,7 @@ EXPECT: dict[str, tuple[list[str], str]] = {
     "experts_lora.py": ([], r"speed.*\d"),
     "gemma4_terms.py": ([], r"\| census shape .*\| 128 \| \d+\.\d / \d+\.\d \|"),
     "gpu_validate.py": (["--cases", "30b-peft-2k", "--no-tracker"], r"30b-peft-2k"),
+    "kt_kernel.py": ([], r"CPU .*; flags: "),  # without kt-kernel (its own venv): flags + why
     "grpo_step.py": ([], r"\| 4 \| \d+\.\d+ \| \d+\.\d+ \|"),
     "planner_accuracy.py": ([], r"worst: [+-]\d+\.\d %"),
     "sharded_load.py": ([], r"rank 1: peak RSS \d+\.\d+ GiB.*plan \d+\.\d+ GiB"),
