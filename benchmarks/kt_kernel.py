@@ -23,7 +23,6 @@ twice and the two halves of B, and the script reports how far the outputs differ
 
 from __future__ import annotations
 
-import bench_env
 import argparse
 import datetime
 import json
@@ -34,6 +33,7 @@ import warnings
 from importlib import metadata
 from typing import Any
 
+import bench_env
 import torch
 
 SECTION = "## kt-kernel's CPU LoRA op vs split LoRA (`benchmarks/kt_kernel.py`)"
