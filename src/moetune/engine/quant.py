@@ -185,9 +185,14 @@ class NF4(Quantizer):
         packed = buffers["codes"]
         if (out_in[0] * out_in[1]) % NF4_BLOCK:  # padded last block: no view of `out` fits
             return cls.dequantize(buffers, out_in, out.dtype)
-        levels = _pair_levels(packed.device).index_select(0, packed.flatten().int())
         absmax = buffers["absmax"] if "absmax" in buffers else _dq_restore(buffers)
-        blocks = out.view(*absmax.shape, NF4_BLOCK)  # the fp32 product rounds once to out's dtype
+        blocks = out.view(*absmax.shape, NF4_BLOCK)
+        if out.dtype == torch.float32:  # the levels straight into `out`, scaled in place
+            torch.index_select(_pair_levels(packed.device), 0, packed.flatten().int(),
+                               out=out.view(-1, 2))  # fmt: skip
+            return blocks.mul_(absmax.unsqueeze(-1)).view(out.shape)
+        levels = _pair_levels(packed.device).index_select(0, packed.flatten().int())
+        # the fp32 product, rounded once to out's dtype
         torch.mul(levels.view(*absmax.shape, NF4_BLOCK), absmax.unsqueeze(-1), out=blocks)
         return out
 
