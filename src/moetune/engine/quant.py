@@ -19,7 +19,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from functools import cache
+from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -187,14 +187,29 @@ class NF4(Quantizer):
             return cls.dequantize(buffers, out_in, out.dtype)
         absmax = buffers["absmax"] if "absmax" in buffers else _dq_restore(buffers)
         blocks = out.view(*absmax.shape, NF4_BLOCK)
+        codes = _scratch(packed.numel(), torch.int32, packed.device).copy_(packed.flatten())
         if out.dtype == torch.float32:  # the levels straight into `out`, scaled in place
-            torch.index_select(_pair_levels(packed.device), 0, packed.flatten().int(),
-                               out=out.view(-1, 2))  # fmt: skip
+            torch.index_select(_pair_levels(packed.device), 0, codes, out=out.view(-1, 2))
             return blocks.mul_(absmax.unsqueeze(-1)).view(out.shape)
-        levels = _pair_levels(packed.device).index_select(0, packed.flatten().int())
+        levels = _scratch(2 * packed.numel(), torch.float32, packed.device).view(-1, 2)
+        torch.index_select(_pair_levels(packed.device), 0, codes, out=levels)
         # the fp32 product, rounded once to out's dtype
         torch.mul(levels.view(*absmax.shape, NF4_BLOCK), absmax.unsqueeze(-1), out=blocks)
         return out
+
+
+@lru_cache(maxsize=4)
+def _scratch_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype)
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A transient of one expert's size, kept on the CPU: a fresh one per expert costs its page
+    faults (the CPU allocator returns large blocks to the OS); CUDA's allocator reuses its own.
+    Only for use within one call (each call overwrites it)."""
+    if device.type == "cpu":
+        return _scratch_cpu(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
