@@ -188,11 +188,13 @@ class NF4(Quantizer):
         absmax = buffers["absmax"] if "absmax" in buffers else _dq_restore(buffers)
         blocks = out.view(*absmax.shape, NF4_BLOCK)
         codes = _scratch(packed.numel(), torch.int32, packed.device).copy_(packed.flatten())
-        if out.dtype == torch.float32:  # the levels straight into `out`, scaled in place
-            torch.index_select(_pair_levels(packed.device), 0, codes, out=out.view(-1, 2))
+        fp32 = out.dtype == torch.float32  # then the levels go straight into `out`
+        levels = out if fp32 else _scratch(2 * packed.numel(), torch.float32, packed.device)
+        # a byte's two fp32 levels as one int64 word: a 1-D gather, ~2x a [256, 2] one
+        words = _pair_levels(packed.device).view(torch.int64).flatten()
+        torch.index_select(words, 0, codes, out=levels.view(-1, 2).view(torch.int64).flatten())
+        if fp32:
             return blocks.mul_(absmax.unsqueeze(-1)).view(out.shape)
-        levels = _scratch(2 * packed.numel(), torch.float32, packed.device).view(-1, 2)
-        torch.index_select(_pair_levels(packed.device), 0, codes, out=levels)
         # the fp32 product, rounded once to out's dtype
         torch.mul(levels.view(*absmax.shape, NF4_BLOCK), absmax.unsqueeze(-1), out=blocks)
         return out
