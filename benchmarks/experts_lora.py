@@ -8,15 +8,20 @@ Cases, each one forward + backward with frozen base weights and LoRA r on the ex
          experts, loss from labels, once per `--gc` setting: "on" is non-reentrant gradient
          checkpointing with input grads enabled, as a peft/TRL training run sets it up
          (`plan.trace.prepare_for_training`).
-Frozen experts (`--experts-dtype`): "bf16" is the float stack at the run's dtype (bf16 on
-CUDA, fp32 on CPU); "int8", "nf4" ("nf4dq": double-quantised scales) store it as
-`engine.quant.QuantizedStack`s, built as the trainer builds them (quantise, then peft
-inside `peft_targets`), and run moetune's split LoRA on them. peft cannot adapt a
-quantised stack at all, so every row compares against peft on the *float* stack of the
-same shape: that baseline is measured once per case and gc setting and reused for each
+Frozen experts (`--experts-dtype`): "bf16" is the float stack at the run's dtype
+(`--dtype`: bf16 on CUDA, fp32 on CPU unless asked); "int8", "nf4" ("nf4dq": double-quantised
+scales) store it as `engine.quant.QuantizedStack`s, built as the trainer builds them
+(quantise, then peft inside `peft_targets`), and run moetune's split LoRA on them. peft
+cannot adapt a quantised stack at all, so every row compares against peft on the *float*
+stack of the same shape: that baseline is measured once per case and gc setting and reused for each
 experts dtype. All paths run in one process, the float ones on one peft model
 (`apply_split_lora` / `restore_peft_lora` switch it), all with the same inputs and LoRA
 values, alternating per repeat so a change in the load of a shared machine hits all alike.
+
+Bound (layer case, CPU): `lora_bound.py` counts the FLOPs and bytes of both paths and turns
+them into the speedup a roofline allows, on this machine's matmul FLOP/s and copy bandwidth
+measured after each repeat (between the timed steps); each row gives the measured speedup
+as a fraction of that bound (`of_bound`).
 
 Time: median of `--repeats` steps after one warm-up step (the memory pass).
 Peak extra bytes: on CUDA `torch.cuda.max_memory_allocated()` minus what was allocated
@@ -33,7 +38,7 @@ distance to peft on the original float stack (the quantisation error).
 
     python benchmarks/experts_lora.py [--quick] [--json] [--record] [--repeats N]
                                       [--cases layer,model] [--experts-dtype bf16,int8,nf4]
-                                      [--gc off,on] [--device cpu|cuda]
+                                      [--gc off,on] [--device cpu|cuda] [--dtype fp32|bf16]
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_env
+import lora_bound
 import torch
 
 from moetune.engine import IMPLEMENTATION, apply_split_lora, register, restore_peft_lora
@@ -300,17 +306,45 @@ def run_case(case: Case, gc: str, dtypes: list[str], repeats: int, device: torch
 
     mem = {n: run(n, lambda s: peak_extra(s.step, s.model, inputs, device)) for n in sides}
     times: dict[str, list[float]] = {n: [] for n in sides}
+    machines = []
     for _ in range(repeats):
         for name in sides:
             times[name].append(run(name, lambda s: timed(s.step, device)))
+        if case.layer and device.type == "cpu":  # the roofline's rates, between the steps
+            machines.append(lora_bound.measure_machine(bound_shape(case, dtype), dtype))
     refs = {d: reference(sides["peft"], sides[d]) for d in dtypes if d in QUANT}
     got = {n: (*mem[n], times[n], *frozen_bytes(s.model)) for n, s in sides.items()}
     label = dtype_name(dtype)
     rows = []
     for d in dtypes:
         key = {"case": case.name, "experts_dtype": d if d in QUANT else label, "gc": gc}
-        rows.append(summarize(case, key, label, got["peft"], got[d], refs.get(d)))
+        row = summarize(case, key, label, got["peft"], got[d], refs.get(d))
+        rows.append({**row, **against_bound(row, case, dtype, machines)})
     return rows
+
+
+def bound_shape(case: Case, dtype: torch.dtype) -> lora_bound.Shape:
+    width = torch.finfo(dtype).bits // 8
+    return lora_bound.Shape(case.experts, case.top_k, case.hidden, case.intermediate,
+                            case.tokens, case.rank, width)  # fmt: skip
+
+
+def against_bound(row: dict, case: Case, dtype: torch.dtype, machines: list) -> dict:
+    """The layer's roofline bound (benchmarks/lora_bound.py) on the rates measured between
+    the timed steps (their medians), and the measured speedup as a fraction of it."""
+    if not machines:
+        return {"bound": None}
+    machine = lora_bound.Machine(statistics.median(m.matmul_flops for m in machines),
+                                 statistics.median(m.bandwidth for m in machines))  # fmt: skip
+    bound = lora_bound.bound(bound_shape(case, dtype), machine)
+    rates = {
+        "matmul_gflops": round(machine.matmul_flops / 1e9, 1),
+        "bandwidth_gbs": round(machine.bandwidth / 1e9, 1),
+    }
+    return {
+        "bound": {**bound, **rates},
+        "of_bound": round(row["speedup"] / bound["bound_speedup"], 2),
+    }
 
 
 def rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -359,7 +393,7 @@ def machine(device: torch.device) -> str:
 
 
 def describe(row: dict) -> str:
-    s, mib = row["shape"], 2**20
+    s = row["shape"]
     what = (
         f"{s['experts']} experts × hidden {s['hidden']} × intermediate {s['intermediate']}, "
         f"r={s['rank']}, {s['tokens']} tokens top-{s['top_k']}"
@@ -369,6 +403,23 @@ def describe(row: dict) -> str:
     checked = "peft's"
     if row["quant_rel_diff"] is not None:
         checked += f" on the dequantised stacks ({row['quant_rel_diff']} from the float one's)"
+    return _measured(row, what, checked) + _bound_text(row)
+
+
+def _bound_text(row: dict) -> str:
+    b = row.get("bound")
+    if not b:
+        return ""
+    return (
+        f"; bound (roofline at {b['matmul_gflops']} GFLOP/s, {b['bandwidth_gbs']} GB/s): peft "
+        f"{b['peft_gflop']} GFLOP + {b['peft_gb']} GB → {b['peft_roofline_s']} s, split "
+        f"{b['split_gflop']} GFLOP + {b['split_gb']} GB → {b['split_roofline_s']} s, speedup "
+        f"{b['bound_speedup']}×; measured/bound {row['of_bound']}"
+    )
+
+
+def _measured(row: dict, what: str, checked: str) -> str:
+    mib = 2**20
     return (
         f"{row['case']}, {row['experts_dtype']} experts, gc {row['gc']} ({what}): "
         f"{row['baseline']} {row['peft_s']} s, moetune {row['moetune_s']} s → speedup "
@@ -414,6 +465,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "nf4, nf4dq; each against peft on the float stack")  # fmt: skip
     parser.add_argument("--gc", default="off,on", help="model case: off, on or off,on")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                        help="compute dtype of the float stack and both paths (default: bf16 on "
+                        "CUDA, fp32 on CPU)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true",
                         help="quick layer case, bf16+int8, 1 repeat; no record")  # fmt: skip
     bench_env.add_argument(parser)
@@ -431,7 +485,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtypes = choices(args.experts_dtype, [*FLOAT, *QUANT], "--experts-dtype")
     gcs = choices(args.gc, GC, "--gc")
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: no fast bf16 here
+    default = "bf16" if device.type == "cuda" else "fp32"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or default]
     repeats = args.repeats or (5 if args.quick or device.type == "cuda" else 2)
     shapes = QUICK if args.quick else CASES
     with warnings.catch_warnings():  # peft's FutureWarnings about renamed transformers APIs

@@ -32,6 +32,7 @@ EXPECT: dict[str, tuple[list[str], str]] = {
     "gemma4_terms.py": ([], r"\| census shape .*\| 128 \| \d+\.\d / \d+\.\d \|"),
     "gpu_validate.py": (["--cases", "30b-peft-2k", "--no-tracker"], r"30b-peft-2k"),
     "grpo_routing.py": ([], r"\| deepseek_v3 tiny \| bfloat16 \| \d+ \| \d+\.\d+% \|.*\| 100% \|"),
+    "kt_kernel.py": ([], r"CPU .*; flags: "),  # without kt-kernel (its own venv): flags + why
     "grpo_step.py": ([], r"\| 4 \| \d+\.\d+ \| \d+\.\d+ \|"),
     "offload_stream.py": ([], r"disk stream / O_DIRECT: \d+\.\d+ · cpu stream / memcpy: \d"),
     "planner_accuracy.py": ([], r"worst: [+-]\d+\.\d %"),

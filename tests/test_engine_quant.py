@@ -115,6 +115,26 @@ def test_int8_matches_hand_computation() -> None:
     assert stack.dequantize()[0, 1].eq(0).all()  # an all-zero row stays exactly zero
 
 
+@pytest.mark.parametrize("method", ["int8", "nf4", "nf4dq"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_expert_in_a_reused_buffer_is_the_dequantised_one(
+    method: str, dtype: torch.dtype
+) -> None:
+    """The split path's per-expert weights (a buffer reused across experts; int8's row scales
+    kept apart) are the stack's dequantised experts, bit for bit."""
+    w = torch.randn(3, 48, 128, generator=torch.Generator().manual_seed(0))
+    stack = QuantizedStack.from_float(w, method.removesuffix("dq"), double_quant=method == "nf4dq")
+    into = torch.empty(48, 128, dtype=dtype)
+    for e in range(3):
+        v, scale = stack.factored_expert(e, into)
+        expected = stack.canonical_expert(e, dtype)
+        if scale is None:
+            assert torch.equal(v, expected)
+        else:  # W = s[:, None]·V with V the codes, exact in the compute dtype
+            assert torch.equal(v, stack.codes[e].to(dtype))
+            assert torch.equal((scale.unsqueeze(-1) * v.float()).to(dtype), expected)
+
+
 def test_nf4_table_values_dequantise_exactly() -> None:
     index = torch.randperm(64, generator=torch.Generator().manual_seed(0)) % 16
     block = NF4_LEVELS[index]

@@ -284,15 +284,30 @@ def _per_expert(x: torch.Tensor, stack: QuantizedStack, offsets: torch.Tensor,
         # planner traces: no routing values, but the same bytes – one expert's transient
         w = stack.canonical_expert(0, x.dtype)
         return x @ w if backward else F.linear(x, w)
-    out = x.new_zeros(x.shape[0], stack.out_in[1 if backward else 0])
+    ends, shape = offsets.tolist(), (x.shape[0], stack.out_in[1 if backward else 0])
+    # every row belongs to an expert (ends[-1] == rows) unless routing dropped some
+    out = x.new_empty(shape) if ends[-1] == x.shape[0] else x.new_zeros(shape)
+    into = x.new_empty(stack.out_in)  # one expert's weights, reused: no allocation per expert
     start = 0
-    for e, end in enumerate(offsets.tolist()):
+    for e, end in enumerate(ends):
         if end > start:
-            w = stack.canonical_expert(e, x.dtype)
-            rows = x[start:end]
-            out[start:end] = rows @ w if backward else F.linear(rows, w)
+            _expert_mm(x[start:end], *stack.factored_expert(e, into), out[start:end], backward)
         start = end
     return out
+
+
+def _expert_mm(rows: torch.Tensor, v: torch.Tensor, scale: torch.Tensor | None,
+               out: torch.Tensor, backward: bool) -> None:  # fmt: skip
+    """rows·Wᵀ (or rows·W) into `out`, W = scale[:, None]·v: the per-output-row scale goes on
+    the (rows × out) side, a fraction of the (out × in) weight's elements."""
+    if not backward:
+        torch.mm(rows, v.t(), out=out)
+        if scale is not None:
+            out.mul_(scale)
+        return
+    if scale is not None:  # computed at the scale's precision, rounded once to the rows' dtype
+        rows = torch.mul(rows, scale, out=torch.empty_like(rows))
+    torch.mm(rows, v, out=out)
 
 
 class _StreamedGroupedLinear(torch.autograd.Function):

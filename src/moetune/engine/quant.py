@@ -19,7 +19,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
-from functools import cache
+from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -84,6 +84,21 @@ class Quantizer:
         """Buffers sliced to some experts -> their float matrices [e, out, in]."""
         raise NotImplementedError
 
+    @classmethod
+    def dequantize_into(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
+                        out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """As `dequantize` (same values, bit for bit) into `out` [e, out, in] where the format
+        can write there: a buffer reused across experts, no allocation or cast per expert."""
+        return cls.dequantize(buffers, out_in, out.dtype)
+
+    @classmethod
+    def factored(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
+                 out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """(V, s) with W = s[:, None] · V for one expert ([1, out, in]; s [1, out] or None):
+        a format with per-output-row scales lets the matmul scale its (rows × out) result
+        instead of the (out × in) weight."""
+        return cls.dequantize_into(buffers, out_in, out), None
+
 
 QUANTIZERS: Registry[type[Quantizer]] = Registry("quantizer backend", QuantError)
 
@@ -126,6 +141,11 @@ class Int8(Quantizer):
                    dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         return (buffers["codes"].float() * buffers["scales"].unsqueeze(-1)).to(dtype)
 
+    @classmethod
+    def factored(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
+                 out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        return out.copy_(buffers["codes"]), buffers["scales"]  # |code| ≤ 127: exact in bf16
+
 
 @register
 class NF4(Quantizer):
@@ -158,6 +178,40 @@ class NF4(Quantizer):
         values = levels.view(*absmax.shape, NF4_BLOCK) * absmax.unsqueeze(-1)
         out, inp = out_in
         return values.view(packed.shape[0], -1)[:, : out * inp].reshape(-1, out, inp).to(dtype)
+
+    @classmethod
+    def dequantize_into(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
+                        out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        packed = buffers["codes"]
+        if (out_in[0] * out_in[1]) % NF4_BLOCK:  # padded last block: no view of `out` fits
+            return cls.dequantize(buffers, out_in, out.dtype)
+        absmax = buffers["absmax"] if "absmax" in buffers else _dq_restore(buffers)
+        blocks = out.view(*absmax.shape, NF4_BLOCK)
+        codes = _scratch(packed.numel(), torch.int32, packed.device).copy_(packed.flatten())
+        fp32 = out.dtype == torch.float32  # then the levels go straight into `out`
+        levels = out if fp32 else _scratch(2 * packed.numel(), torch.float32, packed.device)
+        # a byte's two fp32 levels as one int64 word: a 1-D gather, ~2x a [256, 2] one
+        words = _pair_levels(packed.device).view(torch.int64).flatten()
+        torch.index_select(words, 0, codes, out=levels.view(-1, 2).view(torch.int64).flatten())
+        if fp32:
+            return blocks.mul_(absmax.unsqueeze(-1)).view(out.shape)
+        # the fp32 product, rounded once to out's dtype
+        torch.mul(levels.view(*absmax.shape, NF4_BLOCK), absmax.unsqueeze(-1), out=blocks)
+        return out
+
+
+@lru_cache(maxsize=4)
+def _scratch_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype)
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A transient of one expert's size, kept on the CPU: a fresh one per expert costs its page
+    faults (the CPU allocator returns large blocks to the OS); CUDA's allocator reuses its own.
+    Only for use within one call (each call overwrites it)."""
+    if device.type == "cpu":
+        return _scratch_cpu(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -245,6 +299,13 @@ class QuantizedStack(nn.Module):
         """Expert e as [out, in], read from its own slice of each buffer only."""
         parts = {name: buf[e : e + 1] for name, buf in self.named_buffers()}
         return self.backend.dequantize(parts, self.out_in, dtype or self.dtype)[0]
+
+    def factored_expert(self, e: int, into: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Expert e as (V [out, in], s [out] or None), W_e = s[:, None]·V, V written into
+        `into` ([out, in], the compute dtype) where the backend can (`Quantizer.factored`)."""
+        parts = {name: buf[e : e + 1] for name, buf in self.named_buffers()}
+        v, s = self.backend.factored(parts, self.out_in, into.unsqueeze(0))
+        return v[0], None if s is None else s[0]
 
     def expert(self, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Expert e shaped as the original stack's slice."""
