@@ -126,7 +126,7 @@ def node_ram_bytes(cfg: RunConfig) -> int:
 
 PROBE = (
     "df -B1 --output=avail . | tail -n1; awk '/MemAvailable/ {print $2 * 1024}' /proc/meminfo; "
-    "(exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo busy || echo free"
+    "(exec 3<>/dev/tcp/127.0.0.1/%d) 2>/dev/null && echo busy || echo free"
 )
 
 
@@ -134,7 +134,7 @@ def node_shortfalls(
     provider: Provider, pod: str, rank: int, disk: int, ram: int, port: int
 ) -> list[str]:
     """What node `rank` lacks: disk for the base, RAM for its ranks, node 0's port."""
-    got = provider.exec(pod, PROBE.format(port=int(port)), 60).stdout.split()
+    got = provider.exec(pod, PROBE % int(port), 60).stdout.split()
     if len(got) != 3 or not got[0].isdigit():
         return [f"node {rank}: could not read its disk, RAM and ports ({' '.join(got)[:80]})"]
     free_disk, free_ram = int(got[0]), int(float(got[1]))
