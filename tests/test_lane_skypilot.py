@@ -21,6 +21,7 @@ from moetune.config import parse_config
 from moetune.lane.launch import pod_gpu_count
 from moetune.lane.providers.base import LaneError, PodSpec
 from moetune.lane.providers.skypilot import (
+    RECORD_NODE_ENV,
     SkypilotProvider,
     parse_status,
     run_task,
@@ -346,3 +347,11 @@ def test_skypilots_own_parser_reads_a_multi_node_task(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
     assert parsed["num_nodes"] == 2 and '--node-rank "$SKYPILOT_NODE_RANK"' in parsed["run"]
+    lanes = task_yaml(_spec(nodes=2), 7200, [], RECORD_NODE_ENV, {}, cfg.lane.skypilot)
+    path.write_text(yaml.safe_dump(lanes))  # `moetune launch --nnodes 2`'s own cluster
+    done = subprocess.run(
+        [str(SKY_VENV), "-c", _PARSE, str(path)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed["num_nodes"] == 2 and parsed["run"] == RECORD_NODE_ENV
