@@ -20,7 +20,6 @@ from moetune.demo.base import SHIPPED_DIR
 from moetune.lane.providers.base import Pod
 from moetune.lane.providers.ssh import SshProvider
 from moetune.ledger import Ledger
-
 from sshd import SKIP_REASON, Sshd, free_port, have_sshd, start_sshd
 
 TOKEN = "hf_" + "Z" * 34  # a secret in lane.env: masked everywhere it could show
@@ -133,8 +132,8 @@ def test_two_ssh_nodes_each_run_their_rank_and_the_ledger_sums_both(
     for rank, pod in enumerate([state["pod_name"], *state["node_pods"]]):
         argv = (tmp_path / "remote" / pod / "argv.txt").read_text().splitlines()
         assert argv[:2] == ["train", "run.yaml"]
-        assert argv[-9:-1] == ["--nnodes", "2", "--node-rank", str(rank),
-                               "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
+        flags = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
+        assert argv[-9:-1] == [*flags, "--master-port", str(port)]
         assert argv[-1] == f"XET=1 TOKEN={TOKEN}"  # the walls' env and the secret, by env
         assert (tmp_path / "remote" / pod / "run.yaml").is_file()  # staged on every node
         assert (tmp_path / "remote" / pod / "deadman.log").is_file()  # guarded on every node
@@ -153,9 +152,8 @@ def test_a_failing_worker_ends_the_run_and_every_node_is_torn_down(
     tmp_path: Path, server: Sshd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake = tmp_path / "fake-moetune"
-    fake.write_text("#!/bin/bash\n"
-                    'if [[ " $* " == *" --node-rank 1 "* ]]; then echo rendezvous lost; exit 3; fi\n'
-                    "sleep 30\n")  # fmt: skip
+    node_1_fails = 'if [[ " $* " == *" --node-rank 1 "* ]]; then echo rendezvous lost; exit 3; fi'
+    fake.write_text(f"#!/bin/bash\n{node_1_fails}\nsleep 30\n")
     fake.chmod(0o755)
     monkeypatch.chdir(tmp_path)
     config = _nodes_config(tmp_path, server, str(fake))
@@ -177,7 +175,8 @@ def test_two_ssh_nodes_train_one_adapter_end_to_end(
     """Real `moetune train` on both nodes: a gloo world of 2 over loopback, node 0 writes
     the adapter, which is banked here."""
     src = Path(__file__).resolve().parents[1] / "src"
-    moetune = f"env PYTHONPATH={shlex.quote(str(src))} OMP_NUM_THREADS=1 {sys.executable} -m moetune"
+    env = f"env PYTHONPATH={shlex.quote(str(src))} OMP_NUM_THREADS=1"
+    moetune = f"{env} {sys.executable} -m moetune"
     monkeypatch.chdir(tmp_path)
     config = _nodes_config(tmp_path, server, moetune)
     got = CliRunner().invoke(app, ["launch", str(config), "--nnodes", "2", "--json"])

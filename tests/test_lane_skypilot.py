@@ -168,8 +168,8 @@ def test_a_provider_without_nodes_refuses_them_in_one_line(tmp_path):
 
 def test_dry_run_shows_every_nodes_command_and_counts_every_node(tmp_path):
     config = Path("configs/qwen3-30b-a3b/lora_h200.yaml").resolve()
-    args = ["launch", str(config), "--dry-run", "--json", "--provider", "skypilot",
-            "--set", f"output.ledger={tmp_path}/l.jsonl", "--set", "train.max_steps=500"]  # fmt: skip
+    args = ["launch", str(config), "--dry-run", "--json", "--provider", "skypilot", "--set",
+            f"output.ledger={tmp_path}/l.jsonl", "--set", "train.max_steps=500"]  # fmt: skip
     one = json.loads(CliRunner().invoke(app, args).stdout)
     got = CliRunner().invoke(app, [*args, "--nnodes", "3", "--set", "lane.env.HF_TOKEN=" + TOKEN])
     assert got.exit_code == 0, got.output

@@ -23,9 +23,7 @@ NnodesOpt = Annotated[int | None, opt("nnodes", "Nodes to train on, node 0 the m
 HostsOpt = Annotated[str | None, opt("hosts", "Provider ssh: the nodes' hosts, node 0 first.")]
 
 
-def _config(
-    config: Path, provider: str | None, overrides: list[str] | None, **nodes: Any
-) -> Any:
+def _config(config: Path, provider: str | None, overrides: list[str] | None, **nodes: Any) -> Any:
     extra = option_overrides(provider=provider, **nodes)
     return load_config(config, [*(overrides or []), *extra])
 

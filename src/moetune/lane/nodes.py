@@ -22,6 +22,7 @@ from moetune.lane.providers.base import LaneError, PodGone, PodSpec, Provider
 from moetune.lane.stage import REMOTE_CONFIG, REMOTE_RUN
 from moetune.model import load_spec
 from moetune.plan.walls import snapshot_bytes
+from moetune.train.nodes import node_ram_bytes  # what `moetune train` checks on each node
 from moetune.units import human_bytes
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ def train_command(cfg: RunConfig, gpu_count: int, rank: int | None = None) -> st
 
 def node_plan(cfg: RunConfig, spec: PodSpec) -> list[dict[str, Any]]:
     """What `--dry-run` shows of each node: its rank, where it runs, its pod and command."""
-    hosts = provider_class(cfg.lane.provider).node_hosts(cfg)
+    cls = provider_class(cfg.lane.provider)
+    hosts = [*cls.node_hosts(cfg), *[cls.title] * cfg.train.nnodes]  # a host not set yet: "ssh"
     names = [spec.name, *(worker_spec(spec, r).name for r in range(1, cfg.train.nnodes))]
     return [
         {"rank": r, "host": hosts[r], "pod": names[r],
@@ -114,14 +116,6 @@ def check_walls(lane: Lane) -> None:
         raise LaneError(
             "; ".join(short), "free the disk, RAM or port named, or pick other hosts (--hosts)"
         )
-
-
-def node_ram_bytes(cfg: RunConfig) -> int:
-    """Host RAM one node's ranks need at load, as `moetune train` checks it on the node."""
-    # lazy: heavy to import (torch, via moetune.train)
-    from moetune.train.nodes import node_ram_bytes as need
-
-    return need(cfg)
 
 
 PROBE = (
