@@ -286,6 +286,9 @@ def test_cli_writes_the_task_and_never_overwrites(tmp_path):
     assert pod["model"]["id"] == "model" and pod["lane"]["provider"] == "local"
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 2 and "never overwritten" in again.output
+    nodes = CliRunner().invoke(app, [*args[:2], "--out", str(tmp_path / "t2"), "--nnodes", "2"])
+    assert nodes.exit_code == 0 and "H200:1 × 2 nodes" in nodes.output
+    assert yaml.safe_load((tmp_path / "t2" / "task.yaml").read_text())["num_nodes"] == 2
 
 
 _PARSE = """
