@@ -250,6 +250,8 @@ def test_each_option_takes_its_fields_type_and_its_help_lists_the_values() -> No
         elif cut.switch:  # an on-switch: the flag alone sets its bool field true
             assert kind is bool and field_info(cut.field).annotation is bool
             assert f"{cut.field}: true" in param.help
+        elif cut.comma:  # a list of free text (--hosts): one comma list, as text
+            assert kind is str and get_origin(_base(field_info(cut.field).annotation)) is list
         else:  # numbers and text: the type the field holds, its rule in the help
             held = _base(field_info(cut.field).annotation)
             held = get_args(held)[0] if get_origin(held) is Annotated else held

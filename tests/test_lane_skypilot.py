@@ -21,6 +21,7 @@ from moetune.config import parse_config
 from moetune.lane.launch import pod_gpu_count
 from moetune.lane.providers.base import LaneError, PodSpec
 from moetune.lane.providers.skypilot import (
+    RECORD_NODE_ENV,
     SkypilotProvider,
     parse_status,
     run_task,
@@ -119,15 +120,67 @@ def test_the_providers_own_task_has_every_node(tmp_path):
     assert task_yaml(_spec(nodes=3), 3600, [], "true", {}, sky)["num_nodes"] == 3
 
 
-def test_the_lane_refuses_several_nodes_before_anything_is_written(tmp_path):
-    from moetune.lane.launch import launch
+def test_the_lanes_nodes_take_rank_and_head_from_skypilots_env(tmp_path):
+    """`moetune launch --nnodes 2`: the cluster's idle run keeps SkyPilot's node env on each
+    node; each node's train command (run later over SSH) reads its rank and the head node's
+    address from it; a worker is SkyPilot's `<cluster>-worker1` alias, ended with the
+    cluster."""
+    sky = _fake_sky(tmp_path, STATUS)
+    cfg = _cfg(tmp_path, skypilot={"sky": str(sky)})
+    cfg.train.nnodes, cfg.train.master_port = 2, 29412
+    provider = SkypilotProvider(cfg.lane, tmp_path)
+    provider.create(_spec(nodes=2))
+    task = yaml.safe_load((tmp_path / "moetune-r1-abc123.sky.yaml").read_text())
+    assert task["num_nodes"] == 2
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "SKYPILOT_NODE_RANK": "1",
+           "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6"}  # fmt: skip
+    subprocess.run(["bash", "-c", task["run"]], env=env, check=True)
+    fake = tmp_path / "moetune"
+    fake.write_text(_FAKE_MOETUNE)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    command = SkypilotProvider.node_command(cfg, f"{fake} train run.yaml", 1)
+    bare = {"PATH": os.environ["PATH"], "HOME": str(home)}  # an SSH session: no SkyPilot env
+    done = subprocess.run(["bash", "-c", command], env=bare, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == [
+        "train", "run.yaml", "--nnodes", "2", "--node-rank", "1",
+        "--master-addr", "10.0.0.5", "--master-port", "29412",
+    ]  # fmt: skip
+    (worker,) = provider.workers(cfg, tmp_path)
+    pod = worker.create(_spec(name="moetune-r1-abc123-n1"))
+    assert pod.id == "moetune-r1-abc123-worker1" and pod.status == "running"
+    before = (tmp_path / "sky.argv").read_text()
+    worker.terminate(pod.id)  # the head's `sky down` ends it: no call of its own
+    assert (tmp_path / "sky.argv").read_text() == before
 
-    cfg = _cfg(tmp_path)
-    cfg.train.nnodes = 2
-    with pytest.raises(LaneError, match=r"one pod, not train\.nnodes=2") as err:
-        launch(cfg, tmp_path / "run.yaml")
-    assert "moetune sky-task" in err.value.fix
-    assert not (tmp_path / "run").exists() and not (tmp_path / "ledger.jsonl").exists()
+
+def test_a_provider_without_nodes_refuses_them_in_one_line(tmp_path):
+    config = Path("configs/qwen3-30b-a3b/lora_h200.yaml").resolve()
+    args = ["launch", str(config), "--dry-run", "--set", f"output.ledger={tmp_path}/l.jsonl"]
+    got = CliRunner().invoke(app, [*args, "--provider", "runpod", "--nnodes", "2"])
+    assert got.exit_code == 2 and "provider runpod runs one node, not train.nnodes=2" in got.output
+    assert "Traceback" not in got.output and not (tmp_path / "l.jsonl").exists()
+    zero = CliRunner().invoke(app, [*args, "--provider", "skypilot", "--nnodes", "0"])
+    assert zero.exit_code == 2 and "nnodes" in zero.output and "Traceback" not in zero.output
+
+
+def test_dry_run_shows_every_nodes_command_and_counts_every_node(tmp_path):
+    config = Path("configs/qwen3-30b-a3b/lora_h200.yaml").resolve()
+    args = ["launch", str(config), "--dry-run", "--json", "--provider", "skypilot", "--set",
+            f"output.ledger={tmp_path}/l.jsonl", "--set", "train.max_steps=500"]  # fmt: skip
+    one = json.loads(CliRunner().invoke(app, args).stdout)
+    got = CliRunner().invoke(app, [*args, "--nnodes", "3", "--set", "lane.env.HF_TOKEN=" + TOKEN])
+    assert got.exit_code == 0, got.output
+    plan = json.loads(got.stdout)
+    assert [n["rank"] for n in plan["nodes"]] == [0, 1, 2]
+    assert [n["host"] for n in plan["nodes"]] == ["head node", "worker 1", "worker 2"]
+    for node in plan["nodes"]:
+        assert '--nnodes "$SKYPILOT_NUM_NODES" --node-rank "$SKYPILOT_NODE_RANK"' in node["command"]
+    assert plan["pod"]["nodes"] == 3 and TOKEN not in got.stdout
+    assert plan["estimated_usd"] == pytest.approx(3 * one["estimated_usd"])
+    assert len(one["nodes"]) == 1 and "--node-rank" not in one["nodes"][0]["command"]
 
 
 def test_gpu_count_comes_from_config_then_nproc_then_the_planner(tmp_path, monkeypatch):
@@ -233,6 +286,9 @@ def test_cli_writes_the_task_and_never_overwrites(tmp_path):
     assert pod["model"]["id"] == "model" and pod["lane"]["provider"] == "local"
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 2 and "never overwritten" in again.output
+    nodes = CliRunner().invoke(app, [*args[:2], "--out", str(tmp_path / "t2"), "--nnodes", "2"])
+    assert nodes.exit_code == 0 and "H200:1 × 2 nodes" in nodes.output
+    assert yaml.safe_load((tmp_path / "t2" / "task.yaml").read_text())["num_nodes"] == 2
 
 
 _PARSE = """
@@ -294,3 +350,11 @@ def test_skypilots_own_parser_reads_a_multi_node_task(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
     assert parsed["num_nodes"] == 2 and '--node-rank "$SKYPILOT_NODE_RANK"' in parsed["run"]
+    lanes = task_yaml(_spec(nodes=2), 7200, [], RECORD_NODE_ENV, {}, cfg.lane.skypilot)
+    path.write_text(yaml.safe_dump(lanes))  # `moetune launch --nnodes 2`'s own cluster
+    done = subprocess.run(
+        [str(SKY_VENV), "-c", _PARSE, str(path)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed["num_nodes"] == 2 and parsed["run"] == RECORD_NODE_ENV

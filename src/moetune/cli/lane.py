@@ -19,8 +19,12 @@ from moetune.ledger import Ledger
 ProviderOpt = Annotated[str | None, opt("provider", "Where to run (default: lane.provider).")]
 
 
-def _config(config: Path, provider: str | None, overrides: list[str] | None) -> Any:
-    extra = option_overrides(provider=provider)
+NnodesOpt = Annotated[int | None, opt("nnodes", "Nodes to train on, node 0 the master.")]
+HostsOpt = Annotated[str | None, opt("hosts", "Provider ssh: the nodes' hosts, node 0 first.")]
+
+
+def _config(config: Path, provider: str | None, overrides: list[str] | None, **nodes: Any) -> Any:
+    extra = option_overrides(provider=provider, **nodes)
     return load_config(config, [*(overrides or []), *extra])
 
 
@@ -37,11 +41,23 @@ def _print_plan(doc: dict[str, Any]) -> None:
     console.print(table)
     console.print(f"phases: {' → '.join(doc['phases'])}")
     console.print(_card_line(doc["card_choice"]))
+    _print_nodes(doc["nodes"])
     usd = "?" if doc["estimated_usd"] is None else f"${doc['estimated_usd']:.2f}"
     console.print(
         f"estimate: train {hours(est['estimated_train_s'])} ({escape(est['basis'])}) + eval "
         f"{hours(est['estimated_eval_s'])} + setup {hours(est['setup_s'])} · {usd}"
     )
+
+
+def _print_nodes(nodes: list[dict[str, Any]]) -> None:
+    """Each node's train command (one node: the only one, no table)."""
+    if len(nodes) == 1:
+        return
+    table = Table("node", "host", "pod", "command", title=f"{len(nodes)} nodes (node 0 the "
+                  "master; the estimate counts every node)", title_justify="left")  # fmt: skip
+    for n in nodes:
+        table.add_row(str(n["rank"]), escape(n["host"]), escape(n["pod"]), escape(n["command"]))
+    console.print(table)
 
 
 def _card_line(choice: dict[str, Any]) -> str:
@@ -57,6 +73,8 @@ def _card_line(choice: dict[str, Any]) -> str:
 def launch(
     config: Annotated[Path, typer.Argument(help="The run.yaml to run remotely.")],
     provider: ProviderOpt = None,
+    nnodes: NnodesOpt = None,
+    hosts: HostsOpt = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan; run nothing.")
     ] = False,
@@ -73,12 +91,13 @@ def launch(
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Train, bank, eval, gate and promote on a pod – walls sized first, teardown always."""
+    """Train, bank, eval, gate and promote on a pod (or --nnodes pods) – walls sized first,
+    teardown always."""
     # lazy: the stage loads only when its command runs
     from moetune.lane.launch import launch as run_launch
     from moetune.lane.launch import launch_plan
 
-    cfg = _config(config, provider, overrides)
+    cfg = _config(config, provider, overrides, nnodes=nnodes, hosts=hosts)
     if dry_run:
         doc = launch_plan(cfg, accept_thin_margin=accept_thin_margin).to_json()
         emit_json(doc) if as_json else _print_plan(doc)

@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 
 from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, friendly
+from moetune.cli.options import opt, option_overrides
 from moetune.config import load_config
 
 
@@ -21,6 +22,7 @@ def sky_task_cmd(
     out: Annotated[
         Path, typer.Option("--out", help="Folder for task.yaml and the pod's run.yaml.")
     ] = Path("sky-task"),
+    nnodes: Annotated[int | None, opt("nnodes", "Nodes (num_nodes), node 0 the head.")] = None,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -28,12 +30,14 @@ def sky_task_cmd(
     # lazy: the stage loads only when its command runs
     from moetune.lane.providers.skypilot import write_task
 
-    path, task = write_task(load_config(config, overrides or []), out)
+    extra = option_overrides(nnodes=nnodes)
+    path, task = write_task(load_config(config, [*(overrides or []), *extra]), out)
     if as_json:
         emit_json({"task_yaml": str(path), "task": task})
         return
     resources = task["resources"]
-    console.print(f"task: {escape(str(path))} · {resources['accelerators']} · disk "
+    nodes = f" × {task['num_nodes']} nodes" if task["num_nodes"] > 1 else ""
+    console.print(f"task: {escape(str(path))} · {resources['accelerators']}{nodes} · disk "
                   f"{resources['disk_size']} GB · autostop {resources['autostop']['idle_minutes']} "
                   "min (down)")  # fmt: skip
     console.print(f"launch: sky launch -c {task['name']} {escape(str(path))}")

@@ -20,6 +20,12 @@ class SshArgs(_Section):
     """An SSH host for provider `ssh` (OpenSSH; the host key is pinned per run on first use)."""
 
     host: str | None = Field(None, description="Host name or IP.")
+    hosts: list[str] = Field(
+        default_factory=list,
+        description="Hosts of a multi-node run (train.nnodes > 1), node 0 first, each "
+        "`[user@]host[:port]` (port and user default to the fields below); node 0's host is "
+        "the address the others reach it at unless train.master_addr says otherwise.",
+    )
     port: Port = Field(22, description="sshd port.")
     user: str = Field("root", description="Login user.")
     identity: str | None = Field(None, description="Private key file (ssh -i).")

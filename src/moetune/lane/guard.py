@@ -189,19 +189,23 @@ def _alive(pid: Any) -> bool:
     return True
 
 
+def _pods_of(state: dict[str, Any]) -> set[str]:
+    """A launch's pods: node 0's and, on several nodes, every other node's."""
+    nodes = state.get("node_pods")
+    others = {p for p in nodes if isinstance(p, str) and p} if isinstance(nodes, list) else set()
+    return {state["pod_id"], *others}
+
+
 def held_pod_ids(state_dir: Path) -> set[str]:
     """Pods a live, unfinished launch on this machine still uses: never swept."""
-    return {
-        s["pod_id"]
-        for s in _lane_states(state_dir)
-        if not s.get("finished", False) and _alive(s.get("pid"))
-    }
+    live = (s for s in _lane_states(state_dir) if not s.get("finished") and _alive(s.get("pid")))
+    return {pod for s in live for pod in _pods_of(s)}
 
 
 def state_pod_ids(state_dir: Path) -> set[str]:
     """Every pod id a launch state recorded – also those whose provision row was never
     written (the controller died between saving the id and the ledger row)."""
-    return {s["pod_id"] for s in _lane_states(state_dir)}
+    return {pod for s in _lane_states(state_dir) for pod in _pods_of(s)}
 
 
 def _terminate(provider: Provider, pod_id: str, attempts: int) -> None:

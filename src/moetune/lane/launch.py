@@ -15,10 +15,11 @@ import moetune.plan
 import moetune.plan.sharding
 from moetune.config import RunConfig
 from moetune.lane.cards import CardChoice, choose_card
+from moetune.lane.nodes import make_workers, node_plan
 from moetune.lane.phases import PHASES, Lane, Walls
 from moetune.lane.providers import provider_class
 from moetune.lane.providers.base import LaneError, PodSpec, Provider
-from moetune.lane.secrets import launch_secrets
+from moetune.lane.secrets import launch_secrets, scrub
 from moetune.lane.state import LaneState
 from moetune.model import load_spec
 from moetune.plan import walls as W
@@ -43,11 +44,13 @@ class LaunchPlan:
     why: dict[str, str]
     estimate: Estimate
     choice: CardChoice
+    nodes: list[dict[str, Any]]  # each node's rank, host, pod and train command
 
     def to_json(self) -> dict[str, Any]:
         """The plan as printed: secret env values masked (they go to the pod, not a screen)."""
         est = self.estimate
         pod = self.spec.to_json()  # secret env values masked
+        usd = None if est.estimated_usd is None else est.estimated_usd * len(self.nodes)
         return {
             "run_id": self.run_id,
             "provider": self.provider,
@@ -63,7 +66,8 @@ class LaunchPlan:
             },
             "phases": [*PHASES, "teardown"],
             "estimate": est.to_json(),
-            "estimated_usd": est.estimated_usd,
+            "nodes": self.nodes,
+            "estimated_usd": usd,  # every node's pod: price × nodes
         }
 
 
@@ -114,6 +118,7 @@ def pod_gpu_count(cfg: RunConfig, spec: Any, card: Any) -> int:
 def launch_plan(
     cfg: RunConfig, run_id: str | None = None, accept_thin_margin: bool = False
 ) -> LaunchPlan:
+    provider_class(cfg.lane.provider).check_nodes(cfg)  # before anything is sized or written
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     plan = moetune.plan.make_plan(spec, cfg)  # looked up on use: tests stand in for it
     measured = measured_cards(cfg.output.ledger, launch_signature(spec, cfg))
@@ -136,8 +141,9 @@ def launch_plan(
         cloud_type=cfg.lane.runpod.cloud_type,
         public_env=tuple(cfg.lane.public_env),
     )
-    launch_secrets(cfg)  # masked in the plan, the task file and every later output
-    return LaunchPlan(run_id, cfg.lane.provider, pod.card, pod, walls, why, est, choice)
+    hidden = launch_secrets(cfg)  # masked in the plan, the task file and every later output
+    shown = [{**n, "command": scrub(n["command"], hidden)} for n in node_plan(cfg, pod)]
+    return LaunchPlan(run_id, cfg.lane.provider, pod.card, pod, walls, why, est, choice, shown)
 
 
 def launch(
@@ -148,15 +154,9 @@ def launch(
     show: bool = True,
     accept_thin_margin: bool = False,
 ) -> LaneState:
-    """Run the phases (a new launch, or the one `resume` names). Refused, before anything
-    is written, when the only card that fits keeps less than the margin and that was not
-    accepted."""
-    if cfg.train.nnodes > 1:  # its phases run on one pod over SSH
-        raise LaneError(
-            f"the lane trains on one pod, not train.nnodes={cfg.train.nnodes} nodes",
-            "write a SkyPilot task with `moetune sky-task run.yaml` and `sky launch` it, or "
-            "run `moetune train --nnodes` on each node",
-        )
+    """Run the phases (a new launch, or the one `resume` names) on train.nnodes nodes.
+    Refused, before anything is written, when the only card that fits keeps less than the
+    margin and that was not accepted, or the provider cannot place that many nodes."""
     if resume:
         state = LaneState.load(cfg.output.ledger, resume)
         state.pid = os.getpid()
@@ -174,8 +174,9 @@ def launch(
         )  # fmt: skip
     state.save(cfg.output.ledger)
     provider = make_provider(cfg, state.dir(cfg.output.ledger))
+    workers = make_workers(provider, cfg, plan.spec, state.dir(cfg.output.ledger))
     console = Console(stderr=True, quiet=not show)
-    return Lane(cfg, provider, state, plan.walls, plan.spec, console).run()
+    return Lane(cfg, provider, state, plan.walls, plan.spec, console, workers).run()
 
 
 def refuse_existing_output(cfg: RunConfig) -> None:

@@ -26,6 +26,7 @@ from rich.markup import escape
 from moetune.config import RunConfig, dump_config
 from moetune.errors import MoetuneError
 from moetune.io import file_digests, tree_digest
+from moetune.lane import nodes
 from moetune.lane.guard import Budget, deadman_script, idle_watchdog_script
 from moetune.lane.providers.base import LaneError, Pod, PodGone, PodSpec, Provider
 from moetune.lane.secrets import launch_secrets, scrub, scrub_error
@@ -71,7 +72,7 @@ class Lane:
 
     def __init__(
         self, cfg: RunConfig, provider: Provider, state: LaneState, walls: Walls,
-        spec: PodSpec, console: Console | None = None,
+        spec: PodSpec, console: Console | None = None, workers: list[nodes.Worker] | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.provider, self.state, self.walls, self.spec = (
             cfg,
@@ -81,6 +82,7 @@ class Lane:
             spec,
         )
         self.console = console or Console(stderr=True)
+        self.workers = workers or []  # nodes 1 … N-1 of a multi-node run (lane.nodes)
         self.out = Path(cfg.output.dir)
         self.secrets = launch_secrets(cfg)  # masked in every row, message and error
         self.ledger = Ledger(cfg.output.ledger, secrets=self.secrets)
@@ -122,6 +124,8 @@ class Lane:
         """A ledger row of this launch; `cost_usd` goes to the row's cost field."""
         cost = metrics.pop("cost_usd", None)
         base: dict[str, Any] = {"provider": self.state.provider, "pod_id": self.state.pod_id}
+        if self.workers:
+            base["nodes"] = len(self.workers) + 1
         if self.state.accept_thin_margin:
             base["accept_thin_margin"] = True
         self.ledger.append(
@@ -147,6 +151,8 @@ class Lane:
         if alive:
             return
         self.say("the earlier pod is gone; a new one takes over")
+        nodes.teardown_workers(self)  # its peers go too: the new nodes rendezvous afresh
+        self.state.node_pods = []
         self.state.done = [p for p in self.state.done if p in LOCAL_RESULTS]
         self.state.pod_id = None
         self.state.pod_name = f"{self.state.pod_name.rsplit('-', 1)[0]}-{secrets.token_hex(3)}"
@@ -192,39 +198,49 @@ class Lane:
             self.say(f"next: {escape(self.state.next_step)}")
 
     def teardown(self) -> None:
-        """Terminate the pod (retried; idempotent) and ledger what it cost."""
+        """Terminate every node's pod (retried; idempotent) and ledger what they all cost."""
         if self.state.pod_id is None:
             return
         spent = self.spend()
+        extra: dict[str, Any] = {"node_pods": self.state.node_pods} if self.workers else {}
+        failed = nodes.teardown_workers(self)
         for attempt in range(3):
             try:
                 self.provider.terminate(self.state.pod_id)
                 break
             except LaneError as err:
                 if attempt == 2:
-                    self.row("teardown", "infra-failed", err.cause, cost_usd=spent)
-                    return
-                time.sleep(2**attempt)
-        self.row("teardown", cost_usd=spent)
+                    failed.append(err.cause)
+                time.sleep(0 if attempt == 2 else 2**attempt)
+        if failed:
+            self.row("teardown", "infra-failed", "; ".join(failed), cost_usd=spent, **extra)
+            return
+        self.row("teardown", cost_usd=spent, **extra)
         self.say(f"pod {self.state.pod_id} terminated (${spent:.2f})")
         self.state.pod_id = None
 
     def spend(self) -> float:
+        """What every node's pod cost so far (the budget counts them all)."""
+        elsewhere = nodes.workers_spend(self)
         try:
             pod = self.provider.status(self.pod)
         except (PodGone, LaneError):
             return round(self.state.spent_usd, 4)
-        self.state.spent_usd = max(self.state.spent_usd, pod.spent_usd)
+        self.state.spent_usd = max(self.state.spent_usd, pod.spent_usd + elsewhere)
         return round(self.state.spent_usd, 4)
 
     # ------------------------------------------------------------ pod commands
 
-    def run_on_pod(self, command: str, timeout_s: float = 600) -> str:
-        """`command` on the pod with the walls' env (secrets included: process env only)."""
-        got = self.provider.exec(self.pod, command, timeout_s, env=self.walls.env)
+    def run_on_pod(
+        self, command: str, timeout_s: float = 600, on: tuple[Provider, str] | None = None
+    ) -> str:
+        """`command` on the pod (or node `on`) with the walls' env (secrets included:
+        process env only)."""
+        provider, pod = on or (self.provider, self.pod)
+        got = provider.exec(pod, command, timeout_s, env=self.walls.env)
         if got.rc != 0:
             raise LaneError(
-                f"`{command.split()[0]}` failed on pod {self.pod} (rc {got.rc}): "
+                f"`{command.split()[0]}` failed on pod {pod} (rc {got.rc}): "
                 f"{(got.stderr or got.stdout).strip()[-300:]}",
                 "see the output above; fix it and `moetune launch --resume`",
             )
@@ -320,6 +336,7 @@ def provision(lane: Lane) -> None:
     ready: Pod = lane.provider.wait_ready(pod.id, lane.cfg.lane.ready_timeout_s)
     lane.state.workdir = ready.workdir
     lane.say(f"pod {escape(pod.id)} ready ({lane.state.provider})")
+    nodes.provision_workers(lane)
 
 
 @phase("guard")
@@ -327,14 +344,13 @@ def guard(lane: Lane) -> None:
     """The dead-man switch first: whatever happens here, the pod ends by the deadline."""
     if not lane.pod_work_left():
         return
-    kill = lane.provider.self_terminate_command(lane.pod)
-    lane.provider.exec_background(
-        lane.pod, deadman_script(lane.walls.watchdog_s, kill), "deadman.log"
-    )
-    if lane.spec.card and lane.provider.remote:
-        lane_args = lane.cfg.lane
-        idle = idle_watchdog_script(lane_args.idle_gpu_percent, lane_args.idle_minutes, kill)
-        lane.provider.exec_background(lane.pod, idle, "idlewatch.log")
+    for provider, pod in nodes.pod_ids(lane):  # every node ends by the deadline
+        kill = provider.self_terminate_command(pod)
+        provider.exec_background(pod, deadman_script(lane.walls.watchdog_s, kill), "deadman.log")
+        if lane.spec.card and provider.remote:
+            lane_args = lane.cfg.lane
+            idle = idle_watchdog_script(lane_args.idle_gpu_percent, lane_args.idle_minutes, kill)
+            provider.exec_background(pod, idle, "idlewatch.log")
 
 
 @phase("stage")
@@ -342,49 +358,54 @@ def stage(lane: Lane) -> None:
     if not lane.pod_work_left():
         return
     plan = staging(lane.cfg)
-    for local, remote in plan.files:
-        lane.provider.copy_in(lane.pod, local, remote)
     config = lane.state.dir(lane.cfg.output.ledger) / REMOTE_CONFIG
     config.write_text(dump_config(plan.config))
-    lane.provider.copy_in(lane.pod, config, REMOTE_CONFIG)
+    for provider, pod in nodes.pod_ids(lane):  # every node trains from the same files
+        for local, remote in [*plan.files, (config, REMOTE_CONFIG)]:
+            provider.copy_in(pod, local, remote)
+        for command in lane.cfg.lane.setup:
+            lane.run_on_pod(command, timeout_s=1800, on=(provider, pod))
     mirror = lane.state.sync_dir(lane.cfg.output.ledger)
     if mirror.is_dir():  # a replacement pod: training resumes from the last mirrored checkpoint
         lane.provider.copy_in(lane.pod, mirror, REMOTE_RUN)
     if lane.state.banked:  # a replacement pod for eval: it scores the banked adapter
         lane.provider.copy_in(lane.pod, Path(lane.state.banked["dir"]), f"{REMOTE_RUN}/adapter")
-    for command in lane.cfg.lane.setup:
-        lane.run_on_pod(command, timeout_s=1800)
 
 
 @phase("fetch_base")
 def fetch_base(lane: Lane) -> None:
     """Hub bases download on the pod, hf-xet off, after checking the disk can hold them."""
-    if not lane.pod_work_left() or Path(lane.cfg.model.id).exists():
+    if not lane.pod_work_left():
+        return
+    if lane.workers and not lane.state.banked:
+        nodes.check_walls(lane)  # disk, RAM, port on every node before any downloads
+    if Path(lane.cfg.model.id).exists():
         return
     need = snapshot_bytes(load_spec(lane.cfg.model.id))
-    free = int(lane.run_on_pod("df -B1 --output=avail . | tail -1").strip() or 0)
-    if free < need:
-        raise LaneError(
-            f"pod disk has {free / 1e9:.0f} GB free, the snapshot needs {need / 1e9:.0f} GB",
-            "raise lane.volume_gb (the walls size it from the model; was it overridden?)",
+    for target in nodes.pod_ids(lane) if not lane.state.banked else [(lane.provider, lane.pod)]:
+        free = int(lane.run_on_pod("df -B1 --output=avail . | tail -1", on=target).strip() or 0)
+        if free < need:
+            raise LaneError(
+                f"pod disk has {free / 1e9:.0f} GB free, the snapshot needs {need / 1e9:.0f} GB",
+                "raise lane.volume_gb (the walls size it from the model; was it overridden?)",
+            )
+        repo = shlex.quote(lane.cfg.model.id)
+        lane.run_on_pod(
+            "python3 -c 'import sys; from huggingface_hub import snapshot_download; "
+            f"snapshot_download(sys.argv[1])' {repo}",
+            timeout_s=6 * 3600,
+            on=target,
         )
-    repo = shlex.quote(lane.cfg.model.id)
-    lane.run_on_pod(
-        "python3 -c 'import sys; from huggingface_hub import snapshot_download; "
-        f"snapshot_download(sys.argv[1])' {repo}",
-        timeout_s=6 * 3600,
-    )
 
 
 @phase("train")
 def train(lane: Lane) -> None:
     if lane.state.banked:
         return
-    resume = f"test -d {REMOTE_RUN}/checkpoints && echo --resume || true"
-    # a multi-GPU pod trains on all its GPUs (accelerate; train.nproc as configured wins)
-    gpus = lane.spec.gpu_count if lane.cfg.train.nproc == 1 and lane.spec.gpu_count > 1 else 0
-    nproc = f" --nproc {gpus}" if gpus else ""
-    command = lane.moetune(f"train {REMOTE_CONFIG}{nproc} $({resume})")
+    if lane.workers:
+        nodes.train_nodes(lane)
+        return
+    command = nodes.train_command(lane.cfg, lane.spec.gpu_count)
     lane.attach_or_start("train.log", command, on_poll=lane.sync_checkpoints)
 
 

@@ -33,6 +33,8 @@ class LaneState:
     started: float = field(default_factory=time.time)
     next_step: str | None = None  # what to do after a failure, in words
     accept_thin_margin: bool = False  # --accept-thin-margin: every ledger row says so
+    node_pods: list[str] = field(default_factory=list)  # nodes 1 … N-1's pod ids ("": none yet)
+    node_spent: list[float] = field(default_factory=list)  # what each of those cost so far
 
     @staticmethod
     def root(ledger_path: str) -> Path:

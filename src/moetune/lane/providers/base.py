@@ -129,6 +129,39 @@ class Provider(ABC):
     default_volume_gb: ClassVar[int | None] = None  # what a pod gets without lane.volume_gb
     default_watchdog_s: ClassVar[int | None] = None  # its deadline without lane.watchdog_s
     setup_s: ClassVar[float] = SETUP_S  # paid time before the first training step
+    multi_node: ClassVar[bool] = False  # places train.nnodes > 1 nodes, one pod each
+
+    # -- several nodes (train.nnodes > 1): node 0 is this provider's pod, nodes 1 … N-1
+    # are `workers`' pods; see moetune.lane.nodes.
+
+    @classmethod
+    def check_nodes(cls, cfg: RunConfig) -> None:
+        """LaneError (one line) when this provider cannot place train.nnodes nodes."""
+        if cfg.train.nnodes > 1 and not cls.multi_node:
+            raise LaneError(
+                f"provider {cls.name} runs one node, not train.nnodes={cfg.train.nnodes}",
+                "launch several nodes with provider ssh (lane.ssh.hosts) or skypilot, or set "
+                "train.nnodes: 1",
+            )
+
+    @classmethod
+    def node_hosts(cls, cfg: RunConfig) -> list[str]:
+        """Where each node runs, node 0 first, as a person reads it (the plan shows it)."""
+        return [cls.title] * cfg.train.nnodes
+
+    @classmethod
+    def node_command(cls, cfg: RunConfig, command: str, rank: int) -> str:
+        """`command` (a `moetune train`) as node `rank` runs it: with the multi-node flags,
+        node 0's address from train.master_addr (providers that know it override this)."""
+        t = cfg.train
+        return (
+            f"{command} --nnodes {t.nnodes} --node-rank {rank} --master-addr "
+            f"{shlex.quote(t.master_addr or '')} --master-port {t.master_port}"
+        )
+
+    def workers(self, cfg: RunConfig, state_dir: Path) -> list[Provider]:
+        """The providers of nodes 1 … N-1 (one each); none for one node."""
+        return []
 
     @classmethod
     def from_run(cls, cfg: RunConfig, state_dir: Path) -> Provider:

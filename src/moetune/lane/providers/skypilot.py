@@ -145,11 +145,35 @@ def node_flags(nodes: int, port: int) -> str:
     )
 
 
+# The idle task's run, on every node: SkyPilot's node env, kept for the lane's SSH sessions
+# (which SkyPilot does not give it) – the train command of each node sources it.
+NODE_ENV = ".moetune-skypilot.env"
+RECORD_NODE_ENV = (
+    "for k in SKYPILOT_NODE_RANK SKYPILOT_NUM_NODES SKYPILOT_NODE_IPS; do "
+    'printf "export %s=%q\\n" "$k" "${!k}"; done > ~/' + NODE_ENV
+)
+
+
 @register_provider("skypilot")
 class SkypilotProvider(Provider):
-    """Clusters named `PodSpec.name`: the pod id is the cluster name."""
+    """Clusters named `PodSpec.name`: the pod id is the cluster name; a cluster of
+    num_nodes > 1 is every node, its workers reached at SkyPilot's `<cluster>-worker<i>`."""
 
     title = "SkyPilot"
+    multi_node = True  # num_nodes: one cluster, torn down as one
+
+    @classmethod
+    def node_hosts(cls, cfg: RunConfig) -> list[str]:
+        return ["head node", *(f"worker {i}" for i in range(1, cfg.train.nnodes))]
+
+    @classmethod
+    def node_command(cls, cfg: RunConfig, command: str, rank: int) -> str:
+        """Every node's rank and node 0's address come from SkyPilot's env on that node."""
+        flags = node_flags(cfg.train.nnodes, cfg.train.master_port)
+        return f". ~/{NODE_ENV} && {command}{flags}"
+
+    def workers(self, cfg: RunConfig, state_dir: Path) -> list[Provider]:
+        return [SkypilotWorker(self.lane, state_dir, i) for i in range(1, cfg.train.nnodes)]
 
     def __init__(self, lane: LaneArgs, state_dir: Path) -> None:
         self.lane, self.sky = lane, lane.skypilot
@@ -184,7 +208,8 @@ class SkypilotProvider(Provider):
         """`sky launch` of an idle task (the lane runs its phases over SSH), detached."""
         path = self.state_dir / f"{spec.name}.sky.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        task = task_yaml(spec, self.lane.watchdog_s or 21600, self.lane.setup, "true", {}, self.sky)
+        run = RECORD_NODE_ENV if spec.nodes > 1 else "true"
+        task = task_yaml(spec, self.lane.watchdog_s or 21600, self.lane.setup, run, {}, self.sky)
         path.write_text(yaml.safe_dump(task, sort_keys=False), encoding="utf-8")
         secrets = [arg for key in secret_keys(spec) for arg in ("--env", key)]
         env = {k: spec.env[k] for k in secret_keys(spec)}
@@ -237,6 +262,29 @@ class SkypilotProvider(Provider):
 
     def copy_out(self, pod_id: str, remote: str, local: Path) -> None:
         self._transport(pod_id).copy_out(remote, local)
+
+
+class SkypilotWorker(SkypilotProvider):
+    """Worker `index` of a cluster node 0 launched: nothing to create or tear down (the
+    cluster's `sky down` ends every node); its pod id is SkyPilot's SSH alias for it."""
+
+    def __init__(self, lane: LaneArgs, state_dir: Path, index: int) -> None:
+        super().__init__(lane, state_dir)
+        self.index = index
+
+    def _cluster(self, pod_id: str) -> str:
+        return pod_id.removesuffix(f"-worker{self.index}")
+
+    def create(self, spec: PodSpec) -> Pod:
+        cluster = spec.name.rsplit("-n", 1)[0]  # the worker spec's name: <cluster>-n<rank>
+        return self.status(f"{cluster}-worker{self.index}")
+
+    def status(self, pod_id: str) -> Pod:
+        head = super().status(self._cluster(pod_id))
+        return Pod(pod_id, pod_id, head.status, workdir=head.workdir)
+
+    def terminate(self, pod_id: str) -> None:
+        """The head's `sky down` ends this node with the cluster."""
 
 
 def parse_status(text: str, workdir: str) -> list[Pod]:

@@ -40,7 +40,8 @@ from moetune.lane.providers.base import (
 )
 
 if TYPE_CHECKING:
-    from moetune.config import LaneArgs
+    from moetune.config import LaneArgs, RunConfig
+    from moetune.config.lane import SshArgs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,6 +64,23 @@ ALIVE_FN = (
     'alive() { kill -0 -- "-$1" 2>/dev/null && '
     '[ "$(cut -d" " -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]; }'
 )
+
+
+HOST_SPEC = re.compile(r"(?:(?P<user>[^@\s]+)@)?(?P<host>[^@:\s]+)(?::(?P<port>\d{1,5}))?")
+
+
+def node_targets(ssh: SshArgs) -> list[SshTarget]:
+    """The hosts of the nodes, node 0 first: lane.ssh.hosts (`[user@]host[:port]`, the
+    rest from lane.ssh), else lane.ssh.host alone."""
+    specs = ssh.hosts or ([ssh.host] if ssh.host else [])
+    return [_target(spec, ssh) for spec in specs]
+
+
+def _target(spec: str, ssh: SshArgs) -> SshTarget:
+    got = HOST_SPEC.fullmatch(spec.strip())
+    if got is None or not 0 < int(got["port"] or ssh.port) < 65536:
+        raise LaneError(f"lane.ssh.hosts entry {spec!r} is not [user@]host[:port]", "fix it")
+    return SshTarget(got["host"], int(got["port"] or ssh.port), got["user"] or ssh.user)
 
 
 def staging_path(local: Path) -> Path:
@@ -416,20 +434,49 @@ class SshProvider(Provider):
         self.base = SshTransport(target, identity, known_hosts, base_workdir)
         self._pods: dict[str, SshTransport] = {}
 
+    multi_node = True  # one host per node (lane.ssh.hosts)
+
     @classmethod
-    def from_config(cls, lane: LaneArgs, state_dir: Path) -> SshProvider:
-        ssh = lane.ssh
-        if not ssh.host:
+    def from_config(cls, lane: LaneArgs, state_dir: Path, rank: int = 0) -> SshProvider:
+        """Node `rank`'s host (node 0: lane.ssh.host, else the first of lane.ssh.hosts)."""
+        hosts = node_targets(lane.ssh)
+        if not hosts:
             cause = "lane.ssh.host is not set; provider ssh needs a host."
             raise LaneError(cause, "set lane.ssh.host (and port, user, identity) in the config")
-        identity = Path(ssh.identity).expanduser() if ssh.identity else None
+        identity = Path(lane.ssh.identity).expanduser() if lane.ssh.identity else None
         if identity is not None and not identity.is_file():
             raise LaneError(
                 f"lane.ssh.identity {identity} is not a file.", "point it at a private key"
             )
         state_dir.mkdir(parents=True, exist_ok=True)
-        target = SshTarget(ssh.host, ssh.port, ssh.user)
-        return cls(target, identity, state_dir / "known_hosts", lane.workdir)
+        known = state_dir / ("known_hosts" if rank == 0 else f"known_hosts.n{rank}")
+        return cls(hosts[rank], identity, known, lane.workdir)
+
+    @classmethod
+    def check_nodes(cls, cfg: RunConfig) -> None:
+        hosts, n = node_targets(cfg.lane.ssh), cfg.train.nnodes
+        if n > 1 and len(hosts) < n:
+            raise LaneError(
+                f"train.nnodes={n} but provider ssh has {len(hosts)} host(s)",
+                f"pass --hosts with {n} hosts, node 0 first (or set lane.ssh.hosts)",
+            )
+
+    @classmethod
+    def node_hosts(cls, cfg: RunConfig) -> list[str]:
+        targets = node_targets(cfg.lane.ssh)[: cfg.train.nnodes]
+        return [f"{t.user}@{t.host}:{t.port}" for t in targets]
+
+    @classmethod
+    def node_command(cls, cfg: RunConfig, command: str, rank: int) -> str:
+        """Node 0's address is train.master_addr, else its host as lane.ssh.hosts names it
+        (the nodes must reach it there)."""
+        master = cfg.train.master_addr or node_targets(cfg.lane.ssh)[0].host
+        t = cfg.train.model_copy(update={"master_addr": master})
+        return super().node_command(cfg.model_copy(update={"train": t}), command, rank)
+
+    def workers(self, cfg: RunConfig, state_dir: Path) -> list[Provider]:
+        n = cfg.train.nnodes
+        return [self.from_config(cfg.lane, state_dir, rank) for rank in range(1, n)]
 
     def transport(self, pod_id: str) -> SshTransport:
         """The transport whose workdir is this pod's run directory."""
