@@ -89,7 +89,7 @@ class LiveCheck(TrainerCallback):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is not None:
             self._phase = "rollout"
-            if self.sample is not None and self.sample.tokens and _cache_empty(cache):
+            if self.sample is not None and self.sample.tokens and cache_empty(cache):
                 self.sample.closed = True
         elif torch.is_grad_enabled() and module.training and self.sample is not None:
             self._phase = "train"
@@ -192,7 +192,8 @@ class LiveCheck(TrainerCallback):
         self._handles = []
 
 
-def _cache_empty(cache: Any) -> bool:
+def cache_empty(cache: Any) -> bool:
+    """A generate call's first forward: its KV cache holds nothing yet."""
     length = getattr(cache, "get_seq_length", None)
     return bool(callable(length) and length() == 0)
 

@@ -28,7 +28,7 @@ import torch
 from transformers import TrainerCallback
 
 from moetune.plan.methods import ROLLOUTS_KEPT
-from moetune.train.adapter_live import LiveCheck
+from moetune.train.adapter_live import LiveCheck, cache_empty
 from moetune.train.replay import gate_of, replayed
 from moetune.train.routing import hook_routing, routed_experts, routed_weights, router_modules
 
@@ -117,7 +117,7 @@ class ShiftRecorder:
         mask = mask if isinstance(mask, torch.Tensor) else torch.ones_like(ids)
         self._shape, self._calls, self._forced = (ids, mask[:, -ids.shape[1] :].bool()), {}, {}
         self._match = None
-        if self._phase == "rollout" and (not self._rollouts or _cache_empty(cache)):
+        if self._phase == "rollout" and (not self._rollouts or cache_empty(cache)):
             kept = self._rollouts[-(ROLLOUTS_KEPT - 1) :]  # the plan counts ROLLOUTS_KEPT
             self._rollouts = [*kept, _Rollout()]  # a new generate call
 
@@ -225,11 +225,6 @@ class ShiftRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def _cache_empty(cache: Any) -> bool:
-    length = getattr(cache, "get_seq_length", None)
-    return bool(callable(length) and length() == 0)
 
 
 class ShiftCallback(TrainerCallback):
