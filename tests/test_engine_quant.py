@@ -25,8 +25,6 @@ from transformers.integrations.accelerate import get_device
 
 from moetune.engine import apply_split_lora, quant
 from moetune.engine.quant import (
-    NF4,
-    NF4_LEVELS,
     QUANTIZED,
     QUANTIZERS,
     QuantError,
@@ -34,14 +32,13 @@ from moetune.engine.quant import (
     expert_linear,
     expert_weight,
     experts_modules,
-    pack_nibbles,
     peft_targets,
     quantize_experts_,
     quantizer_for,
     stack_nbytes,
     stacks_of,
-    unpack_nibbles,
 )
+from moetune.engine.quant_int import NF4, NF4_LEVELS, pack_nibbles, unpack_nibbles
 from moetune.engine.quant_load import expert_device_map, load_quantized
 from moetune.model.tiny import tiny_config
 from moetune.registry import Registry

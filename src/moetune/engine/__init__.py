@@ -9,6 +9,7 @@ registered here: the registry module imports none of its plug-ins).
 """
 
 from moetune.engine import dbrx as _dbrx  # noqa: F401  (registers its override)
+from moetune.engine import quant_int as _quant_int  # noqa: F401  (registers int8 / NF4)
 from moetune.engine import stored as _stored  # noqa: F401  (registers the published formats)
 from moetune.engine.experts_lora import (
     IMPLEMENTATION,
