@@ -76,7 +76,8 @@ def memcpy_rate(nbytes: int) -> float:
 
 def cpu_store(disk: Any, layers: int, dtype: torch.dtype) -> Any:
     """A train.offload: cpu store of the first `layers` layers of a disk store's stacks."""
-    from moetune.engine.offload import ExpertStore, host_source
+    from moetune.engine.offload import ExpertStore
+    from moetune.engine.offload_sources import host_source
 
     store = ExpertStore("cpu", "cpu")
     for sources in disk.layers[:layers]:

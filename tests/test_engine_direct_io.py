@@ -86,7 +86,7 @@ def test_read_rate_reads_the_budget(shard: tuple[Path, dict[str, torch.Tensor]])
 
 
 def test_host_buffers_are_reused_only_when_nothing_holds_them() -> None:
-    from moetune.engine.offload import HostBuffers
+    from moetune.engine.offload_sources import HostBuffers
 
     pool = HostBuffers()
     a = pool.empty((4, 8), dtype=torch.float32)

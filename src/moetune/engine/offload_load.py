@@ -22,17 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moetune.engine.direct_io import Piece
-from moetune.engine.offload import (
-    Empty,
-    ExpertStore,
-    FileFloat,
-    Mode,
-    Source,
-    attach,
-    host_source,
-    install,
-    spill_source,
-)
+from moetune.engine.offload import ExpertStore, Mode, attach, install
 from moetune.engine.offload_files import (
     OffloadError,
     Segment,
@@ -41,6 +31,7 @@ from moetune.engine.offload_files import (
     read_into,
     stack_segments,
 )
+from moetune.engine.offload_sources import Empty, FileFloat, Source, host_source, spill_source
 from moetune.engine.quant import (
     QuantizedStack,
     QuantReport,
