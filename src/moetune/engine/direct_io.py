@@ -130,12 +130,15 @@ class DirectReader:
             short = read.end - read.start - got
             raise ReadError(f"{read.path} ends {short} bytes before its header says",
                             "re-download the base")  # fmt: skip
-        stream = self._stream() if buf.is_pinned() else None
+        streams = {}
         for at, nbytes, piece, inner in read.parts:
             if piece.dst is not None:
+                stream = self._stream(piece.dst.device) if _on_cuda(piece) else None
                 _copy_part(buf, at, nbytes, piece, inner, stream)
-        if stream is not None:  # the staging buffer is reused by this worker's next read
-            stream.synchronize()
+                streams[id(stream)] = stream
+        for stream in streams.values():  # the staging buffer is reused by the next read
+            if stream is not None:
+                stream.synchronize()
 
     def _staging(self, nbytes: int, pin: bool) -> torch.Tensor:
         """This worker's buffer, at an ALIGN-aligned address, grown to `nbytes` as needed."""
@@ -146,10 +149,12 @@ class DirectReader:
             self._local.raw, self._local.buf = raw, raw[skip : skip + max(nbytes, 1)]
         return self._local.buf  # type: ignore[no-any-return]
 
-    def _stream(self) -> Any:
-        if getattr(self._local, "stream", None) is None:
-            self._local.stream = torch.cuda.Stream()
-        return self._local.stream
+    def _stream(self, device: torch.device) -> Any:
+        """This worker's copy stream on `device` (entering it also makes that device current)."""
+        streams = self._local.__dict__.setdefault("streams", {})
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
 
     def _fd(self, path: str) -> tuple[int, bool]:
         with self._fd_lock:
