@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
 from moetune.config import RunConfig
 from moetune.data.formats import Row
 from moetune.data.images import has_images
@@ -99,4 +100,3 @@ def write_rows(data_dir: Path, rows: MlxRows) -> None:
     for name, part in (("train", rows.train), ("valid", rows.valid)):
         text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in part)
         atomic_write_text(data_dir / f"{name}.jsonl", text, mask=False)  # the user's rows
-

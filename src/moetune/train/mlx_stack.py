@@ -51,8 +51,6 @@ from moetune.train.setup import Setup, prepare
 from moetune.train.trainer import TrainResult
 
 
-
-
 def train_mlx(
     cfg: RunConfig,
     resume: bool,
