@@ -114,3 +114,14 @@ def test_chat_template_renders_messages_as_in_the_torch_stack(tmp_path: Path) ->
     for row, want in zip(rows.train, torch_rows, strict=True):
         ids, offset = chat.process(row)
         assert ids == want["input_ids"] and offset == want["assistant_masks"].index(1)
+
+
+def test_conversational_prompt_completion_rows_become_one_conversation(tmp_path: Path) -> None:
+    """mlx-lm's prompt/completion reader wraps a string in one user turn; turns go as one
+    messages row instead (prompt turns, then the completion's), with the base's template."""
+    rows = [{"prompt": [{"role": "user", "content": f"copy:{c}"}],
+             "completion": [{"role": "assistant", "content": c}]} for c in "abc"]  # fmt: skip
+    cfg = _config(tmp_path, {"sources": [{"path": _jsonl(tmp_path / "c.jsonl", rows)}]})
+    got = mlx_rows(cfg, SFT_FORMATS)
+    assert got.train == [{"messages": r["prompt"] + r["completion"]} for r in rows]
+    assert got.template is None and got.masks_prompt  # mlx-lm masks all but the completion
