@@ -164,8 +164,9 @@ def _backward_extra(
     (2·k·I per token); for T² attention kernels, the extra probability-sized tensors.
     """
     (i, mixer, mlp), t, act = layer, step.tokens, step.act_bytes // 2
-    attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
-    candidates = [(int(attention), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
+    # a T² kernel's backward runs after the MLP's: the MLP's saved set is freed by then
+    attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs - mlp * t * act
+    candidates = [(max(0, int(attention)), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
     freed = profile_for(spec.model_type).mlp_residual(spec)  # the MLP side's stream mixing
     candidates.append(((mixer.backward(spec) - freed) * t * act, 0))
     # the mixer's own backward runs after the MLP's: the MLP's saved set is freed by then
