@@ -161,7 +161,8 @@ def _backward_extra(
     The largest of: a late mixer backward's transients (net of the MLP's freed saved set);
     the routed tokens' gradients (4·k·H + 4·k·I per token); with LoRA on
     the stacks, the down stack's full-size weight gradient next to its input gradient
-    (2·k·I per token); for T² attention kernels, the extra probability-sized tensors.
+    (2·k·I per token); for T² attention kernels, the extra probability-sized tensors
+    (net of the MLP's saved set, freed before the mixer's backward).
     """
     (i, mixer, mlp), t, act = layer, step.tokens, step.act_bytes // 2
     # a T² kernel's backward runs after the MLP's: the MLP's saved set is freed by then
