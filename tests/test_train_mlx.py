@@ -29,7 +29,7 @@ def _config(tmp: Path, **train_over: object) -> object:
     return parse_config({
         "model": {"id": str(SHIPPED_DIR), "dtype": "float32"},
         "lora": {"stack": "mlx", "rank": 4, "targets": ["attention", "experts"]},
-        "data": {"train_file": str(data)},
+        "data": {"sources": [{"path": str(data)}]},  # the torch stack's data path (mlx_data)
         "output": {"dir": str(tmp / "run"), "ledger": str(tmp / "ledger.jsonl")},
         "train": {"seq_len": MAX_LEN, "batch_size": 4, "max_steps": 12, "learning_rate": 1e-3,
                   "logging_steps": 4, "device": "cpu", "gradient_checkpointing": False,

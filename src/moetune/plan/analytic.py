@@ -16,7 +16,9 @@ steady state (step ≥ 2, Adam moments live through forward and backward):
   `plan.fit` traces such a spec instead),
 - expert weight copies: peft's ParamWrapper materialises `W + s·B@A` for every wrapped
   stack on each forward and keeps it for backward, and backward makes a full-size weight
-  gradient (docs/knowledge.md §3); without checkpointing every layer keeps its copy,
+  gradient (docs/knowledge.md §3); without checkpointing every layer keeps its copy.
+  Split LoRA takes over the 3-D stacks only (they keep bf16 copies of their factors): a
+  shared expert's or the dense MLP's weight targeted as a parameter still makes its W+ΔW,
 - logits: moetune trains through TRL's fused LM head, which projects 4096 tokens ×
   32768 vocab entries at a time into one reused tile and accumulates the hidden-state
   gradient in fp32 (plus its cast back): tile + 6 B per token·hidden. With the model's

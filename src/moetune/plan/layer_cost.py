@@ -47,10 +47,10 @@ def layer_cost(
     saved = saved * step.act_bytes // 2
     copies = sum(a.base_numel + _factor_cast(a) for a in wrapped) * _copy_bytes(step)
     act_grad, copy_grad = _backward_extra(spec, step, wrapped, (i, mixer, mlp), experts_trained)
-    if step.split_lora:  # split LoRA never forms W+ΔW nor a full-size weight gradient;
-        # its grouped matmuls keep activation-dtype copies of the factors for backward
-        copies = sum(_factor_cast(a) for a in wrapped) * _copy_bytes(step)
-        copy_grad = 0
+    if step.split_lora:  # split LoRA never forms a stack's W+ΔW nor its full-size weight
+        # gradient; its grouped matmuls keep activation-dtype copies of the factors instead
+        copies -= sum(a.base_numel for a in wrapped if _is_stack(a)) * _copy_bytes(step)
+        copy_grad = copy_grad if i not in spec.moe_layers else 0
     return LayerCost(
         saved=saved,
         copies=copies,
@@ -75,9 +75,16 @@ def _copy_bytes(step: Step) -> int:
     return 4 if step.method == "qlora" else step.weight_bytes
 
 
+def _is_stack(a: Adapter) -> bool:
+    """A 3-D expert stack (what split LoRA takes over); a 2-D ParamWrapper – a shared
+    expert's or the dense MLP's weight targeted as a parameter – stays peft's, and keeps its
+    W+ΔW for backward under split LoRA too (DeepSeek-V2-Lite: ≈ 1 GiB at any seq)."""
+    return a.base_numel > a.in_features * a.out_features
+
+
 def _factor_cast(a: Adapter) -> int:
     """3-D stacks fold B@A in with one baddbmm on bf16 copies of the factors (kept)."""
-    return a.lora_numel if a.base_numel > a.in_features * a.out_features else 0
+    return a.lora_numel if _is_stack(a) else 0
 
 
 def _mixer_bytes(
@@ -154,11 +161,13 @@ def _backward_extra(
     The largest of: a late mixer backward's transients (net of the MLP's freed saved set);
     the routed tokens' gradients (4·k·H + 4·k·I per token); with LoRA on
     the stacks, the down stack's full-size weight gradient next to its input gradient
-    (2·k·I per token); for T² attention kernels, the extra probability-sized tensors.
+    (2·k·I per token); for T² attention kernels, the extra probability-sized tensors
+    (net of the MLP's saved set, freed before the mixer's backward).
     """
     (i, mixer, mlp), t, act = layer, step.tokens, step.act_bytes // 2
-    attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs
-    candidates = [(int(attention), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
+    # a T² kernel's backward runs after the MLP's: the MLP's saved set is freed by then
+    attention = mixer.pair_transient * mixer.pairs(spec) * step.pairs - mlp * t * act
+    candidates = [(max(0, int(attention)), 0), (mixer.forward_pairs(spec) * step.pairs, 0)]
     freed = profile_for(spec.model_type).mlp_residual(spec)  # the MLP side's stream mixing
     candidates.append(((mixer.backward(spec) - freed) * t * act, 0))
     # the mixer's own backward runs after the MLP's: the MLP's saved set is freed by then

@@ -136,7 +136,9 @@ class MixerTerm:
     pairs: SpecInt = _zero  # per query·key pair (per sequence), for T² kernels
     # backward / recompute of a T² kernel: extra probability-sized tensors beyond the
     # saved one (eager: scores, masked scores, max-shifted logits; math SDPA: the fp32
-    # probability gradient and softmax-backward output), fitted to the trace at s=8192
+    # probability gradient and softmax-backward output), alive once the MLP's saved set is
+    # freed (the analytic nets it out): MLA's and eager sinks' are the trace's two (its
+    # peak op, softmax backward, at seq 2048 / 8192 on DeepSeek-V2-Lite and gpt-oss-20b)
     pair_transient: float = 0.0
     # per pair, alive only while the mixer runs forward (or recomputes): DSA's index scores
     forward_pairs: SpecInt = _zero
@@ -177,7 +179,7 @@ _DELTA_FIELDS = (
 MLA = MixerTerm(
     mla_attention,
     pairs=mla_pairs,
-    pair_transient=1.45,
+    pair_transient=2.0,
     notes=MLA_NOTE,
     fields=_MLA_FIELDS,
     absent=("index_n_heads",),  # a DSA indexer: its family's profile sizes it
@@ -291,7 +293,7 @@ QWEN3_NEXT = ActivationProfile(  # output-gated attention between gated DeltaNet
 SINKS = MixerTerm(
     eager_repeat_kv,
     pairs=heads_pairs(2),
-    pair_transient=1.6,
+    pair_transient=2.0,
     notes="attention sinks need eager attention: probabilities are s² per head",
 )
 _SHARED_KV = ("num_kv_shared_layers",)  # layers reusing another's k/v: not sized

@@ -134,6 +134,17 @@ def _ensure_template(path: Path, template: str) -> None:
         path.write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
+def set_chat_template(model_dir: Path, template: str) -> None:
+    """`template` as the converted tokenizer's only chat template, replacing its own (the
+    mlx stack renders with data.chat_template as the torch stack does): chat_template.jinja,
+    which transformers prefers, and none left in tokenizer_config.json."""
+    path = model_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if config.pop("chat_template", None) is not None:
+        path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+    (model_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+
+
 class _quiet_stdout:
     """mlx_lm.convert prints [INFO] lines; moetune's stdout is for its own output."""
 

@@ -5,10 +5,10 @@ The run, top to bottom:
 1. the same preflight as the peft path (`setup.prepare`: spec, plan, lint – MLX-NO-BACKEND,
    MLX-TRANSFORMERS-PIN … stop it – every data row checked, the run dir's first files);
 2. the base converted for mlx-lm into `mlx/model` (config fields mlx-lm needs filled from
-   the spec; float32 on mlx's CPU backend), the train file written in mlx-lm's format into
-   `mlx/data` (the rows as they are; string prompt/completion rows rendered by a plain
-   template – prompt, completion, EOS – as TRL tokenizes them), and moetune's mlx recipe
-   with the run's hyperparameters as `mlx/lora.yaml`;
+   the spec; float32 on mlx's CPU backend; data.chat_template as its template), the rows
+   the torch stack would train on – data.sources mixed, the eval split – written in
+   mlx-lm's format into `mlx/data` (train/mlx_data.py), and moetune's mlx recipe with the
+   run's hyperparameters as `mlx/lora.yaml`;
 3. the coverage audit reads mlx-lm's own trainable-parameter list after it applied the
    recipe's LoRA (experts adapted, router not) – below 100 % nothing trains;
 4. mlx-lm trains (`mlx_lm.lora`'s train_model, the YAML merged over its defaults as its CLI
@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.config import RunConfig
-from moetune.data import read_checked
+from moetune.data import SFT_FORMATS
 from moetune.io import atomic_write_json, atomic_write_text
 from moetune.lint.rules_mlx import mlx_backend
 from moetune.model import get_family
@@ -43,20 +43,12 @@ from moetune.recipe.audit import PARTS, CoverageReport, CoverageRow, requested_k
 from moetune.recipe.mlx import make_mlx_recipe, mlx_yaml
 from moetune.train.checkpoint import RunDir, inspect_run
 from moetune.train.errors import TrainError
-from moetune.train.mlx_base import hf_to_mlx
+from moetune.train.mlx_base import hf_to_mlx, set_chat_template
+from moetune.train.mlx_data import mlx_rows, refuse_streaming, write_rows
 from moetune.train.mlx_format import mlx_to_peft
 from moetune.train.model import require_full_coverage
 from moetune.train.setup import Setup, prepare
 from moetune.train.trainer import TrainResult
-
-# prompt + completion + EOS (unless the completion ends with it), nothing else: what TRL
-# 1.16 trains on for string prompt/completion rows
-PLAIN_TEMPLATE = (
-    "{% for m in messages %}{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' and not m['content'].endswith(eos_token) %}"
-    "{{ eos_token }}{% endif %}{% endfor %}"
-)
-VALID_ROWS = 64  # mlx-lm needs a validation set; without data.eval_file, the first rows
 
 
 def train_mlx(
@@ -125,41 +117,31 @@ def refuse_unsupported(cfg: RunConfig) -> None:
             f"{','.join(cfg.output.report_to)}",
             "set lora.stack: peft to log to trackers, or output.report_to: []",
         )
+    refuse_streaming(cfg)
 
 
 # ---------------------------------------------------------------- inputs
 
 
 def write_inputs(cfg: RunConfig, setup: Setup, work: Path) -> dict[str, Any]:
-    """mlx/model, mlx/data and mlx/lora.yaml; returns the YAML's config."""
-
-    assert cfg.data.train_file is not None  # prepare() refused a run without one
-    fmt, rows = read_checked(Path(cfg.data.train_file))
-    plain = fmt.name == "prompt/completion" and isinstance(rows[0][1]["prompt"], str)
-    hf_to_mlx(
-        cfg.model.id, work / "model", chat_template=PLAIN_TEMPLATE if plain else None,
-        overwrite=True,
-    )  # fmt: skip
-    valid = [r for _, r in read_checked(Path(cfg.data.eval_file))[1]] if cfg.data.eval_file else []
-    write_rows(work / "data", [r for _, r in rows], valid or [r for _, r in rows[:VALID_ROWS]])
-    recipe = make_mlx_recipe(setup.spec, cfg.lora, cfg.train, cfg.data, rows=len(rows))
+    """mlx/model, mlx/data (the torch stack's rows, train/mlx_data.py) and mlx/lora.yaml;
+    returns the YAML's config."""
+    rows = mlx_rows(cfg, SFT_FORMATS)  # refuse_unsupported: sft only
+    hf_to_mlx(cfg.model.id, work / "model", overwrite=True)
+    if rows.template:
+        set_chat_template(work / "model", rows.template)
+    write_rows(work / "data", rows)
+    recipe = make_mlx_recipe(setup.spec, cfg.lora, cfg.train, cfg.data, rows=len(rows.train))
     config: dict[str, Any] = recipe["config"] | {
         "model": str(work / "model"),
         "data": str(work / "data"),
         "adapter_path": str(work / "adapters"),
-        "mask_prompt": cfg.data.completion_only_loss and fmt.name != "text",
+        "mask_prompt": cfg.data.completion_only_loss and rows.masks_prompt,
         "val_batches": 1,
     }
     config["steps_per_eval"] = config.get("iters", 1000)  # validate at the start and the end
     atomic_write_text(work / "lora.yaml", mlx_yaml(config, recipe["notes"]))
     return config
-
-
-def write_rows(data_dir: Path, train: list[Any], valid: list[Any]) -> None:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("valid", valid)):
-        text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        atomic_write_text(data_dir / f"{name}.jsonl", text, mask=False)  # the user's rows
 
 
 def _with_defaults(config: dict[str, Any]) -> dict[str, Any]:

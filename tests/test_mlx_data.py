@@ -1,0 +1,127 @@
+"""`lora.stack: mlx` reads data.sources through the torch stack's data path: the rows in
+mlx/data are the rows the torch stack trains and evaluates on, in the same order (mixtures,
+formats, the eval split), and data.chat_template renders them in mlx-lm as in TRL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moetune.config import parse_config
+from moetune.data import SFT_FORMATS, load_train_data
+from moetune.demo.base import MAX_LEN, SHIPPED_DIR
+from moetune.train.errors import TrainError
+from moetune.train.mlx_data import mlx_rows, write_rows
+
+# u:… a:…<eos>, the generation prompt a: – characters the demo tokenizer knows
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def _jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _config(tmp: Path, data: dict[str, Any]) -> Any:
+    return parse_config({
+        "model": {"id": str(SHIPPED_DIR), "dtype": "float32"},
+        "lora": {"stack": "mlx", "rank": 4},
+        "data": data,
+        "output": {"dir": str(tmp / "run")},
+        "train": {"seq_len": MAX_LEN, "seed": 7, "device": "cpu"},
+    })  # fmt: skip
+
+
+def _tok() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(SHIPPED_DIR)
+
+
+def _written(cfg: Any, tmp: Path) -> tuple[list[Any], list[Any]]:
+    """The mlx stack's train.jsonl and valid.jsonl, read back."""
+    write_rows(tmp / "data", mlx_rows(cfg, SFT_FORMATS))
+    read = [(tmp / "data" / f"{n}.jsonl").read_text().splitlines() for n in ("train", "valid")]
+    return [json.loads(x) for x in read[0]], [json.loads(x) for x in read[1]]
+
+
+def test_mixed_sources_and_eval_split_are_the_torch_stacks_rows(tmp_path: Path) -> None:
+    """Two sources at weights 2 and 0.5, an eval share carved by hash: mlx-lm gets the
+    rows TRL gets, in TRL's order, and the held-out rows as its validation set."""
+    a = [{"prompt": f"copy:{c}{n}>", "completion": f"{c}{n}"} for c in "abcde" for n in range(4)]
+    b = [{"question": f"rev:{c}{n}?", "answer": f"{n}{c}"} for c in "vwxyz" for n in range(2)]
+    columns = {"prompt": "question", "completion": "answer"}
+    sources = [{"path": _jsonl(tmp_path / "a.jsonl", a), "weight": 2},
+               {"path": _jsonl(tmp_path / "b.jsonl", b), "weight": 0.5,
+                "format": "prompt_completion", "columns": columns}]  # fmt: skip
+    cfg = _config(tmp_path, {"sources": sources, "eval_fraction": 0.25})
+    train, held = load_train_data(cfg.data, _tok(), MAX_LEN, SFT_FORMATS, cfg.train.seed)
+    assert held is not None
+    mlx_train, mlx_valid = _written(cfg, tmp_path)
+    assert mlx_train == train.dataset.to_list() and mlx_valid == held.dataset.to_list()
+    kept = {r["prompt"] for r in mlx_train}
+    assert any(p.startswith("rev:") for p in kept) and any(p.startswith("copy:") for p in kept)
+    assert not kept & {r["prompt"] for r in mlx_valid}  # the eval split is held out
+    assert len(mlx_train) + len(mlx_valid) > len(a) + len(b) // 2  # weight 2 repeats rows
+
+
+def test_without_an_eval_set_the_first_train_rows_validate(tmp_path: Path) -> None:
+    rows = [{"text": f"copy:{c}>{c}"} for c in "abcdefgh"]
+    cfg = _config(tmp_path, {"train_file": _jsonl(tmp_path / "t.jsonl", rows)})
+    train, valid = _written(cfg, tmp_path)
+    assert train == rows and valid == rows  # one source at weight 1 keeps its order
+
+
+def test_streaming_is_refused_before_a_file_is_written(tmp_path: Path) -> None:
+    from moetune.train.mlx_stack import train_mlx
+
+    path = _jsonl(tmp_path / "t.jsonl", [{"text": "abc"}])
+    cfg = _config(tmp_path, {"sources": [{"path": path}], "streaming": True})
+    with pytest.raises(TrainError, match=r"cannot stream data\.sources"):
+        train_mlx(cfg, False, False, (False, False), False)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_chat_template_renders_messages_as_in_the_torch_stack(tmp_path: Path) -> None:
+    """data.chat_template on messages rows: mlx-lm's tokens and prompt mask from the
+    converted model's tokenizer are the ids and the first assistant token TRL trains on."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'moetune[mlx]')")
+    from mlx_lm.tuner.datasets import ChatDataset
+    from mlx_lm.utils import load_tokenizer
+
+    from moetune.train.mlx_base import hf_to_mlx, set_chat_template
+
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    turns = [[{"role": "user", "content": f"copy:{w}"}, {"role": "assistant", "content": w}]
+             for w in ("ab", "cde", "f")]  # fmt: skip
+    data = {"sources": [{"path": _jsonl(tmp_path / "m.jsonl", [{"messages": t} for t in turns])}],
+            "chat_template": str(tmp_path / "chat.jinja")}  # fmt: skip
+    cfg = _config(tmp_path, data)
+    torch_rows = load_train_data(cfg.data, _tok(), MAX_LEN, SFT_FORMATS, 7)[0].dataset.to_list()
+    rows = mlx_rows(cfg, SFT_FORMATS)
+    hf_to_mlx(SHIPPED_DIR, tmp_path / "model")
+    assert rows.template is not None
+    set_chat_template(tmp_path / "model", rows.template)
+    mlx_tok = load_tokenizer(tmp_path / "model")
+    chat = ChatDataset(rows.train, mlx_tok, mask_prompt=True)
+    for row, want in zip(rows.train, torch_rows, strict=True):
+        ids, offset = chat.process(row)
+        assert ids == want["input_ids"] and offset == want["assistant_masks"].index(1)
+
+
+def test_conversational_prompt_completion_rows_become_one_conversation(tmp_path: Path) -> None:
+    """mlx-lm's prompt/completion reader wraps a string in one user turn; turns go as one
+    messages row instead (prompt turns, then the completion's), with the base's template."""
+    rows = [{"prompt": [{"role": "user", "content": f"copy:{c}"}],
+             "completion": [{"role": "assistant", "content": c}]} for c in "abc"]  # fmt: skip
+    cfg = _config(tmp_path, {"sources": [{"path": _jsonl(tmp_path / "c.jsonl", rows)}]})
+    got = mlx_rows(cfg, SFT_FORMATS)
+    assert got.train == [{"messages": r["prompt"] + r["completion"]} for r in rows]
+    assert got.template is None and got.masks_prompt  # mlx-lm masks all but the completion
