@@ -202,6 +202,7 @@ dist.init_process_group("gloo")
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
 print(os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], int(total.item()))
+dist.destroy_process_group()  # gloo's threads joined before exit (else a rare std::terminate)
 """
 
 

@@ -280,14 +280,17 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
 def _per_expert(x: torch.Tensor, stack: QuantizedStack, offsets: torch.Tensor,
                 backward: bool) -> torch.Tensor:  # fmt: skip
     """Rows sorted by expert through W_e (x·W_eᵀ), or back through it (grad·W_e)."""
+    shape = (x.shape[0], stack.out_in[1 if backward else 0])
+    into = x.new_empty(stack.out_in)  # one expert's weights, reused: no allocation per expert
     if isinstance(x, FakeTensor) or x.is_meta:
-        # planner traces: no routing values, but the same bytes – one expert's transient
-        w = stack.canonical_expert(0, x.dtype)
-        return x @ w if backward else F.linear(x, w)
-    ends, shape = offsets.tolist(), (x.shape[0], stack.out_in[1 if backward else 0])
+        # planner traces: no routing values, but the same bytes – the output, the reused
+        # expert buffer and one expert's transients (all rows through expert 0)
+        out = x.new_empty(shape)
+        _expert_mm(x, *stack.factored_expert(0, into), out, backward)
+        return out
+    ends = offsets.tolist()
     # every row belongs to an expert (ends[-1] == rows) unless routing dropped some
     out = x.new_empty(shape) if ends[-1] == x.shape[0] else x.new_zeros(shape)
-    into = x.new_empty(stack.out_in)  # one expert's weights, reused: no allocation per expert
     start = 0
     for e, end in enumerate(ends):
         if end > start:

@@ -8,7 +8,7 @@ buffer; engine/__init__.py imports this module, which registers them.
 
 from __future__ import annotations
 
-from functools import cache, lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -104,17 +104,10 @@ class NF4(Quantizer):
         return out
 
 
-@lru_cache(maxsize=4)
-def _scratch_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype)
-
-
 def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A transient of one expert's size, kept on the CPU: a fresh one per expert costs its page
-    faults (the CPU allocator returns large blocks to the OS); CUDA's allocator reuses its own.
-    Only for use within one call (each call overwrites it)."""
-    if device.type == "cpu":
-        return _scratch_cpu(numel, dtype)
+    """A transient of one expert's size. Fresh each call, not cached: a cached one would
+    outlive the step the planner traces (and, made under the trace's fake tensors, be fake);
+    the CLI's huge pages keep its first-touch faults cheap (cli/common.py)."""
     return torch.empty(numel, dtype=dtype, device=device)
 
 
@@ -137,11 +130,15 @@ def _levels(device: torch.device) -> torch.Tensor:
     return NF4_LEVELS.to(device)
 
 
-@cache
+# byte -> its two levels [256, 2] (high nibble first): one gather per byte, no unpack.
+_BYTE = torch.arange(256)
+NF4_PAIR_LEVELS = torch.stack((NF4_LEVELS[_BYTE >> 4], NF4_LEVELS[_BYTE & 0xF]), dim=1)
+
+
 def _pair_levels(device: torch.device) -> torch.Tensor:
-    """Byte -> its two levels [256, 2] (high nibble first): one gather per byte, no unpack."""
-    byte = torch.arange(256)
-    return torch.stack((NF4_LEVELS[byte >> 4], NF4_LEVELS[byte & 0xF]), dim=1).to(device)
+    """A copy per call (2 KiB): the planner's trace sees the same transient the step makes,
+    where a cached one made inside the first step stays alive in it (byte-exact plans)."""
+    return NF4_PAIR_LEVELS.to(device, copy=True)
 
 
 @cache

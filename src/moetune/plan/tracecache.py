@@ -55,6 +55,7 @@ def _tracer_digest() -> str:
         here / "tracker.py",
         engine / "experts_lora.py",
         engine / "quant.py",
+        engine / "quant_int.py",
         engine / "stored.py",
     ]
     text = b"".join(f.read_bytes() for f in files if f.exists())
