@@ -218,3 +218,29 @@ def test_a_remote_run_takes_local_sources_and_the_template_file_along(tmp_path):
     assert pod.chat_template == "data/chat_template.jinja"
     assert set(out.files) == {(folder, "data/sources/0"), (held, "data/eval_sources/0.jsonl"),
                               (template, "data/chat_template.jinja")}  # fmt: skip
+
+
+def test_streaming_trains_end_to_end_with_every_default_but_max_steps(tmp_path):
+    """routing_every, expert selection and the rest at their defaults: the base's routing is
+    measured on the stream's first rows (an IterableDataset has no len())."""
+    import json as json_
+
+    from moetune.config import parse_config
+    from moetune.train import train
+    from test_train_helpers import one_thread, save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m")
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    cfg = parse_config({
+        "model": {"id": str(model)},
+        "data": {"train_file": str(data), "streaming": True},
+        "train": {"max_steps": 2, "device": "cpu", "seq_len": 32},
+        "output": {"dir": str(tmp_path / "out"), "ledger": str(tmp_path / "ledger.jsonl")},
+    })  # fmt: skip
+    assert cfg.train.routing_every  # the default that needed a length
+    with one_thread():
+        result = train(cfg, progress=False)
+    assert result.steps == 2
+    summary = json_.loads((Path(result.run_dir) / "summary.json").read_text())
+    assert summary["routing"]["base"]  # measured on the streamed rows
+    assert (Path(result.adapter_dir) / "adapter_model.safetensors").is_file()
