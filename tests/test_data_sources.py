@@ -56,6 +56,31 @@ def test_a_parquet_dir_reads_every_shard(tmp_path, tok):
     assert sorted(_prompts(train)) == sorted(r["prompt"] for r in _rows(3, "a") + _rows(4, "b"))
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_mixed_dir_reads_every_file_of_every_kind(tmp_path, tok, streaming):
+    """datasets alone reads the most common kind of a dir (here the parquet) and drops the
+    jsonl without a word; every row of both is trained on."""
+    folder = _parquet_dir(tmp_path / "mixed", [_rows(3, "p")])
+    write_jsonl(folder / "more.jsonl", _rows(2, "j"))
+    (folder / "README.md").write_text("# a dataset card, not rows\n", encoding="utf-8")
+    (folder / "img.png").write_bytes(b"not rows either")
+    train, _ = _load(tok, sources=[{"path": str(folder)}], streaming=streaming)
+    got = [r["prompt"] for r in train.dataset]
+    assert sorted(got) == sorted(r["prompt"] for r in _rows(3, "p") + _rows(2, "j"))
+
+
+def test_a_dir_file_of_a_kind_not_read_is_named_before_anything_is_built(tmp_path, tok):
+    from moetune.data import DataError
+
+    folder = _parquet_dir(tmp_path / "mixed", [_rows(3, "p")])
+    (folder / "notes.txt").write_text("rev:ab>ba\n", encoding="utf-8")
+    (folder / "extra.tsv").write_text("prompt\tcompletion\nq>\ta\n", encoding="utf-8")
+    with pytest.raises(DataError) as info:
+        _load(tok, sources=[{"path": str(folder)}])
+    assert "extra.tsv, notes.txt would not be read" in info.value.cause
+    assert "move them out of" in info.value.fix and "\n" not in str(info.value)
+
+
 def test_a_json_dir_a_csv_with_mapped_columns_and_a_saved_dataset(tmp_path, tok):
     from datasets import Dataset, DatasetDict
 
