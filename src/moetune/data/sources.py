@@ -14,7 +14,7 @@ Every failure is a DataError naming the source. With data.streaming the rows are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +41,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
-def _numbered(parts: list[tuple[str, Iterable[Any]]]) -> Iterator[Located]:
+def _numbered(parts: Sequence[tuple[str, Iterable[Any]]]) -> Iterator[Located]:
     """Rows numbered within each part ("row 3", or "(json files) row 3" in a mixed dir)."""
     for tag, rows in parts:
         yield from ((f"{tag}row {n}", row) for n, row in enumerate(rows, 1))
