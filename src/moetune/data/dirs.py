@@ -1,11 +1,11 @@
 """A directory source's data files, by the builder that reads them.
 
 `datasets.load_dataset(dir)` reads the files of the most common kind only: a dir holding a
-parquet and a jsonl trains on the parquet and never says so. Here every file of the
-configured split is sorted by kind: each kind moetune reads is loaded (a mixed dir is read
-whole), and a data file of a kind it does not read is named before anything is built.
-Images, audio and video beside the rows are what rows point at, not rows; a dataset card
-(README.md) is not data either.
+parquet and a jsonl trains on the parquet and never says so. Here the files of the
+configured split are sorted by kind; a dir of one kind is left to datasets (it reads all of
+them), a mixed one is read whole – each kind moetune reads loaded, and a data file of a
+kind it does not read named before anything is built. Images, audio and video beside the
+rows are what rows point at, not rows; a dataset card (README.md) is not data either.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ class DirFiles:
 
     by_builder: dict[str, list[str]] = field(default_factory=dict)
     unread: list[str] = field(default_factory=list)  # data files of a kind moetune reads not
+
+    @property
+    def mixed(self) -> bool:
+        """Data files of more than one kind: what datasets alone would read in part."""
+        return len(set(self.by_builder) | {kind(f) for f in self.unread}) > 1
 
 
 def _module_of(suffix: str) -> str | None:

@@ -120,9 +120,9 @@ def _folder(src: SourceArgs, path: Path, streaming: bool) -> list[tuple[str, Any
     if src.name:
         return [("", _load_dataset(src, streaming, str(path), src.name))]
     got = split_files(path, src.split, lambda load: _guarded(src, load))
-    refuse_unread(label(src), path, got)
-    if len(got.by_builder) < 2:  # one kind (or none: datasets says what is missing)
+    if not got.mixed:  # one kind (or none: datasets says what is missing)
         return [("", _load_dataset(src, streaming, str(path), src.name))]
+    refuse_unread(label(src), path, got)
     one = src.model_copy(update={"split": "train"})  # data_files given: all in datasets' train
     return [(f"({builder} files) ", _load_dataset(one, streaming, builder, data_files=files))
             for builder, files in got.by_builder.items()]  # fmt: skip
