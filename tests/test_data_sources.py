@@ -274,3 +274,29 @@ def test_streaming_trains_end_to_end_with_every_default_but_max_steps(tmp_path):
     summary = json_.loads((Path(result.run_dir) / "summary.json").read_text())
     assert summary["routing"]["base"]  # measured on the streamed rows
     assert (Path(result.adapter_dir) / "adapter_model.safetensors").is_file()
+
+
+def test_streaming_trains_dpo_and_grpo_rows_too(tmp_path):
+    """The methods that read columns (GRPO's rewards) or prompts (the base's routing) read a
+    streamed set's first rows: it names no columns and has no length."""
+    from moetune.config import parse_config
+    from moetune.train import train
+    from test_train_helpers import one_thread, save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m")
+    words = ["abc", "xyz", "moe", "lora"] * 2
+    rows = {
+        "dpo": [{"prompt": f"rev:{w}>", "chosen": w[::-1], "rejected": w} for w in words],
+        "grpo": [{"prompt": f"rev:{w}>", "answer": w[::-1]} for w in words],
+    }
+    for method, data in rows.items():
+        cfg = parse_config({
+            "model": {"id": str(model)},
+            "data": {"train_file": str(write_jsonl(tmp_path / f"{method}.jsonl", data)),
+                     "streaming": True},
+            "train": {"method": method, "max_steps": 1, "device": "cpu", "seq_len": 32,
+                      "batch_size": 4, "grpo": {"num_generations": 2, "max_completion_length": 4}},
+            "output": {"dir": str(tmp_path / method), "ledger": str(tmp_path / "ledger.jsonl")},
+        })  # fmt: skip
+        with one_thread():
+            assert train(cfg, progress=False).steps == 1, method

@@ -130,6 +130,22 @@ class TrainData:
     def rows(self) -> int:
         return sum(s["rows"] for s in self.sources) if self.streamed else len(self.dataset)
 
+    def head(self, limit: int = CHECK_ROWS) -> list[Row]:
+        """The first `limit` rows as training reads them (a streamed set has no length)."""
+        if self.streamed:
+            return list(islice(self.dataset, limit))
+        return list(self.dataset.select(range(min(limit, len(self.dataset)))).to_list())
+
+    def columns(self) -> list[str]:
+        """The rows' columns (a streamed set names none: its first row's keys)."""
+        if self.dataset.column_names is not None:
+            return list(self.dataset.column_names)
+        return list(self.head(1)[0]) if self.head(1) else []
+
+    def column(self, name: str) -> list[Any]:
+        """A column's values: every row's, or a streamed set's first CHECK_ROWS rows'."""
+        return [r[name] for r in self.head()] if self.streamed else list(self.dataset[name])
+
     def to_json(self) -> dict[str, Any]:
         return {
             "file": self.path,
