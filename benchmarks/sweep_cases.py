@@ -255,6 +255,8 @@ def _hardening_data_cases() -> list[Case]:
         Case("data36/no-chat-template", data, {"run.yaml": one % "", "train.jsonl": chat}),
         Case("data36/empty-template", data, {"run.yaml": one % ", chat_template: {dir}/t.jinja",
                                              "train.jsonl": jsonl, "t.jinja": ""}),
+        Case("data36/template-raises", data, {"run.yaml": one % ", chat_template: {dir}/t.jinja",
+             "train.jsonl": chat, "t.jinja": "{{ raise_exception('no') }}"}),
         Case("data36/streamed-images", data, {"run.yaml": stream + "train: {max_steps: 2}\n",
                                               "train.jsonl": image + "\n", "i.png": _png()}),
     ]  # fmt: skip

@@ -101,12 +101,18 @@ def _empty_template(tmp_path) -> list[str]:
     return ["--set", f"data.chat_template={tmp_path / 'empty.jinja'}"]
 
 
+def _broken_template(tmp_path) -> list[str]:
+    (tmp_path / "broken.jinja").write_text("{{ raise_exception('no system turn') }}")
+    return ["--set", f"data.chat_template={tmp_path / 'broken.jinja'}"]
+
+
 REFUSED = {  # what train refuses, and the words its one line must hold
     "streaming without max_steps": (lambda p: ["--set", "data.streaming=true"], "train.max_steps"),
     "overlong error": (lambda p: ["--set", "data.overlong=error"], "a.jsonl line 3"),
     "streamed image rows": (_streamed_images, "image+text rows are not streamed"),
     "an empty template": (_empty_template, "the template is empty"),
     "no chat template": (_no_template, "data.chat_template"),
+    "a template that cannot render": (_broken_template, "a.jsonl line 1: the chat template"),
 }
 
 

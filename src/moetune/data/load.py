@@ -14,6 +14,8 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from jinja2 import TemplateError
+
 from moetune.config import SourceArgs
 from moetune.data.cap import Cap, capped, char_cap
 from moetune.data.convert import BECOMES, auto_format, converted
@@ -190,7 +192,7 @@ def _count_overlong(
 ) -> int:
     count = 0
     for where, row in rows:
-        length = fmt.length(row, tok)
+        length = _length(where, row, fmt, tok)
         if length <= seq_len:
             continue
         if policy == "error":
@@ -200,6 +202,19 @@ def _count_overlong(
             )
         count += 1
     return count
+
+
+def _length(where: str, row: Row, fmt: DataFormat, tok: PreTrainedTokenizerBase) -> int:
+    """The row's tokens; a chat template that cannot render it (a syntax error, its own
+    raise_exception) is the row's error, in one line, not a crash."""
+    try:
+        return fmt.length(row, tok)
+    except TemplateError as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(
+            f"{where}: the chat template cannot render this row ({why})",
+            "fix the template (data.chat_template, or the tokenizer's own), or that row",
+        ) from None
 
 
 def tokenised(where: str, row: Row, tok: PreTrainedTokenizerBase) -> Row:
