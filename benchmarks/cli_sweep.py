@@ -72,6 +72,7 @@ def build_shared(root: Path) -> Path:
 
 def _prepare(case: Case, tmp: str, shared: str) -> list[str]:
     for name, content in case.files.items():
+        Path(tmp, name).parent.mkdir(parents=True, exist_ok=True)  # a source dir's files
         if isinstance(content, bytes):
             Path(tmp, name).write_bytes(content)
         else:

@@ -193,6 +193,75 @@ def _data_cases(seed: int = 0) -> list[Case]:
     return cases
 
 
+def _parquet(rows: list[dict[str, str]]) -> bytes:
+    # lazy: heavy to import (pyarrow), and only when the cases are built
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows), sink)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def _png() -> bytes:
+    # lazy: heavy to import (PIL), and only when the cases are built
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 20, 20)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _hardening_data_cases() -> list[Case]:
+    """Issue 36 (items 1, 2, 3, 7): a mixed source dir, streaming at default settings, one
+    huge row, and `moetune data` refusing what `moetune train` refuses."""
+    pc = [{"prompt": f"rev:{w}>", "completion": w[::-1]} for w in ("abc", "xyz", "moe")]
+    jsonl = "".join(json.dumps(r) + "\n" for r in pc)
+    mixed = {"mixed/a.parquet": _parquet(pc), "mixed/b.jsonl": jsonl}
+    src = RUN + "data: {sources: [{path: {dir}/mixed}]}\n"
+    huge = json.dumps({"prompt": "rev:x>", "completion": "ab " * 1_000_000}) + "\n" + jsonl
+    chat = json.dumps({"messages": [{"role": "user", "content": "rev:ab"},
+                                    {"role": "assistant", "content": "ba"}]}) + "\n"  # fmt: skip
+    image = json.dumps(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": "i.png"},
+                        {"type": "text", "text": "colour?"},
+                    ],
+                },
+                {"role": "assistant", "content": "red"},
+            ]
+        }
+    )
+    one = RUN + "data: {train_file: {dir}/train.jsonl%s}\n"
+    stream = RUN + "data: {train_file: {dir}/train.jsonl, streaming: true}\n"
+    train = ("train: {max_steps: 2, device: cpu, seq_len: 32, batch_size: 2}\n"
+             "output: {dir: {dir}/out, ledger: {dir}/ledger.jsonl}\n")  # fmt: skip
+    data = ["data", "{dir}/run.yaml", "--json"]
+    return [
+        Case("data36/mixed-dir", data, {"run.yaml": src, **mixed}, "good"),
+        Case("data36/mixed-dir-txt", data, {"run.yaml": src, **mixed, "mixed/c.txt": "x\n"}),
+        Case("data36/streaming-train", ["train", "{dir}/run.yaml", "--json"],
+             {"run.yaml": stream + train, "train.jsonl": jsonl}, "good"),
+        Case("data36/huge-row", data, {"run.yaml": one % "", "train.jsonl": huge}, "good"),
+        Case("data36/huge-row-error", data,
+             {"run.yaml": one % ", overlong: error", "train.jsonl": huge}),
+        Case("data36/streaming-no-max-steps", data, {"run.yaml": stream, "train.jsonl": jsonl}),
+        Case("data36/no-chat-template", data, {"run.yaml": one % "", "train.jsonl": chat}),
+        Case("data36/empty-template", data, {"run.yaml": one % ", chat_template: {dir}/t.jinja",
+                                             "train.jsonl": jsonl, "t.jinja": ""}),
+        Case("data36/template-raises", data, {"run.yaml": one % ", chat_template: {dir}/t.jinja",
+             "train.jsonl": chat, "t.jinja": "{{ raise_exception('no') }}"}),
+        Case("data36/streamed-images", data, {"run.yaml": stream + "train: {max_steps: 2}\n",
+                                              "train.jsonl": image + "\n", "i.png": _png()}),
+    ]  # fmt: skip
+
+
 def _secret_cases() -> list[Case]:
     """lane.env values under innocuous names, the token in the environment: every command
     that shows or writes the config (the runner greps every byte for the values)."""
@@ -325,7 +394,8 @@ def _garbled_cases(n: int, seed: int = 1) -> list[Case]:
 
 def all_cases(fuzz: int, garble: int) -> list[Case]:
     return [
-        *_yaml_cases(), *_flag_cases(), *_path_cases(), *_data_cases(), *_numeric_cases(),
+        *_yaml_cases(), *_flag_cases(), *_path_cases(), *_data_cases(),
+        *_hardening_data_cases(), *_numeric_cases(),
         *_secret_cases(), *_misc_cases(), *_fuzz_cases(fuzz), *_garbled_cases(garble),
     ]  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from moetune.cli import app
@@ -25,7 +26,8 @@ def _config(tmp_path, **data) -> str:
         "model": {"id": str(model)},
         "data": {"sources": [{"path": str(train), "weight": 2}, {"path": str(other)}],
                  "eval_file": str(held), **data},
-        "train": {"seq_len": 32, "batch_size": 2, "grad_accum": 1, "epochs": 1},
+        "train": {"seq_len": 32, "batch_size": 2, "grad_accum": 1, "epochs": 1, "device": "cpu"},
+        "output": {"dir": str(tmp_path / "out"), "ledger": str(tmp_path / "ledger.jsonl")},
     }  # fmt: skip
     path = tmp_path / "run.yaml"
     path.write_text(json.dumps(cfg))
@@ -76,3 +78,56 @@ def test_data_bad_row_is_one_line_and_exit_2(tmp_path):
     assert result.exit_code == 2
     assert "bad.jsonl line 1" in result.output and "empty assistant turn" in result.output
     assert "Traceback" not in result.output
+
+
+# ---------------------------------------------------------------- preview and train agree
+
+
+def _streamed_images(tmp_path) -> list[str]:
+    from test_train_images import image_rows
+
+    rows = image_rows(tmp_path / "vis")
+    return ["--set", f"data.sources=[{{path: {rows}}}]", "--set", "data.eval_file=null",
+            "--set", "data.streaming=true", "--set", "train.max_steps=2"]  # fmt: skip
+
+
+def _no_template(tmp_path) -> list[str]:
+    plain = save_tiny_model(tmp_path / "plain")  # a tokenizer with no chat template
+    return ["--set", f"model.id={plain}"]
+
+
+def _empty_template(tmp_path) -> list[str]:
+    (tmp_path / "empty.jinja").write_text("\n", encoding="utf-8")
+    return ["--set", f"data.chat_template={tmp_path / 'empty.jinja'}"]
+
+
+def _broken_template(tmp_path) -> list[str]:
+    (tmp_path / "broken.jinja").write_text("{{ raise_exception('no system turn') }}")
+    return ["--set", f"data.chat_template={tmp_path / 'broken.jinja'}"]
+
+
+REFUSED = {  # what train refuses, and the words its one line must hold
+    "streaming without max_steps": (lambda p: ["--set", "data.streaming=true"], "train.max_steps"),
+    "overlong error": (lambda p: ["--set", "data.overlong=error"], "a.jsonl line 3"),
+    "streamed image rows": (_streamed_images, "image+text rows are not streamed"),
+    "an empty template": (_empty_template, "the template is empty"),
+    "no chat template": (_no_template, "data.chat_template"),
+    "a template that cannot render": (_broken_template, "a.jsonl line 1: the chat template"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_data_refuses_what_train_refuses_in_the_same_line(tmp_path, case):
+    """`moetune data` runs train's own checks (train.setup.check_data, data.load.usable):
+    it never passes (exit 0) or crashes (exit 3) where train refuses in one line (exit 2)."""
+    make, words = REFUSED[case]
+    cfg, extra = _config(tmp_path), make(tmp_path)
+    lines = {}
+    for command in ("data", "train"):
+        result = CliRunner().invoke(app, [command, cfg, *extra])
+        assert result.exit_code == 2, (command, result.output)
+        assert "Traceback" not in result.output
+        lines[command] = " ".join(result.output.split())  # rich wraps long lines
+    assert lines["data"] == lines["train"] and words in lines["data"]
+    if case == "no chat template":  # names the fix and the templates TRL ships
+        assert "qwen3" in lines["data"] and "in all" in lines["data"]

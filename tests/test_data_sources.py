@@ -56,6 +56,36 @@ def test_a_parquet_dir_reads_every_shard(tmp_path, tok):
     assert sorted(_prompts(train)) == sorted(r["prompt"] for r in _rows(3, "a") + _rows(4, "b"))
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_mixed_dir_reads_every_file_of_every_kind(tmp_path, tok, streaming):
+    """datasets alone reads the most common kind of a dir (here the parquet) and drops the
+    jsonl without a word; every row of both is trained on."""
+    folder = _parquet_dir(tmp_path / "mixed", [_rows(3, "p")])
+    write_jsonl(folder / "more.jsonl", _rows(2, "j"))
+    (folder / "README.md").write_text("# a dataset card, not rows\n", encoding="utf-8")
+    (folder / "img.png").write_bytes(b"not rows either")
+    train, _ = _load(tok, sources=[{"path": str(folder)}], streaming=streaming)
+    got = [r["prompt"] for r in train.dataset]
+    assert sorted(got) == sorted(r["prompt"] for r in _rows(3, "p") + _rows(2, "j"))
+
+
+def test_a_dir_file_of_a_kind_not_read_is_named_before_anything_is_built(tmp_path, tok):
+    from moetune.data import DataError
+
+    folder = _parquet_dir(tmp_path / "mixed", [_rows(3, "p")])
+    (folder / "notes.txt").write_text("rev:ab>ba\n", encoding="utf-8")
+    (folder / "extra.tsv").write_text("prompt\tcompletion\nq>\ta\n", encoding="utf-8")
+    with pytest.raises(DataError) as info:
+        _load(tok, sources=[{"path": str(folder)}])
+    assert "extra.tsv, notes.txt would not be read" in info.value.cause
+    assert "move them out of" in info.value.fix and "\n" not in str(info.value)
+    only_text = tmp_path / "text"  # one kind, whatever it is: datasets reads all of it
+    only_text.mkdir()
+    (only_text / "a.txt").write_text("rev:ab>ba\nrev:cd>dc\n", encoding="utf-8")
+    train, _ = _load(tok, sources=[{"path": str(only_text)}])
+    assert (train.format, list(train.dataset["text"])) == ("text", ["rev:ab>ba", "rev:cd>dc"])
+
+
 def test_a_json_dir_a_csv_with_mapped_columns_and_a_saved_dataset(tmp_path, tok):
     from datasets import Dataset, DatasetDict
 
@@ -218,3 +248,55 @@ def test_a_remote_run_takes_local_sources_and_the_template_file_along(tmp_path):
     assert pod.chat_template == "data/chat_template.jinja"
     assert set(out.files) == {(folder, "data/sources/0"), (held, "data/eval_sources/0.jsonl"),
                               (template, "data/chat_template.jinja")}  # fmt: skip
+
+
+def test_streaming_trains_end_to_end_with_every_default_but_max_steps(tmp_path):
+    """routing_every, expert selection and the rest at their defaults: the base's routing is
+    measured on the stream's first rows (an IterableDataset has no len())."""
+    import json as json_
+
+    from moetune.config import parse_config
+    from moetune.train import train
+    from test_train_helpers import one_thread, save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m")
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    cfg = parse_config({
+        "model": {"id": str(model)},
+        "data": {"train_file": str(data), "streaming": True},
+        "train": {"max_steps": 2, "device": "cpu", "seq_len": 32},
+        "output": {"dir": str(tmp_path / "out"), "ledger": str(tmp_path / "ledger.jsonl")},
+    })  # fmt: skip
+    assert cfg.train.routing_every  # the default that needed a length
+    with one_thread():
+        result = train(cfg, progress=False)
+    assert result.steps == 2
+    summary = json_.loads((Path(result.run_dir) / "summary.json").read_text())
+    assert summary["routing"]["base"]  # measured on the streamed rows
+    assert (Path(result.adapter_dir) / "adapter_model.safetensors").is_file()
+
+
+def test_streaming_trains_dpo_and_grpo_rows_too(tmp_path):
+    """The methods that read columns (GRPO's rewards) or prompts (the base's routing) read a
+    streamed set's first rows: it names no columns and has no length."""
+    from moetune.config import parse_config
+    from moetune.train import train
+    from test_train_helpers import one_thread, save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m")
+    words = ["abc", "xyz", "moe", "lora"] * 2
+    rows = {
+        "dpo": [{"prompt": f"rev:{w}>", "chosen": w[::-1], "rejected": w} for w in words],
+        "grpo": [{"prompt": f"rev:{w}>", "answer": w[::-1]} for w in words],
+    }
+    for method, data in rows.items():
+        cfg = parse_config({
+            "model": {"id": str(model)},
+            "data": {"train_file": str(write_jsonl(tmp_path / f"{method}.jsonl", data)),
+                     "streaming": True},
+            "train": {"method": method, "max_steps": 1, "device": "cpu", "seq_len": 32,
+                      "batch_size": 4, "grpo": {"num_generations": 2, "max_completion_length": 4}},
+            "output": {"dir": str(tmp_path / method), "ledger": str(tmp_path / "ledger.jsonl")},
+        })  # fmt: skip
+        with one_thread():
+            assert train(cfg, progress=False).steps == 1, method

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from moetune.config import parse_config
-from moetune.data import SFT_FORMATS, load_train_data
+from moetune.data import SFT_FORMATS, DataError, load_train_data
 from moetune.demo.base import MAX_LEN, SHIPPED_DIR
 from moetune.train.errors import TrainError
 from moetune.train.mlx_data import mlx_rows, write_rows
@@ -125,3 +125,21 @@ def test_conversational_prompt_completion_rows_become_one_conversation(tmp_path:
     got = mlx_rows(cfg, SFT_FORMATS)
     assert got.train == [{"messages": r["prompt"] + r["completion"]} for r in rows]
     assert got.template is None and got.masks_prompt  # mlx-lm masks all but the completion
+
+
+def test_a_huge_row_is_cut_as_the_torch_stack_cuts_it_before_mlx_lm_reads_it(
+    tmp_path: Path,
+) -> None:
+    from moetune.data.cap import char_cap
+
+    rows = [{"prompt": "rev:ab>", "completion": "ba"}, {"prompt": "x>", "completion": "y" * 10**6}]
+    cfg = _config(tmp_path, {"sources": [{"path": _jsonl(tmp_path / "h.jsonl", rows)}]})
+    cap = char_cap(_tok(), MAX_LEN)
+    torch_rows = load_train_data(cfg.data, _tok(), MAX_LEN, SFT_FORMATS, 7)[0].dataset.to_list()
+    got = mlx_rows(cfg, SFT_FORMATS, cap)
+    assert got.train == torch_rows  # the same cut row, not the megabyte
+    assert len(got.train[1]["completion"]) == cap.chars - len("x>")
+    refuse = cfg.model_copy(update={"data": cfg.data.model_copy(update={"overlong": "error"})})
+    with pytest.raises(DataError) as info:
+        mlx_rows(refuse, SFT_FORMATS, cap)
+    assert "h.jsonl line 2: 1,000,002 characters" in info.value.cause

@@ -191,3 +191,61 @@ def test_sha256_changes_with_the_content(tmp_path, tok):
     first = _load(path, tok).sha256
     write_jsonl(path, reverse_rows(4))
     assert _load(path, tok).sha256 != first
+
+
+# ---------------------------------------------------------------- one huge row
+
+
+def _huge_row(tmp_path: Path, chars: int = 3_000_000) -> Path:
+    """A few MB of completion beside a short row: enough to prove the cap (30 MB took >12 GB)."""
+    rows = [
+        {"prompt": "rev:ab>", "completion": "ba"},
+        {"prompt": "rev:x>", "completion": "x" * chars},
+    ]
+    return write_jsonl(tmp_path / "huge.jsonl", rows)
+
+
+@pytest.fixture
+def tokenised_chars(monkeypatch):
+    """The longest text any tokenizer was asked to tokenise (the work done is bounded)."""
+    from transformers import PreTrainedTokenizerBase
+
+    seen = [0]
+    real = PreTrainedTokenizerBase.__call__
+
+    def spy(self, text=None, *args, **kwargs):
+        texts = text if isinstance(text, list) else [text]
+        seen[0] = max([seen[0], *(len(t) for t in texts if isinstance(t, str))])
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", spy)
+    return seen
+
+
+def test_a_huge_row_is_cut_by_characters_before_it_is_tokenised(tmp_path, tok, tokenised_chars):
+    from moetune.data.cap import char_cap
+
+    cap = char_cap(tok, 32).chars
+    data = _load(_huge_row(tmp_path), tok, seq_len=32)
+    assert data.overlong == 1
+    assert len(data.dataset[1]["completion"]) == cap - len("rev:x>")  # the first cap characters
+    assert data.dataset[1]["completion"] == "x" * (cap - len("rev:x>"))
+    assert 0 < tokenised_chars[0] <= cap  # never the 3 MB
+
+
+def test_a_huge_row_is_refused_by_line_without_tokenising_it(tmp_path, tok, tokenised_chars):
+    err = _error(_huge_row(tmp_path, 300_000), tok, seq_len=32, overlong="error")
+    assert "huge.jsonl line 2" in err.cause and "300,006 characters" in err.cause
+    assert "not tokenised" in err.cause and "data.overlong=truncate" in err.fix
+    assert tokenised_chars[0] < 100  # only the short row was
+
+
+def test_preference_rows_are_cut_per_sequence(tok):
+    from moetune.data.cap import Cap, capped
+
+    row = {"prompt": "p" * 6, "chosen": "c" * 20, "rejected": "r" * 3}
+    got = capped("src row 1", row, FORMATS["preference"], Cap(10, 2, 5), "truncate")
+    assert got == {"prompt": "p" * 6, "chosen": "cccc", "rejected": "rrr"}  # 6 + 4 ≤ 10 each
+    turns = [{"role": "user", "content": "u" * 8}, {"role": "assistant", "content": "a" * 8}]
+    got = capped("src row 2", {"messages": turns}, FORMATS["messages"], Cap(10, 2, 5), "x")
+    assert [t["content"] for t in got["messages"]] == ["u" * 8, "aa"]

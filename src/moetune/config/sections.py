@@ -335,8 +335,8 @@ class DataArgs(_Section):
     packing: bool = Field(False, description="Pack short rows into full sequences.")
     overlong: Literal["truncate", "error"] = Field(
         "truncate",
-        description="Rows longer than train.seq_len: truncate (counted in data.json) "
-        "or error (names the row).",
+        description="Rows longer than train.seq_len: truncate (counted in data.json; a row "
+        "far past it is cut by characters before it is tokenised) or error (names the row).",
     )
 
     @model_validator(mode="after")

@@ -3,6 +3,7 @@ TRL's row conventions, checked row by row, mixed by weight with the run's seed, 
 rendered through the model's chat template with the loss masks they give.
 
     sources.py   one source into rows          convert.py   columns, sharegpt, alpaca
+    dirs.py      a directory's files, by kind  cap.py       rows measured by characters
     formats.py   TRL formats and row checks    mix.py       weights, seed, eval by hash
     template.py  chat templates and masks      load.py      the run's train / eval sets
     summary.py   what `moetune data` shows

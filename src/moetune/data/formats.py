@@ -189,6 +189,11 @@ class DataFormat:
     loss: Callable[[bool, PreTrainedTokenizerBase], Loss]
     length: Callable[[Row, PreTrainedTokenizerBase], int]
     extras: bool = False  # keep the row's other columns (GRPO rewards read them)
+    # the keys tokenised together, per sequence (preference rows hold two); () is all keys
+    sequences: tuple[tuple[str, ...], ...] = ()
+
+    def token_sequences(self) -> tuple[tuple[str, ...], ...]:
+        return self.sequences or (self.keys,)
 
 
 FORMATS: dict[str, DataFormat] = {
@@ -201,7 +206,8 @@ FORMATS: dict[str, DataFormat] = {
         DataFormat("text", ("text",), _check_text, _text_loss,
                    lambda r, t: len(_text_ids(t, r["text"]))),
         DataFormat("preference", ("prompt", "chosen", "rejected"), _check_preference,
-                   _preference_loss, _preference_length),
+                   _preference_loss, _preference_length,
+                   sequences=(("prompt", "chosen"), ("prompt", "rejected"))),
         # last: any row with a prompt matches it; GRPO keeps the other columns for rewards
         DataFormat("prompt", ("prompt",), _check_prompt, _prompt_loss,
                    lambda r, t: _ids(r, t, "prompt"), extras=True),

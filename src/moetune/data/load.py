@@ -14,7 +14,10 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from jinja2 import TemplateError
+
 from moetune.config import SourceArgs
+from moetune.data.cap import Cap, capped, char_cap
 from moetune.data.convert import BECOMES, auto_format, converted
 from moetune.data.errors import DataError
 from moetune.data.formats import SFT_FORMATS, DataFormat, Loss, Row, _uses_chat, check_row
@@ -22,7 +25,7 @@ from moetune.data.formats import detect_format as _detect
 from moetune.data.images import as_blocks, has_images, image_counts, with_images
 from moetune.data.mix import held_out, interleave, mix, row_key
 from moetune.data.sources import Located, label, read_source, stream_source
-from moetune.data.template import masked_ids, use_template
+from moetune.data.template import masked_ids, template_choices, use_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -129,6 +132,22 @@ class TrainData:
     def rows(self) -> int:
         return sum(s["rows"] for s in self.sources) if self.streamed else len(self.dataset)
 
+    def head(self, limit: int = CHECK_ROWS) -> list[Row]:
+        """The first `limit` rows as training reads them (a streamed set has no length)."""
+        if self.streamed:
+            return list(islice(self.dataset, limit))
+        return list(self.dataset.select(range(min(limit, len(self.dataset)))).to_list())
+
+    def columns(self) -> list[str]:
+        """The rows' columns (a streamed set names none: its first row's keys)."""
+        if self.dataset.column_names is not None:
+            return list(self.dataset.column_names)
+        return list(self.head(1)[0]) if self.head(1) else []
+
+    def column(self, name: str) -> list[Any]:
+        """A column's values: every row's, or a streamed set's first CHECK_ROWS rows'."""
+        return [r[name] for r in self.head()] if self.streamed else list(self.dataset[name])
+
     def to_json(self) -> dict[str, Any]:
         return {
             "file": self.path,
@@ -148,33 +167,63 @@ def _needs_template(lab: str, fmt: DataFormat, first: Row, tok: PreTrainedTokeni
         raise DataError(
             f"{lab}: {fmt.name} rows with message lists need a chat template; "
             "the tokenizer has none",
-            "set data.chat_template, or use prompt/completion or text rows",
+            f"set data.chat_template to a .jinja file or a template TRL ships "
+            f"({template_choices()}), or use prompt/completion or text rows",
         )
 
 
+def usable(
+    lab: str, fmt: DataFormat, rows: list[tuple[str, Row]], tok: PreTrainedTokenizerBase,
+    seq_len: int, policy: str,
+) -> tuple[list[tuple[str, Row]], int]:  # fmt: skip
+    """The checks a tokenizer settles, one function for `moetune train` and `moetune data`:
+    message rows need a chat template; each row is measured by characters before it is
+    tokenised (cut or refused past the cap, cap.py); rows over train.seq_len are counted
+    or refused (data.overlong). (The rows within the cap, the count over seq_len.) `rows`
+    are located: (the source and where in it, the row)."""
+    _needs_template(lab, fmt, rows[0][1], tok)
+    cap = char_cap(tok, seq_len)
+    rows = [(w, capped(w, r, fmt, cap, policy)) for w, r in rows]
+    return rows, _count_overlong(rows, fmt, tok, seq_len, policy)
+
+
 def _count_overlong(
-    lab: str, rows: list[tuple[str, Row]], fmt: DataFormat, tok: Any, seq_len: int, policy: str
+    rows: list[tuple[str, Row]], fmt: DataFormat, tok: Any, seq_len: int, policy: str
 ) -> int:
     count = 0
     for where, row in rows:
-        length = fmt.length(row, tok)
+        length = _length(where, row, fmt, tok)
         if length <= seq_len:
             continue
         if policy == "error":
             raise DataError(
-                f"{lab} {where}: {length} tokens, longer than train.seq_len={seq_len}",
+                f"{where}: {length} tokens, longer than train.seq_len={seq_len}",
                 "shorten the row, raise train.seq_len, or set data.overlong=truncate",
             )
         count += 1
     return count
 
 
-def tokenised(lab: str, where: str, row: Row, tok: PreTrainedTokenizerBase) -> Row:
-    """A messages row as TRL's tokenised input: ids and the assistant tokens' mask."""
+def _length(where: str, row: Row, fmt: DataFormat, tok: PreTrainedTokenizerBase) -> int:
+    """The row's tokens; a chat template that cannot render it (a syntax error, its own
+    raise_exception) is the row's error, in one line, not a crash."""
+    try:
+        return fmt.length(row, tok)
+    except TemplateError as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(
+            f"{where}: the chat template cannot render this row ({why})",
+            "fix the template (data.chat_template, or the tokenizer's own), or that row",
+        ) from None
+
+
+def tokenised(where: str, row: Row, tok: PreTrainedTokenizerBase) -> Row:
+    """A messages row as TRL's tokenised input: ids and the assistant tokens' mask; `where`
+    names its source and place in it."""
     try:
         ids, mask = masked_ids(tok, row["messages"])
     except DataError as err:
-        raise DataError(f"{lab} {where}: {err.cause}", err.fix) from None
+        raise DataError(f"{where}: {err.cause}", err.fix) from None
     return {"input_ids": ids, "assistant_masks": mask}
 
 
@@ -185,14 +234,13 @@ def _build(
     # lazy: heavy to import (datasets)
     from datasets import Dataset
 
-    _needs_template(lab, fmt, rows[0][1], tok)
-    too_long = _count_overlong(lab, rows, fmt, tok, seq_len, data.overlong)
+    rows, too_long = usable(lab, fmt, rows, tok, seq_len, data.overlong)
     images = image_counts([r for _, r in rows])
     if images:  # the processor tokenises them, image tokens and masks (train/vision.py)
         loss, table = image_loss(data.completion_only_loss), [vision_row(r) for _, r in rows]
     else:
         loss = fmt.loss(data.completion_only_loss, tok)
-        table = [tokenised(lab, w, r, tok) if loss.prerender else r for w, r in rows]
+        table = [tokenised(w, r, tok) if loss.prerender else r for w, r in rows]
     sha = row_key([r for _, r in rows])
     dataset = Dataset.from_list(table)
     return TrainData(lab, fmt.name, dataset, loss, too_long, sha, sources, images=images)
@@ -221,7 +269,7 @@ def _split(parts: list[SourceRows], fraction: float) -> tuple[list[SourceRows], 
         return parts, []
     kept = [SourceRows(p.label, p.format, [x for x in p.rows if not held_out(x[1], fraction)],
                        p.weight) for p in parts]  # fmt: skip
-    carved = [x for p in parts for x in p.rows if held_out(x[1], fraction)]
+    carved = [x for p in parts for x in located(p) if held_out(x[1], fraction)]
     if not carved or any(not p.rows for p in kept):
         raise DataError(
             f"data.eval_fraction={fraction} leaves an empty train or eval set",
@@ -230,8 +278,13 @@ def _split(parts: list[SourceRows], fraction: float) -> tuple[list[SourceRows], 
     return kept, carved
 
 
+def located(part: SourceRows) -> list[tuple[str, Row]]:
+    """The rows, each named by its source and its place in it (mixed rows keep their source)."""
+    return [(f"{part.label} {where}", row) for where, row in part.rows]
+
+
 def _mixed(parts: list[SourceRows], seed: int) -> list[tuple[str, Row]]:
-    return mix([(p.rows, p.weight) for p in parts], seed)
+    return mix([(located(p), p.weight) for p in parts], seed)
 
 
 Checked = tuple[list[SourceRows], list[SourceRows]]  # (train sources, eval sources)
@@ -333,18 +386,33 @@ def load_streamed(
     heads = [check_source(s, allowed, list(islice(stream_source(s), CHECK_ROWS))) for s in sources]
     fmt = _one_format(heads)
     lab = ", ".join(h.label for h in heads)
-    if any(image_counts([r for _, r in h.rows]) for h in heads):
-        raise DataError(f"{lab}: image+text rows are not streamed",
-                        "set data.streaming: false for image rows")  # fmt: skip
-    _needs_template(lab, fmt, heads[0].rows[0][1], tok)
-    loss = fmt.loss(data.completion_only_loss, tok)
+    for head in heads:  # the same checks as `moetune data` runs on these rows
+        no_streamed_images(head.label, head.rows)
+        usable(head.label, fmt, located(head), tok, seq_len, data.overlong)
+    loss, cap = fmt.loss(data.completion_only_loss, tok), char_cap(tok, seq_len)
 
     def rows() -> Iterator[Row]:
         streams = [_stream_rows(s, allowed, data.eval_fraction) for s in sources]
         for n, row in enumerate(interleave(streams, [s.weight for s in sources], seed), 1):
-            yield tokenised(lab, f"mixed row {n}", row, tok) if loss.prerender else row
+            yield _streamed_row(f"{lab} mixed row {n}", row, fmt, cap, data.overlong, tok, loss)
 
     sha = row_key([[label(s), s.weight, seed] for s in sources])  # what the stream is made of
     summary = _summary(heads)
     return TrainData(lab, fmt.name, IterableDataset.from_generator(rows), loss, 0, sha,
                      summary, streamed=True)  # fmt: skip
+
+
+def _streamed_row(
+    where: str, row: Row, fmt: DataFormat, cap: Cap, policy: str,
+    tok: PreTrainedTokenizerBase, loss: Loss,
+) -> Row:  # fmt: skip
+    """A streamed row as training reads it: within the cap, tokenised where moetune masks."""
+    row = capped(where, row, fmt, cap, policy)
+    return tokenised(where, row, tok) if loss.prerender else row
+
+
+def no_streamed_images(lab: str, rows: list[tuple[str, Row]]) -> None:
+    """Image+text rows are read whole (their images decoded): data.streaming refuses them."""
+    if image_counts([r for _, r in rows]):
+        raise DataError(f"{lab}: image+text rows are not streamed",
+                        "set data.streaming: false for image rows")  # fmt: skip

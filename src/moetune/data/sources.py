@@ -3,7 +3,8 @@
     a .jsonl / .json / .parquet file   files.py, row by row (errors name the line)
     a .csv / .arrow file               datasets' csv / arrow builders
     a dir saved with save_to_disk      datasets.load_from_disk (a DatasetDict: its `split`)
-    any other dir                      datasets.load_dataset(dir): its json / parquet / csv files
+    any other dir                      every json / parquet / csv / arrow file of its split
+                                       (dirs.py: a mixed dir is read whole, other data named)
     owner/name                         datasets.load_dataset(hub id, name, split): the hub, or
                                        its local cache when HF_HUB_OFFLINE=1
 
@@ -13,11 +14,12 @@ Every failure is a DataError naming the source. With data.streaming the rows are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moetune.data.dirs import BUILDERS, refuse_unread, split_files
 from moetune.data.errors import DataError
 from moetune.data.files import READERS, read_rows
 
@@ -26,8 +28,6 @@ if TYPE_CHECKING:
 
 Located = tuple[str, Any]  # (where in the source, the row as read)
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's files
-BUILDERS = {".csv": "csv", ".arrow": "arrow", ".jsonl": "json", ".json": "json",
-            ".parquet": "parquet"}  # fmt: skip
 
 
 def label(src: SourceArgs) -> str:
@@ -41,8 +41,10 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
-def _numbered(rows: Iterable[Any]) -> Iterator[Located]:
-    return ((f"row {n}", row) for n, row in enumerate(rows, 1))
+def _numbered(parts: Sequence[tuple[str, Iterable[Any]]]) -> Iterator[Located]:
+    """Rows numbered within each part ("row 3", or "(json files) row 3" in a mixed dir)."""
+    for tag, rows in parts:
+        yield from ((f"{tag}row {n}", row) for n, row in enumerate(rows, 1))
 
 
 def _split_of(found: Any, src: SourceArgs) -> Any:
@@ -112,18 +114,38 @@ def _file(src: SourceArgs, path: Path, streaming: bool) -> Any:
     return _load_dataset(src.model_copy(update={"split": "train"}), streaming, builder, **kw)
 
 
-def _dataset(src: SourceArgs, streaming: bool) -> Any:
-    """The source as a datasets Dataset / IterableDataset."""
+def _folder(src: SourceArgs, path: Path, streaming: bool) -> list[tuple[str, Any]]:
+    """A dir's data files of the split: every kind read (datasets alone reads the most common
+    kind only), data files of other kinds refused by name. A named subset is datasets' own."""
+    if src.name:
+        return [("", _load_dataset(src, streaming, str(path), src.name))]
+    got = split_files(path, src.split, lambda load: _guarded(src, load))
+    if not got.mixed:  # one kind (or none: datasets says what is missing)
+        return [("", _load_dataset(src, streaming, str(path), src.name))]
+    refuse_unread(label(src), path, got)
+    one = src.model_copy(update={"split": "train"})  # data_files given: all in datasets' train
+    return [(f"({builder} files) ", _load_dataset(one, streaming, builder, data_files=files))
+            for builder, files in got.by_builder.items()]  # fmt: skip
+
+
+def _parts(src: SourceArgs, streaming: bool) -> list[tuple[str, Any]]:
+    """The source as datasets Datasets / IterableDatasets: one, or one per kind of file in a
+    mixed dir, each with the tag its rows are named by."""
     path = Path(src.path).expanduser()
     if path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
-        return _saved(src, path, streaming)
+        return [("", _saved(src, path, streaming))]
     if path.is_dir():
-        return _load_dataset(src, streaming, str(path), src.name)
+        return _folder(src, path, streaming)
     if path.is_file():
-        return _file(src, path, streaming)
+        return [("", _file(src, path, streaming))]
     if path.suffix.lower() in BUILDERS or src.path.count("/") != 1:  # a file path, not owner/name
         raise DataError(f"source {src.path} not found", "check data.sources[].path / train_file")
-    return _load_dataset(src, streaming, src.path, src.name)
+    return [("", _load_dataset(src, streaming, src.path, src.name))]
+
+
+def _head(found: Any, limit: int | None) -> list[Any]:
+    count = min(len(found), limit or len(found))
+    return list(found.select(range(count)).to_list())
 
 
 def read_source(src: SourceArgs) -> list[Located]:
@@ -132,9 +154,8 @@ def read_source(src: SourceArgs) -> list[Located]:
     if path.is_file() and path.suffix.lower() in READERS:  # read here: errors name the line
         rows = read_rows(path)
     else:
-        found = _dataset(src, streaming=False)
-        count = min(len(found), src.max_rows or len(found))
-        rows = list(_numbered(found.select(range(count)).to_list()))
+        parts = [(tag, _head(found, src.max_rows)) for tag, found in _parts(src, False)]
+        rows = list(_numbered(parts))
     rows = rows[: src.max_rows] if src.max_rows else rows
     if not rows:
         raise DataError(f"source {label(src)} is empty: no rows to train on", "add rows to it")
@@ -143,4 +164,4 @@ def read_source(src: SourceArgs) -> list[Located]:
 
 def stream_source(src: SourceArgs) -> Iterator[Located]:
     """The source's rows read lazily (data.streaming), its first max_rows."""
-    return islice(_numbered(_dataset(src, streaming=True)), src.max_rows)
+    return islice(_numbered(_parts(src, streaming=True)), src.max_rows)

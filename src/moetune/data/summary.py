@@ -9,6 +9,7 @@ tokenised (`MASKS`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.data.formats import Row, _chat_ids
 from moetune.data.images import image_counts
-from moetune.data.load import CHECK_ROWS, Checked, Mixed, mixed_rows
+from moetune.data.load import CHECK_ROWS, Checked, Mixed, mixed_rows, no_streamed_images, usable
 from moetune.data.mix import row_key
 from moetune.data.template import masked_ids, render, text_masked_ids, use_template
 
@@ -148,10 +149,21 @@ def summarize(
         sources = [s.model_copy(update={"max_rows": CHECK_ROWS}) for s in data.train_sources()]
         data = data.model_copy(update={"sources": sources, "train_file": None})
     got = mixed_rows(data, allowed, cfg.train.seed)
+    if cfg.data.streaming:
+        no_streamed_images(got.label, got.train)
     return _summary_of(cfg, tok, got)
 
 
+def _checked(cfg: RunConfig, tok: PreTrainedTokenizerBase, got: Mixed) -> Mixed:
+    """The rows as training takes them: the same tokenizer checks (load.usable), the same cut."""
+    seq_len, policy = cfg.train.seq_len, cfg.data.overlong
+    train, _ = usable(got.label, got.format, got.train, tok, seq_len, policy)
+    held = usable(got.eval_label, got.format, got.eval, tok, seq_len, policy)[0] if got.eval else []
+    return dataclasses.replace(got, train=train, eval=held)
+
+
 def _summary_of(cfg: RunConfig, tok: PreTrainedTokenizerBase, got: Mixed) -> Summary:
+    got = _checked(cfg, tok, got)
     seq_len, masks = cfg.train.seq_len, MASKS[got.format.name]
     if not cfg.data.completion_only_loss:  # every token; no template masking needed
         masks = _every_token(got.format.name)

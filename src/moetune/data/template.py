@@ -49,7 +49,23 @@ def template_text(choice: str) -> str:
             f"data.chat_template {choice!r} is neither a file nor a template TRL ships",
             f"give a .jinja file's path or a name such as {some} ({len(named)} in all)",
         )
-    return path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():  # it would render every conversation as nothing
+        raise DataError(
+            f"data.chat_template {choice!r}: the template is empty",
+            f"write the template into {path}, or name one TRL ships ({template_choices()})",
+        )
+    return text
+
+
+FAMILIAR = ("qwen3", "deepseekv3", "glm4moe", "gptoss", "llama3", "gemma3")  # named first
+
+
+def template_choices() -> str:
+    """A few of the templates TRL ships, by name, and how many there are."""
+    named = shipped_templates()
+    some = [n for n in FAMILIAR if n in named] or list(named)[:6]
+    return f"{', '.join(some)}, … {len(named)} in all" if named else "none installed"
 
 
 def use_template(tok: PreTrainedTokenizerBase, choice: str | None) -> None:

@@ -58,14 +58,14 @@ def completion_problem(prompts: list[Any], completions: list[Any]) -> str | None
 
 def check_sft_rows(data: TrainData) -> None:
     """DataError unless every row has a `completion` the term can imitate (or an empty one)."""
-    columns = data.dataset.column_names
+    columns = data.columns()
     if SFT_COLUMN not in columns:
         raise DataError(
             f"{data.path}: train.grpo.sft_weight trains on a {SFT_COLUMN!r} column, which "
             f"the rows lack (columns: {', '.join(sorted(columns))})",
             f"give every row a {SFT_COLUMN!r} (empty for RL-only rows), or sft_weight: 0",
         )
-    problem = completion_problem(data.dataset["prompt"], data.dataset[SFT_COLUMN])
+    problem = completion_problem(data.column("prompt"), data.column(SFT_COLUMN))
     if problem:
         raise DataError(f"{data.path} {problem}", "fix that row's completion")
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.registry import Registry
 from moetune.train.errors import DataError, TrainError
 from moetune.train.rewards import ANSWER_SCORES, build_rewards, reward_columns
+from moetune.train.routing import BASE_ROWS, sampled
 
 if TYPE_CHECKING:
     from moetune.config import RunConfig
@@ -88,7 +89,8 @@ def _prompt_rows(trainer: Any, tok: Any) -> tuple[Any, Callable[[list[Any]], Any
         out = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
         return {"input_ids": list(out["input_ids"] if hasattr(out, "keys") else out)}
 
-    rows = [ids(p) for p in trainer.train_dataset["prompt"]]
+    dataset, _ = sampled(trainer.train_dataset, BASE_ROWS)  # streamed: its first rows
+    rows = [ids(r["prompt"]) for r in dataset]
     return rows, lambda batch: dict(tok.pad(batch, return_tensors="pt"))
 
 
@@ -188,7 +190,7 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
             "set lora.expert_selection: all for train.method grpo",
         )
     build_rewards(g)  # a bad reward fails here, before anything is written
-    columns = set(data.dataset.column_names)
+    columns = set(data.columns())
     if g.sft_weight:
         check_sft_rows(data)
     for name in reward_columns(g):

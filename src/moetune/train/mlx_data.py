@@ -18,14 +18,16 @@ mlx-lm needs a validation set: without an eval set, the first VALID_ROWS train r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from moetune.config import RunConfig
+from moetune.data.cap import Cap, capped
 from moetune.data.formats import Row
 from moetune.data.images import has_images
-from moetune.data.load import mixed_rows
+from moetune.data.load import Mixed, mixed_rows
 from moetune.data.template import template_text
 from moetune.io import atomic_write_text
 from moetune.train.errors import TrainError
@@ -64,10 +66,15 @@ def refuse_streaming(cfg: RunConfig) -> None:
         )
 
 
-def mlx_rows(cfg: RunConfig, allowed: tuple[str, ...]) -> MlxRows:
-    """The rows the torch stack would train and evaluate on, in its order, for mlx-lm."""
+def mlx_rows(cfg: RunConfig, allowed: tuple[str, ...], cap: Cap | None = None) -> MlxRows:
+    """The rows the torch stack would train and evaluate on, in its order, for mlx-lm;
+    `cap`: the torch stack's measure by characters (data/cap.py) – a row past it is cut or
+    refused as there, before mlx-lm tokenises it whole."""
     refuse_streaming(cfg)
     got = mixed_rows(cfg.data, allowed, cfg.train.seed)
+    if cap is not None:
+        got = dataclasses.replace(got, train=_within(got, got.train, cap, cfg.data.overlong),
+                                  eval=_within(got, got.eval, cap, cfg.data.overlong))  # fmt: skip
     if any(has_images(r) for _, r in got.train + got.eval):
         raise TrainError(
             "lora.stack=mlx trains text only: the data holds image+text rows",
@@ -76,6 +83,10 @@ def mlx_rows(cfg: RunConfig, allowed: tuple[str, ...]) -> MlxRows:
     train = [as_mlx(r) for _, r in got.train]
     valid = [as_mlx(r) for _, r in got.eval] or train[:VALID_ROWS]
     return MlxRows(got.format.name, train, valid, template_for(cfg, got.format.name, train[0]))
+
+
+def _within(got: Mixed, rows: list[tuple[str, Row]], cap: Cap, policy: str) -> list:
+    return [(w, capped(w, r, got.format, cap, policy)) for w, r in rows]
 
 
 def as_mlx(row: Row) -> Row:

@@ -36,6 +36,7 @@ from rich.markup import escape
 
 from moetune.config import RunConfig
 from moetune.data import SFT_FORMATS
+from moetune.data.cap import char_cap
 from moetune.io import atomic_write_json, atomic_write_text
 from moetune.lint.rules_mlx import mlx_backend
 from moetune.model import get_family
@@ -126,7 +127,8 @@ def refuse_unsupported(cfg: RunConfig) -> None:
 def write_inputs(cfg: RunConfig, setup: Setup, work: Path) -> dict[str, Any]:
     """mlx/model, mlx/data (the torch stack's rows, train/mlx_data.py) and mlx/lora.yaml;
     returns the YAML's config."""
-    rows = mlx_rows(cfg, SFT_FORMATS)  # refuse_unsupported: sft only
+    cap = char_cap(setup.tokenizer, cfg.train.seq_len)  # a huge row cut as the torch stack cuts it
+    rows = mlx_rows(cfg, SFT_FORMATS, cap)  # refuse_unsupported: sft only
     hf_to_mlx(cfg.model.id, work / "model", overwrite=True)
     if rows.template:
         set_chat_template(work / "model", rows.template)

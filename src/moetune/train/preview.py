@@ -12,6 +12,7 @@ from moetune.model import load_spec
 from moetune.plan.estimate import MFU, flops_per_token
 from moetune.plan.hardware import get_card
 from moetune.train.methods import method_of
+from moetune.train.setup import check_data
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -54,5 +55,6 @@ def step_seconds(cfg: RunConfig, summary: Summary) -> float | None:
 
 def preview(cfg: RunConfig, tok: PreTrainedTokenizerBase) -> Preview:
     """The data summary of a run config, read exactly as training reads it."""
-    summary = summarize(cfg, tok, method_of(cfg).formats)
+    formats = method_of(cfg).formats
+    summary = summarize(cfg, tok, formats, check_data(cfg, formats))
     return Preview(summary, cfg.hardware.card, step_seconds(cfg, summary))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -451,7 +452,7 @@ class RoutingCallback(TrainerCallback):
         """What `measure_base` stores, returned (empty with routing off); `limit` rows."""
         if not self.every:
             return {}
-        rows = sample_rows(len(dataset), limit)
+        dataset, rows = sampled(dataset, limit)
         device = next(model.parameters()).device
         inputs = batches(dataset, collate, rows, batch, device)
         return base_routing(self.recorder, model, inputs)
@@ -474,6 +475,15 @@ def base_sample(batch: int, seq_len: int, offloaded: bool) -> tuple[int, int]:
         return batch, BASE_ROWS
     rows = min(BASE_ROWS, max(batch, OFFLOAD_BASE_TOKENS // max(seq_len, 1)))
     return rows, rows
+
+
+def sampled(dataset: Any, limit: int) -> tuple[Any, list[int]]:
+    """(rows, the indices to read): up to `limit` rows spread evenly over the dataset; a
+    streamed one (data.streaming) has no length, so its first `limit` rows."""
+    if hasattr(dataset, "__len__"):
+        return dataset, sample_rows(len(dataset), limit)
+    head = list(itertools.islice(dataset, limit))
+    return head, list(range(len(head)))
 
 
 def sample_rows(total: int, rows: int) -> list[int]:

@@ -37,7 +37,7 @@ from moetune.engine.experts_lora import PROJECTIONS, EngineError, train_only
 from moetune.errors import ConfigError
 from moetune.model.families import get_family
 from moetune.model.layers import decoder_layers
-from moetune.train.routing import RoutingRecorder, batches, sample_rows
+from moetune.train.routing import RoutingRecorder, batches, sampled
 
 if TYPE_CHECKING:
     from torch import nn
@@ -205,7 +205,7 @@ def select_experts(
 ) -> ExpertSelection:  # fmt: skip
     """Score the experts on up to `lora.expert_selection_rows` rows of the (tokenised)
     `dataset`, collated as the trainer does, and choose per layer."""
-    rows = sample_rows(len(dataset), lora.expert_selection_rows)
+    dataset, rows = sampled(dataset, lora.expert_selection_rows)
     device = next(model.parameters()).device
     inputs = batches(dataset, collate, rows, batch_size, device)
     scores, tokens = score_experts(model, spec, inputs, lora.expert_selection)

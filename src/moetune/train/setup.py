@@ -19,6 +19,7 @@ import torch
 
 from moetune.config import RunConfig, TrainArgs
 from moetune.data import TrainData, check_sources, load_train_data
+from moetune.data.load import Checked
 from moetune.data.summary import Summary, summarize
 from moetune.io import atomic_write_json
 from moetune.lint.preflight import lint_run
@@ -185,8 +186,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
 
     place = resolve_placement(cfg.train)
     method = method_of(cfg)
-    check_streaming(cfg)
-    rows = check_sources(cfg.data, method.formats)  # bad data stops before any model is built
+    rows = check_data(cfg, method.formats)  # bad data stops before any model is built
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     cfg, gc_off = as_checkpointable(cfg, spec)  # jetmoe refuses it: off, and said
     check_selection(cfg.lora, spec)
@@ -249,6 +249,14 @@ def check_streaming(cfg: RunConfig) -> None:
             "data.streaming reads rows lazily, so the number of steps is not known",
             "set train.max_steps (or data.streaming: false)",
         )
+
+
+def check_data(cfg: RunConfig, formats: tuple[str, ...]) -> Checked:
+    """The data checks `moetune train` and `moetune data` both run before a tokenizer loads
+    (one function: the preview never passes what training refuses): a streamed set needs
+    train.max_steps; every row of every source read and checked (data.streaming: a head)."""
+    check_streaming(cfg)
+    return check_sources(cfg.data, formats)
 
 
 def preflight(
