@@ -34,6 +34,7 @@ import bench_env
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sweep_cases import DEMO_BASE, SECRET_ENV, SECRETS, Case, all_cases, classify
+from sweep_fresh import fresh_cases
 
 ENV = {"HF_HUB_OFFLINE": "1", "COLUMNS": "200", "NO_COLOR": "1", **SECRET_ENV}
 TEMP = re.compile(r"(\.tmp$|\.tmp\.|\.partial$|^tmp[-_.])")  # io.atomic_write's and others'
@@ -220,7 +221,8 @@ def main() -> None:
         build_shared(Path(opts.build_shared))
         return
     prefixes = tuple(opts.only.split(","))
-    cases = [c for c in all_cases(opts.fuzz, opts.garble) if c.name.startswith(prefixes)]
+    every = [*all_cases(opts.fuzz, opts.garble), *fresh_cases()]
+    cases = [c for c in every if c.name.startswith(prefixes)]
     cases = cases[:4] if opts.smoke else cases
     os.environ.update(ENV)
     with tempfile.TemporaryDirectory(prefix="sweep-shared-") as root:
