@@ -49,12 +49,14 @@ LLAMACPP_VENV ?= /work/venvs/llamacpp-sync
 LLAMACPP_SRC := $(LLAMACPP_VENV)/llama.cpp
 LLAMACPP_PINS := "xllamacpp==2026.10.11549" "llama-cpp-py-sync==0.11548"
 LLAMACPP_SDIST := llama-cpp-python==0.3.36
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-b11549
 
-setup-llamacpp: $(LLAMACPP_VENV)/bin/python $(LLAMACPP_SRC)/convert_hf_to_gguf.py
+setup-llamacpp: $(LLAMACPP_STAMP) $(LLAMACPP_SRC)/convert_hf_to_gguf.py
 
-$(LLAMACPP_VENV)/bin/python:
+$(LLAMACPP_STAMP):
 	$(PY) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/pip install -q $(LLAMACPP_PINS)
+	touch $@
 
 $(LLAMACPP_SRC)/convert_hf_to_gguf.py:
 	rm -rf $(LLAMACPP_VENV)/sdist $(LLAMACPP_SRC) && mkdir -p $(LLAMACPP_SRC)

@@ -52,10 +52,9 @@ FAMILIES = {
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ADAPTERS: dict[str, dict[str, object]] = {
     "demo": {"scale": 0.1},
-    # MLA's q / kv projections take no LoRA in llama.cpp (refused at export): o_proj, the
-    # shared expert and the routed experts do
-    "deepseek_v3": {"modules": ["o_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
-                                "shared_experts.down_proj"]},  # fmt: skip
+    # MLA's q / kv projections take no LoRA in llama.cpp (refused at export): o_proj and
+    # the routed experts do (peft 0.21 drops gate/up/down_proj module targets here)
+    "deepseek_v3": {"modules": ["o_proj"]},
     "mixtral": {"modules": ATTENTION},
     "granitemoe-bias": {
         "modules": ATTENTION,
