@@ -5,6 +5,7 @@ mixtral and granitemoe (LLAMA-style converters: q/k rows in the rope order, k by
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from peft.tuners.lora.layer import LoraLayer
 
 from export_fixtures import FAMILIES, make_adapter, make_base
 from moetune.export import ExportError, ExportOptions, resolve_source, run_export
+from moetune.export.check import ConsumerUnavailable
+from moetune.export.llamacpp import run_llamacpp
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -173,3 +176,13 @@ def test_unmapped_family_is_refused_with_the_way_out(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="no GGUF tensor mapping for 'deepseek_v2'") as err:
         run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
     assert "--format merged" in err.value.fix and not (tmp_path / "out").exists()
+
+
+def test_a_venv_without_a_llamacpp_binding_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner in a python with neither llama-cpp-py-sync nor llama-cpp-python: the
+    check is unavailable with the package to install, not a traceback."""
+    monkeypatch.setenv("MOETUNE_LLAMACPP_PYTHON", sys.executable)  # moetune's own: no binding
+    with pytest.raises(ConsumerUnavailable, match=r"no llama\.cpp binding here: pip install"):
+        run_llamacpp(tmp_path / "base.gguf", None, [[1, 2]], [], 0)

@@ -108,20 +108,10 @@ class SyncLlama:
             self.lib.llama_batch_free(batch)
 
 
-def xllamacpp_library():
-    """xllamacpp's extension module: it exports llama.h's C API from a manylinux_2_17
-    build (llama-cpp-py-sync's own libllama.so needs glibc 2.38 despite its wheel tag)."""
-    spec = importlib.util.find_spec("xllamacpp")
-    return str(Path(spec.origin).with_name("xllamacpp.abi3.so"))
-
-
-def py_sync_library():
-    spec = importlib.util.find_spec("llama_cpp_py_sync")
-    return str(Path(spec.origin).with_name("libllama.so"))
-
-
-# module that imports -> path of a libllama for llama-cpp-py-sync's llama.h declarations
-LIBRARIES = {"xllamacpp": xllamacpp_library, "llama_cpp_py_sync": py_sync_library}
+# module that imports -> the libllama in its package that llama-cpp-py-sync's llama.h
+# declarations drive: xllamacpp's extension module exports llama.h's C API from a
+# manylinux_2_17 build (llama-cpp-py-sync's own libllama.so needs glibc 2.38 despite its tag)
+LIBRARIES = {"xllamacpp": "xllamacpp.abi3.so", "llama_cpp_py_sync": "libllama.so"}
 
 
 def library_module():
@@ -129,7 +119,12 @@ def library_module():
 
 
 def libllama():
-    return LIBRARIES[library_module()]()
+    module = library_module()
+    spec = importlib.util.find_spec(module)
+    origin = spec.origin if spec is not None else None
+    if origin is None:
+        raise SystemExit(f"{module} has no package directory here")
+    return str(Path(origin).with_name(LIBRARIES[module]))
 
 
 def llama_cpp_py_sync(job):
