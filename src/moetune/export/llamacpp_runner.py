@@ -92,6 +92,8 @@ class SyncLlama:
         # lazy: heavy to import (numpy)
         import numpy as np
 
+        if len(ids) > N_CTX:  # llama_decode would abort the process, not return an error
+            raise SystemExit(f"{len(ids)} tokens exceed the context of {N_CTX}")
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
         batch = self.lib.llama_batch_init(len(ids), 0, 1)
         try:
@@ -150,7 +152,10 @@ def binding():
     for module, factory in BINDINGS.items():
         if importlib.util.find_spec(module) is not None:
             return module, factory
-    raise SystemExit("no llama.cpp binding here: pip install llama-cpp-py-sync (or -python)")
+    raise SystemExit(
+        "no llama.cpp binding here: pip install xllamacpp llama-cpp-py-sync (make "
+        "setup-llamacpp) or llama-cpp-python"
+    )
 
 
 def main() -> None:
