@@ -24,7 +24,9 @@ from moetune.export.check import CheckOptions, check_export, compare, reference,
 from moetune.export.gguf import convert
 from moetune.export.llamacpp import run_llamacpp
 
-LLAMA_PY = os.environ.setdefault("MOETUNE_LLAMACPP_PYTHON", "/work/venvs/llamacpp-sync/bin/python")
+# `make setup-llamacpp`'s venv by default (set per test, not at import: collection of the
+# default suite must not see it)
+LLAMA_PY = os.environ.get("MOETUNE_LLAMACPP_PYTHON", "/work/venvs/llamacpp-sync/bin/python")
 LLAMA_CPP = os.environ.get("MOETUNE_LLAMA_CPP", "")
 
 pytestmark = [
@@ -90,6 +92,7 @@ def test_llamacpp_serves_what_was_trained(
     tmp_path: Path, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MOETUNE_LLAMA_CPP")  # converted below, the way the export does
+    monkeypatch.setenv("MOETUNE_LLAMACPP_PYTHON", LLAMA_PY)
     base = SHIPPED_DIR if variant == "demo" else None
     run = make_run(tmp_path, variant, FAMILIES[variant], base, **ADAPTERS.get(variant, {}))
     source = resolve_source(run)
