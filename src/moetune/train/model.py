@@ -90,19 +90,26 @@ def load_quantized_model(
     """The base with its expert stacks quantised while loading; its QuantReport rides along."""
     # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
-    from moetune.engine.quant import require_split_engine
+    from moetune.engine.quant import require_split_engine, shardable_
     from moetune.engine.quant_load import load_quantized
 
     require_split_engine(engine, cfg.model.experts_dtype)  # also under --allow-errors
-    with quiet():
-        model, report = load_quantized(
-            _model_dir(cfg.model.id), cfg.model.experts_dtype, place.device, dtype,
-            double_quant=cfg.model.experts_double_quant,
-        )  # fmt: skip
+    m = cfg.model
+    model: Any
+    if not sharded_load.loads_weights():  # its shards come from rank 0 in prepare()
+        model = sharded_load.meta_quantized(m.id, m.experts_dtype, dtype, m.experts_double_quant)
+    else:
+        # a sharded load's rank 0 holds the whole base on the host until prepare() shards it
+        device = "cpu" if sharded_load.active() else place.device
+        with quiet():
+            model, report = load_quantized(_model_dir(m.id), m.experts_dtype, device, dtype,
+                                           double_quant=m.experts_double_quant)  # fmt: skip
+        model.__dict__[_QUANT_REPORT] = report
     register()  # every quantised stack, LoRA or not, goes one expert at a time
     model.set_experts_implementation(IMPLEMENTATION)
-    model.__dict__[_QUANT_REPORT] = report
-    return model
+    if sharded_load.active():  # FSDP shards Parameters only: the stacks become frozen ones
+        shardable_(model)
+    return sharded_load.note_loaded(cast("nn.Module", model))
 
 
 def load_stored_model(

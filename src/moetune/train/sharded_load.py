@@ -78,6 +78,20 @@ def meta_base(model_id: str, dtype: torch.dtype) -> nn.Module:
     return ensure_backbone(model)  # type: ignore[no-any-return]
 
 
+def meta_quantized(
+    model_id: str, experts_dtype: str, dtype: torch.dtype, double_quant: bool
+) -> nn.Module:
+    """A non-main rank's base with int8 / NF4 expert stacks: `meta_base` with each stack
+    replaced by its QuantizedStack of meta tensors – the shapes and dtypes rank 0's quantised
+    load holds, none of its bytes (they arrive in prepare(), each rank keeping its shard)."""
+    # lazy: heavy to import (moetune's engine, torch)
+    from moetune.engine.quant import quantize_experts_
+
+    model = meta_base(model_id, dtype)
+    quantize_experts_(model, experts_dtype, double_quant, error_experts=0)
+    return model
+
+
 def note_loaded(model: nn.Module) -> nn.Module:
     """Record the host bytes the loaded base holds on this rank (meta tensors hold none)."""
     if active():
