@@ -8,7 +8,10 @@ every rank keeping its own shard (accelerate's `fsdp2_load_full_state_dict`). So
 main process needs the weights; here every other rank builds the base on the meta device
 (parameters only: buffers such as rotary tables are computed for real, as accelerate
 re-registers them), and the LoRA it wraps is meta too – rank 0's seeded factors arrive in
-the broadcast. Two additions to accelerate's path:
+the broadcast. int8 / NF4 expert stacks go the same way: rank 0 quantises as it streams the
+checkpoint, the others build the quantised stacks on meta (`meta_quantized`), and on both
+the stacks' tensors are frozen Parameters (engine.quant.shardable_: FSDP2 shards Parameters,
+never buffers), so each rank keeps its experts' share. Two additions to accelerate's path:
 
 - rank 0 frees each full tensor's storage once it is broadcast (`_Draining`), so the node
   holds one base throughout (rank 0's remainder + every rank's finished shards) instead of
