@@ -242,10 +242,14 @@ def _rank(m: dict[str, Any], r: int) -> str:
 
 
 def record(line: str) -> None:
+    """`line` at the end of this benchmark's section (before the next heading, if any)."""
     text = RESULTS.read_text() if RESULTS.exists() else ""
     if SECTION not in text:
         text += f"\n{SECTION}\n\n`python benchmarks/sharded_load.py`\n\n"
-    bench_env.write_results(RESULTS, text + line)
+    end = text.find("\n\n## ", text.index(SECTION))
+    end = len(text) if end < 0 else end + 1
+    gap = "" if text[:end].endswith("\n\n") else "\n"  # a list of its own, not the paragraph's
+    bench_env.write_results(RESULTS, text[:end] + gap + line + text[end:])
 
 
 def main() -> int:
