@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 
 .PHONY: setup quickstart test test-slow lint format docs bench clean setup-skypilot test-skypilot \
-	setup-deepspeed test-deepspeed
+	setup-deepspeed test-deepspeed setup-llamacpp test-interop
 
 setup: $(BIN)/moetune
 
@@ -39,6 +39,36 @@ setup-deepspeed:
 
 test-deepspeed: setup-deepspeed
 	OMP_NUM_THREADS=1 $(DS_VENV)/bin/pytest -q -m deepspeed tests/test_train_distributed.py
+
+# llama.cpp for the gguf interop tier in minutes, nothing compiled: xllamacpp's prebuilt
+# CPU wheel (manylinux_2_17) exports llama.h's C API, driven through llama-cpp-py-sync's
+# CFFI declarations of the same llama.h (its own libllama.so needs glibc >= 2.38); the
+# converter is the llama-cpp-python sdist's vendor/llama.cpp (convert_hf_to_gguf.py,
+# conversion/, gguf-py). Builds b11549 / b11548 / 0c1e570 (2026-10-10 / -10 / -01).
+LLAMACPP_VENV ?= /work/venvs/llamacpp-sync
+LLAMACPP_SRC := $(LLAMACPP_VENV)/llama.cpp
+LLAMACPP_PINS := "xllamacpp==2026.10.11549" "llama-cpp-py-sync==0.11548"
+LLAMACPP_SDIST := llama-cpp-python==0.3.36
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-b11549
+
+setup-llamacpp: $(LLAMACPP_STAMP) $(LLAMACPP_SRC)/convert_hf_to_gguf.py
+
+$(LLAMACPP_STAMP):
+	$(PY) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q $(LLAMACPP_PINS)
+	touch $@
+
+$(LLAMACPP_SRC)/convert_hf_to_gguf.py:
+	rm -rf $(LLAMACPP_VENV)/sdist $(LLAMACPP_SRC) && mkdir -p $(LLAMACPP_SRC)
+	$(LLAMACPP_VENV)/bin/pip download -q --no-deps --no-binary :all: $(LLAMACPP_SDIST) -d $(LLAMACPP_VENV)/sdist
+	tar xzf $(LLAMACPP_VENV)/sdist/*.tar.gz -C $(LLAMACPP_SRC) --strip-components=3 --wildcards \
+		'*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+	rm -rf $(LLAMACPP_VENV)/sdist
+
+# The gguf part of the interop tier (export, convert, serve in llama.cpp, compare with peft).
+test-interop: setup setup-llamacpp
+	MOETUNE_LLAMACPP_PYTHON=$(LLAMACPP_VENV)/bin/python MOETUNE_LLAMA_CPP=$(LLAMACPP_SRC) \
+		$(BIN)/pytest -q -m interop -k gguf
 
 quickstart: setup
 	$(BIN)/moetune quickstart

@@ -35,6 +35,7 @@ from moetune.engine.quant import (
     peft_targets,
     quantize_experts_,
     quantizer_for,
+    shardable_,
     stack_nbytes,
     stacks_of,
 )
@@ -206,6 +207,32 @@ def test_to_moves_storage_and_keeps_it_exact() -> None:
     moved = copy.deepcopy(stack).to("meta")
     assert {b.device.type for b in moved.buffers()} == {"meta"}
     assert set(stack.state_dict()) == {"codes", "absmax"}
+
+
+@pytest.mark.parametrize(("method", "dq"), METHODS)
+def test_a_shardable_stack_holds_the_same_bytes_as_frozen_parameters(method: str, dq: bool) -> None:
+    """What FSDP2 shards (Parameters, not buffers): every stored tensor, floats as bytes so a
+    mixed-precision cast never touches them; the same state-dict names and values; the
+    stacks in the float module's order whatever order they were installed in."""
+    model = _model("qwen3_moe-dense0")
+    quantize_experts_(model, method, dq)
+    experts = next(m for m in model.modules() if stacks_of(m))
+    holder = experts._modules[QUANTIZED]
+    holder._modules = dict(reversed(holder._modules.items()))  # as a streamed load may install
+    before, logits = copy.deepcopy(model.state_dict()), _logits(model)
+    shardable_(model)
+    assert list(stacks_of(experts)) == ["gate_up_proj", "down_proj"]
+    stack = stacks_of(experts)["down_proj"]
+    assert list(stack.buffers()) == [] and stack.parameters()
+    assert all(not p.requires_grad and not p.is_floating_point() for p in stack.parameters())
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k].view(v.dtype), v) for k, v in before.items())
+    assert torch.equal(_logits(model), logits)
+    held = {k: v.clone() for k, v in stack.stored().items()}
+    model.to(torch.bfloat16)  # a float cast: the compute dtype, never the stored bytes
+    assert stack.dtype == torch.bfloat16 and stack.dequantize().dtype == torch.bfloat16
+    assert all(torch.equal(stack.stored()[k], v) for k, v in held.items())
+    assert stack.nbytes == stack_nbytes(stack.shape, method, double_quant=dq)
 
 
 def test_registry_prefers_available_library_backend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,7 @@ mixtral and granitemoe (LLAMA-style converters: q/k rows in the rope order, k by
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from peft.tuners.lora.layer import LoraLayer
 
 from export_fixtures import FAMILIES, make_adapter, make_base
 from moetune.export import ExportError, ExportOptions, resolve_source, run_export
+from moetune.export.check import ConsumerUnavailable
+from moetune.export.llamacpp import run_llamacpp
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -137,9 +140,49 @@ def test_mixtral_lora_on_the_converted_base_is_the_converted_merge(tmp_path: Pat
     assert checked == 2 * config.num_hidden_layers
 
 
+def test_deepseek_v3_lora_equals_peft_on_what_llamacpp_serves(tmp_path: Path) -> None:
+    """DEEPSEEK2: o_proj and the routed stacks (halves) map 1:1 onto peft's ΔW."""
+    base = make_base(tmp_path, "deepseek_v3")
+    adapter = make_adapter(base, tmp_path / "adapter", modules=["o_proj"])
+    run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
+    tensors, meta = _read(tmp_path / "out" / "adapter.gguf")
+    assert meta["general.architecture"] == "deepseek2"
+    expected: dict[str, torch.Tensor] = {}
+    for name, d in _peft_deltas(base, adapter).items():
+        expected.update(_llama_view(name, d, "deepseek_v3"))
+    assert {f"{n}.lora_{x}" for n in expected for x in "ab"} == set(tensors)
+    assert {n.split(".")[2] for n in expected} == {
+        "attn_output", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}  # fmt: skip
+    for name, want in expected.items():
+        a, b = (torch.from_numpy(tensors[f"{name}.lora_{x}"]) for x in "ab")
+        got = (4.0 / b.shape[-1]) * (b @ a)
+        assert float((got - want).norm() / want.norm()) < 1e-6, name
+
+
+@pytest.mark.parametrize("module", ["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"])
+def test_deepseek_v3_mla_lora_llamacpp_would_drop_is_refused(tmp_path: Path, module: str) -> None:
+    """llama.cpp loads a LoRA on MLA's q / kv projections and ignores it (plain matmuls), and
+    splits kv_b_proj per head: refused with the way out, nothing written."""
+    base = make_base(tmp_path, "deepseek_v3")
+    adapter = make_adapter(base, tmp_path / "adapter", modules=["o_proj", module])
+    with pytest.raises(ExportError, match=f"no LoRA to {module} in DEEPSEEK2") as err:
+        run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
+    assert f"without {module}" in err.value.fix and not (tmp_path / "out").exists()
+
+
 def test_unmapped_family_is_refused_with_the_way_out(tmp_path: Path) -> None:
     base = make_base(tmp_path, "deepseek_v2-lite-like")
     adapter = make_adapter(base, tmp_path / "adapter")
     with pytest.raises(ExportError, match="no GGUF tensor mapping for 'deepseek_v2'") as err:
         run_export(resolve_source(adapter, str(base)), "gguf", tmp_path / "out", ExportOptions())
     assert "--format merged" in err.value.fix and not (tmp_path / "out").exists()
+
+
+def test_a_venv_without_a_llamacpp_binding_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner in a python with neither llama-cpp-py-sync nor llama-cpp-python: the
+    check is unavailable with the package to install, not a traceback."""
+    monkeypatch.setenv("MOETUNE_LLAMACPP_PYTHON", sys.executable)  # moetune's own: no binding
+    with pytest.raises(ConsumerUnavailable, match=r"no llama\.cpp binding here: pip install"):
+        run_llamacpp(tmp_path / "base.gguf", None, [[1, 2]], [], 0)

@@ -20,6 +20,7 @@ from moetune.export.gguf_vocab import (
     UNUSED,
     byte_level,
     char_vocab,
+    with_implied,
     write_vocab,
 )
 
@@ -86,3 +87,20 @@ def test_other_tokenizers_are_left_to_the_converter(tmp_path: Path, model: dict)
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": model, "added_tokens": []}))
     assert char_vocab(tmp_path) is None
     assert char_vocab(tmp_path / "missing") is None
+
+
+def test_deepseek_v3s_sigmoid_router_reaches_the_converter_where_config_json_is_silent(
+    tmp_path: Path,
+) -> None:
+    """transformers saves DeepseekV3 without scoring_func; the converter then writes no
+    gating function and llama.cpp's DEEPSEEK2 scores by softmax. A config that says, and
+    any other family, pass unchanged."""
+    configs = {
+        "saved": {"model_type": "deepseek_v3", "n_routed_experts": 4},
+        "hub": {"model_type": "deepseek_v3", "scoring_func": "softmax"},
+        "other": {"model_type": "qwen3_moe"},
+    }
+    loader = with_implied(lambda d, _mistral: dict(configs[d.name])).__func__
+    assert loader(tmp_path / "saved", False) == {**configs["saved"], "scoring_func": "sigmoid"}
+    assert loader(tmp_path / "hub", False) == configs["hub"]
+    assert loader(tmp_path / "other", False) == configs["other"]

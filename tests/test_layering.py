@@ -51,8 +51,9 @@ HEAVY = frozenset(
     {
         "torch", "transformers", "peft", "trl", "accelerate", "datasets", "safetensors",
         "matplotlib", "jinja2", "mlx", "mlx_lm", "huggingface_hub", "httpx", "gguf",
-        "lm_eval", "deepspeed", "psutil", "numpy", "vllm", "llama_cpp", "sky", "runpod",
-        "bitsandbytes", "torchao", "scipy", "tensorboard", "wandb", "mlflow", "trackio",
+        "lm_eval", "deepspeed", "psutil", "numpy", "vllm", "llama_cpp", "llama_cpp_py_sync",
+        "sky", "runpod", "bitsandbytes", "torchao", "scipy", "tensorboard", "wandb", "mlflow",
+        "trackio",
     }
 )  # fmt: skip
 PRAGMAS = ("noqa", "type:", "fmt:", "pragma")

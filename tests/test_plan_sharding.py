@@ -177,8 +177,8 @@ def test_device_report_says_what_the_analytic_leaves_out(monkeypatch: pytest.Mon
 def test_sharded_plans_name_the_host_ram_a_node_needs_at_load(
     qwen235b: ModelSpec, lora: RunConfig
 ) -> None:
-    """fsdp loads the base once per node (rank 0 reads it, the others get their shards);
-    zero3 and quantised experts still build it whole on every rank."""
+    """fsdp loads the base once per node (rank 0 reads it, the others get their shards),
+    bf16, int8 and NF4 experts alike; zero3 still builds it whole on every rank."""
     from moetune.plan.sharding import RUNTIME_HOST_BYTES, device_report, run_sizes
     from moetune.units import human_bytes
 
@@ -197,10 +197,16 @@ def test_sharded_plans_name_the_host_ram_a_node_needs_at_load(
     (load,) = [n for n in zero3.notes if "host RAM" in n]
     assert f"8 × {human_bytes(whole)} = {human_bytes(8 * whole)}" in load
     assert zero3.to_json()["host_ram"]["per_node_bytes"] == 8 * (RUNTIME_HOST_BYTES + whole)
-    model = lora.model.model_copy(update={"experts_dtype": "int8"})
-    int8 = lora.model_copy(update={"model": model})
-    quantised = device_report(qwen235b, int8, ["H200"], 8, "fsdp").to_json()["host_ram"]
-    assert quantised["main_rank_bytes"] == quantised["other_rank_bytes"]  # whole on each
+    for experts_dtype in ("int8", "nf4"):  # once per node too, at the quantised bytes
+        model = lora.model.model_copy(update={"experts_dtype": experts_dtype})
+        quant = lora.model_copy(update={"model": model})
+        held = run_sizes(qwen235b, quant).single
+        base = held["frozen_weights"] + held["trainable_weights"]
+        assert base < whole * (0.55 if experts_dtype == "int8" else 0.35)  # attention: bf16
+        got = device_report(qwen235b, quant, ["H200"], 8, "fsdp").to_json()["host_ram"]
+        assert got["main_rank_bytes"] == RUNTIME_HOST_BYTES + base + flight  # a float stack
+        assert got["other_rank_bytes"] == RUNTIME_HOST_BYTES + -(-base // 8) + flight
+        assert got["per_node_bytes"] == 8 * (RUNTIME_HOST_BYTES + flight) + base
     ddp = device_report(qwen235b, lora, ["H200"], 8, "ddp")
     assert not any("host RAM" in n for n in ddp.notes) and ddp.host is None
 

@@ -418,6 +418,11 @@ def test_engine_variants_train_sharded_like_one_process(tiny, strategy, experts_
     if experts_dtype != "bf16":
         assert json.loads((tiny.root / f"{name}-2" / "quant.json").read_text())  # quantised
     assert _rel_diff(tiny.root / f"{name}-2", tiny.root / f"{name}-1") < 1e-4
+    if strategy == "fsdp":  # loaded once, every experts dtype: rank 1 read no weights
+        summary = json.loads((tiny.root / f"{name}-2" / "summary.json").read_text())
+        main, other = summary["distributed"]["load"]["ranks"]
+        assert other["loaded_bytes"] < 100 < main["loaded_bytes"]  # its rotary table only
+        assert other["sharded_bytes"] < main["loaded_bytes"]  # ... and it ends with a share
 
 
 def test_a_run_saved_before_nproc_existed_still_resumes(tiny, tmp_path):

@@ -1,10 +1,13 @@
 """train/sharded_load.py in one process: the meta build of a non-main rank, its LoRA given
 distinct storage, rank 0's draining state dict, the byte tracker that measures the load –
-and benchmarks/sharded_load.py's RSS sampler on a real child process. The 2-process run
-itself is in test_train_distributed.py."""
+and benchmarks/sharded_load.py's RSS sampler on a real child process; int8 / NF4 experts
+loaded once over 2 gloo ranks (accelerate's FSDP2 prepare). The 2-process training run itself
+is in test_train_distributed.py."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -149,3 +152,80 @@ def test_an_fsdp_save_gathers_the_lora_and_names_it_as_peft_saves_it(model_dir, 
     )
     plain = type("Plain", (), {"is_fsdp_enabled": False, "save_model": "unchanged"})()
     assert S.adapter_only_saves(plain).save_model == "unchanged"
+
+
+# One rank of accelerate's FSDP2 prepare with cpu_ram_efficient_loading (what `moetune train
+# --nproc 2 --strategy fsdp` runs), per experts dtype: moetune's load (rank 0 reads and
+# quantises, rank 1 builds on meta), prepare(), then each tensor against the rank's own
+# whole quantised build.
+_RANK = """
+import json, sys, types
+import torch
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.tensor import DTensor
+from moetune.config import parse_config
+from moetune.engine.quant import shardable_
+from moetune.engine.quant_load import load_quantized
+from moetune.train import sharded_load as S
+from moetune.train.distributed import fsdp_on_cpu
+from moetune.train.model import load_quantized_model
+
+model_dir, out = sys.argv[1], sys.argv[2]
+fsdp_on_cpu()
+S.install()
+acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
+    fsdp_version=2, cpu_ram_efficient_loading=True, auto_wrap_policy="transformer_based_wrap",
+    transformer_cls_names_to_wrap=["Qwen3MoeDecoderLayer"]))
+found, ids = {}, torch.tensor([[3, 5, 7, 9, 11, 13]])
+for dtype, dq in (("int8", False), ("nf4", True)):
+    cfg = parse_config({"model": {"id": model_dir, "dtype": "float32", "experts_dtype": dtype,
+                                  "experts_double_quant": dq}})
+    place = types.SimpleNamespace(device="cpu")
+    model = load_quantized_model(cfg, place, torch.float32, "moetune")
+    loaded = S.host_bytes(model)
+    model = acc.prepare(model)
+    want = shardable_(load_quantized(model_dir, dtype, "cpu", torch.float32, double_quant=dq)[0])
+    got, rows = model.state_dict(), {}
+    for name, whole in want.state_dict().items():
+        mine = got[name]
+        local = mine.to_local() if isinstance(mine, DTensor) else mine
+        mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
+        rows[name] = [torch.equal(mine, whole) and mine.dtype == whole.dtype,
+                      local.shape[0], whole.shape[0]]
+    with torch.no_grad():
+        same = torch.allclose(model(ids).logits, want(ids).logits, rtol=1e-5, atol=1e-6)
+    found[dtype] = {"rows": rows, "logits": same, "loaded": loaded}
+json.dump(found, open(f"{out}/rank{acc.process_index}.json", "w"))
+"""
+
+
+def test_int8_and_nf4_experts_load_once_and_shard_as_a_whole_build(model_dir, tmp_path):
+    """Rank 0 reads and quantises, rank 1 holds nothing of the base before prepare(); after
+    it each rank holds half of every quantised stack's tensors (experts split by dim 0: FSDP2
+    shards Parameters only), and gathered they equal a whole quantised build, byte for byte."""
+    from moetune.train.distributed import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(Path(S.__file__).parents[2]), "OMP_NUM_THREADS": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true",
+           "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    logs = [tmp_path / f"rank{r}.err" for r in (0, 1)]  # files: a full pipe would block
+    cmd = [sys.executable, "-c", _RANK, str(model_dir), str(tmp_path)]
+    procs = [
+        subprocess.Popen(
+            cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=logs[r].open("wb")
+        )
+        for r in (0, 1)
+    ]
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for dtype, parts in (("int8", {"codes", "scales"}), ("nf4", {"codes", "absmax_codes"})):
+        main, other = ranks[0][dtype], ranks[1][dtype]
+        assert main["loaded"] > 20_000 and other["loaded"] < 100  # rank 1: the rotary table
+        for rank in (main, other):
+            assert rank["logits"] and all(equal for equal, _, _ in rank["rows"].values())
+            stacks = {k: v for k, v in rank["rows"].items() if ".quantized." in k}
+            assert parts <= {k.rsplit(".", 1)[1] for k in stacks}
+            assert all(local * 2 == whole for _, local, whole in stacks.values())  # 4 experts

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 QUANTIZED = "quantized"  # experts module attribute: ModuleDict {parameter name: QuantizedStack}
 _PENDING = "_moetune_pending"  # loader: {parameter name: plan} for stacks still to arrive
 _ORDER = "_moetune_parameter_order"  # the float module's parameter names, in order
+_VIEWS = "_moetune_byte_views"  # a shardable stack: {name: dtype} of its float tensors as bytes
 # Unflagged experts classes (no @use_experts_implementation) that store [E, in, out].
 TRANSPOSED_EXPERTS: set[str] = {"Llama4TextExperts"}
 
@@ -147,13 +148,13 @@ class QuantizedStack(nn.Module):
 
     def canonical_expert(self, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Expert e as [out, in], read from its own slice of each buffer only."""
-        parts = {name: buf[e : e + 1] for name, buf in self.named_buffers()}
+        parts = {name: buf[e : e + 1] for name, buf in self.stored().items()}
         return self.backend.dequantize(parts, self.out_in, dtype or self.dtype)[0]
 
     def factored_expert(self, e: int, into: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Expert e as (V [out, in], s [out] or None), W_e = s[:, None]·V, V written into
         `into` ([out, in], the compute dtype) where the backend can (`Quantizer.factored`)."""
-        parts = {name: buf[e : e + 1] for name, buf in self.named_buffers()}
+        parts = {name: buf[e : e + 1] for name, buf in self.stored().items()}
         v, s = self.backend.factored(parts, self.out_in, into.unsqueeze(0))
         return v[0], None if s is None else s[0]
 
@@ -164,27 +165,75 @@ class QuantizedStack(nn.Module):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole stack in float, original layout (tests, stock forwards)."""
-        w = self.backend.dequantize(dict(self.named_buffers()), self.out_in, dtype or self.dtype)
+        w = self.backend.dequantize(self.stored(), self.out_in, dtype or self.dtype)
         return w.transpose(1, 2) if self.transposed else w
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by name, each in its own dtype: buffers, or – once made
+        shardable for FSDP (`shardable_`) – frozen Parameters, float ones held as bytes."""
+        views = self.__dict__.get(_VIEWS, {})
+        out = {n: b for n, b in self._buffers.items() if b is not None}
+        for name, p in self._parameters.items():
+            if p is not None:
+                out[name] = p.view(views[name]) if name in views else p
+        return out
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers())
+        return sum(b.nbytes for b in self.stored().values())
 
     @property
     def device(self) -> torch.device:
-        return next(self.buffers()).device
+        return next(iter(self.stored().values())).device
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedStack:
         # Module.to(dtype) would cast the fp32 scales; keep the storage exact, move it
         # only, and let the dtype change the compute dtype as it would a float weight.
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
-        for name, buf in self.named_buffers():
-            # a meta buffer has nothing to copy: to_empty (planner traces) gives it storage
-            moved = torch.empty_like(buf, device=probe.device) if buf.is_meta else None
-            self._buffers[name] = buf.to(probe.device) if moved is None else moved
+        for name, buf in list(self._buffers.items()):
+            self._buffers[name] = _moved(buf, probe.device)
+        for name, param in list(self._parameters.items()):
+            self._parameters[name] = _frozen(_moved(param, probe.device))
         self.dtype = probe.dtype
         return self
+
+
+def _moved(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    assert tensor is not None
+    # a meta tensor has nothing to copy: to_empty (planner traces) gives it storage
+    return torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.to(device)
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor.detach(), requires_grad=False)
+
+
+def shardable_(model: nn.Module) -> nn.Module:
+    """Make every quantised stack's tensors frozen Parameters, so FSDP2 (which shards
+    Parameters only, never buffers) shards them by expert (dim 0) and all-gathers a layer's
+    while it runs; float tensors (scales, absmax) are held as bytes, so a mixed-precision
+    policy never casts them. Each module's stacks in the float order: every rank of a
+    sharded load then walks the same state dict. The values are unchanged (`stored()`)."""
+    for module in model.modules():
+        stacks = _in_float_order(module)
+        holder = module._modules.get(QUANTIZED)
+        for name, stack in stacks:
+            assert holder is not None
+            del holder._modules[name]  # re-added last, so in the float order
+            holder.add_module(name, _as_parameters(stack))
+    return model
+
+
+def _as_parameters(stack: QuantizedStack) -> QuantizedStack:
+    views = stack.__dict__.setdefault(_VIEWS, {})
+    for name in list(stack._buffers):
+        tensor = stack._buffers.pop(name)
+        assert tensor is not None
+        if tensor.is_floating_point():
+            views[name] = tensor.dtype
+            tensor = tensor.view(torch.uint8)
+        stack._parameters[name] = _frozen(tensor)
+    return stack
 
 
 def stack_nbytes(shape: tuple[int, int, int], method: str, *, double_quant: bool = False) -> int:

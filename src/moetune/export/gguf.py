@@ -88,6 +88,16 @@ def permuted(param: str, b: torch.Tensor, family: GgufFamily) -> torch.Tensor:
     return b
 
 
+def refuse_unserved(param: str, family: GgufFamily) -> None:
+    """A LoRA llama.cpp would drop (deepseek2's MLA projections) is refused, not written."""
+    for module in family.unserved:
+        if f".{module}." in param:
+            raise ExportError(
+                f"llama.cpp applies no LoRA to {module} in {family.arch} ({clip(param, 60)})",
+                f"train without {module} in the LoRA targets, or export --format merged",
+            )
+
+
 def split_gate_up(b: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
     """B `[E, 2I, r]` of a fused gate_up stack as (gate, up), the way llama.cpp splits W."""
     if how == "interleaved":
@@ -101,6 +111,7 @@ def pieces(
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(transformers weight name, A, B) in llama.cpp's orientation (W = B @ A per expert)."""
     if not target.is_experts:
+        refuse_unserved(target.param, family)
         yield target.param, a, permuted(target.param, b, family)
         return
     per_a, per_b = expert_factors(target, a, b)

@@ -10,6 +10,9 @@ the special tokens as CONTROL, the `default` pre-tokenizer (a split into words d
 change a character-by-character encoding) and one merge between two control tokens, which
 llama.cpp requires and never applies (control tokens are split out before BPE). Every
 other tokenizer, and every tensor, goes through the converter unchanged.
+
+It also fills in hparams a transformers class implies but the config.json it saves leaves
+out (IMPLIED), where the converter would otherwise let llama.cpp fall back to another default.
 """
 
 from __future__ import annotations
@@ -92,10 +95,28 @@ def write_vocab(writer: Any, found: dict[str, Any], vocab_size: int, special: An
     special.add_to_gguf(writer)
 
 
+# model_type -> hparams its transformers class always uses. DeepseekV3 routes by sigmoid, but
+# transformers' config.json carries no scoring_func (the hub's does): without it the
+# converter writes no expert_gating_func and llama.cpp's DEEPSEEK2 scores by softmax.
+IMPLIED: dict[str, dict[str, Any]] = {"deepseek_v3": {"scoring_func": "sigmoid"}}
+
+
+def with_implied(load: Any) -> Any:
+    """The converter's hparams loader, with IMPLIED filled in where config.json is silent."""
+
+    def loader(dir_model: Path, is_mistral_format: bool) -> dict[str, Any]:
+        config = load(dir_model, is_mistral_format)
+        return {**IMPLIED.get(config.get("model_type", ""), {}), **config}
+
+    return staticmethod(loader)
+
+
 def main() -> None:
     root, model, outfile = sys.argv[1:4]
     sys.path.insert(0, root)  # the converter's modules live in the llama.cpp dir only
     converter = importlib.import_module("convert_hf_to_gguf")  # puts its gguf-py on the path
+    model_base = importlib.import_module("conversion.base").ModelBase
+    model_base.load_hparams = with_implied(model_base.load_hparams)
     text_model = importlib.import_module("conversion.base").TextModel
     # lazy: heavy to import (gguf: the converter's own gguf-py, found only from here on)
     import gguf

@@ -1,5 +1,6 @@
-"""The gguf format's consumer for the served == trained check: llama.cpp through
-llama-cpp-python, in its own venv (MOETUNE_LLAMACPP_PYTHON=<that venv's python>).
+"""The gguf format's consumer for the served == trained check: llama.cpp in its own venv
+(MOETUNE_LLAMACPP_PYTHON=<that venv's python>; `make setup-llamacpp` builds one from
+prebuilt wheels), through whichever binding it holds (llamacpp_runner.py's registry).
 
 It scores base.gguf + adapter.gguf (the LoRA as llama.cpp applies it, stacked *_exps
 experts included) – and merged.gguf, against transformers on the same merged weights
@@ -33,8 +34,8 @@ def run_llamacpp(
            "prompts": prompts, "new_tokens": new}  # fmt: skip
     stdout = run_in_venv(
         "MOETUNE_LLAMACPP_PYTHON",
-        "llama.cpp is not installed here (set MOETUNE_LLAMACPP_PYTHON to the python of a "
-        "venv with llama-cpp-python)",
+        "llama.cpp is not installed here (make setup-llamacpp, then set "
+        "MOETUNE_LLAMACPP_PYTHON to that venv's python)",
         [str(RUNNER)], job, f"llama.cpp could not run {model.name}",
     )  # fmt: skip
     doc = json.loads(stdout)

@@ -45,13 +45,15 @@ class GgufFamily:
     converter splits the fused gate_up expert stack ("halves" or "interleaved"), and whether
     it permutes the q/k rows (LLAMA's rope layout) – then `heads` holds the model's
     (n_head, n_head_kv), read from its config at export time – and `rename` (transformers'
-    module path, the path gguf's tensor map knows) where the two differ."""
+    module path, the path gguf's tensor map knows) where the two differ; `unserved`: modules
+    whose LoRA llama.cpp does not apply (refused at export rather than dropped when served)."""
 
     arch: str
     gate_up: str = "halves"
     permute_qk: bool = False
     heads: tuple[int, int] | None = None
     rename: tuple[str, str] | None = None
+    unserved: tuple[str, ...] = ()
 
 
 # convert_hf_to_gguf.py (conversion/qwen.py, olmo.py, gpt_oss.py): these keep q/k as they
@@ -62,12 +64,21 @@ class GgufFamily:
 # conversion/granite.py: GraniteMoe is a LlamaModel (same q/k permutation); its converter
 # splits input_linear (transformers: block_sparse_moe.experts.gate_up_proj) in halves,
 # gate first, names the halves itself; the tensor map knows the mlp.experts.* spelling.
+# conversion/deepseek.py (DEEPSEEK2 for DeepseekV3ForCausalLM): o_proj, the shared expert,
+# the dense layers and the per-expert checkpoint (stacked to ffn_*_exps) map 1:1 and take
+# LoRA. Not served: kv_b_proj becomes per-head k_b (transposed) and v_b for the absorbed
+# attention (ΔW = B @ A has no such split), and llama.cpp's deepseek2 graph multiplies
+# q_a / q_b / kv_a_mqa (and q_proj) with plain ggml_mul_mat, so a LoRA there is loaded and
+# silently ignored (b11549: logits as without it).
 GGUF_FAMILIES: dict[str, GgufFamily] = {
     "qwen3_moe": GgufFamily("QWEN3MOE"),
     "qwen2_moe": GgufFamily("QWEN2MOE"),
     "olmoe": GgufFamily("OLMOE"),
     "gpt_oss": GgufFamily("GPT_OSS", gate_up="interleaved"),
     "mixtral": GgufFamily("LLAMA", permute_qk=True),
+    "deepseek_v3": GgufFamily(
+        "DEEPSEEK2", unserved=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+    ),
     "granitemoe": GgufFamily(
         "GRANITE_MOE", permute_qk=True, rename=(".block_sparse_moe.experts.", ".mlp.experts.")
     ),

@@ -382,8 +382,7 @@ def device_report(
     ranks = nodes * gpus
     plans = {c: plan_devices(spec, cfg, c, ranks, strategy, sizes) for c in cards}
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
-    quantised = Step.from_config(cfg, spec).experts_quantised  # loaded whole on every rank
-    host = host_ram(sizes, gpus, strategy, not quantised) if strategy != "ddp" else None
+    host = host_ram(sizes, gpus, strategy) if strategy != "ddp" else None
     notes = _report_notes(spec) + _load_notes(host)
     notes += _node_notes(sizes, nodes, gpus, host)
     ep = plan_expert_parallel(spec, cfg, ranks)
@@ -420,10 +419,12 @@ RUNTIME_HOST_BYTES = 560 * 2**20
 @dataclass(frozen=True)
 class HostRam:
     """Host RAM of a sharded run's load, per rank and per node (bytes, runtime included).
-    fsdp: rank 0 loads the base and broadcasts it into the shards, freeing each full tensor
-    once sent; the others build it on meta and hold their shard plus one module in flight,
-    so the node holds about one base. zero3 (zero3_init_flag off): every rank builds the
-    whole base before DeepSpeed partitions it."""
+    fsdp, every experts dtype: rank 0 loads the base (int8 / NF4 stacks quantised as they
+    stream, one float stack at a time) and broadcasts it into the shards, freeing each full
+    tensor once sent; the others build it on meta (quantised stacks too) and hold their
+    shard plus one module in flight, so the node holds about one base as the run holds it.
+    zero3 (zero3_init_flag off): every rank builds the whole base before DeepSpeed
+    partitions it."""
 
     strategy: str
     ranks: int
@@ -436,13 +437,14 @@ class HostRam:
         return dataclasses.asdict(self)
 
 
-def host_ram(sizes: Sizes, gpus: int, strategy: str, loaded_once: bool = True) -> HostRam:
-    """The load's host RAM on one node of `gpus` ranks; `loaded_once` False: quantised
-    expert stacks, which every rank loads whole (the launcher keeps the sharded load off)."""
+def host_ram(sizes: Sizes, gpus: int, strategy: str) -> HostRam:
+    """The load's host RAM on one node of `gpus` ranks. `whole` is the base as the run holds
+    it (quantised stacks at their stored bytes); in flight, the largest module in the
+    weights' dtype: the float stack rank 0 quantises, or the tensor being broadcast."""
     whole = sizes.single.get("frozen_weights", 0) + sizes.single.get("trainable_weights", 0)
     run = RUNTIME_HOST_BYTES
-    if strategy == "fsdp" and loaded_once:
-        flight = sizes.largest_module * sizes.weight_bytes  # the tensor being broadcast
+    if strategy == "fsdp":
+        flight = sizes.largest_module * sizes.weight_bytes
         main, other = run + whole + flight, run + -(-whole // gpus) + flight
         node = gpus * (run + flight) + whole  # rank 0's remainder + every rank's shards
         how = "rank 0 loads the base, the others build it on meta and receive their shards"
@@ -466,8 +468,7 @@ def _load_notes(ram: HostRam | None) -> tuple[str, ...]:
     whole = ram.main_rank_bytes - RUNTIME_HOST_BYTES
     return (
         f"host RAM at load: {ram.how}: the node needs about {gpus} × {human_bytes(whole)} = "
-        f"{human_bytes(gpus * whole)} of RAM (plus the OS; fsdp with bf16 experts loads it "
-        "once per node)",
+        f"{human_bytes(gpus * whole)} of RAM (plus the OS; fsdp loads it once per node)",
     )
 
 

@@ -85,10 +85,10 @@ def _fsdp(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
             "fsdp_state_dict_type": "FULL_STATE_DICT",  # the peft adapter is saved whole
             "fsdp_reshard_after_forward": True,
             "fsdp_offload_params": False,
-            # rank 0 loads, the others build on meta and get their shards (sharded_load.py);
-            # quantised stacks load whole on every rank
-            "fsdp_cpu_ram_efficient_loading": cfg.model.experts_dtype == "bf16",
-            "fsdp_sync_module_states": cfg.model.experts_dtype == "bf16",
+            # rank 0 loads (int8 / NF4 stacks: and quantises), the others build on meta and
+            # get their shards (sharded_load.py) – every experts dtype
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_sync_module_states": True,
             # the trainer checkpoints through TrainingArguments, not FSDP's own
             "fsdp_activation_checkpointing": False,
         },

@@ -90,17 +90,30 @@ def load_quantized_model(
     """The base with its expert stacks quantised while loading; its QuantReport rides along."""
     # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
-    from moetune.engine.quant import require_split_engine
-    from moetune.engine.quant_load import load_quantized
+    from moetune.engine.quant import require_split_engine, shardable_
 
     require_split_engine(engine, cfg.model.experts_dtype)  # also under --allow-errors
-    with quiet():
-        model, report = load_quantized(
-            _model_dir(cfg.model.id), cfg.model.experts_dtype, place.device, dtype,
-            double_quant=cfg.model.experts_double_quant,
-        )  # fmt: skip
+    model = _quantized_base(cfg, place, dtype)
     register()  # every quantised stack, LoRA or not, goes one expert at a time
     model.set_experts_implementation(IMPLEMENTATION)
+    if sharded_load.active():  # FSDP shards Parameters only: the stacks become frozen ones
+        shardable_(model)
+    return sharded_load.note_loaded(cast("nn.Module", model))
+
+
+def _quantized_base(cfg: RunConfig, place: Placement, dtype: torch.dtype) -> Any:
+    """Streamed and quantised (its QuantReport rides along); on a sharded load's other
+    ranks, the same quantised stacks on meta – their shards come from rank 0 in prepare()."""
+    # lazy: heavy to import (moetune)
+    from moetune.engine.quant_load import load_quantized
+
+    m = cfg.model
+    if not sharded_load.loads_weights():
+        return sharded_load.meta_quantized(m.id, m.experts_dtype, dtype, m.experts_double_quant)
+    device = "cpu" if sharded_load.active() else place.device  # rank 0: whole, on the host
+    with quiet():
+        model, report = load_quantized(_model_dir(m.id), m.experts_dtype, device, dtype,
+                                       double_quant=m.experts_double_quant)  # fmt: skip
     model.__dict__[_QUANT_REPORT] = report
     return model
 

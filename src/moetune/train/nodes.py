@@ -123,10 +123,8 @@ def check_host_ram(cfg: RunConfig) -> None:
 
 def node_ram_bytes(cfg: RunConfig) -> int:
     """Host RAM this node's ranks need at load, from the plan (plan.sharding.host_ram)."""
-    spec = load_spec(cfg.model.id)
-    whole_base = cfg.model.experts_dtype == "bf16"  # quantised stacks: every rank loads all
-    sizes = run_sizes(spec, cfg)
-    return host_ram(sizes, cfg.train.nproc, cfg.train.strategy, whole_base).per_node_bytes
+    sizes = run_sizes(load_spec(cfg.model.id), cfg)
+    return host_ram(sizes, cfg.train.nproc, cfg.train.strategy).per_node_bytes
 
 
 def available_ram_bytes() -> int:

@@ -8,7 +8,10 @@ every rank keeping its own shard (accelerate's `fsdp2_load_full_state_dict`). So
 main process needs the weights; here every other rank builds the base on the meta device
 (parameters only: buffers such as rotary tables are computed for real, as accelerate
 re-registers them), and the LoRA it wraps is meta too – rank 0's seeded factors arrive in
-the broadcast. Two additions to accelerate's path:
+the broadcast. int8 / NF4 expert stacks go the same way: rank 0 quantises as it streams the
+checkpoint, the others build the quantised stacks on meta (`meta_quantized`), and on both
+the stacks' tensors are frozen Parameters (engine.quant.shardable_: FSDP2 shards Parameters,
+never buffers), so each rank keeps its experts' share. Two additions to accelerate's path:
 
 - rank 0 frees each full tensor's storage once it is broadcast (`_Draining`), so the node
   holds one base throughout (rank 0's remainder + every rank's finished shards) instead of
@@ -76,6 +79,20 @@ def meta_base(model_id: str, dtype: torch.dtype) -> nn.Module:
         model = causal_lm_class(config)._from_config(config, dtype=dtype)
     model.eval()  # as from_pretrained leaves it
     return ensure_backbone(model)  # type: ignore[no-any-return]
+
+
+def meta_quantized(
+    model_id: str, experts_dtype: str, dtype: torch.dtype, double_quant: bool
+) -> nn.Module:
+    """A non-main rank's base with int8 / NF4 expert stacks: `meta_base` with each stack
+    replaced by its QuantizedStack of meta tensors – the shapes and dtypes rank 0's quantised
+    load holds, none of its bytes (they arrive in prepare(), each rank keeping its shard)."""
+    # lazy: heavy to import (moetune's engine, torch)
+    from moetune.engine.quant import quantize_experts_
+
+    model = meta_base(model_id, dtype)
+    quantize_experts_(model, experts_dtype, double_quant, error_experts=0)
+    return model
 
 
 def note_loaded(model: nn.Module) -> nn.Module:

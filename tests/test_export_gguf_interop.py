@@ -1,10 +1,12 @@
-"""Opt-in (`-m interop`): the exports through the real consumers, served == trained.
+"""Opt-in (`-m interop`, `make test-interop`): `--format gguf` through a real llama.cpp,
+served == trained.
 
-llama.cpp: llama-cpp-python built from source in its own venv (MOETUNE_LLAMACPP_PYTHON,
-default /work/venvs/llamacpp/bin/python) and a llama.cpp checkout for its converter
-(MOETUNE_LLAMA_CPP, e.g. the sdist's vendor/llama.cpp). For each family: the GGUF LoRA on
-base.gguf and the merged GGUF give the peft adapter's logits and greedy outputs, and a
-GGUF LoRA without its expert tensors (what an attention-only conversion serves) fails.
+llama.cpp in its own venv (MOETUNE_LLAMACPP_PYTHON, default /work/venvs/llamacpp-sync/bin/
+python: prebuilt xllamacpp + llama-cpp-py-sync, or llama-cpp-python built from source) and a
+llama.cpp checkout for its converter (MOETUNE_LLAMA_CPP, the sdist's vendor/llama.cpp). For
+the demo base and each family: the GGUF LoRA on base.gguf and the merged GGUF give the peft
+adapter's logits and greedy outputs, and a GGUF LoRA without its expert tensors (what an
+attention-only conversion serves) fails.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import gguf
 import pytest
 
 from export_fixtures import make_run
+from moetune.demo.base import SHIPPED_DIR
 from moetune.export import ExportOptions, resolve_source, run_export
 from moetune.export.check import CheckOptions, check_export, compare, reference, tokenizer_of
 from moetune.export.gguf import convert
 from moetune.export.llamacpp import run_llamacpp
 
-LLAMA_PY = os.environ.setdefault("MOETUNE_LLAMACPP_PYTHON", "/work/venvs/llamacpp/bin/python")
+# `make setup-llamacpp`'s venv by default (set per test, not at import: collection of the
+# default suite must not see it)
+LLAMA_PY = os.environ.get("MOETUNE_LLAMACPP_PYTHON", "/work/venvs/llamacpp-sync/bin/python")
 LLAMA_CPP = os.environ.get("MOETUNE_LLAMA_CPP", "")
 
 pytestmark = [
@@ -36,16 +41,22 @@ pytestmark = [
 # the released Qwen3 MoE checkpoints do), its olmoe has no GQA (k_norm over n_embd): the
 # tiny variants are made to match.
 FAMILIES = {
+    "demo": {},  # the shipped demo base (qwen3_moe, character tokenizer), not a tiny one
     "qwen3_moe-tied-local_experts": {"attention_bias": False, "norm_topk_prob": True},
     "gpt_oss": {},
     "olmoe": {"num_key_value_heads": 4},
     "mixtral": {},  # LLAMA arch, GQA (4 heads, 2 kv): q/k LoRA rows permuted
     "granitemoe-bias": {},  # GRANITE_MOE, a LlamaModel to the converter: permuted too
+    "deepseek_v3": {},  # DEEPSEEK2: MLA (q_lora_rank 6), sigmoid router, shared expert
 }
 # The adapter per variant where it differs (default: q/o + mlp.experts.*): k_proj checks
 # that the permutation uses the kv heads; granitemoe's experts sit in block_sparse_moe.
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ADAPTERS = {
+ADAPTERS: dict[str, dict[str, object]] = {
+    "demo": {"scale": 0.1},
+    # MLA's q / kv projections take no LoRA in llama.cpp (refused at export): o_proj and
+    # the routed experts do (peft 0.21 drops gate/up/down_proj module targets here)
+    "deepseek_v3": {"modules": ["o_proj"]},
     "mixtral": {"modules": ATTENTION},
     "granitemoe-bias": {
         "modules": ATTENTION,
@@ -81,7 +92,9 @@ def test_llamacpp_serves_what_was_trained(
     tmp_path: Path, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MOETUNE_LLAMA_CPP")  # converted below, the way the export does
-    run = make_run(tmp_path, variant, FAMILIES[variant], **ADAPTERS.get(variant, {}))
+    monkeypatch.setenv("MOETUNE_LLAMACPP_PYTHON", LLAMA_PY)
+    base = SHIPPED_DIR if variant == "demo" else None
+    run = make_run(tmp_path, variant, FAMILIES[variant], base, **ADAPTERS.get(variant, {}))
     source = resolve_source(run)
     out = tmp_path / "gguf"
     merged = out / "merged-hf"  # where the export puts it: the floor reads it
