@@ -26,7 +26,6 @@ def _model_cases() -> list[Case]:
         "zero-experts": _model(num_local_experts=0),
         "no-model-type": _model(model_type=None),
         "unknown-type": _model(model_type="frobnicate_moe"),
-        "heads-not-dividing": _model(num_attention_heads=3),
         "negative-layers": _model(num_hidden_layers=-2),
         "string-hidden": _model(hidden_size="128"),
         "config-not-json": {"m/config.json": "{model_type: qwen3_moe"},
@@ -37,6 +36,10 @@ def _model_cases() -> list[Case]:
             target = "{dir}/m" if cmd == "inspect" else "{dir}/run.yaml"
             run = {"run.yaml": "model: {id: {dir}/m}\n"} if cmd == "plan" else {}
             cases.append(Case(f"fresh/model/{cmd}/{name}", [cmd, target, "--json"], files | run))
+    # legal: head_dim (hidden // heads) times the heads need not equal hidden_size
+    files = _model(num_attention_heads=3) | {"run.yaml": "model: {id: {dir}/m}\n"}
+    cases.append(Case("fresh/model/plan/heads-not-dividing", ["plan", "{dir}/run.yaml", "--json"],
+                      files, "good"))  # fmt: skip
     dense = {k: v for k, v in CONFIG.items() if "expert" not in k}
     dense |= {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     files = {"m/config.json": json.dumps(dense), "run.yaml": "model: {id: {dir}/m}\n"}
@@ -62,9 +65,11 @@ def _train_cases() -> list[Case]:
     cases = []
     for name, (yaml, files) in runs.items():
         args = ["train", "{dir}/run.yaml", "--json"]
-        if name == "resume-nothing":
-            args.append("--resume")
-        cases.append(Case(f"fresh/train/{name}", args, {"run.yaml": yaml} | base | files))
+        # --resume with nothing to resume starts the run (a pod that died before the first
+        # write is relaunched with the same command)
+        args += ["--resume"] if name == "resume-nothing" else []
+        expect = "good" if name == "resume-nothing" else "bad"
+        cases.append(Case(f"fresh/train/{name}", args, {"run.yaml": yaml} | base | files, expect))
     many = Case("fresh/train/nproc-too-many", ["train", "{dir}/run.yaml", "--nproc", "512"],
                 {"run.yaml": RUN + data + TRAIN} | base)  # fmt: skip
     return [*cases, many]
@@ -131,9 +136,7 @@ def _command_cases() -> list[Case]:
         "gate/alpha-one": {"r.json": '{"rungs": []}'},
         "eval/no-adapter": {"run.yaml": RUN + "output: {dir: {dir}/never-trained}\n"},
     }  # fmt: skip
-    return [
-        Case(f"fresh/{name}", args, run | extra.get(name, {})) for name, args in argv.items()
-    ]
+    return [Case(f"fresh/{name}", args, run | extra.get(name, {})) for name, args in argv.items()]
 
 
 def fresh_cases() -> list[Case]:

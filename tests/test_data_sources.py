@@ -86,6 +86,24 @@ def test_a_dir_file_of_a_kind_not_read_is_named_before_anything_is_built(tmp_pat
     assert (train.format, list(train.dataset["text"])) == ("text", ["rev:ab>ba", "rev:cd>dc"])
 
 
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.csv"])
+def test_a_split_or_subset_on_a_single_file_is_refused_not_ignored(tmp_path, tok, name):
+    """A file has no splits: `split: test` on one used to train on the whole file."""
+    from moetune.data import DataError
+
+    path = tmp_path / name
+    if name.endswith(".csv"):
+        path.write_text("prompt,completion\na>,b\n", encoding="utf-8")
+    else:
+        write_jsonl(path, _rows(2, "a"))
+    for over in ({"split": "test"}, {"name": "subset"}):
+        with pytest.raises(DataError) as info:
+            _load(tok, sources=[{"path": str(path), **over}])
+        assert "is one file" in info.value.cause and "drop split: / name:" in info.value.fix
+    train, _ = _load(tok, sources=[{"path": str(path)}])  # the default split stays legal
+    assert train.rows >= 1
+
+
 def test_a_json_dir_a_csv_with_mapped_columns_and_a_saved_dataset(tmp_path, tok):
     from datasets import Dataset, DatasetDict
 

@@ -91,6 +91,16 @@ def test_what_cannot_run_on_several_nodes_is_one_line(
     assert not (tmp_path / ".moetune").exists() and not (tmp_path / "runs").exists()
 
 
+def test_an_ssh_launch_with_no_host_is_refused_even_as_a_dry_run(tmp_path: Path) -> None:
+    """A dry run used to print a whole launch plan for a provider with nowhere to go."""
+    config = write_config(tmp_path)
+    for dry in (["--dry-run"], ["--dry-run", "--json"], []):
+        got = CliRunner().invoke(app, ["launch", str(config), *dry])
+        assert got.exit_code == 2 and "provider ssh has no host" in got.output, got.output
+        assert "set lane.ssh.host" in got.output and "Traceback" not in got.output
+    assert not (tmp_path / ".moetune").exists() and not (tmp_path / "runs").exists()
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Any:
     if not have_sshd():

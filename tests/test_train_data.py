@@ -177,6 +177,29 @@ def test_overlong_rows_are_counted_or_refused(tmp_path, tok):
     assert "line 4" in err.cause and "seq_len=32" in err.cause
 
 
+def test_prompts_that_fill_seq_len_everywhere_are_refused_before_training(tmp_path, tok):
+    """seq_len 1 left no completion token in any row: TRL dropped them all and the trainer
+    died inside torch (exit 3). One row that keeps a completion token is enough to train."""
+    rows = [{"prompt": "rev:" + "ab" * 4 + ">", "completion": "ba" * 4} for _ in range(3)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    err = _error(path, tok, seq_len=6)
+    assert "every row's prompt fills train.seq_len=6" in err.cause
+    assert "raise train.seq_len" in err.fix
+    assert _load(path, tok, seq_len=6, completion_only=False).overlong == 3  # all tokens train
+    mixed = write_jsonl(tmp_path / "m.jsonl", [*rows, {"prompt": "r>", "completion": "ab"}])
+    assert _load(mixed, tok, seq_len=6).overlong == 3
+
+
+def test_a_utf8_bom_and_crlf_line_ends_read_as_the_same_rows(tmp_path, tok):
+    """A file saved by a Windows editor was refused at line 1 (`Unexpected UTF-8 BOM`)."""
+    plain = write_jsonl(tmp_path / "d.jsonl", reverse_rows(3))
+    text = plain.read_text(encoding="utf-8")
+    windows = tmp_path / "w.jsonl"
+    windows.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    got, want = _load(windows, tok), _load(plain, tok)
+    assert list(got.dataset["prompt"]) == list(want.dataset["prompt"]) and got.rows == 3
+
+
 def test_train_and_eval_files_must_share_a_format(tmp_path, tok):
     train = write_jsonl(tmp_path / "t.jsonl", reverse_rows(3))
     held = write_jsonl(tmp_path / "e.jsonl", [{"text": "copy:a>a"}])

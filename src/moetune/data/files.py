@@ -50,7 +50,7 @@ def _read_json(path: Path, text: str) -> Iterator[tuple[str, Any]]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a leading BOM (Windows editors) is not a row
     except UnicodeDecodeError as exc:
         raise DataError(
             f"{path}: not UTF-8 text (byte {exc.start})", "save the file as UTF-8 JSON Lines"

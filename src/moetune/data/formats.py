@@ -163,6 +163,12 @@ def _pc_length(row: Row, tok: PreTrainedTokenizerBase) -> int:
     return len(_chat_ids(tok, row["prompt"] + row["completion"]))
 
 
+def prompt_fills(row: Row, fmt: DataFormat, tok: PreTrainedTokenizerBase, seq_len: int) -> bool:
+    """Whether the row's prompt alone fills seq_len: truncated there, no completion token is
+    left to learn from (TRL then drops the row). False where the format has no prompt."""
+    return bool(fmt.prompt_keys) and _ids(row, tok, *fmt.prompt_keys) > seq_len  # its eos: >
+
+
 def _ids(row: Row, tok: PreTrainedTokenizerBase, *keys: str) -> int:
     """Tokens of the row's `keys` joined (text) or concatenated (message lists)."""
     if isinstance(row[keys[0]], str):
@@ -191,6 +197,8 @@ class DataFormat:
     extras: bool = False  # keep the row's other columns (GRPO rewards read them)
     # the keys tokenised together, per sequence (preference rows hold two); () is all keys
     sequences: tuple[tuple[str, ...], ...] = ()
+    # the keys before the first trained token (a completion-only loss masks them)
+    prompt_keys: tuple[str, ...] = ()
 
     def token_sequences(self) -> tuple[tuple[str, ...], ...]:
         return self.sequences or (self.keys,)
@@ -202,7 +210,7 @@ FORMATS: dict[str, DataFormat] = {
         DataFormat("messages", ("messages",), _check_messages, _messages_loss,
                    lambda r, t: len(_chat_ids(t, r["messages"]))),
         DataFormat("prompt/completion", ("prompt", "completion"), _check_prompt_completion,
-                   _prompt_completion_loss, _pc_length),
+                   _prompt_completion_loss, _pc_length, prompt_keys=("prompt",)),
         DataFormat("text", ("text",), _check_text, _text_loss,
                    lambda r, t: len(_text_ids(t, r["text"]))),
         DataFormat("preference", ("prompt", "chosen", "rejected"), _check_preference,

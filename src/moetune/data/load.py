@@ -20,7 +20,15 @@ from moetune.config import SourceArgs
 from moetune.data.cap import Cap, capped, char_cap
 from moetune.data.convert import BECOMES, auto_format, converted
 from moetune.data.errors import DataError
-from moetune.data.formats import SFT_FORMATS, DataFormat, Loss, Row, _uses_chat, check_row
+from moetune.data.formats import (
+    SFT_FORMATS,
+    DataFormat,
+    Loss,
+    Row,
+    _uses_chat,
+    check_row,
+    prompt_fills,
+)
 from moetune.data.formats import detect_format as _detect
 from moetune.data.images import as_blocks, has_images, image_counts, with_images
 from moetune.data.mix import held_out, interleave, mix, row_key
@@ -174,7 +182,7 @@ def _needs_template(lab: str, fmt: DataFormat, first: Row, tok: PreTrainedTokeni
 
 def usable(
     lab: str, fmt: DataFormat, rows: list[tuple[str, Row]], tok: PreTrainedTokenizerBase,
-    seq_len: int, policy: str,
+    seq_len: int, policy: str, completion_only: bool = True,
 ) -> tuple[list[tuple[str, Row]], int]:  # fmt: skip
     """The checks a tokenizer settles, one function for `moetune train` and `moetune data`:
     message rows need a chat template; each row is measured by characters before it is
@@ -184,7 +192,23 @@ def usable(
     _needs_template(lab, fmt, rows[0][1], tok)
     cap = char_cap(tok, seq_len)
     rows = [(w, capped(w, r, fmt, cap, policy)) for w, r in rows]
-    return rows, _count_overlong(rows, fmt, tok, seq_len, policy)
+    too_long = _count_overlong(rows, fmt, tok, seq_len, policy)
+    if completion_only and too_long == len(rows):
+        _not_all_starved(lab, fmt, rows, tok, seq_len)
+    return rows, too_long
+
+
+def _not_all_starved(
+    lab: str, fmt: DataFormat, rows: list[tuple[str, Row]], tok: Any, seq_len: int
+) -> None:
+    """Every row over seq_len and every prompt filling it: truncation leaves no completion
+    token anywhere, TRL drops every row and the trainer dies on an empty dataset."""
+    if all(prompt_fills(r, fmt, tok, seq_len) for _, r in rows):
+        raise DataError(
+            f"{lab}: every row's prompt fills train.seq_len={seq_len}, so no completion "
+            "token is left to learn from",
+            "raise train.seq_len above the prompts' token length (see `moetune data`)",
+        )
 
 
 def _count_overlong(
@@ -234,7 +258,7 @@ def _build(
     # lazy: heavy to import (datasets)
     from datasets import Dataset
 
-    rows, too_long = usable(lab, fmt, rows, tok, seq_len, data.overlong)
+    rows, too_long = usable(lab, fmt, rows, tok, seq_len, data.overlong, data.completion_only_loss)
     images = image_counts([r for _, r in rows])
     if images:  # the processor tokenises them, image tokens and masks (train/vision.py)
         loss, table = image_loss(data.completion_only_loss), [vision_row(r) for _, r in rows]

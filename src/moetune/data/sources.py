@@ -103,7 +103,18 @@ def _saved(src: SourceArgs, path: Path, streaming: bool) -> Any:
     return found.to_iterable_dataset() if streaming else found
 
 
+def _one_file(src: SourceArgs, path: Path) -> None:
+    """A single file has no splits or subsets: a split or name set on one would be ignored."""
+    if src.split != "train" or src.name:
+        what = f"split {src.split!r}" if src.split != "train" else f"name {src.name!r}"
+        raise DataError(
+            f"source {path} is one file: it has no splits or subsets, so {what} cannot apply",
+            "drop split: / name: from that source (or point path at a dir or hub dataset)",
+        )
+
+
 def _file(src: SourceArgs, path: Path, streaming: bool) -> Any:
+    _one_file(src, path)
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise DataError(
@@ -152,6 +163,7 @@ def read_source(src: SourceArgs) -> list[Located]:
     """Every row of a source (its first max_rows), numbered; DataError when missing or empty."""
     path = Path(src.path).expanduser()
     if path.is_file() and path.suffix.lower() in READERS:  # read here: errors name the line
+        _one_file(src, path)
         rows = read_rows(path)
     else:
         parts = [(tag, _head(found, src.max_rows)) for tag, found in _parts(src, False)]

@@ -156,9 +156,13 @@ def summarize(
 
 def _checked(cfg: RunConfig, tok: PreTrainedTokenizerBase, got: Mixed) -> Mixed:
     """The rows as training takes them: the same tokenizer checks (load.usable), the same cut."""
-    seq_len, policy = cfg.train.seq_len, cfg.data.overlong
-    train, _ = usable(got.label, got.format, got.train, tok, seq_len, policy)
-    held = usable(got.eval_label, got.format, got.eval, tok, seq_len, policy)[0] if got.eval else []
+    seq_len, policy, only = cfg.train.seq_len, cfg.data.overlong, cfg.data.completion_only_loss
+    train, _ = usable(got.label, got.format, got.train, tok, seq_len, policy, only)
+    held = (
+        usable(got.eval_label, got.format, got.eval, tok, seq_len, policy, only)[0]
+        if got.eval
+        else []
+    )
     return dataclasses.replace(got, train=train, eval=held)
 
 

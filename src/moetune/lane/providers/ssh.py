@@ -455,6 +455,11 @@ class SshProvider(Provider):
     @classmethod
     def check_nodes(cls, cfg: RunConfig) -> None:
         hosts, n = node_targets(cfg.lane.ssh), cfg.train.nnodes
+        if not hosts:  # a dry run must not plan a launch that has nowhere to go
+            raise LaneError(
+                "provider ssh has no host: lane.ssh.host and lane.ssh.hosts are unset",
+                "set lane.ssh.host (or --hosts / lane.ssh.hosts for several nodes)",
+            )
         if n > 1 and len(hosts) < n:
             raise LaneError(
                 f"train.nnodes={n} but provider ssh has {len(hosts)} host(s)",
