@@ -45,7 +45,7 @@ test-deepspeed: setup-deepspeed
 # CFFI declarations of the same llama.h (its own libllama.so needs glibc >= 2.38); the
 # converter is the llama-cpp-python sdist's vendor/llama.cpp (convert_hf_to_gguf.py,
 # conversion/, gguf-py). Builds b11549 / b11548 / 0c1e570 (2026-10-10 / -10 / -01).
-LLAMACPP_VENV ?= /work/venvs/llamacpp-sync
+LLAMACPP_VENV ?= $(CURDIR)/.venv-llamacpp
 LLAMACPP_SRC := $(LLAMACPP_VENV)/llama.cpp
 LLAMACPP_PINS := "xllamacpp==2026.10.11549" "llama-cpp-py-sync==0.11548"
 LLAMACPP_SDIST := llama-cpp-python==0.3.36

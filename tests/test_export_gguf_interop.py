@@ -1,7 +1,7 @@
 """Opt-in (`-m interop`, `make test-interop`): `--format gguf` through a real llama.cpp,
 served == trained.
 
-llama.cpp in its own venv (MOETUNE_LLAMACPP_PYTHON, default /work/venvs/llamacpp-sync/bin/
+llama.cpp in its own venv (MOETUNE_LLAMACPP_PYTHON, default .venv-llamacpp/bin/
 python: prebuilt xllamacpp + llama-cpp-py-sync, or llama-cpp-python built from source) and a
 llama.cpp checkout for its converter (MOETUNE_LLAMA_CPP, the sdist's vendor/llama.cpp). For
 the demo base and each family: the GGUF LoRA on base.gguf and the merged GGUF give the peft
@@ -26,7 +26,9 @@ from moetune.export.llamacpp import run_llamacpp
 
 # `make setup-llamacpp`'s venv by default (set per test, not at import: collection of the
 # default suite must not see it)
-LLAMA_PY = os.environ.get("MOETUNE_LLAMACPP_PYTHON", "/work/venvs/llamacpp-sync/bin/python")
+LLAMA_PY = os.environ.get(
+    "MOETUNE_LLAMACPP_PYTHON", str(Path(__file__).parents[1] / ".venv-llamacpp/bin/python")
+)
 LLAMA_CPP = os.environ.get("MOETUNE_LLAMA_CPP", "")
 
 pytestmark = [
