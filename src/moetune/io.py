@@ -32,7 +32,13 @@ REDACTED = "***"
 SECRET_KEY = re.compile(
     r"(api[_-]?key|token|secret|password|passwd|authorization|credential|access[_-]?key)", re.I
 )
-SECRET_VALUE = re.compile(r"(hf_[A-Za-z0-9]{20,}|rpa_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
+# Credential shapes of the providers a run meets: Hugging Face, RunPod, OpenAI-style keys,
+# GitHub (classic and fine-grained), AWS access key ids, GitLab, Slack, Google API keys.
+SECRET_VALUE = re.compile(
+    r"(hf_[A-Za-z0-9]{20,}|rpa_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}"
+    r"|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"
+    r"|glpat-[A-Za-z0-9_-]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|AIza[0-9A-Za-z_-]{35})"
+)
 # Shorter values are not masked by value: "1", "true", "auto", "false", "cuda" are the
 # everyday words of configs and logs – replacing them everywhere would mangle every file
 # (a config.yaml whose `true`s read `***` no longer loads). Where such a value stands as a
