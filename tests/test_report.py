@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from moetune.errors import MoetuneError
+from moetune.io import adapter_digest
 from moetune.report import ReportError, build_report
 from moetune.report.plots import pick_layers
 from moetune.train import train
@@ -130,7 +131,9 @@ def evaluated(trained, tmp_path_factory):
     (run / "eval").mkdir()
     (run / "eval" / "ladder.json").write_text(json.dumps(LADDER))
     (run / "eval" / "verdict.json").write_text(json.dumps(VERDICT))
-    (run / "adapter" / "PROMOTED").write_text(json.dumps({"verdict_hash": VERDICT["hash"]}))
+    digest = adapter_digest(run / "adapter")  # what `gate --promote` records
+    marker = {"verdict_hash": VERDICT["hash"], "adapter_sha256": digest}
+    (run / "adapter" / "PROMOTED").write_text(json.dumps(marker))
     report = build_report(run)
     return types.SimpleNamespace(run=run, report=report, html=report.read_text())
 
@@ -184,6 +187,18 @@ def test_no_pyplot_figures_are_left_open(evaluated):
 
     build_report(evaluated.run, out=evaluated.run / "again.html")
     assert plt.get_fignums() == []
+
+
+def test_an_adapter_swapped_after_promotion_reads_not_promoted(evaluated, tmp_path):
+    run = tmp_path / "swapped"
+    shutil.copytree(evaluated.run, run)
+    weights = run / "adapter" / "adapter_model.safetensors"
+    swapped = bytearray(weights.read_bytes())
+    swapped[-1] ^= 0xFF  # same size and name, other bytes
+    weights.write_bytes(bytes(swapped))
+    html = build_report(run, out=tmp_path / "swapped.html").read_text()
+    assert "NOT PROMOTED" in html and "changed after it was promoted" in html
+    assert "promoted (verdict" not in html
 
 
 def test_run_without_eval_says_so_and_still_plots_the_loss(trained, tmp_path):

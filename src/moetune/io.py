@@ -147,6 +147,42 @@ def tree_digest(digests: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+# ---------------------------------------------------------------- promotion
+
+
+def adapter_digest(adapter: Path) -> str:
+    """One sha256 over the adapter's files (names and bytes), the PROMOTED marker excluded –
+    the digest a promotion records, and the remote lane when it banks an adapter."""
+    return tree_digest(file_digests(adapter, skip=frozenset({PROMOTED})))
+
+
+def promotion_broken(adapter: Path) -> str | None:
+    """Why `adapter`'s PROMOTED marker no longer vouches for it (None: no marker, or the
+    adapter's bytes are still the ones promoted). A marker records the digest it promoted
+    (older ones: their verdict's, in the results dir they name)."""
+    marker = adapter / PROMOTED
+    if not marker.is_file():
+        return None
+    try:
+        body = json.loads(marker.read_text(encoding="utf-8"))
+        recorded = body.get("adapter_sha256") or _verdict_digest(Path(body["results"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{marker} cannot be read, so the promotion cannot be checked"
+    if recorded != adapter_digest(adapter):
+        return f"{adapter} was changed after it was promoted (its files no longer match)"
+    return None
+
+
+def _verdict_digest(results: Path) -> str:
+    return str(json.loads((results / "verdict.json").read_text(encoding="utf-8"))["adapter_sha256"])
+
+
+PROMOTION_FIX = (
+    "restore the promoted files, or delete its PROMOTED marker and re-run `moetune eval` and "
+    "`moetune gate --promote` on the adapter as it is now"
+)
+
+
 # ---------------------------------------------------------------- one writer at a time
 
 

@@ -26,7 +26,7 @@ from markupsafe import Markup
 import moetune.report.plots as plots
 from moetune.config import load_yaml
 from moetune.errors import MoetuneError
-from moetune.io import atomic_write_text, masked
+from moetune.io import atomic_write_text, masked, promotion_broken
 from moetune.report.exports import exports_section
 from moetune.report.inputs import lookup, missing, read_json, read_jsonl
 from moetune.report.shift import shift_section
@@ -179,6 +179,8 @@ def promotion(inp: Inputs) -> str:
     if marker is None:
         found = (inp.run_dir / "adapter" / "PROMOTED").is_file()
         return "PROMOTED marker unreadable" if found else "not promoted"
+    if why := promotion_broken(inp.run_dir / "adapter"):
+        return f"NOT PROMOTED: {why}"
     verdict_hash = inp.get("verdict.json").get("hash")
     if verdict_hash is None:
         return f"promoted (verdict {str(marker.get('verdict_hash'))[:12]}; no verdict.json)"
