@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,6 +192,45 @@ def test_ranks_needing_more_host_ram_than_is_free_are_refused(tiny, tmp_path, mo
     assert got.exit_code == 2, got.output
     assert "ranks need about" in got.output and "pass a smaller --nproc" in got.output
     assert not out.exists()
+
+
+def test_offload_on_several_ranks_is_refused_by_the_launcher(tiny, tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda *a: started.append(a) or 1)
+    out, config = tmp_path / "never", tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, out, offload="cpu", lora__engine="moetune")))
+    for flags in (["--nproc", "2"], ["--nnodes", "2", "--master-addr", "127.0.0.1"]):
+        got = CliRunner().invoke(app, ["train", str(config), *flags])
+        line = " ".join(got.output.split())
+        assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+        assert "train.offload=cpu trains in one process" in line, line
+        assert "--nproc 1 --nnodes 1, or set train.offload: none" in line
+    assert started == [] and not out.exists()  # no rank ever started, nothing written
+
+
+def test_resuming_with_the_same_relative_command_passes_the_launchers_check(
+    tiny, tmp_path, monkeypatch
+):
+    """The killed run saved its paths absolute and resolved; the same command, relative and
+    through a symlinked folder, names the same run and starts its ranks with --resume."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    shutil.copy(tiny.data, tmp_path / "real" / "train.jsonl")
+    saved = _cfg(tiny, tmp_path / "real" / "runs" / "r", nproc=2)
+    saved.data.train_file = str(tmp_path / "real" / "train.jsonl")
+    (tmp_path / "real" / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "real" / "runs" / "r" / "config.yaml").write_text(dump_config(saved))
+    mine = saved.model_copy(deep=True)
+    mine.output.dir, mine.data.train_file = "runs/r", "train.jsonl"  # as the user wrote them
+    mine.output.ledger = "ledger.jsonl"
+    (tmp_path / "real" / "run.yaml").write_text(dump_config(mine))
+    monkeypatch.chdir(tmp_path / "link")
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda config, argv: started.append(argv) or 1)
+    got = CliRunner().invoke(app, ["train", "run.yaml", "--nproc", "2", "--resume"])
+    assert "different config" not in got.output, got.output
+    assert started and "--resume" in started[0]  # the ranks were started
+    assert "training processes failed (exit 1)" in " ".join(got.output.split())
 
 
 # ---------------------------------------------------------------- 2 gloo processes (slow)

@@ -42,6 +42,7 @@ from typing import Any
 import yaml
 
 from moetune.config import RunConfig
+from moetune.config.paths import anchor
 from moetune.io import atomic_write_text
 from moetune.model.derive import causal_lm_class
 from moetune.train import nodes
@@ -303,6 +304,9 @@ def launch_or_train(
     if nodes.world(cfg.train) == 1 or launched():
         die_with_launcher()  # again, should the rank not have come in by `python -m moetune`
         return train(cfg, progress=not flags.get("json"), **opts)
+
+    cfg = anchor(cfg)  # as every rank sees it: a resume compares the paths it saved
+    nodes.check_one_process(cfg)  # before any rank starts (a rank would refuse with a trace)
 
     def check() -> None:
         # lazy: heavy to import (moetune)

@@ -68,6 +68,18 @@ def check_nodes(t: TrainArgs) -> None:
         )
 
 
+def check_one_process(cfg: RunConfig) -> None:
+    """Refuse, in the launcher, train.offload on several ranks (it streams one process's
+    stacks to one device) – never let each rank refuse it inside, after its own trace."""
+    t = cfg.train
+    if t.offload != "none":
+        raise TrainError(
+            f"train.offload={t.offload} trains in one process (one device), and this launch "
+            f"asks for {world(t)} ({t.nproc} per node × {t.nnodes} node(s))",
+            "pass --nproc 1 --nnodes 1, or set train.offload: none",
+        )
+
+
 def check_port(t: TrainArgs) -> None:
     """Node 0 hosts the rendezvous on master_port: refuse a port something listens on
     (accelerate would raise ConnectionError with its trace once the launch has begun)."""
