@@ -138,6 +138,19 @@ def test_a_250_byte_out_name_works(run: Path, tmp_path: Path) -> None:
     assert "--no-check" in (out / UNCHECKED).read_text()
 
 
+def test_exporting_again_over_an_unchecked_export_names_check_only(
+    run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "v"
+    code, _, err = _export(str(run), "--format", "vllm", "--no-check", "--out", str(out))
+    assert code == 0 and (out / UNCHECKED).is_file(), err
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, _, err = _export(str(run), "--format", "vllm", "--out", str(out))
+    _refused(code, err, "holds an earlier export that was never checked")
+    assert f"moetune export --check-only {out}" in " ".join(err.split())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # kept as it was
+
+
 def _sigterm(*args: object) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 

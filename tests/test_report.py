@@ -385,3 +385,22 @@ def test_cli_report_writes_the_file_and_fails_cleanly(trained, tmp_path):
     assert json.loads(got.stdout)["report"] == str(out) and "<html" in out.read_text()
     bad = CliRunner().invoke(app, ["report", str(tmp_path / "missing")])
     assert bad.exit_code == 2 and "fix:" in bad.output
+
+
+def test_report_out_never_overwrites_a_file_it_did_not_write(trained, tmp_path):
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    mine = tmp_path / "notes.html"
+    mine.write_text("<!DOCTYPE html><title>my notes</title>")
+    (tmp_path / "folder.html").mkdir()
+    for out in (mine, tmp_path / "folder.html"):
+        got = CliRunner().invoke(app, ["report", str(trained), "--out", str(out)])
+        assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+        assert "is not a report moetune wrote" in " ".join(got.output.split())
+    assert mine.read_text() == "<!DOCTYPE html><title>my notes</title>"
+    ours = tmp_path / "ours.html"
+    for _ in range(2):  # its own report it rewrites
+        got = CliRunner().invoke(app, ["report", str(trained), "--out", str(ours)])
+        assert got.exit_code == 0, got.output

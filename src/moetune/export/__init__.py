@@ -16,7 +16,15 @@ import shutil
 from pathlib import Path
 
 from moetune.errors import clip
-from moetune.export.guard import mark_unchecked, temp_dir, write_record, writing
+from moetune.export.guard import (
+    RECORD,
+    UNCHECKED,
+    check_command,
+    mark_unchecked,
+    temp_dir,
+    write_record,
+    writing,
+)
 from moetune.export.registry import (
     EXPORTERS,
     Exporter,
@@ -51,6 +59,7 @@ def run_export(
     until the check removes it."""
     load_formats()
     chosen = exporter(fmt)
+    refuse_unchecked(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(
             f"{clip(out, 80)} already exists and is not empty",
@@ -72,6 +81,16 @@ def run_export(
         shutil.rmtree(tmp, ignore_errors=True)
     result.out = out
     return result
+
+
+def refuse_unchecked(out: Path) -> None:
+    """An earlier export into `out` whose check never passed: say how to check it, rather
+    than export again over it (it is kept as it is)."""
+    if (out / UNCHECKED).is_file() and (out / RECORD).is_file():
+        raise ExportError(
+            f"{clip(out, 80)} holds an earlier export that was never checked ({UNCHECKED})",
+            f"check it with `{check_command(out)}`, or pass a new --out folder",
+        )
 
 
 def record_of(source: Source, result: ExportResult) -> dict[str, object]:
