@@ -151,6 +151,20 @@ def test_exporting_again_over_an_unchecked_export_names_check_only(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # kept as it was
 
 
+@pytest.mark.parametrize("mask", [0o002, 0o027])
+def test_exported_weights_follow_the_users_umask(run: Path, tmp_path: Path, mask: int) -> None:
+    out = tmp_path / "v"
+    before = os.umask(mask)
+    try:
+        code, _, err = _export(str(run), "--format", "vllm", "--no-check", "--out", str(out))
+    finally:
+        os.umask(before)
+    assert code == 0, err
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes and set(modes.values()) == {0o666 & ~mask}, modes  # weights, record, marker
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+
+
 def _sigterm(*args: object) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 

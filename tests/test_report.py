@@ -201,6 +201,16 @@ def test_an_adapter_swapped_after_promotion_reads_not_promoted(evaluated, tmp_pa
     assert "promoted (verdict" not in html
 
 
+def test_trained_weights_are_as_readable_as_the_umask_allows(trained):
+    from moetune.io import umask
+
+    want = 0o666 & ~umask()  # safetensors alone would leave them 0600
+    for path in (trained / "adapter").iterdir():
+        assert path.stat().st_mode & 0o777 == want, path
+    for path in (trained / "checkpoints").rglob("*.safetensors"):
+        assert path.stat().st_mode & 0o777 == want, path
+
+
 def test_run_without_eval_says_so_and_still_plots_the_loss(trained, tmp_path):
     report = build_report(trained, out=tmp_path / "report.html")
     html = report.read_text()

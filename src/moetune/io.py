@@ -99,6 +99,29 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def umask() -> int:
+    """This process's umask (Linux reports it; elsewhere it is set back at once)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(ln for ln in status if ln.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_by_umask(root: Path) -> None:
+    """Give every file and folder under `root` the modes the user's umask allows: writers
+    such as safetensors' create their files 0600 whatever the umask says, and weights a
+    user's group or others may read must stay readable to them."""
+    mask = umask()
+    for dirpath, _, files in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in files:
+            path = Path(dirpath) / name
+            if not path.is_symlink():
+                os.chmod(path, 0o666 & ~mask)
+
+
 def atomic_write_text(path: Path, text: str, mask: bool = True) -> None:
     """Write `text` (secrets masked; `mask=False` only for a copy of the user's own data,
     which is theirs to keep as it is) to a temp file beside `path`, fsync it, and rename it

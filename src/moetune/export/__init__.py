@@ -36,6 +36,7 @@ from moetune.export.registry import (
     register,
 )
 from moetune.export.source import resolve_source
+from moetune.io import share_by_umask
 from moetune.registry import Registry
 
 # Format modules register themselves on import; a missing one (mlx) is simply not offered.
@@ -74,6 +75,7 @@ def run_export(
             result = chosen.export(source, tmp, final)
             write_record(tmp, record_of(source, result))
             mark_unchecked(tmp, out, unchecked)
+            share_by_umask(tmp)  # the weights as readable as the user's umask allows
             if out.exists():
                 out.rmdir()  # empty (checked above)
             os.replace(tmp, out)

@@ -45,7 +45,7 @@ import yaml
 from moetune.config import RunConfig, dump_config, load_yaml, parse_config
 from moetune.config.paths import rebase
 from moetune.errors import MoetuneError
-from moetune.io import PROMOTED, atomic_write_text, fsync_path
+from moetune.io import PROMOTED, atomic_write_text, fsync_path, share_by_umask
 from moetune.train.errors import TrainError
 from moetune.train.nodes import NODE_KEYS
 
@@ -69,6 +69,7 @@ def fsync_tree(root: Path) -> None:
 
 def replace_dir(src: Path, dst: Path) -> None:
     """Move the complete directory `src` to `dst`; an existing `dst` is swapped out first."""
+    share_by_umask(src)  # safetensors writes 0600; the user's umask decides
     fsync_tree(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists():
