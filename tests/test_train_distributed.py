@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import types
+from datetime import timedelta
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -231,6 +232,71 @@ def test_resuming_with_the_same_relative_command_passes_the_launchers_check(
     assert "different config" not in got.output, got.output
     assert started and "--resume" in started[0]  # the ranks were started
     assert "training processes failed (exit 1)" in " ".join(got.output.split())
+
+
+@pytest.mark.parametrize(
+    ("addr", "said"),
+    [("999.1.1.1", "is not an IP address"), ("no-such-node.invalid", "does not resolve")],
+)
+def test_a_master_address_that_does_not_parse_or_resolve_is_refused(
+    tiny, tmp_path, monkeypatch, addr, said
+):
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda *a: started.append(a) or 1)
+    out, config = tmp_path / "never", tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, out)))
+    got = CliRunner().invoke(app, ["train", str(config), "--nnodes", "2", "--master-addr", addr])
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert f"train.master_addr {addr!r} {said}" in line and "--master-addr" in line
+    assert started == [] and not out.exists()
+
+
+def test_a_node_waiting_for_node_0_says_whom_and_gives_up_at_the_timeout(
+    tiny, tmp_path, monkeypatch
+):
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda *a: started.append(a) or 1)
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, tmp_path / "run")))
+    port = D.free_port()  # nothing listens there: node 0 never came up
+    got = CliRunner().invoke(app, [
+        "train", str(config), "--nnodes", "2", "--node-rank", "1", "--master-addr",
+        "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "1",
+    ])  # fmt: skip
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert f"node 1 of 2: waiting up to 1 s for node 0 at 127.0.0.1:{port}" in line
+    assert f"node 0 did not answer at 127.0.0.1:{port} within 1 s" in line
+    assert started == []  # no rank was started to retry for ten minutes
+
+
+@pytest.mark.slow
+def test_node_0_waits_the_stated_timeout_for_the_others_then_says_so(tiny, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, tmp_path / "run")))
+    port = D.free_port()
+    flags = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    proc = _moetune("train", str(config), *flags, "--rdzv-timeout", "2", log=tmp_path / "n0.log")
+    assert proc.wait(timeout=300) == 2
+    err = " ".join((tmp_path / "n0.err").read_text().split())
+    assert f"waiting up to 2 s for the other 1 node(s) to join at 127.0.0.1:{port}" in err
+    assert f"did not join node 0 at 127.0.0.1:{port} within 2 s" in err
+
+
+def test_the_rendezvous_timeout_reaches_torchrun(tiny, tmp_path):
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, static_tcp_rendezvous
+    from torch.distributed.run import _parse_rendezvous_config
+
+    cfg = _cfg(tiny, tmp_path / "r", nnodes=2, master_addr="10.0.0.1", rdzv_timeout_s=42)
+    args = launch_command_parser().parse_args([*D.rdzv_args(cfg), "x.py"])
+    # accelerate hands args.rdzv_conf to torchrun's config_from_args; its static
+    # rendezvous reads "timeout" from the parsed conf (probes_dist checks the handler)
+    conf = _parse_rendezvous_config(args.rdzv_conf)
+    params = RendezvousParameters("static", "10.0.0.1:29500", "none", 2, 2, rank=1, **conf)
+    assert static_tcp_rendezvous.create_rdzv_handler(params).timeout == timedelta(seconds=42)
+    assert D.rdzv_args(_cfg(tiny, tmp_path / "one")) == []  # one node: torchrun's own
 
 
 # ---------------------------------------------------------------- 2 gloo processes (slow)
