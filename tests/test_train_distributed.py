@@ -437,6 +437,30 @@ def test_kill_9_of_the_launcher_then_resume(tiny, two):
     assert _rel_diff(out, two.run) < 1e-4
 
 
+@pytest.mark.slow
+def test_kill_9_then_the_same_relative_command_resumes(tiny, tmp_path, monkeypatch):
+    """`moetune train run.yaml --nproc 2` with relative paths, killed, then the very same
+    command with --resume: the launcher compares the saved (absolute) paths resolved."""
+    shutil.copy(tiny.data, tmp_path / "rows.jsonl")
+    cfg = _cfg(tiny, tmp_path / "unused", nproc=2, max_steps=8, batch_size=2)
+    cfg.output.dir, cfg.data.train_file, cfg.output.ledger = "rel", "rows.jsonl", "l.jsonl"
+    (tmp_path / "run.yaml").write_text(dump_config(cfg))
+    monkeypatch.chdir(tmp_path)  # the subprocesses start here
+    out, log = tmp_path / "rel", tmp_path / "killed.log"
+    proc = _moetune("train", "run.yaml", log=log)
+    deadline = time.monotonic() + 600
+    while not (out / "checkpoints" / "step-2").exists():
+        assert proc.poll() is None, log.with_suffix(".err").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "summary.json").exists(), "the run ended before the kill"
+    _wait_released(out)
+    result = _train(Path("run.yaml"), "--resume", log=tmp_path / "resumed.log")
+    assert result["resumed_from_step"] is not None and result["steps"] == 8
+
+
 def _ranks(launcher: int) -> list:
     """The launcher's descendants that are ranks (`-m moetune train`, not accelerate's)."""
     import psutil
