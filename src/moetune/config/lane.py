@@ -73,7 +73,7 @@ class SkypilotArgs(_Section):
 
 # What YAML made of an unquoted env value, named in the refusal (never the value itself).
 YAML_KINDS = {bool: "a true/false", int: "a number", float: "a number", list: "a list",
-              dict: "a mapping", type(None): "empty"}  # fmt: skip
+              dict: "a mapping", type(None): "an empty"}  # fmt: skip
 
 
 def env_text(env: Any) -> Any:

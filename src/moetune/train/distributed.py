@@ -44,6 +44,7 @@ import yaml
 
 from moetune.config import RunConfig
 from moetune.config.paths import anchor
+from moetune.config.sections import TrainArgs
 from moetune.io import atomic_write_text
 from moetune.model.derive import causal_lm_class
 from moetune.train import nodes
@@ -204,7 +205,7 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
     return dict(summary["result"])
 
 
-def _failed(t: Any, code: int) -> TrainError:
+def _failed(t: TrainArgs, code: int) -> TrainError:
     where = f" of node {t.node_rank} (of {t.nnodes})" if t.nnodes > 1 else ""
     return TrainError(
         f"the {t.nproc} training processes{where} failed (exit {code}); their error is above",
