@@ -18,7 +18,8 @@ DEMO_BASE = Path(__file__).resolve().parents[1] / "src" / "moetune" / "demo" / "
 RUN = f"model: {{id: {DEMO_BASE}}}\n"
 # Planted under innocuous names and under a known one: none may appear in anything moetune
 # prints or writes (issue 26: secrets by value, not only by name).
-SECRETS = ("zq-sweep-secret-7f3a", "zq-sweep-value-91c2", "hf_sweepTOKENa1b2c3d4e5f6g7h8")
+SECRETS = ("zq-sweep-secret-7f3a", "zq-sweep-value-91c2", "hf_sweepTOKENa1b2c3d4e5f6g7h8",
+           "4242424242427", "zq-sweep-listed-5e")  # fmt: skip
 SECRET_ENV = {"HF_TOKEN": SECRETS[2]}
 LANE = f"lane: {{provider: runpod, env: {{DB_PASS: {SECRETS[0]}, MY_STUFF: {SECRETS[1]}}}}}\n"
 
@@ -344,6 +345,42 @@ def _misc_cases() -> list[Case]:
     ]
 
 
+# lane.env values YAML reads as a number and a list (issue 36 item 5): never shown
+TYPED_LANE = f"lane: {{env: {{DB_PASS: {SECRETS[3]}, KEYS: [{SECRETS[4]}]}}}}\n"
+ROWS = "".join('{"prompt": "abc", "completion": "cba"}\n' for _ in range(8))
+TRAIN_RUN = RUN + "data: {train_file: {dir}/t.jsonl}\ntrain: {device: cpu, max_steps: 1}\n"
+SWAPPED = {  # an adapter whose PROMOTED marker vouches for other bytes (issue 36 item 6)
+    "adapter_config.json": json.dumps({"base_model_name_or_path": str(DEMO_BASE)}),
+    "adapter_model.safetensors": b"\x08" + b"\x00" * 7 + b'{"a":1}\n',
+    "PROMOTED": json.dumps({"verdict_hash": "0" * 64, "adapter_sha256": "0" * 64}),
+}
+
+
+def _hardening_cases() -> list[Case]:
+    """Issue 36 items 4, 5, 6 and 9: refusals before any rank starts, secrets of any YAML
+    type, a swapped promoted adapter, and the files a command must not replace."""
+    typed, train = {"run.yaml": RUN + TYPED_LANE}, {"run.yaml": TRAIN_RUN, "t.jsonl": ROWS}
+    multi = ["train", "{dir}/run.yaml", "--nnodes", "2", "--json"]
+    return [
+        *[Case(f"secret/typed/{cmd}", [cmd, "{dir}/run.yaml", *more], typed)
+          for cmd, more in (("lint", ["--json"]), ("train", []), ("launch", ["--dry-run"]))],
+        Case("launch/master-addr-unparsable", [*multi, "--master-addr", "999.1.1.1"], train),
+        Case("launch/master-addr-unresolved", [*multi, "--master-addr", "nope.invalid"], train),
+        Case("launch/node-1-no-node-0", [*multi, "--node-rank", "1", "--master-addr",
+             "127.0.0.1", "--master-port", "9", "--rdzv-timeout", "1"], train),
+        Case("launch/offload-nproc-2",
+             ["train", "{dir}/run.yaml", "--nproc", "2", "--offload", "cpu", "--json"], train),
+        Case("promote/swapped/export",
+             ["export", "{dir}", "--format", "vllm", "--out", "{dir}/o", "--json"], SWAPPED),
+        Case("misc/export/over-unchecked",
+             ["export", "{shared}", "--format", "vllm", "--out", "{dir}", "--json"],
+             {"UNCHECKED": "unchecked\n", "export.json": "{}"}),
+        Case("misc/report/out-not-ours", ["report", "{shared}", "--out", "{dir}/mine.html"],
+             {"mine.html": "<p>my notes</p>"}),
+        Case("misc/ledger/kind-typo", ["ledger", "show", "--kind", "trian", "--json"]),
+    ]  # fmt: skip
+
+
 def _fuzz_cases(n: int, seed: int = 0) -> list[Case]:
     """Random fields of `moetune schema` set to values of the wrong kind."""
     # the schema's field list, from the package itself (no subprocess per field)
@@ -395,8 +432,8 @@ def _garbled_cases(n: int, seed: int = 1) -> list[Case]:
 def all_cases(fuzz: int, garble: int) -> list[Case]:
     return [
         *_yaml_cases(), *_flag_cases(), *_path_cases(), *_data_cases(),
-        *_hardening_data_cases(), *_numeric_cases(),
-        *_secret_cases(), *_misc_cases(), *_fuzz_cases(fuzz), *_garbled_cases(garble),
+        *_hardening_data_cases(), *_numeric_cases(), *_secret_cases(), *_misc_cases(),
+        *_hardening_cases(), *_fuzz_cases(fuzz), *_garbled_cases(garble),
     ]  # fmt: skip
 
 

@@ -223,3 +223,33 @@ def test_eval_errors_are_one_line_and_ledgered(tmp_path: Path, data: dict[str, P
     assert ledger_kinds(tmp_path) == [("eval", "failed"), ("eval", "failed")]
     out = invoke("gate", str(tmp_path / "nowhere"))
     assert out.exit_code == 2 and "ladder.json" in out.output
+
+
+def test_an_adapter_swapped_after_promotion_is_refused_by_eval_export_and_launch(
+    tmp_path: Path, adapters: dict[str, Path], data: dict[str, Path]
+) -> None:
+    import shutil
+
+    adapter = tmp_path / "run" / "adapter"
+    shutil.copytree(adapters["identity"], adapter)
+    config = write_config(tmp_path, data)
+    out = invoke("eval", str(config), "--adapter", str(adapter), "--limit", "30", "--json")
+    assert out.exit_code == 0 and json.loads(out.stdout)["verdict"] == "GO", out.output
+    assert invoke("gate", str(tmp_path / "run" / "eval"), "--promote").exit_code == 0
+    recorded = json.loads((adapter / "PROMOTED").read_text())["adapter_sha256"]
+    assert (
+        recorded == json.loads((tmp_path / "run/eval/verdict.json").read_text())["adapter_sha256"]
+    )
+    shutil.copy(adapters["broken"] / "adapter_model.safetensors", adapter)  # swapped afterwards
+    refused = [
+        invoke("eval", str(config), "--adapter", str(adapter), "--overwrite"),
+        invoke("export", str(adapter), "--format", "vllm", "--out", str(tmp_path / "x"),
+               "--base", str(SHIPPED_DIR)),
+        invoke("launch", str(config), "--resume", "any-run"),
+    ]  # fmt: skip
+    for out in refused:
+        assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+        assert "changed after it was promoted" in out.output, out.output
+        assert "gate --promote" in out.output  # the way back
+    assert not (tmp_path / "x").exists()
+    assert (tmp_path / "run/eval/ladder.json").is_file()  # the old results stay

@@ -138,6 +138,33 @@ def test_a_250_byte_out_name_works(run: Path, tmp_path: Path) -> None:
     assert "--no-check" in (out / UNCHECKED).read_text()
 
 
+def test_exporting_again_over_an_unchecked_export_names_check_only(
+    run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "v"
+    code, _, err = _export(str(run), "--format", "vllm", "--no-check", "--out", str(out))
+    assert code == 0 and (out / UNCHECKED).is_file(), err
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, _, err = _export(str(run), "--format", "vllm", "--out", str(out))
+    _refused(code, err, "holds an earlier export that was never checked")
+    assert f"moetune export --check-only {out}" in " ".join(err.split())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # kept as it was
+
+
+@pytest.mark.parametrize("mask", [0o002, 0o027])
+def test_exported_weights_follow_the_users_umask(run: Path, tmp_path: Path, mask: int) -> None:
+    out = tmp_path / "v"
+    before = os.umask(mask)
+    try:
+        code, _, err = _export(str(run), "--format", "vllm", "--no-check", "--out", str(out))
+    finally:
+        os.umask(before)
+    assert code == 0, err
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes and set(modes.values()) == {0o666 & ~mask}, modes  # weights, record, marker
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+
+
 def _sigterm(*args: object) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 

@@ -488,6 +488,45 @@ def test_secrets_reach_the_pod_by_its_environment_and_appear_nowhere_else(
     assert saved["lane"]["env"] == {"HF_HUB_OFFLINE": "1"}  # the pod's copy never held them
 
 
+YAML_TYPED = {"DB_PASS": 424242424242, "PI_KEY": 3.14159265, "PAIR": ["abcdefgh1", "zyxw98765"],
+              "NESTED": {"inner": "nestedsecret9"}, "ON": True}  # fmt: skip
+TYPED_SHOWN = ("424242424242", "3.14159265", "abcdefgh1", "zyxw98765", "nestedsecret9")
+
+
+@pytest.mark.parametrize("entry", sorted(YAML_TYPED))
+def test_lane_env_values_yaml_reads_as_numbers_bools_or_lists_are_never_shown(
+    tmp_path: Path, data: dict[str, Path], entry: str
+) -> None:
+    env = {"HF_HUB_OFFLINE": "1", **{k: v for k, v in YAML_TYPED.items() if k != entry}}
+    config = write_config(tmp_path, data, env={entry: YAML_TYPED[entry], **env})
+    run = CliRunner()
+    outputs = [run.invoke(app, args) for args in (
+        ["lint", str(config)], ["lint", str(config), "--json"], ["train", str(config)],
+        ["launch", str(config), "--dry-run"], ["launch", str(config), "--dry-run", "--json"],
+        ["launch", str(config), "--set", "lane.env.X=123456789", "--dry-run"],
+    )]  # fmt: skip
+    for out in outputs:  # refused in one line that names an entry, and shows no value
+        assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+        assert "lane.env" in out.output and "quote every value" in out.output, out.output
+        assert [v for v in (*TYPED_SHOWN, "123456789") if v in out.output] == [], out.output
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_public_env_keeps_other_providers_token_shaped_values_masked(
+    tmp_path: Path, data: dict[str, Path]
+) -> None:
+    tokens = {"GH_PAT": "ghp_" + "a1B2" * 9, "AWS_KEY_ID": "AKIA" + "ABCDEFGH23456789",
+              "GITLAB": "glpat-" + "x" * 20, "SLACK": "xoxb-1234567890-abcdef"}  # fmt: skip
+    config = write_config(tmp_path, data, env={**tokens, "REGION": "eu-west-1"},
+                          public_env=[*tokens, "REGION"])  # fmt: skip
+    out = CliRunner().invoke(app, ["launch", str(config), "--dry-run", "--json"])
+    assert out.exit_code == 0, out.output
+    env = json.loads(out.stdout)["walls"]["env"]
+    assert {k: env[k] for k in tokens} == dict.fromkeys(tokens, "***")
+    assert env["REGION"] == "eu-west-1"  # a public value that is no credential stays shown
+    assert [v for v in tokens.values() if v in out.output] == []
+
+
 def test_a_failing_command_that_prints_a_secret_is_reported_masked(
     tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -166,3 +166,19 @@ def test_cli_show_refuses_a_status_that_does_not_exist(tmp_path: Path) -> None:
     assert got.exit_code == 2 and got.stdout == ""
     assert "--status 'weird' is not a ledger status" in got.stderr
     assert "ok, failed, infra-failed, cancelled" in got.stderr
+
+
+def test_cli_show_takes_only_known_kinds(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    path = tmp_path / "l.jsonl"
+    Ledger(path).append(_row(1))
+    show = ["ledger", "show", "--path", str(path), "--json", "--kind"]
+    got = CliRunner().invoke(app, [*show, "trian"])  # a typo used to list nothing, silently
+    assert got.exit_code == 2 and got.stdout == "", got.output
+    assert "--kind 'trian' is not a kind of ledger row" in got.stderr
+    assert "train, eval, gate, promote, export" in " ".join(got.stderr.split())
+    got = CliRunner().invoke(app, [*show, "train"])
+    assert got.exit_code == 0 and json.loads(got.stdout)["rows"] != [], got.output

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from moetune.errors import MoetuneError
+from moetune.io import adapter_digest
 from moetune.report import ReportError, build_report
 from moetune.report.plots import pick_layers
 from moetune.train import train
@@ -130,7 +131,9 @@ def evaluated(trained, tmp_path_factory):
     (run / "eval").mkdir()
     (run / "eval" / "ladder.json").write_text(json.dumps(LADDER))
     (run / "eval" / "verdict.json").write_text(json.dumps(VERDICT))
-    (run / "adapter" / "PROMOTED").write_text(json.dumps({"verdict_hash": VERDICT["hash"]}))
+    digest = adapter_digest(run / "adapter")  # what `gate --promote` records
+    marker = {"verdict_hash": VERDICT["hash"], "adapter_sha256": digest}
+    (run / "adapter" / "PROMOTED").write_text(json.dumps(marker))
     report = build_report(run)
     return types.SimpleNamespace(run=run, report=report, html=report.read_text())
 
@@ -184,6 +187,28 @@ def test_no_pyplot_figures_are_left_open(evaluated):
 
     build_report(evaluated.run, out=evaluated.run / "again.html")
     assert plt.get_fignums() == []
+
+
+def test_an_adapter_swapped_after_promotion_reads_not_promoted(evaluated, tmp_path):
+    run = tmp_path / "swapped"
+    shutil.copytree(evaluated.run, run)
+    weights = run / "adapter" / "adapter_model.safetensors"
+    swapped = bytearray(weights.read_bytes())
+    swapped[-1] ^= 0xFF  # same size and name, other bytes
+    weights.write_bytes(bytes(swapped))
+    html = build_report(run, out=tmp_path / "swapped.html").read_text()
+    assert "NOT PROMOTED" in html and "changed after it was promoted" in html
+    assert "promoted (verdict" not in html
+
+
+def test_trained_weights_are_as_readable_as_the_umask_allows(trained):
+    from moetune.io import umask
+
+    want = 0o666 & ~umask()  # safetensors alone would leave them 0600
+    for path in (trained / "adapter").iterdir():
+        assert path.stat().st_mode & 0o777 == want, path
+    for path in (trained / "checkpoints").rglob("*.safetensors"):
+        assert path.stat().st_mode & 0o777 == want, path
 
 
 def test_run_without_eval_says_so_and_still_plots_the_loss(trained, tmp_path):
@@ -370,3 +395,22 @@ def test_cli_report_writes_the_file_and_fails_cleanly(trained, tmp_path):
     assert json.loads(got.stdout)["report"] == str(out) and "<html" in out.read_text()
     bad = CliRunner().invoke(app, ["report", str(tmp_path / "missing")])
     assert bad.exit_code == 2 and "fix:" in bad.output
+
+
+def test_report_out_never_overwrites_a_file_it_did_not_write(trained, tmp_path):
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    mine = tmp_path / "notes.html"
+    mine.write_text("<!DOCTYPE html><title>my notes</title>")
+    (tmp_path / "folder.html").mkdir()
+    for out in (mine, tmp_path / "folder.html"):
+        got = CliRunner().invoke(app, ["report", str(trained), "--out", str(out)])
+        assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+        assert "is not a report moetune wrote" in " ".join(got.output.split())
+    assert mine.read_text() == "<!DOCTYPE html><title>my notes</title>"
+    ours = tmp_path / "ours.html"
+    for _ in range(2):  # its own report it rewrites
+        got = CliRunner().invoke(app, ["report", str(trained), "--out", str(ours)])
+        assert got.exit_code == 0, got.output

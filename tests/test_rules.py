@@ -475,6 +475,14 @@ def test_several_nodes_need_an_address_of_node_0() -> None:
     assert check("DIST-MULTINODE-ADDR", ctx(train={"nnodes": 1})) is None
 
 
+@pytest.mark.parametrize("addr", ["999.1.1.1", "10.0.0", "1:2:3:zz"])
+def test_a_node_0_address_that_is_no_ip_is_an_error(addr: str) -> None:
+    found = check("DIST-MULTINODE-ADDR", ctx(train={"nnodes": 2, "master_addr": addr}))
+    assert found and found.severity == "error" and "is not an IP address" in found.message
+    named = {"nnodes": 2, "master_addr": "node0.cluster"}  # resolved on the node, not here
+    assert check("DIST-MULTINODE-ADDR", ctx(train=named)) is None
+
+
 @pytest.mark.parametrize("addr", ["127.0.0.1", "localhost", "::1"])
 def test_a_loopback_node_0_is_wrong_on_a_remote_lane_only(addr: str) -> None:
     train = {"nnodes": 2, "master_addr": addr}

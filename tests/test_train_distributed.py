@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import types
+from datetime import timedelta
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -193,6 +195,110 @@ def test_ranks_needing_more_host_ram_than_is_free_are_refused(tiny, tmp_path, mo
     assert not out.exists()
 
 
+def test_offload_on_several_ranks_is_refused_by_the_launcher(tiny, tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda *a: started.append(a) or 1)
+    out, config = tmp_path / "never", tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, out, offload="cpu", lora__engine="moetune")))
+    for flags in (["--nproc", "2"], ["--nnodes", "2", "--master-addr", "127.0.0.1"]):
+        got = CliRunner().invoke(app, ["train", str(config), *flags])
+        line = " ".join(got.output.split())
+        assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+        assert "train.offload=cpu trains in one process" in line, line
+        assert "--nproc 1 --nnodes 1, or set train.offload: none" in line
+    assert started == [] and not out.exists()  # no rank ever started, nothing written
+
+
+def test_resuming_with_the_same_relative_command_passes_the_launchers_check(
+    tiny, tmp_path, monkeypatch
+):
+    """The killed run saved its paths absolute and resolved; the same command, relative and
+    through a symlinked folder, names the same run and starts its ranks with --resume."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    shutil.copy(tiny.data, tmp_path / "real" / "train.jsonl")
+    saved = _cfg(tiny, tmp_path / "real" / "runs" / "r", nproc=2)
+    saved.data.train_file = str(tmp_path / "real" / "train.jsonl")
+    (tmp_path / "real" / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "real" / "runs" / "r" / "config.yaml").write_text(dump_config(saved))
+    mine = saved.model_copy(deep=True)
+    mine.output.dir, mine.data.train_file = "runs/r", "train.jsonl"  # as the user wrote them
+    mine.output.ledger = "ledger.jsonl"
+    (tmp_path / "real" / "run.yaml").write_text(dump_config(mine))
+    monkeypatch.chdir(tmp_path / "link")
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda config, argv: started.append(argv) or 1)
+    got = CliRunner().invoke(app, ["train", "run.yaml", "--nproc", "2", "--resume"])
+    assert "different config" not in got.output, got.output
+    assert started and "--resume" in started[0]  # the ranks were started
+    assert "training processes failed (exit 1)" in " ".join(got.output.split())
+
+
+@pytest.mark.parametrize(
+    ("addr", "said"),
+    [("999.1.1.1", "is not an IP address"), ("no-such-node.invalid", "does not resolve")],
+)
+def test_a_master_address_that_does_not_parse_or_resolve_is_refused(
+    tiny, tmp_path, monkeypatch, addr, said
+):
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda *a: started.append(a) or 1)
+    out, config = tmp_path / "never", tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, out)))
+    got = CliRunner().invoke(app, ["train", str(config), "--nnodes", "2", "--master-addr", addr])
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert f"train.master_addr {addr!r} {said}" in line and "--master-addr" in line
+    assert started == [] and not out.exists()
+
+
+def test_a_node_waiting_for_node_0_says_whom_and_gives_up_at_the_timeout(
+    tiny, tmp_path, monkeypatch
+):
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda *a: started.append(a) or 1)
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, tmp_path / "run")))
+    port = D.free_port()  # nothing listens there: node 0 never came up
+    got = CliRunner().invoke(app, [
+        "train", str(config), "--nnodes", "2", "--node-rank", "1", "--master-addr",
+        "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "1",
+    ])  # fmt: skip
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert f"node 1 of 2: waiting up to 1 s for node 0 at 127.0.0.1:{port}" in line
+    assert f"node 0 did not answer at 127.0.0.1:{port} within 1 s" in line
+    assert started == []  # no rank was started to retry for ten minutes
+
+
+@pytest.mark.slow
+def test_node_0_waits_the_stated_timeout_for_the_others_then_says_so(tiny, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, tmp_path / "run")))
+    port = D.free_port()
+    flags = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    proc = _moetune("train", str(config), *flags, "--rdzv-timeout", "2", log=tmp_path / "n0.log")
+    assert proc.wait(timeout=300) == 2
+    err = " ".join((tmp_path / "n0.err").read_text().split())
+    assert f"waiting up to 2 s for the other 1 node(s) to join at 127.0.0.1:{port}" in err
+    assert f"did not join node 0 at 127.0.0.1:{port} within 2 s" in err
+
+
+def test_the_rendezvous_timeout_reaches_torchrun(tiny, tmp_path):
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, static_tcp_rendezvous
+    from torch.distributed.run import _parse_rendezvous_config
+
+    cfg = _cfg(tiny, tmp_path / "r", nnodes=2, master_addr="10.0.0.1", rdzv_timeout_s=42)
+    args = launch_command_parser().parse_args([*D.rdzv_args(cfg), "x.py"])
+    # accelerate hands args.rdzv_conf to torchrun's config_from_args; its static
+    # rendezvous reads "timeout" from the parsed conf (probes_dist checks the handler)
+    conf = _parse_rendezvous_config(args.rdzv_conf)
+    params = RendezvousParameters("static", "10.0.0.1:29500", "none", 2, 2, rank=1, **conf)
+    assert static_tcp_rendezvous.create_rdzv_handler(params).timeout == timedelta(seconds=42)
+    assert D.rdzv_args(_cfg(tiny, tmp_path / "one")) == []  # one node: torchrun's own
+
+
 # ---------------------------------------------------------------- 2 gloo processes (slow)
 
 
@@ -329,6 +435,30 @@ def test_kill_9_of_the_launcher_then_resume(tiny, two):
     result = _train(config, "--resume", log=tiny.root / f"resumed-{two.strategy}.log")
     assert result["resumed_from_step"] is not None and result["steps"] == 8
     assert _rel_diff(out, two.run) < 1e-4
+
+
+@pytest.mark.slow
+def test_kill_9_then_the_same_relative_command_resumes(tiny, tmp_path, monkeypatch):
+    """`moetune train run.yaml --nproc 2` with relative paths, killed, then the very same
+    command with --resume: the launcher compares the saved (absolute) paths resolved."""
+    shutil.copy(tiny.data, tmp_path / "rows.jsonl")
+    cfg = _cfg(tiny, tmp_path / "unused", nproc=2, max_steps=8, batch_size=2)
+    cfg.output.dir, cfg.data.train_file, cfg.output.ledger = "rel", "rows.jsonl", "l.jsonl"
+    (tmp_path / "run.yaml").write_text(dump_config(cfg))
+    monkeypatch.chdir(tmp_path)  # the subprocesses start here
+    out, log = tmp_path / "rel", tmp_path / "killed.log"
+    proc = _moetune("train", "run.yaml", log=log)
+    deadline = time.monotonic() + 600
+    while not (out / "checkpoints" / "step-2").exists():
+        assert proc.poll() is None, log.with_suffix(".err").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "summary.json").exists(), "the run ended before the kill"
+    _wait_released(out)
+    result = _train(Path("run.yaml"), "--resume", log=tmp_path / "resumed.log")
+    assert result["resumed_from_step"] is not None and result["steps"] == 8
 
 
 def _ranks(launcher: int) -> list:

@@ -32,7 +32,13 @@ REDACTED = "***"
 SECRET_KEY = re.compile(
     r"(api[_-]?key|token|secret|password|passwd|authorization|credential|access[_-]?key)", re.I
 )
-SECRET_VALUE = re.compile(r"(hf_[A-Za-z0-9]{20,}|rpa_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
+# Credential shapes of the providers a run meets: Hugging Face, RunPod, OpenAI-style keys,
+# GitHub (classic and fine-grained), AWS access key ids, GitLab, Slack, Google API keys.
+SECRET_VALUE = re.compile(
+    r"(hf_[A-Za-z0-9]{20,}|rpa_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}"
+    r"|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"
+    r"|glpat-[A-Za-z0-9_-]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|AIza[0-9A-Za-z_-]{35})"
+)
 # Shorter values are not masked by value: "1", "true", "auto", "false", "cuda" are the
 # everyday words of configs and logs – replacing them everywhere would mangle every file
 # (a config.yaml whose `true`s read `***` no longer loads). Where such a value stands as a
@@ -93,6 +99,29 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def umask() -> int:
+    """This process's umask (Linux reports it; elsewhere it is set back at once)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(ln for ln in status if ln.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_by_umask(root: Path) -> None:
+    """Give every file and folder under `root` the modes the user's umask allows: writers
+    such as safetensors' create their files 0600 whatever the umask says, and weights a
+    user's group or others may read must stay readable to them."""
+    mask = umask()
+    for dirpath, _, files in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in files:
+            path = Path(dirpath) / name
+            if not path.is_symlink():
+                os.chmod(path, 0o666 & ~mask)
+
+
 def atomic_write_text(path: Path, text: str, mask: bool = True) -> None:
     """Write `text` (secrets masked; `mask=False` only for a copy of the user's own data,
     which is theirs to keep as it is) to a temp file beside `path`, fsync it, and rename it
@@ -139,6 +168,42 @@ def tree_digest(digests: dict[str, str]) -> str:
     for name, digest in sorted(digests.items()):
         h.update(f"{name}\0{digest}\n".encode())
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------- promotion
+
+
+def adapter_digest(adapter: Path) -> str:
+    """One sha256 over the adapter's files (names and bytes), the PROMOTED marker excluded –
+    the digest a promotion records, and the remote lane when it banks an adapter."""
+    return tree_digest(file_digests(adapter, skip=frozenset({PROMOTED})))
+
+
+def promotion_broken(adapter: Path) -> str | None:
+    """Why `adapter`'s PROMOTED marker no longer vouches for it (None: no marker, or the
+    adapter's bytes are still the ones promoted). A marker records the digest it promoted
+    (older ones: their verdict's, in the results dir they name)."""
+    marker = adapter / PROMOTED
+    if not marker.is_file():
+        return None
+    try:
+        body = json.loads(marker.read_text(encoding="utf-8"))
+        recorded = body.get("adapter_sha256") or _verdict_digest(Path(body["results"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{marker} cannot be read, so the promotion cannot be checked"
+    if recorded != adapter_digest(adapter):
+        return f"{adapter} was changed after it was promoted (its files no longer match)"
+    return None
+
+
+def _verdict_digest(results: Path) -> str:
+    return str(json.loads((results / "verdict.json").read_text(encoding="utf-8"))["adapter_sha256"])
+
+
+PROMOTION_FIX = (
+    "restore the promoted files, or delete its PROMOTED marker and re-run `moetune eval` and "
+    "`moetune gate --promote` on the adapter as it is now"
+)
 
 
 # ---------------------------------------------------------------- one writer at a time

@@ -38,6 +38,10 @@ from moetune.io import (
 )
 
 Status = Literal["ok", "failed", "infra-failed", "cancelled"]
+# Every kind of row moetune writes (train, eval, export … by their stages; the rest by a
+# launch and its cost guard) – what `ledger show --kind` accepts.
+KINDS = ("train", "eval", "gate", "promote", "export", "launch", "provision", "bank",
+         "teardown", "spend", "infra")  # fmt: skip
 DEFAULT_PATH = Path(".moetune") / "ledger.jsonl"
 # the patterns live with the one masker (moetune.io); the ledger applies them to every row
 
@@ -76,7 +80,7 @@ class LedgerRow(BaseModel):
 
     id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
     time: float = Field(default_factory=time.time, description="Unix seconds, UTC.")
-    kind: str = Field(description="train | eval | gate | promote | provision | spend | infra")
+    kind: str = Field(description=f"What the attempt was: {' | '.join(KINDS)}")
     status: Status
     run_id: str | None = None
     config_hash: str | None = None

@@ -250,6 +250,7 @@ def train_cmd(
     node_rank: Annotated[int | None, opt("node_rank")] = None,
     master_addr: Annotated[str | None, opt("master_addr")] = None,
     master_port: Annotated[int | None, opt("master_port")] = None,
+    rdzv_timeout: Annotated[int | None, opt("rdzv_timeout")] = None,
     report_to: Annotated[str | None, opt("report_to")] = None,
     trust_remote_code: Annotated[bool, opt("trust_remote_code")] = False,
     as_json: JsonOpt = False,
@@ -257,6 +258,7 @@ def train_cmd(
     """LoRA SFT that provably reaches the experts: preflight, train, audited adapter."""
     launch = {"nproc": nproc, "strategy": strategy, "nnodes": nnodes, "node_rank": node_rank}
     launch |= {"master_addr": master_addr, "master_port": master_port}
+    launch |= {"rdzv_timeout": rdzv_timeout}
     launch |= {"trust_remote_code": trust_remote_code}
     sets = [*(overrides or []), *option_overrides(engine=engine, report_to=report_to, **launch)]
     cfg = load_config(config, sets)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from moetune.cli.common import JsonOpt, app, console, emit_json, err_console, friendly
 from moetune.errors import ConfigError, clip
-from moetune.ledger import Ledger, LedgerError, Status, select
+from moetune.ledger import KINDS, Ledger, LedgerError, Status, select
 
 ledger_app = typer.Typer(help="The append-only ledger of every attempt.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
@@ -26,7 +26,7 @@ LedgerPath = Annotated[Path, typer.Option("--path", help="Ledger file.")]
 def ledger_show(
     path: LedgerPath = Path(".moetune/ledger.jsonl"),
     run: Annotated[str | None, typer.Option(help="Only this run id.")] = None,
-    kind: Annotated[str | None, typer.Option(help="Only this kind.")] = None,
+    kind: Annotated[str | None, typer.Option(help=f"Only this kind: {' | '.join(KINDS)}.")] = None,
     status: Annotated[
         str | None, typer.Option(help="ok | failed | infra-failed | cancelled")
     ] = None,
@@ -40,6 +40,11 @@ def ledger_show(
         raise ConfigError(
             f"--status {clip(status, 40)!r} is not a ledger status",
             f"use one of: {', '.join(get_args(Status))}",
+        )
+    if kind is not None and kind not in KINDS:
+        raise ConfigError(
+            f"--kind {clip(kind, 40)!r} is not a kind of ledger row",
+            f"use one of: {', '.join(KINDS)}",
         )
     got = Ledger(path).read()
     rows = select(got.rows, run_id=run, kind=kind, status=status, since=_utc_date(since))

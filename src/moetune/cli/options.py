@@ -76,6 +76,9 @@ SHORTCUTS: dict[str, Shortcut] = {
         Shortcut("--node-rank", "train.node_rank", "This node's rank (0 writes the run)."),
         Shortcut("--master-addr", "train.master_addr", "Node 0's address, the same on every node."),
         Shortcut("--master-port", "train.master_port", "The port node 0 listens on."),
+        Shortcut(
+            "--rdzv-timeout", "train.rdzv_timeout_s", "Seconds the nodes wait for each other."
+        ),
         Shortcut("--hosts", "lane.ssh.hosts", "SSH hosts of the nodes, node 0 first.", comma=True),
     )
 }

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from moetune.config.base import (
     NonNegativeInt,
@@ -71,6 +71,23 @@ class SkypilotArgs(_Section):
     )
 
 
+# What YAML made of an unquoted env value, named in the refusal (never the value itself).
+YAML_KINDS = {bool: "a true/false", int: "a number", float: "a number", list: "a list",
+              dict: "a mapping", type(None): "an empty"}  # fmt: skip
+
+
+def env_text(env: Any) -> Any:
+    """lane.env as given, when every value is text; otherwise a refusal that names the entry
+    and what YAML read it as, and never shows a value (each one may be a secret)."""
+    if not isinstance(env, dict):
+        return env  # pydantic's own type error (its input masked where it is shown)
+    for name, value in env.items():
+        if not isinstance(value, str):
+            kind = YAML_KINDS.get(type(value), type(value).__name__)
+            raise ValueError(f"{name} is {kind} value in YAML, and env values are text")
+    return env
+
+
 class LaneArgs(_Section):
     """Remote-run infrastructure: where the pod comes from, the four walls, the cost guard."""
 
@@ -94,6 +111,9 @@ class LaneArgs(_Section):
         description="Names of lane.env entries that are not secrets (shown, and kept in the "
         "pod's staged config); a secret-looking name or value stays masked all the same.",
     )
+
+    _env_text = field_validator("env", mode="before")(env_text)
+
     ci_job_timeout_minutes: PositiveInt | None = Field(None, description="CI job timeout-minutes.")
     ci_step_timeout_minutes: PositiveInt | None = Field(
         None, description="Step-level timeout-minutes on the launch step."

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from moetune.config.paths import rebase
 from moetune.config.sections import RunConfig
 from moetune.errors import ConfigError, clip, os_problem
-from moetune.io import masked, register_secrets
+from moetune.io import REDACTED, masked, register_secrets
 from moetune.ledger import public_env
 
 
@@ -102,8 +102,45 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
         ) from None
 
 
+# Fixes that say more than "set it to a valid value", by the field an error names.
+FIXES = {"lane.env": 'quote every value (NAME: "…"): env values are text, secrets above all'}
 # Fields that were renamed: an old name is refused with the new one, never read silently.
 RENAMED = {"lora.experts_rank": "lora.expert_rank"}
+
+
+ENV_LOC = ("lane", "env")  # every value under it may be a secret, whatever YAML made of it
+
+
+def _shown(loc: tuple[Any, ...], value: Any) -> Any:
+    """The input an error names, with lane.env masked whole wherever it sits in it."""
+    loc = tuple(str(p) for p in loc)
+    if loc[: len(ENV_LOC)] == ENV_LOC:
+        return REDACTED
+    rest = ENV_LOC[len(loc) :] if ENV_LOC[: len(loc)] == loc else ()
+    if not rest or not isinstance(value, dict):
+        return masked(value)
+    return masked({k: _shown((*loc, k), v) for k, v in value.items()})
+
+
+def _raw_env_secrets(data: dict[str, Any]) -> list[str]:
+    """lane.env's values as given (numbers, bools and lists included, as text), before any
+    validation: an error about any field must not show them."""
+    lane = data.get("lane")
+    env = lane.get("env") if isinstance(lane, dict) else None
+    if not isinstance(env, dict):
+        return []
+    public = lane.get("public_env")  # type: ignore[union-attr]
+    public = set(public) if isinstance(public, list) and all(
+        isinstance(p, str) for p in public) else set()  # fmt: skip
+    return [str(leaf) for k, v in env.items() if k not in public for leaf in _leaves(v)]
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, list | tuple):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
 
 
 def _describe(err: ValidationError) -> tuple[str, str]:
@@ -118,8 +155,8 @@ def _describe(err: ValidationError) -> tuple[str, str]:
         return f"unknown key {where!r} in run config", f"check the spelling; {schema}"
     msg = first["msg"].removeprefix("Value error, ")
     valid = msg.removeprefix("must be ")
-    fix = f"set {where} to {valid}" if valid != msg else "set it to a valid value"
-    return f"{where}: {msg} (got {first.get('input')})", f"{fix}; {schema}"
+    fix = f"set {where} to {valid}" if valid != msg else FIXES.get(where, "set it to a valid value")
+    return f"{where}: {msg} (got {_shown(first['loc'], first.get('input'))})", f"{fix}; {schema}"
 
 
 def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
@@ -127,6 +164,7 @@ def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> Ru
     data = copy.deepcopy(data)  # overrides must not leak into the caller's dicts
     for assignment in overrides or []:
         _apply_override(data, assignment)
+    register_secrets(_raw_env_secrets(data))
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:

@@ -252,6 +252,12 @@ class TrainArgs(_Section):
         None, description="Address of node 0 in a multi-node run (required when nnodes > 1)."
     )
     master_port: Port = Field(29500, description="Port node 0 listens on in a multi-node run.")
+    rdzv_timeout_s: PositiveInt = Field(
+        600,
+        description="Multi-node start: seconds a node waits for the others (node K > 0 for "
+        "node 0 to listen at master_addr:master_port, node 0 for every node to join – "
+        "torchrun's rendezvous timeout) before it gives up with a line naming who it awaited.",
+    )
 
 
 SourceFormat = Literal[

@@ -260,7 +260,8 @@ def promote(
         )
     require_finite_adapter(adapter)  # a GO scored on NaN weights promotes nothing
     marker = adapter / PROMOTED
-    body = {"verdict_hash": verdict["hash"], "results": str(results.resolve()), "time": time.time()}
+    body = {"verdict_hash": verdict["hash"], "results": str(results.resolve()),
+            "adapter_sha256": verdict["adapter_sha256"], "time": time.time()}  # fmt: skip
     atomic_write_json(marker, body)
     metrics = {"adapter": str(adapter), "verdict_hash": verdict["hash"]}
     record(read_json(results / "ladder.json"), ledger, "promote", metrics)

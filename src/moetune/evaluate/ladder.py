@@ -36,7 +36,7 @@ from moetune.evaluate.results import (
     refuse_unasked_replace,
 )
 from moetune.evaluate.rungs import Item, ItemScore, Rung, make_rung
-from moetune.io import atomic_write_json, atomic_write_text
+from moetune.io import PROMOTION_FIX, atomic_write_json, atomic_write_text, promotion_broken
 from moetune.ledger import attempt
 from moetune.model import load_spec
 from moetune.model.finite import require_finite_adapter
@@ -217,6 +217,8 @@ def score_ladder(
     ladder = load_ladder(cfg, limit)  # every item checked before any model loads
     adapter_dir = resolve_adapter(cfg, adapter)
     require_finite_adapter(adapter_dir)  # before any model loads or result is written
+    if why := promotion_broken(adapter_dir):  # its marker vouches for other bytes
+        raise EvalError(why, PROMOTION_FIX)
     results = cfg.eval.results_path(cfg.output.dir)
     refuse_unasked_replace(results, overwrite)
     model, tokenizer = load_model(cfg)

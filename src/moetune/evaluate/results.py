@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, TypeAdapter, Val
 from moetune.config import GateArgs, RungArgs
 from moetune.errors import clip, os_problem
 from moetune.evaluate.errors import EvalError, GateError
-from moetune.io import PROMOTED, file_digests, fsync_path, tree_digest
+from moetune.io import adapter_digest as adapter_digest  # re-exported: eval, gate, tests
+from moetune.io import fsync_path
 
 LADDER, VERDICT, RUNGS = "ladder.json", "verdict.json", "rungs"
 REDO = "re-run `moetune eval --overwrite` (per-item files are never edited by hand)"
@@ -185,9 +186,3 @@ def publish(staged: Path, results: Path) -> None:
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(src, dst)
         fsync_path(dst.parent)
-
-
-def adapter_digest(adapter: Path) -> str:
-    """One sha256 over the adapter's files (names and bytes), the PROMOTED marker excluded –
-    the same digest the remote lane records when it banks an adapter."""
-    return tree_digest(file_digests(adapter, skip=frozenset({PROMOTED})))

@@ -16,7 +16,15 @@ import shutil
 from pathlib import Path
 
 from moetune.errors import clip
-from moetune.export.guard import mark_unchecked, temp_dir, write_record, writing
+from moetune.export.guard import (
+    RECORD,
+    UNCHECKED,
+    check_command,
+    mark_unchecked,
+    temp_dir,
+    write_record,
+    writing,
+)
 from moetune.export.registry import (
     EXPORTERS,
     Exporter,
@@ -28,6 +36,7 @@ from moetune.export.registry import (
     register,
 )
 from moetune.export.source import resolve_source
+from moetune.io import share_by_umask
 from moetune.registry import Registry
 
 # Format modules register themselves on import; a missing one (mlx) is simply not offered.
@@ -51,6 +60,7 @@ def run_export(
     until the check removes it."""
     load_formats()
     chosen = exporter(fmt)
+    refuse_unchecked(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(
             f"{clip(out, 80)} already exists and is not empty",
@@ -65,6 +75,7 @@ def run_export(
             result = chosen.export(source, tmp, final)
             write_record(tmp, record_of(source, result))
             mark_unchecked(tmp, out, unchecked)
+            share_by_umask(tmp)  # the weights as readable as the user's umask allows
             if out.exists():
                 out.rmdir()  # empty (checked above)
             os.replace(tmp, out)
@@ -72,6 +83,16 @@ def run_export(
         shutil.rmtree(tmp, ignore_errors=True)
     result.out = out
     return result
+
+
+def refuse_unchecked(out: Path) -> None:
+    """An earlier export into `out` whose check never passed: say how to check it, rather
+    than export again over it (it is kept as it is)."""
+    if (out / UNCHECKED).is_file() and (out / RECORD).is_file():
+        raise ExportError(
+            f"{clip(out, 80)} holds an earlier export that was never checked ({UNCHECKED})",
+            f"check it with `{check_command(out)}`, or pass a new --out folder",
+        )
 
 
 def record_of(source: Source, result: ExportResult) -> dict[str, object]:

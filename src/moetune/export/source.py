@@ -12,6 +12,7 @@ from moetune.config import load_config
 from moetune.data.files import read_rows
 from moetune.errors import clip
 from moetune.export.registry import ExportError, Source
+from moetune.io import PROMOTION_FIX, promotion_broken
 from moetune.model.remote import prepare as prepare_remote
 from moetune.model.sources import resolve_config
 from moetune.train.errors import DataError
@@ -22,14 +23,23 @@ def resolve_source(path: Path, base: str | None = None, trust_remote_code: bool 
     """The adapter and base behind `path`; `base` overrides the one the run or adapter names.
     A run trained with model.trust_remote_code exports with it."""
     if (path / "config.yaml").is_file() and (path / "adapter").is_dir():
-        return _from_run(path, base, trust_remote_code)
+        return _promotion_intact(_from_run(path, base, trust_remote_code))
     if (path / "adapter_config.json").is_file():
         named = _need_base(base or _adapter_config(path).get("base_model_name_or_path"), path)
-        return Source(adapter_dir=path, base=named, trust_remote_code=trust_remote_code)
+        source = Source(adapter_dir=path, base=named, trust_remote_code=trust_remote_code)
+        return _promotion_intact(source)
     raise ExportError(
         f"{clip(path, 80)} is neither a run dir (config.yaml + adapter/) nor a peft adapter",
         "pass the run's output.dir or its adapter/ folder (with adapter_config.json)",
     )
+
+
+def _promotion_intact(source: Source) -> Source:
+    """`source`, unless its adapter's PROMOTED marker vouches for other bytes: an export
+    must never ship a swapped adapter as the promoted one."""
+    if why := promotion_broken(source.adapter_dir):
+        raise ExportError(why, PROMOTION_FIX)
+    return source
 
 
 def _from_run(run_dir: Path, base: str | None, trust: bool) -> Source:

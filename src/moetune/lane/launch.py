@@ -14,6 +14,7 @@ from rich.console import Console
 import moetune.plan
 import moetune.plan.sharding
 from moetune.config import RunConfig
+from moetune.io import PROMOTION_FIX, promotion_broken
 from moetune.lane.cards import CardChoice, choose_card
 from moetune.lane.nodes import make_workers, node_plan
 from moetune.lane.phases import PHASES, Lane, Walls
@@ -158,6 +159,7 @@ def launch(
     Refused, before anything is written, when the only card that fits keeps less than the
     margin and that was not accepted, or the provider cannot place that many nodes."""
     if resume:
+        refuse_swapped_adapter(cfg)
         state = LaneState.load(cfg.output.ledger, resume)
         state.pid = os.getpid()
         state.accept_thin_margin = state.accept_thin_margin or accept_thin_margin
@@ -177,6 +179,13 @@ def launch(
     workers = make_workers(provider, cfg, plan.spec, state.dir(cfg.output.ledger))
     console = Console(stderr=True, quiet=not show)
     return Lane(cfg, provider, state, plan.walls, plan.spec, console, workers).run()
+
+
+def refuse_swapped_adapter(cfg: RunConfig) -> None:
+    """A resumed launch whose banked adapter was replaced after its promotion stops here:
+    the run would report the new bytes as promoted."""
+    if why := promotion_broken(Path(cfg.output.dir) / "adapter"):
+        raise LaneError(why, PROMOTION_FIX)
 
 
 def refuse_existing_output(cfg: RunConfig) -> None:

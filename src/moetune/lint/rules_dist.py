@@ -69,6 +69,17 @@ def is_loopback(addr: str) -> bool:
         return False  # a host name: each node resolves it
 
 
+def malformed(addr: str) -> bool:
+    """Written as an IP address (digits and dots, or colons) that is none: 999.1.1.1.
+    A host name is left to the node that resolves it (the launcher checks it there)."""
+    numeric = all(c.isdigit() or c == "." for c in addr) or ":" in addr
+    try:
+        ipaddress.ip_address(addr.strip())
+    except ValueError:
+        return numeric
+    return False
+
+
 @register_rule(
     "DIST-MULTINODE-ADDR",
     "error",
@@ -86,6 +97,13 @@ def multinode_addr(ctx: LintContext) -> Hit | None:
             "the endpoint 'None', and every node waits for node 0 until the rendezvous "
             "times out (10 min)",
             "set train.master_addr (or --master-addr) to node 0's address, the same on every node",
+            "train.master_addr",
+        )
+    if malformed(t.master_addr):
+        return Hit(
+            f"train.master_addr {t.master_addr!r} is not an IP address: torchrun retries it "
+            f"until the rendezvous times out ({t.rdzv_timeout_s} s)",
+            "set train.master_addr (or --master-addr) to node 0's IP address or host name",
             "train.master_addr",
         )
     if not ctx.site.remote or not is_loopback(t.master_addr):

@@ -26,7 +26,7 @@ from markupsafe import Markup
 import moetune.report.plots as plots
 from moetune.config import load_yaml
 from moetune.errors import MoetuneError
-from moetune.io import atomic_write_text, masked
+from moetune.io import atomic_write_text, masked, promotion_broken
 from moetune.report.exports import exports_section
 from moetune.report.inputs import lookup, missing, read_json, read_jsonl
 from moetune.report.shift import shift_section
@@ -179,6 +179,8 @@ def promotion(inp: Inputs) -> str:
     if marker is None:
         found = (inp.run_dir / "adapter" / "PROMOTED").is_file()
         return "PROMOTED marker unreadable" if found else "not promoted"
+    if why := promotion_broken(inp.run_dir / "adapter"):
+        return f"NOT PROMOTED: {why}"
     verdict_hash = inp.get("verdict.json").get("hash")
     if verdict_hash is None:
         return f"promoted (verdict {str(marker.get('verdict_hash'))[:12]}; no verdict.json)"
@@ -476,11 +478,33 @@ SECTIONS: dict[str, Callable[[Inputs], dict[str, Any]]] = {
 }
 
 
+# How a file this module wrote begins (the generator tag; reports before it: the title).
+OWN_MARKS = (b'<meta name="generator" content="moetune report">', b"<title>moetune report")
+
+
+def refuse_foreign(out: Path) -> None:
+    """Refuse an `out` that exists and is not a report moetune wrote (a user's file)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    try:
+        with out.open("rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        head = b""  # a folder, a dangling link, an unreadable file: not ours either
+    if not any(mark in head for mark in OWN_MARKS):
+        raise ReportError(
+            f"{out} exists and is not a report moetune wrote; it is never overwritten",
+            "pass --out with a new file name, or move that file away",
+        )
+
+
 def build_report(run_dir: Path, out: Path | None = None, results_dir: Path | None = None) -> Path:
     """Write the HTML report of `run_dir` to `out` (default RUN_DIR/report.html) and return
     its path. Eval results come from `results_dir` (default: the config's
     eval.results_dir, else RUN_DIR/eval). Raises ReportError when RUN_DIR is not a run."""
     run_dir = Path(run_dir)
+    out = out or run_dir / "report.html"
+    refuse_foreign(out)  # before any work: --out never replaces a file a report did not write
     inp = load_inputs(run_dir, results_dir)
     # secrets masked before HTML escaping, which would hide them from a mask of the page
     context: dict[str, Any] = {
@@ -492,6 +516,5 @@ def build_report(run_dir: Path, out: Path | None = None, results_dir: Path | Non
         script=Markup(RENDER_CHECK),  # a constant: its hash is in the CSP
         generated=utc(datetime.now(tz=timezone.utc).timestamp()),
     )
-    out = out or run_dir / "report.html"
     atomic_write_text(out, render(context))
     return out

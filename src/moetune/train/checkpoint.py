@@ -45,7 +45,7 @@ import yaml
 from moetune.config import RunConfig, dump_config, load_yaml, parse_config
 from moetune.config.paths import rebase
 from moetune.errors import MoetuneError
-from moetune.io import PROMOTED, atomic_write_text, fsync_path
+from moetune.io import PROMOTED, atomic_write_text, fsync_path, share_by_umask
 from moetune.train.errors import TrainError
 from moetune.train.nodes import NODE_KEYS
 
@@ -69,6 +69,7 @@ def fsync_tree(root: Path) -> None:
 
 def replace_dir(src: Path, dst: Path) -> None:
     """Move the complete directory `src` to `dst`; an existing `dst` is swapped out first."""
+    share_by_umask(src)  # safetensors writes 0600; the user's umask decides
     fsync_tree(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists():
@@ -223,8 +224,20 @@ def config_diff(old_yaml: str, cfg: RunConfig, root: Path | None = None) -> list
     # attempt is recorded (a resumed lane run's new pod has its own ledger) – not what the
     # run trains
     compared = (old.keys() | new.keys() - added) - set(NODE_KEYS) - set(RECORD_KEYS)
-    keys = sorted(k for k in compared if old.get(k) != new.get(k))
+    keys = sorted(k for k in compared if _same(k, old.get(k)) != _same(k, new.get(k)))
     return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in keys]
+
+
+# Paths compared as the files they name: a symlinked or relative spelling of the same place
+# (the saved config holds it resolved) is the same run.
+PATH_KEYS = ("output.dir", "data.train_file", "data.eval_file", "model.id")
+
+
+def _same(key: str, value: Any) -> Any:
+    """`value` as compared: a path field's local path resolved, anything else as it is."""
+    if key in PATH_KEYS and isinstance(value, str) and value and Path(value).exists():
+        return str(Path(value).resolve())
+    return value
 
 
 def _rebased(saved: Any, root: Path | None) -> Any:

@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ from typing import Any
 import yaml
 
 from moetune.config import RunConfig
+from moetune.config.paths import anchor
+from moetune.config.sections import TrainArgs
 from moetune.io import atomic_write_text
 from moetune.model.derive import causal_lm_class
 from moetune.train import nodes
@@ -190,29 +193,47 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
     nodes.check_nodes(cfg.train)
     nodes.check_port(cfg.train)
     check()
+    nodes.await_master(cfg.train, _say)
+    started = time.time()
     with nodes.config_home(cfg) as home:
-        code = _run_ranks(write_config(cfg, home), argv)
+        code = _run_ranks(write_config(cfg, home), [*rdzv_args(cfg), "-m", "moetune", *argv])
     if code != 0:
-        t = cfg.train
-        where = f" of node {t.node_rank} (of {t.nnodes})" if t.nnodes > 1 else ""
-        raise TrainError(
-            f"the {t.nproc} training processes{where} failed (exit {code}); their error is above",
-            "fix that cause, then run the same command with --resume to continue",
-        )
+        raise nodes.never_met(cfg, started) or _failed(cfg.train, code)
     if cfg.train.node_rank != 0:
         return None
     summary = json.loads((Path(cfg.output.dir) / "summary.json").read_text(encoding="utf-8"))
     return dict(summary["result"])
 
 
+def _failed(t: TrainArgs, code: int) -> TrainError:
+    where = f" of node {t.node_rank} (of {t.nnodes})" if t.nnodes > 1 else ""
+    return TrainError(
+        f"the {t.nproc} training processes{where} failed (exit {code}); their error is above",
+        "fix that cause, then run the same command with --resume to continue",
+    )
+
+
+def rdzv_args(cfg: RunConfig) -> list[str]:
+    """accelerate launch's own flags: the nodes' rendezvous timeout (torchrun's static
+    rendezvous reads it from --rdzv_conf; accelerate's config file cannot set it)."""
+    if cfg.train.nnodes == 1:
+        return []
+    return ["--rdzv_conf", f"timeout={cfg.train.rdzv_timeout_s}"]
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)  # stderr: stdout is the launcher's report
+
+
 def _run_ranks(config: Path, argv: list[str]) -> int:
-    """accelerate launch of `moetune <argv>` with `config`; its exit status."""
+    """accelerate launch, with `config`, of `argv` (its flags, then `-m moetune …`); its
+    exit status."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     env = {**os.environ, LAUNCHED_ENV: str(os.getpid())}  # the ranks watch this pid
     # the ranks' stdout (DeepSpeed prints there) goes to stderr: stdout is the launcher's
     # report. A process group of their own: the launcher ends them all, stragglers included.
     proc = subprocess.Popen(
-        [*cmd, "-m", "moetune", *argv], env=env, stdout=2, preexec_fn=die_with_parent,
+        [*cmd, *argv], env=env, stdout=2, preexec_fn=die_with_parent,
         process_group=0,
     )  # fmt: skip
     try:
@@ -303,6 +324,9 @@ def launch_or_train(
     if nodes.world(cfg.train) == 1 or launched():
         die_with_launcher()  # again, should the rank not have come in by `python -m moetune`
         return train(cfg, progress=not flags.get("json"), **opts)
+
+    cfg = anchor(cfg)  # as every rank sees it: a resume compares the paths it saved
+    nodes.check_one_process(cfg)  # before any rank starts (a rank would refuse with a trace)
 
     def check() -> None:
         # lazy: heavy to import (moetune)

@@ -20,11 +20,13 @@ ddp_timeout, 30 min by default) and torchrun's rendezvous timeout (10 min) at st
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import re
 import socket
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ from moetune.train.errors import TrainError
 from moetune.units import human_bytes
 
 # Where this process runs, not what it trains: a node's --resume may differ in them.
-NODE_KEYS = ("train.node_rank", "train.master_addr", "train.master_port")
+NODE_KEYS = ("train.node_rank", "train.master_addr", "train.master_port", "train.rdzv_timeout_s")
 # What torch's gloo and NCCL backends raise when a peer rank's process is gone.
 PEER_GONE = (
     "connection closed by peer",
@@ -65,6 +67,93 @@ def check_nodes(t: TrainArgs) -> None:
             f"train.node_rank={t.node_rank} with train.nnodes={t.nnodes}: ranks are 0 to "
             f"{t.nnodes - 1}",
             f"pass --node-rank between 0 and {t.nnodes - 1} (0 on the node at master_addr)",
+        )
+    if t.nnodes > 1 and t.master_addr:
+        check_address(t.master_addr)
+
+
+ADDRESS_FIX = "pass --master-addr with node 0's IP address or a host name that resolves"
+
+
+def check_address(addr: str) -> None:
+    """Refuse a master address that does not parse (999.1.1.1) or resolve: torchrun would
+    retry it until its rendezvous times out, printing only its own warnings."""
+    looks_numeric = re.fullmatch(r"[0-9.]+", addr) or ":" in addr
+    if looks_numeric:
+        try:
+            ipaddress.ip_address(addr)
+        except ValueError:
+            raise TrainError(
+                f"train.master_addr {addr!r} is not an IP address", ADDRESS_FIX
+            ) from None
+        return
+    try:
+        socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:
+        why = getattr(err, "strerror", None) or str(err)
+        raise TrainError(
+            f"train.master_addr {addr!r} does not resolve ({why})", ADDRESS_FIX
+        ) from None
+
+
+def await_master(t: TrainArgs, say: Callable[[str], None]) -> None:
+    """Node K > 0: wait (up to train.rdzv_timeout_s) for node 0 to listen at master_addr:
+    master_port, saying whom it awaits; node 0: say how long it waits for the others."""
+    where = f"{t.master_addr}:{t.master_port}"
+    if t.nnodes == 1:
+        return
+    if t.node_rank == 0:
+        say(f"node 0 of {t.nnodes}: waiting up to {t.rdzv_timeout_s} s for the other "
+            f"{t.nnodes - 1} node(s) to join at {where} (train.rdzv_timeout_s)")  # fmt: skip
+        return
+    say(f"node {t.node_rank} of {t.nnodes}: waiting up to {t.rdzv_timeout_s} s for node 0 "
+        f"at {where}")  # fmt: skip
+    if not _answers(str(t.master_addr), t.master_port, t.rdzv_timeout_s):
+        raise TrainError(
+            f"node 0 did not answer at {where} within {t.rdzv_timeout_s} s (train.rdzv_timeout_s)",
+            "start node 0's launcher (--node-rank 0) with the same --master-addr and "
+            "--master-port, check that port is open between the nodes, or raise --rdzv-timeout",
+        )
+
+
+def never_met(cfg: RunConfig, started: float) -> TrainError | None:
+    """Node 0's failed launch that lasted the whole rendezvous timeout and wrote nothing in
+    the run dir (its rank 0 writes there once the nodes have met): the others never came."""
+    t = cfg.train
+    if t.nnodes == 1 or t.node_rank != 0 or time.time() - started < t.rdzv_timeout_s:
+        return None
+    root = Path(cfg.output.dir)
+    if any(p.stat().st_mtime >= started for p in root.rglob("*") if p.name != "accelerate.yaml"):
+        return None
+    return TrainError(
+        f"the other {t.nnodes - 1} node(s) did not join node 0 at {t.master_addr}:"
+        f"{t.master_port} within {t.rdzv_timeout_s} s (train.rdzv_timeout_s)",
+        "start every node's launcher with the same --nnodes, --master-addr and "
+        "--master-port (each its own --node-rank), or raise --rdzv-timeout",
+    )
+
+
+def _answers(host: str, port: int, within_s: float) -> bool:
+    """Whether something accepts a TCP connection at host:port before `within_s` ends."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = deadline - time.monotonic()
+        with contextlib.suppress(OSError), socket.create_connection((host, port), max(left, 0.1)):
+            return True
+        if left <= 0:
+            return False
+        time.sleep(min(0.5, max(left, 0.0)))
+
+
+def check_one_process(cfg: RunConfig) -> None:
+    """Refuse, in the launcher, train.offload on several ranks (it streams one process's
+    stacks to one device) – never let each rank refuse it inside, after its own trace."""
+    t = cfg.train
+    if t.offload != "none":
+        raise TrainError(
+            f"train.offload={t.offload} trains in one process (one device), and this launch "
+            f"asks for {world(t)} ({t.nproc} per node × {t.nnodes} node(s))",
+            "pass --nproc 1 --nnodes 1, or set train.offload: none",
         )
 
 
