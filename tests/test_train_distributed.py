@@ -417,12 +417,8 @@ def _assert_loaded_once(ranks: list[dict], model_dir: Path) -> None:
     assert other["sharded_bytes"] < whole  # ... and it ends with half
 
 
-@pytest.mark.slow
-def test_kill_9_of_the_launcher_then_resume(tiny, two):
-    name = f"killed-{two.strategy}"
-    config = _write(tiny, name, batch_size=2, nproc=2, strategy=two.strategy)
-    out, log = tiny.root / name, tiny.root / f"{name}.log"
-    proc = _moetune("train", str(config), log=log)
+def _kill_9_after_step_2(proc: subprocess.Popen, out: Path, log: Path) -> None:
+    """kill -9 the launcher once its run committed step 2 (and before it finished)."""
     deadline = time.monotonic() + 600
     while not (out / "checkpoints" / "step-2").exists():
         assert proc.poll() is None, log.with_suffix(".err").read_text()[-3000:]
@@ -431,6 +427,15 @@ def test_kill_9_of_the_launcher_then_resume(tiny, two):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "summary.json").exists(), "the run ended before the kill"
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_then_resume(tiny, two):
+    name = f"killed-{two.strategy}"
+    config = _write(tiny, name, batch_size=2, nproc=2, strategy=two.strategy)
+    out, log = tiny.root / name, tiny.root / f"{name}.log"
+    proc = _moetune("train", str(config), log=log)
+    _kill_9_after_step_2(proc, out, log)
     _wait_released(out)  # the ranks die with the launcher (PDEATHSIG) and free the lock
     result = _train(config, "--resume", log=tiny.root / f"resumed-{two.strategy}.log")
     assert result["resumed_from_step"] is not None and result["steps"] == 8
@@ -448,14 +453,7 @@ def test_kill_9_then_the_same_relative_command_resumes(tiny, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)  # the subprocesses start here
     out, log = tmp_path / "rel", tmp_path / "killed.log"
     proc = _moetune("train", "run.yaml", log=log)
-    deadline = time.monotonic() + 600
-    while not (out / "checkpoints" / "step-2").exists():
-        assert proc.poll() is None, log.with_suffix(".err").read_text()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "summary.json").exists(), "the run ended before the kill"
+    _kill_9_after_step_2(proc, out, log)
     _wait_released(out)
     result = _train(Path("run.yaml"), "--resume", log=tmp_path / "resumed.log")
     assert result["resumed_from_step"] is not None and result["steps"] == 8
