@@ -25,8 +25,8 @@ from markupsafe import Markup
 
 import moetune.report.plots as plots
 from moetune.config import load_yaml
-from moetune.errors import MoetuneError
-from moetune.io import atomic_write_text, masked
+from moetune.errors import MoetuneError, clip
+from moetune.io import atomic_write_text, masked, write_problem
 from moetune.report.exports import exports_section
 from moetune.report.inputs import lookup, missing, read_json, read_jsonl
 from moetune.report.shift import shift_section
@@ -481,7 +481,14 @@ def build_report(run_dir: Path, out: Path | None = None, results_dir: Path | Non
     its path. Eval results come from `results_dir` (default: the config's
     eval.results_dir, else RUN_DIR/eval). Raises ReportError when RUN_DIR is not a run."""
     run_dir = Path(run_dir)
+    out = out or run_dir / "report.html"
     inp = load_inputs(run_dir, results_dir)
+    problem = write_problem(out)  # a folder, a device, a read-only place: before rendering
+    if problem:
+        raise ReportError(
+            f"report --out {clip(out, 100)} {problem}",
+            "pass --out a file path in a writable folder (e.g. report.html)",
+        )
     # secrets masked before HTML escaping, which would hide them from a mask of the page
     context: dict[str, Any] = {
         name: masked(guarded(name, build, inp)) for name, build in SECTIONS.items()
@@ -492,6 +499,5 @@ def build_report(run_dir: Path, out: Path | None = None, results_dir: Path | Non
         script=Markup(RENDER_CHECK),  # a constant: its hash is in the CSP
         generated=utc(datetime.now(tz=timezone.utc).timestamp()),
     )
-    out = out or run_dir / "report.html"
     atomic_write_text(out, render(context))
     return out
