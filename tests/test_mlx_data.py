@@ -125,3 +125,29 @@ def test_conversational_prompt_completion_rows_become_one_conversation(tmp_path:
     got = mlx_rows(cfg, SFT_FORMATS)
     assert got.train == [{"messages": r["prompt"] + r["completion"]} for r in rows]
     assert got.template is None and got.masks_prompt  # mlx-lm masks all but the completion
+
+
+@pytest.mark.parametrize(
+    ("source", "why"),
+    [({"weight": 0.01}, "keeps 0 of its 4 rows"), ({"weight": ".inf"}, "at most 1000")],
+)
+def test_mlx_stack_refuses_bad_sources_in_one_line_before_any_file(tmp_path, source, why):
+    """Issue 36 item 8: the mlx stack on data.sources was exit 3 (AssertionError); it now reads
+    them through the torch stack's checks, so a bad source is one line and no run dir."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    rows = [{"prompt": f"rev:{w}>", "completion": w[::-1]} for w in ("ab", "cd", "ef", "gh")]
+    path = _jsonl(tmp_path / "a.jsonl", rows)
+    weight = source["weight"]
+    text = yaml.safe_dump({"model": {"id": str(SHIPPED_DIR)}, "lora": {"stack": "mlx"},
+                           "output": {"dir": str(tmp_path / "run"),
+                                      "ledger": str(tmp_path / "ledger.jsonl")}})  # fmt: skip
+    text += f"data: {{sources: [{{path: {path}}}, {{path: {path}, weight: {weight}}}]}}\n"
+    (tmp_path / "run.yaml").write_text(text)
+    got = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml")])
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert why in got.stderr and "fix:" in got.stderr
+    assert not (tmp_path / "run").exists()

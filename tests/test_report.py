@@ -370,3 +370,20 @@ def test_cli_report_writes_the_file_and_fails_cleanly(trained, tmp_path):
     assert json.loads(got.stdout)["report"] == str(out) and "<html" in out.read_text()
     bad = CliRunner().invoke(app, ["report", str(tmp_path / "missing")])
     assert bad.exit_code == 2 and "fix:" in bad.output
+
+
+def test_report_out_a_folder_a_device_or_unwritable_is_one_line(trained, tmp_path):
+    """Issue 36 item 8: --out a directory was exit 3 (IsADirectoryError on the rename); a
+    device was worse: as root the rename replaced /dev/null-like files with the report."""
+    (tmp_path / "a-file").write_text("x")
+    cases = {
+        tmp_path: "is a directory, not a file",
+        Path("/dev/null"): "is not a regular file",
+        tmp_path / "a-file" / "report.html": "cannot be created: ",
+    }
+    for out, why in cases.items():
+        with pytest.raises(ReportError, match=f"report --out .* {why}") as info:
+            build_report(trained, out=out)
+        assert "pass --out a file path in a writable folder" in info.value.fix
+    assert Path("/dev/null").is_char_device() and (tmp_path / "a-file").read_text() == "x"
+    assert not list(tmp_path.glob(".*.tmp"))
