@@ -29,6 +29,7 @@ class Case:
     args: list[str]  # after `moetune`
     files: dict[str, str | bytes] = field(default_factory=dict)  # scratch name -> content
     expect: str = "bad"  # bad | good | any (see the module doc)
+    env: dict[str, str] = field(default_factory=dict)  # set for this case only ({dir} too)
 
 
 def _yaml_cases() -> list[Case]:
@@ -323,10 +324,126 @@ def _garbled_cases(n: int, seed: int = 1) -> list[Case]:
     return cases
 
 
+# ---------------------------------------------------------------- issue 36 item 8
+
+TRAIN8 = "train: {max_steps: 1, batch_size: 2, seq_len: 32}\noutput: {dir: {dir}/run}\n"
+ROWS8 = "".join(
+    json.dumps({"prompt": f"rev:{w}>", "completion": w[::-1]}) + "\n" for w in ("ab", "cd", "ef")
+)
+CHAT8 = json.dumps({"messages": [{"role": "user", "content": "ab"},
+                                 {"role": "assistant", "content": "ba"}]}) + "\n"  # fmt: skip
+
+
+def _damaged_base(how: str) -> dict[str, str | bytes]:
+    """The demo base copied under base/, its weights damaged `how`."""
+    files: dict[str, str | bytes] = {
+        f"base/{p.name}": p.read_text() for p in DEMO_BASE.iterdir() if p.suffix == ".json"
+    }
+    whole = (DEMO_BASE / "model.safetensors").read_bytes()
+    files["base/model.safetensors"] = {
+        "cut": whole[: len(whole) // 2],
+        "header": whole[:8] + b"\x00" * 64 + whole[72:],
+        "shard": whole,
+    }[how]
+    if how == "shard":  # sharded, the index naming a second shard the folder lacks
+        files["base/model-00001-of-00002.safetensors"] = files.pop("base/model.safetensors")
+        weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                      "lm_head.weight": "model-00002-of-00002.safetensors"}  # fmt: skip
+        files["base/model.safetensors.index.json"] = json.dumps({"weight_map": weight_map})
+    return files
+
+
+def _run8(data: str, extra: str = "", model: str = str(DEMO_BASE)) -> str:
+    return f"model: {{id: {model}}}\ndata: {data}\n{TRAIN8}{extra}"
+
+
+def _item8_base_cases() -> list[Case]:
+    cases = []
+    for how in ("cut", "header", "shard"):
+        for off in ("none", "disk"):
+            run = _run8("{train_file: {dir}/t.jsonl}", "", "{dir}/base")
+            run = run.replace("seq_len: 32}", f"seq_len: 32, offload: {off}}}")
+            files = {**_damaged_base(how), "run.yaml": run, "t.jsonl": ROWS8}
+            cases.append(Case(f"item8/train/base-{how}/offload-{off}",
+                              ["train", "{dir}/run.yaml", "--json"], files))  # fmt: skip
+        args = ["eval", "{shared}/config.yaml", "--set", "model.id={dir}/base",
+                "--set", "eval.results_dir={dir}/ev", "--json"]  # fmt: skip
+        cases.append(Case(f"item8/eval/base-{how}", args, _damaged_base(how)))
+    return cases
+
+
+def _item8_data_cases() -> list[Case]:
+    templates: dict[str, str | bytes] = {
+        "syntax": "{% for m in %}",
+        "raising": "{{ raise_exception('no') }}",
+        "binary": bytes(range(128, 256)),
+        "undefined-call": "{{ messages.nope() }}",
+    }
+    cases = []
+    for name, body in templates.items():
+        for rows, text in (("chat", CHAT8), ("plain", ROWS8)):
+            run = _run8("{train_file: {dir}/t.jsonl, chat_template: {dir}/t.jinja}")
+            files = {"run.yaml": run, "t.jsonl": text, "t.jinja": body}
+            for cmd in ("data", "train"):
+                cases.append(Case(f"item8/{cmd}/jinja-{name}/{rows}",
+                                  [cmd, "{dir}/run.yaml", "--json"], files))  # fmt: skip
+    for weight in (".inf", "1e300", "0.01", "-.inf", "1e-300"):
+        run = _run8(
+            f"{{sources: [{{path: {{dir}}/t.jsonl}}, {{path: {{dir}}/t.jsonl, weight: {weight}}}]}}"
+        )
+        for cmd in ("data", "train"):
+            files = {"run.yaml": run, "t.jsonl": ROWS8}
+            cases.append(
+                Case(f"item8/{cmd}/weight-{weight}", [cmd, "{dir}/run.yaml", "--json"], files)
+            )
+        mlx = run + "lora: {stack: mlx}\n"
+        cases.append(Case(f"item8/train/mlx-weight-{weight}", ["train", "{dir}/run.yaml", "--json"],
+                          {"run.yaml": mlx, "t.jsonl": ROWS8}))  # fmt: skip
+    good = _run8("{sources: [{path: {dir}/t.jsonl}, {path: {dir}/t.jsonl, weight: 2}]}")
+    files = {"run.yaml": good + "lora: {stack: mlx}\n", "t.jsonl": ROWS8}
+    cases.append(
+        Case("item8/train/mlx-sources", ["train", "{dir}/run.yaml", "--json"], files, "good")
+    )
+    return cases
+
+
+def _item8_out_cases() -> list[Case]:
+    """Outputs that cannot be written: /dev/full where a path is written, a file in the way."""
+    f = {"f": "mine\n", "run.yaml": RUN + "lane: {provider: skypilot}\n"}
+    outs = {
+        "report": ["report", "{shared}", "--out"],
+        "sky-task": ["sky-task", "{dir}/run.yaml", "--out"],
+    }
+    cases = []
+    for cmd, head in outs.items():
+        for where in ("{dir}", "{dir}/f", "{dir}/f/x", "/dev/full", "/dev/full/x", "/dev/null"):
+            if cmd == "report" or where != "{dir}":  # sky-task writes into an existing folder
+                expect = "good" if (cmd, where) == ("report", "{dir}/f") else "bad"  # replaced
+                cases.append(Case(f"item8/{cmd}/out={where}", [*head, where, "--json"], f, expect))
+    for where in ("/dev/full", "/dev/full/ev", "{dir}/f"):
+        args = ["eval", "{shared}/config.yaml", "--set", f"eval.results_dir={where}", "--json"]
+        cases.append(Case(f"item8/eval/results={where}", args, f))
+    run = _run8(
+        "{train_file: {dir}/t.jsonl}", "output: {dir: {dir}/run, report_to: [tensorboard]}\n"
+    )
+    run = run.replace("output: {dir: {dir}/run}\n", "")
+    files = {"run.yaml": run, "t.jsonl": ROWS8, "f": "x"}
+    for value in ("/dev/full/tb", "{dir}/f"):  # the user's own folder for the tracker
+        env = {"TENSORBOARD_LOGGING_DIR": value}
+        args = ["train", "{dir}/run.yaml", "--json"]
+        cases.append(Case(f"item8/train/tracker-{value}", args, files, env=env))
+    return cases
+
+
+def _item8_cases() -> list[Case]:
+    return [*_item8_base_cases(), *_item8_data_cases(), *_item8_out_cases()]
+
+
 def all_cases(fuzz: int, garble: int) -> list[Case]:
     return [
         *_yaml_cases(), *_flag_cases(), *_path_cases(), *_data_cases(), *_numeric_cases(),
         *_secret_cases(), *_misc_cases(), *_fuzz_cases(fuzz), *_garbled_cases(garble),
+        *_item8_cases(),
     ]  # fmt: skip
 
 

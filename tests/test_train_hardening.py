@@ -197,12 +197,11 @@ def _damage(model: Path, how: str) -> None:
         weights.write_bytes(whole[: len(whole) // 2])
     elif how == "header overwritten":
         weights.write_bytes(whole[:8] + b"\x00" * 64 + whole[72:])
-    else:  # "shard missing": an index naming a file the folder lacks
-        index = {
-            "metadata": {},
-            "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"},
-        }
-        (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:  # "shard missing": a sharded base whose index names a file the folder lacks
+        weights.rename(model / "model-00001-of-00002.safetensors")
+        names = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                 "lm_head.weight": "model-00002-of-00002.safetensors"}  # fmt: skip
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
 
 
 @pytest.mark.parametrize("how", ["cut short", "header overwritten", "shard missing"])

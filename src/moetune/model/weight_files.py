@@ -16,7 +16,7 @@ from typing import Any
 
 from moetune.errors import ModelSourceError, clip, os_problem
 
-INDEX = "model.safetensors.index.json"
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 FIX = "re-download or re-save the base (save_pretrained), and keep it in place while it is used"
 
 
@@ -68,7 +68,7 @@ def check_weight_files(model_dir: str | Path | None) -> None:
     for path in sorted(folder.glob("*.safetensors")):
         read_header(path)
     index = folder / INDEX
-    if index.is_file():
+    if index.is_file() and not (folder / SINGLE).is_file():  # read first
         for name in sorted(_shards(index)):
             if not (folder / name).is_file():
                 raise _damaged(folder / name, f"{INDEX} names it but it is not there")
