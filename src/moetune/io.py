@@ -123,8 +123,8 @@ def atomic_write_text(path: Path, text: str, mask: bool = True) -> None:
     """Write `text` (secrets masked; `mask=False` only for a copy of the user's own data,
     which is theirs to keep as it is) to a temp file beside `path`, fsync it, and rename it
     over `path` – never over a directory or a device (MoetuneError)."""
-    problem = _existing_problem(path, False) if path.exists() else None
-    if problem:
+    if path.exists() and not path.is_file():  # a rename replaces a read-only file, not these
+        problem = _existing_problem(path, False)
         raise MoetuneError(f"{clip(path, 100)} {problem}", "write to a file path instead")
     text = mask_text(text) if mask else text
     path.parent.mkdir(parents=True, exist_ok=True)
