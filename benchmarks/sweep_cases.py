@@ -349,7 +349,8 @@ def _damaged_base(how: str) -> dict[str, str | bytes]:
         files["base/model-00001-of-00002.safetensors"] = files.pop("base/model.safetensors")
         weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
                       "lm_head.weight": "model-00002-of-00002.safetensors"}  # fmt: skip
-        files["base/model.safetensors.index.json"] = json.dumps({"weight_map": weight_map})
+        index = {"metadata": {"total_size": len(whole)}, "weight_map": weight_map}
+        files["base/model.safetensors.index.json"] = json.dumps(index)
     return files
 
 

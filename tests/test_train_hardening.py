@@ -201,7 +201,8 @@ def _damage(model: Path, how: str) -> None:
         weights.rename(model / "model-00001-of-00002.safetensors")
         names = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
                  "lm_head.weight": "model-00002-of-00002.safetensors"}  # fmt: skip
-        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+        index = {"metadata": {"total_size": len(whole)}, "weight_map": names}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 @pytest.mark.parametrize("how", ["cut short", "header overwritten", "shard missing"])

@@ -14,6 +14,7 @@ from moetune.errors import clip
 from moetune.export.registry import ExportError, Source
 from moetune.model.remote import prepare as prepare_remote
 from moetune.model.sources import resolve_config
+from moetune.model.weight_files import check_weight_files
 from moetune.train.errors import DataError
 from moetune.train.recovery import checkpoint_problem
 
@@ -96,14 +97,15 @@ def require_whole_adapter(adapter_dir: Path) -> None:
 
 
 def require_weights(base: str) -> None:
-    """A local base dir must hold weights, not only config.json (the merge and the check
-    read its tensors)."""
+    """A local base dir must hold weights, not only config.json, and whole ones (the merge
+    and the check read its tensors)."""
     folder = Path(base)
     if folder.is_dir() and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
         raise ExportError(
             f"the base {clip(base, 80)} has a config.json but no weights (*.safetensors)",
             "pass --base the full checkpoint the adapter was trained on",
         )
+    check_weight_files(folder)  # a damaged one: one line, before the out dir is made
 
 
 def item_texts(path: Path, limit: int) -> list[str]:
