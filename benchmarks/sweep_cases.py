@@ -4,7 +4,8 @@
 `expect` is "bad" where the input is wrong (exit 0 is then a BAD case: it was accepted),
 "good" where it is a legal input (a refusal is WEAK), "any" where either is defensible
 (fuzzed values that may happen to be legal). {dir} is the case's scratch dir, {shared}
-the one tiny run dir (demo base + a random adapter) built once for all cases.
+the one tiny run dir (demo base + a random adapter) built once for all cases; a case's
+files may lie in subfolders ("base/config.json") and its `env` is set for it alone.
 """
 
 from __future__ import annotations
