@@ -73,7 +73,8 @@ def build_shared(root: Path) -> Path:
 
 def _prepare(case: Case, tmp: str, shared: str) -> list[str]:
     for name, content in case.files.items():
-        Path(tmp, name).parent.mkdir(parents=True, exist_ok=True)  # a source dir's files
+        # "base/config.json", a source dir's files
+        Path(tmp, name).parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, bytes):
             Path(tmp, name).write_bytes(content)
         else:
@@ -85,12 +86,14 @@ def _prepare(case: Case, tmp: str, shared: str) -> list[str]:
     return [a.replace("{dir}", tmp).replace("{shared}", shared) for a in case.args]
 
 
-def _child(args: list[str], tmp: str, out: str, err: str) -> None:
-    """The forked case: its own process group (a rank it starts dies with it), cwd and fds."""
+def _child(args: list[str], tmp: str, out: str, err: str, env: dict[str, str]) -> None:
+    """The forked case: its own process group (a rank it starts dies with it), cwd, fds and
+    the case's own environment variables."""
     code = 0
     try:
         os.setpgid(0, 0)
         os.chdir(tmp)
+        os.environ.update(env)
         for fd, path in ((1, out), (2, err)):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
         from moetune.cli import app
@@ -124,19 +127,23 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _run(args: list[str], tmp: str, logs: str, timeout: float, fork: bool) -> int | None:
+def _run(
+    args: list[str], tmp: str, logs: str, timeout: float, fork: bool, env: dict[str, str]
+) -> int | None:
     out, err = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
     if not fork:
         with open(out, "wb") as fo, open(err, "wb") as fe:
             try:
                 cmd = [sys.executable, "-m", "moetune", *args]
-                done = subprocess.run(cmd, stdout=fo, stderr=fe, cwd=tmp, timeout=timeout)
+                done = subprocess.run(
+                    cmd, stdout=fo, stderr=fe, cwd=tmp, timeout=timeout, env={**os.environ, **env}
+                )
             except subprocess.TimeoutExpired:
                 return None
         return done.returncode
     pid = os.fork()
     if pid == 0:
-        _child(args, tmp, out, err)
+        _child(args, tmp, out, err, env)
     code = _wait(pid, timeout)
     _kill_group(pid)  # a timeout, or ranks and helpers it left behind
     if code is None:
@@ -163,7 +170,8 @@ def run_case(
 ) -> tuple[str, str, int | None, str]:
     with tempfile.TemporaryDirectory(prefix="sweep-") as tmp, tempfile.TemporaryDirectory() as logs:
         args = _prepare(case, tmp, shared)
-        code = _run(args, tmp, logs, timeout, fork)
+        env = {k: v.replace("{dir}", tmp) for k, v in case.env.items()}
+        code = _run(args, tmp, logs, timeout, fork, env)
         out_b, err_b = (
             Path(logs, n).read_bytes() if Path(logs, n).exists() else b""
             for n in ("stdout", "stderr")

@@ -4,7 +4,8 @@
 `expect` is "bad" where the input is wrong (exit 0 is then a BAD case: it was accepted),
 "good" where it is a legal input (a refusal is WEAK), "any" where either is defensible
 (fuzzed values that may happen to be legal). {dir} is the case's scratch dir, {shared}
-the one tiny run dir (demo base + a random adapter) built once for all cases.
+the one tiny run dir (demo base + a random adapter) built once for all cases; a case's
+files may lie in subfolders ("base/config.json") and its `env` is set for it alone.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Case:
     args: list[str]  # after `moetune`
     files: dict[str, str | bytes] = field(default_factory=dict)  # scratch name -> content
     expect: str = "bad"  # bad | good | any (see the module doc)
+    env: dict[str, str] = field(default_factory=dict)  # set for this case only ({dir} too)
 
 
 def _yaml_cases() -> list[Case]:
@@ -194,75 +196,6 @@ def _data_cases(seed: int = 0) -> list[Case]:
     return cases
 
 
-def _parquet(rows: list[dict[str, str]]) -> bytes:
-    # lazy: heavy to import (pyarrow), and only when the cases are built
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    sink = pa.BufferOutputStream()
-    pq.write_table(pa.Table.from_pylist(rows), sink)
-    return bytes(sink.getvalue().to_pybytes())
-
-
-def _png() -> bytes:
-    # lazy: heavy to import (PIL), and only when the cases are built
-    import io
-
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", (8, 8), (200, 20, 20)).save(out, format="PNG")
-    return out.getvalue()
-
-
-def _hardening_data_cases() -> list[Case]:
-    """Issue 36 (items 1, 2, 3, 7): a mixed source dir, streaming at default settings, one
-    huge row, and `moetune data` refusing what `moetune train` refuses."""
-    pc = [{"prompt": f"rev:{w}>", "completion": w[::-1]} for w in ("abc", "xyz", "moe")]
-    jsonl = "".join(json.dumps(r) + "\n" for r in pc)
-    mixed = {"mixed/a.parquet": _parquet(pc), "mixed/b.jsonl": jsonl}
-    src = RUN + "data: {sources: [{path: {dir}/mixed}]}\n"
-    huge = json.dumps({"prompt": "rev:x>", "completion": "ab " * 1_000_000}) + "\n" + jsonl
-    chat = json.dumps({"messages": [{"role": "user", "content": "rev:ab"},
-                                    {"role": "assistant", "content": "ba"}]}) + "\n"  # fmt: skip
-    image = json.dumps(
-        {
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image", "image": "i.png"},
-                        {"type": "text", "text": "colour?"},
-                    ],
-                },
-                {"role": "assistant", "content": "red"},
-            ]
-        }
-    )
-    one = RUN + "data: {train_file: {dir}/train.jsonl%s}\n"
-    stream = RUN + "data: {train_file: {dir}/train.jsonl, streaming: true}\n"
-    train = ("train: {max_steps: 2, device: cpu, seq_len: 32, batch_size: 2}\n"
-             "output: {dir: {dir}/out, ledger: {dir}/ledger.jsonl}\n")  # fmt: skip
-    data = ["data", "{dir}/run.yaml", "--json"]
-    return [
-        Case("data36/mixed-dir", data, {"run.yaml": src, **mixed}, "good"),
-        Case("data36/mixed-dir-txt", data, {"run.yaml": src, **mixed, "mixed/c.txt": "x\n"}),
-        Case("data36/streaming-train", ["train", "{dir}/run.yaml", "--json"],
-             {"run.yaml": stream + train, "train.jsonl": jsonl}, "good"),
-        Case("data36/huge-row", data, {"run.yaml": one % "", "train.jsonl": huge}, "good"),
-        Case("data36/huge-row-error", data,
-             {"run.yaml": one % ", overlong: error", "train.jsonl": huge}),
-        Case("data36/streaming-no-max-steps", data, {"run.yaml": stream, "train.jsonl": jsonl}),
-        Case("data36/no-chat-template", data, {"run.yaml": one % "", "train.jsonl": chat}),
-        Case("data36/empty-template", data, {"run.yaml": one % ", chat_template: {dir}/t.jinja",
-                                             "train.jsonl": jsonl, "t.jinja": ""}),
-        Case("data36/template-raises", data, {"run.yaml": one % ", chat_template: {dir}/t.jinja",
-             "train.jsonl": chat, "t.jinja": "{{ raise_exception('no') }}"}),
-        Case("data36/streamed-images", data, {"run.yaml": stream + "train: {max_steps: 2}\n",
-                                              "train.jsonl": image + "\n", "i.png": _png()}),
-    ]  # fmt: skip
-
-
 def _secret_cases() -> list[Case]:
     """lane.env values under innocuous names, the token in the environment: every command
     that shows or writes the config (the runner greps every byte for the values)."""
@@ -346,41 +279,6 @@ def _misc_cases() -> list[Case]:
 
 
 # lane.env values YAML reads as a number and a list (issue 36 item 5): never shown
-TYPED_LANE = f"lane: {{env: {{DB_PASS: {SECRETS[3]}, KEYS: [{SECRETS[4]}]}}}}\n"
-ROWS = "".join('{"prompt": "abc", "completion": "cba"}\n' for _ in range(8))
-TRAIN_RUN = RUN + "data: {train_file: {dir}/t.jsonl}\ntrain: {device: cpu, max_steps: 1}\n"
-SWAPPED = {  # an adapter whose PROMOTED marker vouches for other bytes (issue 36 item 6)
-    "adapter_config.json": json.dumps({"base_model_name_or_path": str(DEMO_BASE)}),
-    "adapter_model.safetensors": b"\x08" + b"\x00" * 7 + b'{"a":1}\n',
-    "PROMOTED": json.dumps({"verdict_hash": "0" * 64, "adapter_sha256": "0" * 64}),
-}
-
-
-def _hardening_cases() -> list[Case]:
-    """Issue 36 items 4, 5, 6 and 9: refusals before any rank starts, secrets of any YAML
-    type, a swapped promoted adapter, and the files a command must not replace."""
-    typed, train = {"run.yaml": RUN + TYPED_LANE}, {"run.yaml": TRAIN_RUN, "t.jsonl": ROWS}
-    multi = ["train", "{dir}/run.yaml", "--nnodes", "2", "--json"]
-    return [
-        *[Case(f"secret/typed/{cmd}", [cmd, "{dir}/run.yaml", *more], typed)
-          for cmd, more in (("lint", ["--json"]), ("train", []), ("launch", ["--dry-run"]))],
-        Case("launch/master-addr-unparsable", [*multi, "--master-addr", "999.1.1.1"], train),
-        Case("launch/master-addr-unresolved", [*multi, "--master-addr", "nope.invalid"], train),
-        Case("launch/node-1-no-node-0", [*multi, "--node-rank", "1", "--master-addr",
-             "127.0.0.1", "--master-port", "9", "--rdzv-timeout", "1"], train),
-        Case("launch/offload-nproc-2",
-             ["train", "{dir}/run.yaml", "--nproc", "2", "--offload", "cpu", "--json"], train),
-        Case("promote/swapped/export",
-             ["export", "{dir}", "--format", "vllm", "--out", "{dir}/o", "--json"], SWAPPED),
-        Case("misc/export/over-unchecked",
-             ["export", "{shared}", "--format", "vllm", "--out", "{dir}", "--json"],
-             {"UNCHECKED": "unchecked\n", "export.json": "{}"}),
-        Case("misc/report/out-not-ours", ["report", "{shared}", "--out", "{dir}/mine.html"],
-             {"mine.html": "<p>my notes</p>"}),
-        Case("misc/ledger/kind-typo", ["ledger", "show", "--kind", "trian", "--json"]),
-    ]  # fmt: skip
-
-
 def _fuzz_cases(n: int, seed: int = 0) -> list[Case]:
     """Random fields of `moetune schema` set to values of the wrong kind."""
     # the schema's field list, from the package itself (no subprocess per field)
@@ -431,9 +329,8 @@ def _garbled_cases(n: int, seed: int = 1) -> list[Case]:
 
 def all_cases(fuzz: int, garble: int) -> list[Case]:
     return [
-        *_yaml_cases(), *_flag_cases(), *_path_cases(), *_data_cases(),
-        *_hardening_data_cases(), *_numeric_cases(), *_secret_cases(), *_misc_cases(),
-        *_hardening_cases(), *_fuzz_cases(fuzz), *_garbled_cases(garble),
+        *_yaml_cases(), *_flag_cases(), *_path_cases(), *_data_cases(), *_numeric_cases(),
+        *_secret_cases(), *_misc_cases(), *_fuzz_cases(fuzz), *_garbled_cases(garble),
     ]  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from sweep_cases import Case, all_cases, classify
+from sweep_fresh import fresh_cases
 
 BAD_INPUT = Case("x", ["plan", "run.yaml", "--json"])
 LEGAL = Case("y", ["plan", "run.yaml", "--json"], expect="good")
@@ -54,4 +55,6 @@ def test_each_class_of_outcome(
 def test_the_sweep_has_at_least_150_cases_with_unique_names() -> None:
     cases = all_cases(fuzz=60, garble=30)
     assert len(cases) >= 150 and len({c.name for c in cases}) == len(cases)
+    fresh = fresh_cases()  # the third pass's (issue 36): ≥ 150 new ones, no name reused
+    assert len(fresh) >= 150 and not {c.name for c in fresh} & {c.name for c in cases}
     assert {c.expect for c in cases} == {"bad", "good", "any"}

@@ -14,9 +14,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from typer.testing import CliRunner
 
+from moetune.cli import app
 from moetune.config import DataArgs, SourceArgs
-from moetune.data import load_train_data
+from moetune.data import DataError, check_sources, load_train_data
 from moetune.data.mix import held_out
 from moetune.demo.tokenizer import build_tokenizer
 from test_train_helpers import reverse_rows, write_jsonl
@@ -318,3 +320,42 @@ def test_streaming_trains_dpo_and_grpo_rows_too(tmp_path):
         })  # fmt: skip
         with one_thread():
             assert train(cfg, progress=False).steps == 1, method
+
+
+# ---------------------------------------------------------------- issue 36 item 8: weights
+
+
+@pytest.mark.parametrize("weight", [".inf", "1e300", "1001"])
+def test_a_source_weight_past_1000_or_inf_is_refused_at_the_config(tmp_path, weight):
+    """weight .inf was exit 3 (ValueError: cannot convert float NaN) in `data` and `train`."""
+    data = write_jsonl(tmp_path / "a.jsonl", _rows(8, "a"))
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: {{id: x}}\ndata: {{sources: [{{path: {data}, weight: {weight}}}]}}\n")
+    result = CliRunner().invoke(app, ["data", str(run)])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 2
+    assert "weight must be at most 1000" in result.stderr
+
+
+def test_a_weight_that_keeps_no_row_is_refused_naming_the_least_that_keeps_one(tmp_path, tok):
+    """weight 0.01 of 8 rows keeps round(0.08) = 0 of them: exit 3 (IndexError) in `train`,
+    an empty mix in `data`; now one line with the smallest weight that keeps a row."""
+    a = write_jsonl(tmp_path / "a.jsonl", _rows(8, "a"))
+    b = write_jsonl(tmp_path / "b.jsonl", _rows(8, "b"))
+    sources = [{"path": str(a)}, {"path": str(b), "weight": 0.01}]
+    with pytest.raises(DataError, match=r"weight 0\.01 keeps 0 of its 8 rows") as err:
+        check_sources(DataArgs(sources=sources))
+    assert "at least 0.125" in err.value.fix
+    sources[1]["weight"] = 0.125  # round(1.0): one row of b, and the run goes on
+    got, _ = _load(tok, sources=sources)
+    assert sum(p.startswith("b") for p in _prompts(got)) == 1
+
+
+def test_a_weight_that_keeps_no_row_once_the_eval_share_is_carved_is_refused(tmp_path, tok):
+    rows = write_jsonl(tmp_path / "a.jsonl", _rows(40, "a"))
+    kept = sum(not held_out(r, 0.45) for r in _rows(40, "a"))
+    assert round(40 * 0.015) == 1 and round(kept * 0.015) == 0  # 40 rows: 1; once carved: 0
+    sources = [{"path": str(rows), "weight": 0.015}]
+    check_sources(DataArgs(sources=sources, eval_fraction=0.45))  # whole, it keeps one
+    with pytest.raises(DataError, match=f"keeps 0 of its {kept} rows"):
+        _load(tok, sources=sources, eval_fraction=0.45)

@@ -5,10 +5,20 @@ has them and rendered prefixes where it has not – system turns, several turns,
 from __future__ import annotations
 
 import pytest
+import yaml
+from typer.testing import CliRunner
 
 import moetune.train.trainer as trainer_mod
+from moetune.cli import app
 from moetune.data.errors import DataError
-from moetune.data.template import has_markers, masked_ids, shipped_templates, use_template
+from moetune.data.template import (
+    check_template,
+    has_markers,
+    masked_ids,
+    shipped_templates,
+    use_template,
+)
+from moetune.demo.base import SHIPPED_DIR as DEMO_BASE
 from moetune.demo.tokenizer import build_tokenizer
 from test_train_helpers import GEN_TEMPLATE, one_thread, run_config, save_tiny_model, write_jsonl
 
@@ -128,3 +138,60 @@ def test_training_takes_the_prefix_masks_as_its_labels(tmp_path, monkeypatch):
         assert row["input_ids"] == ids[:32]
         assert [lab != -100 for lab in row["labels"]] == [bool(b) for b in mask[:32]]
     assert "4 rows (messages)" in seen["line"] and "carry loss" in seen["line"]
+
+
+# ---------------------------------------------------------------- issue 36 item 8: bad jinja
+
+BAD_TEMPLATES: dict[str, str | bytes] = {
+    "syntax": "{% for m in %}",
+    "raising": "{{ raise_exception('this template refuses everything') }}",
+    "binary": bytes(range(128, 256)) * 2,
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_TEMPLATES))
+@pytest.mark.parametrize("rows", ["messages", "prompt_completion"])
+def test_a_bad_chat_template_is_one_line_exit_2_before_any_model(tmp_path, kind, rows):
+    """A chat template that does not compile, raises on a plain exchange or is not text was
+    exit 3 (TemplateSyntaxError / TemplateError / UnicodeDecodeError), or silently accepted
+    for prompt/completion rows; now `data` and `train` refuse it in one line, no run dir."""
+    content = BAD_TEMPLATES[kind]
+    template = tmp_path / "t.jinja"
+    template.write_bytes(content if isinstance(content, bytes) else content.encode())
+    row = (
+        {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
+        if rows == "messages"
+        else {"prompt": "ab", "completion": "ba"}
+    )
+    data = write_jsonl(tmp_path / "train.jsonl", [row] * 4)
+    cfg = {
+        "model": {"id": str(DEMO_BASE)},
+        "data": {"train_file": str(data), "chat_template": str(template)},
+        "output": {"dir": str(tmp_path / "run"), "ledger": str(tmp_path / "ledger.jsonl")},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    for command in ("data", "train"):
+        result = CliRunner().invoke(app, [command, str(tmp_path / "run.yaml")])
+        assert result.exit_code == 2, (command, result.output)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) <= 2 and "Traceback" not in result.stderr
+        assert "data.chat_template" in lines[0] and "fix:" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_template_trl_ships_passes_the_check():
+    for name in shipped_templates():
+        check_template(name)  # plain-string or content-block turns: each renders one
+
+
+def test_a_template_raising_on_one_row_names_the_row(tmp_path):
+    """A template may refuse some conversations (a role it has no place for): that row,
+    named, not an exit 3."""
+    tok = build_tokenizer()
+    use_template(tok, None)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system turns') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(DataError, match=r"refuses this conversation .*no system turns"):
+        masked_ids(tok, CHAT)

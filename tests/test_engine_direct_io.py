@@ -19,6 +19,7 @@ from moetune.engine.direct_io import (
     read_rate,
 )
 from moetune.engine.offload_files import read_header, read_into
+from moetune.model.weight_files import WeightFileError
 
 
 @pytest.fixture
@@ -112,3 +113,33 @@ def test_reading_leaves_no_file_open(shard: tuple[Path, dict[str, torch.Tensor]]
         read_into([seg], torch.empty(37, 53, dtype=torch.bfloat16))
     read_rate([path], budget=ALIGN)
     assert len(list(Path("/proc/self/fd").iterdir())) == before
+
+
+def test_a_base_deleted_under_disk_offload_is_one_line_not_exit_3(shard) -> None:
+    """Issue 36 item 8: train.offload: disk opens the base's files when it first reads them;
+    a base moved or deleted by then was a bare FileNotFoundError (exit 3)."""
+    path, _ = shard
+    index = read_header(path)
+    path.unlink()
+    out = torch.empty(37, 53, dtype=torch.bfloat16)
+    for reader in (None, DirectReader()):
+        with pytest.raises(ReadError, match="went away while in use") as err:
+            read_into([index["experts.0.w"]], out, reader)
+        assert "keep the base in place" in err.value.fix
+    with pytest.raises(WeightFileError, match="not found"):
+        read_header(path)  # and the index of a base that is gone: one line as well
+
+
+def test_a_damaged_header_is_one_line_naming_the_file(shard) -> None:
+    """A header cut or overwritten (it was an exit-3 JSONDecodeError under disk offload)."""
+    path, _ = shard
+    whole = path.read_bytes()
+    damaged = {
+        "header length": whole[:500],
+        "not JSON": whole[:8] + b"\xff" * 40 + whole[48:],
+        "past the file's end": whole[:-100],
+    }
+    for why, damage in damaged.items():
+        path.write_bytes(damage)
+        with pytest.raises(WeightFileError, match=why):
+            read_header(path)

@@ -253,3 +253,46 @@ def test_an_adapter_swapped_after_promotion_is_refused_by_eval_export_and_launch
         assert "gate --promote" in out.output  # the way back
     assert not (tmp_path / "x").exists()
     assert (tmp_path / "run/eval/ladder.json").is_file()  # the old results stay
+
+
+def test_eval_results_on_a_full_disk_are_one_line_and_leave_nothing(
+    tmp_path: Path, adapters: dict[str, Path], data: dict[str, Path], monkeypatch
+) -> None:
+    """Issue 36 item 8: ENOSPC while the results are written was exit 3 (OSError); now one
+    line, the attempt ledgered as failed, no results dir and no temp dir left behind."""
+    import errno
+    import os
+
+    import moetune.evaluate.ladder as ladder_mod
+
+    def full(path: Path, *args: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(ladder_mod, "atomic_write_text", full)
+    config = write_config(tmp_path, data)
+    args = ("eval", str(config), "--adapter", str(adapters["identity"]), "--limit", "2")
+    out = invoke(*args)
+    assert out.exit_code == 2 and "Traceback" not in out.output
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "free space" in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ledger.jsonl",
+        "ledger.jsonl.lock",
+        "run.yaml",
+    ]
+    assert ledger_kinds(tmp_path) == [("eval", "failed")]
+
+
+def test_an_unwritable_results_dir_is_refused_before_any_model(
+    tmp_path: Path, adapters: dict[str, Path], data: dict[str, Path], monkeypatch
+) -> None:
+    import moetune.evaluate.ladder as ladder_mod
+
+    monkeypatch.setattr(ladder_mod, "load_model", lambda cfg: pytest.fail("a model was loaded"))
+    (tmp_path / "a-file").write_text("x")
+    config = write_config(tmp_path, data)
+    for results, why in ((tmp_path / "a-file" / "eval", "is not a directory"),
+                         (tmp_path / "a-file", "is a file, not a folder")):  # fmt: skip
+        out = invoke("eval", str(config), "--adapter", str(adapters["identity"]),
+                     "--set", f"eval.results_dir={results}")  # fmt: skip
+        assert out.exit_code == 2 and why in out.stderr and "fix:" in out.stderr

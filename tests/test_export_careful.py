@@ -104,6 +104,9 @@ def test_a_config_only_base_and_an_unwritable_out_are_refused(run: Path, tmp_pat
     shutil.copy(base / "config.json", bare / "config.json")
     code, _, err = _export(str(run), "--format", "merged", "--base", str(bare), "--out", "x")
     _refused(code, err, "has a config.json but no weights")
+    for missing in ("/nonexistent/base", "./gone", "~/no/such/base"):  # was exit 3 (hub id check)
+        code, _, err = _export(str(run), "--format", "merged", "--base", missing, "--out", "x")
+        _refused(code, err, "does not exist")
     (tmp_path / "a-file").write_text("not a folder")
     out = tmp_path / "a-file" / "out"
     code, _, err = _export(str(run), "--format", "vllm", "--no-check", "--out", str(out))
@@ -218,3 +221,15 @@ def test_items_takes_prompt_answer_rows_and_a_missing_file_names_the_flag(
             code, err, f"--items: data file {bad} not found" if "none" in bad.name else "is empty"
         )
         assert "--items" in err and "train_file" not in err and not (tmp_path / "n").exists()
+
+
+def test_a_damaged_base_is_one_line_before_the_out_dir(run: Path, tmp_path: Path) -> None:
+    """Issue 36 item 8: a base whose safetensors was cut short was exit 3 (SafetensorError)."""
+    adapter_config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    base = shutil.copytree(Path(adapter_config["base_model_name_or_path"]), tmp_path / "base")
+    weights = next(base.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:300])
+    out = tmp_path / "o"
+    code, _, err = _export(str(run), "--format", "merged", "--base", str(base), "--out", str(out))
+    _refused(code, err, "are damaged")
+    assert not out.exists()

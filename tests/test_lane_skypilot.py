@@ -358,3 +358,19 @@ def test_skypilots_own_parser_reads_a_multi_node_task(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
     assert parsed["num_nodes"] == 2 and parsed["run"] == RECORD_NODE_ENV
+
+
+def test_sky_task_out_an_existing_file_is_one_line_and_the_file_is_kept(tmp_path):
+    """Issue 36 item 8: --out naming a file was exit 3 (FileExistsError from mkdir)."""
+    from moetune.config import dump_config
+
+    cfg = _cfg(tmp_path, skypilot={"cloud": "aws"})
+    config, taken = tmp_path / "run.yaml", tmp_path / "taken.yaml"
+    config.write_text(dump_config(cfg))
+    taken.write_text("mine\n")
+    for out, why in ((taken, "is a file, not a folder"), (taken / "sub", "is not a directory")):
+        got = CliRunner().invoke(app, ["sky-task", str(config), "--out", str(out), "--json"])
+        assert got.exit_code == 2 and "Traceback" not in got.output
+        assert got.stderr.startswith("error: sky-task --out ") and why in got.stderr
+        assert "fix: pass --out a folder" in got.stderr
+    assert taken.read_text() == "mine\n"

@@ -143,3 +143,29 @@ def test_a_huge_row_is_cut_as_the_torch_stack_cuts_it_before_mlx_lm_reads_it(
     with pytest.raises(DataError) as info:
         mlx_rows(refuse, SFT_FORMATS, cap)
     assert "h.jsonl line 2: 1,000,002 characters" in info.value.cause
+
+
+@pytest.mark.parametrize(
+    ("source", "why"),
+    [({"weight": 0.01}, "keeps 0 of its 4 rows"), ({"weight": ".inf"}, "at most 1000")],
+)
+def test_mlx_stack_refuses_bad_sources_in_one_line_before_any_file(tmp_path, source, why):
+    """Issue 36 item 8: the mlx stack on data.sources was exit 3 (AssertionError); it now reads
+    them through the torch stack's checks, so a bad source is one line and no run dir."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    rows = [{"prompt": f"rev:{w}>", "completion": w[::-1]} for w in ("ab", "cd", "ef", "gh")]
+    path = _jsonl(tmp_path / "a.jsonl", rows)
+    weight = source["weight"]
+    text = yaml.safe_dump({"model": {"id": str(SHIPPED_DIR)}, "lora": {"stack": "mlx"},
+                           "output": {"dir": str(tmp_path / "run"),
+                                      "ledger": str(tmp_path / "ledger.jsonl")}})  # fmt: skip
+    text += f"data: {{sources: [{{path: {path}}}, {{path: {path}, weight: {weight}}}]}}\n"
+    (tmp_path / "run.yaml").write_text(text)
+    got = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml")])
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert why in got.stderr and "fix:" in got.stderr
+    assert not (tmp_path / "run").exists()

@@ -51,6 +51,17 @@ def test_unknown_method_is_one_line():
     assert result.exit_code == 2 and "Traceback" not in result.output
 
 
+def test_an_out_that_is_a_file_or_under_a_device_is_one_line_before_training(tmp_path):
+    """--out a file (or /dev/full/x) was exit 3 (NotADirectoryError) once data was written."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    for out, why in ((mine, "is a file, not a folder"), (Path("/dev/full/qs"), "cannot be")):
+        result = CliRunner().invoke(app, ["quickstart", "--out", str(out), "--json"])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert why in result.output and "pass --out a folder" in result.output
+    assert mine.read_text() == "mine" and sorted(tmp_path.iterdir()) == [mine]
+
+
 def _run(tmp_path: Path, method: str, seed: int = 0) -> dict:
     out = tmp_path / f"{method}-{seed}"
     args = ["quickstart", "--method", method, "--seed", str(seed), "--out", str(out), "--json"]

@@ -404,8 +404,7 @@ def test_report_out_never_overwrites_a_file_it_did_not_write(trained, tmp_path):
 
     mine = tmp_path / "notes.html"
     mine.write_text("<!DOCTYPE html><title>my notes</title>")
-    (tmp_path / "folder.html").mkdir()
-    for out in (mine, tmp_path / "folder.html"):
+    for out in (mine,):  # a folder: test_report_out_a_folder_a_device_or_unwritable_is_one_line
         got = CliRunner().invoke(app, ["report", str(trained), "--out", str(out)])
         assert got.exit_code == 2 and "Traceback" not in got.output, got.output
         assert "is not a report moetune wrote" in " ".join(got.output.split())
@@ -414,3 +413,20 @@ def test_report_out_never_overwrites_a_file_it_did_not_write(trained, tmp_path):
     for _ in range(2):  # its own report it rewrites
         got = CliRunner().invoke(app, ["report", str(trained), "--out", str(ours)])
         assert got.exit_code == 0, got.output
+
+
+def test_report_out_a_folder_a_device_or_unwritable_is_one_line(trained, tmp_path):
+    """Issue 36 item 8: --out a directory was exit 3 (IsADirectoryError on the rename); a
+    device was worse: as root the rename replaced /dev/null-like files with the report."""
+    (tmp_path / "a-file").write_text("x")
+    cases = {
+        tmp_path: "is a directory, not a file",
+        Path("/dev/null"): "is not a regular file",
+        tmp_path / "a-file" / "report.html": "cannot be created: ",
+    }
+    for out, why in cases.items():
+        with pytest.raises(ReportError, match=f"report --out .* {why}") as info:
+            build_report(trained, out=out)
+        assert "pass --out a file path in a writable folder" in info.value.fix
+    assert Path("/dev/null").is_char_device() and (tmp_path / "a-file").read_text() == "x"
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -148,6 +149,20 @@ def test_atomic_write_leaves_only_the_target(tmp_path):
     atomic_write_text(target, "two")
     assert target.read_text() == "two"
     assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_atomic_write_never_renames_over_a_device_or_a_folder(tmp_path):
+    """As root a rename replaced /dev/full itself with the text (`report --out /dev/full`)."""
+    from moetune.errors import MoetuneError
+
+    for target, why in ((Path("/dev/null"), "not a regular file"), (tmp_path, "a directory")):
+        with pytest.raises(MoetuneError, match=why):
+            atomic_write_text(target, "text")
+    assert Path("/dev/null").is_char_device() and list(tmp_path.iterdir()) == []
+    (tmp_path / "ro.txt").write_text("old")
+    (tmp_path / "ro.txt").chmod(0o444)  # a read-only file is replaced, as a rename does
+    atomic_write_text(tmp_path / "ro.txt", "new")
+    assert (tmp_path / "ro.txt").read_text() == "new"
 
 
 def test_replace_dir_swaps_a_complete_directory(tmp_path):

@@ -187,6 +187,44 @@ def test_unusable_ledger_is_refused_before_anything_is_built(files, tmp_path, wh
     assert "output.ledger" in text and "fix:" in text and not out.exists()
 
 
+# ---------------------------------------------------------------- a damaged base (issue 36 item 8)
+
+
+def _damage(model: Path, how: str) -> None:
+    weights = model / "model.safetensors"
+    whole = weights.read_bytes()
+    if how == "cut short":  # a copy that stopped part way
+        weights.write_bytes(whole[: len(whole) // 2])
+    elif how == "header overwritten":
+        weights.write_bytes(whole[:8] + b"\x00" * 64 + whole[72:])
+    else:  # "shard missing": a sharded base whose index names a file the folder lacks
+        weights.rename(model / "model-00001-of-00002.safetensors")
+        names = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                 "lm_head.weight": "model-00002-of-00002.safetensors"}  # fmt: skip
+        index = {"metadata": {"total_size": len(whole)}, "weight_map": names}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("how", ["cut short", "header overwritten", "shard missing"])
+@pytest.mark.parametrize("offload", ["none", "disk"])
+def test_a_damaged_base_is_one_line_before_the_run_dir(files, tmp_path, how, offload):
+    """A damaged base safetensors was exit 3 (SafetensorError; JSONDecodeError under disk
+    offload) after config.yaml, preflight.json and data.json were written."""
+    import shutil
+
+    model = shutil.copytree(files[0], tmp_path / "model")
+    _damage(model, how)
+    out = tmp_path / "run"
+    cfg = _cfg((model, files[1]), out).model_copy(deep=True)
+    cfg.train.offload = offload
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(cfg))
+    text = _one_line_error(CliRunner().invoke(app, ["train", str(config)]))
+    assert f"base weights {model}" in text and "are damaged" in text and "fix:" in text
+    assert not out.exists()  # no partial run dir
+    assert _rows(cfg)[-1].status == "failed"  # the attempt is ledgered all the same
+
+
 # ---------------------------------------------------------------- damaged checkpoints
 
 

@@ -322,3 +322,39 @@ def test_a_failed_run_ends_its_wandb_run_as_failed_and_the_env_is_restored(tmp_p
     with trackers_mod.tracking(["wandb"], tmp_path):
         pass
     assert ended == [1, 0] and "WANDB_DIR" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value"),
+    [
+        ("tensorboard", "TENSORBOARD_LOGGING_DIR", "{file}/tb"),
+        ("wandb", "WANDB_DIR", "{file}"),
+        ("mlflow", "MLFLOW_TRACKING_URI", "file://{file}/mlruns"),
+        ("trackio", "TRACKIO_DIR", "/dev/null/trackio"),
+    ],
+)
+def test_an_unwritable_tracker_folder_is_one_line_before_any_model(
+    tmp_path, monkeypatch, name, key, value
+):
+    """Issue 36 item 8: the user's own tracker folder under a file (or a device) was an
+    exit-3 NotADirectoryError after the run dir was started."""
+    monkeypatch.setattr(trackers_mod, "installed", lambda package: True)
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv(key, value.format(file=tmp_path / "a-file"))
+    cfg = {"model": {"id": str(tmp_path / "no-model-here")}, "data": {"train_file": "x.jsonl"}}
+    cfg["output"] = {"dir": str(tmp_path / "run"), "ledger": str(tmp_path / "ledger.jsonl")}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(app, ["train", str(path), "--report-to", name])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) <= 2 and "Traceback" not in result.stderr
+    assert f"{name} writes to {key}=" in lines[0]
+    assert "is not a directory" in result.stderr or "is a file, not a folder" in result.stderr
+    assert f"point {key} at a writable folder" in result.stderr
+    assert not (tmp_path / "run").exists()  # refused before the model or the run dir
+
+
+def test_a_tracker_server_uri_is_not_a_folder_to_check(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    trackers_mod.check_tracker_dirs(["mlflow"])  # nothing local to write: no refusal

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from moetune.errors import MoetuneError, clip
+
 PROMOTED = "PROMOTED"  # marker `moetune gate --promote` writes into an adapter dir (train and
 # eval both honour it: --overwrite never removes it, the adapter digest leaves it out)
 
@@ -122,10 +124,37 @@ def share_by_umask(root: Path) -> None:
                 os.chmod(path, 0o666 & ~mask)
 
 
+def write_problem(path: Path, folder: bool = False) -> str | None:
+    """Why `path` cannot be written as a file (`folder`: made or filled as a folder), in
+    words, or None. Checked before work is spent, so a bad output path is one line up front;
+    as root every mode bit passes, but a file in the way, a device or a read-only mount do not."""
+    if path.exists() or path.is_symlink():
+        return _existing_problem(path, folder)
+    existing = next(p for p in path.parents if p.exists())
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot be created: {existing} is not writable"
+    return None
+
+
+def _existing_problem(path: Path, folder: bool) -> str | None:
+    if folder != path.is_dir():
+        return "is a file, not a folder" if folder else "is a directory, not a file"
+    if not folder and not path.is_file():  # /dev/full: a rename would replace the device
+        return "is not a regular file (a device, a pipe or a broken link)"
+    if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
+        return "is not writable"
+    return None
+
+
 def atomic_write_text(path: Path, text: str, mask: bool = True) -> None:
     """Write `text` (secrets masked; `mask=False` only for a copy of the user's own data,
     which is theirs to keep as it is) to a temp file beside `path`, fsync it, and rename it
-    over `path`."""
+    over `path` – never over a directory or a device (MoetuneError)."""
+    if path.exists() and not path.is_file():  # a rename replaces a read-only file, not these
+        problem = _existing_problem(path, False)
+        raise MoetuneError(f"{clip(path, 100)} {problem}", "write to a file path instead")
     text = mask_text(text) if mask else text
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
@@ -265,3 +294,16 @@ def read_holder(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def foreign_file(path: Path, marks: tuple[bytes, ...]) -> bool:
+    """Whether `path` exists and is not a file this tool wrote (none of `marks`, the way its
+    own files begin, in the first 4 KiB): an output never replaces a user's file."""
+    if not path.exists() and not path.is_symlink():
+        return False
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        head = b""  # a folder, a dangling link, an unreadable file: not ours either
+    return not any(mark in head for mark in marks)

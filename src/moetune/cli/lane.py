@@ -13,7 +13,7 @@ from rich.table import Table
 from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, err_console, friendly
 from moetune.cli.options import checked, opt, option_overrides
 from moetune.config import RunConfig, load_config
-from moetune.io import atomic_write_text
+from moetune.io import atomic_write_text, foreign_file, write_problem
 from moetune.ledger import Ledger
 
 ProviderOpt = Annotated[str | None, opt("provider", "Where to run (default: lane.provider).")]
@@ -220,6 +220,21 @@ workflow_app = typer.Typer(help="CI workflows that run a launch with every timeo
 app.add_typer(workflow_app, name="workflow")
 
 
+def _refuse_workflow_out(out: Path) -> None:
+    """--out: a writable file path that holds nothing of the user's (a workflow this command
+    wrote before is rewritten)."""
+    # lazy: the stage loads only when its command runs
+    from moetune.errors import clip
+    from moetune.lane.providers.base import LaneError
+    from moetune.lane.workflows import GENERATED_MARK
+
+    problem = write_problem(out)
+    if problem is None and foreign_file(out, (GENERATED_MARK.encode(),)):
+        problem = "exists and is not a workflow moetune wrote; it is never overwritten"
+    if problem:
+        raise LaneError(f"workflow --out {clip(out, 100)} {problem}", "pass --out a new file path")
+
+
 @workflow_app.command("github")
 @friendly
 def workflow_github(
@@ -234,6 +249,8 @@ def workflow_github(
     from moetune.lane.workflows import github_workflow
     from moetune.plan.walls import DEFAULT_WATCHDOG_S
 
+    if out:
+        _refuse_workflow_out(out)
     cfg = _config(config, None, overrides)
     total = launch_plan(cfg).estimate.total_s
     deadline = int(total or DEFAULT_WATCHDOG_S)

@@ -265,6 +265,9 @@ SourceFormat = Literal[
 ]
 
 
+MAX_WEIGHT = 1000  # data.sources[].weight: repeats of a source per epoch, past which it is a typo
+
+
 class SourceArgs(_Section):
     """One dataset of the training mix: a hub id, a local directory or a file."""
 
@@ -277,7 +280,8 @@ class SourceArgs(_Section):
     weight: float = Field(
         1.0,
         description="Rows per epoch as a multiple of the source's rows: 2 repeats each row "
-        "twice, 0.5 keeps a seeded half (streaming: the share of rows drawn from it).",
+        "twice, 0.5 keeps a seeded half (streaming: the share of rows drawn from it); "
+        "0 < weight <= 1000.",
     )
     format: SourceFormat = Field(
         "auto",
@@ -297,6 +301,11 @@ class SourceArgs(_Section):
             raise ValueError(
                 f"weight must be > 0 for source {self.path!r}, got {self.weight} "
                 "(leave a source out instead of giving it weight 0)"
+            )
+        if not self.weight <= MAX_WEIGHT:  # inf, or a repeat count no epoch could hold
+            raise ValueError(
+                f"weight must be at most {MAX_WEIGHT} for source {self.path!r}, got "
+                f"{self.weight} (raise train.epochs to see every row more often)"
             )
         return self
 

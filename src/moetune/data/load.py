@@ -31,9 +31,9 @@ from moetune.data.formats import (
 )
 from moetune.data.formats import detect_format as _detect
 from moetune.data.images import as_blocks, has_images, image_counts, with_images
-from moetune.data.mix import held_out, interleave, mix, row_key
+from moetune.data.mix import held_out, interleave, mix, row_key, weighted_count
 from moetune.data.sources import Located, label, read_source, stream_source
-from moetune.data.template import masked_ids, template_choices, use_template
+from moetune.data.template import check_template, masked_ids, template_choices, use_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -322,13 +322,25 @@ def check_sources(data: DataArgs, allowed: tuple[str, ...] = SFT_FORMATS) -> Che
             "data.train_file is not set: nothing to train on",
             "set data.train_file or data.sources (or --set data.train_file=train.jsonl)",
         )
+    check_template(data.chat_template)
     if data.streaming:
         heads = [(s, list(islice(stream_source(s), CHECK_ROWS))) for s in data.train_sources()]
         return [check_source(s, allowed, head) for s, head in heads], []
     parts = [check_source(s, allowed) for s in data.train_sources()]
     held = [check_source(s, allowed) for s in data.held_out_sources()]
     _one_format(parts + held)
+    _every_source_yields(parts + held)
     return parts, held
+
+
+def _every_source_yields(parts: list[SourceRows]) -> None:
+    """A weight below 1 keeps a share of a source's rows: a share of none is a typo."""
+    for part in parts:
+        if not weighted_count(len(part.rows), part.weight):
+            raise DataError(
+                f"source {part.label}: weight {part.weight} keeps 0 of its {len(part.rows)} rows",
+                f"raise its weight to at least {1 / len(part.rows):.3g}, or leave it out",
+            )
 
 
 @dataclass(frozen=True)
@@ -354,6 +366,7 @@ def mixed_rows(
     parts, held = checked or check_sources(data, allowed)
     fmt = _one_format(parts + held)
     parts, carved = _split(parts, data.eval_fraction)
+    _every_source_yields(parts)  # of the rows left once the eval share is carved off
     if held:
         label_ = ", ".join(p.label for p in held)
         return Mixed(fmt, parts, _mixed(parts, seed), _mixed(held, seed), label_, _summary(held))

@@ -34,6 +34,12 @@ def held_out(row: Any, fraction: float) -> bool:
     return int(row_key(row)[:16], 16) / _SCALE < fraction
 
 
+def weighted_count(rows: int, weight: float) -> int:
+    """How many rows `weighted` gives for a source of `rows` rows."""
+    whole, part = divmod(weight, 1.0)
+    return rows * int(whole) + round(part * rows)
+
+
 def weighted(rows: Sequence[T], weight: float, seed: str) -> list[T]:
     """The rows `weight` times: whole repeats, then a seeded sample for the fraction."""
     whole, part = divmod(weight, 1.0)

@@ -19,12 +19,26 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.data.errors import DataError
 from moetune.data.images import text_turns
+from moetune.errors import clip, os_problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 Turns = list[dict[str, Any]]
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+# what check_template renders: one exchange, as plain strings and as content blocks, with
+# the special tokens tokenizers pass (a template may print them)
+PROBES: list[Turns] = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    [{"role": r, "content": [{"type": "text", "text": t}]} for r, t in (("user", "hi"),
+                                                                        ("assistant", "hello"))],
+]  # fmt: skip
+SPECIAL: dict[str, Any] = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "pad_token": "<pad>",
+    "unk_token": "<unk>",
+}
 
 
 def shipped_templates() -> dict[str, Path]:
@@ -49,7 +63,14 @@ def template_text(choice: str) -> str:
             f"data.chat_template {choice!r} is neither a file nor a template TRL ships",
             f"give a .jinja file's path or a name such as {some} ({len(named)} in all)",
         )
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = os_problem(exc) if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise DataError(
+            f"data.chat_template {clip(path, 100)}: {why}",
+            "give a .jinja text file, or a template TRL ships by name",
+        ) from None
     if not text.strip():  # it would render every conversation as nothing
         raise DataError(
             f"data.chat_template {choice!r}: the template is empty",
@@ -68,6 +89,43 @@ def template_choices() -> str:
     return f"{', '.join(some)}, … {len(named)} in all" if named else "none installed"
 
 
+def check_template(choice: str | None) -> None:
+    """data.chat_template read, compiled and rendered on a plain user → assistant exchange
+    (every chat template must render one), before any model or tokenizer is loaded."""
+    if not choice:
+        return
+    # lazy: heavy to import (transformers)
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    text, failed = template_text(choice), []
+    for probe in PROBES:  # string turns, or content blocks (image+text templates want them)
+        try:
+            render_jinja_template([probe], chat_template=text, **SPECIAL)
+            return
+        except Exception as exc:  # the template is the user's code: whatever it raises is theirs
+            failed.append(exc)
+    first = failed[0]
+    raise DataError(
+        f"data.chat_template {clip(choice, 80)} cannot render a user → assistant exchange "
+        f"({type(first).__name__}: {clip(first, 100)})",
+        "fix the template (jinja2 syntax, no raise_exception on plain turns), or unset it",
+    )
+
+
+def _applied(tok: PreTrainedTokenizerBase, turns: Turns, **kw: Any) -> Any:
+    """apply_chat_template, where a template that raises on a row is the row's DataError."""
+    # lazy: heavy to import (jinja2, through transformers)
+    from jinja2 import TemplateError
+
+    try:
+        return tok.apply_chat_template(turns, **kw)
+    except TemplateError as exc:
+        raise DataError(
+            f"the chat template refuses this conversation ({clip(exc, 100)})",
+            "fix the row, or set data.chat_template to one that renders it",
+        ) from None
+
+
 def use_template(tok: PreTrainedTokenizerBase, choice: str | None) -> None:
     """Set data.chat_template on the tokenizer (it is saved with the adapter)."""
     if choice:
@@ -82,8 +140,7 @@ def has_markers(tok: PreTrainedTokenizerBase) -> bool:
 def render(tok: PreTrainedTokenizerBase, turns: Turns, prompt: bool = False) -> str:
     if not turns:
         return ""
-    out = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
-    return str(out)
+    return str(_applied(tok, turns, tokenize=False, add_generation_prompt=prompt))
 
 
 def assistant_spans(tok: PreTrainedTokenizerBase, turns: Turns) -> tuple[str, list[range]]:
@@ -115,8 +172,8 @@ def masked_ids(tok: PreTrainedTokenizerBase, turns: Turns) -> tuple[list[int], l
     image+text turns: their image tokens are the processor's, train/vision.py)."""
     turns = text_turns(turns)
     if has_markers(tok):
-        out: Any = tok.apply_chat_template(
-            turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        out: Any = _applied(
+            tok, turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         return list(out["input_ids"]), list(out["assistant_masks"])
     if not tok.is_fast:

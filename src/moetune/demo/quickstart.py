@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetune.config import RunConfig, parse_config
-from moetune.errors import ConfigError
-from moetune.io import atomic_write_json
+from moetune.errors import ConfigError, clip
+from moetune.io import atomic_write_json, write_problem
 from moetune.train import train
 
 if TYPE_CHECKING:
@@ -268,6 +268,11 @@ def run_quickstart(args: QuickstartArgs, progress: bool = True) -> dict[str, Any
     """Run the pipeline (and its over-trained counter-example); returns the summary, also
     written to OUT/quickstart.json. Every attempt of both lands in one ledger."""
     started = time.perf_counter()
+    if problem := write_problem(args.out_dir, folder=True):  # before anything trains
+        raise ConfigError(
+            f"quickstart --out {clip(args.out_dir, 100)} {problem}",
+            "pass --out a folder path in a writable place (or leave it out)",
+        )
     ledger = args.out_dir / "ledger.jsonl"
     summary = pipeline(args, ledger, progress)
     summary.update(new_skill=args.new_skill, ledger=str(ledger))

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from moetune.errors import MoetuneError
+from moetune.errors import MoetuneError, clip, os_problem
 
 ALIGN = 4096  # bytes: O_DIRECT wants offset, length and address aligned to the logical block
 CHUNK = 16 << 20  # bytes per read: past the size where an NVMe or a cloud disk peaks
@@ -171,7 +171,7 @@ class DirectReader:
             if not direct:
                 raise
             with self._fd_lock:
-                self._fds[path] = (os.open(path, os.O_RDONLY), False)
+                self._fds[path] = _open(path, False)
             return self._pread(path, buf, offset)
         if not direct and hasattr(os, "posix_fadvise"):  # keep the page cache out
             os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
@@ -185,7 +185,13 @@ def _open(path: str, direct: bool) -> tuple[int, bool]:
             return os.open(path, os.O_RDONLY | flag), True
         except OSError:  # tmpfs and some network file systems refuse O_DIRECT
             pass
-    return os.open(path, os.O_RDONLY), False
+    try:
+        return os.open(path, os.O_RDONLY), False
+    except OSError as exc:  # the base moved or deleted while a run streams from it
+        raise ReadError(
+            f"{clip(path, 100)}: {os_problem(exc)} – the base's files went away while in use",
+            "keep the base in place until the run ends (train.offload reads it), then rerun",
+        ) from None
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> int:

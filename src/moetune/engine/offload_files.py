@@ -14,8 +14,6 @@ the built model to the file segments that fill it, expert by expert, in row-majo
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch
 
 from moetune.engine.direct_io import DirectReader, Piece, Span, read_once
 from moetune.errors import MoetuneError
+from moetune.model.weight_files import read_header as checked_header
 from moetune.registry import Registry
 
 _DTYPES = {
@@ -47,11 +46,8 @@ class Segment(Span):
 
 
 def read_header(path: str | Path) -> dict[str, Segment]:
-    """Every tensor of one safetensors file, by key."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    base = 8 + length
+    """Every tensor of one safetensors file, by key (a damaged or vanished file: one line)."""
+    header, base = checked_header(Path(path))
     out = {}
     for key, info in header.items():
         if key == "__metadata__":

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetune.config import RunConfig
+from moetune.errors import clip, os_problem
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.gate import gate_results, paired
 from moetune.evaluate.results import (
@@ -40,6 +41,7 @@ from moetune.io import PROMOTION_FIX, atomic_write_json, atomic_write_text, prom
 from moetune.ledger import attempt
 from moetune.model import load_spec
 from moetune.model.finite import require_finite_adapter
+from moetune.model.weight_files import check_weight_files
 from moetune.train.checkpoint import ledger_fields
 
 
@@ -184,6 +186,11 @@ def write_results(path: Path, ladder: list[Scored], meta: dict[str, Any]) -> dic
             atomic_write_json(tmp / RUNGS / f"{rung['name']}.json", rung)
         atomic_write_json(tmp / LADDER, doc)
         publish(tmp, path)
+    except OSError as exc:  # a full disk, a quota: one line, and no temp dir left behind
+        raise EvalError(
+            f"eval results could not be written beside {clip(path, 80)}: {os_problem(exc)}",
+            "free space there (or set eval.results_dir to another disk), then rerun the eval",
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return doc
@@ -221,6 +228,7 @@ def score_ladder(
         raise EvalError(why, PROMOTION_FIX)
     results = cfg.eval.results_path(cfg.output.dir)
     refuse_unasked_replace(results, overwrite)
+    check_weight_files(cfg.model.id)  # a damaged local base: one line, before any load
     model, tokenizer = load_model(cfg)
     score_all(ladder, model, tokenizer, cfg, "base", show)
     with warnings.catch_warnings():  # peft calls a transformers API deprecated for v6

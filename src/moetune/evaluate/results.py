@@ -27,7 +27,7 @@ from moetune.config import GateArgs, RungArgs
 from moetune.errors import clip, os_problem
 from moetune.evaluate.errors import EvalError, GateError
 from moetune.io import adapter_digest as adapter_digest  # re-exported: eval, gate, tests
-from moetune.io import fsync_path
+from moetune.io import fsync_path, write_problem
 
 LADDER, VERDICT, RUNGS = "ladder.json", "verdict.json", "rungs"
 REDO = "re-run `moetune eval --overwrite` (per-item files are never edited by hand)"
@@ -163,9 +163,11 @@ def owned_files(results: Path) -> list[Path]:
 
 def refuse_unasked_replace(results: Path, overwrite: bool) -> None:
     """Earlier results are never replaced silently; a folder of other files is fine."""
-    if results.exists() and not results.is_dir():
+    problem = write_problem(results, folder=True)  # before any model loads
+    if problem:
         raise EvalError(
-            f"results dir {clip(results, 100)} is a file", "set eval.results_dir to a folder"
+            f"results dir {clip(results, 100)} {problem}",
+            "set eval.results_dir to a writable folder",
         )
     if owned_files(results) and not overwrite:
         raise EvalError(

@@ -15,6 +15,7 @@ from moetune.export.registry import ExportError, Source
 from moetune.io import PROMOTION_FIX, promotion_broken
 from moetune.model.remote import prepare as prepare_remote
 from moetune.model.sources import resolve_config
+from moetune.model.weight_files import check_weight_files
 from moetune.train.errors import DataError
 from moetune.train.recovery import checkpoint_problem
 
@@ -106,14 +107,21 @@ def require_whole_adapter(adapter_dir: Path) -> None:
 
 
 def require_weights(base: str) -> None:
-    """A local base dir must hold weights, not only config.json (the merge and the check
-    read its tensors)."""
-    folder = Path(base)
+    """A local base dir must hold weights, not only config.json, and whole ones (the merge
+    and the check read its tensors)."""
+    folder = Path(base).expanduser()
+    local = base.startswith(("/", ".", "~")) or base.count("/") != 1  # not owner/name
+    if local and not folder.exists():  # else the hub client's repo-id check says it, exit 3
+        raise ExportError(
+            f"the base {clip(base, 80)} does not exist",
+            "pass --base the model dir the adapter was trained on (or a hub id owner/name)",
+        )
     if folder.is_dir() and not any(any(folder.glob(p)) for p in WEIGHT_FILES):
         raise ExportError(
             f"the base {clip(base, 80)} has a config.json but no weights (*.safetensors)",
             "pass --base the full checkpoint the adapter was trained on",
         )
+    check_weight_files(folder)  # a damaged one: one line, before the out dir is made
 
 
 def item_texts(path: Path, limit: int) -> list[str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import RunConfig, load_config, parse_config
+from moetune.io import write_problem
 from moetune.ledger import LedgerError
 from moetune.lint.rules import LintContext, lint
 from moetune.model import load_spec
@@ -42,16 +43,9 @@ def check_ledger(path: str | Path) -> None:
 
 def _ledger_problem(path: Path) -> str | None:
     """Why `path` cannot be appended to (with its `.lock` beside it), or None."""
-    if path.is_dir():
-        return "is a directory"
-    if path.exists() and not os.access(path, os.W_OK):
-        return "is not writable"
-    existing = next(p for p in [path.parent, *path.parent.parents] if p.exists())
-    if not existing.is_dir():
-        return f"cannot be created: {existing} is a file, not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"cannot be created: {existing} is not writable"
-    return None
+    if path.exists() and not path.is_dir():  # appended to in place: a device takes rows too
+        return None if os.access(path, os.W_OK) else "is not writable"
+    return write_problem(path)
 
 
 def lint_context(cfg: RunConfig, spec: Any, plan: Any = None, site: Site | None = None) -> Any:

@@ -25,8 +25,8 @@ from markupsafe import Markup
 
 import moetune.report.plots as plots
 from moetune.config import load_yaml
-from moetune.errors import MoetuneError
-from moetune.io import atomic_write_text, masked, promotion_broken
+from moetune.errors import MoetuneError, clip
+from moetune.io import atomic_write_text, foreign_file, masked, promotion_broken, write_problem
 from moetune.report.exports import exports_section
 from moetune.report.inputs import lookup, missing, read_json, read_jsonl
 from moetune.report.shift import shift_section
@@ -484,14 +484,7 @@ OWN_MARKS = (b'<meta name="generator" content="moetune report">', b"<title>moetu
 
 def refuse_foreign(out: Path) -> None:
     """Refuse an `out` that exists and is not a report moetune wrote (a user's file)."""
-    if not out.exists() and not out.is_symlink():
-        return
-    try:
-        with out.open("rb") as fh:
-            head = fh.read(4096)
-    except OSError:
-        head = b""  # a folder, a dangling link, an unreadable file: not ours either
-    if not any(mark in head for mark in OWN_MARKS):
+    if foreign_file(out, OWN_MARKS):
         raise ReportError(
             f"{out} exists and is not a report moetune wrote; it is never overwritten",
             "pass --out with a new file name, or move that file away",
@@ -504,8 +497,14 @@ def build_report(run_dir: Path, out: Path | None = None, results_dir: Path | Non
     eval.results_dir, else RUN_DIR/eval). Raises ReportError when RUN_DIR is not a run."""
     run_dir = Path(run_dir)
     out = out or run_dir / "report.html"
-    refuse_foreign(out)  # before any work: --out never replaces a file a report did not write
     inp = load_inputs(run_dir, results_dir)
+    problem = write_problem(out)  # a folder, a device, a read-only place: before rendering
+    if problem:
+        raise ReportError(
+            f"report --out {clip(out, 100)} {problem}",
+            "pass --out a file path in a writable folder (e.g. report.html)",
+        )
+    refuse_foreign(out)  # --out never replaces a file a report did not write
     # secrets masked before HTML escaping, which would hide them from a mask of the page
     context: dict[str, Any] = {
         name: masked(guarded(name, build, inp)) for name, build in SECTIONS.items()

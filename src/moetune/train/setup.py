@@ -24,6 +24,7 @@ from moetune.data.summary import Summary, summarize
 from moetune.io import atomic_write_json
 from moetune.lint.preflight import lint_run
 from moetune.model import load_spec, to_hf_config
+from moetune.model.weight_files import check_weight_files
 from moetune.plan.planner import as_checkpointable
 from moetune.train.checkpoint import RunDir, open_run, versions
 from moetune.train.errors import TrainError
@@ -188,6 +189,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     method = method_of(cfg)
     rows = check_data(cfg, method.formats)  # bad data stops before any model is built
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
+    check_weight_files(cfg.model.id)  # a damaged local base: one line, no run dir
     cfg, gc_off = as_checkpointable(cfg, spec)  # jetmoe refuses it: off, and said
     check_selection(cfg.lora, spec)
     findings, plan, overridden = preflight(cfg, place, allow_errors)

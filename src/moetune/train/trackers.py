@@ -35,9 +35,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
 
 from transformers import TrainerCallback
 
+from moetune.errors import clip
+from moetune.io import write_problem
 from moetune.registry import Registry
 from moetune.train.callbacks import peak_memory
 from moetune.train.errors import TrainError
@@ -58,6 +61,7 @@ class Tracker:
     package: str  # the module that must import
     env: Callable[[Path], dict[str, str]]
     finish: Callable[[bool], None] = lambda failed: None  # ends a run its integration leaves open
+    folder_key: str = ""  # the variable naming the folder it writes (a file:// URI for MLflow)
 
 
 def _finish_wandb(failed: bool) -> None:
@@ -73,15 +77,17 @@ def _finish_wandb(failed: bool) -> None:
 TRACKERS: Registry[Tracker] = Registry("tracker", TrainError)
 for _tracker in (
     Tracker("tensorboard", "tensorboard",
-            lambda d: {"TENSORBOARD_LOGGING_DIR": str(d / "tensorboard")}),
+            lambda d: {"TENSORBOARD_LOGGING_DIR": str(d / "tensorboard")},
+            folder_key="TENSORBOARD_LOGGING_DIR"),
     Tracker("wandb", "wandb", lambda d: {"WANDB_DIR": str(d), "WANDB_PROJECT": "moetune"},
-            finish=_finish_wandb),
+            finish=_finish_wandb, folder_key="WANDB_DIR"),
     Tracker("mlflow", "mlflow", lambda d: {
         "MLFLOW_TRACKING_URI": (d / "mlruns").resolve().as_uri(),
         "MLFLOW_EXPERIMENT_NAME": "moetune",
         "MLFLOW_ALLOW_FILE_STORE": "true",  # MLflow 3.x: the file store only when opted in
-    }),
-    Tracker("trackio", "trackio", lambda d: {"TRACKIO_DIR": str(d / "trackio")}),
+    }, folder_key="MLFLOW_TRACKING_URI"),
+    Tracker("trackio", "trackio", lambda d: {"TRACKIO_DIR": str(d / "trackio")},
+            folder_key="TRACKIO_DIR"),
 ):  # fmt: skip
     TRACKERS.add(_tracker.name, _tracker)
 
@@ -100,6 +106,29 @@ def check_trackers(names: Sequence[str]) -> None:
                 f"output.report_to lists {name}, but its package {package!r} is not installed",
                 f"{EXTRA} (or drop {name} from output.report_to)",
             )
+
+
+def check_tracker_dirs(names: Sequence[str]) -> None:
+    """A tracker folder the user's own variable names (TENSORBOARD_LOGGING_DIR …) can be
+    made and written: one line before any model is built, not a traceback after (the
+    default, under the run dir, is checked with the run dir)."""
+    for name in names:
+        key = TRACKERS.get(name).folder_key
+        folder = _local_folder(os.environ.get(key, "")) if key else None
+        problem = write_problem(folder, folder=True) if folder else None
+        if problem:
+            raise TrainError(
+                f"{name} writes to {key}={clip(folder, 80)}, which {problem}",
+                f"point {key} at a writable folder (or unset it: the run dir's trackers/)",
+            )
+
+
+def _local_folder(value: str) -> Path | None:
+    """The folder a tracker variable names: a path, or a file:// URI (a server URI: None)."""
+    if "://" not in value:
+        return Path(value).expanduser() if value else None
+    parsed = urlparse(value)
+    return Path(unquote(parsed.path)) if parsed.scheme == "file" else None
 
 
 def tracker_env(names: Sequence[str], root: Path) -> dict[str, str]:

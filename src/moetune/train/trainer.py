@@ -90,7 +90,13 @@ from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
 from moetune.train.setup import Setup, prepare
 from moetune.train.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.stacks import stack_trainer
-from moetune.train.trackers import TrackerCallback, check_trackers, fan_out, tracking
+from moetune.train.trackers import (
+    TrackerCallback,
+    check_tracker_dirs,
+    check_trackers,
+    fan_out,
+    tracking,
+)
 from moetune.train.vision import processor_line, processor_source, vision_kwargs
 
 if TYPE_CHECKING:
@@ -118,6 +124,7 @@ def train(
     cfg = anchor(cfg)  # the run dir names no place relative to where it was started
     require_launcher(cfg)
     check_trackers(cfg.output.report_to)  # a missing package: one line, nothing built
+    check_tracker_dirs(cfg.output.report_to)  # or an unwritable folder of theirs
     if launched():  # an FSDP launch's CPU ranks shard for real, not silently as DDP
         fsdp_on_cpu()
         install()  # a sharded load: rank 0's full tensors freed once sent, the load measured

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from moetune.config import dump_config
-from moetune.io import atomic_write_text
+from moetune.errors import clip
+from moetune.io import atomic_write_text, write_problem
 from moetune.lane.launch import launch_plan
 from moetune.lane.providers.base import (
     Env,
@@ -315,6 +316,9 @@ def write_task(cfg: RunConfig, out: Path) -> tuple[Path, dict[str, Any]]:
     """`out`/task.yaml (and the pod's config `out`/run.yaml) for `sky launch`: the card and
     GPUs the launch plan picks, its walls, the staged files. Existing files are refused."""
     task_path, pod_config = out / "task.yaml", out / "run.yaml"
+    problem = write_problem(out, folder=True)
+    if problem:
+        raise LaneError(f"sky-task --out {clip(out, 100)} {problem}", "pass --out a folder")
     for path in (task_path, pod_config):
         if path.exists():
             raise LaneError(f"{path} exists; it is never overwritten", "pass another --out")
