@@ -2,7 +2,9 @@
 
 transformers fills a missing size field with its class default (a 4096-wide, 32-layer
 model for a config.json that forgot `hidden_size`) and builds whatever it is given (a
-100-million-layer meta build hangs). Both are caught here, naming the field.
+100-million-layer meta build hangs). Both are caught here, naming the field, and so are
+fields that contradict each other (a tiny config shrunk from a class's defaults, some sizes
+left as they were): transformers builds it, and the first forward fails deep in a layer.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def check_config(raw: dict[str, Any], config: Any, name: str) -> None:
                 f"{name}: config.json has {field}={value:,}; it must be {bound}",
                 f"correct {field} in config.json",
             )
+    for check in CONSISTENCY:
+        found = check(config)
+        if found:
+            raise ConfigError(f"{name}: config.json has {found[0]}", found[1])
 
 
 def _check_present(raw: dict[str, Any], config: Any, name: str) -> None:
@@ -77,3 +83,74 @@ def _read(config: Any, field: str) -> int | None:
     if isinstance(value, list | tuple):
         value = max(value, default=None) if all(isinstance(v, int) for v in value) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# -- fields that must agree: each check returns (what disagrees, how to fix it) or None
+
+_GROUPS = ("n_group", "num_expert_group")  # group-limited routing: experts split in groups
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k_experts")
+
+
+def _experts(config: Any) -> tuple[str, int] | None:
+    return next(((_named(config, f), v) for f in EXPERT_COUNTS if (v := _read(config, f))), None)
+
+
+def _named(config: Any, field: str) -> str:
+    """The name config.json stores `field` under (an alias resolves to it)."""
+    return str((getattr(config, "attribute_map", None) or {}).get(field, field))
+
+
+def _groups(config: Any) -> tuple[str, str] | None:
+    """Routing groups must split the experts evenly, and top-k of them must exist (the
+    router views its scores as groups × experts-per-group)."""
+    experts, group = _experts(config), next((f for f in _GROUPS if _read(config, f)), None)
+    if experts is None or group is None:
+        return None
+    groups, top = _read(config, group) or 1, _read(config, "topk_group") or 1
+    group = _named(config, group)
+    if experts[1] % groups:
+        return (
+            f"{experts[0]}={experts[1]}, not a multiple of {group}={groups} (the router "
+            "splits the experts into equal groups)",
+            f"set {group} to a divisor of {experts[1]} (1: no grouping), or change {experts[0]}",
+        )
+    if top > groups:
+        return (f"topk_group={top} of {group}={groups} groups", f"set topk_group ≤ {groups}")
+    return None
+
+
+def _top_k(config: Any) -> tuple[str, str] | None:
+    """A token cannot pick more experts than there are."""
+    experts = _experts(config)
+    field = next((f for f in _TOP_K if _read(config, f)), None)
+    if experts is None or field is None or (top := _read(config, field) or 0) <= experts[1]:
+        return None
+    field = _named(config, field)
+    return (f"{field}={top} but {experts[0]}={experts[1]}", f"set {field} to at most {experts[1]}")
+
+
+def _rope_width(config: Any) -> tuple[str, str] | None:
+    """Multi-head latent attention rotates qk_rope_head_dim channels of each head, with a
+    rotary embedding head_dim × partial_rotary_factor wide: the two must be equal."""
+    rope, head = _read(config, "qk_rope_head_dim"), _read(config, "head_dim")
+    factor = _rotary_factor(config)
+    if not rope or not head or factor is None or int(head * factor) == rope:
+        return None
+    return (
+        f"head_dim × partial_rotary_factor = {head} × {factor:g} = {int(head * factor)} "
+        f"rotary channels, but qk_rope_head_dim={rope} (attention rotates that many)",
+        f"set head_dim to {rope / factor:g} (qk_rope_head_dim / partial_rotary_factor)",
+    )
+
+
+def _rotary_factor(config: Any) -> float | None:
+    """The rotary embedding's partial_rotary_factor (1.0 when unset); None for per-layer-type
+    rope parameters, which latent attention does not use."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        return None
+    factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+    return float(factor or 1.0)
+
+
+CONSISTENCY = (_groups, _top_k, _rope_width)
