@@ -153,4 +153,16 @@ def _rotary_factor(config: Any) -> float | None:
     return float(factor or 1.0)
 
 
-CONSISTENCY = (_groups, _top_k, _rope_width)
+def _sliding_window(config: Any) -> tuple[str, str] | None:
+    """Sliding-attention layers need the window they slide over (transformers' mask raises
+    "Could not find a `sliding_window` argument" on the first forward)."""
+    sliding = list(getattr(config, "layer_types", None) or ()).count("sliding_attention")
+    if not sliding or getattr(config, "sliding_window", None) is not None:
+        return None
+    return (
+        f"{sliding} sliding_attention layers but sliding_window is null",
+        "set sliding_window (the span those layers attend over), or make them full_attention",
+    )
+
+
+CONSISTENCY = (_groups, _top_k, _rope_width, _sliding_window)
