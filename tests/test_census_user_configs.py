@@ -109,8 +109,6 @@ def test_bailing_hybrid_experts_not_split_by_its_groups_is_refused(tmp_path: Pat
     [
         ("deepseek_v3", {"n_routed_experts": 8, "n_group": 2, "topk_group": 4},
          "topk_group=4 of n_group=2 groups"),
-        ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 8},
-         "num_experts_per_tok=8 but num_local_experts=4"),  # the name it saves
     ],
 )  # fmt: skip
 def test_routing_fields_that_disagree_are_refused(
