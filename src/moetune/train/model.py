@@ -60,7 +60,7 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
             loaded: Any = cls.from_pretrained(cfg.model.id, dtype=dtype, output_loading_info=True)
             model, info = loaded
             ensure_backbone(model)
-            apply_fixes(model)  # transformers bugs in its type's class (Llama 4, Qwen3-Omni)
+            apply_fixes(model)  # transformers bugs in its type's class (Llama 4, Qwen3-Omni, Step)
     except OSError as exc:
         raise TrainError(
             f"cannot load the weights of {cfg.model.id}: {str(exc).splitlines()[0]}",
@@ -99,6 +99,7 @@ def load_quantized_model(
             _model_dir(cfg.model.id), cfg.model.experts_dtype, place.device, dtype,
             double_quant=cfg.model.experts_double_quant,
         )  # fmt: skip
+    apply_fixes(model)
     register()  # every quantised stack, LoRA or not, goes one expert at a time
     model.set_experts_implementation(IMPLEMENTATION)
     model.__dict__[_QUANT_REPORT] = report
