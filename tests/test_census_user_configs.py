@@ -192,3 +192,16 @@ def test_step3p5_without_a_window_traces_as_it_steps() -> None:
         for is_fake in (True, False)
     )  # fmt: skip
     assert fake.peak_bytes == real.peak_bytes > 0
+
+
+def test_mimo_v2_flash_with_as_many_kv_heads_as_heads_is_refused() -> None:
+    """Its sliding layers double num_key_value_heads: 4 heads, 4 kv heads leaves those
+    layers 8 kv heads for 4 query heads (no query head per group)."""
+    config = user_config("mimo_v2_flash", n_routed_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ConfigError) as err:
+        spec_from_config(config.to_dict(), "mimo_v2_flash")
+    assert "fewer query heads than key/value heads" in err.value.cause
+    assert "num_attention_heads=4, num_key_value_heads=4" in err.value.cause
+    ids = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+    fixed = {**config.to_dict(), "num_key_value_heads": 2, **ids}
+    assert spec_from_config(fixed, "mimo_v2_flash").is_moe

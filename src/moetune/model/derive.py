@@ -25,7 +25,7 @@ from moetune.model.layout import ExpertsLayout, ModulePaths
 from moetune.model.multimodal import multimodal_class, text_config_of, text_path
 from moetune.model.read import classify_layer, find_layers, layout, outside, sum_layers, union_paths
 from moetune.model.remote import needs_remote_code, refused
-from moetune.model.sanity import check_config
+from moetune.model.sanity import check_build, check_config
 from moetune.model.spec import ModelSpec
 from moetune.model.summary import spec_of
 from moetune.model.textlm import module_classes, serves, text_lm_class, text_model_class
@@ -61,6 +61,7 @@ def derive(raw: dict[str, Any], name: str = "custom") -> Derived:
     config.allow_global_per_layer_attribute_access = True
     check_config(raw, config, name)
     model = build_language_model(config, name)
+    check_build(model, name)
     with quiet_transformers():
         return _read_build(model, config, raw, name)
 

@@ -132,11 +132,19 @@ def _rope_width(config: Any) -> tuple[str, str] | None:
     )
 
 
+def _rope_params(config: Any) -> dict[str, Any] | None:
+    """config.rope_parameters, or None when absent or given per layer type."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        return None
+    return params
+
+
 def _rotary_factor(config: Any) -> float | None:
     """The rotary embedding's partial_rotary_factor (1.0 when unset); None for per-layer-type
     rope parameters, which latent attention does not use."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+    params = _rope_params(config)
+    if params is None:
         return None
     factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
     return float(factor or 1.0)
@@ -155,3 +163,30 @@ def _sliding_window(config: Any) -> tuple[str, str] | None:
 
 
 CONSISTENCY = (_groups, _rope_width, _sliding_window)  # a top-k past the experts: summary.py
+
+
+def check_build(model: Any, name: str) -> None:
+    """ConfigError when a module of the meta build (its shapes are known, no memory used)
+    contradicts another: the first forward would fail deep inside it."""
+    for path, module in model.named_modules():
+        for check in BUILD_CHECKS:
+            found = check(module, model.config)
+            if found:
+                raise ConfigError(f"{name}: config.json gives {path} {found[0]}", found[1])
+
+
+def _kv_heads(module: Any, config: Any) -> tuple[str, str] | None:
+    """More key/value heads than query heads (mimo_v2_flash's sliding layers double
+    num_key_value_heads): no query head per group."""
+    if getattr(module, "num_key_value_groups", None) != 0:
+        return None
+    heads, kv = _read(config, "num_attention_heads"), _read(config, "num_key_value_heads")
+    return (
+        f"fewer query heads than key/value heads (num_attention_heads={heads}, "
+        f"num_key_value_heads={kv})",
+        "set num_key_value_heads to a divisor of num_attention_heads that this layer's kind "
+        "keeps (some families double it on sliding-window layers)",
+    )
+
+
+BUILD_CHECKS = (_kv_heads,)
