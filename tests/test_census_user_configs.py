@@ -194,6 +194,16 @@ def test_step3p5_without_a_window_traces_as_it_steps() -> None:
     assert fake.peak_bytes == real.peak_bytes > 0
 
 
+def test_glm4v_moe_text_mrope_sections_off_its_rotary_width_are_refused() -> None:
+    """Its modeling code's default sections (8, 12, 12) split 32 rotary frequencies; at
+    head_dim 16 there are 4, and the first forward fails in `split_with_sizes`."""
+    config = user_config("glm4v_moe_text", n_routed_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ConfigError) as err:
+        spec_from_config(config.to_dict(), "glm4v_moe_text")
+    assert "mrope_section=[8, 12, 12] summing to 32, but 4 rotary" in err.value.cause
+    assert "summing to 4" in err.value.fix
+
+
 def test_mimo_v2_flash_with_as_many_kv_heads_as_heads_is_refused() -> None:
     """Its sliding layers double num_key_value_heads: 4 heads, 4 kv heads leaves those
     layers 8 kv heads for 4 query heads (no query head per group)."""

@@ -9,6 +9,8 @@ left as they were): transformers builds it, and the first forward fails deep in 
 
 from __future__ import annotations
 
+import inspect
+from functools import cache
 from typing import Any
 
 from moetune.errors import ConfigError
@@ -189,4 +191,25 @@ def _kv_heads(module: Any, config: Any) -> tuple[str, str] | None:
     )
 
 
-BUILD_CHECKS = (_kv_heads,)
+def _mrope_split(module: Any, config: Any) -> tuple[str, str] | None:
+    """A rotary embedding that splits its frequencies into (temporal, height, width)
+    sections (glm4v_moe's, default (8, 12, 12)) needs them to sum to their count; those
+    that interleave them (Qwen3-VL's) take any sections."""
+    sections, inv_freq = getattr(module, "mrope_section", None), getattr(module, "inv_freq", None)
+    if not sections or inv_freq is None or sum(sections) == inv_freq.shape[-1]:
+        return None
+    if not _splits_sections(type(module)):
+        return None
+    return (
+        f"rotary sections mrope_section={list(sections)} summing to {sum(sections)}, but "
+        f"{inv_freq.shape[-1]} rotary frequencies (head_dim × partial_rotary_factor / 2)",
+        f"set rope_parameters.mrope_section to sections summing to {inv_freq.shape[-1]}",
+    )
+
+
+@cache
+def _splits_sections(cls: type) -> bool:
+    return "split(self.mrope_section" in inspect.getsource(cls)
+
+
+BUILD_CHECKS = (_kv_heads, _mrope_split)
