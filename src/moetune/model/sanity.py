@@ -10,7 +10,6 @@ left as they were): transformers builds it, and the first forward fails deep in 
 from __future__ import annotations
 
 import inspect
-from functools import cache
 from typing import Any
 
 from moetune.errors import ConfigError
@@ -199,7 +198,7 @@ def _mrope_split(module: Any, config: Any) -> tuple[str, str] | None:
     if not sections or inv_freq is None or sum(sections) == inv_freq.shape[-1]:
         return None
     if not _splits_sections(type(module)):
-        return None
+        return None  # its sections interleave: any sum works
     return (
         f"rotary sections mrope_section={list(sections)} summing to {sum(sections)}, but "
         f"{inv_freq.shape[-1]} rotary frequencies (head_dim × partial_rotary_factor / 2)",
@@ -207,9 +206,14 @@ def _mrope_split(module: Any, config: Any) -> tuple[str, str] | None:
     )
 
 
-@cache
 def _splits_sections(cls: type) -> bool:
-    return "split(self.mrope_section" in inspect.getsource(cls)
+    """The class's source splits the frequencies by its sections (read once a class)."""
+    if cls not in _SPLITS:
+        _SPLITS[cls] = "split(self.mrope_section" in inspect.getsource(cls)
+    return _SPLITS[cls]
+
+
+_SPLITS: dict[type, bool] = {}
 
 
 BUILD_CHECKS = (_kv_heads, _mrope_split)
