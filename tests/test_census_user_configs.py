@@ -215,3 +215,14 @@ def test_mimo_v2_flash_with_as_many_kv_heads_as_heads_is_refused() -> None:
     ids = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
     fixed = {**config.to_dict(), "num_key_value_heads": 2, **ids}
     assert spec_from_config(fixed, "mimo_v2_flash").is_moe
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "longcat_flash", "mistral4"])
+def test_latent_attention_with_fewer_kv_heads_than_heads_is_refused(model_type: str) -> None:
+    """Latent attention makes a key/value head per query head; num_key_value_heads=2 of 4
+    (a usual GQA shrink) fails the first forward ("size of tensor a (4) ... b (8)")."""
+    fields = {"n_routed_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 2}
+    with pytest.raises(ConfigError) as err:
+        spec_from_config(user_config(model_type, **fields).to_dict(), model_type)
+    assert "num_key_value_heads=2 for num_attention_heads=4" in err.value.cause
+    assert "set num_key_value_heads to num_attention_heads (4)" in err.value.fix

@@ -190,6 +190,20 @@ def _kv_heads(module: Any, config: Any) -> tuple[str, str] | None:
     )
 
 
+def _latent_kv_heads(module: Any, config: Any) -> tuple[str, str] | None:
+    """Latent attention (kv_b_proj) expands its compressed keys and values to one head per
+    query head; repeating them for fewer key/value heads doubles them past the queries."""
+    groups = getattr(module, "num_key_value_groups", None)
+    if not hasattr(module, "kv_b_proj") or groups in (None, 1):
+        return None
+    heads, kv = _read(config, "num_attention_heads"), _read(config, "num_key_value_heads")
+    return (
+        f"latent attention with num_key_value_heads={kv} for num_attention_heads={heads} "
+        "(kv_b_proj makes a key/value head per query head)",
+        f"set num_key_value_heads to num_attention_heads ({heads})",
+    )
+
+
 def _mrope_split(module: Any, config: Any) -> tuple[str, str] | None:
     """A rotary embedding that splits its frequencies into (temporal, height, width)
     sections (glm4v_moe's, default (8, 12, 12)) needs them to sum to their count; those
@@ -216,4 +230,4 @@ def _splits_sections(cls: type) -> bool:
 _SPLITS: dict[type, bool] = {}
 
 
-BUILD_CHECKS = (_kv_heads, _mrope_split)
+BUILD_CHECKS = (_kv_heads, _latent_kv_heads, _mrope_split)
