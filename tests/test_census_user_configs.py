@@ -55,9 +55,8 @@ def save(config: Any, out: Path, cls: Any = None) -> Path:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        (cls or checkpoint_class(config))._from_config(config, dtype=torch.float32).save_pretrained(
-            out
-        )
+        model = (cls or checkpoint_class(config))._from_config(config, dtype=torch.float32)
+        model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
