@@ -25,6 +25,8 @@ MULTIMODAL = multimodal_model_types()
 # Known failures, each with its cause (strict: a fix is noticed). None in transformers 5.24:
 # Llama 4's and Qwen3-Omni thinker's classes train through moetune.model.fixes.
 CANNOT_TRAIN: dict[str, str] = {}
+# refused before the build, each with the cause its error names (checkpoint_class)
+REFUSED = {"qwen3_omni_moe": "no forward of its own", "diffusion_gemma": "takes no labels"}
 # over ~20 s a type on the shared CPUs (the build of their towers or text model alone)
 SLOW = {"gemma4", "glm5_next", "hy_v4_vl", "inkling2", "inkling2_loop", "inkling_mm_model",
         "mistral_large4"}  # fmt: skip
@@ -134,7 +136,22 @@ def test_an_omni_checkpoint_without_a_forward_is_refused_with_transformers_cause
     assert "no forward of its own" in err.value.cause and "thinker" in err.value.fix
 
 
-@pytest.mark.parametrize("model_type", [_case(t) for t in MULTIMODAL if t != "qwen3_omni_moe"])
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_a_class_that_cannot_train_as_a_language_model_is_refused_with_its_cause(
+    model_type: str,
+) -> None:
+    from transformers import CONFIG_MAPPING
+
+    from moetune.errors import UnknownFamilyError
+
+    values = tiny_multimodal_config(model_type)
+    values.pop("model_type")
+    with pytest.raises(UnknownFamilyError) as err:
+        checkpoint_class(CONFIG_MAPPING[model_type](**values))
+    assert REFUSED[model_type] in err.value.cause
+
+
+@pytest.mark.parametrize("model_type", [_case(t) for t in MULTIMODAL if t not in REFUSED])
 def test_five_steps_train_the_language_model_in_the_checkpoints_own_layout(
     model_type: str, tmp_path: Path
 ) -> None:

@@ -47,7 +47,7 @@ def _image_batch() -> dict[str, torch.Tensor]:
 
 
 def test_the_fixes_are_registered_by_top_level_model_type() -> None:
-    assert {"llama4", "qwen3_omni_moe_thinker"} <= set(MODEL_FIXES)
+    assert {"llama4", "qwen3_omni_moe_thinker", "step3p5", "step3p7"} <= set(MODEL_FIXES)
     assert "llama4_text" not in MODEL_FIXES  # Llama4ForCausalLM trains as shipped
 
 
@@ -130,3 +130,40 @@ def test_omni_fix_fills_the_field_and_a_masked_text_row_scores_as_unmasked() -> 
 def test_omni_fix_keeps_a_vision_start_token_id_the_config_states() -> None:
     model = _build("qwen3_omni_moe_thinker", vision_start_token_id=7)
     assert apply_fixes(model) == 0 and model.config.vision_start_token_id == 7
+
+
+def _step3p5(**changes: Any) -> Any:
+    """Step-3.5's causal LM from the census' tiny config, every layer full attention, and
+    no window (its config class's default) unless `changes` state one."""
+    from transformers import CONFIG_MAPPING
+
+    from moetune.model.census import shrunk_config
+
+    values = {**shrunk_config("step3p5"), "sliding_window": None, **changes}
+    values.pop("model_type")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = CONFIG_MAPPING["step3p5"](**values)
+        torch.manual_seed(0)
+        return checkpoint_class(config)._from_config(config, dtype=torch.float32).eval()
+
+
+def test_probe_step3p5_builds_a_sliding_mask_with_no_sliding_layer() -> None:
+    model = _step3p5()
+    assert "sliding_attention" not in model.config.layer_types
+    with pytest.raises(ValueError, match="sliding_window"):
+        model(input_ids=torch.tensor([[1, 2, 3, 4]]))
+
+
+def test_step3p5_fix_fills_a_window_no_layer_reads() -> None:
+    model, stated = _step3p5(), _step3p5(sliding_window=2)  # same seed, same weights
+    assert apply_fixes(model) == 1 and apply_fixes(model) == 0
+    assert model.config.sliding_window == model.config.max_position_embeddings
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, stated(input_ids=ids).logits)
+
+
+def test_step3p5_fix_keeps_a_window_the_config_states() -> None:
+    model = _step3p5(sliding_window=2)
+    assert apply_fixes(model) == 0 and model.config.sliding_window == 2

@@ -332,6 +332,7 @@ KINDS = {
 NOT_HERE = {
     "qwen3_omni_moe": "its class has no forward of its own: moetune trains the thinker",
     "qwen3_omni_moe_thinker": "no processor class is mapped to it, and its forward fails",
+    "diffusion_gemma": "a block-diffusion forward with no labels: refused (its text model trains)",
 }
 
 

@@ -166,6 +166,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "dots3_note_text": {"num_key_value_heads": 4, "head_dim": 16},
     # its defaults leave the MoE sizes None (no default build at all)
     "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+    "diffusion_gemma": {"text_config": {"num_experts": 4, "top_k_experts": 2,
+                                        "moe_intermediate_size": 32}},
     "gemma4_text": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
                     "moe_intermediate_size": 32},
     "gemma4": {"text_config": {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,

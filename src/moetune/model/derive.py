@@ -8,6 +8,7 @@ reads the spec's figures). A build takes 10 ms – 2 s, so `derive_cached` memoi
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -24,7 +25,7 @@ from moetune.model.layout import ExpertsLayout, ModulePaths
 from moetune.model.multimodal import multimodal_class, text_config_of, text_path
 from moetune.model.read import classify_layer, find_layers, layout, outside, sum_layers, union_paths
 from moetune.model.remote import needs_remote_code, refused
-from moetune.model.sanity import check_config
+from moetune.model.sanity import check_build, check_config
 from moetune.model.spec import ModelSpec
 from moetune.model.summary import spec_of
 from moetune.model.textlm import module_classes, serves, text_lm_class, text_model_class
@@ -60,6 +61,7 @@ def derive(raw: dict[str, Any], name: str = "custom") -> Derived:
     config.allow_global_per_layer_attribute_access = True
     check_config(raw, config, name)
     model = build_language_model(config, name)
+    check_build(model, name)
     with quiet_transformers():
         return _read_build(model, config, raw, name)
 
@@ -155,7 +157,23 @@ def checkpoint_class(config: Any) -> Any:
             "cannot be trained as one model",
             f"train its {inner or 'language model'} alone (that sub-model's save_pretrained)",
         )
+    if "labels" not in inspect.signature(cls.forward).parameters:
+        raise _not_a_language_model(cls, config)
     return cls
+
+
+def _not_a_language_model(cls: type, config: Any) -> UnknownFamilyError:
+    """DiffusionGemma's block-diffusion class: its forward denoises a canvas of tokens
+    (its logits are the canvas's, not the next token of each input), so a language-model
+    loss has nothing to train; its language model alone is a causal LM."""
+    text_type = text_config_of(config).model_type
+    return UnknownFamilyError(
+        f"transformers' {cls.__name__}.forward takes no labels: it is not a language "
+        f"model's forward (its logits are not each input token's next), so it cannot be "
+        "trained as one",
+        f"train its language model alone: a text checkpoint of model_type {text_type!r} "
+        "(config.json's text_config, the language model's weights)",
+    )
 
 
 @cache

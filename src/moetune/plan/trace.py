@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moetune.errors import ConfigError, MoetuneError, TraceError
 from moetune.model.derive import causal_lm_class, ensure_backbone
+from moetune.model.fixes import apply_fixes
 from moetune.plan.balanced import BalancedRouting
 from moetune.plan.tracker import FROZEN, GRADIENTS, OPTIMIZER, TRAINABLE, ByteTracker
 
@@ -225,6 +226,7 @@ def build_step_model(
 
     with torch.device("meta" if fake else device):
         model = ensure_backbone(causal_lm_class(hf_config)._from_config(hf_config, dtype=dtype))
+        apply_fixes(model)  # the step the trainer runs (step3p5: a window its mask needs)
         if experts[0] != "bf16":
             _quantize(model, engine, *experts)
         if peft_config is not None:

@@ -60,7 +60,7 @@ def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
             loaded: Any = cls.from_pretrained(cfg.model.id, dtype=dtype, output_loading_info=True)
             model, info = loaded
             ensure_backbone(model)
-            apply_fixes(model)  # transformers bugs in its type's class (Llama 4, Qwen3-Omni)
+            apply_fixes(model)  # transformers bugs in its type's class (Llama 4, Qwen3-Omni, Step)
     except OSError as exc:
         raise TrainError(
             f"cannot load the weights of {cfg.model.id}: {str(exc).splitlines()[0]}",
@@ -94,6 +94,7 @@ def load_quantized_model(
 
     require_split_engine(engine, cfg.model.experts_dtype)  # also under --allow-errors
     model = _quantized_base(cfg, place, dtype)
+    apply_fixes(model)
     register()  # every quantised stack, LoRA or not, goes one expert at a time
     model.set_experts_implementation(IMPLEMENTATION)
     if sharded_load.active():  # FSDP shards Parameters only: the stacks become frozen ones

@@ -19,6 +19,7 @@ import torch
 
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
+from moetune.model.fixes import apply_fixes
 from moetune.train.errors import TrainError
 from moetune.units import human_bytes
 
@@ -100,6 +101,7 @@ def load_offloaded_model(cfg: RunConfig, place: Placement, dtype: torch.dtype,
         experts_dtype=cfg.model.experts_dtype, double_quant=cfg.model.experts_double_quant,
         scratch_dir=scratch, stored=stored_base(cfg) is not None,
     )  # fmt: skip
+    apply_fixes(model)
     register()  # offloaded stacks only stream through moetune's experts forward
     model.set_experts_implementation(IMPLEMENTATION)
     if report is not None:
