@@ -176,21 +176,13 @@ def test_diffusion_gemma_block_diffusion_checkpoint_is_refused_before_the_build(
 
 def test_step3p5_without_a_window_traces_as_it_steps() -> None:
     """The planner's trace builds the model the trainer runs, fix included: fake == real."""
-    from moetune.bench.census import LORA
-    from moetune.model import to_hf_config
-    from moetune.plan.trace import trace_step
-    from moetune.recipe.targets import build_peft_config
+    from moetune.bench.census import traced_and_real
 
     config = user_config("step3p5", **STEP3P5, pad_token_id=0, eos_token_id=1)
     spec = spec_from_config(config.to_dict(), "step3p5")
     assert spec.hf_config.get("sliding_window") is None
-    peft = build_peft_config(spec, LORA)
-    fake, real = (
-        trace_step(to_hf_config(spec), peft, seq_len=16, loss="full",
-                   gradient_checkpointing=False, fake=is_fake)
-        for is_fake in (True, False)
-    )  # fmt: skip
-    assert fake.peak_bytes == real.peak_bytes > 0
+    fake, real = traced_and_real(spec)
+    assert fake == real > 0
 
 
 def test_glm4v_moe_text_mrope_sections_off_its_rotary_width_are_refused() -> None:
