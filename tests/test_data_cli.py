@@ -112,7 +112,8 @@ REFUSED = {  # what train refuses, and the words its one line must hold
     "streamed image rows": (_streamed_images, "image+text rows are not streamed"),
     "an empty template": (_empty_template, "the template is empty"),
     "no chat template": (_no_template, "data.chat_template"),
-    "a template that cannot render": (_broken_template, "a.jsonl line 1: the chat template"),
+    # refused up front, before any row (data.template.check_template): no system turn
+    "a template that cannot render": (_broken_template, "cannot render a user → assistant"),
 }
 
 

@@ -74,7 +74,7 @@ def test_the_launch_estimate_pays_the_providers_setup() -> None:
 
     cfg = RunConfig.model_validate({"model": {"id": "Qwen/Qwen3-30B-A3B"}})
     assert launch_plan(cfg).estimate.setup_s == 0.0
-    cfg.lane.provider = "ssh"
+    cfg.lane.provider, cfg.lane.ssh.host = "ssh", "gpu-box"  # no host: refused (test_lane_nodes)
     assert launch_plan(cfg).estimate.setup_s == 600.0
 
 

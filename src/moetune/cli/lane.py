@@ -13,6 +13,7 @@ from rich.table import Table
 from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, err_console, friendly
 from moetune.cli.options import checked, opt, option_overrides
 from moetune.config import RunConfig, load_config
+from moetune.errors import clip
 from moetune.io import atomic_write_text, foreign_file, write_problem
 from moetune.ledger import Ledger
 
@@ -224,7 +225,6 @@ def _refuse_workflow_out(out: Path) -> None:
     """--out: a writable file path that holds nothing of the user's (a workflow this command
     wrote before is rewritten)."""
     # lazy: the stage loads only when its command runs
-    from moetune.errors import clip
     from moetune.lane.providers.base import LaneError
     from moetune.lane.workflows import GENERATED_MARK
 
