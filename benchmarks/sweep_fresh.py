@@ -340,8 +340,8 @@ def _item8_out_cases() -> list[Case]:
     for cmd, head in outs.items():
         for where in ("{dir}", "{dir}/f", "{dir}/f/x", "/dev/full", "/dev/full/x", "/dev/null"):
             if cmd == "report" or where != "{dir}":  # sky-task writes into an existing folder
-                expect = "good" if (cmd, where) == ("report", "{dir}/f") else "bad"  # replaced
-                cases.append(Case(f"item8/{cmd}/out={where}", [*head, where, "--json"], f, expect))
+                # all bad: a user's file ({dir}/f) is never replaced either (item 9)
+                cases.append(Case(f"item8/{cmd}/out={where}", [*head, where, "--json"], f))
     for where in ("/dev/full", "/dev/full/ev", "{dir}/f"):
         args = ["eval", "{shared}/config.yaml", "--set", f"eval.results_dir={where}", "--json"]
         cases.append(Case(f"item8/eval/results={where}", args, f))
