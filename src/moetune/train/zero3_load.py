@@ -1,0 +1,164 @@
+"""The base loaded once per node under DeepSpeed ZeRO-3 (`--strategy zero3`).
+
+accelerate's DeepSpeed plugin with `zero3_init_flag` registers its config with transformers
+before the model is built, so from_pretrained builds the base under `deepspeed.zero.Init`:
+each parameter is partitioned as it is created, and the checkpoint is read on rank 0 alone
+(the other ranks map it on the meta device) and scattered one parameter at a time
+(transformers' `_load_state_dict_into_zero3_model`). What remains on a rank is its
+partition of each parameter (`ds_tensor`) and an empty placeholder in its place.
+
+moetune reads the base before training (router snapshot, routing baseline, expert scores):
+those reads run on every rank with each module's parameters gathered around its own
+forward and released after it (`gathered_forward`) – the peak is a partition plus one
+module's parameters, never the whole base. GatheredParameters is a collective: every rank
+runs the same forward passes in the same order (they see the same rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from moetune.train import sharded_load
+from moetune.train.stored import stored_base
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from moetune.config import RunConfig
+
+Note = Callable[["nn.Module"], "nn.Module"]  # records the base just loaded, returns it
+PATH = "zero.Init: rank 0 reads the checkpoint, every rank keeps its partition"
+# the loads that build the base through from_pretrained, and so under zero.Init; the
+# others (int8 / NF4 stacks streamed by moetune, published quantised bases, offloaded
+# stacks) build it whole on every rank, and DeepSpeed partitions it in prepare()
+PARTITIONED: dict[str, Callable[[RunConfig], bool]] = {
+    "experts_dtype bf16": lambda cfg: cfg.model.experts_dtype == "bf16",
+    "a float base": lambda cfg: not cfg.model.is_gguf and stored_base(cfg) is None,
+    "train.offload none": lambda cfg: cfg.train.offload == "none",
+}
+
+
+def partitioned_load(cfg: RunConfig) -> bool:
+    """Whether a ZeRO-3 rank of this run builds its base partitioned (under zero.Init)."""
+    return all(test(cfg) for test in PARTITIONED.values())
+
+
+@contextlib.contextmanager
+def base_load(args: Any, cfg: RunConfig) -> Iterator[Note]:
+    """Around the base's load and LoRA wrap. A ZeRO-3 rank (accelerate's DeepSpeed plugin
+    on the training args) whose load builds under zero.Init: the load measured, every rank's
+    figures gathered into sharded_load.LOAD (a collective) – call the yielded function on
+    the loaded base. A ZeRO-3 rank whose load cannot: the DeepSpeed config unregistered from
+    transformers meanwhile, so the base is built whole. Anything else: as it is."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is None:
+        yield _as_is
+    elif not partitioned_load(cfg):
+        with _unregistered(plugin):
+            yield _as_is
+    else:
+        with _measured() as note:
+            yield note
+
+
+def _as_is(model: nn.Module) -> nn.Module:
+    return model
+
+
+@contextlib.contextmanager
+def _unregistered(plugin: Any) -> Iterator[None]:
+    # lazy: heavy to import (transformers)
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # what accelerate registered, back for the trainer
+
+
+@contextlib.contextmanager
+def _measured() -> Iterator[Note]:
+    """The live tensor bytes while loading (a dispatch-level tracker: its peak) and the
+    host bytes the base holds once loaded; published on every rank at the end."""
+    tracker, loaded = sharded_load.LocalBytes(), {}
+
+    def note(model: nn.Module) -> nn.Module:
+        loaded["bytes"] = held_bytes(model)
+        return model
+
+    with tracker:
+        yield note
+    _publish(loaded.get("bytes"), tracker.peak.bytes)
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Host bytes of the model on this rank: each ZeRO-3 parameter's partition, every
+    other parameter and buffer whole (the placeholders of partitioned ones hold none)."""
+    params = [p.ds_tensor if partitioned(p) else p for p in model.parameters()]  # type: ignore[attr-defined]
+    return sharded_load.storage_bytes([*params, *model.buffers()])
+
+
+def _publish(loaded: int | None, peak: int) -> None:
+    """Every rank's load figures, gathered on every rank into sharded_load.LOAD."""
+    # lazy: heavy to import (torch)
+    import torch.distributed as dist
+
+    mine = {
+        "rank": dist.get_rank(),
+        "loaded_bytes": loaded,
+        "load_peak_bytes": peak,
+        "peak_rss_bytes": sharded_load.peak_rss_bytes(),
+    }
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    sharded_load.LOAD.clear()
+    sharded_load.LOAD.update(path=PATH, ranks=ranks)
+
+
+def partitioned(param: Any) -> bool:
+    """A ZeRO-3 parameter (it carries DeepSpeed's id; its data is a placeholder)."""
+    return hasattr(param, "ds_id")
+
+
+def _owners(model: nn.Module) -> list[nn.Module]:
+    """The modules that own ZeRO-3 parameters directly (not through a child)."""
+    return [m for m in model.modules() if any(map(partitioned, m.parameters(recurse=False)))]
+
+
+@contextlib.contextmanager
+def gathered_forward(model: nn.Module) -> Iterator[None]:
+    """Forward passes of `model` inside see each module's ZeRO-3 parameters whole, gathered
+    in its forward pre-hook and released in its forward hook; a model without ZeRO-3
+    parameters runs as it is."""
+    owners = _owners(model)
+    if not owners:
+        yield
+        return
+    opened: list[Any] = []  # the contexts now open, innermost last
+
+    def gather(module: nn.Module, args: Any) -> None:
+        opened.append(_gathered(list(module.parameters(recurse=False))))
+        opened[-1].__enter__()
+
+    def release(module: nn.Module, args: Any, out: Any) -> None:
+        opened.pop().__exit__(None, None, None)
+
+    handles = [m.register_forward_pre_hook(gather) for m in owners]
+    handles += [m.register_forward_hook(release) for m in owners]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while opened:  # a forward that raised: release what it had gathered
+            opened.pop().__exit__(None, None, None)
+
+
+def _gathered(params: list[Any]) -> Any:
+    # lazy: heavy to import (deepspeed)
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
