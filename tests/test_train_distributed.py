@@ -385,6 +385,8 @@ def test_two_processes_train_the_adapter_of_one(tiny, one, two):
     assert ran["sharded_parameters"] == (ran["parameters"] if two.strategy != "ddp" else 0)
     if two.strategy == "fsdp":  # a sharded load: rank 0 alone read the weights
         _assert_loaded_once(ran["load"]["ranks"], tiny.model)
+    if two.strategy == "zero3":  # built under zero.Init: no rank ever held the whole base
+        _assert_partitioned_at_load(ran["load"]["ranks"], tiny.model)
     # one rank's share is planned, everywhere the run reports it (launcher's result included)
     planned = json.loads((two.run / "preflight.json").read_text())["run_plan"]
     assert planned["kind"] == summary["memory"]["planned_by"] == "per_rank"
@@ -415,6 +417,16 @@ def _assert_loaded_once(ranks: list[dict], model_dir: Path) -> None:
     held = other["loaded_bytes"] + other["broadcast_peak_bytes"]
     assert held <= other["sharded_bytes"] + layer  # never more than its shard + one layer
     assert other["sharded_bytes"] < whole  # ... and it ends with half
+
+
+def _assert_partitioned_at_load(ranks: list[dict], model_dir: Path) -> None:
+    """ZeRO-3 under zero.Init, measured on each rank: the host bytes its base held right
+    after from_pretrained, and the peak of live tensor bytes while it loaded."""
+    whole, layer = _weights(model_dir)
+    for rank in ranks:  # its half of every parameter (+ the rotary table), rank 0's too
+        assert whole // 2 <= rank["loaded_bytes"] < whole // 2 + 1024
+    other = ranks[1]  # read no weights: meta state dict, its partitions scattered to it
+    assert other["load_peak_bytes"] <= other["loaded_bytes"] + layer < whole
 
 
 def _kill_9_after_step_2(proc: subprocess.Popen, out: Path, log: Path) -> None:
@@ -546,6 +558,9 @@ def test_engine_variants_train_sharded_like_one_process(tiny, strategy, experts_
     if experts_dtype != "bf16":
         assert json.loads((tiny.root / f"{name}-2" / "quant.json").read_text())  # quantised
     assert _rel_diff(tiny.root / f"{name}-2", tiny.root / f"{name}-1") < 1e-4
+    if (strategy, experts_dtype) == ("zero3", "bf16"):  # peft's wrappers on zero.Init's base
+        summary = json.loads((tiny.root / f"{name}-2" / "summary.json").read_text())
+        _assert_partitioned_at_load(summary["distributed"]["load"]["ranks"], tiny.model)
     if strategy == "fsdp":  # loaded once, every experts dtype: rank 1 read no weights
         summary = json.loads((tiny.root / f"{name}-2" / "summary.json").read_text())
         main, other = summary["distributed"]["load"]["ranks"]

@@ -123,31 +123,48 @@ def partitioned(param: Any) -> bool:
     return hasattr(param, "ds_id")
 
 
-def _owners(model: nn.Module) -> list[nn.Module]:
-    """The modules that own ZeRO-3 parameters directly (not through a child)."""
-    return [m for m in model.modules() if any(map(partitioned, m.parameters(recurse=False)))]
+def _units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """The modules gathered around their own forward, with whether their children's
+    parameters come too: each decoder layer whole (a wrapper such as peft's ParamWrapper
+    reads its base's parameter in its own forward, not the base's), and each module outside
+    the layers that owns ZeRO-3 parameters directly (embeddings, final norm, head)."""
+    layers = {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or []}
+    units: list[tuple[nn.Module, bool]] = []
+    inside: set[int] = set()
+    for module in model.modules():  # pre-order: a layer comes before what it holds
+        if id(module) in inside:
+            continue
+        if type(module).__name__ in layers:
+            units.append((module, True))
+            inside.update(id(m) for m in module.modules())
+        elif any(map(partitioned, module.parameters(recurse=False))):
+            units.append((module, False))
+    return units
 
 
 @contextlib.contextmanager
 def gathered_forward(model: nn.Module) -> Iterator[None]:
-    """Forward passes of `model` inside see each module's ZeRO-3 parameters whole, gathered
-    in its forward pre-hook and released in its forward hook; a model without ZeRO-3
-    parameters runs as it is."""
-    owners = _owners(model)
-    if not owners:
+    """Forward passes of `model` inside see its ZeRO-3 parameters whole one decoder layer
+    (or one module outside the layers) at a time: gathered in its forward pre-hook, released
+    in its forward hook. A model without ZeRO-3 parameters runs as it is."""
+    units = _units(model) if any(map(partitioned, model.parameters())) else []
+    if not units:
         yield
         return
     opened: list[Any] = []  # the contexts now open, innermost last
 
-    def gather(module: nn.Module, args: Any) -> None:
-        opened.append(_gathered(list(module.parameters(recurse=False))))
-        opened[-1].__enter__()
+    def hook(whole: bool) -> Callable[[nn.Module, Any], None]:
+        def gather(module: nn.Module, args: Any) -> None:
+            opened.append(_gathered(list(module.parameters(recurse=whole))))
+            opened[-1].__enter__()
+
+        return gather
 
     def release(module: nn.Module, args: Any, out: Any) -> None:
         opened.pop().__exit__(None, None, None)
 
-    handles = [m.register_forward_pre_hook(gather) for m in owners]
-    handles += [m.register_forward_hook(release) for m in owners]
+    handles = [m.register_forward_pre_hook(hook(whole)) for m, whole in units]
+    handles += [m.register_forward_hook(release) for m, _ in units]
     try:
         yield
     finally:
