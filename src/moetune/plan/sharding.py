@@ -49,12 +49,11 @@ from moetune.plan.analytic import AnalyticEstimate, expert_bytes_per_param
 from moetune.plan.expert_parallel import ExpertParallelPlan, plan_expert_parallel
 from moetune.plan.fit import CardFit, analytic, card_fit
 from moetune.plan.hardware import Card, get_card
-from moetune.plan.host_ram import RUNTIME_HOST_BYTES, HostRam, host_ram, load_notes
+from moetune.plan.host_ram import HostRam, host_ram, load_notes
 from moetune.plan.layout import adapter_layout
 from moetune.plan.profiles import uncalibrated
 from moetune.plan.step import ADAPTER_BYTES, Step
 from moetune.units import human_bytes
-
 
 SHARDED = ("frozen_weights", "trainable_weights", "gradients", "optimizer_state",
            "optimizer_transients")  # fmt: skip
@@ -206,14 +205,15 @@ def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = No
         largest_module=max(_largest_modules(spec)),
         root=(c.embeddings + c.lm_head + c.other + _outside_norms(spec)) * step.weight_bytes,
         persistent=c.norms * step.weight_bytes,
-        zero3_partitioned=_zero3_partitioned(spec, cfg),
+        zero3_partitioned=zero3_partitioned(spec, cfg),
     )
 
 
-def _zero3_partitioned(spec: ModelSpec, cfg: RunConfig) -> bool:
-    """Whether a zero3 run's ranks build the base partitioned (train/zero3_load.py): the
-    loads through from_pretrained; int8 / NF4 stacks, a published quantised or GGUF base
-    and offloaded stacks are built by moetune's own loaders, whole on every rank."""
+def zero3_partitioned(spec: ModelSpec, cfg: RunConfig) -> bool:
+    """Whether a zero3 run's ranks build the base partitioned, under zero.Init (the plan's
+    host RAM and train/zero3_load.py alike): the loads through from_pretrained; int8 / NF4
+    stacks, a published quantised or GGUF base and offloaded stacks are built by moetune's
+    own loaders, whole on every rank."""
     m = cfg.model
     from_pretrained = not (m.is_gguf or spec.quant_config)
     return m.experts_dtype == "bf16" and cfg.train.offload == "none" and from_pretrained

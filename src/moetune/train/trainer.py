@@ -174,7 +174,7 @@ def _train(
         return TrainResult.from_json({**recorded, **here})
     console = Console(stderr=True, quiet=not progress)
     setup = prepare(cfg, run, resume, allow_errors)
-    with base_load(setup.args, cfg) as loaded:  # ZeRO-3: partitioned as it loads
+    with base_load(setup.args, cfg, setup.spec) as loaded:  # ZeRO-3: partitioned as it loads
         base = loaded(load_model(cfg, setup.place, setup.engine))
         model, setup.coverage = wrap_lora(base, cfg, run, setup)
     announce(console, cfg, setup)

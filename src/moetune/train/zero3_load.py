@@ -8,10 +8,13 @@ each parameter is partitioned as it is created, and the checkpoint is read on ra
 partition of each parameter (`ds_tensor`) and an empty placeholder in its place.
 
 moetune reads the base before training (router snapshot, routing baseline, expert scores):
-those reads run on every rank with each module's parameters gathered around its own
+those reads run on every rank with one decoder layer's parameters gathered around its
 forward and released after it (`gathered_forward`) – the peak is a partition plus one
-module's parameters, never the whole base. GatheredParameters is a collective: every rank
-runs the same forward passes in the same order (they see the same rows).
+layer, never the whole base. GatheredParameters is a collective: every rank runs the same
+forward passes in the same order (they see the same rows). The LoRA wrap needs no values:
+peft sizes its factors from DeepSpeed's `ds_shape`, and the coverage audit counts
+`ds_numel`. DeepSpeed's engine converts the (unpartitioned) LoRA parameters in prepare(),
+from rank 0's values.
 """
 
 from __future__ import annotations
@@ -20,42 +23,32 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from moetune.plan.sharding import zero3_partitioned
 from moetune.train import sharded_load
-from moetune.train.stored import stored_base
 
 if TYPE_CHECKING:
     from torch import nn
 
     from moetune.config import RunConfig
+    from moetune.model.spec import ModelSpec
 
 Note = Callable[["nn.Module"], "nn.Module"]  # records the base just loaded, returns it
 PATH = "zero.Init: rank 0 reads the checkpoint, every rank keeps its partition"
-# the loads that build the base through from_pretrained, and so under zero.Init; the
-# others (int8 / NF4 stacks streamed by moetune, published quantised bases, offloaded
-# stacks) build it whole on every rank, and DeepSpeed partitions it in prepare()
-PARTITIONED: dict[str, Callable[[RunConfig], bool]] = {
-    "experts_dtype bf16": lambda cfg: cfg.model.experts_dtype == "bf16",
-    "a float base": lambda cfg: not cfg.model.is_gguf and stored_base(cfg) is None,
-    "train.offload none": lambda cfg: cfg.train.offload == "none",
-}
-
-
-def partitioned_load(cfg: RunConfig) -> bool:
-    """Whether a ZeRO-3 rank of this run builds its base partitioned (under zero.Init)."""
-    return all(test(cfg) for test in PARTITIONED.values())
 
 
 @contextlib.contextmanager
-def base_load(args: Any, cfg: RunConfig) -> Iterator[Note]:
+def base_load(args: Any, cfg: RunConfig, spec: ModelSpec) -> Iterator[Note]:
     """Around the base's load and LoRA wrap. A ZeRO-3 rank (accelerate's DeepSpeed plugin
     on the training args) whose load builds under zero.Init: the load measured, every rank's
     figures gathered into sharded_load.LOAD (a collective) – call the yielded function on
     the loaded base. A ZeRO-3 rank whose load cannot: the DeepSpeed config unregistered from
-    transformers meanwhile, so the base is built whole. Anything else: as it is."""
+    transformers meanwhile, so the base is built whole (int8 / NF4 stacks, a published
+    quantised or GGUF base, offloaded stacks: moetune's own loaders, plan.sharding's
+    zero3_partitioned). Anything else: as it is."""
     plugin = getattr(args, "deepspeed_plugin", None)
     if plugin is None:
         yield _as_is
-    elif not partitioned_load(cfg):
+    elif not zero3_partitioned(spec, cfg):
         with _unregistered(plugin):
             yield _as_is
     else:
