@@ -568,6 +568,21 @@ def test_engine_variants_train_sharded_like_one_process(tiny, strategy, experts_
         assert other["sharded_bytes"] < main["loaded_bytes"]  # ... and it ends with a share
 
 
+@pytest.mark.parametrize("strategy", [pytest.param("zero3", marks=DEEPSPEED)])
+def test_expert_selection_scores_the_partitioned_base_like_one_process(tiny, strategy):
+    """ZeRO-3 under zero.Init: the experts are scored on the partitioned base, gathered one
+    decoder layer at a time on every rank – the same choice and adapter as one process."""
+    over = {"max_steps": 2, "lora__expert_selection": "gate", "lora__expert_selection_share": 0.5}
+    name = f"select-{strategy}"
+    _train(_write(tiny, f"{name}-2", batch_size=2, nproc=2, strategy=strategy, **over),
+           log=tiny.root / f"{name}-2.log")  # fmt: skip
+    _train(_write(tiny, f"{name}-1", batch_size=4, **over), log=tiny.root / f"{name}-1.log")
+    chosen = [json.loads((tiny.root / f"{name}-{n}" / "experts_selected.json").read_text())
+              for n in (2, 1)]  # fmt: skip
+    assert chosen[0]["selected"] == chosen[1]["selected"] and chosen[0]["trained_experts"] == 4
+    assert _rel_diff(tiny.root / f"{name}-2", tiny.root / f"{name}-1") < 1e-4
+
+
 def test_a_run_saved_before_nproc_existed_still_resumes(tiny, tmp_path):
     """config.yaml written by a moetune without train.nproc/strategy: same run at defaults."""
     import yaml
