@@ -187,7 +187,7 @@ def _train(
         batch, limit = base_sample(
             cfg.train.batch_size, cfg.train.seq_len, cfg.train.offload != "none"
         )
-        with gathered_forward(model):  # ZeRO-3: one module's parameters whole at a time
+        with gathered_forward(model):  # ZeRO-3: one decoder layer whole at a time
             routing.base = from_main(
                 lambda: routing.measured_base(model, rows, collate, batch, limit)
             )
@@ -354,7 +354,7 @@ def select_experts(
         chosen = select.ExpertSelection.from_json(json.loads(path.read_text(encoding="utf-8")))
     else:
         dataset, collate = trainer.train_dataset, trainer.data_collator
-        with gathered_forward(model):  # ZeRO-3: one module's parameters whole at a time
+        with gathered_forward(model):  # ZeRO-3: one decoder layer whole at a time
             chosen = from_main(lambda: select.select_experts(
                 model, setup.spec, cfg.lora, dataset, collate, cfg.train.batch_size
             ))  # fmt: skip
