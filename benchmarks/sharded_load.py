@@ -255,7 +255,8 @@ def _rank(m: dict[str, Any], r: int) -> str:
 STRATEGY_NAMES = {"fsdp": "FSDP2", "zero3": "ZeRO-3"}
 # summary.json's distributed.load figures, as the report words them (the order they have)
 LOAD_WORDS = {"loaded_bytes": "base held after load", "broadcast_peak_bytes": "broadcast peak",
-              "sharded_bytes": "shard", "load_peak_bytes": "live peak while loading"}  # fmt: skip
+              "sharded_bytes": "shard", "load_peak_bytes": "live peak while loading",
+              "peak_rss_bytes": "peak RSS by the end of the load"}  # fmt: skip
 
 
 def record(line: str) -> None:
