@@ -387,6 +387,10 @@ def test_two_processes_train_the_adapter_of_one(tiny, one, two):
         _assert_loaded_once(ran["load"]["ranks"], tiny.model)
     if two.strategy == "zero3":  # built under zero.Init: no rank ever held the whole base
         _assert_partitioned_at_load(ran["load"]["ranks"], tiny.model)
+    audits = [
+        json.loads((run / "coverage.json").read_text()) for run in (two.run, tiny.root / "one")
+    ]
+    assert audits[0]["total_params"] == audits[1]["total_params"]  # ZeRO-3: counted whole
     # one rank's share is planned, everywhere the run reports it (launcher's result included)
     planned = json.loads((two.run / "preflight.json").read_text())["run_plan"]
     assert planned["kind"] == summary["memory"]["planned_by"] == "per_rank"
