@@ -14,6 +14,12 @@ larger. `--record` appends the figures, machine and date to RESULTS.md.
 
     python benchmarks/sharded_load.py [--smoke] [--record] [--arms bf16,int8,nf4]
 
+An arm `zero3-bf16` runs the 2 ranks as DeepSpeed ZeRO-3 instead (`--strategy zero3`: the
+base built under zero.Init, each rank its partition) – from the DeepSpeed venv
+(`make setup-deepspeed`), beside the FSDP2 arm of the same dtype:
+
+    /work/venvs/ds/bin/python benchmarks/sharded_load.py --arms bf16,zero3-bf16
+
 `--smoke`: the tiny test model (31 KB), int8 only.
 """
 
@@ -154,17 +160,18 @@ def train(config: Path, *flags: str) -> tuple[dict[str, Any], Sampler, float]:
     return json.loads(out), sampler, time.perf_counter() - started
 
 
-def planned(model: Path, config: Path) -> dict[str, int]:
+def planned(model: Path, config: Path, strategy: str = "fsdp") -> dict[str, int]:
     """The plan's peak host RAM of rank 0, of rank 1 and of the node: the larger of the load
     (`host_ram`) and the CPU ranks' training (runtime + per-rank live bytes)."""
     from moetune.config import load_config
     from moetune.model import load_spec
-    from moetune.plan.sharding import RUNTIME_HOST_BYTES, host_ram, per_rank_bytes, run_sizes
+    from moetune.plan.host_ram import RUNTIME_HOST_BYTES, host_ram
+    from moetune.plan.sharding import per_rank_bytes, run_sizes
 
     cfg = load_config(config)
     spec = load_spec(str(model))
-    ram = host_ram(run_sizes(spec, cfg), 2, "fsdp")
-    training = RUNTIME_HOST_BYTES + sum(per_rank_bytes(spec, cfg, 2, "fsdp").values())
+    ram = host_ram(run_sizes(spec, cfg), 2, strategy)
+    training = RUNTIME_HOST_BYTES + sum(per_rank_bytes(spec, cfg, 2, strategy).values())
     return {"0": max(ram.main_rank_bytes, training), "1": max(ram.other_rank_bytes, training),
             "node": max(ram.per_node_bytes, 2 * training)}  # fmt: skip
 
@@ -186,18 +193,21 @@ def measure(smoke: bool, steps: int, arms: list[str]) -> dict[str, Any]:
                 "arms": {arm: measure_arm(root, model, arm, steps) for arm in arms}}  # fmt: skip
 
 
-def measure_arm(root: Path, model: Path, experts_dtype: str, steps: int) -> dict[str, Any]:
-    """1 process and 2 FSDP2 ranks with `experts_dtype` experts: RSS, plan, adapter."""
-    one = write_run(root, model, f"one-{experts_dtype}", steps, experts_dtype, batch_size=4)
-    two = write_run(root, model, f"two-{experts_dtype}", steps, experts_dtype, batch_size=2,
-                    nproc=2, strategy="fsdp")  # fmt: skip
+def measure_arm(root: Path, model: Path, arm: str, steps: int) -> dict[str, Any]:
+    """1 process and 2 ranks (FSDP2, or ZeRO-3 for a `zero3-` arm) with the arm's experts
+    dtype: RSS, plan, adapter."""
+    strategy, _, experts_dtype = arm.rpartition("-")
+    strategy = strategy or "fsdp"
+    one = write_run(root, model, f"one-{arm}", steps, experts_dtype, batch_size=4)
+    two = write_run(root, model, f"two-{arm}", steps, experts_dtype, batch_size=2,
+                    nproc=2, strategy=strategy)  # fmt: skip
     _, single, one_s = train(one)
-    result, ranks, two_s = train(two, "--nproc", "2", "--strategy", "fsdp")
+    result, ranks, two_s = train(two, "--nproc", "2", "--strategy", strategy)
     summary = json.loads((root / two.stem / "summary.json").read_text())
-    return {
+    return {"strategy": strategy,
         "steps": result["steps"], "one_rss": single.peaks[0], "one_needed": single.needed[0],
         "one_s": one_s, "two_s": two_s, "rss": ranks.peaks, "needed": ranks.needed,
-        "node": ranks.node, "plan": planned(model, two),
+        "node": ranks.node, "plan": planned(model, two, strategy),
         "rel_diff": rel_diff(root / two.stem, root / one.stem),
         "load": summary["distributed"]["load"]["ranks"],
     }  # fmt: skip
@@ -222,7 +232,8 @@ def _arm(name: str, a: dict[str, Any]) -> str:
     return (
         f"  - **{name}** experts: 1 process: peak RSS {a['one_rss'] / gib:.2f} GiB "
         f"({a['one_needed'] / gib:.2f} without the mapped checkpoint; {a['one_s']:.0f} s); "
-        f"2 FSDP2 ranks ({a['two_s']:.0f} s): {ranks}; **node (both ranks together) "
+        f"2 {STRATEGY_NAMES[a['strategy']]} ranks ({a['two_s']:.0f} s): {ranks}; **node (both "
+        f"ranks together) "
         f"{node / gib:.2f} GiB = {node / a['one_needed']:.2f}× the 1-process figure, plan "
         f"{plan / gib:.2f} GiB ({plan / node - 1:+.1%})**; adapter vs 1 process: worst "
         f"relative difference {a['rel_diff']:.1e}\n"
@@ -232,13 +243,20 @@ def _arm(name: str, a: dict[str, Any]) -> str:
 def _rank(m: dict[str, Any], r: int) -> str:
     gib, load = 2**30, m["load"][r]
     need, plan = m["needed"][r], m["plan"][str(r)]
+    figures = ", ".join(
+        f"{LOAD_WORDS[k]} {v / gib:.3f} GiB" for k, v in load.items() if k in LOAD_WORDS
+    )
     return (
         f"rank {r}: peak RSS {m['rss'][r] / gib:.2f} GiB, without the mapped checkpoint "
-        f"{need / gib:.2f} GiB, plan {plan / gib:.2f} GiB "
-        f"({plan / need - 1:+.1%}); base held after load "
-        f"{load['loaded_bytes'] / gib:.3f} GiB, broadcast peak "
-        f"{load['broadcast_peak_bytes'] / gib:.3f} GiB, shard {load['sharded_bytes'] / gib:.3f} GiB"
+        f"{need / gib:.2f} GiB, plan {plan / gib:.2f} GiB ({plan / need - 1:+.1%}); {figures}"
     )
+
+
+STRATEGY_NAMES = {"fsdp": "FSDP2", "zero3": "ZeRO-3"}
+# summary.json's distributed.load figures, as the report words them (the order they have)
+LOAD_WORDS = {"loaded_bytes": "base held after load", "broadcast_peak_bytes": "broadcast peak",
+              "sharded_bytes": "shard", "load_peak_bytes": "live peak while loading",
+              "peak_rss_bytes": "peak RSS by the end of the load"}  # fmt: skip
 
 
 def record(line: str) -> None:

@@ -178,8 +178,10 @@ def test_sharded_plans_name_the_host_ram_a_node_needs_at_load(
     qwen235b: ModelSpec, lora: RunConfig
 ) -> None:
     """fsdp loads the base once per node (rank 0 reads it, the others get their shards),
-    bf16, int8 and NF4 experts alike; zero3 still builds it whole on every rank."""
-    from moetune.plan.sharding import RUNTIME_HOST_BYTES, device_report, run_sizes
+    bf16, int8 and NF4 experts alike; zero3 too with bf16 experts (built under zero.Init),
+    and whole on every rank with int8 / NF4 stacks (moetune's own loader)."""
+    from moetune.plan.host_ram import RUNTIME_HOST_BYTES
+    from moetune.plan.sharding import device_report, run_sizes
     from moetune.units import human_bytes
 
     sizes = run_sizes(qwen235b, lora)
@@ -194,9 +196,13 @@ def test_sharded_plans_name_the_host_ram_a_node_needs_at_load(
     (load,) = [n for n in fsdp.notes if "host RAM" in n]
     assert human_bytes(host["per_node_bytes"]) in load and "not 8" in load
     zero3 = device_report(qwen235b, lora, ["H200"], 8, "zero3")
+    each = RUNTIME_HOST_BYTES + -(-whole // 8) + flight  # its partition + a module scattered
+    got = zero3.to_json()["host_ram"]
+    assert got["main_rank_bytes"] == got["other_rank_bytes"] == each
+    assert got["per_node_bytes"] == 8 * each and whole < 8 * each < 1.25 * whole
     (load,) = [n for n in zero3.notes if "host RAM" in n]
-    assert f"8 × {human_bytes(whole)} = {human_bytes(8 * whole)}" in load
-    assert zero3.to_json()["host_ram"]["per_node_bytes"] == 8 * (RUNTIME_HOST_BYTES + whole)
+    assert "zero.Init" in load and f"each rank peaks at {human_bytes(each)}" in load
+    assert f"about {human_bytes(8 * each)} (≈ one base, not 8" in load
     for experts_dtype in ("int8", "nf4"):  # once per node too, at the quantised bytes
         model = lora.model.model_copy(update={"experts_dtype": experts_dtype})
         quant = lora.model_copy(update={"model": model})
@@ -207,6 +213,9 @@ def test_sharded_plans_name_the_host_ram_a_node_needs_at_load(
         assert got["main_rank_bytes"] == RUNTIME_HOST_BYTES + base + flight  # a float stack
         assert got["other_rank_bytes"] == RUNTIME_HOST_BYTES + -(-base // 8) + flight
         assert got["per_node_bytes"] == 8 * (RUNTIME_HOST_BYTES + flight) + base
+        whole_each = device_report(qwen235b, quant, ["H200"], 8, "zero3").host
+        assert whole_each is not None  # moetune streams the stacks: whole on every rank
+        assert whole_each.per_node_bytes == 8 * (RUNTIME_HOST_BYTES + base)
     ddp = device_report(qwen235b, lora, ["H200"], 8, "ddp")
     assert not any("host RAM" in n for n in ddp.notes) and ddp.host is None
 

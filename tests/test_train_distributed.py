@@ -385,6 +385,12 @@ def test_two_processes_train_the_adapter_of_one(tiny, one, two):
     assert ran["sharded_parameters"] == (ran["parameters"] if two.strategy != "ddp" else 0)
     if two.strategy == "fsdp":  # a sharded load: rank 0 alone read the weights
         _assert_loaded_once(ran["load"]["ranks"], tiny.model)
+    if two.strategy == "zero3":  # built under zero.Init: no rank ever held the whole base
+        _assert_partitioned_at_load(ran["load"]["ranks"], tiny.model)
+    audits = [
+        json.loads((run / "coverage.json").read_text()) for run in (two.run, tiny.root / "one")
+    ]
+    assert audits[0]["total_params"] == audits[1]["total_params"]  # ZeRO-3: counted whole
     # one rank's share is planned, everywhere the run reports it (launcher's result included)
     planned = json.loads((two.run / "preflight.json").read_text())["run_plan"]
     assert planned["kind"] == summary["memory"]["planned_by"] == "per_rank"
@@ -415,6 +421,16 @@ def _assert_loaded_once(ranks: list[dict], model_dir: Path) -> None:
     held = other["loaded_bytes"] + other["broadcast_peak_bytes"]
     assert held <= other["sharded_bytes"] + layer  # never more than its shard + one layer
     assert other["sharded_bytes"] < whole  # ... and it ends with half
+
+
+def _assert_partitioned_at_load(ranks: list[dict], model_dir: Path) -> None:
+    """ZeRO-3 under zero.Init, measured on each rank: the host bytes its base held right
+    after from_pretrained, and the peak of live tensor bytes while it loaded."""
+    whole, layer = _weights(model_dir)
+    for rank in ranks:  # its half of every parameter (+ the rotary table), rank 0's too
+        assert whole // 2 <= rank["loaded_bytes"] < whole // 2 + 1024
+    other = ranks[1]  # read no weights: meta state dict, its partitions scattered to it
+    assert other["load_peak_bytes"] <= other["loaded_bytes"] + layer < whole
 
 
 def _kill_9_after_step_2(proc: subprocess.Popen, out: Path, log: Path) -> None:
@@ -546,11 +562,29 @@ def test_engine_variants_train_sharded_like_one_process(tiny, strategy, experts_
     if experts_dtype != "bf16":
         assert json.loads((tiny.root / f"{name}-2" / "quant.json").read_text())  # quantised
     assert _rel_diff(tiny.root / f"{name}-2", tiny.root / f"{name}-1") < 1e-4
+    if (strategy, experts_dtype) == ("zero3", "bf16"):  # peft's wrappers on zero.Init's base
+        summary = json.loads((tiny.root / f"{name}-2" / "summary.json").read_text())
+        _assert_partitioned_at_load(summary["distributed"]["load"]["ranks"], tiny.model)
     if strategy == "fsdp":  # loaded once, every experts dtype: rank 1 read no weights
         summary = json.loads((tiny.root / f"{name}-2" / "summary.json").read_text())
         main, other = summary["distributed"]["load"]["ranks"]
         assert other["loaded_bytes"] < 100 < main["loaded_bytes"]  # its rotary table only
         assert other["sharded_bytes"] < main["loaded_bytes"]  # ... and it ends with a share
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("zero3", marks=DEEPSPEED)])
+def test_expert_selection_scores_the_partitioned_base_like_one_process(tiny, strategy):
+    """ZeRO-3 under zero.Init: the experts are scored on the partitioned base, gathered one
+    decoder layer at a time on every rank – the same choice and adapter as one process."""
+    over = {"max_steps": 2, "lora__expert_selection": "gate", "lora__expert_selection_share": 0.5}
+    name = f"select-{strategy}"
+    _train(_write(tiny, f"{name}-2", batch_size=2, nproc=2, strategy=strategy, **over),
+           log=tiny.root / f"{name}-2.log")  # fmt: skip
+    _train(_write(tiny, f"{name}-1", batch_size=4, **over), log=tiny.root / f"{name}-1.log")
+    chosen = [json.loads((tiny.root / f"{name}-{n}" / "experts_selected.json").read_text())
+              for n in (2, 1)]  # fmt: skip
+    assert chosen[0]["selected"] == chosen[1]["selected"] and chosen[0]["trained_experts"] == 4
+    assert _rel_diff(tiny.root / f"{name}-2", tiny.root / f"{name}-1") < 1e-4
 
 
 def test_a_run_saved_before_nproc_existed_still_resumes(tiny, tmp_path):

@@ -38,7 +38,6 @@ per device instead (and which engines train with it) is `DeviceReport.expert_par
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +49,7 @@ from moetune.plan.analytic import AnalyticEstimate, expert_bytes_per_param
 from moetune.plan.expert_parallel import ExpertParallelPlan, plan_expert_parallel
 from moetune.plan.fit import CardFit, analytic, card_fit
 from moetune.plan.hardware import Card, get_card
+from moetune.plan.host_ram import HostRam, host_ram, load_notes
 from moetune.plan.layout import adapter_layout
 from moetune.plan.profiles import uncalibrated
 from moetune.plan.step import ADAPTER_BYTES, Step
@@ -78,6 +78,9 @@ class Sizes:
     largest_module: int  # parameters (elements) of the largest module (a layer's experts)
     root: int  # embeddings, final norm, LM head (and other non-layer weights)
     persistent: int  # weights below DeepSpeed's persistence threshold (norms)
+    # zero3 builds this base under zero.Init (a float checkpoint read by from_pretrained,
+    # experts in bf16, nothing offloaded); else every rank builds it whole first
+    zero3_partitioned: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,18 @@ def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = No
         largest_module=max(_largest_modules(spec)),
         root=(c.embeddings + c.lm_head + c.other + _outside_norms(spec)) * step.weight_bytes,
         persistent=c.norms * step.weight_bytes,
+        zero3_partitioned=zero3_partitioned(spec, cfg),
     )
+
+
+def zero3_partitioned(spec: ModelSpec, cfg: RunConfig) -> bool:
+    """Whether a zero3 run's ranks build the base partitioned, under zero.Init (the plan's
+    host RAM and train/zero3_load.py alike): the loads through from_pretrained; int8 / NF4
+    stacks, a published quantised or GGUF base and offloaded stacks are built by moetune's
+    own loaders, whole on every rank."""
+    m = cfg.model
+    from_pretrained = not (m.is_gguf or spec.quant_config)
+    return m.experts_dtype == "bf16" and cfg.train.offload == "none" and from_pretrained
 
 
 def _lora_per_layer(spec: ModelSpec, cfg: RunConfig) -> list[int]:
@@ -383,7 +397,7 @@ def device_report(
     plans = {c: plan_devices(spec, cfg, c, ranks, strategy, sizes) for c in cards}
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
     host = host_ram(sizes, gpus, strategy) if strategy != "ddp" else None
-    notes = _report_notes(spec) + _load_notes(host)
+    notes = _report_notes(spec) + load_notes(host)
     notes += _node_notes(sizes, nodes, gpus, host)
     ep = plan_expert_parallel(spec, cfg, ranks)
     notes += (ep.describe(),) if ep else ()
@@ -407,68 +421,6 @@ def _node_notes(sizes: Sizes, nodes: int, gpus: int, host: HostRam | None) -> tu
         f"of the {nodes * gpus}; per node: {gpus} GPU(s) and about "
         f"{human_bytes(node_host_ram(sizes, gpus, host))} of host RAM at load (its own "
         f"{gpus} ranks)",
-    )
-
-
-# one rank's host RAM besides the model: python, torch, transformers, peft, trl, the data
-# and gloo – measured 0.51–0.53 GiB peak RSS per rank of a 2-process FSDP run of a 31 KB
-# model on CPU (benchmarks/sharded_load.py --smoke)
-RUNTIME_HOST_BYTES = 560 * 2**20
-
-
-@dataclass(frozen=True)
-class HostRam:
-    """Host RAM of a sharded run's load, per rank and per node (bytes, runtime included).
-    fsdp, every experts dtype: rank 0 loads the base (int8 / NF4 stacks quantised as they
-    stream, one float stack at a time) and broadcasts it into the shards, freeing each full
-    tensor once sent; the others build it on meta (quantised stacks too) and hold their
-    shard plus one module in flight, so the node holds about one base as the run holds it.
-    zero3 (zero3_init_flag off): every rank builds the whole base before DeepSpeed
-    partitions it."""
-
-    strategy: str
-    ranks: int
-    main_rank_bytes: int
-    other_rank_bytes: int
-    per_node_bytes: int
-    how: str
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def host_ram(sizes: Sizes, gpus: int, strategy: str) -> HostRam:
-    """The load's host RAM on one node of `gpus` ranks. `whole` is the base as the run holds
-    it (quantised stacks at their stored bytes); in flight, the largest module in the
-    weights' dtype: the float stack rank 0 quantises, or the tensor being broadcast."""
-    whole = sizes.single.get("frozen_weights", 0) + sizes.single.get("trainable_weights", 0)
-    run = RUNTIME_HOST_BYTES
-    if strategy == "fsdp":
-        flight = sizes.largest_module * sizes.weight_bytes
-        main, other = run + whole + flight, run + -(-whole // gpus) + flight
-        node = gpus * (run + flight) + whole  # rank 0's remainder + every rank's shards
-        how = "rank 0 loads the base, the others build it on meta and receive their shards"
-        return HostRam(strategy, gpus, main, other, node, how)
-    how = f"every rank builds the whole base before {strategy} shards it"
-    return HostRam(strategy, gpus, run + whole, run + whole, gpus * (run + whole), how)
-
-
-def _load_notes(ram: HostRam | None) -> tuple[str, ...]:
-    """What the node's host RAM must hold while the base loads (a wall of the node, not of
-    the GPUs)."""
-    if ram is None or ram.ranks == 1:
-        return ()
-    gpus = ram.ranks
-    if ram.main_rank_bytes != ram.other_rank_bytes:
-        return (
-            f"host RAM at load: {ram.how}: rank 0 peaks at {human_bytes(ram.main_rank_bytes)}, "
-            f"each other rank at {human_bytes(ram.other_rank_bytes)}; the node needs about "
-            f"{human_bytes(ram.per_node_bytes)} (≈ one base, not {gpus}; plus the OS)",
-        )
-    whole = ram.main_rank_bytes - RUNTIME_HOST_BYTES
-    return (
-        f"host RAM at load: {ram.how}: the node needs about {gpus} × {human_bytes(whole)} = "
-        f"{human_bytes(gpus * whole)} of RAM (plus the OS; fsdp loads it once per node)",
     )
 
 

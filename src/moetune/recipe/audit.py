@@ -362,6 +362,7 @@ NOT_PER_TOKEN = (
 def _count_params(model: nn.Module) -> tuple[int, int]:
     trainable = total = 0
     for p in model.parameters():
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+        size = getattr(p, "ds_numel", None) or p.numel()  # a ZeRO-3 partition: the whole's
+        total += size
+        trainable += size if p.requires_grad else 0
     return trainable, total

@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +105,10 @@ def _zero3(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
         "deepspeed_config": {
             "zero_stage": 3,
             "gradient_accumulation_steps": cfg.train.grad_accum,
-            "zero3_init_flag": False,
+            # transformers builds the base under zero.Init: each rank keeps its partition
+            # from the load on (zero3_load.py); quantised / stored / offloaded bases are
+            # still built whole on every rank and partitioned in prepare()
+            "zero3_init_flag": True,
             # the adapter is saved whole (gathered); a step's checkpoint is DeepSpeed's own
             "zero3_save_16bit_model": True,
             "offload_optimizer_device": "none",
@@ -114,26 +117,6 @@ def _zero3(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
             "deepspeed_multinode_launcher": "standard",
         },
     }
-
-
-@contextlib.contextmanager
-def whole_load(args: Any) -> Iterator[None]:
-    """Build the model whole on every rank of a ZeRO-3 run (zero3_init_flag false): while
-    accelerate's DeepSpeed config is registered with transformers, from_pretrained partitions
-    the weights at load (deepspeed.zero.Init), and moetune reads them before training (LoRA
-    wrapping, routing baseline, router snapshot). DeepSpeed partitions in prepare()."""
-    plugin = getattr(args, "deepspeed_plugin", None)
-    if plugin is None:
-        yield
-        return
-    # lazy: heavy to import (transformers)
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()  # what accelerate registered, back for the trainer
 
 
 def decoder_layers(model_id: str) -> list[str]:

@@ -34,7 +34,8 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.config.sections import TrainArgs
 from moetune.model import load_spec
-from moetune.plan.sharding import host_ram, run_sizes
+from moetune.plan.host_ram import host_ram
+from moetune.plan.sharding import run_sizes
 from moetune.train.errors import TrainError
 from moetune.units import human_bytes
 

@@ -119,8 +119,13 @@ def materialise_trainable(model: nn.Module) -> nn.Module:
 
 def host_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameter and buffer storages that are not on the meta device."""
+    return storage_bytes([*model.parameters(), *model.buffers()])
+
+
+def storage_bytes(tensors: list[Any]) -> int:
+    """Bytes of the distinct storages of `tensors` (DTensors: their shard) off the meta device."""
     seen: dict[int, int] = {}
-    for tensor in _local([*model.parameters(), *model.buffers()]):
+    for tensor in _local(tensors):
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())

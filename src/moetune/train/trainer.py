@@ -67,7 +67,7 @@ from moetune.train.checkpoint import (
     ledger_fields,
     replace_dir,
 )
-from moetune.train.distributed import fsdp_on_cpu, launched, sharding, whole_load
+from moetune.train.distributed import fsdp_on_cpu, launched, sharding
 from moetune.train.errors import TrainError
 from moetune.train.lock import hold
 from moetune.train.methods import method_of
@@ -98,6 +98,7 @@ from moetune.train.trackers import (
     tracking,
 )
 from moetune.train.vision import processor_line, processor_source, vision_kwargs
+from moetune.train.zero3_load import base_load, gathered_forward
 
 if TYPE_CHECKING:
     from torch import nn
@@ -173,8 +174,8 @@ def _train(
         return TrainResult.from_json({**recorded, **here})
     console = Console(stderr=True, quiet=not progress)
     setup = prepare(cfg, run, resume, allow_errors)
-    with whole_load(setup.args):  # ZeRO-3 partitions it in trainer.train, not at load
-        base = load_model(cfg, setup.place, setup.engine)
+    with base_load(setup.args, cfg, setup.spec) as loaded:  # ZeRO-3: partitioned as it loads
+        base = loaded(load_model(cfg, setup.place, setup.engine))
         model, setup.coverage = wrap_lora(base, cfg, run, setup)
     announce(console, cfg, setup)
     # a sharded load: only the main process holds the base's values until prepare()
@@ -186,7 +187,10 @@ def _train(
         batch, limit = base_sample(
             cfg.train.batch_size, cfg.train.seq_len, cfg.train.offload != "none"
         )
-        routing.base = from_main(lambda: routing.measured_base(model, rows, collate, batch, limit))
+        with gathered_forward(model):  # ZeRO-3: one decoder layer whole at a time
+            routing.base = from_main(
+                lambda: routing.measured_base(model, rows, collate, batch, limit)
+            )
         setup.selection = select_experts(cfg, setup, run, model, trainer, console)
         with disk_full_stops(run):
             fit(trainer, setup, console)
@@ -350,9 +354,10 @@ def select_experts(
         chosen = select.ExpertSelection.from_json(json.loads(path.read_text(encoding="utf-8")))
     else:
         dataset, collate = trainer.train_dataset, trainer.data_collator
-        chosen = from_main(lambda: select.select_experts(
-            model, setup.spec, cfg.lora, dataset, collate, cfg.train.batch_size
-        ))  # fmt: skip
+        with gathered_forward(model):  # ZeRO-3: one decoder layer whole at a time
+            chosen = from_main(lambda: select.select_experts(
+                model, setup.spec, cfg.lora, dataset, collate, cfg.train.batch_size
+            ))  # fmt: skip
     select.restrict_training(model, setup.spec, chosen)
     if setup.args.should_save:
         atomic_write_json(path, chosen.to_json())
