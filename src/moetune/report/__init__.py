@@ -12,6 +12,7 @@ as embedded PNGs, so the file opens anywhere without loading anything.
 
 from __future__ import annotations
 
-from moetune.report.html import ReportError, build_report
+from moetune.report.html import build_report
+from moetune.report.out import ReportError
 
 __all__ = ["ReportError", "build_report"]

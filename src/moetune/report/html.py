@@ -25,17 +25,12 @@ from markupsafe import Markup
 
 import moetune.report.plots as plots
 from moetune.config import load_yaml
-from moetune.errors import MoetuneError, clip
-from moetune.io import atomic_write_text, foreign_file, masked, promotion_broken, write_problem
+from moetune.io import atomic_write_text, masked, promotion_broken
 from moetune.report.exports import exports_section
 from moetune.report.inputs import lookup, missing, read_json, read_jsonl
+from moetune.report.out import ReportError, check_out
 from moetune.report.shift import shift_section
 from moetune.units import human_bytes
-
-
-class ReportError(MoetuneError):
-    """A report cannot be built (the directory is not a moetune run)."""
-
 
 # Sets data-rendered on <body>: "ok" once every figure decoded, else "broken:N" plus one
 # console error per broken figure – what a headless browser check reads.
@@ -478,19 +473,6 @@ SECTIONS: dict[str, Callable[[Inputs], dict[str, Any]]] = {
 }
 
 
-# How a file this module wrote begins (the generator tag; reports before it: the title).
-OWN_MARKS = (b'<meta name="generator" content="moetune report">', b"<title>moetune report")
-
-
-def refuse_foreign(out: Path) -> None:
-    """Refuse an `out` that exists and is not a report moetune wrote (a user's file)."""
-    if foreign_file(out, OWN_MARKS):
-        raise ReportError(
-            f"{out} exists and is not a report moetune wrote; it is never overwritten",
-            "pass --out with a new file name, or move that file away",
-        )
-
-
 def build_report(run_dir: Path, out: Path | None = None, results_dir: Path | None = None) -> Path:
     """Write the HTML report of `run_dir` to `out` (default RUN_DIR/report.html) and return
     its path. Eval results come from `results_dir` (default: the config's
@@ -498,13 +480,7 @@ def build_report(run_dir: Path, out: Path | None = None, results_dir: Path | Non
     run_dir = Path(run_dir)
     out = out or run_dir / "report.html"
     inp = load_inputs(run_dir, results_dir)
-    problem = write_problem(out)  # a folder, a device, a read-only place: before rendering
-    if problem:
-        raise ReportError(
-            f"report --out {clip(out, 100)} {problem}",
-            "pass --out a file path in a writable folder (e.g. report.html)",
-        )
-    refuse_foreign(out)  # --out never replaces a file a report did not write
+    check_out(out)  # before rendering: a writable path that holds nothing of the user's
     # secrets masked before HTML escaping, which would hide them from a mask of the page
     context: dict[str, Any] = {
         name: masked(guarded(name, build, inp)) for name, build in SECTIONS.items()

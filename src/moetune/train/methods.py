@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.registry import Registry
 from moetune.train.errors import DataError, TrainError
 from moetune.train.rewards import ANSWER_SCORES, build_rewards, reward_columns
-from moetune.train.routing import BASE_ROWS, sampled
+from moetune.train.rows_sample import BASE_ROWS, sampled
 
 if TYPE_CHECKING:
     from moetune.config import RunConfig

@@ -37,7 +37,8 @@ from moetune.engine.experts_lora import PROJECTIONS, EngineError, train_only
 from moetune.errors import ConfigError
 from moetune.model.families import get_family
 from moetune.model.layers import decoder_layers
-from moetune.train.routing import RoutingRecorder, batches, sampled
+from moetune.train.routing import RoutingRecorder
+from moetune.train.rows_sample import batches, sampled
 
 if TYPE_CHECKING:
     from torch import nn

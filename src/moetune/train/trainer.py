@@ -81,12 +81,12 @@ from moetune.train.routing import (
     LayerLoad,
     RoutingCallback,
     RoutingRecorder,
-    base_sample,
     compare_router,
     router_weights,
     summarize,
 )
 from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
+from moetune.train.rows_sample import base_sample
 from moetune.train.setup import Setup, prepare
 from moetune.train.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.stacks import stack_trainer
