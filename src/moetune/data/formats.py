@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.data.errors import DataError
 from moetune.data.images import block_problem, block_text, text_turns
-from moetune.data.template import has_markers
+from moetune.data.template import applied, has_markers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -148,7 +148,7 @@ def _prompt_loss(completion_only: bool, tok: PreTrainedTokenizerBase) -> Loss:
 
 
 def _chat_ids(tok: PreTrainedTokenizerBase, turns: list[Row]) -> list[int]:
-    out: Any = tok.apply_chat_template(text_turns(turns), tokenize=True)
+    out: Any = applied(tok, text_turns(turns), tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in v5
 
 

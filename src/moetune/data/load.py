@@ -14,8 +14,6 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from jinja2 import TemplateError
-
 from moetune.config import SourceArgs
 from moetune.data.cap import Cap, capped, char_cap
 from moetune.data.convert import BECOMES, auto_format, converted
@@ -233,12 +231,8 @@ def _length(where: str, row: Row, fmt: DataFormat, tok: PreTrainedTokenizerBase)
     raise_exception) is the row's error, in one line, not a crash."""
     try:
         return fmt.length(row, tok)
-    except TemplateError as exc:
-        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DataError(
-            f"{where}: the chat template cannot render this row ({why})",
-            "fix the template (data.chat_template, or the tokenizer's own), or that row",
-        ) from None
+    except DataError as err:  # template.applied's, named by the row
+        raise DataError(f"{where}: {err.cause}", err.fix) from None
 
 
 def tokenised(where: str, row: Row, tok: PreTrainedTokenizerBase) -> Row:

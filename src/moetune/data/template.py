@@ -112,7 +112,7 @@ def check_template(choice: str | None) -> None:
     )
 
 
-def _applied(tok: PreTrainedTokenizerBase, turns: Turns, **kw: Any) -> Any:
+def applied(tok: PreTrainedTokenizerBase, turns: Turns, **kw: Any) -> Any:
     """apply_chat_template, where a template that raises on a row is the row's DataError."""
     # lazy: heavy to import (jinja2, through transformers)
     from jinja2 import TemplateError
@@ -140,7 +140,7 @@ def has_markers(tok: PreTrainedTokenizerBase) -> bool:
 def render(tok: PreTrainedTokenizerBase, turns: Turns, prompt: bool = False) -> str:
     if not turns:
         return ""
-    return str(_applied(tok, turns, tokenize=False, add_generation_prompt=prompt))
+    return str(applied(tok, turns, tokenize=False, add_generation_prompt=prompt))
 
 
 def assistant_spans(tok: PreTrainedTokenizerBase, turns: Turns) -> tuple[str, list[range]]:
@@ -172,7 +172,7 @@ def masked_ids(tok: PreTrainedTokenizerBase, turns: Turns) -> tuple[list[int], l
     image+text turns: their image tokens are the processor's, train/vision.py)."""
     turns = text_turns(turns)
     if has_markers(tok):
-        out: Any = _applied(
+        out: Any = applied(
             tok, turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         return list(out["input_ids"]), list(out["assistant_masks"])
