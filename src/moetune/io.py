@@ -296,14 +296,18 @@ def read_holder(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def foreign_file(path: Path, marks: tuple[bytes, ...]) -> bool:
-    """Whether `path` exists and is not a file this tool wrote (none of `marks`, the way its
-    own files begin, in the first 4 KiB): an output never replaces a user's file."""
+def output_problem(path: Path, marks: tuple[bytes, ...], what: str) -> str | None:
+    """`write_problem` for an output file that may replace only `what` moetune wrote (one
+    whose first 4 KiB hold one of `marks`, the way its own files begin): never a user's file."""
+    if problem := write_problem(path):
+        return problem
     if not path.exists() and not path.is_symlink():
-        return False
+        return None
     try:
         with path.open("rb") as fh:
             head = fh.read(4096)
     except OSError:
-        head = b""  # a folder, a dangling link, an unreadable file: not ours either
-    return not any(mark in head for mark in marks)
+        head = b""  # an unreadable file: not ours either
+    if any(mark in head for mark in marks):
+        return None
+    return f"exists and is not {what} moetune wrote; it is never overwritten"

@@ -14,7 +14,7 @@ from moetune.cli.common import JsonOpt, SetOpt, app, console, emit_json, err_con
 from moetune.cli.options import checked, opt, option_overrides
 from moetune.config import RunConfig, load_config
 from moetune.errors import clip
-from moetune.io import atomic_write_text, foreign_file, write_problem
+from moetune.io import atomic_write_text, output_problem
 from moetune.ledger import Ledger
 
 ProviderOpt = Annotated[str | None, opt("provider", "Where to run (default: lane.provider).")]
@@ -228,10 +228,7 @@ def _refuse_workflow_out(out: Path) -> None:
     from moetune.lane.providers.base import LaneError
     from moetune.lane.workflows import GENERATED_MARK
 
-    problem = write_problem(out)
-    if problem is None and foreign_file(out, (GENERATED_MARK.encode(),)):
-        problem = "exists and is not a workflow moetune wrote; it is never overwritten"
-    if problem:
+    if problem := output_problem(out, (GENERATED_MARK.encode(),), "a workflow"):
         raise LaneError(f"workflow --out {clip(out, 100)} {problem}", "pass --out a new file path")
 
 
