@@ -42,7 +42,7 @@ def partitioned(monkeypatch):
         yield
         live.pop()
 
-    monkeypatch.setattr(zero3_load, "_gathered", gathered)
+    monkeypatch.setattr(zero3_load, "gathered", gathered)
     return model, gathers, live
 
 

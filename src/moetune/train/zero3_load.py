@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.plan.sharding import zero3_partitioned
 from moetune.train import sharded_load
+from moetune.train.routing import gathered
 
 if TYPE_CHECKING:
     from torch import nn
@@ -148,7 +149,7 @@ def gathered_forward(model: nn.Module) -> Iterator[None]:
 
     def hook(whole: bool) -> Callable[[nn.Module, Any], None]:
         def gather(module: nn.Module, args: Any) -> None:
-            opened.append(_gathered(list(module.parameters(recurse=whole))))
+            opened.append(gathered(list(module.parameters(recurse=whole))))
             opened[-1].__enter__()
 
         return gather
@@ -165,10 +166,3 @@ def gathered_forward(model: nn.Module) -> Iterator[None]:
             handle.remove()
         while opened:  # a forward that raised: release what it had gathered
             opened.pop().__exit__(None, None, None)
-
-
-def _gathered(params: list[Any]) -> Any:
-    # lazy: heavy to import (deepspeed)
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params)
