@@ -26,7 +26,7 @@ as a fraction of that bound (`of_bound`).
 Time: median of `--repeats` steps after one warm-up step (the memory pass).
 Peak extra bytes: on CUDA `torch.cuda.max_memory_allocated()` minus what was allocated
 before the step; on CPU live tensor bytes counted at the aten dispatch level by
-`moetune.plan.tracker.ByteTracker` (every op output's storage counted once until freed,
+`moetune.plan.trace.bytes.ByteTracker` (every op output's storage counted once until freed,
 parameters, buffers and inputs registered first), i.e. what the step adds: activations,
 transients and the LoRA gradients. No allocator or CUDA-context overhead. A quantised
 model holds fewer bytes before the step, so each row also gives the frozen bytes (frozen
@@ -64,9 +64,9 @@ import lora_bound
 import torch
 
 from moetune.engine import IMPLEMENTATION, apply_split_lora, register, restore_peft_lora
-from moetune.engine.quant import experts_modules, peft_targets, quantize_experts_, stacks_of
-from moetune.plan.trace import prepare_for_training
-from moetune.plan.tracker import FROZEN, ByteTracker
+from moetune.engine.quant.stacks import experts_modules, peft_targets, quantize_experts_, stacks_of
+from moetune.plan.trace.bytes import FROZEN, ByteTracker
+from moetune.plan.trace.fake_step import prepare_for_training
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
@@ -144,7 +144,8 @@ def base_model(case: Case, device: torch.device, dtype: torch.dtype) -> Any:
 
 
 def add_lora(base: Any, case: Case, experts: str) -> Any:
-    """peft LoRA on attention and experts; quantised experts first, as plan/trace.py builds."""
+    """peft LoRA on attention and experts; quantised experts first, as
+    plan/trace/fake_step.py builds."""
     from peft import LoraConfig, get_peft_model
 
     if experts in QUANT:

@@ -1,7 +1,7 @@
 """gemma4_text's analytic activation terms against the trace, shape by shape.
 
 Tiny width (hidden 64, 4 experts), LoRA r4 on moetune's default targets, `plan.fit.analytic`
-vs `plan.tracecache.cached_trace` (fused AdamW, steady state): the peak with gradient
+vs `plan.trace.cache.cached_trace` (fused AdamW, steady state): the peak with gradient
 checkpointing on and off, and "kept" = gc off − gc on (what the layers save for backward).
 "raw" is the analytic with the generic GQA profile gemma4 had before its terms (the plan
 traced instead). Prints a markdown table for benchmarks/RESULTS.md.
@@ -22,9 +22,9 @@ from moetune.config import parse_config
 from moetune.model import spec_from_config
 from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
-from moetune.plan import profiles
 from moetune.plan.fit import analytic
-from moetune.plan.tracecache import cached_trace
+from moetune.plan.profiles import registry as profiles
+from moetune.plan.trace.cache import cached_trace
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Gemma-4-26B-A4B's heads at tiny width: 16 × 256 (8 kv heads) on sliding windows of 1024,

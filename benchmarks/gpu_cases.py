@@ -24,9 +24,9 @@ W+ΔW and a full-size weight gradient), 8k ~2 s; the first step JIT-compiles TRL
 kernels (~10–20 s); tracker passes run every op through Python (~2–4× a step); NF4 dequantises
 one expert at a time (~1.5 M ops, ~10–15 s a step), so its tracker pass (~100–150 s) runs only
 if the budget still allows. OLMoE with its expert stacks offloaded to pinned host RAM
-(engine/offload.py) builds like OLMoE, then copies 12.9 GB of stacks to the host (~20 s) and
+(engine/offload/store.py) builds like OLMoE, then copies 12.9 GB of stacks to the host (~20 s) and
 streams ~2 × 12.9 GB per step over PCIe (~1 s a step at 25–50 GB/s); its row compares
-`moetune.plan.offload`'s device peak (when that module exists, else "plan: n/a") with
+`moetune.plan.offload.memory`'s device peak (when that module exists, else "plan: n/a") with
 max_memory_allocated, and carries the store's counts (peak resident expert bytes, bytes moved
 per phase); no tracker pass (the copies run on a side thread). All default cases: ~500 s if
 every guess holds, so with `--budget-s 420` the NF4 tracker pass and, if NF4 ran long, the
@@ -34,8 +34,8 @@ offload case (its own build, after NF4) are what the budget leaves out.
 
 Stored bases (`Case.stored`: "fp8", "mxfp4"): a random bf16 Qwen3-MoE / gpt-oss of
 STORED_SHAPES (6 layers, 32 experts, hidden 1024; ~0.5 B params) saved on the CPU, rewritten by
-`engine.stored_write.write_stored` in the published layout (block FP8 128x128, MXFP4 experts)
-and loaded by `engine.stored_load.load_stored` with the stacks as stored on the device (what
+`engine.stored.write.write_stored` in the published layout (block FP8 128x128, MXFP4 experts)
+and loaded by `engine.stored.load.load_stored` with the stacks as stored on the device (what
 `moetune train` does for such a base), then peft + split LoRA as the other builds; the plan is
 the trace (or, where the trace cannot build the stored base, the analytic: `predicted_from`)
 of the same shape with the checkpoint's quantization_config. ~30 s to build (CPU work, guess)
@@ -68,7 +68,7 @@ SMOKE_SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 # Stored (published-layout) bases: tiny but not trivial on the GPU – a few layers, block sizes
 # that divide (fp8 128x128, mxfp4 32) – written from a random float checkpoint by
-# engine.stored_write and loaded by engine.stored_load (expert stacks as stored).
+# engine.stored.write and loaded by engine.stored.load (expert stacks as stored).
 STORED_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 768,
                   "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
@@ -188,7 +188,7 @@ def stored_options(case: Case, smoke: bool) -> dict[str, Any]:
 
 
 def stored_config(case: Case, smoke: bool) -> dict[str, Any]:
-    from moetune.engine.quant import QUANTIZERS
+    from moetune.engine.quant.stacks import QUANTIZERS
 
     return QUANTIZERS.get(case.stored).config(**stored_options(case, smoke))
 
@@ -203,7 +203,7 @@ def predict(case: Case, smoke: bool) -> dict[str, Any]:
         return predict_offload(case, smoke)
     from moetune.plan.fit import analytic
     from moetune.plan.overhead import overhead_for
-    from moetune.plan.tracecache import cached_trace
+    from moetune.plan.trace.cache import cached_trace
 
     spec, cfg = spec_for(case, smoke), case.config(seq_for(case, smoke))
     est = analytic(spec, cfg)
@@ -232,10 +232,10 @@ def predict(case: Case, smoke: bool) -> dict[str, Any]:
 
 
 def predict_offload(case: Case, smoke: bool) -> dict[str, Any]:
-    """moetune.plan.offload's device peak and step time, where that module exists (None:
+    """moetune.plan.offload.memory's device peak and step time, where that module exists (None:
     "plan: n/a" – the row then has measurements and no error)."""
     try:
-        from moetune.plan.offload import plan_offload
+        from moetune.plan.offload.memory import plan_offload
     except ImportError:
         return {"predicted_bytes": None, "analytic_bytes": None, "plan": "n/a"}
     from moetune.plan.hardware import card_for_device
@@ -297,7 +297,7 @@ class Predictions:
 def build(case: Case, spec: Any, device: torch.device) -> Any:
     """The model exactly as the trace builds it (real tensors on `device`), fused LM head on."""
     from moetune.model import to_hf_config
-    from moetune.plan.trace import add_fused_head, build_step_model
+    from moetune.plan.trace.fake_step import add_fused_head, build_step_model
     from moetune.recipe.targets import build_peft_config
 
     cfg = case.config(2048)
@@ -320,20 +320,20 @@ def build(case: Case, spec: Any, device: torch.device) -> Any:
 
 def build_stored(case: Case, spec: Any, peft_config: Any, device: torch.device) -> Any:
     """A random float checkpoint of `spec`'s shape (CPU), rewritten in the published layout
-    (engine.stored_write), loaded with its expert stacks as stored (engine.stored_load) on
+    (engine.stored.write), loaded with its expert stacks as stored (engine.stored.load) on
     `device`, then LoRA and the split engine as build_step_model puts them on."""
     import tempfile
 
     from peft import get_peft_model
 
     from moetune.engine import IMPLEMENTATION, apply_split_lora, register
-    from moetune.engine.overrides import apply_overrides
-    from moetune.engine.quant import peft_targets
-    from moetune.engine.stored_load import load_stored
-    from moetune.engine.stored_write import write_stored
+    from moetune.engine.forwards import apply_overrides
+    from moetune.engine.quant.stacks import peft_targets
+    from moetune.engine.stored.load import load_stored
+    from moetune.engine.stored.write import write_stored
     from moetune.model import to_hf_config
     from moetune.model.derive import causal_lm_class
-    from moetune.plan.trace import add_fused_head
+    from moetune.plan.trace.fake_step import add_fused_head
 
     smoke = device.type != "cuda"
     hf_config = to_hf_config(spec)
@@ -364,7 +364,7 @@ def build_stored(case: Case, spec: Any, peft_config: Any, device: torch.device) 
 def offload(model: Any, case: Case, device: torch.device) -> None:
     import tempfile
 
-    from moetune.engine.offload import offload_experts_
+    from moetune.engine.offload.store import offload_experts_
 
     scratch = Path(tempfile.mkdtemp(prefix="gpu-validate-")) / "experts.bin"
     offload_experts_(model.get_base_model(), case.offload, device, scratch=scratch)  # type: ignore[arg-type]
@@ -372,7 +372,7 @@ def offload(model: Any, case: Case, device: torch.device) -> None:
 
 def offload_stats(model: Any) -> dict[str, Any] | None:
     """The store's measurements (peak resident expert bytes, bytes moved per phase)."""
-    from moetune.engine.offload import store_of
+    from moetune.engine.offload.store import store_of
 
     store = store_of(model)
     return store.stats.to_json() if store is not None else None
@@ -380,7 +380,7 @@ def offload_stats(model: Any) -> dict[str, Any] | None:
 
 def release_offloaded(model: Any) -> None:
     """Drop the layers a step left materialised, so they are not counted as weights."""
-    from moetune.engine.offload import store_of
+    from moetune.engine.offload.store import store_of
 
     store = store_of(model)
     if store is not None:
@@ -392,7 +392,7 @@ def configure(model: Any, case: Case) -> None:
     """Switch a built model to `case`'s engine and checkpointing, as a fresh build has them."""
     from moetune.engine import apply_split_lora, restore_peft_lora
     from moetune.engine.experts_lora import is_split
-    from moetune.plan.trace import prepare_for_training
+    from moetune.plan.trace.fake_step import prepare_for_training
 
     if case.engine == "moetune" and not is_split(model):
         apply_split_lora(model)
@@ -432,7 +432,7 @@ def free_memory(device: torch.device) -> None:
 
 
 def _loop(model: Any, seq: int, device: torch.device) -> Any:
-    from moetune.plan.trace import TrainLoop
+    from moetune.plan.trace.fake_step import TrainLoop
 
     return TrainLoop(model, "fused", (1, seq), str(device), True)
 
@@ -497,8 +497,8 @@ def measured_pass(model: Any, seq: int, device: torch.device, weights: int) -> d
 
 def tracker_pass(model: Any, seq: int, device: torch.device, weights: int) -> dict[str, Any]:
     """2 steps of the trace's own loop under ByteTracker, on the real tensors."""
-    from moetune.plan.trace import run_steps
-    from moetune.plan.tracker import ByteTracker
+    from moetune.plan.trace.bytes import ByteTracker
+    from moetune.plan.trace.fake_step import run_steps
 
     cuda = device.type == "cuda"
     loop = _loop(model, seq, device)
@@ -528,7 +528,7 @@ def run_case(
 ) -> dict[str, Any]:
     """Warm-up, measured pass and (when `tracker(step_s)` says so) tracker pass, on `model`
     switched to `case`."""
-    from moetune.plan.trace import in_place_folds
+    from moetune.plan.trace.fake_step import in_place_folds
 
     configure(model, case)
     model.zero_grad(set_to_none=True)  # a failed case before may have left grads

@@ -1,7 +1,7 @@
 """Planner vs real CUDA memory: does the trace's peak match `torch.cuda.max_memory_allocated`?
 
 For each case (Qwen3-30B-A3B at full size, randomly initialised on the GPU, and OLMoE-1B-7B)
-the planner's estimates – the fake-tensor trace of the step (`plan.tracecache.cached_trace`,
+the planner's estimates – the fake-tensor trace of the step (`plan.trace.cache.cached_trace`,
 steady state: 2 steps, fused AdamW, TRL's fused LM head) and the analytic formula
 (`plan.fit.analytic`) – are set against the same step run for real: build, warm-up, measured
 pass and tracker pass (gpu_cases.py says how, and how long each is expected to take).

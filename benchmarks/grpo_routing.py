@@ -29,7 +29,7 @@ import torch
 from moetune.demo.base import SHIPPED_DIR
 from moetune.demo.skills import stream
 from moetune.model import load_spec
-from moetune.train.routing_shift import LayerShift, ShiftRecorder
+from moetune.train.grpo.shift import LayerShift, ShiftRecorder
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 HEAD = "## GRPO routing shift and routing replay (`benchmarks/grpo_routing.py`)"

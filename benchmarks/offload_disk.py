@@ -4,11 +4,11 @@ machine's RAM, its expert stacks left in the safetensors files (train.offload: d
 It writes a random-weight checkpoint of the Qwen3-30B-A3B shape with fewer layers (27 by
 default: 35 GB of bf16 safetensors), shard by shard – one layer in memory at a time, and the
 page cache of each shard dropped once written – under --out (never committed; deleted at the
-end unless --keep). Then it loads it with `engine.offload_load.load_offloaded(..., "disk")`
+end unless --keep). Then it loads it with `engine.offload.load.load_offloaded(..., "disk")`
 (everything but the expert stacks on the "device", here the CPU), puts LoRA r --rank on every
 expert stack (split LoRA, AdamW) and takes --steps steps of batch 1, --seq tokens, sampling
 the process RSS with psutil on a thread (every 20 ms). Per step: wall time, bytes read from the
-files and the store's peak resident expert bytes. Beside them: `moetune.plan.offload`'s
+files and the store's peak resident expert bytes. Beside them: `moetune.plan.offload.memory`'s
 figures for the same run when that module is importable ("plan: n/a" otherwise).
 `--smoke`: a tiny shape, one step, seconds (the fast test runs it; nothing recorded).
 
@@ -183,8 +183,8 @@ def build(model_dir: Path, rank: int) -> tuple[Any, Any]:
     from peft import LoraConfig, get_peft_model
 
     from moetune.engine import IMPLEMENTATION, apply_split_lora, register
-    from moetune.engine.offload import peft_targets
-    from moetune.engine.offload_load import load_offloaded
+    from moetune.engine.offload.load import load_offloaded
+    from moetune.engine.offload.store import peft_targets
 
     # fp32 compute, as moetune trains on a CPU: torch's bf16 matmul backward on a CPU without
     # AVX512-BF16 falls back to a reference GEMM (measured: > 15 min for one LM-head backward)
@@ -233,9 +233,9 @@ def take_steps(model: Any, store: Any, cfg: dict[str, Any], args: argparse.Names
 
 
 def plan_figures(model_dir: Path, args: argparse.Namespace) -> dict[str, Any] | None:
-    """moetune.plan.offload's figures for this run, if that module exists here."""
+    """moetune.plan.offload.memory's figures for this run, if that module exists here."""
     try:
-        from moetune.plan.offload import plan_offload
+        from moetune.plan.offload.memory import plan_offload
     except ImportError:
         return None
     from moetune.config import parse_config
@@ -338,7 +338,7 @@ def describe(r: dict[str, Any]) -> str:
 def plan_line(r: dict[str, Any]) -> str:
     plan = r["plan"]
     if plan is None:
-        return "- plan: n/a (moetune.plan.offload not importable in this tree)"
+        return "- plan: n/a (moetune.plan.offload.memory not importable in this tree)"
     peak = plan.get("device_peak_bytes")
     err = f" ({100 * (peak / r['rss_peak_steps'] - 1):+.1f} % vs measured RSS)" if peak else ""
     return (f"- plan: device peak {peak and peak / GiB:.2f} GiB{err}, host "

@@ -76,8 +76,8 @@ def memcpy_rate(nbytes: int) -> float:
 
 def cpu_store(disk: Any, layers: int, dtype: torch.dtype) -> Any:
     """A train.offload: cpu store of the first `layers` layers of a disk store's stacks."""
-    from moetune.engine.offload import ExpertStore
-    from moetune.engine.offload_sources import host_source
+    from moetune.engine.offload.sources import host_source
+    from moetune.engine.offload.store import ExpertStore
 
     store = ExpertStore("cpu", "cpu")
     for sources in disk.layers[:layers]:
@@ -105,7 +105,7 @@ def checkpoint(args: argparse.Namespace) -> tuple[Path, bool]:
 
 
 def measure(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from moetune.engine.offload_load import load_offloaded
+    from moetune.engine.offload.load import load_offloaded
 
     dtype = getattr(torch, args.dtype)
     files = sorted(str(p) for p in model_dir.glob("*.safetensors"))

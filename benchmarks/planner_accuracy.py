@@ -35,8 +35,8 @@ from moetune.config import RunConfig, parse_config
 from moetune.demo.base import SHIPPED_DIR
 from moetune.model import load_spec
 from moetune.plan.fit import analytic
-from moetune.plan.profiles import uncalibrated
-from moetune.plan.tracecache import cached_trace
+from moetune.plan.profiles.registry import uncalibrated
+from moetune.plan.trace.cache import cached_trace
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"

@@ -165,8 +165,8 @@ def planned(model: Path, config: Path, strategy: str = "fsdp") -> dict[str, int]
     (`host_ram`) and the CPU ranks' training (runtime + per-rank live bytes)."""
     from moetune.config import load_config
     from moetune.model import load_spec
-    from moetune.plan.host_ram import RUNTIME_HOST_BYTES, host_ram
-    from moetune.plan.sharding import per_rank_bytes, run_sizes
+    from moetune.plan.devices.host_ram import RUNTIME_HOST_BYTES, host_ram
+    from moetune.plan.devices.sharding import per_rank_bytes, run_sizes
 
     cfg = load_config(config)
     spec = load_spec(str(model))

@@ -4,7 +4,7 @@ Runs real training steps of a small random Qwen3-MoE (full fine-tuning, fp32, Ad
 no gradient checkpointing) on the CPU: once on one process without FSDP, then with world
 size 2 (torch.multiprocessing spawn, gloo) and FSDP2 (`fully_shard` on each decoder layer,
 then on the model). Each rank counts its live tensor bytes with a TorchDispatchMode byte
-tracker (`plan.tracker.ByteTracker`, DTensors counted by their local shard) over the second
+tracker (`plan.trace.bytes.ByteTracker`, DTensors counted by their local shard) over the second
 step (Adam moments live), and the peak is compared with `per_rank_bytes(spec, cfg, N,
 "fsdp")` and with the single-device analytic. `--record` appends a dated line to RESULTS.md.
 
@@ -31,9 +31,9 @@ import torch.multiprocessing as mp
 from moetune.config import RunConfig, parse_config
 from moetune.model import spec_from_config
 from moetune.plan.analytic import estimate_step
-from moetune.plan.sharding import per_rank_bytes
+from moetune.plan.devices.sharding import per_rank_bytes
 from moetune.plan.step import Step
-from moetune.plan.tracker import FROZEN, GRADIENTS, OPTIMIZER, TRAINABLE, ByteTracker
+from moetune.plan.trace.bytes import FROZEN, GRADIENTS, OPTIMIZER, TRAINABLE, ByteTracker
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 SECTION = "## Per-device planner: FSDP2 per-rank peak, 2 processes (gloo, CPU)"

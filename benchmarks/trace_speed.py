@@ -38,7 +38,7 @@ def trace_one(key: str, seq_len: int) -> dict[str, Any]:
     from peft import LoraConfig
 
     from moetune.model import load_spec, to_hf_config
-    from moetune.plan.trace import trace_step
+    from moetune.plan.trace.fake_step import trace_step
 
     config = to_hf_config(load_spec(MODELS[key]))
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS)

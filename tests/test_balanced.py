@@ -11,8 +11,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moetune.errors import TraceError
-from moetune.plan.balanced import BalancedRouting, balanced_indices, balanced_topk
-from moetune.plan.tracker import ByteTracker
+from moetune.plan.trace.balanced import BalancedRouting, balanced_indices, balanced_topk
+from moetune.plan.trace.bytes import ByteTracker
 
 TOKENS, DIM, EXPERTS, TOP_K = 12, 8, 4, 2
 

@@ -19,7 +19,7 @@ from moetune.config import LoraArgs
 from moetune.model import build_model, get_family, spec_from_config, to_hf_config
 from moetune.model.census import census, moe_model_types, multimodal_model_types, shrunk_config
 from moetune.model.derive import causal_lm_class
-from moetune.plan.trace import trace_step
+from moetune.plan.trace.fake_step import trace_step
 from moetune.recipe.targets import build_peft_config, make_recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore")

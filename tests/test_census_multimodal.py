@@ -23,7 +23,7 @@ from moetune.model.derive import checkpoint_class
 pytestmark = pytest.mark.filterwarnings("ignore")
 MULTIMODAL = multimodal_model_types()
 # Known failures, each with its cause (strict: a fix is noticed). None in transformers 5.24:
-# Llama 4's and Qwen3-Omni thinker's classes train through moetune.model.fixes.
+# Llama 4's and Qwen3-Omni thinker's classes train through moetune.model.fixes.registry.
 CANNOT_TRAIN: dict[str, str] = {}
 # refused before the build, each with the cause its error names (checkpoint_class)
 REFUSED = {"qwen3_omni_moe": "no forward of its own", "diffusion_gemma": "takes no labels"}

@@ -177,7 +177,7 @@ def test_plan_of_an_uncalibrated_mixer_kind_says_it_traced(
     import dataclasses
 
     from moetune.model.census import shrunk_config
-    from moetune.plan.profiles import NEMOTRON_H, PROFILES
+    from moetune.plan.profiles.registry import NEMOTRON_H, PROFILES
 
     # nemotron_h as it planned before its Mamba2 term: a kind with no calibrated term
     uncalibrated = dataclasses.replace(NEMOTRON_H, mixers={**NEMOTRON_H.mixers, "mamba": None})

@@ -4,7 +4,7 @@ from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.lint.doctor import known_bad
-from moetune.lint.rules import installed_versions
+from moetune.lint.registry import installed_versions
 
 
 def _problems(versions: dict[str, str]) -> list[str]:

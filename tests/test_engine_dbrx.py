@@ -1,4 +1,4 @@
-"""dbrx's experts under peft LoRA (engine/dbrx.py, the override for "dbrx").
+"""dbrx's experts under peft LoRA (engine/forwards_dbrx.py, the override for "dbrx").
 
 Tiny fp32 dbrx (4 experts, top-2) with LoRA on its 2-D expert stacks `w1, v1, w2`. The
 reference is transformers' own, untouched DbrxExperts forward in float64 on weights with
@@ -19,11 +19,11 @@ from peft.tuners.lora.layer import ParamWrapper
 from torch.func import functional_call
 
 from moetune.config import LoraArgs
-from moetune.engine.overrides import ENGINE_OVERRIDES, apply_overrides
+from moetune.engine.forwards import ENGINE_OVERRIDES, apply_overrides
 from moetune.model import spec_from_config, to_hf_config
 from moetune.model.census import shrunk_config
 from moetune.model.derive import causal_lm_class
-from moetune.plan.trace import trace_step
+from moetune.plan.trace.fake_step import trace_step
 from moetune.recipe.targets import build_peft_config
 
 pytestmark = pytest.mark.filterwarnings("ignore")

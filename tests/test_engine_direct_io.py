@@ -18,7 +18,7 @@ from moetune.engine.direct_io import (
     plan_reads,
     read_rate,
 )
-from moetune.engine.offload_files import read_header, read_into
+from moetune.engine.stack_files import read_header, read_into
 from moetune.model.weight_files import WeightFileError
 
 
@@ -87,7 +87,7 @@ def test_read_rate_reads_the_budget(shard: tuple[Path, dict[str, torch.Tensor]])
 
 
 def test_host_buffers_are_reused_only_when_nothing_holds_them() -> None:
-    from moetune.engine.offload_sources import HostBuffers
+    from moetune.engine.offload.sources import HostBuffers
 
     pool = HostBuffers()
     a = pool.empty((4, 8), dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""int8 / NF4 frozen expert stacks (engine/quant.py, engine/quant_load.py).
+"""int8 / NF4 frozen expert stacks (engine/quant/stacks.py, engine/quant/load.py).
 
 Formats are checked against hand-computed values and known tables, then on tiny models of
 four experts layouts: concatenated [E, out, in] (qwen3_moe, olmoe, mixtral – whose
@@ -23,8 +23,11 @@ from peft.tuners.lora.layer import ParamWrapper
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers.integrations.accelerate import get_device
 
-from moetune.engine import apply_split_lora, quant
-from moetune.engine.quant import (
+from moetune.engine import apply_split_lora
+from moetune.engine.quant import stacks as quant
+from moetune.engine.quant.int8_nf4 import NF4, NF4_LEVELS, pack_nibbles, unpack_nibbles
+from moetune.engine.quant.load import expert_device_map, load_quantized
+from moetune.engine.quant.stacks import (
     QUANTIZED,
     QUANTIZERS,
     QuantError,
@@ -39,8 +42,6 @@ from moetune.engine.quant import (
     stack_nbytes,
     stacks_of,
 )
-from moetune.engine.quant_int import NF4, NF4_LEVELS, pack_nibbles, unpack_nibbles
-from moetune.engine.quant_load import expert_device_map, load_quantized
 from moetune.model.tiny import tiny_config
 from moetune.registry import Registry
 

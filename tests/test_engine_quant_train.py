@@ -19,7 +19,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 from moetune.engine import apply_split_lora
-from moetune.engine.quant import peft_targets, quantize_experts_, stacks_of
+from moetune.engine.quant.stacks import peft_targets, quantize_experts_, stacks_of
 from moetune.model.tiny import tiny_config
 from test_engine_experts_lora import _Largest, _randomize_b
 from test_engine_quant import _dequantized_copy as _dequantized
@@ -124,7 +124,7 @@ def _adapter_loads_on_float_base(model_dir: Path, adapter: Path, method: str) ->
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from moetune.engine.quant_load import load_quantized
+    from moetune.engine.quant.load import load_quantized
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     plain = PeftModel.from_pretrained(base, adapter).eval()
@@ -156,7 +156,7 @@ def test_quantised_experts_need_the_engine(tiny: tuple[Path, Path], tmp_path: Pa
 def test_trace_counts_quantised_expert_bytes(tmp_path: Path) -> None:
     from moetune.config import parse_config
     from moetune.model import load_spec
-    from moetune.plan.tracecache import run_trace, trace_key
+    from moetune.plan.trace.cache import run_trace, trace_key
 
     write_small_moe_config(tmp_path / "m")
     spec = load_spec(str(tmp_path / "m"))

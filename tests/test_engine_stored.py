@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from moetune.engine.quant import QuantError, QuantizedStack
-from moetune.engine.stored import (
+from moetune.engine.quant.stacks import QuantError, QuantizedStack
+from moetune.engine.stored.formats import (
     MXFP4,
     NVFP4,
     BlockFP8,
@@ -161,7 +161,7 @@ def test_stored_linear_exact_input_gradient_and_lora_through_peft() -> None:
     gradient, keeps no float weight, and takes LoRA through peft as an nn.Linear."""
     from peft import LoraConfig, get_peft_model
 
-    from moetune.engine.stored_linear import StoredLinear, dequantize_linears_
+    from moetune.engine.stored.linear import StoredLinear, dequantize_linears_
 
     w = _w(1, 32, 64)
     stack = QuantizedStack((1, 32, 64), False, torch.float32, "fp8",

@@ -10,7 +10,7 @@ import pytest
 
 from moetune.config import parse_config
 from moetune.model import load_spec
-from moetune.plan.tracecache import run_trace
+from moetune.plan.trace.cache import run_trace
 
 pytestmark = pytest.mark.slow
 GiB = 2**30

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.config import parse_config
-from moetune.lint.rules import lint
+from moetune.lint.registry import lint
 from moetune.train import train
 from test_train_helpers import (
     one_thread,
@@ -85,7 +85,7 @@ def test_analytic_frozen_bytes_of_quantised_experts_match_the_trace(
 ) -> None:
     from moetune.model import load_spec
     from moetune.plan.analytic import estimate
-    from moetune.plan.tracecache import run_trace
+    from moetune.plan.trace.cache import run_trace
 
     spec = load_spec("allenai/OLMoE-1B-7B-0924")
     cfg = parse_config({

@@ -91,7 +91,7 @@ def test_peft_wraps_experts_at_expert_rank_and_the_rest_at_rank() -> None:
 
 def test_trainable_count_agrees_everywhere() -> None:
     """Formula = real peft model = layout (peft and formula) = analytic = trace."""
-    from moetune.plan.tracecache import run_trace
+    from moetune.plan.trace.cache import run_trace
 
     spec, cfg = _spec(), _cfg(rank=8, expert_rank=2, targets=ALL, engine="peft")
     want = _formula(spec, 8, 2, ALL)

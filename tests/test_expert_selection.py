@@ -1,4 +1,4 @@
-"""ESFT-style expert selection (train/select.py): the selection math, scores on routers
+"""ESFT-style expert selection (train/routing/select.py): the selection math, scores on routers
 whose choice is known, gradient masks on both engines, and `train()` end to end.
 
 Layouts are checked independently of select.py's masks: peft keeps lora_A [r·E, in] as
@@ -21,8 +21,8 @@ from moetune.errors import ConfigError
 from moetune.model import load_spec, spec_from_config
 from moetune.model.tiny import tiny_config
 from moetune.train import train
-from moetune.train.routing import routed_weights
-from moetune.train.select import (
+from moetune.train.routing.recorder import routed_weights
+from moetune.train.routing.select import (
     ExpertSelection,
     LayerChoice,
     choose,

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from export_fixtures import make_adapter, make_base
 from moetune.cli import app
-from moetune.engine.stored_load import checkpoint_format, dequantize_stacks_, load_stored
-from moetune.engine.stored_write import write_stored
+from moetune.engine.stored.load import checkpoint_format, dequantize_stacks_, load_stored
+from moetune.engine.stored.write import write_stored
 from moetune.export import ExportOptions, resolve_source, run_export
 from moetune.export.deltas import delta, iter_deltas
 from moetune.export.stored_base import SurvivalTooLow

@@ -193,7 +193,7 @@ def test_gpu_count_comes_from_config_then_nproc_then_the_planner(tmp_path, monke
     assert pod_gpu_count(cfg, spec, get_card("H200")) == 1  # a 30B-A3B LoRA fits one H200
     calls = []
     monkeypatch.setattr(
-        "moetune.plan.sharding.fewest_gpus",
+        "moetune.plan.devices.sharding.fewest_gpus",
         lambda spec, c, card, strategy: calls.append(strategy) or 4,
     )
     assert pod_gpu_count(cfg, None, object()) == 4 and calls == ["ddp"]

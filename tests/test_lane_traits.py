@@ -12,7 +12,7 @@ import pytest
 from moetune.config import LaneArgs, RunConfig, parse_config
 from moetune.lane.providers import provider_class, provider_names, site_of
 from moetune.lane.providers.base import LaneError
-from moetune.plan import walls
+from moetune.plan.cost import walls
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "moetune"
 NAMES = provider_names()

@@ -22,7 +22,7 @@ from moetune.lane.workflows import (
     ci_timeouts,
     github_workflow,
 )
-from moetune.plan import walls
+from moetune.plan.cost import walls
 
 FAKE_KEY = "rpa_" + "Z" * 40  # what a leaked RunPod key would look like
 

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.config import RunConfig
-from moetune.lint import rules_mlx
 from moetune.lint.mlx_env import MlxBackend
-from moetune.lint.rules import RULES, LintContext
+from moetune.lint.registry import RULES, LintContext
+from moetune.lint.rules import mlx as rules_mlx
 
 NO_BACKEND = MlxBackend("0.32.2", None, None, None, "No module named 'mlx'")
 

@@ -14,7 +14,7 @@ from moetune.config import parse_config
 from moetune.data import SFT_FORMATS, DataError, load_train_data
 from moetune.demo.base import MAX_LEN, SHIPPED_DIR
 from moetune.train.errors import TrainError
-from moetune.train.mlx_data import mlx_rows, write_rows
+from moetune.train.mlx.data import mlx_rows, write_rows
 
 # u:… a:…<eos>, the generation prompt a: – characters the demo tokenizer knows
 TEMPLATE = (
@@ -80,7 +80,7 @@ def test_without_an_eval_set_the_first_train_rows_validate(tmp_path: Path) -> No
 
 
 def test_streaming_is_refused_before_a_file_is_written(tmp_path: Path) -> None:
-    from moetune.train.mlx_stack import train_mlx
+    from moetune.train.mlx.stack import train_mlx
 
     path = _jsonl(tmp_path / "t.jsonl", [{"text": "abc"}])
     cfg = _config(tmp_path, {"sources": [{"path": path}], "streaming": True})
@@ -96,7 +96,7 @@ def test_chat_template_renders_messages_as_in_the_torch_stack(tmp_path: Path) ->
     from mlx_lm.tuner.datasets import ChatDataset
     from mlx_lm.utils import load_tokenizer
 
-    from moetune.train.mlx_base import hf_to_mlx, set_chat_template
+    from moetune.train.mlx.base import hf_to_mlx, set_chat_template
 
     (tmp_path / "chat.jinja").write_text(TEMPLATE)
     turns = [[{"role": "user", "content": f"copy:{w}"}, {"role": "assistant", "content": w}]

@@ -20,8 +20,8 @@ from moetune.evaluate.ladder import run_eval
 from moetune.evaluate.results import adapter_digest
 from moetune.export.check import CheckResult, Reference, Served, compare, verdict_reason
 from moetune.model.finite import NonFiniteError, require_finite_adapter
-from moetune.train.checkpoint import RunDir
-from moetune.train.recovery import resume_point_of
+from moetune.train.rundir.checkpoint import RunDir
+from moetune.train.rundir.recovery import resume_point_of
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -1,4 +1,4 @@
-"""moetune.model.fixes: each transformers bug a fix works around is still in the installed
+"""moetune.model.fixes.registry: each transformers bug a fix works around is still in the installed
 transformers (probes: a fixed release fails them, and the fix is removed), and the fixed
 model computes what transformers' own code computes, with its state dict untouched."""
 
@@ -12,7 +12,7 @@ import torch
 
 from moetune.model.census import tiny_multimodal_config
 from moetune.model.derive import checkpoint_class, ensure_backbone
-from moetune.model.fixes import MODEL_FIXES, apply_fixes
+from moetune.model.fixes.registry import MODEL_FIXES, apply_fixes
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 IMAGE_TOKEN = 100  # inside the tiny text vocabulary (128), so image tokens embed

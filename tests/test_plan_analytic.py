@@ -103,7 +103,7 @@ def test_formula_layout_matches_peft_for_gqa() -> None:
     ["qwen2_moe-shared-dense0", pytest.param("qwen3_moe-dense0", marks=pytest.mark.slow)],
 )
 def test_tiny_models_agree_with_the_trace(variant: str) -> None:
-    from moetune.plan.tracecache import run_trace
+    from moetune.plan.trace.cache import run_trace
 
     spec = spec_from_config(tiny_config(variant), variant)
     run = cfg(seq_len=64, lora={"rank": 4})
@@ -117,7 +117,7 @@ def test_split_lora_counts_the_w_plus_dw_of_shared_and_dense_weights() -> None:
     weight targeted as a parameter stays peft's ParamWrapper and keeps W+ΔW for backward
     (DeepSeek-V2-Lite's ≈ 1 GiB without checkpointing). Adding those targets raises the
     analytic peak by what it raises the trace's."""
-    from moetune.plan.tracecache import run_trace
+    from moetune.plan.trace.cache import run_trace
 
     spec = spec_from_config(tiny_config("deepseek_v2-lite-like"), "deepseek_v2-lite-like")
     peaks = {}

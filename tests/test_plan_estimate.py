@@ -18,8 +18,8 @@ from moetune.config import RunConfig, load_config
 from moetune.lane.phases import as_launched
 from moetune.ledger import Ledger, LedgerRow
 from moetune.model import load_spec
-from moetune.plan import walls as W
-from moetune.plan.estimate import BYTES_PER_TOKEN, MFU, REFERENCE, estimate, launch_signature
+from moetune.plan.cost import walls as W
+from moetune.plan.cost.estimate import BYTES_PER_TOKEN, MFU, REFERENCE, estimate, launch_signature
 from moetune.plan.hardware import get_card
 
 CONFIG = Path("configs/qwen3-30b-a3b/lora_h200.yaml").resolve()

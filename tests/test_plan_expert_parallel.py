@@ -12,10 +12,10 @@ from moetune.config import RunConfig, parse_config
 from moetune.model import spec_from_config
 from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
-from moetune.plan.expert_parallel import plan_expert_parallel
+from moetune.plan.devices.expert_parallel import plan_expert_parallel
+from moetune.plan.devices.sharding import device_report
 from moetune.plan.fit import analytic
 from moetune.plan.layout import adapter_layout
-from moetune.plan.sharding import device_report
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,17 @@ from typer.testing import CliRunner
 
 import moetune.lint.calibrate as calibrate
 import moetune.plan.host as host
-import moetune.plan.offload as offload
+import moetune.plan.offload.memory as offload
 from moetune.cli import app
 from moetune.config import RunConfig, parse_config
 from moetune.errors import ConfigError
 from moetune.model import spec_from_config
 from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
-from moetune.plan.cpu_step import STREAM_EFFICIENCY
 from moetune.plan.fit import analytic
 from moetune.plan.host import HostProfile, cpu_card, load_host
-from moetune.plan.offload import plan_offload
+from moetune.plan.offload.cpu_step import STREAM_EFFICIENCY
+from moetune.plan.offload.memory import plan_offload
 from moetune.plan.overhead import CPU_PROCESS_BASELINE
 from test_train_helpers import write_small_moe_config
 

@@ -14,7 +14,7 @@ from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
 from moetune.plan import make_plan
 from moetune.plan.fit import analytic
-from moetune.plan.profiles import (
+from moetune.plan.profiles.registry import (
     NEMOTRON_H,
     PROFILES,
     ActivationProfile,
@@ -22,7 +22,7 @@ from moetune.plan.profiles import (
     uncalibrated,
 )
 from moetune.plan.recommend import refuses_checkpointing
-from moetune.plan.tracecache import cached_trace
+from moetune.plan.trace.cache import cached_trace
 
 NEMOTRON_BEHIND = ["full_attention", "linear_attention", "moe", "mlp"]  # Mamba after attention
 NEMOTRON_WIDE = {"mamba_num_heads": 8, "chunk_size": 16}
@@ -202,7 +202,7 @@ def test_hybrid_terms_are_the_saved_bytes_read_off_the_trace() -> None:
     """Per-token bytes the trace's modules saved (saved_tensors_hooks, seq 128 and 256 to take
     the weights out; measured 2026-12-03): the hyper-connection and split-DeltaNet terms give
     them to the byte."""
-    from moetune.plan import terms_hybrid as hybrid
+    from moetune.plan.profiles import hybrid
 
     measured = [
         (hybrid.mhc, "glm5_next_text", {}, 4452 + 512),  # 4 streams, 20 Sinkhorn iterations
@@ -244,7 +244,7 @@ def test_a_failed_fallback_trace_keeps_the_analytic_and_says_why(
     monkeypatch: pytest.MonkeyPatch, no_mamba_term: None
 ) -> None:
     from moetune.errors import TraceError
-    from moetune.plan import tracecache
+    from moetune.plan.trace import cache as tracecache
 
     def fail(*_: object, **__: object) -> None:
         raise TraceError("the training-step trace failed at aten.nonzero", "check the config")
@@ -298,7 +298,7 @@ def test_an_indexer_family_with_more_than_dsa_keeps_the_trace() -> None:
 def test_hyper_connections_widen_what_each_layer_keeps_and_checkpoints() -> None:
     """hy_v4's residual is hc_mult streams: the DSA term alone sized its layers 57 % low; the
     streams' term grows with their number, and a checkpoint is streams × hidden wide."""
-    from moetune.plan.profiles import profile_for
+    from moetune.plan.profiles.registry import profile_for
 
     prof = profile_for("hy_v4")
     four, two = tiny("hy_v4"), tiny("hy_v4", hc_mult=2)
@@ -316,7 +316,8 @@ def test_a_fallback_to_the_trace_warns_before_it_starts_with_the_expected_time(
     """jamba's analytic once fell back to a 432 s trace without a word: the warning comes
     first (before the trace runs), names the kinds and the expected time, and the JSON
     holds the same."""
-    from moetune.plan import planner, tracecache
+    from moetune.plan import planner
+    from moetune.plan.trace import cache as tracecache
 
     monkeypatch.setenv("MOETUNE_CACHE_DIR", str(tmp_path))  # nothing cached: a real wait
     spec, run = tiny("nemotron_h"), cfg(64, True)
@@ -355,7 +356,7 @@ def test_the_default_warning_goes_to_stderr_and_a_calibrated_plan_says_nothing(
 def test_the_expected_trace_time_grows_with_the_tokens_a_python_scan_loops_over() -> None:
     """jamba's Mamba runs transformers' torch `slow_forward` (no mamba-ssm): a Python loop
     over the tokens, so its trace costs ops per token; an attention layer's do not grow."""
-    from moetune.plan.tracetime import expected_ops
+    from moetune.plan.trace.duration import expected_ops
 
     jamba, attention = tiny("jamba"), tiny("qwen3_moe")
     assert "mamba" in layer_kinds(jamba)
@@ -384,7 +385,7 @@ def test_an_mla_pair_in_a_module_list_is_named_and_identity_experts_keep_less() 
     """longcat_flash holds two MLA sublayers per layer in a ModuleList: once read as a
     "modulelist" mixer (traced); an identity expert's slot keeps its input and the weighted
     product (4·H), a real one's also the gate/up and down activations (6·H + 8·I)."""
-    from moetune.plan.terms_mla import zero_expert_routed
+    from moetune.plan.profiles.mla import zero_expert_routed
 
     few, many = tiny("longcat_flash", zero_expert_num=4), tiny("longcat_flash")
     assert layer_kinds(many) == ("mla",) * 4 and uncalibrated(many) == []
@@ -399,7 +400,7 @@ def test_gemma4_plans_by_layer_type_through_its_text_model() -> None:
     full layers: k = v, 2 kv heads of 512, repeated to every head by SDPA); the multimodal
     checkpoint plans its text model with the same terms; shared k/v layers stay traced."""
     from moetune.model import load_spec
-    from moetune.plan.profiles import layer_terms
+    from moetune.plan.profiles.registry import layer_terms
 
     released = load_spec("google/gemma-4-26B-A4B-it")
     assert uncalibrated(released) == []

@@ -19,7 +19,7 @@ from moetune.model.spec import ModelSpec
 from moetune.plan import make_plan
 from moetune.plan.fit import analytic
 from moetune.plan.hardware import get_card
-from moetune.plan.offload import (
+from moetune.plan.offload.memory import (
     CPU_PROCESS_BASELINE,
     CUDA_HOST_BASELINE,
     offload_plans,

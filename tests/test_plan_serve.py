@@ -12,9 +12,8 @@ from moetune.cli import app
 from moetune.errors import ConfigError, UnknownCardError
 from moetune.model import load_spec
 from moetune.model.spec import ModelSpec
-from moetune.plan.gguf import get_file_type, use_more_bits
 from moetune.plan.hardware import get_card
-from moetune.plan.serve import (
+from moetune.plan.serve.engines import (
     compute_buffer_bytes,
     gguf_tensor_bytes,
     inventory,
@@ -22,7 +21,8 @@ from moetune.plan.serve import (
     plan_llama_cpp,
     serve_plans,
 )
-from moetune.plan.serve_vllm import CUDA_GRAPHS, activation_bytes, plan_vllm
+from moetune.plan.serve.gguf import get_file_type, use_more_bits
+from moetune.plan.serve.vllm import CUDA_GRAPHS, activation_bytes, plan_vllm
 
 Q4_K, Q6_K, Q8_0 = 144 / 256, 210 / 256, 34 / 32  # bytes per weight (ggml block sizes)
 # Qwen3-30B-A3B's config.json, by hand

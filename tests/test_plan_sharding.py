@@ -13,8 +13,7 @@ from moetune.config import RunConfig, parse_config
 from moetune.errors import ConfigError, UnknownCardError
 from moetune.model import load_spec
 from moetune.model.spec import ModelSpec
-from moetune.plan.fit import analytic
-from moetune.plan.sharding import (
+from moetune.plan.devices.sharding import (
     SHARDED,
     STRATEGIES,
     fewest_gpus,
@@ -22,6 +21,7 @@ from moetune.plan.sharding import (
     plan_devices,
     run_sizes,
 )
+from moetune.plan.fit import analytic
 
 GiB = 1024**3
 LORA = {"lora": {"rank": 16, "targets": ["attention", "experts"]}, "train": {"seq_len": 2048}}
@@ -162,8 +162,8 @@ def test_cli_plan_gpus_json_and_errors() -> None:
 def test_device_report_says_what_the_analytic_leaves_out(monkeypatch: pytest.MonkeyPatch) -> None:
     from moetune.model import spec_from_config
     from moetune.model.tiny import tiny_config
-    from moetune.plan.profiles import PROFILES, ActivationProfile
-    from moetune.plan.sharding import device_report
+    from moetune.plan.devices.sharding import device_report
+    from moetune.plan.profiles.registry import PROFILES, ActivationProfile
 
     # jamba as it planned before its Mamba1 term: a real family whose kind has no term
     monkeypatch.setitem(PROFILES, "jamba", ActivationProfile(mixers={"mamba": None}))
@@ -180,8 +180,8 @@ def test_sharded_plans_name_the_host_ram_a_node_needs_at_load(
     """fsdp loads the base once per node (rank 0 reads it, the others get their shards),
     bf16, int8 and NF4 experts alike; zero3 too with bf16 experts (built under zero.Init),
     and whole on every rank with int8 / NF4 stacks (moetune's own loader)."""
-    from moetune.plan.host_ram import RUNTIME_HOST_BYTES
-    from moetune.plan.sharding import device_report, run_sizes
+    from moetune.plan.devices.host_ram import RUNTIME_HOST_BYTES
+    from moetune.plan.devices.sharding import device_report, run_sizes
     from moetune.units import human_bytes
 
     sizes = run_sizes(qwen235b, lora)
@@ -225,7 +225,7 @@ def test_several_nodes_plan_each_rank_of_all_and_host_ram_per_node(
 ) -> None:
     """2 nodes × 8 GPUs: each rank holds 1/16 (the plan of 16 ranks); host RAM is per node,
     for its own 8 ranks – the same as one node of 8, whatever the node count."""
-    from moetune.plan.sharding import device_report, node_host_ram, run_sizes
+    from moetune.plan.devices.sharding import device_report, node_host_ram, run_sizes
     from moetune.units import human_bytes
 
     two = device_report(qwen235b, lora, ["H200"], 8, "fsdp", nodes=2)

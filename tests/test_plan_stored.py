@@ -15,9 +15,9 @@ from moetune.engine.resolve import resolve_engine
 from moetune.model import load_spec, spec_from_config
 from moetune.model.spec import ModelSpec
 from moetune.plan import make_plan
+from moetune.plan.devices.sharding import run_sizes
 from moetune.plan.fit import analytic
-from moetune.plan.offload import plan_offload
-from moetune.plan.sharding import run_sizes
+from moetune.plan.offload.memory import plan_offload
 from moetune.plan.step import Step
 
 MXFP4 = {"quant_method": "mxfp4"}
@@ -118,7 +118,7 @@ def test_sharding_sizes_hold_the_stored_layer() -> None:
 
 
 def test_the_trace_counts_the_stored_stacks() -> None:
-    from moetune.plan.tracecache import run_trace, trace_key
+    from moetune.plan.trace.cache import run_trace, trace_key
 
     spec, cfg = small(MXFP4), run()
     trace = run_trace(spec, cfg)
@@ -133,7 +133,7 @@ def test_the_trace_counts_stored_linears_too() -> None:
     """FP8 (32x32 blocks, dividing every Linear here): the attention Linears are StoredLinears
     in the trace too; analytic and trace agree (the q/k norms, counted with the attention,
     stay float in both the checkpoint and the trace: a few bytes)."""
-    from moetune.plan.tracecache import run_trace
+    from moetune.plan.trace.cache import run_trace
 
     spec, cfg = small({**FP8, "weight_block_size": [32, 32]}), run()
     frozen = analytic(spec, cfg).components["frozen_weights"]

@@ -12,7 +12,7 @@ import torch
 from moetune.model import spec_from_config
 from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
-from moetune.plan.terms_ssm import mamba1_scan, mamba2_chunked
+from moetune.plan.profiles.ssm import mamba1_scan, mamba2_chunked
 
 
 def _saved_bytes(mixer: torch.nn.Module, hidden: int, seq: int) -> int:
@@ -77,7 +77,7 @@ def test_mamba1_term_is_the_recurrent_scans_saved_bytes_per_token(over: dict[str
 def test_mamba2_term_is_the_chunked_scans_saved_bytes_per_token(
     over: dict[str, Any], rel: float
 ) -> None:
-    """Fitted on six shapes (see plan.terms_ssm) to the saved tensors' slope over tokens."""
+    """Fitted on six shapes (see plan.profiles.ssm) to the saved tensors' slope over tokens."""
     mixer, spec = _mixer("nemotron_h", over)
     chunk = spec.hf_config["chunk_size"]
     measured = _slope(mixer, spec.hidden_size, (4 * chunk, 8 * chunk))

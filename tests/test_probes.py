@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from moetune.lint.rules import RULES, ProbeUnavailable, versions_of
+from moetune.lint.registry import RULES, ProbeUnavailable, versions_of
 
 
 @pytest.mark.parametrize("rule_id", sorted(RULES))

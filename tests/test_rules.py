@@ -11,7 +11,7 @@ import pytest
 
 from moetune.config import RunConfig
 from moetune.lane.providers import site_of
-from moetune.lint.rules import (
+from moetune.lint.registry import (
     RULES,
     Finding,
     Hit,

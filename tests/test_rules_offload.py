@@ -13,7 +13,7 @@ from moetune.config import RunConfig
 from moetune.lint import RULES, LintContext
 from moetune.model import load_spec
 from moetune.model.spec import ModelSpec
-from moetune.plan.offload import plan_offload
+from moetune.plan.offload.memory import plan_offload
 
 QWEN235 = "Qwen/Qwen3-235B-A22B"
 

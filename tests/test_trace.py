@@ -14,8 +14,8 @@ from peft import LoraConfig
 from transformers import Qwen3MoeConfig
 
 from moetune.errors import ConfigError
-from moetune.plan.trace import TraceResult, trace_step
-from moetune.plan.tracker import CATEGORIES, ByteTracker
+from moetune.plan.trace.bytes import CATEGORIES, ByteTracker
+from moetune.plan.trace.fake_step import TraceResult, trace_step
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from moetune.train.adapter_live import LiveCheck
 from moetune.train.errors import TrainError
+from moetune.train.grpo.adapter_live import LiveCheck
 from test_train_helpers import save_tiny_model
 
 PROMPT = torch.tensor([[15, 4, 22, 23, 40], [15, 4, 5, 6, 40]])

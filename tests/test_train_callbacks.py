@@ -14,9 +14,9 @@ from rich.console import Console
 from moetune.config import dump_config, parse_config
 from moetune.io import atomic_write_text
 from moetune.train.callbacks import MetricsCallback, RichProgress, human_bytes, rate_text
-from moetune.train.checkpoint import JsonlLog, config_diff, replace_dir
 from moetune.train.errors import TrainError
 from moetune.train.offload import StoreMeter
+from moetune.train.rundir.checkpoint import JsonlLog, config_diff, replace_dir
 
 ARGS = SimpleNamespace(should_save=True)
 
@@ -91,7 +91,7 @@ def test_slow_steps_show_decimals_and_seconds_per_step():
 
 
 def _stats(mode: str = "disk") -> SimpleNamespace:
-    """The store counters the meter reads (engine/offload.py's OffloadStats)."""
+    """The store counters the meter reads (engine/offload/store.py's OffloadStats)."""
     phases = {"forward": 0, "backward": 0}
     return SimpleNamespace(mode=mode, bytes_read=dict(phases), bytes_moved=dict(phases),
                            load_s=0.0, wait_s=0.0)  # fmt: skip

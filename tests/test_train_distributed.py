@@ -1,4 +1,4 @@
-"""`moetune train RUN --nproc N` (moetune.train.distributed): accelerate's own launcher, a
+"""`moetune train RUN --nproc N` (moetune.train.launch): accelerate's own launcher, a
 config file accelerate's own parser reads, strategies refused where accelerate cannot run
 them, and – slow – 2 gloo processes on CPU that end with the adapter of 1 process at the
 same global batch, one ledger row, and a resume after kill -9 of the launcher."""
@@ -27,9 +27,9 @@ from moetune.config import dump_config
 from moetune.ledger import Ledger
 from moetune.lint.preflight import lint_run
 from moetune.train import TrainError
-from moetune.train import distributed as D
-from moetune.train.checkpoint import inspect_run
-from moetune.train.lock import hold
+from moetune.train import launch as D
+from moetune.train.rundir.checkpoint import inspect_run
+from moetune.train.rundir.lock import hold
 from moetune.train.setup import device_args
 from test_train_helpers import (
     tiny_cfg,
@@ -131,7 +131,7 @@ def test_a_zero3_rank_on_a_cuda_less_host_asks_accelerate_for_gloo(monkeypatch):
 _SWITCH = """
 from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
-from moetune.train.distributed import fsdp_on_cpu
+from moetune.train.launch import fsdp_on_cpu
 fsdp_on_cpu()
 acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
 print(acc.state.distributed_type.value, acc.is_fsdp2, acc.state.backend)
@@ -181,7 +181,7 @@ def test_more_cpu_ranks_than_cores_are_refused_before_any_process_starts(tiny, t
 
 
 def test_ranks_needing_more_host_ram_than_is_free_are_refused(tiny, tmp_path, monkeypatch):
-    from moetune.train import nodes
+    from moetune.train.distributed import nodes
 
     cfg = _cfg(tiny, tmp_path / "never", nproc=2)
     need = nodes.node_ram_bytes(cfg)  # the plan's: 2 × (runtime + the tiny base)
@@ -591,7 +591,7 @@ def test_a_run_saved_before_nproc_existed_still_resumes(tiny, tmp_path):
     """config.yaml written by a moetune without train.nproc/strategy: same run at defaults."""
     import yaml
 
-    from moetune.train.checkpoint import config_diff
+    from moetune.train.rundir.checkpoint import config_diff
 
     cfg = _cfg(tiny, tmp_path / "r")
     old = yaml.safe_load(dump_config(cfg))

@@ -12,7 +12,7 @@ import torch
 
 from moetune.train import train
 from moetune.train.errors import DataError
-from moetune.train.grpo_sft import SftTerm, completion_problem, sft_batch, with_sft_term
+from moetune.train.grpo.sft import SftTerm, completion_problem, sft_batch, with_sft_term
 from test_train_helpers import (
     GEN_TEMPLATE,
     run_config,

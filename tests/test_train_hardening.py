@@ -22,7 +22,7 @@ from moetune.cli import app
 from moetune.config import dump_config
 from moetune.ledger import Ledger, LedgerError
 from moetune.train import TrainError, train
-from moetune.train.lock import hold, lock_path, read_holder
+from moetune.train.rundir.lock import hold, lock_path, read_holder
 from test_train_helpers import (
     one_thread,
     reverse_rows,
@@ -76,7 +76,7 @@ def _spawn(script: str, *args: str, log: Path) -> subprocess.Popen:
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from moetune.train.lock import hold
+from moetune.train.rundir.lock import hold
 with hold(Path(sys.argv[1])):
     Path(sys.argv[2]).touch()
     time.sleep(120)
@@ -251,8 +251,8 @@ def test_resume_falls_back_from_a_truncated_checkpoint_and_keeps_it(files, tmp_p
 
 
 def test_truncated_optimizer_state_is_found_too(files, tmp_path):
-    from moetune.train.checkpoint import RunDir
-    from moetune.train.recovery import resume_point_of
+    from moetune.train.rundir.checkpoint import RunDir
+    from moetune.train.rundir.recovery import resume_point_of
 
     out = tmp_path / "run"
     with one_thread():
@@ -298,7 +298,7 @@ def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint
 
 
 def test_full_disk_is_recognised_however_the_writer_reports_it():
-    from moetune.train.recovery import is_disk_full
+    from moetune.train.rundir.recovery import is_disk_full
 
     assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
     assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))

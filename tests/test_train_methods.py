@@ -15,8 +15,8 @@ import torch
 
 from moetune.train import TrainError, train
 from moetune.train.errors import DataError
+from moetune.train.grpo.shift import ShiftRecorder
 from moetune.train.methods import reference_of
-from moetune.train.routing_shift import ShiftRecorder
 from test_train_helpers import WORDS, run_config, save_tiny_model, train_capturing, write_jsonl
 
 

@@ -112,7 +112,7 @@ def test_what_mlx_lm_cannot_train_is_refused_before_a_file_is_written(
     tmp_path: Path, over: dict[str, object], named: str
 ) -> None:
     from moetune.train.errors import TrainError
-    from moetune.train.mlx_stack import train_mlx
+    from moetune.train.mlx.stack import train_mlx
 
     with pytest.raises(TrainError, match=named):
         train_mlx(_config(tmp_path, **over), False, False, (False, False), False)
@@ -137,7 +137,7 @@ def test_prompt_completion_rows_tokenize_as_trl_does(mlx_run) -> None:
 
 def test_stacks_pick_their_trainer() -> None:
     from moetune.train import trainer
-    from moetune.train.mlx_stack import train_mlx
+    from moetune.train.mlx.stack import train_mlx
     from moetune.train.stacks import stack_trainer
 
     assert stack_trainer("peft", trainer._train) is trainer._train

@@ -1,4 +1,4 @@
-"""Several nodes (moetune.train.nodes): accelerate's multi-node launch from `--nnodes
+"""Several nodes (moetune.train.distributed.nodes): accelerate's multi-node launch from `--nnodes
 --node-rank --master-addr --master-port`, refusals before anything is written, and two
 launchers on 127.0.0.1 ("2 nodes × 1 CPU rank", gloo) that train the adapter of one
 process – and, when node 1's launcher is killed, end node 0 with a ledgered failure."""
@@ -21,9 +21,9 @@ from moetune.cli import app
 from moetune.config import dump_config
 from moetune.ledger import Ledger
 from moetune.train import TrainError
-from moetune.train import distributed as D
-from moetune.train import nodes as N
-from moetune.train.checkpoint import config_diff
+from moetune.train import launch as D
+from moetune.train.distributed import nodes as N
+from moetune.train.rundir.checkpoint import config_diff
 from test_train_helpers import (
     tiny_cfg,
     tiny_run,

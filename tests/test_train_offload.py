@@ -1,5 +1,5 @@
 """train.offload cpu | disk: frozen expert stacks kept in host RAM or in the base's safetensors
-files and streamed a layer at a time (engine/offload.py).
+files and streamed a layer at a time (engine/offload/store.py).
 
 A run with offload must train exactly the adapter the same run trains without it (fp32,
 relative norm), reach every target and leave the router frozen; at its peak no more than two
@@ -149,7 +149,7 @@ def test_the_run_reports_the_plan_of_its_offload(
     from moetune.cli.common import console
     from moetune.model import load_spec
     from moetune.plan import make_plan
-    from moetune.plan.offload import plan_offload
+    from moetune.plan.offload.memory import plan_offload
     from moetune.report import build_report
     from moetune.units import human_bytes
 
@@ -221,7 +221,7 @@ def test_disk_offload_needs_safetensors_files(tmp_path: Path) -> None:
 
 def test_the_counter_sees_weights_kept_alive(tiny: tuple[Path, Path]) -> None:
     """The resident count follows the tensors themselves, not the store's bookkeeping."""
-    from moetune.engine.offload_load import load_offloaded
+    from moetune.engine.offload.load import load_offloaded
 
     _, store, _ = load_offloaded(tiny[0], "disk", "cpu", torch.float32)
     kept = store.fetch(0, "down_proj")  # held past its layer, as a leak would
@@ -240,7 +240,7 @@ def test_the_store_clocks_its_loads_and_the_waits(tiny: tuple[Path, Path]) -> No
     them – with no compute between fetches, every load but the first prefetch is waited on."""
     import time
 
-    from moetune.engine.offload_load import load_offloaded
+    from moetune.engine.offload.load import load_offloaded
 
     _, store, _ = load_offloaded(tiny[0], "disk", "cpu", torch.float32)
     read = store.reader.read

@@ -1,4 +1,4 @@
-"""The plan a run reports is the plan of the configuration that ran (train/planned.py):
+"""The plan a run reports is the plan of the configuration that ran (plan/run_plan.py):
 with train.nproc one rank's share, with train.offload the offload plan (its experts counted
 as the run stores them), else the preflight's one-device memory plan – built by `prepare`
 from the exact RunConfig, and written to preflight.json before anything trains."""
@@ -33,7 +33,7 @@ def _config(tiny: tuple[Path, Path], out: Path, experts_dtype: str = "bf16", **o
 
 def _prepared(cfg: RunConfig) -> Any:
     """The Setup of `cfg`, as `train` settles it before loading the model."""
-    from moetune.train.checkpoint import inspect_run
+    from moetune.train.rundir.checkpoint import inspect_run
     from moetune.train.setup import prepare
 
     return prepare(cfg, inspect_run(cfg, False), False, True)
@@ -45,7 +45,7 @@ def _as_run(cfg: RunConfig) -> RunConfig:
 
 
 def test_nproc_plans_one_ranks_share(tiny: tuple[Path, Path], tmp_path: Path) -> None:
-    from moetune.plan.sharding import per_rank_bytes
+    from moetune.plan.devices.sharding import per_rank_bytes
 
     cfg = _config(tiny, tmp_path / "run", nproc=2, strategy="fsdp")
     setup = _prepared(cfg)
@@ -60,7 +60,7 @@ def test_nproc_plans_one_ranks_share(tiny: tuple[Path, Path], tmp_path: Path) ->
 def test_offload_with_int8_experts_plans_their_quantised_bytes(
     tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:  # fmt: skip
-    from moetune.plan.offload import plan_offload
+    from moetune.plan.offload.memory import plan_offload
 
     cfg = _config(tiny, tmp_path / "int8", "int8", offload="cpu")
     setup = _prepared(cfg)
@@ -86,8 +86,8 @@ def test_offload_on_a_card_compares_its_live_tensors(tiny: tuple[Path, Path]) ->
     """On CUDA the measured figure is max_memory_allocated: the device's live tensors, so
     the card's overhead is left out of the compared figure and kept as the requirement."""
     from moetune.model import load_spec
-    from moetune.plan.offload import plan_offload
-    from moetune.train.planned import plan_of_run
+    from moetune.plan.offload.memory import plan_offload
+    from moetune.plan.run_plan import plan_of_run
 
     cfg = _config(tiny, tiny[0].parent / "unused", offload="disk")
     cfg.hardware.card, cfg.train.device = "H100-80GB", "auto"

@@ -13,8 +13,8 @@ import torch
 from moetune.model import load_spec
 from moetune.model.tiny import tiny_config
 from moetune.train.errors import TrainError
-from moetune.train.replay import GATES, gate_of, replayed
-from moetune.train.routing_shift import ShiftRecorder
+from moetune.train.grpo.replay import GATES, gate_of, replayed
+from moetune.train.grpo.shift import ShiftRecorder
 from test_train_helpers import save_tiny_model
 
 FAMILIES = ["qwen2_moe-shared-dense0", "qwen3_moe-dense0", "olmoe", "mixtral",

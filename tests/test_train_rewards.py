@@ -12,7 +12,7 @@ from moetune.config import GrpoArgs, RewardArgs, parse_config
 from moetune.data import read_checked
 from moetune.errors import ConfigError
 from moetune.train.errors import DataError
-from moetune.train.rewards import RewardError, build_reward, build_rewards
+from moetune.train.grpo.rewards import RewardError, build_reward, build_rewards
 
 
 def _reward(**kw):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moetune.model import load_spec
-from moetune.train.routing import (
+from moetune.train.routing.recorder import (
     LayerLoad,
     RoutingCallback,
     RoutingRecorder,

@@ -14,8 +14,8 @@ import torch
 from moetune.config import dump_config
 from moetune.train import TrainError, TrainResult, train
 from moetune.train import trainer as trainer_mod
-from moetune.train.checkpoint import inspect_run
 from moetune.train.errors import DataError
+from moetune.train.rundir.checkpoint import inspect_run
 from test_train_helpers import (
     GEN_TEMPLATE,
     one_thread,
@@ -277,7 +277,7 @@ def test_preflight_error_stops_the_run_before_writing(files, tmp_path):
 def test_allow_errors_trains_and_records_the_override(files, tmp_path, monkeypatch):
     import moetune.lint.preflight
     import moetune.train.setup
-    from moetune.lint.rules import Finding
+    from moetune.lint.registry import Finding
 
     real = moetune.lint.preflight.lint_run
 

@@ -1,4 +1,5 @@
-"""train/sharded_load.py in one process: the meta build of a non-main rank, its LoRA given
+"""train/distributed/sharded_load.py in one process: the meta build of a non-main rank, its LoRA
+given
 distinct storage, rank 0's draining state dict, the byte tracker that measures the load –
 and benchmarks/sharded_load.py's RSS sampler on a real child process; int8 / NF4 experts
 loaded once over 2 gloo ranks (accelerate's FSDP2 prepare). The 2-process training run itself
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetune.train import sharded_load as S
+from moetune.train.distributed import sharded_load as S
 from test_train_helpers import save_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -165,10 +166,10 @@ from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 from moetune.config import parse_config
-from moetune.engine.quant import shardable_
-from moetune.engine.quant_load import load_quantized
+from moetune.engine.quant.stacks import shardable_
+from moetune.engine.quant.load import load_quantized
 from moetune.train import sharded_load as S
-from moetune.train.distributed import fsdp_on_cpu
+from moetune.train.launch import fsdp_on_cpu
 from moetune.train.model import load_quantized_model
 
 model_dir, out = sys.argv[1], sys.argv[2]
@@ -204,7 +205,7 @@ def test_int8_and_nf4_experts_load_once_and_shard_as_a_whole_build(model_dir, tm
     """Rank 0 reads and quantises, rank 1 holds nothing of the base before prepare(); after
     it each rank holds half of every quantised stack's tensors (experts split by dim 0: FSDP2
     shards Parameters only), and gathered they equal a whole quantised build, byte for byte."""
-    from moetune.train.distributed import free_port
+    from moetune.train.launch import free_port
 
     env = {**os.environ, "PYTHONPATH": str(Path(S.__file__).parents[2]), "OMP_NUM_THREADS": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moetune.engine.quant import QuantError, stacks_of
-from moetune.engine.stored_load import dequantize_stacks_, load_stored
-from moetune.engine.stored_write import write_stored
+from moetune.engine.quant.stacks import QuantError, stacks_of
+from moetune.engine.stored.load import dequantize_stacks_, load_stored
+from moetune.engine.stored.write import write_stored
 from test_engine_experts_lora import _Largest
 from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
 
@@ -179,7 +179,7 @@ def test_dequantize_mode_trains_the_float_copy(bases: dict[str, Path], tmp_path:
 
 
 def test_stored_scale_check_names_the_tensor() -> None:
-    from moetune.engine.stored import BlockFP8
+    from moetune.engine.stored.formats import BlockFP8
 
     bufs = BlockFP8.quantize(torch.randn(1, 16, 16), block=(8, 8))
     bufs["scale_inv"][0, 1, 1] = 0
@@ -213,9 +213,9 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _bytes_read_per_step(model_dir: Path) -> int:
     """Disk offload: bytes the store reads from the files for one forward + backward."""
     from moetune.engine import IMPLEMENTATION, register
-    from moetune.engine.offload import store_of
-    from moetune.engine.offload_load import load_offloaded
-    from moetune.engine.stored_load import checkpoint_format
+    from moetune.engine.offload.load import load_offloaded
+    from moetune.engine.offload.store import store_of
+    from moetune.engine.stored.load import checkpoint_format
 
     stored = checkpoint_format(model_dir) is not None
     model, _, _ = load_offloaded(model_dir, "disk", "cpu", torch.float32, stored=stored)

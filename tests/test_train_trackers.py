@@ -20,7 +20,7 @@ from moetune.cli.options import choices, option_overrides
 from moetune.config import parse_config
 from moetune.train import TrainError, train
 from moetune.train import trackers as trackers_mod
-from moetune.train.routing import LayerLoad
+from moetune.train.routing.recorder import LayerLoad
 from moetune.train.trackers import (
     TRACKERS,
     TrackerCallback,
@@ -304,7 +304,7 @@ def test_feed_logs_a_step_once_and_keeps_the_steps_own_loss_row_due():
 
 
 def test_mlx_stack_refuses_report_to():
-    from moetune.train.mlx_stack import refuse_unsupported
+    from moetune.train.mlx.stack import refuse_unsupported
 
     cfg = parse_config({"lora": {"stack": "mlx"}, "output": {"report_to": ["tensorboard"]}})
     with pytest.raises(TrainError, match="report_to"):

@@ -1,4 +1,5 @@
-"""train/zero3_load.py on CPU, without DeepSpeed: what a ZeRO-3 forward gathers, and when
+"""train/distributed/zero3_load.py on CPU, without DeepSpeed: what a ZeRO-3 forward gathers, and
+when
 (the 2-rank runs under DeepSpeed are in tests/test_train_distributed.py, `-m deepspeed`)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from moetune.train import zero3_load
+from moetune.train.distributed import zero3_load
 
 
 def _tiny() -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""Sizing for the four infrastructure walls (moetune.plan.walls)."""
+"""Sizing for the four infrastructure walls (moetune.plan.cost.walls)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from moetune.lane.providers import site_of
-from moetune.plan import walls
+from moetune.plan.cost import walls
 
 RUNPOD_VOLUME_GB = 40  # what a RunPod pod gets without volumeInGb (the provider's trait)
 

@@ -20,8 +20,8 @@ from moetune.model import ModelSpec, spec_from_config, to_hf_config
 from moetune.model.census import moe_model_types, shrunk_config
 from moetune.model.derive import build_language_model
 from moetune.plan import make_plan
-from moetune.plan.profiles import uncalibrated
-from moetune.plan.trace import trace_step
+from moetune.plan.profiles.registry import uncalibrated
+from moetune.plan.trace.fake_step import trace_step
 from moetune.recipe.targets import build_peft_config, make_recipe
 
 TIERS = ("count", "recipe", "plan", "trace", "train")

@@ -1,6 +1,6 @@
 """GM-1's statistics: t-intervals over seeds, gaps, and routing health from router logits.
 
-Routing health reuses the training stage's `LayerLoad` (train/routing.py): the routing
+Routing health reuses the training stage's `LayerLoad` (train/routing/recorder.py): the routing
 decision of a token is the top-k of its router logits, and each layer's load gives the
 normalised entropy H/ln E, the max load share, the dead experts (no token over the whole
 held-out set) and the collapse flag (one expert the first choice of > 50 % of tokens).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetune.train.routing import LayerLoad, layer_load
+from moetune.train.routing.recorder import LayerLoad, layer_load
 
 # two-sided 95 % Student-t quantiles t(0.975, df) for df = 1..30
 _T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004,

@@ -99,7 +99,7 @@ def plan(
     # lazy: the stage loads only when its command runs
     from moetune.lane.providers import site_of
     from moetune.lint.preflight import lint_context, resolve_run
-    from moetune.lint.rules import lint
+    from moetune.lint.registry import lint
     from moetune.model import load_spec
     from moetune.plan import make_plan
 
@@ -144,7 +144,7 @@ def _offloads(spec: Any, cfg: Any, cards: list[str] | None) -> dict[str, Any]:
     if cfg.train.offload == "none":
         return {}
     # lazy: the stage loads only when its command runs
-    from moetune.plan.offload import offload_plans
+    from moetune.plan.offload.memory import offload_plans
 
     return offload_plans(spec, cfg, cards)
 
@@ -158,7 +158,7 @@ def _devices(
     if gpus is None and strategy is None and nodes is None:
         return None
     # lazy: the stage loads only when its command runs
-    from moetune.plan.sharding import device_report
+    from moetune.plan.devices.sharding import device_report
 
     per_node = 1 if gpus is None else gpus
     count = cfg.train.nnodes if nodes is None else nodes
@@ -268,7 +268,7 @@ def train_cmd(
     with contextlib.redirect_stdout(sys.stderr):
         # lazy: the stage loads only when its command runs
         from moetune.train import train
-        from moetune.train.distributed import launch_or_train, quiet_rank
+        from moetune.train.launch import launch_or_train, quiet_rank
 
         result = launch_or_train(cfg, config, sets, flags, train)
     if quiet_rank():  # a rank of a launch: the launcher or the main process reports
@@ -278,7 +278,7 @@ def train_cmd(
 
 def _report_train(result: Any, as_json: bool) -> None:
     # lazy: the stage loads only when its command runs
-    from moetune.train.nodes import NodeDone
+    from moetune.train.distributed.nodes import NodeDone
 
     if as_json:
         emit_json(result.to_json())

@@ -244,7 +244,7 @@ def workflow_github(
     # lazy: the stage loads only when its command runs
     from moetune.lane.launch import launch_plan
     from moetune.lane.workflows import github_workflow
-    from moetune.plan.walls import DEFAULT_WATCHDOG_S
+    from moetune.plan.cost.walls import DEFAULT_WATCHDOG_S
 
     if out:
         _refuse_workflow_out(out)

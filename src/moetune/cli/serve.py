@@ -41,7 +41,7 @@ def serve_plan(
     # lazy: the stage loads only when its command runs
     from moetune.model import load_spec
     from moetune.plan import card_ids
-    from moetune.plan.serve import get_engine, serve_plans
+    from moetune.plan.serve.engines import get_engine, serve_plans
 
     get_engine(engine)  # a bad engine is reported before the model is read
     if model.lower().endswith(".gguf"):

@@ -8,9 +8,7 @@ parameters, so adapters stay in the peft format. `select`: ESFT-style expert sel
 registered here: the registry module imports none of its plug-ins).
 """
 
-from moetune.engine import dbrx as _dbrx  # noqa: F401  (registers its override)
-from moetune.engine import quant_int as _quant_int  # noqa: F401  (registers int8 / NF4)
-from moetune.engine import stored as _stored  # noqa: F401  (registers the published formats)
+from moetune.engine import forwards_dbrx as _dbrx  # noqa: F401  (registers its override)
 from moetune.engine.experts_lora import (
     IMPLEMENTATION,
     EngineError,
@@ -23,6 +21,8 @@ from moetune.engine.experts_lora import (
     split_lora_experts_forward,
     train_only,
 )
+from moetune.engine.quant import int8_nf4 as _quant_int  # noqa: F401  (registers int8 / NF4)
+from moetune.engine.stored import formats as _stored  # noqa: F401  (registers the published formats)
 
 __all__ = [
     "IMPLEMENTATION",

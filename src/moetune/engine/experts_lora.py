@@ -8,7 +8,7 @@ base weight and, separately, through that expert's rank-r factors:
     y_e = x_e·W_eᵀ + s·(dropout(x_e)·A_eᵀ)·B_eᵀ
 
 so nothing the size of an expert stack is allocated, and only A and B get gradients.
-On quantised experts (engine/quant.py) W_e is dequantised one expert at a time, in
+On quantised experts (engine/quant/stacks.py) W_e is dequantised one expert at a time, in
 forward and again in backward, so no float stack exists at all.
 
 The factors stay where peft keeps them (the wrappers' `lora_A` / `lora_B`), so
@@ -23,7 +23,7 @@ The factors stay where peft keeps them (the wrappers' `lora_A` / `lora_B`), so
   peft's adapter switching, `disable_adapter()` and merging keep working;
 * each wrapper becomes a `SplitParamWrapper`, whose forward no longer parametrizes the
   weight (the experts forward applies the factors instead);
-* `train_only` limits the LoRA compute to some experts (expert selection, train/select.py).
+* `train_only` limits the LoRA compute to some experts (expert selection, train/routing/select.py).
 
 peft's layout (0.21, `ParamWrapper.get_delta_factors`), E experts, rank r per expert:
 `lora_A.weight` is [r·E, in] = (E, r, in), expert-major, but `lora_B.weight` is
@@ -45,8 +45,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from transformers.integrations.moe import ExpertsInterface
 
-from moetune.engine.offload import StackRef, offloaded_of
-from moetune.engine.quant import QuantizedStack, stacks_of
+from moetune.engine.offload.store import StackRef, offloaded_of
+from moetune.engine.quant.stacks import QuantizedStack, stacks_of
 from moetune.errors import MoetuneError
 
 IMPLEMENTATION = "moetune_lora"
@@ -162,7 +162,7 @@ def _project(experts: Any, name: str, x: torch.Tensor, route: Routing) -> torch.
     """Base projection of each row by its own expert, plus each active adapter's update."""
     quantized = stacks_of(experts).get(name)
     streamed = offloaded_of(experts).get(name)
-    if streamed is not None:  # offloaded (engine/offload.py): fetched, never saved
+    if streamed is not None:  # offloaded (engine/offload/store.py): fetched, never saved
         x = x.to(streamed.dtype)
         out: torch.Tensor = _StreamedGroupedLinear.apply(x, streamed, route.offsets)
     elif quantized is not None:  # never read the attribute: it would dequantise the stack
@@ -190,7 +190,7 @@ def _add_kept_lora(
     out: torch.Tensor, x: torch.Tensor, factors: _Factors, route: Routing, keep: torch.Tensor
 ) -> None:
     """The LoRA update of the rows routed to the experts `keep` marks; the others get none
-    (exact while their ΔW is zero, which train/select.py asserts and keeps so)."""
+    (exact while their ΔW is zero, which train/routing/select.py asserts and keeps so)."""
     keep = keep.to(x.device)
     rows = keep[route.ids].nonzero().squeeze(1)  # still grouped by expert: ids are sorted
     counts = torch.diff(route.offsets, prepend=route.offsets.new_zeros(1))
@@ -404,7 +404,7 @@ def _switch(wrapper: ParamWrapper, dropout: float) -> bool:
 def train_only(experts: nn.Module, keep: torch.Tensor | None) -> None:
     """Run only the LoRA of the experts `keep` ([E] bool) marks on the split path; None: all.
 
-    For expert selection (train/select.py), whose gradient masks keep the other experts'
+    For expert selection (train/routing/select.py), whose gradient masks keep the other experts'
     ΔW exactly zero, so skipping their update changes nothing but the work done.
     """
     if keep is None or bool(keep.all()):

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from moetune.config import LoraArgs
-from moetune.engine.quant import QuantError
-from moetune.engine.stored import StoredFormat, stored_format
+from moetune.engine.quant.stacks import QuantError
+from moetune.engine.stored.formats import StoredFormat, stored_format
 from moetune.errors import RecipeError
 from moetune.model.build import build_model
 from moetune.model.spec import ModelSpec

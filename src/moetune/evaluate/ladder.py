@@ -42,7 +42,7 @@ from moetune.ledger import attempt
 from moetune.model import load_spec
 from moetune.model.finite import require_finite_adapter
 from moetune.model.weight_files import check_weight_files
-from moetune.train.checkpoint import ledger_fields
+from moetune.train.rundir.checkpoint import ledger_fields
 
 
 @dataclass
@@ -218,7 +218,7 @@ def score_ladder(
     # lazy: heavy to import (peft, moetune.engine)
     from peft import PeftModel
 
-    from moetune.engine.overrides import apply_overrides
+    from moetune.engine.forwards import apply_overrides
 
     started = time.perf_counter()
     ladder = load_ladder(cfg, limit)  # every item checked before any model loads

@@ -1,7 +1,7 @@
 """peft adapters for mlx-lm, fused mlx-lm models back to transformers, served == trained.
 
 - `peft_to_mlx`: a peft adapter as an mlx-lm adapter dir (adapters.safetensors +
-  adapter_config.json, LoRASwitchLinear layout; layouts in moetune.train.mlx_format).
+  adapter_config.json, LoRASwitchLinear layout; layouts in moetune.train.mlx.format).
 - `mlx_to_peft`, `hf_to_mlx` (re-exported): an mlx-lm adapter as a peft adapter; a
   transformers base as an mlx-lm model dir (the mlx stack uses both, so they live in train/).
 - `fused_to_hf`: an `mlx_lm.fuse` output (stacked `switch_mlp.*` experts, which transformers
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from moetune.export.registry import Exporter, ExportResult, register
 from moetune.model import ModelSpec, load_spec, spec_from_config
 from moetune.model.derive import causal_lm_class
-from moetune.train.mlx_base import SIDE_FILES, hf_to_mlx, mlx_dtype
-from moetune.train.mlx_format import (
+from moetune.train.mlx.base import SIDE_FILES, hf_to_mlx, mlx_dtype
+from moetune.train.mlx.format import (
     MLX_CONFIG,
     MLX_KEY,
     MLX_WEIGHTS,

@@ -36,7 +36,7 @@ from moetune.export.source import require_buildable, require_weights, require_wh
 from moetune.io import atomic_write_json
 from moetune.ledger import DEFAULT_PATH, attempt
 from moetune.model.finite import require_finite_adapter
-from moetune.train.checkpoint import ledger_fields
+from moetune.train.rundir.checkpoint import ledger_fields
 
 
 def ledger_of(source: Source) -> tuple[Path, dict[str, Any]]:

@@ -17,7 +17,7 @@ from moetune.model.remote import prepare as prepare_remote
 from moetune.model.sources import resolve_config
 from moetune.model.weight_files import check_weight_files
 from moetune.train.errors import DataError
-from moetune.train.recovery import checkpoint_problem
+from moetune.train.rundir.recovery import checkpoint_problem
 
 
 def resolve_source(path: Path, base: str | None = None, trust_remote_code: bool = False) -> Source:

@@ -1,6 +1,7 @@
-"""Exports over a base published quantised (block FP8, MXFP4, NVFP4, INT4: engine/stored.py).
+"""Exports over a base published quantised (block FP8, MXFP4, NVFP4, INT4:
+engine/stored/formats.py).
 
-The base is read by moetune itself (`engine.stored_load`) – never by transformers'
+The base is read by moetune itself (`engine.stored.load`) – never by transformers'
 `from_pretrained`, which dequantises FP8 silently on a CPU and refuses to train MXFP4 – and
 every expert stack is dequantised in place, so the merge adds ΔW to exactly the weights the
 adapter was trained over. `--format merged` writes those floats (bf16 unless --dtype says
@@ -24,8 +25,8 @@ from typing import Any, cast
 
 import torch
 
-from moetune.engine.quant import QuantizedStack, stacks_of
-from moetune.engine.stored import StoredFormat
+from moetune.engine.quant.stacks import QuantizedStack, stacks_of
+from moetune.engine.stored.formats import StoredFormat
 from moetune.export.registry import ExportError, ExportOptions, Source
 
 SURVIVAL_FLOOR = 0.5  # below it a re-quantised merge serves less than half the LoRA effect
@@ -38,8 +39,8 @@ class SurvivalTooLow(ExportError):
 
 def stored_of(base: str) -> Stored | None:
     """The stored format of a local base dir's config.json (None: a float or hub base)."""
-    # lazy: heavy to import (engine.stored_load: transformers)
-    from moetune.engine.stored_load import checkpoint_format
+    # lazy: heavy to import (engine.stored.load: transformers)
+    from moetune.engine.stored.load import checkpoint_format
 
     return checkpoint_format(base)  # None where no config.json can be read
 
@@ -47,8 +48,8 @@ def stored_of(base: str) -> Stored | None:
 def load_dequantized(base: str, dtype: torch.dtype) -> tuple[Any, dict[str, QuantizedStack], bool]:
     """The stored base with every expert stack a float Parameter of `dtype`; the stacks as they
     were stored (by parameter name) and whether other Linears were quantised too."""
-    # lazy: heavy to import (engine.stored_load: transformers)
-    from moetune.engine.stored_load import dequantize_stacks_, load_stored
+    # lazy: heavy to import (engine.stored.load: transformers)
+    from moetune.engine.stored.load import dequantize_stacks_, load_stored
 
     model, report = load_stored(base, "cpu", dtype)
     stacks = {f"{path}.{name}": stack for path, module in model.named_modules()
@@ -112,8 +113,8 @@ def export_requantized(
     """Merge (`merge_into`, merged.py's) in float32, measure survival (refused below the
     floor), write `out` in the base's stored format with the other tensors in `dtype`;
     (merge counts, survival figures)."""
-    # lazy: heavy to import (engine.stored_write)
-    from moetune.engine.stored_write import write_stored
+    # lazy: heavy to import (engine.stored.write)
+    from moetune.engine.stored.write import write_stored
 
     fmt, qcfg = need_stored(source.base)
     model, stacks, rest = load_dequantized(source.base, torch.float32)

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 import moetune.plan
-import moetune.plan.sharding
+import moetune.plan.devices.sharding
 from moetune.config import RunConfig
 from moetune.io import PROMOTION_FIX, promotion_broken
 from moetune.lane.cards import CardChoice, choose_card
@@ -23,8 +23,8 @@ from moetune.lane.providers.base import LaneError, PodSpec, Provider
 from moetune.lane.secrets import launch_secrets, scrub
 from moetune.lane.state import LaneState
 from moetune.model import load_spec
-from moetune.plan import walls as W
-from moetune.plan.estimate import Estimate, estimate, launch_signature, measured_cards
+from moetune.plan.cost import walls as W
+from moetune.plan.cost.estimate import Estimate, estimate, launch_signature, measured_cards
 
 
 def make_provider(cfg: RunConfig, state_dir: Path) -> Provider:
@@ -113,7 +113,7 @@ def pod_gpu_count(cfg: RunConfig, spec: Any, card: Any) -> int:
     if card is None:
         return 1
     # looked up on use (tests stand in for it); None: fits no count
-    return int(moetune.plan.sharding.fewest_gpus(spec, cfg, card, cfg.train.strategy) or 1)
+    return int(moetune.plan.devices.sharding.fewest_gpus(spec, cfg, card, cfg.train.strategy) or 1)
 
 
 def launch_plan(

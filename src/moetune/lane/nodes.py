@@ -21,8 +21,10 @@ from moetune.lane.providers import provider_class
 from moetune.lane.providers.base import LaneError, PodGone, PodSpec, Provider
 from moetune.lane.stage import REMOTE_CONFIG, REMOTE_RUN
 from moetune.model import load_spec
-from moetune.plan.walls import snapshot_bytes
-from moetune.train.nodes import node_ram_bytes  # what `moetune train` checks on each node
+from moetune.plan.cost.walls import snapshot_bytes
+from moetune.train.distributed.nodes import (
+    node_ram_bytes,  # what `moetune train` checks on each node
+)
 from moetune.units import human_bytes
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from moetune.lane.stage import REMOTE_CONFIG, REMOTE_RUN, staging
 from moetune.lane.state import LaneState
 from moetune.ledger import Ledger, LedgerRow, Status
 from moetune.model import load_spec
-from moetune.plan.walls import snapshot_bytes
+from moetune.plan.cost.walls import snapshot_bytes
 
 PhaseFn = Callable[["Lane"], None]
 PHASES: dict[str, PhaseFn] = {}

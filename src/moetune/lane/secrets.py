@@ -17,7 +17,7 @@ from moetune.errors import MoetuneError
 from moetune.io import register_secrets
 from moetune.lane.providers import provider_class
 from moetune.ledger import env_secrets, is_secret, redact
-from moetune.plan.walls import XET_ENV
+from moetune.plan.cost.walls import XET_ENV
 
 MOETUNE_ENV = (XET_ENV,)  # the walls' own entries: moetune's settings, never a secret
 

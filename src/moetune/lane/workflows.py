@@ -22,7 +22,7 @@ import yaml
 from moetune.config import RunConfig, load_yaml
 from moetune.errors import ConfigError
 from moetune.lane.providers import provider_class
-from moetune.plan import walls
+from moetune.plan.cost import walls
 
 SETUP_MINUTES = 10  # checkout + setup-python + pip install on a hosted runner
 TEARDOWN_STEP_MINUTES = 10  # the sweep; the rest of CI_TEARDOWN_MINUTES is the upload's

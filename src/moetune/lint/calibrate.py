@@ -1,6 +1,6 @@
 """`moetune doctor --calibrate`: measure this host once for the plan's CPU card.
 
-Three figures, each the rate a CPU-offloaded step depends on (`plan.cpu_step`):
+Three figures, each the rate a CPU-offloaded step depends on (`plan.offload.cpu_step`):
 
 - matmul GFLOP/s, fp32 and bf16, at an expert matmul's shape (`SHAPE`: a Qwen3-30B-A3B
   expert's hidden × intermediate, 256 rows) on torch's configured threads;

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moetune.lint.mlx_env import backend_fix, mlx_backend, pin_problems, version_tuple
-from moetune.lint.rules import installed_versions
+from moetune.lint.registry import installed_versions
 
 PEFT_MIN = (0, 17)  # ParamWrapper (LoRA on fused expert parameters) arrived in peft 0.17
 

@@ -10,12 +10,12 @@ from typing import Any
 from moetune.config import RunConfig, load_config, parse_config
 from moetune.io import write_problem
 from moetune.ledger import LedgerError
-from moetune.lint.rules import LintContext, lint
+from moetune.lint.registry import LintContext, lint
 from moetune.model import load_spec
 from moetune.plan import make_plan
-from moetune.plan.estimate import estimate
+from moetune.plan.cost.estimate import estimate
+from moetune.plan.cost.walls import Site
 from moetune.plan.hardware import get_card
-from moetune.plan.walls import Site
 
 RUN_SUFFIXES = (".yaml", ".yml")
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetune.model import fixes_llama4 as _fixes_llama4  # noqa: F401  (registers its fix)
-from moetune.model import fixes_omni as _fixes_omni  # noqa: F401  (registers its fix)
-from moetune.model import fixes_step3p7 as _fixes_step3p7  # noqa: F401  (registers its fix)
+from moetune.model import fixes as _fixes  # noqa: F401  (registers the fixes)
 from moetune.model import overrides as _overrides  # noqa: F401  (registers the overrides)
 from moetune.model.build import build_model, to_hf_config
 from moetune.model.derive import derive_cached

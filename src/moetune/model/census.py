@@ -13,8 +13,8 @@ from functools import lru_cache
 from typing import Any
 
 from moetune.errors import MoetuneError
-from moetune.model.counting import quiet_transformers
 from moetune.model.derive import derive
+from moetune.model.hf_config import quiet_transformers
 from moetune.model.multimodal import text_dict, text_keys
 from moetune.model.textlm import modeling_module
 

@@ -15,7 +15,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from moetune.errors import ConfigError, UnknownFamilyError
-from moetune.model.counting import (
+from moetune.model.hf_config import (
     CHECKPOINT_ONLY_KEYS,
     PRIVATE_KEYS,
     hf_config_object,

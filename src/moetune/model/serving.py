@@ -1,6 +1,6 @@
 """How serving stacks take each family's expert LoRA: facts read off vLLM's and llama.cpp's
 sources, kept here so both the exporters (moetune.export) and the lint rules
-(moetune.lint.rules_serve) use one table."""
+(moetune.lint.rules.serve) use one table."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ class ModelSpec:
     # Layers that hold attention (jamba interleaves Mamba mixers); None means every layer.
     attention_layer_ids: tuple[int, ...] | None = None
     # The checkpoint's config.json `quantization_config` as published (None: a float
-    # checkpoint); counts and hf_config are for the float model (engine/stored.py reads it).
+    # checkpoint); counts and hf_config are for the float model (engine/stored/formats.py reads it).
     quant_config: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     # Token mixer of each layer as built (attention, mla, linear_attention, mamba, conv …);
     # empty for a spec not read off a build (made by hand).

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.errors import ConfigError
-from moetune.model.counting import CHECKPOINT_ONLY_KEYS, plain_floats
+from moetune.model.hf_config import CHECKPOINT_ONLY_KEYS, plain_floats
 from moetune.model.read import Layer, attention_layers, dense_layers, first_int
 from moetune.model.spec import Components, ModelSpec
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from moetune.plan import (
     host,  # noqa: F401 – registers the "cpu" card (this host)
-    serve_vllm,  # noqa: F401 – registers vLLM in plan.serve's registry
+    serve,  # noqa: F401 – registers vLLM in plan.serve.engines' registry
 )
 from moetune.plan.analytic import AnalyticEstimate, estimate, estimate_step
 from moetune.plan.fit import CardFit, MemoryPlan, Recommendation, analytic, card_fit

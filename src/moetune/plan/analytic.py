@@ -41,7 +41,7 @@ from moetune.model.spec import ModelSpec
 from moetune.plan.layer_cost import LayerCost, is_attention, layer_cost, residual_width
 from moetune.plan.layout import Adapter, AdapterLayout, adapter_layout
 from moetune.plan.overhead import overhead_for
-from moetune.plan.profiles import NO_MIXER, layer_terms, profile_for
+from moetune.plan.profiles.registry import NO_MIXER, layer_terms, profile_for
 from moetune.plan.step import ADAPTER_BYTES, Optimizer, Step
 
 COMPONENTS = (

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from moetune.model.spec import ModelSpec
 from moetune.plan.layout import Adapter
-from moetune.plan.profiles import ActivationProfile, MixerTerm, profile_for
+from moetune.plan.profiles.registry import ActivationProfile, MixerTerm, profile_for
 from moetune.plan.step import ADAPTER_BYTES, Step
 
 

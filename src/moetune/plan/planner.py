@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import moetune.plan.tracecache as tracecache
+import moetune.plan.trace.cache as tracecache
 from moetune.config import RunConfig
 from moetune.errors import ConfigError, TraceError
 from moetune.model.spec import ModelSpec
@@ -18,11 +18,11 @@ from moetune.plan.hardware import Card, all_cards, get_card
 from moetune.plan.host import as_run_on
 from moetune.plan.methods import as_trained, method_notes, method_terms, with_rollout
 from moetune.plan.overhead import Overhead, overhead_for
-from moetune.plan.profiles import mixer_notes, profile_for, uncalibrated
+from moetune.plan.profiles.registry import mixer_notes, profile_for, uncalibrated
 from moetune.plan.recommend import recommend, refuses_checkpointing
 from moetune.plan.step import split_lora
 from moetune.plan.stored import stored_summary
-from moetune.plan.tracetime import expected_trace_s
+from moetune.plan.trace.duration import expected_trace_s
 
 Warn = Callable[[str], None]
 

@@ -58,7 +58,7 @@ from moetune.plan.moves import (
     with_lora,
     with_train,
 )
-from moetune.plan.offload import fitting_offload, offload_recommendation
+from moetune.plan.offload.memory import fitting_offload, offload_recommendation
 from moetune.plan.stored import held_as, published_format, restored
 
 MAX_CANDIDATES = 800  # analytic re-plans per plan at most (≈ 5 ms each)

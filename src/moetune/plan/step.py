@@ -30,7 +30,7 @@ class Step:
     experts_dtype: str = "bf16"  # moetune's frozen expert storage: bf16 | int8 | nf4
     experts_double_quant: bool = False
     # A published quantised base kept as stored (model.quantized_base as_stored): its
-    # format (engine/stored.py's quantizer name) and bytes per routed-expert parameter,
+    # format (engine/stored/formats.py's quantizer name) and bytes per routed-expert parameter,
     # asked of the format; "" / 0: none.
     stored_experts: str = ""
     stored_bytes: float = 0.0

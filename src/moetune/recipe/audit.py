@@ -292,8 +292,8 @@ def _resolve(
 
 def _holds(module: nn.Module, param: str) -> bool:
     """A Parameter of that name, or a quantised or offloaded expert stack standing in for it."""
-    from moetune.engine.offload import offloaded_of  # torch: imported only when auditing
-    from moetune.engine.quant import stacks_of
+    from moetune.engine.offload.store import offloaded_of  # torch: imported only when auditing
+    from moetune.engine.quant.stacks import stacks_of
 
     held = param in module._parameters or param in stacks_of(module)
     return held or param in offloaded_of(module)

@@ -1,6 +1,6 @@
 """The report's "Routing shift" section (train.method grpo): per step, the share of tokens
 whose top-k expert set differs between the rollout pass and the training pass
-(RUN_DIR/routing_shift.jsonl, written by train/routing_shift.py) – the known source of MoE
+(RUN_DIR/routing_shift.jsonl, written by train/grpo/shift.py) – the known source of MoE
 RL instability – against the train.grpo.shift_warn line, and per layer the set and
 first-choice shares."""
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.registry import Registry
 from moetune.train.errors import DataError, TrainError
-from moetune.train.rewards import ANSWER_SCORES, build_rewards, reward_columns
-from moetune.train.rows_sample import BASE_ROWS, sampled
+from moetune.train.grpo.rewards import ANSWER_SCORES, build_rewards, reward_columns
+from moetune.train.routing.rows import BASE_ROWS, sampled
 
 if TYPE_CHECKING:
     from moetune.config import RunConfig
@@ -61,7 +61,7 @@ def _grpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
     (TRL reads trainer.beta each step and, with no ref_model, disables the adapter). With
     train.grpo.sft_weight the trainer gains the SFT term on rows' completions (grpo_sft)."""
     # lazy: heavy to import (moetune)
-    from moetune.train.grpo_sft import with_sft_term
+    from moetune.train.grpo.sft import with_sft_term
 
     kwargs = dict(kwargs)
     trainer = with_sft_term(trainer, kwargs.pop("sft_weight", 0.0))
@@ -165,7 +165,7 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
     """The group must divide the batch, the rewards must build and find their columns (and
     the sft term its completions)."""
     # lazy: heavy to import (moetune)
-    from moetune.train.grpo_sft import check_sft_rows
+    from moetune.train.grpo.sft import check_sft_rows
 
     g, t = cfg.train.grpo, cfg.train
     if (t.batch_size * t.grad_accum) % g.num_generations:

@@ -15,13 +15,13 @@ import torch
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
 from moetune.model.derive import checkpoint_class, ensure_backbone
-from moetune.model.fixes import apply_fixes
+from moetune.model.fixes.registry import apply_fixes
 from moetune.recipe.audit import audit_coverage
 from moetune.recipe.targets import build_peft_config, peft_notes
-from moetune.train import sharded_load
 from moetune.train.callbacks import quiet
-from moetune.train.checkpoint import RunDir
+from moetune.train.distributed import sharded_load
 from moetune.train.errors import TrainError
+from moetune.train.rundir.checkpoint import RunDir
 from moetune.train.setup import Placement, Setup
 from moetune.train.stored import stored_base
 
@@ -90,7 +90,7 @@ def load_quantized_model(
     """The base with its expert stacks quantised while loading; its QuantReport rides along."""
     # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
-    from moetune.engine.quant import require_split_engine, shardable_
+    from moetune.engine.quant.stacks import require_split_engine, shardable_
 
     require_split_engine(engine, cfg.model.experts_dtype)  # also under --allow-errors
     model = _quantized_base(cfg, place, dtype)
@@ -106,7 +106,7 @@ def _quantized_base(cfg: RunConfig, place: Placement, dtype: torch.dtype) -> Any
     """Streamed and quantised (its QuantReport rides along); on a sharded load's other
     ranks, the same quantised stacks on meta – their shards come from rank 0 in prepare()."""
     # lazy: heavy to import (moetune)
-    from moetune.engine.quant_load import load_quantized
+    from moetune.engine.quant.load import load_quantized
 
     m = cfg.model
     if not sharded_load.loads_weights():
@@ -126,7 +126,7 @@ def load_stored_model(
     the split engine; or (model.quantized_base: dequantize) inflated to model.dtype at load."""
     # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
-    from moetune.engine.stored_load import dequantize_stacks_, load_stored
+    from moetune.engine.stored.load import dequantize_stacks_, load_stored
 
     with quiet():
         as_stored = cfg.model.quantized_base == "as_stored"  # every stored Linear kept so too
@@ -176,8 +176,8 @@ def wrap_lora(
     from peft import get_peft_model
     from transformers import set_seed
 
-    from moetune.engine.offload import peft_targets  # quantised and offloaded stacks
-    from moetune.engine.overrides import apply_overrides
+    from moetune.engine.forwards import apply_overrides
+    from moetune.engine.offload.store import peft_targets  # quantised and offloaded stacks
 
     set_seed(cfg.train.seed)  # the LoRA A matrices are initialised here
     quant = model.__dict__.get(_QUANT_REPORT)

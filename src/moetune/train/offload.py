@@ -1,5 +1,5 @@
 """train.offload (cpu | disk) in a run: refused up front where it cannot work, the base
-loaded with its expert stacks in an ExpertStore (engine/offload.py), and what the store
+loaded with its expert stacks in an ExpertStore (engine/offload/store.py), and what the store
 measured written to offload.json.
 
 The offloaded weights are the base's own (or its quantised copy): a checkpoint holds the
@@ -19,15 +19,15 @@ import torch
 
 from moetune.config import RunConfig
 from moetune.io import atomic_write_json
-from moetune.model.fixes import apply_fixes
+from moetune.model.fixes.registry import apply_fixes
 from moetune.train.errors import TrainError
 from moetune.units import human_bytes
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from moetune.engine.offload import Mode
-    from moetune.train.checkpoint import RunDir
+    from moetune.engine.offload.store import Mode
+    from moetune.train.rundir.checkpoint import RunDir
     from moetune.train.setup import Placement
 
 # experts_dtype -> scratch bytes per base byte, an upper bound (int8 + row scales, NF4 + absmax)
@@ -91,7 +91,7 @@ def load_offloaded_model(cfg: RunConfig, place: Placement, dtype: torch.dtype,
     """The base with its expert stacks in host RAM or left in its files."""
     # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
-    from moetune.engine.offload_load import load_offloaded
+    from moetune.engine.offload.load import load_offloaded
     from moetune.train.stored import stored_base
 
     _check_files(cfg, Path(model_dir))
@@ -113,7 +113,7 @@ def write_offload_json(run: RunDir, model: nn.Module) -> dict[str, Any] | None:
     """offload.json: the store's measurements over the run (peak device bytes of experts,
     bytes moved and read by phase)."""
     # lazy: heavy to import (moetune)
-    from moetune.engine.offload import store_of
+    from moetune.engine.offload.store import store_of
 
     store = store_of(model)
     if store is None:
@@ -177,7 +177,7 @@ class StoreMeter:
 def store_meter(model: nn.Module) -> StoreMeter | None:
     """The meter of an offloaded model's store; None without train.offload."""
     # lazy: heavy to import (moetune)
-    from moetune.engine.offload import store_of
+    from moetune.engine.offload.store import store_of
 
     store = store_of(model)
     return StoreMeter(store.stats) if store is not None else None

@@ -1,6 +1,6 @@
 """The data preview of a run: `moetune data` and the one line `moetune train` prints before
 the first step – the data summary (moetune.data.summary) with the estimated time of a step
-on the configured card (plan/estimate.py's FLOPs per token at its calibrated MFU)."""
+on the configured card (plan/cost/estimate.py's FLOPs per token at its calibrated MFU)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.data.summary import Summary, summarize
 from moetune.model import load_spec
-from moetune.plan.estimate import MFU, flops_per_token
+from moetune.plan.cost.estimate import MFU, flops_per_token
 from moetune.plan.hardware import get_card
 from moetune.train.methods import method_of
 from moetune.train.setup import check_data

@@ -27,7 +27,7 @@ class TrainResult:
     resumed_from_step: int | None = None
     errors_overridden: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    # What the next launch sizes its training time from (plan/estimate.py): the loop's
+    # What the next launch sizes its training time from (plan/cost/estimate.py): the loop's
     # non-padding tokens (this attempt's, all processes) over its wall time, the device and
     # its catalog card (None when not in plan/cards.json), and the step it was measured on.
     tokens: int | None = None

@@ -26,11 +26,11 @@ from moetune.lint.preflight import lint_run
 from moetune.model import load_spec, to_hf_config
 from moetune.model.weight_files import check_weight_files
 from moetune.plan.planner import as_checkpointable
-from moetune.train.checkpoint import RunDir, open_run, versions
+from moetune.plan.run_plan import RunPlan, plan_of_run
 from moetune.train.errors import TrainError
 from moetune.train.methods import method_of
-from moetune.train.planned import RunPlan, plan_of_run
-from moetune.train.recovery import ResumePoint, resume_point_of, set_aside
+from moetune.train.rundir.checkpoint import RunDir, open_run, versions
+from moetune.train.rundir.recovery import ResumePoint, resume_point_of, set_aside
 from moetune.train.vision import ImageCollator, check_first_row, load_processor
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from moetune.model.spec import ModelSpec
     from moetune.recipe.audit import CoverageReport
-    from moetune.train.select import ExpertSelection
+    from moetune.train.routing.select import ExpertSelection
 
 
 # ---------------------------------------------------------------- device and precision
@@ -182,7 +182,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     # lazy: heavy to import (moetune)
     from moetune.engine.resolve import resolve_engine
     from moetune.train.offload import check_offload, local_dir
-    from moetune.train.select import check_selection
+    from moetune.train.routing.select import check_selection
     from moetune.train.stored import check_stored
 
     place = resolve_placement(cfg.train)

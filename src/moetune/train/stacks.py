@@ -15,7 +15,7 @@ from typing import Any
 from moetune.registry import Registry
 
 STACKS: Registry[str] = Registry("training stack")
-STACKS.add("mlx", "moetune.train.mlx_stack:train_mlx")
+STACKS.add("mlx", "moetune.train.mlx.stack:train_mlx")
 
 
 def register_stack(stack: str, target: str) -> None:

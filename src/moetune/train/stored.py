@@ -17,7 +17,7 @@ def stored_base(cfg: RunConfig) -> str | None:
     if cfg.model.is_gguf:
         return None
     # lazy: heavy to import (moetune.engine)
-    from moetune.engine.stored import base_format
+    from moetune.engine.stored.formats import base_format
 
     found = base_format(cfg.model.id)
     return None if found is None else found[0].name
@@ -50,7 +50,7 @@ def check_stored(cfg: RunConfig, engine: str) -> str | None:
         raise TrainError("train.offload streams the stored bytes of a quantised base",
                          "set model.quantized_base: as_stored, or train.offload: none")  # fmt: skip
     # lazy: heavy to import (moetune.engine, transformers)
-    from moetune.engine.stored_load import open_stored
+    from moetune.engine.stored.load import open_stored
 
     if os.path.isdir(cfg.model.id):  # a hub base is checked once its files are here
         open_stored(cfg.model.id, torch.float32)  # every stack's keys and shapes, from headers

@@ -46,7 +46,7 @@ from moetune.train.callbacks import peak_memory
 from moetune.train.errors import TrainError
 
 if TYPE_CHECKING:
-    from moetune.train.routing import LayerLoad
+    from moetune.train.routing.recorder import LayerLoad
 
 FOLDER = "trackers"  # under the run dir
 EXTRA = "pip install 'moetune[trackers]'"

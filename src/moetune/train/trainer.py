@@ -15,7 +15,7 @@ The run, top to bottom:
 3. the model is loaded, wrapped with the recipe's LoRA config and audited: coverage.json,
    and the run stops unless every requested target got LoRA;
 4. with lora.expert_selection (ESFT), the frozen base scores the experts on the trainer's
-   tokenised rows and only the chosen experts' LoRA trains (train/select.py;
+   tokenised rows and only the chosen experts' LoRA trains (train/routing/select.py;
    experts_selected.json, reused on resume);
 5. train.method's TRL trainer (methods.py: SFTTrainer, DPOTrainer, GRPOTrainer; the
    reference policy is the adapter disabled, never a copy) trains with moetune's callbacks
@@ -51,9 +51,8 @@ from moetune.io import atomic_write_json
 from moetune.ledger import attempt
 from moetune.lint.preflight import check_ledger
 from moetune.model.saved_names import write_checkpoint_named
-from moetune.plan.estimate import step_signature
+from moetune.plan.cost.estimate import step_signature
 from moetune.plan.hardware import card_for_device
-from moetune.train.adapter_live import LiveCheck
 from moetune.train.callbacks import (
     MetricsCallback,
     RichProgress,
@@ -61,23 +60,19 @@ from moetune.train.callbacks import (
     quiet,
     reset_peak_memory,
 )
-from moetune.train.checkpoint import (
-    RunDir,
-    inspect_run,
-    ledger_fields,
-    replace_dir,
-)
-from moetune.train.distributed import fsdp_on_cpu, launched, sharding
+from moetune.train.distributed.nodes import node_loss_stops, world
+from moetune.train.distributed.sharded_load import adapter_only_saves, from_main, install
+from moetune.train.distributed.zero3_load import base_load, gathered_forward
 from moetune.train.errors import TrainError
-from moetune.train.lock import hold
+from moetune.train.grpo.adapter_live import LiveCheck
+from moetune.train.grpo.rewards import reward_warnings
+from moetune.train.grpo.shift import ShiftCallback, ShiftRecorder
+from moetune.train.launch import fsdp_on_cpu, launched, sharding
 from moetune.train.methods import method_of
 from moetune.train.model import load_model, wrap_lora
-from moetune.train.nodes import node_loss_stops, world
 from moetune.train.offload import store_meter, write_offload_json
-from moetune.train.recovery import CheckpointCommitter, disk_full_stops
 from moetune.train.result import TrainResult
-from moetune.train.rewards import reward_warnings
-from moetune.train.routing import (
+from moetune.train.routing.recorder import (
     LayerLoad,
     RoutingCallback,
     RoutingRecorder,
@@ -85,10 +80,16 @@ from moetune.train.routing import (
     router_weights,
     summarize,
 )
-from moetune.train.routing_shift import ShiftCallback, ShiftRecorder
-from moetune.train.rows_sample import base_sample
+from moetune.train.routing.rows import base_sample
+from moetune.train.rundir.checkpoint import (
+    RunDir,
+    inspect_run,
+    ledger_fields,
+    replace_dir,
+)
+from moetune.train.rundir.lock import hold
+from moetune.train.rundir.recovery import CheckpointCommitter, disk_full_stops
 from moetune.train.setup import Setup, prepare
-from moetune.train.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.stacks import stack_trainer
 from moetune.train.trackers import (
     TrackerCallback,
@@ -98,13 +99,12 @@ from moetune.train.trackers import (
     tracking,
 )
 from moetune.train.vision import processor_line, processor_source, vision_kwargs
-from moetune.train.zero3_load import base_load, gathered_forward
 
 if TYPE_CHECKING:
     from torch import nn
     from trl import SFTTrainer
 
-    from moetune.train.select import ExpertSelection
+    from moetune.train.routing.select import ExpertSelection
 
 
 def train(
@@ -347,7 +347,7 @@ def select_experts(
     if cfg.lora.expert_selection == "all":
         return None
     # lazy: heavy to import (moetune)
-    from moetune.train import select
+    from moetune.train.routing import select
 
     path = run.root / select.FILE
     if setup.resume_from and path.is_file():
@@ -429,7 +429,7 @@ def selection_warnings(model: nn.Module, setup: Setup) -> list[str]:
     if setup.selection is None:
         return []
     # lazy: heavy to import (moetune)
-    from moetune.train.select import changed_unselected
+    from moetune.train.routing.select import changed_unselected
 
     layers = changed_unselected(model, setup.spec, setup.selection)
     return [f"unselected experts' LoRA changed (layers {layers})"] if layers else []

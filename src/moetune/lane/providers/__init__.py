@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 
 from moetune.lane.providers.base import PROVIDERS, Provider
-from moetune.plan.walls import Site
+from moetune.plan.cost.walls import Site
 
 
 def provider_names() -> list[str]:

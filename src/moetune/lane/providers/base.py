@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from moetune.errors import MoetuneError
 from moetune.ledger import public_env
-from moetune.plan.walls import XET_ENV
+from moetune.plan.cost.walls import XET_ENV
 from moetune.registry import Registry
 
 if TYPE_CHECKING:

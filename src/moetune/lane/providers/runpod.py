@@ -37,7 +37,7 @@ from moetune.lane.providers.base import (
     register_provider,
 )
 from moetune.lane.providers.ssh import SshTransport
-from moetune.plan.walls import DEFAULT_WATCHDOG_S
+from moetune.plan.cost.walls import DEFAULT_WATCHDOG_S
 
 try:
     import tomllib

@@ -45,7 +45,7 @@ from moetune.lane.providers.base import (
 from moetune.lane.providers.ssh import SshTransport
 from moetune.lane.secrets import plain_env
 from moetune.lane.stage import REMOTE_CONFIG, staging
-from moetune.plan.walls import XET_ENV
+from moetune.plan.cost.walls import XET_ENV
 
 if TYPE_CHECKING:
     from moetune.config import LaneArgs, RunConfig, SkypilotArgs

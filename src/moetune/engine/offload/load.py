@@ -1,0 +1,188 @@
+"""Load a base with its expert stacks offloaded: they never exist whole on the device, and
+with `disk` never in host RAM either.
+
+The model is built with meta Parameters; every tensor but the expert stacks streams onto the
+device through transformers' loader (quant_load._stream). Each stack's place in the
+safetensors files is found from the headers (offload_files.stack_segments): `disk` keeps
+just that, `cpu` reads the stack once into host RAM. Quantised experts (int8 / NF4) are
+read, quantised on the CPU one stack at a time and kept in host RAM (`cpu`) or written to a
+scratch file (`disk`): the files hold float weights only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moetune.engine.direct_io import Piece
+from moetune.engine.offload.sources import Empty, FileFloat, Source, host_source, spill_source
+from moetune.engine.offload.store import ExpertStore, Mode, attach, install
+from moetune.engine.quant.load import _stream
+from moetune.engine.quant.stacks import (
+    QuantizedStack,
+    QuantReport,
+    _install,
+    _mark_quantized,
+    _Plan,
+    experts_modules,
+    quantizer_for,
+    stacks_of,
+)
+from moetune.engine.stack_files import (
+    OffloadError,
+    Segment,
+    index_dir,
+    keys_of,
+    read_into,
+    stack_segments,
+)
+from moetune.engine.stored.load import (
+    StackFiles,
+    StoredReport,
+    check_scales,
+    install_stack,
+    stream_all_but_stacks,
+)
+from moetune.model.derive import causal_lm_class, ensure_backbone
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedModel
+
+
+def load_offloaded(
+    model_dir: str | Path, mode: Mode, device: str | torch.device,
+    dtype: torch.dtype = torch.bfloat16, *, experts_dtype: str = "bf16",
+    double_quant: bool = False, scratch_dir: str | Path | None = None, stored: bool = False,
+) -> tuple[PreTrainedModel, ExpertStore, QuantReport | StoredReport | None]:  # fmt: skip
+    """A causal LM from a local checkpoint whose expert stacks live in an ExpertStore;
+    `stored`: a published quantised base, its stacks kept (and read) as the files store them."""
+    # lazy: heavy to import (accelerate, transformers)
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    if stored:
+        return _load_stored(model_dir, mode, device, dtype)
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):
+        model = ensure_backbone(causal_lm_class(config)._from_config(config, dtype=dtype))
+    index = index_dir(model_dir)
+    experts = list(experts_modules(model))
+    if not experts:
+        raise OffloadError(f"{config.model_type} has no fused expert stacks to offload",
+                           "set train.offload: none")  # fmt: skip
+    plans = {path: {n: stack_segments(index, path, n, tuple(m._parameters[n].shape))  # type: ignore[union-attr]
+                    for n in names} for path, m, names in experts}  # type: ignore[union-attr]  # fmt: skip
+    skip = keys_of(
+        index, (s for stacks in plans.values() for segs in stacks.values() for s in segs)
+    )
+    _stream(model, Path(model_dir), {"": str(device)}, dtype, skip=skip)
+    store = ExpertStore(mode, device)
+    quant = _Quant(experts_dtype, double_quant) if experts_dtype != "bf16" else None
+    scratch = _scratch(scratch_dir, store) if mode == "disk" and quant is not None else None
+    for path, module, names in experts:
+        sources = {n: _source(module, path, n, plans[path][n], dtype, store, quant, scratch)
+                   for n in names}  # fmt: skip
+        install(module, store, sources, names)
+    _finish(model, device)
+    attach(model, store)
+    return model, store, quant.report if quant else None
+
+
+class _Quant:
+    def __init__(self, method: str, double_quant: bool) -> None:
+        backend = quantizer_for(method, double_quant=double_quant)
+        self.report = QuantReport(method, double_quant, backend.name)
+        self.plan = _Plan(method, double_quant, self.report, "", torch.device("cpu"), 8)
+
+
+def _source(
+    module: nn.Module, path: str, name: str, segments: list[Segment], dtype: torch.dtype,
+    store: ExpertStore, quant: _Quant | None, scratch: Path | None,
+) -> tuple[Source, torch.dtype]:  # fmt: skip
+    """Where stack `name` waits, and the dtype it is computed in."""
+    shape = tuple(module._parameters[name].shape)  # type: ignore[union-attr]
+    if store.mode == "disk" and quant is None:
+        return FileFloat(segments, shape), dtype  # type: ignore[return-value]  # a Source
+    weight = torch.empty(shape, dtype=segments[0].dtype)
+    read_into(segments, weight)
+    if quant is None:  # cpu: host RAM, narrowed to the compute dtype where that is smaller
+        held = weight if weight.element_size() <= dtype.itemsize else weight.to(dtype)
+        return host_source(held, store.pin), dtype
+    _mark_quantized(module)  # quantise on the CPU, the error measured as quant_load does
+    _install(module, name, weight.to(dtype), replace(quant.plan, layer=path))
+    stack = stacks_of(module)[name]
+    source = host_source(stack, store.pin) if scratch is None else spill_source(stack, scratch)
+    return source, dtype
+
+
+def _scratch(scratch_dir: str | Path | None, store: ExpertStore) -> Path:
+    """A scratch file for quantised stacks, removed with the store."""
+    fd, name = tempfile.mkstemp(prefix="moetune-offload-", suffix=".bin", dir=scratch_dir)
+    os.close(fd)
+    weakref.finalize(store, _unlink, name)
+    return Path(name)
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+
+
+def _finish(model: Any, device: str | torch.device) -> None:
+    model.tie_weights()
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise OffloadError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}",
+                           "point model.id at the complete model directory")  # fmt: skip
+    model.to(device)
+    model.eval()
+
+
+@dataclass
+class FileStored:
+    """A published quantised stack left in the base's own files, read as stored per fetch."""
+
+    like: QuantizedStack  # shape, layout and format; its buffers are meta
+    files: StackFiles
+
+    @property
+    def nbytes(self) -> int:
+        return self.files.nbytes
+
+    def prepare(self, device: torch.device, dtype: torch.dtype,
+                empty: Empty = torch.empty) -> tuple[Any, list[Piece]]:  # fmt: skip
+        like, (bufs, pieces) = self.like, self.files.prepare(device, empty=empty)
+        stack = QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, bufs)
+        return stack, pieces
+
+
+def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
+                 dtype: torch.dtype) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
+    """Stored stacks into the store: `disk` leaves them in the base's files, `cpu` reads each
+    once into host RAM – either way in the stored bytes, dequantised on the device per expert."""
+    model, stacks, report = stream_all_but_stacks(model_dir, device, dtype, keep_linears=True)
+    store = ExpertStore(mode, device)
+    for path, module, names in list(experts_modules(model)):
+        sources: dict[str, tuple[Source, torch.dtype]] = {}
+        for name in names:
+            files = stacks[(path, name)]
+            like = install_stack(module, name, files.meta(), dtype, report)
+            check_scales(like, files)
+            if mode == "disk":
+                sources[name] = FileStored(like, files), dtype
+            else:
+                bufs = files.read()
+                held = QuantizedStack(like.shape, like.transposed, dtype, report.format, bufs)
+                sources[name] = host_source(held, store.pin), dtype
+        install(module, store, sources, names)
+    _finish(model, device)
+    attach(model, store)
+    return model, store, report

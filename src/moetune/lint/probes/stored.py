@@ -1,0 +1,43 @@
+"""Probes of the published-quantised-base traps (rules_stored.py), on the installed
+transformers: what its own quantizers do with an FP8 / MXFP4 checkpoint on this machine."""
+
+from __future__ import annotations
+
+from moetune.lint.registry import ProbeOutcome
+
+
+def fp8_dequantised_on_cpu() -> ProbeOutcome:
+    """transformers' FineGrainedFP8 quantizer, given a pre-quantised checkpoint and no GPU,
+    turns `dequantize` on and loads bf16 – with a warning once, not an error."""
+    # lazy: heavy to import (torch, transformers)
+    import torch
+    from transformers import FineGrainedFP8Config
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    if torch.cuda.is_available():
+        return ProbeOutcome(True, "a GPU is present: the CPU fallback is not exercised here")
+    config = FineGrainedFP8Config(weight_block_size=(128, 128))
+    quantizer = FineGrainedFP8HfQuantizer(config, pre_quantized=True)
+    quantizer.validate_environment()
+    return ProbeOutcome(bool(config.dequantize),
+                        f"FineGrainedFP8 on CPU: dequantize={config.dequantize}")  # fmt: skip
+
+
+def mxfp4_refuses_training() -> ProbeOutcome:
+    """transformers' MXFP4 quantizer says the model is not trainable: a gpt-oss checkpoint
+    loaded through it must be dequantised to bf16 first."""
+    # lazy: heavy to import (transformers)
+    from transformers import Mxfp4Config  # type: ignore[attr-defined]
+    from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
+
+    quantizer = Mxfp4HfQuantizer(Mxfp4Config(), pre_quantized=True)
+    trainable = quantizer.is_trainable
+    return ProbeOutcome(not trainable, f"Mxfp4HfQuantizer.is_trainable = {trainable}")
+
+
+def transformers_inflates() -> ProbeOutcome:
+    """transformers' own path cannot train a published quantised base as stored: FP8 is
+    inflated to bf16 on a CPU, MXFP4 refuses training."""
+    fp8, mxfp4 = fp8_dequantised_on_cpu(), mxfp4_refuses_training()
+    return ProbeOutcome(fp8.trap_present or mxfp4.trap_present,
+                        f"{fp8.evidence}; {mxfp4.evidence}")  # fmt: skip

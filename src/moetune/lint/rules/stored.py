@@ -1,0 +1,45 @@
+"""Rules on bases published quantised (FP8 / MXFP4 / NVFP4 / INT4): trained as stored or not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import moetune.lint.probes.stored as probes
+from moetune.errors import MoetuneError
+from moetune.lint.registry import Hit, LintContext, register_rule
+from moetune.units import gib
+
+
+def _stored(model_id: str) -> tuple[Any, Any] | None:
+    """(format, quantization_config) of the base, None for a float one or one not readable."""
+    # lazy: heavy to import (moetune.engine, torch)
+    from moetune.engine.stored.formats import base_format
+
+    try:
+        return base_format(model_id)
+    except MoetuneError:
+        return None  # not readable here: the loader says why
+
+
+@register_rule(
+    "QUANT-BASE-INFLATED",
+    "warn",
+    "a base published quantised, inflated to bf16 for training",
+    probe=probes.transformers_inflates,
+    libraries=("transformers",),
+)
+def quant_base_inflated(ctx: LintContext) -> Hit | None:
+    found = _stored(ctx.config.model.id)
+    if found is None or ctx.config.model.quantized_base == "as_stored":
+        return None
+    fmt, qcfg = found
+    routed = ctx.spec.components.routed_experts if ctx.spec is not None else 0
+    stored, inflated = routed * fmt.bytes_per_param(qcfg), routed * 2
+    sizes = f" ({gib(stored)} stored -> {gib(inflated)})" if routed else ""
+    return Hit(
+        f"the base's experts are published as {fmt.label}; model.quantized_base: dequantize "
+        f"inflates them to model.dtype{sizes}, and the adapter is trained on weights other "
+        "than the ones vLLM / SGLang serve",
+        "set model.quantized_base: as_stored (split LoRA over the stored bytes)",
+        "model.quantized_base",
+    )

@@ -1,0 +1,436 @@
+"""Per-device memory of a data-parallel run on N GPUs, by component, and per card the
+fewest GPUs that fit.
+
+Built on the single-device analytic peak (`plan.analytic`): each of its components is
+either sharded 1/N or replicated on every rank, and each strategy adds what it holds on
+top (the gathered layers' transient, communication buffers). Every rank runs its own
+micro-batch (`train.batch_size` sequences), so activations, logits and peft's W+ΔW copies
+(made from the gathered weights) are per device and not sharded.
+
+Strategies (a registry: `STRATEGIES`, extend with `register`):
+
+- ``ddp`` – DistributedDataParallel: every rank holds everything. Its Reducer copies the
+  gradients into flat buckets for the all-reduce (`gradient_as_bucket_view=False`, the
+  default): one more copy of every trainable gradient.
+- ``fsdp`` – FSDP2 (`fully_shard` on each decoder layer, then on the model): frozen and
+  trainable weights, gradients, optimizer state and its transients sharded 1/N. A layer
+  is all-gathered to full size while it runs, with the next one prefetched (2 in flight);
+  the root unit (embeddings, final norm, LM head) stays gathered from the forward through
+  the backward (FSDP2 does not reshard the root after forward). In backward the layer's
+  full-size gradient waits for its reduce-scatter (the communication buffer).
+- ``zero3`` – DeepSpeed ZeRO-3 with DeepSpeed's own defaults (deepspeed/runtime/zero/
+  config.py): parameters gathered per module (the largest is one layer's expert stacks)
+  plus `stage3_prefetch_bucket_size` = 5e7 elements ahead, capped by
+  `stage3_max_live_parameters` = 1e9; parameters under `stage3_param_persistence_threshold`
+  = 1e5 elements (norms) stay whole on every rank; gradients reduced through a
+  `reduce_bucket_size` = 5e8-element bucket in the weights' dtype; the bf16 engine keeps a
+  bf16 working copy of the trainable weights beside the fp32 master (2 B more per
+  trainable parameter, sharded). (HF Trainer's "auto" values size the buckets from the
+  hidden size instead: hidden², 0.9·hidden².)
+
+Approximations, stated: the transient is added to the single-device peak's phase even
+when that phase is the optimizer step (when FSDP2 has resharded): an upper bound by at
+most the transient. NCCL's own buffers live outside the PyTorch allocator and are not
+counted. The strategies shard experts like any weight; what expert parallelism would hold
+per device instead (and which engines train with it) is `DeviceReport.expert_parallel`
+(`plan.devices.expert_parallel`, planned only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetune.config import RunConfig
+from moetune.errors import ConfigError
+from moetune.model.spec import ModelSpec
+from moetune.plan.analytic import AnalyticEstimate, expert_bytes_per_param
+from moetune.plan.devices.expert_parallel import ExpertParallelPlan, plan_expert_parallel
+from moetune.plan.devices.host_ram import HostRam, host_ram, load_notes
+from moetune.plan.fit import CardFit, analytic, card_fit
+from moetune.plan.hardware import Card, get_card
+from moetune.plan.layout import adapter_layout
+from moetune.plan.profiles.registry import uncalibrated
+from moetune.plan.step import ADAPTER_BYTES, Step
+from moetune.units import human_bytes
+
+SHARDED = ("frozen_weights", "trainable_weights", "gradients", "optimizer_state",
+           "optimizer_transients")  # fmt: skip
+PREFETCH_LAYERS = 2  # FSDP2: the running layer and the prefetched next one
+DS_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size default (elements)
+DS_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters default (elements)
+DS_REDUCE_BUCKET = 500_000_000  # reduce_bucket_size default (elements)
+DS_PERSISTENCE = 100_000  # stage3_param_persistence_threshold default (elements)
+MAX_GPUS = 64
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the strategies need, in bytes, from one analytic estimate of the run."""
+
+    single: dict[str, int]  # the single-device peak by component
+    trainable_params: int
+    grad_bytes: int  # per trainable parameter
+    weight_bytes: int  # the frozen weights' dtype
+    largest_layer: int  # one decoder layer's weights as held (frozen + trainable)
+    largest_layer_grads: int  # one decoder layer's trainable gradients, full size
+    largest_module: int  # parameters (elements) of the largest module (a layer's experts)
+    root: int  # embeddings, final norm, LM head (and other non-layer weights)
+    persistent: int  # weights below DeepSpeed's persistence threshold (norms)
+    # zero3 builds this base under zero.Init (a float checkpoint read by from_pretrained,
+    # experts in bf16, nothing offloaded); else every rank builds it whole first
+    zero3_partitioned: bool = False
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One rank's peak on `gpus` devices with `strategy`; `components` sum to `peak_bytes`."""
+
+    strategy: str
+    gpus: int
+    card: str
+    components: dict[str, int]
+    fit: CardFit
+    single_device_bytes: int  # the analytic single-device peak it was derived from
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.components.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.fit.fits
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "gpus": self.gpus,
+            "card": self.card,
+            "components": dict(self.components),
+            "peak_bytes": self.peak_bytes,
+            "single_device_bytes": self.single_device_bytes,
+            "fits": self.fits,
+            **{k: v for k, v in self.fit.to_json().items() if k != "fits"},
+            "notes": list(self.notes),
+        }
+
+
+Terms = Callable[[Sizes, int], dict[str, int]]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How one strategy places the components on each of N ranks."""
+
+    name: str
+    description: str
+    extra: Terms  # the strategy's own terms (transient, communication) on N ranks
+    sharded: tuple[str, ...] = SHARDED
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def components(self, sizes: Sizes, gpus: int) -> dict[str, int]:
+        out = {k: (-(-v // gpus) if k in self.sharded else v) for k, v in sizes.single.items()}
+        return {**out, **self.extra(sizes, gpus)}
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register(strategy: Strategy) -> None:
+    STRATEGIES[strategy.name] = strategy
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown strategy {name!r}", f"use one of: {', '.join(STRATEGIES)}"
+        ) from None
+
+
+def _ddp(s: Sizes, gpus: int) -> dict[str, int]:
+    return {"gathered_transient": 0, "communication_buffers": s.trainable_params * s.grad_bytes}
+
+
+def _fsdp(s: Sizes, gpus: int) -> dict[str, int]:
+    # the full-size gradient of the layer in backward, plus its reduce-scatter output shard
+    comm = s.largest_layer_grads + -(-s.largest_layer_grads // gpus)
+    return {
+        "gathered_transient": s.root + PREFETCH_LAYERS * s.largest_layer,
+        "communication_buffers": comm,
+    }
+
+
+def _zero3(s: Sizes, gpus: int) -> dict[str, int]:
+    live = s.largest_module + min(DS_PREFETCH_BUCKET, max(0, DS_MAX_LIVE - s.largest_module))
+    bucket = min(DS_REDUCE_BUCKET, s.trainable_params) * s.weight_bytes
+    return {
+        "gathered_transient": live * s.weight_bytes,
+        "persistent_params": s.persistent,
+        "master_copy": -(-s.trainable_params * s.weight_bytes // gpus),
+        "communication_buffers": bucket,
+    }
+
+
+register(Strategy("ddp", "DistributedDataParallel: all replicated, gradient buckets", _ddp, ()))
+register(Strategy("fsdp", "FSDP2 per decoder layer: all sharded, 2 layers gathered", _fsdp))
+register(Strategy("zero3", "DeepSpeed ZeRO-3 (default buckets)", _zero3))
+
+
+# ---------------------------------------------------------------- sizes of the run
+
+
+def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = None) -> Sizes:
+    """The byte sizes every strategy needs (one analytic estimate; layouts are cached)."""
+    est = est or analytic(spec, cfg)
+    step = Step.from_config(cfg, spec)
+    full = step.method == "full"
+    lora = [0] * spec.num_layers if full else _lora_per_layer(spec, cfg)
+    grad = step.weight_bytes if full else ADAPTER_BYTES
+    layers = [_layer_bytes(spec, step, i) + lora[i] * ADAPTER_BYTES for i in range(spec.num_layers)]
+    grads = [
+        (_layer_numel(spec, i) * grad if full else lora[i] * grad) for i in range(spec.num_layers)
+    ]
+    c = spec.components
+    return Sizes(
+        single=dict(est.components),
+        trainable_params=est.trainable_params,
+        grad_bytes=grad,
+        weight_bytes=step.weight_bytes,
+        largest_layer=max(layers, default=0),
+        largest_layer_grads=max(grads, default=0),
+        largest_module=max(_largest_modules(spec)),
+        root=(c.embeddings + c.lm_head + c.other + _outside_norms(spec)) * step.weight_bytes,
+        persistent=c.norms * step.weight_bytes,
+        zero3_partitioned=zero3_partitioned(spec, cfg),
+    )
+
+
+def zero3_partitioned(spec: ModelSpec, cfg: RunConfig) -> bool:
+    """Whether a zero3 run's ranks build the base partitioned, under zero.Init (the plan's
+    host RAM and train/distributed/zero3_load.py alike): the loads through from_pretrained;
+    int8 / NF4
+    stacks, a published quantised or GGUF base and offloaded stacks are built by moetune's
+    own loaders, whole on every rank."""
+    m = cfg.model
+    from_pretrained = not (m.is_gguf or spec.quant_config)
+    return m.experts_dtype == "bf16" and cfg.train.offload == "none" and from_pretrained
+
+
+def _lora_per_layer(spec: ModelSpec, cfg: RunConfig) -> list[int]:
+    layout = adapter_layout(spec, cfg.lora)
+    return [sum(a.lora_numel for a in layer) for layer in layout.layers]
+
+
+def _per(total: int, n: int) -> int:
+    return total // max(1, n)
+
+
+def _layer_parts(spec: ModelSpec, i: int) -> tuple[int, int, int]:
+    """(mixer + norms, routed experts, other MLP weights) of layer `i`, in elements."""
+    c = spec.components
+    mixer = _per(c.attention + c.norms - _outside_norms(spec), spec.num_layers)
+    if i in spec.moe_layers:
+        n = len(spec.moe_layers)
+        return mixer, _per(c.routed_experts, n), _per(c.shared_experts + c.routers, n)
+    return mixer, 0, _per(c.dense_mlp, len(spec.dense_layers))
+
+
+def _outside_norms(spec: ModelSpec) -> int:
+    return spec.hidden_size  # the final norm (a model's only norm outside its layers)
+
+
+def _layer_numel(spec: ModelSpec, i: int) -> int:
+    return sum(_layer_parts(spec, i))
+
+
+def _layer_bytes(spec: ModelSpec, step: Step, i: int) -> int:
+    mixer, routed, rest = _layer_parts(spec, i)
+    experts = routed * expert_bytes_per_param(spec, step)
+    return int((mixer + rest) * step.weight_bytes + experts)
+
+
+def _largest_modules(spec: ModelSpec) -> list[int]:
+    """Candidates for DeepSpeed's largest fetched module: a layer's expert stacks, its
+    mixer, a dense MLP, the embeddings, the LM head."""
+    c = spec.components
+    experts = _per(c.routed_experts, len(spec.moe_layers))
+    mixer = _per(c.attention, len(spec.attention_layers))
+    return [experts, mixer, _per(c.dense_mlp, len(spec.dense_layers)), c.embeddings, c.lm_head]
+
+
+# ---------------------------------------------------------------- plans
+
+
+def _card(card: Card | str) -> Card:
+    return card if isinstance(card, Card) else get_card(card)
+
+
+def _check_gpus(gpus: int) -> None:
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError(f"--gpus {gpus!r} is not a positive whole number", "pass --gpus N >= 1")
+
+
+def plan_devices(
+    spec: ModelSpec,
+    cfg: RunConfig,
+    card: Card | str,
+    gpus: int,
+    strategy: str,
+    sizes: Sizes | None = None,
+) -> DevicePlan:
+    """Each rank's peak by component on `gpus` cards of `card` with `strategy`, and its fit
+    (live peak + the card's overhead ≤ usable). `sizes` reuses one `run_sizes`."""
+    _check_gpus(gpus)
+    chosen, strat = _card(card), get_strategy(strategy)
+    sizes = sizes or run_sizes(spec, cfg)
+    components = strat.components(sizes, gpus)
+    peak = sum(components.values())
+    return DevicePlan(
+        strategy=strat.name,
+        gpus=gpus,
+        card=chosen.id,
+        components=components,
+        fit=card_fit(chosen, peak),
+        single_device_bytes=sum(sizes.single.values()),
+        notes=strat.notes,
+    )
+
+
+def per_rank_bytes(
+    spec: ModelSpec,
+    cfg: RunConfig,
+    gpus: int,
+    strategy: str,
+    est: AnalyticEstimate | None = None,
+) -> dict[str, int]:
+    """One rank's live bytes by component (no card, no overhead): what a measured per-rank
+    peak (`torch.cuda.max_memory_allocated`, or a byte tracker on CPU) compares with.
+    `est`: the single-device estimate to split (default: `analytic(spec, cfg)`)."""
+    _check_gpus(gpus)
+    return get_strategy(strategy).components(run_sizes(spec, cfg, est), gpus)
+
+
+def fewest_gpus(
+    spec: ModelSpec,
+    cfg: RunConfig,
+    card: Card | str,
+    strategy: str,
+    max_gpus: int = MAX_GPUS,
+    *,
+    sizes: Sizes | None = None,
+) -> int | None:
+    """The fewest GPUs of `card` on which each rank fits with `strategy`; None when even
+    `max_gpus` do not (DDP replicates everything: it fits on 1 or never)."""
+    _check_gpus(max_gpus)
+    get_strategy(strategy)
+    sizes = sizes or run_sizes(spec, cfg)
+    for n in range(1, max_gpus + 1):
+        if plan_devices(spec, cfg, card, n, strategy, sizes).fits:
+            return n
+    return None
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """`moetune plan --gpus N --strategy S`: one rank's plan per card, and per card the
+    fewest GPUs that fit (None: not even `MAX_GPUS`)."""
+
+    strategy: str
+    gpus: int  # ranks in all: nodes × GPUs per node
+    plans: dict[str, DevicePlan]
+    fewest: dict[str, int | None]
+    notes: tuple[str, ...] = ()
+    nodes: int = 1
+    expert_parallel: ExpertParallelPlan | None = None  # EP over every rank (planned only)
+    host: HostRam | None = None  # the load's host RAM per node (sharded strategies)
+
+    @property
+    def placement(self) -> str:
+        """ "16 GPU(s)", or "2 nodes × 8 GPU(s)" for several nodes."""
+        if self.nodes == 1:
+            return f"{self.gpus} GPU(s)"
+        return f"{self.nodes} nodes × {self.gpus // self.nodes} GPU(s)"
+
+    @property
+    def components(self) -> dict[str, int]:
+        """Per-rank components (the same on every card: only the fit differs)."""
+        return next(iter(self.plans.values())).components if self.plans else {}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "gpus": self.gpus,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus // self.nodes,
+            "components": dict(self.components),
+            "peak_bytes": sum(self.components.values()),
+            "cards": {
+                c: {**p.to_json(), "fewest_gpus": self.fewest[c]} for c, p in self.plans.items()
+            },
+            "notes": list(self.notes),
+            "expert_parallel": self._expert_parallel_json(),
+            "host_ram": self.host.to_json() if self.host else None,
+        }
+
+    def _expert_parallel_json(self) -> dict[str, Any] | None:
+        ep = self.expert_parallel
+        if ep is None:
+            return None
+        fits = {c: card_fit(get_card(c), ep.peak_bytes).fits for c in self.plans}
+        return {**ep.to_json(), "fits": fits}
+
+
+def device_report(
+    spec: ModelSpec, cfg: RunConfig, cards: list[str], gpus: int, strategy: str, nodes: int = 1
+) -> DeviceReport:
+    """Per card: one rank's plan on `nodes` × `gpus` GPUs with `strategy`, and the fewest
+    that fit. Host RAM is a wall per node: each node loads for its own `gpus` ranks."""
+    _check_gpus(gpus)
+    if not isinstance(nodes, int) or nodes < 1:
+        raise ConfigError(f"--nodes {nodes!r} is not a positive whole number", "pass --nodes >= 1")
+    get_strategy(strategy)
+    sizes = run_sizes(spec, cfg)
+    ranks = nodes * gpus
+    plans = {c: plan_devices(spec, cfg, c, ranks, strategy, sizes) for c in cards}
+    fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
+    host = host_ram(sizes, gpus, strategy) if strategy != "ddp" else None
+    notes = _report_notes(spec) + load_notes(host)
+    notes += _node_notes(sizes, nodes, gpus, host)
+    ep = plan_expert_parallel(spec, cfg, ranks)
+    notes += (ep.describe(),) if ep else ()
+    name = get_strategy(strategy).name
+    return DeviceReport(name, ranks, plans, fewest, notes, nodes, ep, host)
+
+
+def node_host_ram(sizes: Sizes, gpus: int, host: HostRam | None = None) -> int:
+    """Host RAM one node needs at load for its own `gpus` ranks (a node's RAM never depends
+    on the other nodes): the sharded load's figure, or – ddp – each rank's whole base."""
+    if host is not None:
+        return host.per_node_bytes
+    return gpus * (sizes.single.get("frozen_weights", 0) + sizes.single.get("trainable_weights", 0))
+
+
+def _node_notes(sizes: Sizes, nodes: int, gpus: int, host: HostRam | None) -> tuple[str, ...]:
+    if nodes == 1:
+        return ()
+    return (
+        f"{nodes} nodes × {gpus} GPU(s) = {nodes * gpus} ranks: each rank's peak above is "
+        f"of the {nodes * gpus}; per node: {gpus} GPU(s) and about "
+        f"{human_bytes(node_host_ram(sizes, gpus, host))} of host RAM at load (its own "
+        f"{gpus} ranks)",
+    )
+
+
+def _report_notes(spec: ModelSpec) -> tuple[str, ...]:
+    """The per-device split is of the analytic: say what it leaves out for this model."""
+    kinds = uncalibrated(spec)
+    if not kinds:
+        return ()
+    return (
+        f"per-device figures split the analytic, which has no calibrated activation term for "
+        f"{spec.model_type}'s {', '.join(kinds)} layers: their activations are left out",
+    )

@@ -1,0 +1,128 @@
+"""The plan of the configuration that ran: the figure a run's measured peak is compared with.
+
+The preflight's memory plan (`plan.make_plan`) is one device holding every weight. A run that
+streams its frozen experts (train.offload) or splits the model over ranks (train.nproc)
+holds something else, so summary.json, preflight.json, the closing line, the ledger row and
+the report take their planned figure from here. Kinds, first that applies:
+
+- ``offload`` – `plan.offload.plan_offload` for the run's card. On a CUDA card the figure
+  is the device's live tensors (its overhead apart), met by `torch.cuda.max_memory_allocated`;
+  elsewhere the device is host RAM and the figure is all the process needs (device + host:
+  resident weights, two streamed layers, the step, the process baseline), met by its peak RSS.
+- ``per_rank`` – `plan.sharding.per_rank_bytes`: one rank's share with train.strategy,
+  met by this (the main) rank's own peak.
+- ``memory`` – the preflight's memory plan itself (live tensors on one device).
+
+Quantised experts (model.experts_dtype) and a base kept as published are counted by the
+plans themselves, given the run's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetune.config import RunConfig
+from moetune.model.spec import ModelSpec
+from moetune.plan.devices.sharding import per_rank_bytes
+from moetune.plan.hardware import Card, all_cards, card_for_device, get_card
+from moetune.plan.offload.memory import plan_offload
+from moetune.plan.overhead import overhead_for
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The planned peak of the run as configured, and what it is compared with."""
+
+    kind: str  # offload | per_rank | memory
+    label: str  # a few words for the closing line ("offload disk, host RAM as device")
+    peak_bytes: int  # the planned figure the measured peak is compared with
+    required_bytes: int | None  # with the card's overhead, where the plan states one
+    compared: str  # what `peak_bytes` holds and which measured figure meets it
+    components: dict[str, int]  # `peak_bytes` by component
+    detail: dict[str, Any] = dataclasses.field(default_factory=dict)  # the source plan
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+Builder = Callable[[ModelSpec, RunConfig, str, Any], RunPlan | None]
+
+
+def _offload(spec: ModelSpec, cfg: RunConfig, device: str, memory: Any) -> RunPlan | None:
+    if cfg.train.offload == "none":
+        return None
+    card = offload_card(cfg, device)
+    plan = plan_offload(spec, cfg, card)
+    if card is None:  # one memory: the process is the device
+        return RunPlan(
+            "offload", f"offload {plan.offload}, host RAM as device", plan.host_ram_bytes,
+            None, "the process's planned peak RSS (device = host RAM: resident weights, two "
+            "streamed layers, the step's tensors, the process baseline) vs its measured peak "
+            "RSS", dict(plan.device_components), plan.to_json(),
+        )  # fmt: skip
+    parts = {k: v for k, v in plan.device_components.items() if k != "overhead"}
+    return RunPlan(
+        "offload", f"offload {plan.offload}, {card.id}", sum(parts.values()),
+        plan.device_peak_bytes, "live tensors on the device with the experts streamed "
+        "(overhead apart) vs torch.cuda.max_memory_allocated", parts, plan.to_json(),
+    )  # fmt: skip
+
+
+def _per_rank(spec: ModelSpec, cfg: RunConfig, device: str, memory: Any) -> RunPlan | None:
+    ranks = cfg.train.nproc * cfg.train.nnodes
+    if ranks <= 1:
+        return None
+    parts = per_rank_bytes(spec, cfg, ranks, cfg.train.strategy)
+    peak = sum(parts.values())
+    required = peak + overhead_for("cuda", peak).total if device == "cuda" else None
+    return RunPlan(
+        "per_rank", f"per rank of {ranks}, {cfg.train.strategy}", peak, required,
+        f"one rank's live tensors with {cfg.train.strategy} over {ranks} ranks vs the main "
+        f"rank's measured peak{_rss(device)}", parts,
+        {"ranks": ranks, "strategy": cfg.train.strategy},
+    )  # fmt: skip
+
+
+def _memory(spec: ModelSpec, cfg: RunConfig, device: str, memory: Any) -> RunPlan | None:
+    if memory is None:
+        return None
+    return RunPlan(
+        "memory",
+        "one device",
+        memory.peak_bytes,
+        memory.required_bytes,
+        f"live tensors on one device vs the measured peak{_rss(device)}",
+        dict(memory.components),
+        {"estimator": memory.estimator},
+    )
+
+
+def _rss(device: str) -> str:
+    """Off CUDA the measured peak is the process RSS, which a tensor plan does not count."""
+    return "" if device == "cuda" else " (peak RSS also holds the Python process: reads high)"
+
+
+BUILDERS: tuple[Builder, ...] = (_offload, _per_rank, _memory)  # the first that applies
+
+
+def plan_of_run(spec: ModelSpec, cfg: RunConfig, device: str, memory: Any) -> RunPlan | None:
+    """The plan of `cfg` exactly as it runs on `device` (cuda | mps | cpu); `memory` is the
+    preflight's MemoryPlan (None: none was made)."""
+    return next((p for b in BUILDERS if (p := b(spec, cfg, device, memory)) is not None), None)
+
+
+def offload_card(cfg: RunConfig, device: str) -> Card | None:
+    """The card an offloaded run streams to: hardware.card, else the one torch names, else
+    (a GPU the catalog lacks) the first with a host link – the live tensors it plans do not
+    depend on which. None off CUDA: host RAM is the device."""
+    if device != "cuda":
+        return None
+    named = cfg.hardware.card or card_for_device(torch.cuda.get_device_name())
+    if named is not None:
+        return get_card(named)
+    return next(c for c in all_cards() if c.host_link is not None)
