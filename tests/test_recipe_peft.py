@@ -241,7 +241,8 @@ def test_every_adapter_trains_and_the_router_stays_frozen(variant: str) -> None:
 
 def test_a_wrong_family_path_is_missed_not_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """A family table naming a module the model does not have must fail the recipe."""
-    from moetune.model import derive, families
+    from moetune.model import derive
+    from moetune.model.families import registry as families
 
     real = derive.derive_cached
 

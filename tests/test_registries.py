@@ -69,7 +69,7 @@ PLUG_INS = {
     "moetune.lint.registry": [f"moetune.lint.rules.{s}" for s in RULE_MODULES],
     "moetune.evaluate.rungs": ["moetune.evaluate.lmeval"],
     "moetune.engine.forwards": ["moetune.engine.forwards_dbrx"],
-    "moetune.model.families": ["moetune.model.overrides"],
+    "moetune.model.families.registry": ["moetune.model.families.overrides"],
     "moetune.model.fixes.registry": ["moetune.model.fixes.llama4", "moetune.model.fixes.omni"],
     "moetune.export.registry": ["moetune.export." + s for s in ("merged", "vllm", "gguf", "mlx")],
 }  # fmt: skip

@@ -38,7 +38,7 @@ from moetune.export.registry import (
     Source,
     register,
 )
-from moetune.model.serving import GGUF_FAMILIES, GgufFamily
+from moetune.model.families.serving import GGUF_FAMILIES, GgufFamily
 
 ADAPTER_FILE = "adapter.gguf"
 

@@ -32,7 +32,7 @@ from moetune.export.registry import (
     register,
 )
 from moetune.io import atomic_write_text
-from moetune.model.serving import VLLM_FAMILIES, VLLM_RANKS, VllmFamily
+from moetune.model.families.serving import VLLM_FAMILIES, VLLM_RANKS, VllmFamily
 
 MIXED_FLAG = "--enable-mixed-moe-lora-format"
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from moetune.config import RunConfig
 from moetune.model import OVERRIDES, get_family
-from moetune.model.families import Family, ModulePaths
+from moetune.model.families.registry import Family, ModulePaths
 from moetune.model.spec import ModelSpec
 from moetune.plan.cost.walls import Site
 from moetune.registry import Registry

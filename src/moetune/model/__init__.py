@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.model import fixes as _fixes  # noqa: F401  (registers the fixes)
-from moetune.model import overrides as _overrides  # noqa: F401  (registers the overrides)
 from moetune.model.build import build_model, to_hf_config
 from moetune.model.derive import derive_cached
-from moetune.model.families import (
+from moetune.model.families.registry import (
     OVERRIDES,
     ExpertsLayout,
     Family,

@@ -21,7 +21,7 @@ from moetune.model.hf_config import (
     hf_config_object,
     quiet_transformers,
 )
-from moetune.model.layout import ExpertsLayout, ModulePaths
+from moetune.model.layout_types import ExpertsLayout, ModulePaths
 from moetune.model.multimodal import multimodal_class, text_config_of, text_path
 from moetune.model.read import classify_layer, find_layers, layout, outside, sum_layers, union_paths
 from moetune.model.remote import needs_remote_code, refused

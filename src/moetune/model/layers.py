@@ -11,7 +11,7 @@ from moetune.model.multimodal import language_layers
 if TYPE_CHECKING:
     from torch import nn
 
-    from moetune.model.families import Family
+    from moetune.model.families.registry import Family
     from moetune.model.spec import ModelSpec
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moetune.errors import ConfigError
-from moetune.model.layout import ExpertsLayout, ModulePaths
+from moetune.model.layout_types import ExpertsLayout, ModulePaths
 from moetune.model.spec import Components
 
 if TYPE_CHECKING:

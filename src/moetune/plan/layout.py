@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from moetune.config import LoraArgs
 from moetune.model import build_model
-from moetune.model.families import ModulePaths, get_family
+from moetune.model.families.registry import ModulePaths, get_family
 from moetune.model.spec import ModelSpec
 from moetune.recipe.targets import apply_peft, build_peft_config, check_expert_rank
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from moetune.config import LoraArgs
-from moetune.model.families import ModulePaths, get_family
+from moetune.model.families.registry import ModulePaths, get_family
 from moetune.model.layers import decoder_layers
 from moetune.model.spec import ModelSpec
 

@@ -24,7 +24,7 @@ import yaml
 
 from moetune.config import DataArgs, LoraArgs, TrainArgs
 from moetune.errors import RecipeError
-from moetune.model.families import Family, get_family
+from moetune.model.families.registry import Family, get_family
 from moetune.model.spec import ModelSpec
 from moetune.recipe.audit import PARTS, absent_reason, requested_kinds
 

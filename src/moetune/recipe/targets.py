@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.config import LoraArgs
 from moetune.errors import RecipeError
 from moetune.model import build_model
-from moetune.model.families import Family, get_family
+from moetune.model.families.registry import Family, get_family
 from moetune.model.layers import layers_prefix
 from moetune.model.spec import ModelSpec
 from moetune.recipe.audit import (

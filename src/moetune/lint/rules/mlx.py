@@ -8,7 +8,7 @@ import moetune.lint.probes.mlx as probes_mlx
 from moetune.lint.mlx_env import MLX_INSTALL, backend_fix, mlx_backend, pin_problems
 from moetune.lint.probes import model as probes
 from moetune.lint.registry import Hit, LintContext, register_rule
-from moetune.model.families import ModulePaths
+from moetune.model.families.registry import ModulePaths
 
 # Module names mlx-lm matches at model level (its second pass over model.named_modules()).
 MLX_MODEL_LEVEL = ("lm_head", "model.embed_tokens")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import moetune.lint.probes.serve as probes_serve
 from moetune.lint.registry import Hit, LintContext, register_rule
-from moetune.model.serving import GGUF_FAMILIES, VLLM_FAMILIES
+from moetune.model.families.serving import GGUF_FAMILIES, VLLM_FAMILIES
 
 
 def _serves_experts(ctx: LintContext, stack: str) -> bool:

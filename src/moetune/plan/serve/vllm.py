@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.errors import ConfigError
-from moetune.model.serving import VLLM_RANKS
+from moetune.model.families.serving import VLLM_RANKS
 from moetune.model.spec import ModelSpec
 from moetune.plan.hardware import Card
 from moetune.plan.serve.engines import (

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
-from moetune.model.families import get_family
+from moetune.model.families.registry import get_family
 from moetune.model.layers import decoder_layers
 from moetune.train.routing.rows import BASE_ROWS, batches, sampled
 

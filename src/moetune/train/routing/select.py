@@ -35,7 +35,7 @@ import torch
 
 from moetune.engine.experts_lora import PROJECTIONS, EngineError, train_only
 from moetune.errors import ConfigError
-from moetune.model.families import get_family
+from moetune.model.families.registry import get_family
 from moetune.model.layers import decoder_layers
 from moetune.train.routing.recorder import RoutingRecorder
 from moetune.train.routing.rows import batches, sampled

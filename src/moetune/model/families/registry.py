@@ -1,10 +1,10 @@
 """What moetune knows of a model_type: module paths, expert layout and layer prefix read
-off a tiny transformers build of it, plus an `Override` (model.overrides) for what no build
+off a tiny transformers build of it, plus an `Override` (model.families.overrides) for what no build
 shows – mlx-lm's key names, peft's quirks. Any model type gets a Family; none needs an
 override.
 
 This module holds the override registry and imports none of the overrides: importing
-moetune.model registers them (model.overrides).
+moetune.model.families registers them (overrides.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from functools import cache
 from moetune.errors import UnknownFamilyError
 from moetune.model.census import shrunk_config
 from moetune.model.derive import derive_cached
-from moetune.model.layout import ExpertsLayout, ModulePaths, Override
+from moetune.model.layout_types import ExpertsLayout, ModulePaths, Override
 from moetune.model.spec import ModelSpec
 from moetune.registry import Registry
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetune.model.families import Override, register
+from moetune.model.families.registry import Override, register
 
 GLU = ("gate_proj", "up_proj", "down_proj")
 

@@ -1,7 +1,7 @@
 """The layout types of a model family: where a decoder layer's parts live (`ModulePaths`),
 how transformers stores the fused expert stacks (`ExpertsLayout`), and what a build
 cannot show (`Override`). Plain data, so the readers of a build (model.read, model.derive)
-use them without the family lookup (model.families) that builds one.
+use them without the family lookup (model.families.registry) that builds one.
 """
 
 from __future__ import annotations
