@@ -6,10 +6,16 @@ is probed on the installed transformers by building the model on the meta device
 table to go stale – and cached per model type. `auto` (the default) picks moetune where
 it serves and the run adapts experts, peft otherwise; an explicit `moetune` on a family
 it cannot serve is an error with the fix, never a silent fallback.
+
+The choice is decided once per process for the inputs it reads (`engine_key`): the plan,
+the lint rules, the recipe and the trainer all ask, and a recommendation's variant (other
+experts dtype, other targets) has another key, so it is decided afresh, never handed the
+answer of another configuration.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from moetune.config import LoraArgs
@@ -29,8 +35,30 @@ def resolve_engine(
 
     It matters where the experts carry LoRA or are stored quantised (`experts_dtype`, or a
     published quantised base kept as stored: `model.quantized_base`): quantised stacks run
-    one expert at a time on moetune's path, LoRA or not.
+    one expert at a time on moetune's path, LoRA or not. Decided once per process for the
+    inputs it reads (`engine_key`): the plan, the rules, the recipe and the trainer all ask,
+    and a recommendation's variant (another experts dtype, other targets) has another key,
+    so it is decided afresh, never handed another configuration's answer.
     """
+    key = engine_key(spec, lora, experts_dtype, quantized_base)
+    if key not in _ENGINES:  # an error is not kept: each caller raises it anew
+        _ENGINES[key] = decide_engine(spec, lora, experts_dtype, quantized_base)
+    return _ENGINES[key]
+
+
+def engine_key(spec: ModelSpec, lora: LoraArgs, experts_dtype: str, quantized_base: str) -> tuple:
+    """Everything `decide_engine` reads, as a key: the model type (what transformers
+    builds), whether it is an MoE, its published quantisation, and the run's choices."""
+    stored = json.dumps(spec.quant_config, sort_keys=True, default=str)
+    targets_experts = "experts" in lora.targets
+    return (spec.model_type, spec.is_moe, stored, lora.engine, lora.stack, targets_experts,
+            experts_dtype, quantized_base)  # fmt: skip
+
+
+def decide_engine(
+    spec: ModelSpec, lora: LoraArgs, experts_dtype: str, quantized_base: str
+) -> Engine:
+    """The decision itself (resolve_engine keeps it for the process)."""
     quantised = experts_dtype != "bf16" or stored_experts(spec, quantized_base) is not None
     uses_experts = "experts" in lora.targets or quantised
     if lora.engine == "peft" or lora.stack != "peft" or not (spec.is_moe and uses_experts):
@@ -77,3 +105,4 @@ def split_engine_serves(spec: ModelSpec) -> bool:
 
 
 _SERVES: dict[str, bool] = {}
+_ENGINES: dict[tuple, Engine] = {}

@@ -98,12 +98,14 @@ def load_model(cfg: RunConfig) -> tuple[Any, Any]:
     from moetune.engine.resolve import resolve_engine
     from moetune.train.model import load_model as load_weights
     from moetune.train.setup import load_tokenizer, resolve_placement
+    from moetune.train.stored import stored_base
 
     place = resolve_placement(cfg.train)
     tokenizer = load_tokenizer(cfg.model.id)
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
-    model = load_weights(cfg, place, engine).to(place.device)
+    stored, dtype = stored_base(cfg, spec), place.load_dtype(cfg.model.dtype)
+    model = load_weights(cfg, place, engine, stored, dtype).to(place.device)
     model.eval()
     torch.manual_seed(cfg.train.seed)
     return model, tokenizer

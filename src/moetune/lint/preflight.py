@@ -68,12 +68,13 @@ def lint_context(cfg: RunConfig, spec: Any, plan: Any = None, site: Site | None 
 
 
 def lint_run(
-    cfg: RunConfig, estimator: str = "analytic", site: Site | None = None
+    cfg: RunConfig, estimator: str = "analytic", site: Site | None = None, spec: Any = None
 ) -> tuple[list[Any], Any]:
-    """Run every rule on `cfg` with its spec and its plan (on `hardware.card` when named)."""
+    """Run every rule on `cfg` with its spec (loaded here unless the caller has it) and its
+    plan (on `hardware.card` when named)."""
     if cfg.model.is_gguf:
         return lint(lint_context(cfg, None, site=site)), None
-    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
+    spec = spec or load_spec(cfg.model.id, cfg.model.trust_remote_code)
     cards = [cfg.hardware.card] if cfg.hardware.card else None
     plan = make_plan(spec, cfg, cards=cards, estimator=estimator)  # type: ignore[arg-type]
     return lint(lint_context(cfg, spec, plan, site)), plan

@@ -61,3 +61,11 @@ def quiet_transformers() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+def quant_config_of(config: dict[str, Any]) -> Any:
+    """A config.json's `quantization_config` (a multimodal one's under text_config): the one
+    source of a base's published format, read into the spec (ModelSpec.quant_config)."""
+    text = config.get("text_config")
+    return config.get("quantization_config") or (
+        text.get("quantization_config") if isinstance(text, dict) else None)  # fmt: skip

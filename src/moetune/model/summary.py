@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.errors import ConfigError
-from moetune.model.hf_config import CHECKPOINT_ONLY_KEYS, plain_floats
+from moetune.model.hf_config import CHECKPOINT_ONLY_KEYS, plain_floats, quant_config_of
 from moetune.model.read import Layer, attention_layers, dense_layers, first_int
 from moetune.model.spec import Components, ModelSpec
 
@@ -49,7 +49,7 @@ def spec_of(
         dtype=_dtype(raw, config),
         hf_config=_hf_dict(config),
         attention_layer_ids=attention_layers(read),
-        quant_config=raw.get("quantization_config") or None,
+        quant_config=quant_config_of(raw) or None,
         mixers=tuple(r.mixer for r in read),
         dense_layer_ids=dense_layers(read, moe),
     )

@@ -313,13 +313,13 @@ def launch_or_train(
 
     def check() -> None:
         # lazy: heavy to import (moetune)
-        from moetune.train.setup import preflight, resolve_placement
+        from moetune.train.setup import as_run, preflight, resolve_placement
 
         inspect_run(cfg, opts["resume"], opts["overwrite"], opts["overwrite_promoted"])
         place = resolve_placement(cfg.train)
         nodes.check_devices(cfg.train, place.device)  # ranks ≤ GPUs, or ≤ cores on CPU
         nodes.check_host_ram(cfg)  # and their host RAM ≤ what is free
-        preflight(cfg, place, opts["allow_errors"])
+        preflight(as_run(cfg, place), opts["allow_errors"])
 
     result = launch(cfg, rank_argv(config, sets, flags), check)
     if result is None:

@@ -23,7 +23,6 @@ from moetune.train.distributed import sharded_load
 from moetune.train.errors import TrainError
 from moetune.train.rundir.checkpoint import RunDir
 from moetune.train.setup import Placement, Setup
-from moetune.train.stored import stored_base
 
 if TYPE_CHECKING:
     from torch import nn
@@ -36,19 +35,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _QUANT_REPORT = "_moetune_quant_report"  # on a model loaded with quantised experts
 
 
-def load_model(cfg: RunConfig, place: Placement, engine: str) -> nn.Module:
-    """The base as `engine` (the resolved lora.engine) trains it."""
+def load_model(
+    cfg: RunConfig, place: Placement, engine: str, stored: str | None, load_dtype: str
+) -> nn.Module:
+    """The base as `engine` (the resolved lora.engine) trains it, in `load_dtype`
+    (Placement.load_dtype); `stored`: the format of a base published quantised."""
     # lazy: heavy to import (transformers)
     from transformers import AutoConfig
 
-    dtype = _DTYPES[place.load_dtype(cfg.model.dtype)]
+    dtype = _DTYPES[load_dtype]
     if cfg.train.offload != "none":  # expert stacks to host RAM or left in the files
         # lazy: heavy to import (moetune)
         from moetune.train.offload import load_offloaded_model
 
         scratch = Path(cfg.output.dir) / ".staging" / "offload"  # cleared with the staging dir
-        return load_offloaded_model(cfg, place, dtype, _model_dir(cfg.model.id), scratch)
-    if stored_base(cfg) is not None:  # published FP8 / FP4: read as stored
+        return load_offloaded_model(
+            cfg, place, dtype, _model_dir(cfg.model.id), scratch, stored is not None
+        )
+    if stored is not None:  # published FP8 / FP4: read as stored
         return load_stored_model(cfg, place, dtype, engine)
     if cfg.model.experts_dtype != "bf16":
         return load_quantized_model(cfg, place, dtype, engine)

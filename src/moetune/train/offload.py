@@ -87,19 +87,19 @@ def local_dir(model_id: str) -> str | None:
 
 
 def load_offloaded_model(cfg: RunConfig, place: Placement, dtype: torch.dtype,
-                         model_dir: str, scratch: Path) -> nn.Module:  # fmt: skip
-    """The base with its expert stacks in host RAM or left in its files."""
+                         model_dir: str, scratch: Path, stored: bool) -> nn.Module:  # fmt: skip
+    """The base with its expert stacks in host RAM or left in its files (`stored`: in the
+    bytes of a base published quantised)."""
     # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
     from moetune.engine.offload.load import load_offloaded
-    from moetune.train.stored import stored_base
 
     _check_files(cfg, Path(model_dir))
     scratch.mkdir(parents=True, exist_ok=True)
     model, _, report = load_offloaded(
         model_dir, cast("Mode", cfg.train.offload), place.device, dtype,
         experts_dtype=cfg.model.experts_dtype, double_quant=cfg.model.experts_double_quant,
-        scratch_dir=scratch, stored=stored_base(cfg) is not None,
+        scratch_dir=scratch, stored=stored,
     )  # fmt: skip
     apply_fixes(model)
     register()  # offloaded stacks only stream through moetune's experts forward

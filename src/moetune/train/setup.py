@@ -157,6 +157,8 @@ class Setup:
     damaged: ResumePoint | None = None  # resume: checkpoints newer than resume_from that fail
     notes: list[str] = dataclasses.field(default_factory=list)  # said once the run starts
     engine: str = "peft"  # lora.engine as resolved for this model (engine/resolve.py)
+    stored: str | None = None  # the format a base published quantised is stored in (stored.py)
+    load_dtype: str = "float32"  # model.dtype as the base really loads (Placement.load_dtype)
     coverage: CoverageReport | None = None
     selection: ExpertSelection | None = None
     data_summary: Summary | None = None  # the one line `moetune train` prints of the data
@@ -192,12 +194,13 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     check_weight_files(cfg.model.id)  # a damaged local base: one line, no run dir
     cfg, gc_off = as_checkpointable(cfg, spec)  # jetmoe refuses it: off, and said
     check_selection(cfg.lora, spec)
-    findings, plan, overridden = preflight(cfg, place, allow_errors)
+    run_cfg = as_run(cfg, place)  # the dtype the base loads in, decided here once
+    findings, plan, overridden = preflight(run_cfg, allow_errors, spec)
     base = cfg.model  # the engine, after the lint said why
     engine = resolve_engine(spec, cfg.lora, base.experts_dtype, base.quantized_base)
-    check_stored(cfg, engine)  # a published FP8 / FP4 base: keys, shapes, engine
+    stored = check_stored(cfg, spec, engine)  # a published FP8 / FP4 base: keys, shapes
     check_offload(cfg, engine, local_dir(cfg.model.id))  # train.offload: refused up front
-    run_plan = plan_of_run(spec, as_run(cfg, place), place.device, plan)  # offload, nproc
+    run_plan = plan_of_run(spec, run_cfg, place.device, plan)  # offload, nproc
     tokenizer = load_tokenizer(cfg.model.id)
     data, eval_data = load_train_data(
         cfg.data, tokenizer, cfg.train.seq_len, method.formats, cfg.train.seed, rows
@@ -222,6 +225,8 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         resume_from=point.checkpoint if point else None,
         damaged=point,
         engine=engine,
+        stored=stored,
+        load_dtype=run_cfg.model.dtype,
         data_summary=summary,
         notes=gc_off + seen,
         processor=processor,
@@ -262,11 +267,11 @@ def check_data(cfg: RunConfig, formats: tuple[str, ...]) -> Checked:
 
 
 def preflight(
-    cfg: RunConfig, place: Placement, allow_errors: bool
+    cfg: RunConfig, allow_errors: bool, spec: ModelSpec | None = None
 ) -> tuple[list[Any], Any, list[str]]:
-    """Lint and plan the run as it will really run (its dtype); an error finding stops it."""
-
-    findings, plan = lint_run(as_run(cfg, place))
+    """Lint and plan the run as it will really run (`cfg` in its load dtype: `as_run`), on
+    its spec when the caller has it; an error finding stops it."""
+    findings, plan = lint_run(cfg, spec=spec)
     errors = [f for f in findings if f.severity == "error"]
     if errors and not allow_errors:
         more = f" (and {len(errors) - 1} more: {', '.join(f.rule_id for f in errors[1:])})"

@@ -8,24 +8,26 @@ import os
 import torch
 
 from moetune.config import RunConfig
+from moetune.model.spec import ModelSpec
 from moetune.train.errors import TrainError
 
 
-def stored_base(cfg: RunConfig) -> str | None:
-    """The stored format of a base published quantised – a local dir, a bundled or a hub id
-    (its config.json) – or None for a float one."""
+def stored_base(cfg: RunConfig, spec: ModelSpec) -> str | None:
+    """The stored format of a base published quantised, read off its spec (config.json's
+    quantization_config, the one source the plan reads too) – or None for a float one."""
     if cfg.model.is_gguf:
         return None
     # lazy: heavy to import (moetune.engine)
-    from moetune.engine.stored.formats import base_format
+    from moetune.engine.stored.formats import stored_format
 
-    found = base_format(cfg.model.id)
-    return None if found is None else found[0].name
+    found = stored_format(spec.quant_config)
+    return None if found is None else found.name
 
 
-def check_stored(cfg: RunConfig, engine: str) -> str | None:
-    """Refuse what a stored base cannot do; its format's name, or None for a float base."""
-    fmt = stored_base(cfg)  # a format moetune cannot read: QuantError, named with the readable
+def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
+    """Refuse what a stored base cannot do; its format's name (Setup.stored: the loaders
+    take it from there), or None for a float base."""
+    fmt = stored_base(cfg, spec)  # one moetune cannot read: QuantError, naming the readable
     if fmt is None:
         return None
     as_stored = cfg.model.quantized_base == "as_stored"

@@ -175,7 +175,7 @@ def _train(
     console = Console(stderr=True, quiet=not progress)
     setup = prepare(cfg, run, resume, allow_errors)
     with base_load(setup.args, cfg, setup.spec) as loaded:  # ZeRO-3: partitioned as it loads
-        base = loaded(load_model(cfg, setup.place, setup.engine))
+        base = loaded(load_model(cfg, setup.place, setup.engine, setup.stored, setup.load_dtype))
         model, setup.coverage = wrap_lora(base, cfg, run, setup)
     announce(console, cfg, setup)
     # a sharded load: only the main process holds the base's values until prepare()

@@ -17,12 +17,14 @@ compressed-tensors' int4 unpacking. `quantize` writes the same layout from float
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, ClassVar
 
 import torch
 
 from moetune.engine.quant.stacks import QUANTIZERS, QuantError, Quantizer, register
+from moetune.model.hf_config import quant_config_of
 from moetune.model.sources import resolve_config
 
 Buffers = dict[str, torch.Tensor]
@@ -112,9 +114,28 @@ def stored_formats() -> list[type[StoredFormat]]:
 
 
 def stored_format(qcfg: dict[str, Any] | None) -> type[StoredFormat] | None:
-    """The format a checkpoint's `quantization_config` stores its weights in (None: float)."""
+    """The format a checkpoint's `quantization_config` stores its weights in (None: float).
+    Decided once per process for each quantization_config (the plan, the rules and the
+    loader all ask), a QuantError included."""
     if not qcfg:
         return None
+    key = json.dumps(qcfg, sort_keys=True, default=str)
+    if key not in _FORMATS:
+        try:
+            _FORMATS[key] = decide_format(qcfg)
+        except QuantError as exc:
+            _FORMATS[key] = exc
+    found = _FORMATS[key]
+    if isinstance(found, QuantError):
+        raise QuantError(found.cause, found.fix)
+    return found
+
+
+_FORMATS: dict[str, type[StoredFormat] | QuantError | None] = {}
+
+
+def decide_format(qcfg: dict[str, Any]) -> type[StoredFormat] | None:
+    """The decision itself (stored_format keeps it for the process)."""
     for fmt in stored_formats():
         if fmt.reads(qcfg):
             return fmt
@@ -132,13 +153,6 @@ def base_format(model_id: str) -> tuple[type[StoredFormat], dict[str, Any]] | No
     qcfg = quant_config_of(raw)
     fmt = stored_format(qcfg)
     return None if fmt is None else (fmt, qcfg)
-
-
-def quant_config_of(config: dict[str, Any]) -> Any:
-    """A config.json's `quantization_config` (a multimodal one's under text_config)."""
-    text = config.get("text_config")
-    return config.get("quantization_config") or (
-        text.get("quantization_config") if isinstance(text, dict) else None)  # fmt: skip
 
 
 def transformers_trains(qcfg: dict[str, Any]) -> bool:

@@ -41,9 +41,10 @@ from moetune.engine.stack_files import (
     pieces_of,
     read_into,
 )
-from moetune.engine.stored.formats import StoredFormat, quant_config_of, stored_format
+from moetune.engine.stored.formats import StoredFormat, stored_format
 from moetune.engine.stored.linear import StoredLinear, dequantize_linears_, replace_module
 from moetune.model.derive import causal_lm_class, ensure_backbone
+from moetune.model.hf_config import quant_config_of
 
 if TYPE_CHECKING:
     from torch import nn

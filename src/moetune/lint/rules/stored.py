@@ -10,15 +10,18 @@ from moetune.lint.registry import Hit, LintContext, register_rule
 from moetune.units import gib
 
 
-def _stored(model_id: str) -> tuple[Any, Any] | None:
-    """(format, quantization_config) of the base, None for a float one or one not readable."""
+def _stored(ctx: LintContext) -> tuple[Any, Any] | None:
+    """(format, quantization_config) of the base as its spec read it, None for a float one,
+    one not readable, or no spec (a GGUF base)."""
     # lazy: heavy to import (moetune.engine, torch)
-    from moetune.engine.stored.formats import base_format
+    from moetune.engine.stored.formats import stored_format
 
+    qcfg = ctx.spec.quant_config if ctx.spec is not None else None
     try:
-        return base_format(model_id)
+        fmt = stored_format(qcfg)
     except MoetuneError:
         return None  # not readable here: the loader says why
+    return None if fmt is None else (fmt, qcfg)
 
 
 @register_rule(
@@ -29,7 +32,7 @@ def _stored(model_id: str) -> tuple[Any, Any] | None:
     libraries=("transformers",),
 )
 def quant_base_inflated(ctx: LintContext) -> Hit | None:
-    found = _stored(ctx.config.model.id)
+    found = _stored(ctx)
     if found is None or ctx.config.model.quantized_base == "as_stored":
         return None
     fmt, qcfg = found
