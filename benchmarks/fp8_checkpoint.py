@@ -33,7 +33,7 @@ def _uniform(shape: tuple[int, ...], gen: torch.Generator, std: float) -> torch.
 
 def _fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     # lazy: moetune's engine imports transformers
-    from moetune.engine.stored.formats import BlockFP8
+    from moetune.engine.stored.fp8 import BlockFP8
 
     bufs = BlockFP8.quantize(w, block=block)
     return bufs["weight"], bufs["scale_inv"]
@@ -77,7 +77,7 @@ def _edges(cfg: dict[str, Any], gen: torch.Generator) -> Iterator[tuple[str, tor
 
 def full_config(cfg: dict[str, Any], block: tuple[int, int]) -> dict[str, Any]:
     """config.json: the shape, the demo tokenizer's special ids, the FP8 quantization_config."""
-    from moetune.engine.stored.formats import BlockFP8
+    from moetune.engine.stored.fp8 import BlockFP8
 
     return {**cfg, "architectures": ["Qwen3MoeForCausalLM"],
             "quantization_config": BlockFP8.config(block=block)}  # fmt: skip

@@ -11,14 +11,14 @@ import torch
 
 from moetune.engine.quant.stacks import QuantError, QuantizedStack
 from moetune.engine.stored.formats import (
-    MXFP4,
-    NVFP4,
-    BlockFP8,
-    Int4Packed,
     describe,
     stored_format,
     stored_formats,
 )
+from moetune.engine.stored.fp8 import BlockFP8
+from moetune.engine.stored.int4 import Int4Packed
+from moetune.engine.stored.mxfp4 import MXFP4
+from moetune.engine.stored.nvfp4 import NVFP4
 
 DTYPES = [torch.float32, torch.bfloat16]
 

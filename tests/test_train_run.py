@@ -281,8 +281,8 @@ def test_allow_errors_trains_and_records_the_override(files, tmp_path, monkeypat
 
     real = moetune.lint.preflight.lint_run
 
-    def with_error(cfg, estimator="analytic"):
-        findings, plan = real(cfg, estimator)
+    def with_error(cfg, estimator="analytic", spec=None):
+        findings, plan = real(cfg, estimator, spec=spec)
         return [Finding("TEST-ERR", "error", "a test error", "ignore it"), *findings], plan
 
     monkeypatch.setattr(moetune.train.setup, "lint_run", with_error)  # where train calls it

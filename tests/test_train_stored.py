@@ -179,7 +179,7 @@ def test_dequantize_mode_trains_the_float_copy(bases: dict[str, Path], tmp_path:
 
 
 def test_stored_scale_check_names_the_tensor() -> None:
-    from moetune.engine.stored.formats import BlockFP8
+    from moetune.engine.stored.fp8 import BlockFP8
 
     bufs = BlockFP8.quantize(torch.randn(1, 16, 16), block=(8, 8))
     bufs["scale_inv"][0, 1, 1] = 0

@@ -22,7 +22,12 @@ from moetune.engine.experts_lora import (
     train_only,
 )
 from moetune.engine.quant import int8_nf4 as _quant_int  # noqa: F401  (registers int8 / NF4)
-from moetune.engine.stored import formats as _stored  # noqa: F401  (registers the published formats)
+from moetune.engine.stored import (  # noqa: F401  (each registers its published format)
+    fp8,
+    int4,
+    mxfp4,
+    nvfp4,
+)
 
 __all__ = [
     "IMPLEMENTATION",
