@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 DEFAULT_THREADS = 2
+# Figures go to one topic page each (RESULTS.md is only their index): a page stays readable
+# and a record touches no other topic's text.
+RESULTS_DIR = Path(__file__).with_name("results")
 
 
 def _threads_from(argv: list[str]) -> int:
@@ -56,15 +59,20 @@ def apply() -> int:
     return THREADS
 
 
+def results_page(topic: str) -> Path:
+    """benchmarks/results/<topic>.md: the page a benchmark's `--record` writes (or reads)."""
+    return RESULTS_DIR / f"{topic}.md"
+
+
 def describe() -> str:
-    """For RESULTS.md lines: how the threads were set when this figure was measured."""
+    """For results lines: how the threads were set when this figure was measured."""
     wait = os.environ.get("OMP_WAIT_POLICY", "(unset: active)")
     return f"{THREADS} threads, OMP_WAIT_POLICY={wait}"
 
 
 def write_results(results: Path, body: str) -> None:
-    """RESULTS.md replaced by `body`, written to a temp file and renamed: an interrupted
-    record leaves the file as it was. Every benchmark writes RESULTS.md through this (or
+    """A results page replaced by `body`, written to a temp file and renamed: an interrupted
+    record leaves the page as it was. Every benchmark writes its page through this (or
     append_results) and only when asked with `--record` (tests/test_benchmarks.py)."""
     tmp = results.with_name(results.name + ".tmp")
     tmp.write_text(body, encoding="utf-8")
@@ -72,7 +80,7 @@ def write_results(results: Path, body: str) -> None:
 
 
 def append_results(results: Path, head: str, text: str) -> None:
-    """`text` at the end of RESULTS.md under `head` (added once)."""
+    """`text` at the end of a results page under `head` (added once)."""
     body = results.read_text(encoding="utf-8") if results.exists() else ""
     body = body.rstrip("\n") + "\n\n" + (head + "\n\n" if head not in body else "") + text + "\n"
     write_results(results, body)

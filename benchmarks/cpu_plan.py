@@ -14,7 +14,7 @@ wrote), else a random Qwen3-MoE of --layers × --experts (hidden --hidden, exper
 --moe, vocab --vocab) with the demo tokenizer, written to a temp dir and removed.
 
 `--smoke`: a 4-layer hidden-16 model, a 4 MiB disk probe, one step, seconds (the test
-suite runs it; nothing recorded). `--record` appends to RESULTS.md.
+suite runs it; nothing recorded). `--record` appends to results/offload-and-stored.md.
 
     python benchmarks/cpu_plan.py [--model DIR] [--layers 4] [--experts 128] [--hidden 1024]
         [--moe 768] [--vocab 4096] [--steps 3] [--seq 32] [--rank 4] [--threads N]
@@ -42,7 +42,7 @@ from stored_offload import Peak
 
 GiB = 2**30
 SRC = Path(__file__).resolve().parents[1] / "src"
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = bench_env.results_page("offload-and-stored")
 HEAD = "## cpu_plan: the plan's CPU card vs `moetune train` (disk offload, this host)"
 
 
@@ -195,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--host-file", help="plan with this host.json (default: calibrate now)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 step, nothing recorded")
-    ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append to results/offload-and-stored.md")
     bench_env.add_argument(ap)
     args = ap.parse_args(argv)
     if args.smoke:

@@ -56,7 +56,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import bench_env
@@ -68,7 +67,7 @@ from moetune.engine.quant.stacks import experts_modules, peft_targets, quantize_
 from moetune.plan.trace.bytes import FROZEN, ByteTracker
 from moetune.plan.trace.fake_step import prepare_for_training
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = bench_env.results_page("engine")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 SECTION = "## Split LoRA on fused experts (`engine/experts_lora.py`)"
 ABOUT = (
@@ -434,7 +433,7 @@ def _measured(row: dict, what: str, checked: str) -> str:
 
 
 def record(rows: list[dict], device: torch.device, dtype: torch.dtype, quick: bool) -> None:
-    """Append one dated line per row under this benchmark's section of RESULTS.md."""
+    """Append one dated line per row under this benchmark's section of its results page."""
     text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
     if SECTION not in text:
         text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n\n"
@@ -458,7 +457,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (seconds)")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
-    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append to results/engine.md")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per path")
     parser.add_argument("--cases", default="layer,model", help="comma-separated: layer, model")
     parser.add_argument("--experts-dtype", default="bf16,int8,nf4",

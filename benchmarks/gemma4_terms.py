@@ -4,7 +4,7 @@ Tiny width (hidden 64, 4 experts), LoRA r4 on moetune's default targets, `plan.f
 vs `plan.trace.cache.cached_trace` (fused AdamW, steady state): the peak with gradient
 checkpointing on and off, and "kept" = gc off − gc on (what the layers save for backward).
 "raw" is the analytic with the generic GQA profile gemma4 had before its terms (the plan
-traced instead). Prints a markdown table for benchmarks/RESULTS.md.
+traced instead). Prints a markdown table for benchmarks/results/census-and-terms.md.
 
     python benchmarks/gemma4_terms.py [--only NAME,NAME] [--smoke] [--threads N]
 """

@@ -22,8 +22,8 @@ TRL's CPU fold of the LM head makes fp32 copies that its CUDA kernels do not, so
 the folds are the trace's in-place stand-ins (`plan.trace.in_place_folds`).
 
 A device run: `--out $OUT --budget-s 420` with a 540 s timeout; then, on this machine,
-`--record-from <files_at>/gpu_validate.json` appends the summary to RESULTS.md (the device's
-copy of the tree does not come back).
+`--record-from <files_at>/gpu_validate.json` appends the summary to
+results/trace-and-planner.md (the device's copy of the tree does not come back).
 
     python benchmarks/gpu_validate.py [--out DIR] [--budget-s 420] [--cases a,b]
         [--record [--results PATH]] [--jobs N] [--no-tracker] [--json] [--smoke]
@@ -67,7 +67,7 @@ from gpu_cases import (
 
 GiB = 2**30
 GOAL = 0.03  # |predicted / measured − 1|
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = bench_env.results_page("trace-and-planner")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 SECTION = "## GPU validation: planner vs real CUDA memory (`benchmarks/gpu_validate.py`)"
 ABOUT = (
@@ -226,7 +226,7 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-# ---------------------------------------------------------------- RESULTS.md
+# ---------------------------------------------------------------- results page
 
 
 def table(rows: list[dict[str, Any]], smoke: bool = False) -> str:
@@ -314,7 +314,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--results",
         type=Path,
         default=None,
-        help="where --record and --record-from append (default benchmarks/RESULTS.md)",
+        help="where --record and --record-from append (default results/trace-and-planner.md)",
     )
     ap.add_argument("--record", action="store_true", help="append the summary to --results")
     ap.add_argument(
@@ -323,7 +323,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="JSON",
         help="append a finished run's gpu_validate.json to --results, run nothing "
-        "(the device machine's copy of RESULTS.md does not come back)",
+        "(the device machine's copy of the results page does not come back)",
     )
     ap.add_argument(
         "--jobs",

@@ -11,7 +11,8 @@ moetune's ShiftRecorder counts, per MoE layer, the share of tokens whose top-k e
 (and whose first choice) differs from the rollout's; with replay it counts the tokens it
 routed to the rollout's experts. The LoRA starts at zero (the first step): every figure is
 the numerics of the two passes alone, no policy movement. Times are side by side in one
-process after one untimed warm-up round; `--record` appends the table to RESULTS.md.
+process after one untimed warm-up round; `--record` appends the table to
+results/grpo-and-methods.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from moetune.demo.skills import stream
 from moetune.model import load_spec
 from moetune.train.grpo.shift import LayerShift, ShiftRecorder
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = bench_env.results_page("grpo-and-methods")
 HEAD = "## GRPO routing shift and routing replay (`benchmarks/grpo_routing.py`)"
 
 
@@ -151,7 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="1 round, 2 prompts, no record")
-    ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append to results/grpo-and-methods.md")
     bench_env.add_argument(ap)
     args = ap.parse_args()
     bench_env.apply()

@@ -152,7 +152,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="experts_lora.py's quick layer")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per path")
     parser.add_argument("--json", action="store_true", help="print the row as JSON")
-    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append to results/engine.md")
     parser.add_argument("--smoke", action="store_true",
                         help="quick layer, 1 repeat, no record; without kt-kernel: the flags "
                         "and why it cannot run")  # fmt: skip

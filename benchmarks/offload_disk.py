@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def describe(r: dict[str, Any]) -> str:
-    """The markdown RESULTS.md gets: a dated line, a table per step, the plan beside."""
+    """The markdown its results page gets: a dated line, a table per step, the plan beside."""
     m, s = r["machine"], r["shape"]
     g = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
     lines = [
@@ -358,7 +358,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reuse", action="store_true", help="use a complete checkpoint of the "
                     "same shape already in --out (kept or left by a killed run)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="tiny shape, 1 step, nothing recorded")
-    ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append to results/offload-and-stored.md")
     ap.add_argument("--json", help="write the results JSON here")
     args = ap.parse_args(argv)
     args.layers = args.layers or (4 if args.smoke else 27)
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.record and not args.smoke:  # a smoke figure is no result
         head = "## offload_disk: LoRA on a base larger than RAM, experts read from disk"
-        bench_env.append_results(Path(__file__).with_name("RESULTS.md"), head, text)
+        bench_env.append_results(bench_env.results_page("offload-and-stored"), head, text)
     return 0
 
 

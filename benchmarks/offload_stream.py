@@ -16,7 +16,7 @@ The checkpoint: --model DIR (a bf16 safetensors checkpoint of a fused-experts Mo
 random-weight one of the Qwen3-30B-A3B shape with --layers layers written under --out
 (benchmarks/offload_disk.py's writer; deleted at the end unless --keep).
 `--smoke`: a tiny shape, one round, seconds (the suite runs it; nothing recorded).
-`--record` appends to RESULTS.md.
+`--record` appends to results/offload-and-stored.md.
 
     python benchmarks/offload_stream.py [--model DIR | --layers 4 --out DIR] [--dtype float32]
         [--rounds 2] [--cpu-layers 2] [--threads N] [--keep] [--smoke] [--record] [--json F]
@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cpu-layers", type=int, default=2, help="layers the cpu store holds")
     ap.add_argument("--keep", action="store_true", help="keep a checkpoint this run wrote")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, one round, no record")
-    ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append to results/offload-and-stored.md")
     ap.add_argument("--json", help="also write the figures to this file")
     bench_env.add_argument(ap)
     args = ap.parse_args(argv)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.record:
         head = "## The offload stream against the machine's rates"
-        bench_env.append_results(Path(__file__).with_name("RESULTS.md"), head, text)
+        bench_env.append_results(bench_env.results_page("offload-and-stored"), head, text)
     return 0
 
 

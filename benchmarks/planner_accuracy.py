@@ -8,7 +8,7 @@ seq {2048, 8192} × gc on/off; a flagship whose mixer kind has no calibrated ana
 is planned with the trace (`plan.fit`), and its raw analytic error is shown apart.
 Traces are cached on disk (`~/.cache/moetune/traces`), so a rerun only pays for what
 changed. Prints the worst relative error and its case; `--record` appends a dated line
-to benchmarks/RESULTS.md.
+to benchmarks/results/trace-and-planner.md.
 
     python benchmarks/planner_accuracy.py [--quick | --flagships] [--json] [--models a,b]
         [--seqs 2048,8192] [--record]
@@ -26,7 +26,6 @@ import platform
 import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import bench_env
@@ -38,7 +37,7 @@ from moetune.plan.fit import analytic
 from moetune.plan.profiles.registry import uncalibrated
 from moetune.plan.trace.cache import cached_trace
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = bench_env.results_page("trace-and-planner")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 SECTION = "## Planner accuracy: analytic vs trace"
 ABOUT = (
@@ -241,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print every case as JSON")
     ap.add_argument("--models", help="comma list of model ids (default: the grid's)")
     ap.add_argument("--seqs", help="comma list of sequence lengths (default: the grid's)")
-    ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append to results/trace-and-planner.md")
     ap.add_argument("--smoke", action="store_true", help="the demo base only; never records")
     bench_env.add_argument(ap)
     args = ap.parse_args(argv)

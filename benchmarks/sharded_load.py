@@ -10,7 +10,7 @@ each), and samples every rank's RSS from this parent with psutil (the launcher's
 carry RANK in their environment); the node's figure is the peak of the ranks' sum, sampled
 together. The plan: `plan.sharding.host_ram` for the load and, as a CPU rank also trains in
 host RAM, the per-rank training peak (`per_rank_bytes`) plus the runtime, whichever is
-larger. `--record` appends the figures, machine and date to RESULTS.md.
+larger. `--record` appends the figures, machine and date to results/distributed.md.
 
     python benchmarks/sharded_load.py [--smoke] [--record] [--arms bf16,int8,nf4]
 
@@ -44,7 +44,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = bench_env.results_page("distributed")
 SECTION = "## Sharded load: FSDP2 host RAM per rank, 2 processes (gloo, CPU)"
 SRC = Path(__file__).resolve().parents[1] / "src"
 WIDE = {"hidden_size": 128, "moe_intermediate_size": 640, "num_experts": 128,
@@ -276,7 +276,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     arms = "experts dtypes, comma-separated (default: bf16,int8,nf4; --smoke: int8)"
     parser.add_argument("--arms", default=None, help=arms)
-    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append to results/distributed.md")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     bench_env.add_argument(parser)
     args = parser.parse_args()

@@ -6,7 +6,8 @@ size 2 (torch.multiprocessing spawn, gloo) and FSDP2 (`fully_shard` on each deco
 then on the model). Each rank counts its live tensor bytes with a TorchDispatchMode byte
 tracker (`plan.trace.bytes.ByteTracker`, DTensors counted by their local shard) over the second
 step (Adam moments live), and the peak is compared with `per_rank_bytes(spec, cfg, N,
-"fsdp")` and with the single-device analytic. `--record` appends a dated line to RESULTS.md.
+"fsdp")` and with the single-device analytic. `--record` appends a dated line to
+results/distributed.md.
 
     python benchmarks/sharding_accuracy.py [--record]
 """
@@ -20,7 +21,6 @@ import sys
 import tempfile
 import weakref
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import bench_env
@@ -35,7 +35,7 @@ from moetune.plan.devices.sharding import per_rank_bytes
 from moetune.plan.step import Step
 from moetune.plan.trace.bytes import FROZEN, GRADIENTS, OPTIMIZER, TRAINABLE, ByteTracker
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = bench_env.results_page("distributed")
 SECTION = "## Per-device planner: FSDP2 per-rank peak, 2 processes (gloo, CPU)"
 CONFIG: dict[str, Any] = {
     "model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512,
@@ -185,7 +185,7 @@ def measure_world(world: int) -> list[int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append to results/distributed.md")
     parser.add_argument("--smoke", action="store_true", help="a tiny model; never records")
     bench_env.add_argument(parser)
     args = parser.parse_args()

@@ -11,11 +11,11 @@ checkpointing off, --steps steps), `moetune plan run.yaml --json` and `moetune t
 run.yaml` in subprocesses, the train process's RSS sampled with psutil every 20 ms. Side by
 side: peak RSS (plan's host RAM vs measured), bytes read per step (plan's bytes moved vs the
 run's offload.json), and bytes read per step against the bf16 run of the same shape – the
-offload_disk figure in RESULTS.md when one of this layer count is recorded, else 2× the FP8
-expert bytes minus their scales (what bf16 stores).
+offload_disk figure on results/offload-and-stored.md when one of this layer count is recorded,
+else 2× the FP8 expert bytes minus their scales (what bf16 stores).
 
 `--smoke`: a tiny shape (32x32 blocks), one step, seconds (the test suite runs it; nothing
-recorded). `--record` appends to RESULTS.md.
+recorded). `--record` appends to the same page.
 
     python benchmarks/stored_offload.py [--layers 27] [--steps 2] [--seq 32] [--rank 4]
         [--threads N] [--out /work/bench-data/qwen3-30b-a3b-fp8] [--reuse] [--keep]
@@ -47,7 +47,7 @@ from offload_disk import KEEP_FREE, QWEN3_30B, SMOKE, machine
 
 GiB = 2**30
 SRC = Path(__file__).resolve().parents[1] / "src"
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = bench_env.results_page("offload-and-stored")
 HEAD = (
     "## stored_offload: a block-FP8 base larger than RAM (as bf16), `moetune train`, disk offload"
 )
@@ -133,7 +133,7 @@ def train(config: Path, log: Path) -> tuple[int, int, int, float]:
 
 
 def bf16_recorded(layers: int) -> float | None:
-    """Bytes read per step by offload_disk.py's bf16 run of this layer count (RESULTS.md:
+    """Bytes read per step by offload_disk.py's bf16 run of this layer count (its results page:
     the steady-state mean of its recorded steps after the first), or None."""
     if not RESULTS.exists():
         return None
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     read_step = sum(stats["bytes_read"].values()) / args.steps
     moved_plan = sum(planned["bytes_moved_per_step"].values())
     bf16 = bf16_recorded(cfg["num_hidden_layers"]) if not args.smoke else None
-    bf16_from = "RESULTS.md (offload_disk.py, bf16, same shape)"
+    bf16_from = "results/offload-and-stored.md (offload_disk.py, bf16, same shape)"
     if bf16 is None:  # what bf16 stores for the same experts: 2 bytes a param, no scales
         params = stats["stored_bytes"] / (1 + 4 / (block[0] * block[1]))
         bf16, bf16_from = 2 * params * read_step / stats["stored_bytes"], "2 × the FP8 params"
@@ -268,7 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, 1 step, nothing recorded")
-    ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="append to results/offload-and-stored.md")
     ap.add_argument("--json", help="write the results JSON here")
     args = ap.parse_args(argv)
     args.layers = args.layers or (2 if args.smoke else 27)

@@ -162,9 +162,9 @@ def _png() -> bytes:
     return out.getvalue()
 
 
-def _hardening_data_cases() -> list[Case]:
-    """Issue 36 (items 1, 2, 3, 7): a mixed source dir, streaming at default settings, one
-    huge row, and `moetune data` refusing what `moetune train` refuses."""
+def _mixed_dir_stream_and_huge_row_cases() -> list[Case]:
+    """A mixed source dir, streaming at default settings, one huge row, and `moetune data`
+    refusing what `moetune train` refuses (issue 36 items 1, 2, 3, 7)."""
     pc = [{"prompt": f"rev:{w}>", "completion": w[::-1]} for w in ("abc", "xyz", "moe")]
     jsonl = "".join(json.dumps(r) + "\n" for r in pc)
     mixed = {"mixed/a.parquet": _parquet(pc), "mixed/b.jsonl": jsonl}
@@ -220,9 +220,9 @@ SWAPPED = {  # an adapter whose PROMOTED marker vouches for other bytes (issue 3
 }
 
 
-def _hardening_cases() -> list[Case]:
-    """Issue 36 items 4, 5, 6 and 9: refusals before any rank starts, secrets of any YAML
-    type, a swapped promoted adapter, and the files a command must not replace."""
+def _secret_launch_promote_and_overwrite_cases() -> list[Case]:
+    """Secrets of any YAML type, launch refusals before any rank starts, a swapped promoted
+    adapter, and the files a command must not replace (issue 36 items 4, 5, 6 and 9)."""
     typed, train = {"run.yaml": RUN + TYPED_LANE}, {"run.yaml": TRAIN_RUN, "t.jsonl": ROWS}
     multi = ["train", "{dir}/run.yaml", "--nnodes", "2", "--json"]
     return [
@@ -245,14 +245,16 @@ def _hardening_cases() -> list[Case]:
     ]  # fmt: skip
 
 
-# ---------------------------------------------------------------- issue 36 item 8
+# ------------------------------------- plainly bad input: no exit 3, no partial run dir
+# (issue 36 item 8). The case names keep their `item8/` prefix: `cli_sweep.py --only item8`
+# and the recorded sweeps in results/cli-sweep.md select them by it.
 
-TRAIN8 = "train: {max_steps: 1, batch_size: 2, seq_len: 32}\noutput: {dir: {dir}/run}\n"
-ROWS8 = "".join(
+TRAIN_INTO_RUN = "train: {max_steps: 1, batch_size: 2, seq_len: 32}\noutput: {dir: {dir}/run}\n"
+REV_ROWS = "".join(
     json.dumps({"prompt": f"rev:{w}>", "completion": w[::-1]}) + "\n" for w in ("ab", "cd", "ef")
 )
-CHAT8 = json.dumps({"messages": [{"role": "user", "content": "ab"},
-                                 {"role": "assistant", "content": "ba"}]}) + "\n"  # fmt: skip
+CHAT_ROW = json.dumps({"messages": [{"role": "user", "content": "ab"},
+                                    {"role": "assistant", "content": "ba"}]}) + "\n"  # fmt: skip
 
 
 def _damaged_base(how: str) -> dict[str, str | bytes]:
@@ -275,17 +277,20 @@ def _damaged_base(how: str) -> dict[str, str | bytes]:
     return files
 
 
-def _run8(data: str, extra: str = "", model: str = str(DEMO_BASE)) -> str:
-    return f"model: {{id: {model}}}\ndata: {data}\n{TRAIN8}{extra}"
+def _small_run(data: str, extra: str = "", model: str = str(DEMO_BASE)) -> str:
+    """A one-step run.yaml on `model` that writes to {dir}/run, with `data` and `extra`."""
+    return f"model: {{id: {model}}}\ndata: {data}\n{TRAIN_INTO_RUN}{extra}"
 
 
-def _item8_base_cases() -> list[Case]:
+def _damaged_base_cases() -> list[Case]:
+    """A base cut in half, its header overwritten, or its index naming a missing shard:
+    `train` (offload none and disk) and `eval` refuse it."""
     cases = []
     for how in ("cut", "header", "shard"):
         for off in ("none", "disk"):
-            run = _run8("{train_file: {dir}/t.jsonl}", "", "{dir}/base")
+            run = _small_run("{train_file: {dir}/t.jsonl}", "", "{dir}/base")
             run = run.replace("seq_len: 32}", f"seq_len: 32, offload: {off}}}")
-            files = {**_damaged_base(how), "run.yaml": run, "t.jsonl": ROWS8}
+            files = {**_damaged_base(how), "run.yaml": run, "t.jsonl": REV_ROWS}
             cases.append(Case(f"item8/train/base-{how}/offload-{off}",
                               ["train", "{dir}/run.yaml", "--json"], files))  # fmt: skip
         args = ["eval", "{shared}/config.yaml", "--set", "model.id={dir}/base",
@@ -294,7 +299,9 @@ def _item8_base_cases() -> list[Case]:
     return cases
 
 
-def _item8_data_cases() -> list[Case]:
+def _bad_template_and_weight_cases() -> list[Case]:
+    """Chat templates that do not parse, raise, are binary or call an undefined method, and
+    source weights of ±inf, huge and tiny (the mlx stack's too), through `data` and `train`."""
     templates: dict[str, str | bytes] = {
         "syntax": "{% for m in %}",
         "raising": "{{ raise_exception('no') }}",
@@ -303,33 +310,33 @@ def _item8_data_cases() -> list[Case]:
     }
     cases = []
     for name, body in templates.items():
-        for rows, text in (("chat", CHAT8), ("plain", ROWS8)):
-            run = _run8("{train_file: {dir}/t.jsonl, chat_template: {dir}/t.jinja}")
+        for rows, text in (("chat", CHAT_ROW), ("plain", REV_ROWS)):
+            run = _small_run("{train_file: {dir}/t.jsonl, chat_template: {dir}/t.jinja}")
             files = {"run.yaml": run, "t.jsonl": text, "t.jinja": body}
             for cmd in ("data", "train"):
                 cases.append(Case(f"item8/{cmd}/jinja-{name}/{rows}",
                                   [cmd, "{dir}/run.yaml", "--json"], files))  # fmt: skip
     for weight in (".inf", "1e300", "0.01", "-.inf", "1e-300"):
-        run = _run8(
+        run = _small_run(
             f"{{sources: [{{path: {{dir}}/t.jsonl}}, {{path: {{dir}}/t.jsonl, weight: {weight}}}]}}"
         )
         for cmd in ("data", "train"):
-            files = {"run.yaml": run, "t.jsonl": ROWS8}
+            files = {"run.yaml": run, "t.jsonl": REV_ROWS}
             cases.append(
                 Case(f"item8/{cmd}/weight-{weight}", [cmd, "{dir}/run.yaml", "--json"], files)
             )
         mlx = run + "lora: {stack: mlx}\n"
         cases.append(Case(f"item8/train/mlx-weight-{weight}", ["train", "{dir}/run.yaml", "--json"],
-                          {"run.yaml": mlx, "t.jsonl": ROWS8}))  # fmt: skip
-    good = _run8("{sources: [{path: {dir}/t.jsonl}, {path: {dir}/t.jsonl, weight: 2}]}")
-    files = {"run.yaml": good + "lora: {stack: mlx}\n", "t.jsonl": ROWS8}
+                          {"run.yaml": mlx, "t.jsonl": REV_ROWS}))  # fmt: skip
+    good = _small_run("{sources: [{path: {dir}/t.jsonl}, {path: {dir}/t.jsonl, weight: 2}]}")
+    files = {"run.yaml": good + "lora: {stack: mlx}\n", "t.jsonl": REV_ROWS}
     cases.append(
         Case("item8/train/mlx-sources", ["train", "{dir}/run.yaml", "--json"], files, "good")
     )
     return cases
 
 
-def _item8_out_cases() -> list[Case]:
+def _unwritable_output_cases() -> list[Case]:
     """Outputs that cannot be written: /dev/full where a path is written, a file in the way."""
     f = {"f": "mine\n", "run.yaml": RUN + "lane: {provider: skypilot}\n"}
     outs = {
@@ -345,11 +352,11 @@ def _item8_out_cases() -> list[Case]:
     for where in ("/dev/full", "/dev/full/ev", "{dir}/f"):
         args = ["eval", "{shared}/config.yaml", "--set", f"eval.results_dir={where}", "--json"]
         cases.append(Case(f"item8/eval/results={where}", args, f))
-    run = _run8(
+    run = _small_run(
         "{train_file: {dir}/t.jsonl}", "output: {dir: {dir}/run, report_to: [tensorboard]}\n"
     )
     run = run.replace("output: {dir: {dir}/run}\n", "")
-    files = {"run.yaml": run, "t.jsonl": ROWS8, "f": "x"}
+    files = {"run.yaml": run, "t.jsonl": REV_ROWS, "f": "x"}
     for value in ("/dev/full/tb", "{dir}/f"):  # the user's own folder for the tracker
         env = {"TENSORBOARD_LOGGING_DIR": value}
         args = ["train", "{dir}/run.yaml", "--json"]
@@ -357,8 +364,9 @@ def _item8_out_cases() -> list[Case]:
     return cases
 
 
-def _item8_cases() -> list[Case]:
-    return [*_item8_base_cases(), *_item8_data_cases(), *_item8_out_cases()]
+def _plainly_bad_input_cases() -> list[Case]:
+    """Every `item8/` case: a damaged base, bad templates and weights, unwritable outputs."""
+    return [*_damaged_base_cases(), *_bad_template_and_weight_cases(), *_unwritable_output_cases()]
 
 
 def _owned_cases() -> list[Case]:
@@ -429,7 +437,8 @@ def _input_cases() -> list[Case]:
 
 def fresh_cases() -> list[Case]:
     return [
-        *_hardening_data_cases(), *_hardening_cases(), *_item8_cases(),
+        *_mixed_dir_stream_and_huge_row_cases(), *_secret_launch_promote_and_overwrite_cases(),
+        *_plainly_bad_input_cases(),
         *_model_cases(), *_train_cases(), *_data_cases(), *_command_cases(),
         *_owned_cases(), *_input_cases(),
     ]  # fmt: skip

@@ -2,7 +2,8 @@
 
 Traces one step of Qwen3-30B-A3B and Qwen3-235B-A22B (vanilla peft LoRA r=16 on attention
 and auto-mapped experts, seq 1024, batch 1, gradient checkpointing on), each in its own
-process so max RSS is per model; `--record` appends a dated line to benchmarks/RESULTS.md.
+process so max RSS is per model; `--record` appends a dated line to
+benchmarks/results/trace-and-planner.md.
 
     python benchmarks/trace_speed.py [--json] [--models 30b,235b] [--seq 1024] [--record]
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 import bench_env
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = bench_env.results_page("trace-and-planner")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 
 # The bundled catalog's config.json (moetune.model) is the one source of these models.
@@ -77,7 +78,7 @@ def machine() -> str:
 
 
 def record(rows: list[dict[str, Any]]) -> None:
-    """Append one dated line per model to RESULTS.md."""
+    """Append one dated line per model to its results page."""
     today = datetime.date.today().isoformat()
     lines = [
         f"- {today} trace_speed: {r['model']} LoRA r16 seq {r['seq_len']} gc on: "
@@ -94,7 +95,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     parser.add_argument("--models", default="30b,235b", help="comma-separated: 30b, 235b")
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--record", action="store_true", help="append to results/trace-and-planner.md"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument(
         "--smoke", action="store_true", help="the demo base at seq 64; never records"

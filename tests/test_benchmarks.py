@@ -2,10 +2,12 @@
 start it – so a renamed config field or API breaks the suite, not the next measurement.
 
 The scripts are found on disk (a new one is covered by itself); each must pin its threads
-through bench_env before torch loads, take --smoke, and leave RESULTS.md untouched there.
-Beyond --smoke, no script writes RESULTS.md unless asked with --record: every write goes
-through bench_env (write_results / append_results), reached only under an `if` on the
-record flag, which defaults to off (read from each script's syntax tree).
+through bench_env before torch loads, take --smoke, and leave the results pages
+(benchmarks/results/*.md, indexed by RESULTS.md) untouched there. Beyond --smoke, no script
+writes a results page unless asked with --record: every write goes through bench_env
+(write_results / append_results), reached only under an `if` on the record flag, which
+defaults to off (read from each script's syntax tree). And benchmarks/README.md, the front
+door, has a row for every script and names only pages that exist.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ COVERED = {"offload_disk.py": ("test_train_offload.py", "test_disk_benchmark_smo
 
 
 def _digest() -> str:
-    return hashlib.sha256((BENCH / "RESULTS.md").read_bytes()).hexdigest()
+    """Of the index and every results page, so a smoke run that writes any of them shows."""
+    pages = [BENCH / "RESULTS.md", *sorted((BENCH / "results").glob("*.md"))]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in pages)).hexdigest()
 
 
 def test_every_script_is_known_and_pins_its_threads() -> None:
@@ -78,10 +82,10 @@ def test_smoke_run(name: str, tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(pattern, done.stdout), done.stdout[-3000:]
-    assert _digest() == before, f"{name} --smoke wrote to RESULTS.md"
+    assert _digest() == before, f"{name} --smoke wrote to a results page"
 
 
-WRITERS = {"write_results", "append_results"}  # bench_env's: the only ways to RESULTS.md
+WRITERS = {"write_results", "append_results"}  # bench_env's: the only ways to a results page
 WRITE_ATTRS = {"write_text", "write_bytes", "open", "replace", "rename", "with_suffix"}
 
 
@@ -187,3 +191,37 @@ def test_results_are_written_only_with_record(name: str) -> None:
 def test_the_record_check_finds_a_default_write(source: str, says: str) -> None:
     """The check above is not vacuous: the patterns the scripts used to have are caught."""
     assert any(says in problem for problem in record_problems(source))
+
+
+# --- the front door: benchmarks/README.md ------------------------------------------------
+
+README = BENCH / "README.md"
+ROW = re.compile(r"^\| \[(\w+\.py)\]\(\1\) \|(.*)$", re.M)  # a table row naming a script first
+PAGE = re.compile(r"\]\((results/[\w-]+\.md)\)")
+NAMED = re.compile(r"results_page\(\"([\w-]+)\"\)")  # the page a script records to
+
+
+def _rows() -> dict[str, str]:
+    return dict(ROW.findall(README.read_text()))
+
+
+def test_every_script_has_a_row_in_the_readme() -> None:
+    rows = _rows()
+    assert sorted(set(SCRIPTS) - set(rows)) == [], "add a row to benchmarks/README.md"
+    helpers = {p.name for p in BENCH.glob("*.py")} - set(SCRIPTS)  # imported, not run
+    assert sorted(helpers - set(rows)) == [], "name the helper in benchmarks/README.md"
+
+
+def test_the_readmes_pages_exist_and_each_script_row_names_its_own() -> None:
+    named = set(PAGE.findall(README.read_text()))
+    assert named and sorted(p for p in named if not (BENCH / p).exists()) == []
+    rows = _rows()
+    for name in SCRIPTS:
+        pages = {f"results/{t}.md" for t in NAMED.findall((BENCH / name).read_text())}
+        assert pages <= set(PAGE.findall(rows.get(name, ""))), f"{name}'s row: {pages}"
+
+
+def test_the_index_links_every_results_page() -> None:
+    index = (BENCH / "RESULTS.md").read_text()
+    pages = {f"results/{p.name}" for p in (BENCH / "results").glob("*.md")}
+    assert pages and pages == set(PAGE.findall(index))

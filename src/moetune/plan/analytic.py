@@ -28,7 +28,7 @@ steady state (step ≥ 2, Adam moments live through forward and backward):
 
 The peak is the largest of three phases: the loss backward, each layer's backward, and
 the optimizer step. Coefficients are calibrated against `trace_step` (see
-benchmarks/planner_accuracy.py and RESULTS.md).
+benchmarks/planner_accuracy.py and benchmarks/results/trace-and-planner.md).
 """
 
 from __future__ import annotations

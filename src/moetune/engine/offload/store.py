@@ -18,7 +18,8 @@ The store counts what it materialises: device bytes alive (each tensor's release
 by a `weakref.finalize`, so a weight something else kept alive still counts), its peak, and
 bytes moved and read per phase (forward, recompute – a forward inside a backward – and
 backward). FSDP2's `CPUOffloadPolicy` and ZeRO-Infinity offload whole parameter groups,
-LoRA and optimizer state with them, and need CUDA (and libaio): benchmarks/RESULTS.md.
+LoRA and optimizer state with them, and need CUDA (and libaio):
+benchmarks/results/offload-and-stored.md.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def fixed_mmap_threshold() -> bool:
     """glibc raises its mmap threshold to the largest block freed (up to 32 MiB): from then on
     the per-expert float weights a streamed step dequantises (tens of MiB each, freed at once)
     come from the heap and fragment it – +0.9 GiB of peak RSS on the 27-layer FP8 disk run
-    (RESULTS.md). A fixed threshold maps and unmaps them. Whether it was set (glibc only)."""
+    (benchmarks/results/offload-and-stored.md). A fixed threshold maps and unmaps them.
+    Whether it was set (glibc only)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD

@@ -28,8 +28,9 @@ from moetune.plan.cost.estimate import flops_per_token
 from moetune.plan.hardware import Card, HostRates
 
 # The offload reader (engine/direct_io) handed over 0.77–1.12× the O_DIRECT rate `read_rate`
-# measures, in 4 interleaved rounds on this VM (benchmarks/offload_stream.py, RESULTS.md);
-# a plan takes 0.9. Assumed from that benchmark, not fitted to a training run.
+# measures, in 4 interleaved rounds on this VM (benchmarks/offload_stream.py,
+# benchmarks/results/offload-and-stored.md); a plan takes 0.9. Assumed from that benchmark,
+# not fitted to a training run.
 STREAM_EFFICIENCY = 0.9
 
 

@@ -3,9 +3,9 @@ that carry an answer to imitate in a `completion` column.
 
 Exact-match RL has no dense target: on a skill the base already has, it only nudges the
 sampled answers, and at a learning rate that teaches a new skill it erodes a fragile old one
-(benchmarks/RESULTS.md, GRPO on the replayed prompts alone). Replayed rows with their
-known answers anchor those skills the way DPO's `sft_weight` does. Rows whose `completion`
-is empty or null are RL only. TRL's GRPOTrainer has no such term; this mixin adds it:
+(benchmarks/results/grpo-and-methods.md, GRPO on the replayed prompts alone). Replayed rows
+with their known answers anchor those skills the way DPO's `sft_weight` does. Rows whose
+`completion` is empty or null are RL only. TRL's GRPOTrainer has no such term; this mixin adds it:
 
     loss = GRPO loss + sft_weight × mean NLL(completion tokens | prompt)
 
