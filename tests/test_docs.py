@@ -4,6 +4,7 @@ docs and docstrings make (package floors, source paths, knowledge sections) stil
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -157,10 +158,107 @@ def test_every_package_is_on_one_floor_of_architecture_md() -> None:
     assert sorted(listed) == sorted(modules | packages)
 
 
+SOURCE_PATH = re.compile(r"(?:src/moetune|benchmarks|tests|configs)/[\w/.-]+\.\w+")
+# architecture.md cites paths in backticks, relative to src/moetune or the root (a bare x.py:
+# anywhere below them)
+CODE_PATH = re.compile(r"`([\w.-]+(?:/[\w.-]*)+|[\w-]+\.py)`")
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def missing(paths: set[str], *bases: Path) -> list[str]:
+    """The cited paths found under none of `bases` (a bare file name: anywhere below them)."""
+
+    def found(path: str, base: Path) -> bool:
+        return (base / path).exists() if "/" in path else any(base.rglob(path))
+
+    return sorted(p for p in paths if not any(found(p, base) for base in bases))
+
+
 def test_source_paths_the_docs_cite_exist() -> None:
-    pattern = re.compile(r"(?:src/moetune|benchmarks|tests|configs)/[\w/.-]+\.\w+")
-    cited = {path for page in PAGES for path in pattern.findall(page.read_text())}
-    assert cited and sorted(p for p in cited if not (ROOT / p).exists()) == []
+    cited = {path for page in PAGES for path in SOURCE_PATH.findall(page.read_text())}
+    assert cited and missing(cited, ROOT) == []
+
+
+def test_every_path_architecture_md_cites_exists() -> None:
+    cited = set(CODE_PATH.findall(FENCE.sub("", ARCHITECTURE.read_text())))
+    assert len(cited) > 200 and missing(cited, PACKAGE, ROOT) == []
+
+
+def test_the_path_check_sees_a_path_that_is_gone() -> None:
+    cited = set(CODE_PATH.findall("`plan/trace/bytes.py` `plan/tracker.py` `moves.py` `gone.py`"))
+    assert missing(cited, PACKAGE) == ["gone.py", "plan/tracker.py"]
+    assert CODE_PATH.findall("`model/catalog/<name>.json` `lora.stack`") == []
+
+
+def _module_level(tree: ast.Module) -> list[tuple[str, ast.expr | None]]:
+    """(name, value) of each plain `NAME = …` / `NAME: T = …` at the module's top level."""
+    assigned: list[tuple[str, ast.expr | None]] = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            assigned += [(t.id, node.value) for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            assigned.append((node.target.id, node.value))
+    return assigned
+
+
+def registries() -> set[tuple[str, str]]:
+    """(file under src/moetune, name) of every registry: a module-level `Registry(...)`, or a
+    public module-level dict, empty at first, that a function fills (`NAME[key] = entry`)."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(PACKAGE).as_posix()
+        assigned = _module_level(tree)
+        found |= {
+            (where, name)
+            for name, value in assigned
+            if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "Registry"
+        }
+        empty = {
+            name
+            for name, value in assigned
+            if isinstance(value, ast.Dict) and not value.keys and name.isupper() and name[0] != "_"
+        }
+        filled = {
+            t.value.id
+            for fn in ast.walk(tree)
+            if isinstance(fn, ast.FunctionDef)
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Assign)
+            for t in node.targets
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)
+        }
+        found |= {(where, name) for name in empty & filled}
+    return found
+
+
+def where_to_add_rows() -> list[list[str]]:
+    """The cells of each row of architecture.md's "Where to add things" table."""
+    section = ARCHITECTURE.read_text().split("\n## Where to add things\n")[1].split("\n## ")[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[1:]]
+
+
+def test_every_registry_has_a_row_in_where_to_add_things() -> None:
+    rows, found = where_to_add_rows(), registries()
+    assert {("engine/stack_files.py", "LAYOUTS"), ("train/launch.py", "STRATEGIES")} <= found
+    assert {len(row) for row in rows} == {5}  # to add, write, registry, registered by, test
+    lost = [
+        f"{path} {name}"
+        for path, name in sorted(found)
+        if not any(f"`{path}`" in row[2] and f"`{name}`" in row[2] for row in rows)
+    ]
+    assert len(rows) >= 25 and lost == []
+
+
+def test_the_changelog_moves_are_done() -> None:
+    """Every old path of the changelog is gone (no shims) and every new one is there."""
+    text = (ROOT / "docs" / "changelog.md").read_text()
+    moves = re.findall(r"^\| `([\w/.]+)` \| (.+) \|$", text, re.M)
+    new = {path for _, cell in moves for path in re.findall(r"`([\w/.]+)`", cell)}
+    old = {path for path, _ in moves}
+    assert len(old) > 70 and missing(old, PACKAGE) == sorted(old)
+    assert missing(new, PACKAGE) == []
 
 
 def test_docstrings_cite_knowledge_sections_that_exist() -> None:
