@@ -2,10 +2,10 @@
 
 Importing this package registers the "moetune_lora" experts implementation
 (`experts_lora`): split LoRA for fused MoE experts, trained on peft's own adapter
-parameters, so adapters stay in the peft format. `select`: ESFT-style expert selection
-(LoRA on the experts the training data routes to most; masks for either engine).
-`overrides`: per-model-type forwards for experts peft's wrappers cannot reach (dbrx.py,
-registered here: the registry module imports none of its plug-ins).
+parameters, so adapters stay in the peft format, and the quantisers: int8 / NF4
+(quant/int8_nf4.py) and each published format (stored/fp8.py, …). `forwards`: per-model-type
+forwards for experts peft's wrappers cannot reach (forwards_dbrx.py, registered here: the
+registry module imports none of its plug-ins).
 """
 
 from moetune.engine import forwards_dbrx as _dbrx  # noqa: F401  (registers its override)

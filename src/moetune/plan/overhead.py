@@ -75,7 +75,7 @@ def _mps(live_bytes: int) -> dict[str, int]:
 
 
 def _cpu(live_bytes: int) -> dict[str, int]:
-    """A CPU card's process beside its tensors (plan.offload.CPU_PROCESS_BASELINE, measured
+    """A CPU card's process beside its tensors (plan.offload.memory.CPU_PROCESS_BASELINE, measured
     there: torch, transformers, TRL, the CLI); glibc's allocator is not modelled."""
     return {"process_baseline": CPU_PROCESS_BASELINE}
 

@@ -9,7 +9,7 @@ the report take their planned figure from here. Kinds, first that applies:
   is the device's live tensors (its overhead apart), met by `torch.cuda.max_memory_allocated`;
   elsewhere the device is host RAM and the figure is all the process needs (device + host:
   resident weights, two streamed layers, the step, the process baseline), met by its peak RSS.
-- ``per_rank`` – `plan.sharding.per_rank_bytes`: one rank's share with train.strategy,
+- ``per_rank`` – `plan.devices.sharding.per_rank_bytes`: one rank's share with train.strategy,
   met by this (the main) rank's own peak.
 - ``memory`` – the preflight's memory plan itself (live tensors on one device).
 

@@ -26,7 +26,7 @@ The run, top to bottom:
 6. the adapter is saved in peft format (temp dir, then rename), the router's effective
    weights are compared with their state before training, and summary.json comes last.
 
-Multi-GPU is accelerate's job: `moetune train run.yaml --nproc N` (distributed.py) or
+Multi-GPU is accelerate's job: `moetune train run.yaml --nproc N` (launch.py) or
 `accelerate launch -m moetune train run.yaml` runs this unchanged on every rank. Only the
 main process ledgers and writes the run dir; checkpoints are committed after every process
 saved its part.
@@ -442,7 +442,7 @@ def final_loss(trainer: SFTTrainer) -> float | None:
 
 def memory_json(setup: Setup, measured: int) -> dict[str, Any]:
     """The measured peak (the result's: read once, so the two agree) next to the plan of
-    the configuration that ran (offload, nproc, quantised experts: planned.py), saying
+    the configuration that ran (offload, nproc, quantised experts: plan/run_plan.py), saying
     which planned figure it is compared with and how the peak was measured."""
     how = peak_memory()[1]
     plan = setup.run_plan

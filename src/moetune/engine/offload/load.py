@@ -2,8 +2,8 @@
 with `disk` never in host RAM either.
 
 The model is built with meta Parameters; every tensor but the expert stacks streams onto the
-device through transformers' loader (quant_load._stream). Each stack's place in the
-safetensors files is found from the headers (offload_files.stack_segments): `disk` keeps
+device through transformers' loader (quant/load.py's _stream). Each stack's place in the
+safetensors files is found from the headers (stack_files.stack_segments): `disk` keeps
 just that, `cpu` reads the stack once into host RAM. Quantised experts (int8 / NF4) are
 read, quantised on the CPU one stack at a time and kept in host RAM (`cpu`) or written to a
 scratch file (`disk`): the files hold float weights only.
@@ -116,7 +116,7 @@ def _source(
     if quant is None:  # cpu: host RAM, narrowed to the compute dtype where that is smaller
         held = weight if weight.element_size() <= dtype.itemsize else weight.to(dtype)
         return host_source(held, store.pin), dtype
-    _mark_quantized(module)  # quantise on the CPU, the error measured as quant_load does
+    _mark_quantized(module)  # quantise on the CPU, the error measured as quant/load.py does
     _install(module, name, weight.to(dtype), replace(quant.plan, layer=path))
     stack = stacks_of(module)[name]
     source = host_source(stack, store.pin) if scratch is None else spill_source(stack, scratch)

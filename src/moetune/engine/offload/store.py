@@ -327,7 +327,7 @@ def offload_experts_(model: nn.Module, mode: Mode, device: torch.device | str, *
     """Move every fused experts module's stacks of an in-memory model into a store.
 
     cpu: copies in host RAM; disk: written to `scratch` (a base loaded from its files goes
-    through offload_load.load_offloaded instead, which reads the files where they are).
+    through offload/load.py's load_offloaded instead, which reads the files where they are).
     """
     scratch = scratch if mode == "disk" else None
     if mode == "disk" and scratch is None:

@@ -7,7 +7,7 @@ store [E, in, out]) stay bf16 – the bulk of the model. Here each stack becomes
 Parameter is deleted. `expert_weight` / `expert_linear` give one expert's matrix (the
 split-LoRA forward); any other experts forward still runs, because reading
 `experts.gate_up_proj` on a quantised module dequantises that stack for the call.
-`quant_load.load_quantized` quantises while streaming a checkpoint, on the CPU.
+`quant.load.load_quantized` quantises while streaming a checkpoint, on the CPU.
 
 Storage is kept in a canonical [E, out, in] layout whatever the family's order, so int8
 scales are per output row and NF4 blocks follow the input dim.

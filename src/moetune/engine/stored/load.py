@@ -2,7 +2,7 @@
 the checkpoint stores them.
 
 The model is built with meta Parameters. Each fused expert stack's buffers are read straight
-from the safetensors files (per-expert keys back to back, `offload_files` layouts) into a
+from the safetensors files (per-expert keys back to back, `stack_files` layouts) into a
 `QuantizedStack` of the stored format – no float copy of a stack exists at any time. Every
 other quantised Linear (DeepSeek's FP8 attention, dense and shared MLP) becomes a
 `StoredLinear` over its stored bytes (`keep_linears`, what training does), or is dequantised

@@ -1,4 +1,4 @@
-"""Probes of the multi-process traps (rules_dist.py): what accelerate really runs."""
+"""Probes of the multi-process traps (lint/rules/dist.py): what accelerate really runs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Probes of the mlx-lm traps (rules_mlx.py), on the installed mlx / mlx-lm; each raises
+"""Probes of the mlx-lm traps (lint/rules/mlx.py), on the installed mlx / mlx-lm; each raises
 ProbeUnavailable where mlx cannot run here (probes.py has the conventions)."""
 
 from __future__ import annotations

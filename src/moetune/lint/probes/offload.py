@@ -1,4 +1,4 @@
-"""Probes of the offload traps (rules_offload.py), on the installed torch and safetensors."""
+"""Probes of the offload traps (lint/rules/offload.py), on the installed torch and safetensors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Probes of the serving traps (rules_serve.py). vLLM and llama.cpp live in their own
+"""Probes of the serving traps (lint/rules/serve.py). vLLM and llama.cpp live in their own
 venvs / checkouts: their probes run there when pointed at (MOETUNE_VLLM_PYTHON, the
 python of a venv with vllm; MOETUNE_LLAMA_CPP, a llama.cpp checkout) and are unavailable
 otherwise. The peft probe runs here."""

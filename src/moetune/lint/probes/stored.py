@@ -1,4 +1,4 @@
-"""Probes of the published-quantised-base traps (rules_stored.py), on the installed
+"""Probes of the published-quantised-base traps (lint/rules/stored.py), on the installed
 transformers: what its own quantizers do with an FP8 / MXFP4 checkpoint on this machine."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ transformers (a fixed release is noticed and the fix removed).
 
 `apply_fixes` runs where moetune loads a checkpoint for training or scoring
 (train.model.load_model). This module imports none of the fixes: importing moetune.model
-registers them (fixes_llama4, fixes_omni, fixes_step3p7).
+registers them (llama4.py, omni.py, step3p7.py, imported by model/fixes/__init__.py).
 """
 
 from __future__ import annotations

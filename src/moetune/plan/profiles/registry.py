@@ -264,7 +264,7 @@ class ActivationProfile:
     streams: SpecInt = _one
     residual: SpecInt = _zero
     head: SpecInt = _zero
-    mlp_residual: SpecInt = _zero  # the MLP side's share of `residual` (terms_hybrid)
+    mlp_residual: SpecInt = _zero  # the MLP side's share of `residual` (profiles/hybrid.py)
     # what the first layer does not keep when its input needs no gradient (LoRA without
     # checkpointing: the embeddings are frozen); left out (0) where that is one norm's input
     frozen_input: SpecInt = _zero
@@ -325,7 +325,7 @@ LARA_MINI = ActivationProfile(  # Qwen3.5's gated DeltaNet between per-head qk-n
         "sliding_attention": dataclasses.replace(SLIDING, per_token=sdpa_masked_qk_norm)
     },
 )
-# eager MLA with sinks + a no-grad DSA indexer, hyper-connections (terms_mla)
+# eager MLA with sinks + a no-grad DSA indexer, hyper-connections (profiles/mla.py)
 HY_V4 = ActivationProfile(
     mixers={
         "mla": MixerTerm(
@@ -343,7 +343,7 @@ HY_V4 = ActivationProfile(
     head=terms_mla.hyper_head,
     frozen_input=terms_mla.hyper_frozen_input,
 )
-# two MLA sublayers and two dense MLPs per layer; zero (identity) experts (terms_mla)
+# two MLA sublayers and two dense MLPs per layer; zero (identity) experts (profiles/mla.py)
 LONGCAT_FLASH = ActivationProfile(
     mixers={
         "mla": dataclasses.replace(
@@ -434,7 +434,7 @@ PROFILES: dict[str, ActivationProfile] = {
     "deepseek_v3": ActivationProfile(kind="mla"),
     "deepseek_v32": ActivationProfile(kind="mla", mixers={"mla": DSA}),
     "gemma4_text": GEMMA4,
-    "axk2": AXK2,  # MLA + DSA, an output gate and low-rank gated norms (terms_axk2)
+    "axk2": AXK2,  # MLA + DSA, an output gate and low-rank gated norms (profiles/axk2.py)
     "hy_v4": HY_V4,
     "hy_v4_vl_text": HY_V4,
     "longcat_flash": LONGCAT_FLASH,

@@ -13,7 +13,7 @@ its token mixer caches (`ModelSpec.mixers`):
 - linear-attention and Mamba layers keep a fixed recurrent + convolution state (fp32)
   whatever the context length (`STATES`; a kind without a sizer is named in the notes).
 
-llama.cpp (`plan_llama_cpp`): weights by GGUF quant type (`plan.gguf`: llama-quantize's
+llama.cpp (`plan_llama_cpp`): weights by GGUF quant type (`plan.serve.gguf`: llama-quantize's
 per-tensor mix); token embeddings always stay in host RAM (llama.cpp's input layer);
 `--n-cpu-moe N` keeps the routed-expert tensors of blocks 0..N-1 in RAM: the plan gives the
 smallest N that fits the card and the RAM those experts need. On unified memory (Apple,
@@ -401,7 +401,7 @@ class Engine:
 
 
 # The registry imports none of its engines: llama.cpp registers below (it is planned in
-# this module), vLLM in serve_vllm.py, which the package's __init__ imports.
+# this module), vLLM in vllm.py, which plan/serve/__init__.py imports.
 ENGINES: Registry[Engine] = Registry("serving engine")
 ENGINES.add("llama.cpp", Engine("llama.cpp", plan_llama_cpp, ("quant", "ctx", "kv_type")))
 

@@ -49,7 +49,7 @@ DEFAULT_OPS = LayerOps(800.0)  # a kind not counted: an attention layer's order
 # ~100k ops of a Qwen3-30B-A3B step in ~20 s on 2 CPU cores (docs/plan.md); the cache's
 # own rate (this machine, this load) wins
 DEFAULT_S_PER_OP = 2e-4
-STEPS = 2  # tracecache.STEPS: the planner traces the steady state
+STEPS = 2  # trace/cache.py's STEPS: the planner traces the steady state
 
 
 def expected_ops(spec: ModelSpec, cfg: RunConfig) -> float:

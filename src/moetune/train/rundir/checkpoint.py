@@ -49,7 +49,7 @@ from moetune.io import PROMOTED, atomic_write_text, fsync_path, share_by_umask
 from moetune.train.distributed.nodes import NODE_KEYS
 from moetune.train.errors import TrainError
 
-# Written by `moetune train --nproc` before the ranks start (distributed.py): not foreign.
+# Written by `moetune train --nproc` before the ranks start (train/launch.py): not foreign.
 LAUNCH_FILES = ("accelerate.yaml",)
 KEEP_CHECKPOINTS = 2  # committed checkpoints kept; older ones are removed after each commit
 STEP_PREFIX = "step-"
