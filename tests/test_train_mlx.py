@@ -140,5 +140,5 @@ def test_stacks_pick_their_trainer() -> None:
     from moetune.train.mlx.stack import train_mlx
     from moetune.train.stacks import stack_trainer
 
-    assert stack_trainer("peft", trainer._train) is trainer._train
-    assert stack_trainer("mlx", trainer._train) is train_mlx
+    assert stack_trainer("peft") is trainer._train
+    assert stack_trainer("mlx") is train_mlx

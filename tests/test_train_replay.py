@@ -17,8 +17,35 @@ from moetune.train.grpo.replay import GATES, gate_of, replayed
 from moetune.train.grpo.shift import ShiftRecorder
 from test_train_helpers import save_tiny_model
 
+# Routers of families moetune's tiny set lacks, built here so every gate rule is checked
+_SMALL = {
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "head_dim": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 8,
+}
+EXTRA = {
+    "qwen3_next": {**_SMALL, "model_type": "qwen3_next", "num_experts": 4,
+                   "shared_expert_intermediate_size": 8, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 2, "linear_key_head_dim": 4,
+                   "linear_value_head_dim": 4,
+                   "layer_types": ["linear_attention", "full_attention"]},
+    "dots1": {**_SMALL, "model_type": "dots1", "n_routed_experts": 4, "n_shared_experts": 1,
+              "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1},
+}  # fmt: skip
 FAMILIES = ["qwen2_moe-shared-dense0", "qwen3_moe-dense0", "olmoe", "mixtral",
-            "deepseek_v2-lite-like", "deepseek_v3", "glm4_moe-qknorm"]  # fmt: skip
+            "deepseek_v2-lite-like", "deepseek_v3", "glm4_moe-qknorm", *EXTRA]  # fmt: skip
+
+
+def family_config(variant: str) -> dict[str, Any]:
+    """A tiny config.json dict: moetune's tiny variant, or one of EXTRA."""
+    return dict(EXTRA[variant]) if variant in EXTRA else tiny_config(variant)
 
 
 def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -30,7 +57,7 @@ def test_each_gate_rule_gives_the_router_its_own_weights_back(variant):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_config(variant)))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**family_config(variant)))
     routers = _routers(model)
     assert routers, f"{variant}: no registered router"
     for router in routers:

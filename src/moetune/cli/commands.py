@@ -38,6 +38,7 @@ from moetune.cli.render import (
 )
 from moetune.cli.render_offload import offload_cards_table, offload_components_table
 from moetune.config import load_config, schema_rows
+from moetune.config.keys import offload_mode
 from moetune.errors import ConfigError
 from moetune.units import human_bytes
 
@@ -141,7 +142,7 @@ def plan(
 def _offloads(spec: Any, cfg: Any, cards: list[str] | None) -> dict[str, Any]:
     """The offload plan per card when train.offload is cpu or disk (--offload or the YAML):
     the --card cards, else the catalog's, else (no CUDA here) this host's "cpu" card."""
-    if cfg.train.offload == "none":
+    if not offload_mode(cfg.train.offload).streams:
         return {}
     # lazy: the stage loads only when its command runs
     from moetune.plan.offload.memory import offload_plans

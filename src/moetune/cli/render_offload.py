@@ -6,6 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
+from moetune.config.keys import offload_mode
 from moetune.units import gib
 
 GiB = 1024**3
@@ -53,7 +54,7 @@ def _moved(p: Any) -> str:
 
 
 def _link(p: Any) -> str:
-    disk = "disk → " if p.offload == "disk" else ""
+    disk = "disk → " if offload_mode(p.offload).on_disk else ""
     return f"{disk}{p.host_link.name}, {p.transfer_bytes_per_s / 1e9:.3g} GB/s"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BeforeValidator,
@@ -152,14 +152,17 @@ class LoraArgs(_Section):
         return self.effective_alpha * self.effective_expert_rank / self.rank
 
 
-TUNING_KINDS = ("lora", "full", "qlora")
+Method = Literal["sft", "dpo", "grpo"]
+Tuning = Literal["lora", "full", "qlora"]
+TUNING_KINDS: tuple[str, ...] = get_args(Tuning)  # the Literal's own values, never a copy
 
 
 def _moved_method(v: Any) -> Any:
     """An old config's `method: qlora` names the fine-tuning kind, now train.tuning."""
     if v in TUNING_KINDS:
+        *others, last = get_args(Method)
         raise ValueError(
-            f"must be sft, dpo or grpo – '{v}' is a fine-tuning kind, which moved to "
+            f"must be {', '.join(others)} or {last} – '{v}' is a fine-tuning kind, which moved to "
             f"train.tuning (write `tuning: {v}`)"
         )
     return v
@@ -168,10 +171,10 @@ def _moved_method(v: Any) -> Any:
 class TrainArgs(_Section):
     """The training step that the planner traces and the trainer runs."""
 
-    method: Annotated[Literal["sft", "dpo", "grpo"], BeforeValidator(_moved_method)] = Field(
+    method: Annotated[Method, BeforeValidator(_moved_method)] = Field(
         "sft", description="Objective: sft (TRL SFTTrainer), dpo (DPOTrainer), grpo (GRPOTrainer)."
     )
-    tuning: Literal["lora", "full", "qlora"] = Field(
+    tuning: Tuning = Field(
         "lora", description="Fine-tuning kind: LoRA, full weights, or QLoRA (bnb 4-bit base)."
     )
     seq_len: PositiveInt = Field(2048, description="Tokens per sequence.")

@@ -19,6 +19,7 @@ import json
 from typing import Any, Literal
 
 from moetune.config import LoraArgs
+from moetune.config.keys import lora_stack, splits, wraps
 from moetune.engine.quant.stacks import QuantError
 from moetune.engine.stored.formats import StoredFormat, stored_format
 from moetune.errors import RecipeError
@@ -61,10 +62,11 @@ def decide_engine(
     """The decision itself (resolve_engine keeps it for the process)."""
     quantised = experts_dtype != "bf16" or stored_experts(spec, quantized_base) is not None
     uses_experts = "experts" in lora.targets or quantised
-    if lora.engine == "peft" or lora.stack != "peft" or not (spec.is_moe and uses_experts):
+    peft_only = wraps(lora.engine) or not lora_stack(lora.stack).peft_adapter  # asked; mlx
+    if peft_only or not (spec.is_moe and uses_experts):
         return "peft"
     served = split_engine_serves(spec)
-    if lora.engine == "moetune" and not served:
+    if splits(lora.engine) and not served:
         raise RecipeError(
             f"lora.engine moetune cannot serve {spec.model_type}: transformers does not "
             "dispatch its experts through ExpertsInterface (@use_experts_implementation)",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetune.config import RunConfig
+from moetune.config.keys import splits
 
 COSTS: dict[str, float] = {  # see the table above; "dq": nf4 already, quantise its scales
     "qlora→lora": 0.0, "engine": 0.0, "dq": 0.0, "as_stored": 0.0, "explicit": 0.05,
@@ -72,7 +73,7 @@ MOVES: tuple[Move, ...] = (
     Move(
         "engine",
         lambda c: with_lora(c, engine="moetune")
-        if c.lora.engine != "moetune" and "experts" in c.lora.targets else None,  # + _usable_moves
+        if not splits(c.lora.engine) and "experts" in c.lora.targets else None,  # + _usable_moves
         lambda o, n: ("engine moetune (split LoRA: same adapter, no W+ΔW copies)",
                       "lora.engine=moetune"),
     ),

@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from moetune.config import RunConfig
+from moetune.config.keys import lora_stack, splits, wraps
 from moetune.errors import MoetuneError
 from moetune.model.derive import checkpointing_refused
 from moetune.model.spec import ModelSpec
@@ -132,7 +133,8 @@ def _usable_moves(cfg: RunConfig, spec: ModelSpec) -> list[Move]:
 
 def _split_serves(cfg: RunConfig, spec: ModelSpec) -> bool:
     """moetune's split LoRA can run this run's experts (quantised storage needs it)."""
-    if not (spec.is_moe and "experts" in cfg.lora.targets and cfg.lora.stack == "peft"):
+    peft = lora_stack(cfg.lora.stack).peft_adapter
+    if not (spec.is_moe and "experts" in cfg.lora.targets and peft):
         return False
     # lazy: heavy to import (torch, peft via moetune.engine)
     from moetune.engine.resolve import split_engine_serves
@@ -146,7 +148,7 @@ def _on_peft(cfg: RunConfig, spec: ModelSpec) -> bool:
     from moetune.engine.resolve import resolve_engine
 
     m = cfg.model
-    return resolve_engine(spec, cfg.lora, m.experts_dtype, m.quantized_base) == "peft"
+    return wraps(resolve_engine(spec, cfg.lora, m.experts_dtype, m.quantized_base))
 
 
 def _move_subsets(cfg: RunConfig, spec: ModelSpec) -> Iterator[tuple[Move, ...]]:
@@ -278,7 +280,7 @@ def _with_storage(spec: ModelSpec, storage: Storage | None, c: RunConfig) -> _St
         return c, [], []
     if not spec.is_moe or c.train.tuning != "lora" or c.train.quantization != "none":
         return None  # quantised frozen experts: LoRA on moetune's engine only
-    sets = [] if c.lora.engine == "moetune" else ["lora.engine=moetune"]
+    sets = [] if splits(c.lora.engine) else ["lora.engine=moetune"]
     sets += [f"model.experts_dtype={storage.dtype}"]
     sets += ["model.experts_double_quant=true"] if storage.double_quant else []
     c = restored(c, storage)  # as the --set say

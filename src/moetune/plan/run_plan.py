@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from moetune.config import RunConfig
+from moetune.config.keys import offload_mode
 from moetune.model.spec import ModelSpec
 from moetune.plan.devices.sharding import per_rank_bytes
 from moetune.plan.hardware import Card, all_cards, card_for_device, get_card
@@ -54,7 +55,7 @@ Builder = Callable[[ModelSpec, RunConfig, str, Any], RunPlan | None]
 
 
 def _offload(spec: ModelSpec, cfg: RunConfig, device: str, memory: Any) -> RunPlan | None:
-    if cfg.train.offload == "none":
+    if not offload_mode(cfg.train.offload).streams:
         return None
     card = offload_card(cfg, device)
     plan = plan_offload(spec, cfg, card)

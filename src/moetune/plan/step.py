@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from moetune.config import RunConfig
+from moetune.config.keys import splits
 from moetune.model.spec import ModelSpec
 
 Method = Literal["lora", "full", "qlora"]
@@ -86,7 +87,7 @@ def split_lora(spec: ModelSpec, cfg: RunConfig) -> bool:
 
     m = cfg.model
     engine = resolve_engine(spec, cfg.lora, m.experts_dtype, m.quantized_base)
-    return cfg.train.tuning != "full" and engine == "moetune"
+    return cfg.train.tuning != "full" and splits(engine)
 
 
 def _stored(spec: ModelSpec, cfg: RunConfig, split: bool) -> dict[str, Any]:

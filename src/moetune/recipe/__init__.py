@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from rich.syntax import Syntax
 from rich.table import Table
 
+from moetune.config.keys import lora_stack
 from moetune.recipe.mlx import make_mlx_recipe
 from moetune.recipe.targets import make_recipe
 from moetune.registry import Registry
@@ -62,7 +63,7 @@ def _grouped(rows: list[list[str]]) -> list[list[str]]:
 
 def render_recipe(console: Console, result: dict[str, Any]) -> None:
     """Print a recipe from `recipe_for` for people: the config, then what it covers."""
-    if result["stack"] == "mlx":  # raw: valid YAML at any terminal width (notes are comments)
+    if lora_stack(result["stack"]).runs_mlx:  # raw: valid YAML at any width (notes: comments)
         console.file.write(result["yaml"])
         return
     console.print(Syntax(result["snippet"], "python"))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moetune.config import LoraArgs
+from moetune.config.keys import splits
 from moetune.errors import RecipeError
 from moetune.model import build_model
 from moetune.model.families.registry import Family, get_family
@@ -148,7 +149,7 @@ def split_experts(spec: ModelSpec, lora: LoraArgs) -> bool:
     # lazy: heavy to import (moetune.engine)
     from moetune.engine.resolve import resolve_engine
 
-    return resolve_engine(spec, lora) == "moetune"
+    return splits(resolve_engine(spec, lora))
 
 
 def _no_dropout(spec: ModelSpec, lora: LoraArgs, targets: PeftTargets) -> tuple[str, ...]:

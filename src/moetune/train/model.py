@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from moetune.config import RunConfig
+from moetune.config.keys import offload_mode, splits
 from moetune.io import atomic_write_json
 from moetune.model.derive import checkpoint_class, ensure_backbone
 from moetune.model.fixes.registry import apply_fixes
@@ -44,7 +45,7 @@ def load_model(
     from transformers import AutoConfig
 
     dtype = _DTYPES[load_dtype]
-    if cfg.train.offload != "none":  # expert stacks to host RAM or left in the files
+    if offload_mode(cfg.train.offload).streams:  # expert stacks to host RAM or left in the files
         # lazy: heavy to import (moetune)
         from moetune.train.offload import load_offloaded_model
 
@@ -167,7 +168,7 @@ def _split_and_dropout(wrapped: nn.Module, cfg: RunConfig, engine: str, built: f
     # lazy: heavy to import (moetune)
     from moetune.engine import apply_lora_dropout, apply_split_lora
 
-    if engine == "moetune" and "experts" in cfg.lora.targets:
+    if splits(engine) and "experts" in cfg.lora.targets:
         apply_split_lora(wrapped, dropout=cfg.lora.dropout)  # same peft params, split forward
     if cfg.lora.dropout != built:
         apply_lora_dropout(wrapped, cfg.lora.dropout)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from moetune.config import RunConfig
+from moetune.config.keys import offload_mode, splits
 from moetune.io import atomic_write_json
 from moetune.model.fixes.registry import apply_fixes
 from moetune.train.errors import TrainError
@@ -38,13 +39,13 @@ FILE = "offload.json"
 def check_offload(cfg: RunConfig, engine: str, model_dir: str | None) -> None:
     """Refuse, before anything is written, what offload cannot do."""
     mode = cfg.train.offload
-    if mode == "none":
+    if not offload_mode(mode).streams:
         return
     fix = "set train.offload: none"
     if cfg.model.is_gguf:
         raise TrainError("train.offload streams safetensors weights; a GGUF base has none",
                          f"train the original safetensors base, or {fix}")  # fmt: skip
-    if engine != "moetune":
+    if not splits(engine):
         raise TrainError(
             f"train.offload={mode} streams expert stacks inside moetune's split-LoRA engine, "
             f"but this run resolves to lora.engine {engine}",
@@ -66,7 +67,7 @@ def _check_files(cfg: RunConfig, model_dir: Path) -> None:
             "save the base with save_pretrained, or set train.offload: none",
         )
     ratio = _SPILL_RATIO.get(cfg.model.experts_dtype)
-    if cfg.train.offload != "disk" or ratio is None:
+    if not offload_mode(cfg.train.offload).on_disk or ratio is None:
         return
     need = int(ratio * sum(f.stat().st_size for f in files))
     target = Path(cfg.output.dir).resolve()

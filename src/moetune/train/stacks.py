@@ -1,5 +1,6 @@
-"""Training stacks by `lora.stack`: peft/TRL is trainer.py's own `_train`; others register
-here as "module:function" so their libraries load only when a run uses them.
+"""Training stacks by `lora.stack`, each registered here as "module:function" so its
+libraries load only when a run uses it: peft/TRL is trainer.py's own `_train`, mlx-lm
+train/mlx/stack.py's `train_mlx`.
 
 A stack's trainer takes (cfg, resume, allow_errors, (overwrite, overwrite_promoted),
 progress) and returns a TrainResult; `train()` wraps every stack in the same ledger row and
@@ -15,6 +16,7 @@ from typing import Any
 from moetune.registry import Registry
 
 STACKS: Registry[str] = Registry("training stack")
+STACKS.add("peft", "moetune.train.trainer:_train")
 STACKS.add("mlx", "moetune.train.mlx.stack:train_mlx")
 
 
@@ -23,10 +25,8 @@ def register_stack(stack: str, target: str) -> None:
     STACKS.add(stack, target)
 
 
-def stack_trainer(stack: str, default: Callable[..., Any]) -> Callable[..., Any]:
-    """The trainer registered for `stack`, else `default` (the peft trainer)."""
-    if stack not in STACKS:
-        return default
+def stack_trainer(stack: str) -> Callable[..., Any]:
+    """The trainer registered for `stack`."""
     module, _, name = STACKS.get(stack).partition(":")
     fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
     return fn

@@ -8,6 +8,7 @@ import os
 import torch
 
 from moetune.config import RunConfig
+from moetune.config.keys import offload_mode, splits
 from moetune.model.spec import ModelSpec
 from moetune.train.errors import TrainError
 
@@ -38,7 +39,7 @@ def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
             f"{cfg.model.experts_dtype} would quantise it a second time",
             "set model.experts_dtype: bf16 (the stored bytes are kept as they are)",
         )
-    if as_stored and engine != "moetune":
+    if as_stored and not splits(engine):
         raise TrainError(
             f"the base's experts are stored as {fmt}; peft's experts path cannot wrap stored "
             "stacks (it re-materialises every float stack)",
@@ -48,7 +49,7 @@ def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
         raise TrainError(f"a base kept as stored ({fmt}) trains in one process for now",
                          f"set train.nproc: 1 and train.nnodes: 1 (train.offload reaches far "
                          f"larger bases), {fix}")  # fmt: skip
-    if not as_stored and cfg.train.offload != "none":
+    if not as_stored and offload_mode(cfg.train.offload).streams:
         raise TrainError("train.offload streams the stored bytes of a quantised base",
                          "set model.quantized_base: as_stored, or train.offload: none")  # fmt: skip
     # lazy: heavy to import (moetune.engine, transformers)

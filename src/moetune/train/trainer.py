@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from moetune.config import RunConfig
+from moetune.config.keys import offload_mode
 from moetune.config.paths import anchor
 from moetune.io import atomic_write_json
 from moetune.ledger import attempt
@@ -129,7 +130,7 @@ def train(
     if launched():  # an FSDP launch's CPU ranks shard for real, not silently as DDP
         fsdp_on_cpu()
         install()  # a sharded load: rank 0's full tensors freed once sent, the load measured
-    run_stack = stack_trainer(cfg.lora.stack, _train)  # peft here, others in stacks.py
+    run_stack = stack_trainer(cfg.lora.stack)  # registered in stacks.py (peft: _train here)
 
     def run() -> TrainResult:
         with node_loss_stops(cfg):  # a dead node's peers: one line, also in the ledger row
@@ -185,7 +186,7 @@ def _train(
         shift = callback_of(trainer, ShiftCallback)
         rows, collate = method_of(cfg).routing_rows(trainer, setup.tokenizer)
         batch, limit = base_sample(
-            cfg.train.batch_size, cfg.train.seq_len, cfg.train.offload != "none"
+            cfg.train.batch_size, cfg.train.seq_len, offload_mode(cfg.train.offload).streams
         )
         with gathered_forward(model):  # ZeRO-3: one decoder layer whole at a time
             routing.base = from_main(

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetune.config.keys import splits
 from moetune.errors import MoetuneError
 from moetune.registry import Registry
 
@@ -468,7 +469,7 @@ def peft_targets(model: nn.Module) -> Iterator[None]:
 def require_split_engine(engine: str, experts_dtype: str) -> None:
     """Quantised stacks run only on the split-LoRA engine: peft's own experts path
     re-materialises every float stack (and its target_parameters match no quantised stack)."""
-    if experts_dtype != "bf16" and engine != "moetune":
+    if experts_dtype != "bf16" and not splits(engine):
         raise QuantError(
             f"experts_dtype={experts_dtype} needs moetune's engine; peft's own experts "
             "path re-materialises every float stack",

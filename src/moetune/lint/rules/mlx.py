@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import moetune.lint.probes.mlx as probes_mlx
+from moetune.config.keys import lora_stack
 from moetune.lint.mlx_env import MLX_INSTALL, backend_fix, mlx_backend, pin_problems
 from moetune.lint.probes import model as probes
 from moetune.lint.registry import Hit, LintContext, register_rule
@@ -15,7 +16,7 @@ MLX_MODEL_LEVEL = ("lm_head", "model.embed_tokens")
 
 
 def _is_mlx(ctx: LintContext) -> bool:
-    return ctx.config.lora.stack == "mlx"
+    return lora_stack(ctx.config.lora.stack).runs_mlx
 
 
 def mlx_paths(p: ModulePaths) -> tuple[str, ...]:
@@ -170,7 +171,7 @@ def fused_mlx_keys(model_id: str) -> list[str]:
     libraries=("transformers", "mlx-lm"),
 )
 def fused_keys(ctx: LintContext) -> Hit | None:
-    if ctx.config.lora.stack == "mlx":  # mlx-lm reads its own layout
+    if _is_mlx(ctx):  # mlx-lm reads its own layout
         return None
     stacked = fused_mlx_keys(ctx.config.model.id)
     if not stacked:

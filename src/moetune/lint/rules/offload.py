@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import moetune.lint.probes.offload as probes_offload
+from moetune.config.keys import offload_mode
 from moetune.errors import MoetuneError
 from moetune.lint.probes import model as probes
 from moetune.lint.registry import Hit, LintContext, register_rule
@@ -23,7 +24,7 @@ def _offload_plan(ctx: LintContext) -> OffloadPlan | None:
     None when there is no offload, no known device (no card named for a GPU run), or it
     cannot be planned (plan --offload says why)."""
     cfg = ctx.config
-    if cfg.train.offload == "none" or ctx.spec is None or cfg.model.is_gguf:
+    if not offload_mode(cfg.train.offload).streams or ctx.spec is None or cfg.model.is_gguf:
         return None
     if cfg.hardware.card is None and cfg.train.device != "cpu":
         return None
@@ -44,7 +45,8 @@ def host_ram(ctx: LintContext) -> Hit | None:
     plan = _offload_plan(ctx)
     if plan is None or plan.host_ram_fits:
         return None
-    held = "the offloaded expert stacks" if plan.offload == "cpu" else "its staging buffers"
+    in_ram = offload_mode(plan.offload).in_host_ram
+    held = "the offloaded expert stacks" if in_ram else "its staging buffers"
     return Hit(
         f"train.offload {plan.offload} needs {gib(plan.host_ram_bytes)} of host RAM "
         f"({held} and the process), the host has {gib(plan.host_ram_available_bytes)}: the "
@@ -82,7 +84,7 @@ def _free_bytes(path: str) -> int:
 )
 def disk_space(ctx: LintContext) -> Hit | None:
     plan = _offload_plan(ctx)
-    if plan is None or plan.offload != "disk":
+    if plan is None or not offload_mode(plan.offload).on_disk:
         return None
     cfg = ctx.config
     declared = cfg.hardware.disk_gb
@@ -111,7 +113,7 @@ def disk_space(ctx: LintContext) -> Hit | None:
 )
 def gguf(ctx: LintContext) -> Hit | None:
     cfg = ctx.config
-    if cfg.train.offload == "none" or not cfg.model.is_gguf:
+    if not offload_mode(cfg.train.offload).streams or not cfg.model.is_gguf:
         return None
     return Hit(
         f"train.offload {cfg.train.offload} on the GGUF base {cfg.model.id}: transformers only "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moetune.config.keys import lora_stack, splits
 from moetune.errors import RecipeError
 from moetune.lint.probes import peft as probes
 from moetune.lint.registry import Hit, LintContext, Severity, register_rule
@@ -27,11 +28,12 @@ def peft_maps_experts(ctx: LintContext) -> bool | None:
 
 def _peft_experts(ctx: LintContext) -> bool:
     lora = ctx.config.lora
-    return lora.stack == "peft" and "experts" in lora.targets and ctx.is_moe
+    return lora_stack(lora.stack).peft_adapter and "experts" in lora.targets and ctx.is_moe
 
 
 def _automap(ctx: LintContext) -> bool:
-    return ctx.config.lora.stack == "peft" and ctx.config.lora.expert_mapping == "automap"
+    lora = ctx.config.lora
+    return lora_stack(lora.stack).peft_adapter and lora.expert_mapping == "automap"
 
 
 # -- MOE-LORA-DROPOUT --------------------------------------------------------------------
@@ -62,7 +64,7 @@ def _param_wrapped(ctx: LintContext) -> list[str]:
 )
 def lora_dropout(ctx: LintContext) -> Hit | None:
     dropout = ctx.config.lora.dropout
-    if ctx.config.lora.stack != "peft" or dropout == 0 or _engine(ctx) == "moetune":
+    if not lora_stack(ctx.config.lora.stack).peft_adapter or dropout == 0 or splits(_engine(ctx)):
         return None
     wrapped = _param_wrapped(ctx)
     if not wrapped:
@@ -188,7 +190,7 @@ def qwen2moe_unmapped(ctx: LintContext) -> Hit | None:
 
 def _router_adapted(ctx: LintContext) -> bool:
     lora = ctx.config.lora
-    if lora.stack == "mlx" and lora.mlx_keys is not None and ctx.paths is not None:
+    if lora_stack(lora.stack).runs_mlx and lora.mlx_keys is not None and ctx.paths is not None:
         return bool(set(lora.mlx_keys) & set(ctx.paths.mlx_router))
     return "router" in lora.targets
 
@@ -203,7 +205,7 @@ def _router_adapted(ctx: LintContext) -> bool:
 def router_targeted(ctx: LintContext) -> Hit | None:
     if ctx.config.lora.train_router or not ctx.is_moe or not _router_adapted(ctx):
         return None
-    field = "lora.mlx_keys" if ctx.config.lora.stack == "mlx" else "lora.targets"
+    field = "lora.mlx_keys" if lora_stack(ctx.config.lora.stack).runs_mlx else "lora.targets"
     return Hit(
         "the router gets LoRA while lora.train_router is false: routing drifts with no "
         "load-balancing loss to hold it, and expert load can collapse",
@@ -219,7 +221,7 @@ def router_targeted(ctx: LintContext) -> Hit | None:
 def _no_experts_reason(ctx: LintContext) -> tuple[str, str, str] | None:
     """(why, fix, field) when no adapter reaches an expert; None when one does."""
     lora, paths = ctx.config.lora, ctx.paths
-    if lora.stack == "mlx" and lora.mlx_keys is not None and paths is not None:
+    if lora_stack(lora.stack).runs_mlx and lora.mlx_keys is not None and paths is not None:
         if not set(lora.mlx_keys) & set(paths.mlx_experts):
             fix = f"add {', '.join(paths.mlx_experts)} to lora.mlx_keys"
             return "none of lora.mlx_keys names the expert stack", fix, "lora.mlx_keys"
@@ -275,7 +277,7 @@ def no_experts(ctx: LintContext) -> Hit | None:
 )
 def quantized_experts_peft(ctx: LintContext) -> Hit | None:
     model = ctx.config.model
-    if model.experts_dtype == "bf16" or _engine(ctx) == "moetune":
+    if model.experts_dtype == "bf16" or splits(_engine(ctx)):
         return None
     return Hit(
         f"model.experts_dtype={model.experts_dtype} with lora.engine: peft – peft's "
@@ -311,7 +313,7 @@ def _engine(ctx: LintContext) -> str:
     libraries=("transformers",),
 )
 def engine_unserved(ctx: LintContext) -> Hit | None:
-    if ctx.spec is None or ctx.config.lora.engine != "moetune":
+    if ctx.spec is None or not splits(ctx.config.lora.engine):
         return None
     # lazy: heavy to import (moetune.engine)
     from moetune.engine.resolve import resolve_engine

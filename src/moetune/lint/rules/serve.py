@@ -5,6 +5,7 @@ experts (the default config serves nothing, so it stays quiet)."""
 from __future__ import annotations
 
 import moetune.lint.probes.serve as probes_serve
+from moetune.config.keys import lora_stack
 from moetune.lint.registry import Hit, LintContext, register_rule
 from moetune.model.families.serving import GGUF_FAMILIES, VLLM_FAMILIES
 
@@ -14,7 +15,7 @@ def _serves_experts(ctx: LintContext, stack: str) -> bool:
     return (
         stack in cfg.output.serve_with
         and "experts" in cfg.lora.targets
-        and cfg.lora.stack == "peft"
+        and lora_stack(cfg.lora.stack).peft_adapter
         and ctx.is_moe
     )
 

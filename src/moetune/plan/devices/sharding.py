@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.config import RunConfig
+from moetune.config.keys import offload_mode
 from moetune.errors import ConfigError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate, expert_bytes_per_param
@@ -217,7 +218,8 @@ def zero3_partitioned(spec: ModelSpec, cfg: RunConfig) -> bool:
     own loaders, whole on every rank."""
     m = cfg.model
     from_pretrained = not (m.is_gguf or spec.quant_config)
-    return m.experts_dtype == "bf16" and cfg.train.offload == "none" and from_pretrained
+    streams = offload_mode(cfg.train.offload).streams
+    return m.experts_dtype == "bf16" and not streams and from_pretrained
 
 
 def _lora_per_layer(spec: ModelSpec, cfg: RunConfig) -> list[int]:

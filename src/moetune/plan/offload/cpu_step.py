@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetune.config import RunConfig
+from moetune.config.keys import offload_mode
 from moetune.model.spec import ModelSpec
 from moetune.plan.cost.estimate import flops_per_token
 from moetune.plan.hardware import Card, HostRates
@@ -61,7 +62,7 @@ def _phases(cfg: RunConfig) -> int:
 
 
 def _read_s(cfg: RunConfig, rates: HostRates, file_layer: int) -> float:
-    if cfg.train.offload != "disk":
+    if not offload_mode(cfg.train.offload).on_disk:
         return 0.0
     return file_layer / (rates.disk_read_gb_per_s * 1e9 * STREAM_EFFICIENCY)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetune.config import RunConfig
+from moetune.config.keys import offload_mode, streaming_modes
 from moetune.errors import ConfigError, MoetuneError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import QUANT_BYTES, expert_bytes_per_param
@@ -178,7 +179,7 @@ def _device(cfg: RunConfig, card: Card | str | None) -> Card:
     """The card the plan is for (this host's CPU card when none is named or train.device
     is cpu), refusing what cannot work."""
     offload = cfg.train.offload
-    if offload not in ("cpu", "disk"):
+    if not offload_mode(offload).streams:
         raise ConfigError(
             f"train.offload is {offload!r}: there is no offload to plan",
             "set train.offload: cpu or disk (or pass --offload cpu|disk)",
@@ -225,7 +226,7 @@ def file_layer_bytes(spec: ModelSpec, cfg: RunConfig, layer: int) -> int:
     parameter, not 4); quantised stacks and host copies move as stored."""
     step = Step.from_config(cfg, spec)
     quantised = step.quantization in QUANT_BYTES or step.experts_quantised
-    if cfg.train.offload != "disk" or quantised:
+    if not offload_mode(cfg.train.offload).on_disk or quantised:
         return layer
     file_bytes = DTYPE_BYTES.get(spec.dtype, step.weight_bytes)
     return round(spec.components.routed_experts / len(spec.moe_layers) * file_bytes)
@@ -247,7 +248,7 @@ def _device_components(
     parts = dict(est.components)
     frozen = parts.pop("frozen_weights", 0)
     resident = frozen - offloaded
-    if card.is_host and cfg.train.offload == "cpu":
+    if card.is_host and offload_mode(cfg.train.offload).in_host_ram:
         resident = frozen  # host RAM is the device: the offloaded stacks live there too
     out = {
         "resident_weights": resident,
@@ -264,12 +265,13 @@ def _host(
     cfg: RunConfig, card: Card, offloaded: int, layer: int, device_peak: int
 ) -> dict[str, int]:
     """Pinned host bytes, all host RAM the run needs, what the host has, disk read."""
-    disk = offloaded if cfg.train.offload == "disk" else 0
+    mode = offload_mode(cfg.train.offload)
+    disk = offloaded if mode.on_disk else 0
     if card.is_host:  # one memory: the device peak is the process
-        pinned = offloaded if cfg.train.offload == "cpu" else 0
+        pinned = offloaded if mode.in_host_ram else 0
         need = device_peak
     else:
-        pinned = offloaded if cfg.train.offload == "cpu" else STREAMED_LAYERS * layer
+        pinned = offloaded if mode.in_host_ram else STREAMED_LAYERS * layer
         need = pinned + CUDA_HOST_BASELINE
     return {
         "pinned_host_bytes": pinned,
@@ -297,7 +299,7 @@ def _transfer_rate(cfg: RunConfig, card: Card) -> float:
     disk (a CPU card: its measured disk rate × STREAM_EFFICIENCY; offload cpu on a CPU
     crosses no link, so its memcpy rate stands)."""
     link = _link(card).bytes_per_s
-    if cfg.train.offload != "disk":
+    if not offload_mode(cfg.train.offload).on_disk:
         return link
     if card.rates is not None:
         return card.rates.disk_read_gb_per_s * 1e9 * STREAM_EFFICIENCY
@@ -317,7 +319,7 @@ def _gpu_notes(cfg: RunConfig, card: Card) -> list[str]:
         f"compute at MFU {MFU} of the card's bf16 peak (plan.estimate); host side "
         f"{CUDA_HOST_BASELINE // GiB} GiB beside the pinned buffers (assumed)"
     ]
-    if cfg.train.offload == "disk":
+    if offload_mode(cfg.train.offload).on_disk:
         notes.append(
             f"disk read {disk_read_bytes_per_s() / 1e9:g} GB/s assumed (one NVMe); mapped file "
             "pages are dropped after each layer's copy, so the OS page cache is not counted"
@@ -335,7 +337,7 @@ def _cpu_notes(cfg: RunConfig, card: Card) -> list[str]:
         f"available now; matmul {rates.gflops(4):.1f} / {rates.gflops(2):.1f} GFLOP/s fp32 / "
         f"bf16, memcpy {rates.memcpy_gb_per_s:.2f} GB/s – {where}"
     ]
-    if cfg.train.offload == "disk":
+    if offload_mode(cfg.train.offload).on_disk:
         notes.append(
             f"disk read {rates.disk_read_gb_per_s:.2f} GB/s × {STREAM_EFFICIENCY} (the reader's "
             "share of O_DIRECT, assumed); the step is Σ max(read, compute) per layer and phase"
@@ -366,7 +368,8 @@ def fitting_offload(spec: ModelSpec, cfg: RunConfig, card: Card) -> OffloadPlan 
     """The offload that fits `card`: the configured one, else cpu when the host holds the
     stacks, else disk; None when none fits (or offload cannot apply: dense, full
     fine-tuning, unified memory)."""
-    kinds = (cfg.train.offload,) if cfg.train.offload != "none" else ("cpu", "disk")
+    asked = cfg.train.offload
+    kinds = (asked,) if offload_mode(asked).streams else streaming_modes()
     try:
         plans = [plan_offload(spec, with_offload(cfg, o), card) for o in kinds]
     except MoetuneError:
@@ -378,7 +381,7 @@ def offload_recommendation(
     plan: OffloadPlan, cost: float, changes: tuple[str, ...], overrides: tuple[str, ...]
 ) -> Recommendation:
     """`plan` as a recommendation after `changes`: a speed cost, no quality cost."""
-    where = "host RAM" if plan.offload == "cpu" else "the safetensors files on disk"
+    where = offload_mode(plan.offload).where
     words = (
         f"offload the frozen experts to {where} (train.offload: {plan.offload}; same "
         f"result, ≈ {plan.tokens_per_s:,.0f} tok/s, {plan.bound}-bound)"

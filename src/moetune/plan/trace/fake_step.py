@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from moetune.config.keys import splits
 from moetune.errors import ConfigError, MoetuneError, TraceError
 from moetune.model.derive import causal_lm_class, ensure_backbone
 from moetune.model.fixes.registry import apply_fixes
@@ -239,7 +240,7 @@ def build_step_model(
             from moetune.engine.forwards import apply_overrides
 
             apply_overrides(model)  # the experts forward the trainer runs (dbrx)
-            if engine == "moetune" and peft_config.target_parameters:
+            if splits(engine) and peft_config.target_parameters:
                 # lazy: heavy to import (peft, transformers via moetune.engine)
                 from moetune.engine import apply_split_lora
 

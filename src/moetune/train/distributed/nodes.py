@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune.config import RunConfig
+from moetune.config.keys import offload_mode
 from moetune.config.sections import TrainArgs
 from moetune.model import load_spec
 from moetune.plan.devices.host_ram import host_ram
@@ -150,7 +151,7 @@ def check_one_process(cfg: RunConfig) -> None:
     """Refuse, in the launcher, train.offload on several ranks (it streams one process's
     stacks to one device) – never let each rank refuse it inside, after its own trace."""
     t = cfg.train
-    if t.offload != "none":
+    if offload_mode(t.offload).streams:
         raise TrainError(
             f"train.offload={t.offload} trains in one process (one device), and this launch "
             f"asks for {world(t)} ({t.nproc} per node × {t.nnodes} node(s))",
