@@ -168,7 +168,7 @@ from torch.distributed.tensor import DTensor
 from moetune.config import parse_config
 from moetune.engine.quant.stacks import shardable_
 from moetune.engine.quant.load import load_quantized
-from moetune.train import sharded_load as S
+from moetune.train.distributed import sharded_load as S
 from moetune.train.launch import fsdp_on_cpu
 from moetune.train.model import load_quantized_model
 
