@@ -1,9 +1,5 @@
 """Probes of the infrastructure walls of a rented-GPU run: a card too small, hf-xet, a
 volume too small, watchdogs and CI timeouts.
-
-Each probe builds the smallest thing that shows its trap and returns whether it
-reproduced, with the evidence; one that cannot run here raises ProbeUnavailable. Heavy
-libraries are imported inside the probes so `moetune lint` never pays for them.
 """
 
 from __future__ import annotations

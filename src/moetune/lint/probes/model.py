@@ -1,9 +1,5 @@
 """Probes of the checkpoint traps: a .gguf is only a lossy copy to train from, and remote
 code runs at import.
-
-Each probe builds the smallest thing that shows its trap and returns whether it
-reproduced, with the evidence; one that cannot run here raises ProbeUnavailable. Heavy
-libraries are imported inside the probes so `moetune lint` never pays for them.
 """
 
 from __future__ import annotations

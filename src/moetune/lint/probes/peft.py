@@ -1,9 +1,5 @@
 """Probes of the peft / transformers traps: LoRA that never reaches the experts, a router
 adapted, bitsandbytes that leaves experts bf16, experts that do not dispatch.
-
-Each probe builds the smallest thing that shows its trap and returns whether it
-reproduced, with the evidence; one that cannot run here raises ProbeUnavailable. Heavy
-libraries are imported inside the probes so `moetune lint` never pays for them.
 """
 
 from __future__ import annotations

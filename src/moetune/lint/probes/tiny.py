@@ -1,9 +1,5 @@
 """Tiny transformers models for the probes: a 2-layer, 4-expert, hidden-16 causal LM of a
 family, peft's view of which modules it adapts, and quiet library logs.
-
-Each probe builds the smallest thing that shows its trap and returns whether it
-reproduced, with the evidence; one that cannot run here raises ProbeUnavailable. Heavy
-libraries are imported inside the probes so `moetune lint` never pays for them.
 """
 
 from __future__ import annotations
