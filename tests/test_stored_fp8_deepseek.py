@@ -209,3 +209,33 @@ def test_run_over_the_stored_base_equals_the_publishers_float(
     for name, value in plain.items():
         rel = float((stored[name] - value).norm() / value.norm().clamp_min(1e-30))
         assert rel <= 1e-5, (name, rel)
+
+
+def test_merged_export_is_the_publishers_weights_plus_delta(deepseek: dict, tmp_path: Path) -> None:
+    """The merge over the FP8 base equals the publisher-dequantised base + ΔW, the partial-block
+    kv_a_proj_with_mqa (an adapter target here) and the experts included."""
+    import transformers
+
+    from export_fixtures import make_adapter
+    from moetune.export import ExportOptions, resolve_source, run_export
+    from moetune.export.deltas import delta, iter_deltas
+
+    adapter = make_adapter(deepseek["copy"], tmp_path / "adapter", 0.05,
+                           modules=["kv_a_proj_with_mqa", "o_proj"])  # fmt: skip
+    source = resolve_source(adapter, str(deepseek["fp8"]))
+    run_export(source, "merged", tmp_path / "out", ExportOptions(dtype="float32"))  # type: ignore[arg-type]
+
+    def params(path: Path) -> dict[str, torch.Tensor]:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    want, got = params(deepseek["copy"]), params(tmp_path / "out")
+    targets = set()
+    for target, a, b in iter_deltas(adapter, str(deepseek["copy"]), torch.float32):
+        want[target.param] += delta(target, a, b)
+        targets.add(target.param)
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in targets
+    assert any(".experts." in t for t in targets)
+    for name, value in want.items():
+        rel = float((got[name] - value).norm() / value.norm())
+        assert rel < 1e-6, (name, rel)
