@@ -239,3 +239,17 @@ def test_merged_export_is_the_publishers_weights_plus_delta(deepseek: dict, tmp_
     for name, value in want.items():
         rel = float((got[name] - value).norm() / value.norm())
         assert rel < 1e-6, (name, rel)
+
+
+def test_fused_projections_ending_in_a_partial_block_refused() -> None:
+    """gate and up of 100 rows each fused into one stack: ceil(200 / 128) = 2 scale rows, as
+    many as the two per-projection grids hold, yet rows 100..127 would take gate's scale for
+    up's rows – refused, never read wrongly."""
+    from moetune.engine.stored.load import _fusable
+
+    fmt = stored_format(QCFG)
+    assert fmt is not None
+    _fusable(fmt, 2, (256, 200), "experts.gate_up_proj")  # 128-row projections: whole blocks
+    with pytest.raises(QuantError, match="partial 128-row block") as err:
+        _fusable(fmt, 2, (200, 200), "experts.gate_up_proj")
+    assert "bf16 release" in err.value.fix

@@ -13,7 +13,8 @@ columns / scale columns) where it must divide; block FP8's block size is config.
 class configured with it (`configured`) is the stack's backend.
 
 Dequantisation matches each format's reference bit for bit (tests/test_engine_stored.py):
-transformers' `Fp8Dequantize` and `_convert_moe_packed_tensors`, ModelOpt's NVFP4 formula,
+DeepSeek's `weight_dequant` (block FP8; tests/test_stored_fp8_deepseek.py), transformers'
+`_convert_moe_packed_tensors`, ModelOpt's NVFP4 formula,
 compressed-tensors' int4 unpacking. `quantize` writes the same layout from float weights
 (tiny published-layout checkpoints, the benchmarks); round to nearest as the publishers do.
 """
