@@ -124,10 +124,10 @@ def test_formats_from_quantization_config() -> None:
     ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
           "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 32}}}}  # fmt: skip
     assert stored_format(ct) is Int4Packed
-    assert {f.name for f in stored_formats()} == {"fp8", "mxfp4", "nvfp4", "int4"}
+    assert {f.name for f in stored_formats()} == {"fp8", "fp8_scaled", "mxfp4", "nvfp4", "int4"}
     with pytest.raises(QuantError) as err:  # transformers' quantizer cannot train it either
-        stored_format({"quant_method": "fbgemm_fp8"})
-    assert "fbgemm_fp8" in str(err.value) and "MXFP4" in err.value.fix
+        stored_format({"quant_method": "higgs"})
+    assert "higgs" in str(err.value) and "MXFP4" in err.value.fix
     bnb = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
     assert stored_format(bnb) is None  # a pre-quantised QLoRA base: transformers' path, as ever
     assert describe({"quant_method": "modelopt", "quant_algo": "FP8"}) == "modelopt / FP8"

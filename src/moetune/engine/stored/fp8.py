@@ -37,7 +37,7 @@ class BlockFP8(StoredFormat):
 
     @classmethod
     def reads(cls, qcfg: dict[str, Any]) -> bool:
-        return qcfg.get("quant_method") == "fp8"
+        return qcfg.get("quant_method") == "fp8" and bool(qcfg.get("weight_block_size"))
 
     @classmethod
     def bytes_per_param(cls, qcfg: dict[str, Any]) -> float:
