@@ -189,10 +189,13 @@ def _adapter(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(next(run.rglob("adapter_model.safetensors"))))
 
 
-@pytest.mark.parametrize("quantized_base", ["as_stored", "dequantize"])
+@pytest.mark.parametrize(("quantized_base", "offload"),
+                         [("as_stored", "none"), ("dequantize", "none"), ("as_stored", "disk")])  # fmt: skip
 def test_run_over_the_stored_base_equals_the_publishers_float(
-    deepseek: dict, tmp_path: Path, quantized_base: str
+    deepseek: dict, tmp_path: Path, quantized_base: str, offload: str
 ) -> None:
+    """Offloaded to disk, the stacks are read from the checkpoint per step (the configured
+    block travels with them)."""
     from moetune.train import train
 
     def run(base: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -200,6 +203,7 @@ def test_run_over_the_stored_base_equals_the_publishers_float(
                          max_steps=2, save_steps=2)  # fmt: skip
         if base == deepseek["fp8"]:
             cfg.model.quantized_base = quantized_base
+            cfg.train.offload = offload
         with one_thread():
             train(cfg, progress=False)
         return _adapter(out)
