@@ -257,3 +257,22 @@ def test_fused_projections_ending_in_a_partial_block_refused() -> None:
     with pytest.raises(QuantError, match="partial 128-row block") as err:
         _fusable(fmt, 2, (200, 200), "experts.gate_up_proj")
     assert "bf16 release" in err.value.fix
+
+
+def test_requantized_export_keeps_deepseeks_ceil_grid(deepseek: dict, tmp_path: Path) -> None:
+    """--requantize writes the merge back as published: 576 rows keep a grid of 5."""
+    from export_fixtures import make_adapter
+    from moetune.export import ExportOptions, resolve_source, run_export
+
+    adapter = make_adapter(deepseek["copy"], tmp_path / "adapter", 0.05,
+                           modules=["kv_a_proj_with_mqa"])  # fmt: skip
+    source = resolve_source(adapter, str(deepseek["fp8"]))
+    opts = ExportOptions(extra={"requantize": True, "survival_floor": 0.0})  # type: ignore[call-arg]
+    run_export(source, "merged", tmp_path / "out", opts)
+    files = [load_file(str(f)) for f in (tmp_path / "out").glob("*.safetensors")]
+    written = {k: v for f in files for k, v in f.items()}
+    key = "model.layers.0.self_attn.kv_a_proj_with_mqa"
+    assert written[f"{key}.weight"].shape == (576, 200)
+    assert written[f"{key}.weight_scale_inv"].shape == (5, 2)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
