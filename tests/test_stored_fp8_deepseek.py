@@ -189,8 +189,10 @@ def _adapter(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(next(run.rglob("adapter_model.safetensors"))))
 
 
-@pytest.mark.parametrize(("quantized_base", "offload"),
-                         [("as_stored", "none"), ("dequantize", "none"), ("as_stored", "disk")])  # fmt: skip
+RUNS = [("as_stored", "none"), ("dequantize", "none"), ("as_stored", "disk")]
+
+
+@pytest.mark.parametrize(("quantized_base", "offload"), RUNS)
 def test_run_over_the_stored_base_equals_the_publishers_float(
     deepseek: dict, tmp_path: Path, quantized_base: str, offload: str
 ) -> None:
