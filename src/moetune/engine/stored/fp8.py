@@ -90,11 +90,13 @@ class BlockFP8(StoredFormat):
                    dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         weight, scale = buffers["weight"], buffers["scale_inv"]
         packed = weight.dtype == torch.int8
-        q = unpack_e2m1(weight) if packed else weight.to(torch.float32)
+        q = (
+            unpack_e2m1(weight) if packed else weight.to(torch.float32, copy=True)
+        )  # scaled in place
         _, out, inp = q.shape
         # V4's FP4 experts: the grid divides, the block is read off it
         block = (out // scale.shape[1], inp // scale.shape[2]) if packed else cls.block
-        return (q * _per_element(_fp8_scales(scale), block, (out, inp))).to(dtype)
+        return _scale_(q, _fp8_scales(scale), block).to(dtype)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, double_quant: bool = False,
@@ -117,6 +119,19 @@ def _per_element(
     (br, bc), (out, inp) = block, out_in
     rows = scale.repeat_interleave(br, dim=1)[:, :out]
     return rows.repeat_interleave(bc, dim=2)[:, :, :inp]
+
+
+def _scale_(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """q [E, out, in] (a fresh fp32 tensor) times its block scales in place: the scales are
+    expanded over rows only (a tensor in/128 wide) and broadcast over the whole column blocks,
+    then the partial last one – no second weight-sized tensor for a whole stack."""
+    (br, bc), out, inp = block, q.shape[1], q.shape[2]
+    rows = scale.repeat_interleave(br, dim=1)[:, :out]  # [E, out, cols]
+    full, rem = divmod(inp, bc)
+    q[..., : full * bc].unflatten(-1, (full, bc)).mul_(rows[..., :full, None])
+    if rem:
+        q[..., full * bc :].mul_(rows[..., full:])
+    return q
 
 
 def _block_of(block: Any) -> tuple[int, int]:
