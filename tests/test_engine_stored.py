@@ -37,7 +37,7 @@ def test_fp8_equals_transformers_dequantize(dtype: torch.dtype) -> None:
     ref = torch.stack(
         [Fp8Dequantize(None)._dequantize_one(w, s, output_dtype=dtype) for w, s in pairs]
     )
-    mine = BlockFP8.dequantize(bufs, (64, 96), dtype)
+    mine = BlockFP8.configured(block=(32, 32)).dequantize(bufs, (64, 96), dtype)
     assert mine.dtype == dtype and torch.equal(mine, ref)
 
 
@@ -108,7 +108,8 @@ def test_int4_equals_compressed_tensors(dtype: torch.dtype) -> None:
 def test_round_trip_is_close_and_one_expert_alone(fmt: type) -> None:
     w = _w(3, 32, 64)
     opts = {"block": (16, 32)} if fmt is BlockFP8 else {}
-    stack = QuantizedStack((3, 32, 64), False, torch.float32, fmt.name, fmt.quantize(w, **opts))
+    stack = QuantizedStack((3, 32, 64), False, torch.float32, fmt.configured(**opts),
+                           fmt.quantize(w, **opts))  # fmt: skip
     whole = stack.dequantize(torch.float32)
     rel = float((whole - w).norm() / w.norm())
     assert rel < (0.05 if fmt is BlockFP8 else 0.2)
@@ -123,10 +124,10 @@ def test_formats_from_quantization_config() -> None:
     ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
           "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 32}}}}  # fmt: skip
     assert stored_format(ct) is Int4Packed
-    assert {f.name for f in stored_formats()} == {"fp8", "mxfp4", "nvfp4", "int4"}
+    assert {f.name for f in stored_formats()} == {"fp8", "fp8_scaled", "mxfp4", "nvfp4", "int4"}
     with pytest.raises(QuantError) as err:  # transformers' quantizer cannot train it either
-        stored_format({"quant_method": "fbgemm_fp8"})
-    assert "fbgemm_fp8" in str(err.value) and "MXFP4" in err.value.fix
+        stored_format({"quant_method": "higgs"})
+    assert "higgs" in str(err.value) and "MXFP4" in err.value.fix
     bnb = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
     assert stored_format(bnb) is None  # a pre-quantised QLoRA base: transformers' path, as ever
     assert describe({"quant_method": "modelopt", "quant_algo": "FP8"}) == "modelopt / FP8"
@@ -141,17 +142,19 @@ def test_bytes_per_param() -> None:
 
 
 def test_check_refuses_bad_scales_and_shapes() -> None:
-    bufs = BlockFP8.quantize(_w(2, 32, 32), block=(16, 16))
-    BlockFP8.check(bufs, (32, 32), "layer 0")
+    fp8 = BlockFP8.configured(block=(16, 16))
+    bufs = fp8.quantize(_w(2, 32, 32))
+    fp8.check(bufs, (32, 32), "layer 0")
     for bad in (float("nan"), float("inf"), 0.0):
         broken = dict(bufs, scale_inv=bufs["scale_inv"].clone())
         broken["scale_inv"][1, 0, 0] = bad
         with pytest.raises(QuantError, match="NaN, Inf or zero"):
-            BlockFP8.check(broken, (32, 32), "layer 0")
-    with pytest.raises(QuantError, match="does not divide"):
-        BlockFP8.check(dict(bufs, scale_inv=torch.ones(2, 3, 2)), (32, 32), "layer 0")
+            fp8.check(broken, (32, 32), "layer 0")
+    with pytest.raises(QuantError, match=r"grid \[3, 2\] is not ceil") as err:
+        fp8.check(dict(bufs, scale_inv=torch.ones(2, 3, 2)), (32, 32), "layer 0")
+    assert "weight_block_size" in err.value.fix
     with pytest.raises(QuantError, match="expected"):
-        BlockFP8.check(dict(bufs, weight=bufs["weight"][:, :, :16]), (32, 32), "layer 0")
+        fp8.check(dict(bufs, weight=bufs["weight"][:, :, :16]), (32, 32), "layer 0")
     with pytest.raises(QuantError, match="does not divide"):
         MXFP4.check(MXFP4.quantize(_w(1, 8, 64)), (8, 48), "layer 0")
 
@@ -164,7 +167,7 @@ def test_stored_linear_exact_input_gradient_and_lora_through_peft() -> None:
     from moetune.engine.stored.linear import StoredLinear, dequantize_linears_
 
     w = _w(1, 32, 64)
-    stack = QuantizedStack((1, 32, 64), False, torch.float32, "fp8",
+    stack = QuantizedStack((1, 32, 64), False, torch.float32, BlockFP8.configured(block=(16, 32)),
                            BlockFP8.quantize(w, block=(16, 32)))  # fmt: skip
     bias = torch.randn(32)
     stored = StoredLinear(stack, bias)

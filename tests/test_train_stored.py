@@ -137,7 +137,7 @@ def _unknown(t: dict[str, torch.Tensor], out: Path) -> None:
 
 @pytest.mark.parametrize(("edit", "says"), [
     (_nan_scale, "NaN, Inf or zero"), (_zero_scale, "NaN, Inf or zero"),
-    (_no_scale, "no 'weight_scale_inv' tensors"), (_bad_shape, "does not divide"),
+    (_no_scale, "no 'weight_scale_inv' tensors"), (_bad_shape, "scale grid [6, 2] is not ceil"),
     (_unknown, "cannot read checkpoints quantised as higgs"),
 ])  # fmt: skip
 def test_bad_checkpoints_refused_in_one_line(bases: dict[str, Path], tmp_path: Path,
@@ -181,10 +181,11 @@ def test_dequantize_mode_trains_the_float_copy(bases: dict[str, Path], tmp_path:
 def test_stored_scale_check_names_the_tensor() -> None:
     from moetune.engine.stored.fp8 import BlockFP8
 
-    bufs = BlockFP8.quantize(torch.randn(1, 16, 16), block=(8, 8))
+    fp8 = BlockFP8.configured(block=(8, 8))
+    bufs = fp8.quantize(torch.randn(1, 16, 16))
     bufs["scale_inv"][0, 1, 1] = 0
     with pytest.raises(QuantError, match=r"experts\.gate_up_proj"):
-        BlockFP8.check(bufs, (16, 16), "model.layers.0.mlp.experts.gate_up_proj")
+        fp8.check(bufs, (16, 16), "model.layers.0.mlp.experts.gate_up_proj")
 
 
 @pytest.mark.parametrize("offload", ["disk", "cpu"])

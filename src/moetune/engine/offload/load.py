@@ -160,7 +160,7 @@ class FileStored:
     def prepare(self, device: torch.device, dtype: torch.dtype,
                 empty: Empty = torch.empty) -> tuple[Any, list[Piece]]:  # fmt: skip
         like, (bufs, pieces) = self.like, self.files.prepare(device, empty=empty)
-        stack = QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, bufs)
+        stack = QuantizedStack(like.shape, like.transposed, dtype, like.backend, bufs)
         return stack, pieces
 
 
@@ -180,7 +180,7 @@ def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
                 sources[name] = FileStored(like, files), dtype
             else:
                 bufs = files.read()
-                held = QuantizedStack(like.shape, like.transposed, dtype, report.format, bufs)
+                held = QuantizedStack(like.shape, like.transposed, dtype, like.backend, bufs)
                 sources[name] = host_source(held, store.pin), dtype
         install(module, store, sources, names)
     _finish(model, device)

@@ -103,7 +103,7 @@ class FileQuant:
 def _quant_like(
     like: QuantizedStack, bufs: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> QuantizedStack:
-    return QuantizedStack(like.shape, like.transposed, dtype, like.backend.name, bufs)
+    return QuantizedStack(like.shape, like.transposed, dtype, like.backend, bufs)
 
 
 def host_source(weight: Weight, pin: bool) -> Source:

@@ -68,6 +68,12 @@ class Quantizer:
         raise NotImplementedError
 
     @classmethod
+    def configured(cls, **options: Any) -> type[Quantizer]:
+        """The backend that reads buffers quantised with `options` (a published format's
+        block size: its buffers alone cannot tell it); most need none."""
+        return cls
+
+    @classmethod
     def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
                    dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         """Buffers sliced to some experts -> their float matrices [e, out, in]."""
@@ -121,10 +127,12 @@ class QuantizedStack(nn.Module):
     """
 
     def __init__(self, shape: tuple[int, int, int], transposed: bool, dtype: torch.dtype,
-                 backend: str, buffers: dict[str, torch.Tensor]) -> None:  # fmt: skip
+                 backend: str | type[Quantizer],
+                 buffers: dict[str, torch.Tensor]) -> None:  # fmt: skip
         super().__init__()
         self.shape, self.transposed, self.dtype = shape, transposed, dtype
-        self.backend = QUANTIZERS.get(backend)
+        # a class: one configured for its checkpoint (BlockFP8's weight_block_size)
+        self.backend = QUANTIZERS.get(backend) if isinstance(backend, str) else backend
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor)
 
@@ -134,13 +142,14 @@ class QuantizedStack(nn.Module):
                    options: dict[str, Any] | None = None) -> QuantizedStack:  # fmt: skip
         """Quantise [E, out, in] (or [E, in, out] if transposed), `chunk` experts at a time;
         `options`: a published format's blocks or groups (StoredFormat.options)."""
-        backend = quantizer_for(method, double_quant=double_quant, stored=True)
+        found = quantizer_for(method, double_quant=double_quant, stored=True)
+        backend = found.configured(**(options or {}))
         canonical = weight.detach().transpose(1, 2) if transposed else weight.detach()
         parts = [backend.quantize(c.float(), double_quant=double_quant, **(options or {}))
                  for c in canonical.split(chunk)]  # fmt: skip
         buffers = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         shape = (weight.shape[0], weight.shape[1], weight.shape[2])
-        return cls(shape, transposed, weight.dtype, backend.name, buffers)
+        return cls(shape, transposed, weight.dtype, backend, buffers)
 
     @property
     def out_in(self) -> tuple[int, int]:

@@ -7,12 +7,14 @@ tensors, read as they are (engine/stored/load.py), never made from a float stack
 keep a leading expert dim and a canonical [out, in] order, so `QuantizedStack` slices one
 expert and dequantises it alone (the split-LoRA forward and backward); per-expert checkpoint
 tensors of the projections fused into one stack (gate + up) are concatenated along the
-output rows, scale grids with them. A block or group size is read off the buffers' shapes
-(weight rows / scale rows), so a stack needs no side table – and a size that does not divide
-is refused.
+output rows, scale grids with them. A group size is read off the buffers' shapes (weight
+columns / scale columns) where it must divide; block FP8's block size is config.json's
+`weight_block_size` (its grid is ceil-divided, so the buffers cannot tell it): the format's
+class configured with it (`configured`) is the stack's backend.
 
 Dequantisation matches each format's reference bit for bit (tests/test_engine_stored.py):
-transformers' `Fp8Dequantize` and `_convert_moe_packed_tensors`, ModelOpt's NVFP4 formula,
+DeepSeek's `weight_dequant` (block FP8; tests/test_stored_fp8_deepseek.py), transformers'
+`_convert_moe_packed_tensors`, ModelOpt's NVFP4 formula,
 compressed-tensors' int4 unpacking. `quantize` writes the same layout from float weights
 (tiny published-layout checkpoints, the benchmarks); round to nearest as the publishers do.
 """
@@ -137,8 +139,8 @@ _FORMATS: dict[str, type[StoredFormat] | QuantError | None] = {}
 def decide_format(qcfg: dict[str, Any]) -> type[StoredFormat] | None:
     """The decision itself (stored_format keeps it for the process)."""
     for fmt in stored_formats():
-        if fmt.reads(qcfg):
-            return fmt
+        if fmt.reads(qcfg):  # configured: its block size is the config's, never the grid's
+            return fmt.configured(**fmt.options(qcfg))  # type: ignore[return-value]
     if transformers_trains(qcfg):
         return None  # bitsandbytes, GPTQ …: transformers' own quantizer trains it as before
     raise QuantError(f"moetune cannot read checkpoints quantised as {describe(qcfg)}",

@@ -78,7 +78,7 @@ def dequantize_linears_(model: nn.Module) -> int:
 def store_float_linears_(model: nn.Module, method: str, options: dict[str, Any]) -> int:
     """The Linears a publisher of `method` quantises, replaced by StoredLinears quantised from
     their float weights (the planner's trace builds a stored base so, on meta); how many."""
-    fmt = QUANTIZERS.get(method)
+    fmt = QUANTIZERS.get(method).configured(**options)
     if not (issubclass(fmt, StoredFormat) and not fmt.experts_only):
         return 0
     done = 0
@@ -89,7 +89,7 @@ def store_float_linears_(model: nn.Module, method: str, options: dict[str, Any])
             bufs = fmt.quantize(module.weight.detach()[None], **options)
         except QuantError:
             continue  # blocks that do not divide it: float, as published
-        stack = QuantizedStack((1, *module.weight.shape), False, module.weight.dtype, method, bufs)  # type: ignore[arg-type]
+        stack = QuantizedStack((1, *module.weight.shape), False, module.weight.dtype, fmt, bufs)  # type: ignore[arg-type]
         replace_module(model, path, StoredLinear(stack, module.bias))
         done += 1
     return done

@@ -67,9 +67,11 @@ class StoredReport:
     dequantized_bytes: int = 0
     linears_stored: int = 0  # other quantised Linears kept as stored (StoredLinear)
     linears_bytes: int = 0
+    backend: Any = field(default=None, repr=False)  # the format configured for the checkpoint
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "dequantized": len(self.dequantized)}
+        out = {k: v for k, v in self.__dict__.items() if k != "backend"}
+        return {**out, "dequantized": len(self.dequantized)}
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,21 @@ def stack_files(fmt: type[StoredFormat], index: dict[str, Segment], prefix: str,
             )
         buffers[buf] = (segs, _stacked_shape(segs, experts), segs[0].dtype)
     files = StackFiles(buffers)
+    _fusable(fmt, len(next(iter(buffers.values()))[0]) // experts, out_in, f"{prefix}.{name}")
     fmt.check(files.meta(), out_in, f"{prefix}.{name}")
     return files
+
+
+def _fusable(fmt: type[StoredFormat], parts: int, out_in: tuple[int, int], where: str) -> None:
+    """Per-expert projections fused into one stack (gate + up) share its scale grid only where
+    each ends on a whole block: a partial last block of gate would scale up's first rows."""
+    rows = getattr(fmt, "block", (1, 1))[0]
+    if parts > 1 and (out_in[0] // parts) % rows:
+        raise QuantError(
+            f"{where}: its {parts} fused projections of {out_in[0] // parts} rows each end in "
+            f"a partial {rows}-row block, which a fused stack's scale grid cannot hold",
+            "use the bf16 release of this base (moetune reads fused stacks in whole blocks)",
+        )
 
 
 def _find(index: dict[str, Segment], prefix: str, name: str, experts: int,
@@ -227,7 +242,7 @@ def store_linears_(fmt: type[StoredFormat], index: dict[str, Segment], model: nn
     found = quantised_linears(fmt, index, model)
     for base, (segs, out_in) in found.items():
         bufs = read_linear(fmt, segs, out_in, base)
-        stack = QuantizedStack((1, *out_in), False, dtype, fmt.name, bufs)
+        stack = QuantizedStack((1, *out_in), False, dtype, fmt, bufs)
         bias = model.get_submodule(base).bias  # meta: the stream fills it
         replace_module(model, base, StoredLinear(stack, bias))  # type: ignore[arg-type]
         report.linears_bytes += stack.nbytes
@@ -263,7 +278,7 @@ def stream_all_but_stacks(
     quantised Linears kept as StoredLinears, or dequantised as they stream), where each stack
     lies, and the report begun."""
     model, fmt, index, stacks = open_stored(model_dir, dtype)
-    report = StoredReport(fmt.name, fmt.label)
+    report = StoredReport(fmt.name, fmt.label, backend=fmt)
     linears = {} if keep_linears else dequantized_linears(fmt, index, model, dtype)
     report.dequantized = sorted(linears)
     report.dequantized_bytes = sum(math.prod(d.shape) * dtype.itemsize for d in linears.values())
@@ -308,7 +323,8 @@ def install_stack(module: nn.Module, name: str, buffers: dict[str, torch.Tensor]
     param = module._parameters[name]
     assert param is not None
     shape = (param.shape[0], param.shape[1], param.shape[2])
-    stack = QuantizedStack(shape, is_transposed(module), dtype, report.format, buffers)
+    backend = report.backend or report.format
+    stack = QuantizedStack(shape, is_transposed(module), dtype, backend, buffers)
     where = f"{type(module).__name__}.{name}"
     stack.backend.check(dict(stack.named_buffers()), stack.out_in, where)  # type: ignore[attr-defined]
     _mark_quantized(module)

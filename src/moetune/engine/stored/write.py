@@ -39,7 +39,8 @@ def write_stored(
     fmt = QUANTIZERS.get(method)
     if not fmt.stored:
         raise QuantError(
-            f"{method!r} is not a published storage format", "use fp8, mxfp4, nvfp4 or int4"
+            f"{method!r} is not a published storage format",
+            "use fp8, fp8_scaled, mxfp4, nvfp4 or int4",
         )
     assert issubclass(fmt, StoredFormat)
     src, out = Path(src), Path(out)

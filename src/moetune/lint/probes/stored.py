@@ -41,3 +41,28 @@ def transformers_inflates() -> ProbeOutcome:
     fp8, mxfp4 = fp8_dequantised_on_cpu(), mxfp4_refuses_training()
     return ProbeOutcome(fp8.trap_present or mxfp4.trap_present,
                         f"{fp8.evidence}; {mxfp4.evidence}")  # fmt: skip
+
+
+def fp8_block_from_grid() -> ProbeOutcome:
+    """transformers' `Fp8Dequantize` takes the block as weight rows / scale rows instead of
+    config.json's weight_block_size: DeepSeek's 576-row kv_a_proj_with_mqa (a ceil grid of 5)
+    is refused, and a 192-row one (grid 2: block 96, not 128) is scaled wrongly without a
+    word. The reference is DeepSeek's weight_dequant: W[i, j] = q[i, j] · s[i // 128, j // 128]."""
+    # lazy: heavy to import (torch, transformers)
+    import torch
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    dequant = Fp8Dequantize(None)._dequantize_one
+    q = torch.ones(576, 128).to(torch.float8_e4m3fn)
+    try:
+        dequant(q, torch.ones(5, 1), output_dtype=torch.float32)
+        refused = "dequantised"
+    except ValueError as exc:
+        refused = f"refused ({exc})"
+    scale = torch.tensor([[1.0], [2.0]])  # rows 0..127 scale 1, rows 128..191 scale 2
+    got = dequant(q[:192], scale, output_dtype=torch.float32)
+    want = scale.repeat_interleave(128, dim=0)[:192].expand(192, 128)
+    wrong = int((got != want).any(dim=1).sum())
+    return ProbeOutcome(refused != "dequantised" or wrong > 0,
+                        f"576 rows / grid 5: {refused}; 192 rows / grid 2: {wrong} rows "
+                        "mis-scaled")  # fmt: skip

@@ -46,3 +46,41 @@ def quant_base_inflated(ctx: LintContext) -> Hit | None:
         "set model.quantized_base: as_stored (split LoRA over the stored bytes)",
         "model.quantized_base",
     )
+
+
+def partial_fp8_widths(hf_config: dict[str, Any], block: tuple[int, int]) -> dict[str, int]:
+    """The Linear widths of a config (out or in of some Linear) that `block` does not divide:
+    the ones with a partial last block of scales."""
+    get = hf_config.get
+    widths = {name: get(name) for name in ("hidden_size", "intermediate_size",
+                                            "moe_intermediate_size", "q_lora_rank")}  # fmt: skip
+    if get("kv_lora_rank"):  # MLA: kv_a_proj_with_mqa's rows carry the rope dims too
+        widths["kv_lora_rank + qk_rope_head_dim"] = get("kv_lora_rank") + get("qk_rope_head_dim", 0)
+    return {n: w for n, w in widths.items() if isinstance(w, int) and w % min(block)}
+
+
+@register_rule(
+    "QUANT-FP8-PARTIAL-BLOCK",
+    "warn",
+    "a block-FP8 base with partial blocks, misread by transformers' FP8 loader",
+    probe=probes.fp8_block_from_grid,
+    libraries=("transformers",),
+)
+def quant_fp8_partial_block(ctx: LintContext) -> Hit | None:
+    found = _stored(ctx)
+    if found is None or ctx.spec is None or not hasattr(found[0], "block"):
+        return None
+    block = found[0].block
+    partial = partial_fp8_widths(ctx.spec.hf_config, block)
+    if not partial:
+        return None
+    named = ", ".join(f"{n} {w}" for n, w in partial.items())
+    return Hit(
+        f"the base is block FP8 ({block[0]}x{block[1]}) with widths that end in a partial "
+        f"block ({named}); moetune reads it as DeepSeek's weight_dequant does, but "
+        "transformers' FP8 loader takes the block from the scale grid and refuses these "
+        "weights or scales them wrongly",
+        "evaluate and serve the merged export (or the base with vLLM), never this base "
+        "loaded through transformers' FP8 path",
+        "model.id",
+    )
