@@ -79,7 +79,7 @@ def test_a_base_kept_as_stored_trains_on_the_split_engine() -> None:
     assert resolve_engine(spec, lora) == "moetune"  # the stored stacks need the split forward
     assert resolve_engine(spec, lora, quantized_base="dequantize") == "peft"
     assert resolve_engine(small(None), lora) == "peft"
-    assert resolve_engine(small({"quant_method": "awq"}), lora) == "peft"  # unreadable: float
+    assert resolve_engine(small({"quant_method": "no-such-method"}), lora) == "peft"  # unreadable
 
 
 def test_int8_or_nf4_experts_restore_a_stored_base() -> None:

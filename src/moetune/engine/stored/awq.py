@@ -74,8 +74,11 @@ class AWQ(StoredFormat):
         divides(part, 8, "awq packed columns")
         groups = buffers["scales"].shape[1]
         divides(inp, parts_of(groups, parts, "awq scales"), "awq groups")
-        return {"qweight": (parts * inp, part // 8), "qzeros": (groups, part // 8),
-                "scales": (groups, part)}
+        return {
+            "qweight": (parts * inp, part // 8),
+            "qzeros": (groups, part // 8),
+            "scales": (groups, part),
+        }
 
     @classmethod
     def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
@@ -104,5 +107,8 @@ class AWQ(StoredFormat):
         if out % 8:
             raise QuantError(f"awq: {out} output columns are not whole words of 8",
                              "use a width divisible by 8")  # fmt: skip
-        return {"qweight": _words(codes.reshape(e, inp, out).to(torch.int64)),
-                "qzeros": _words(zero.to(torch.int64)), "scales": scale}
+        return {
+            "qweight": _words(codes.reshape(e, inp, out).to(torch.int64)),
+            "qzeros": _words(zero.to(torch.int64)),
+            "scales": scale,
+        }

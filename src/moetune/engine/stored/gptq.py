@@ -66,8 +66,14 @@ class GPTQ(StoredFormat):
 
     @classmethod
     def config(cls, group: int = 32, bits: int = 4, **options: Any) -> dict[str, Any]:
-        return {"quant_method": "gptq", "bits": bits, "group_size": group or -1,
-                "desc_act": False, "sym": True, "checkpoint_format": cls.checkpoint_format}  # fmt: skip
+        return {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group or -1,
+            "desc_act": False,
+            "sym": True,
+            "checkpoint_format": cls.checkpoint_format,
+        }
 
     @classmethod
     def shapes(cls, buffers: Buffers, out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:
@@ -78,8 +84,12 @@ class GPTQ(StoredFormat):
         bits = bits_of(rows, inp, "gptq qweight")
         groups = buffers["scales"].shape[1]
         divides(part * bits, 32, "gptq qzeros words")
-        return {"qweight": (parts * rows, part), "qzeros": (groups, part * bits // 32),
-                "scales": (groups, part), "g_idx": (parts * inp,)}
+        return {
+            "qweight": (parts * rows, part),
+            "qzeros": (groups, part * bits // 32),
+            "scales": (groups, part),
+            "g_idx": (parts * inp,),
+        }
 
     @classmethod
     def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
@@ -104,8 +114,15 @@ class GPTQ(StoredFormat):
         return w.transpose(-1, -2).reshape(e, out, inp).to(dtype)
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, *, double_quant: bool = False, group: int = 32,
-                 bits: int = 4, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:  # fmt: skip
+    def quantize(
+        cls,
+        w: torch.Tensor,
+        *,
+        double_quant: bool = False,
+        group: int = 32,
+        bits: int = 4,
+        dtype: torch.dtype = torch.float16,
+    ) -> dict[str, torch.Tensor]:
         """Round to nearest, symmetric, natural order (the planner's trace, re-exports)."""
         e, out, inp = w.shape
         group = group or inp
@@ -115,9 +132,12 @@ class GPTQ(StoredFormat):
         codes = torch.round(g / scale.float().unsqueeze(-1)).clamp(-top - 1, top) + top + 1
         codes = codes.reshape(e, out, inp).transpose(1, 2).to(torch.int64)  # [E, in, out]
         zero = torch.full((e, scale.shape[-1], out), top + 1 - cls.zero_offset)
-        return {"qweight": pack_words(codes.transpose(1, 2), bits).transpose(1, 2).contiguous(),
-                "qzeros": pack_words(zero, bits), "scales": scale.transpose(1, 2).contiguous(),
-                "g_idx": (torch.arange(inp) // group).to(torch.int32).expand(e, inp).clone()}  # fmt: skip
+        return {
+            "qweight": pack_words(codes.transpose(1, 2), bits).transpose(1, 2).contiguous(),
+            "qzeros": pack_words(zero, bits),
+            "scales": scale.transpose(1, 2).contiguous(),
+            "g_idx": (torch.arange(inp) // group).to(torch.int32).expand(e, inp).clone(),
+        }
 
 
 @register

@@ -19,7 +19,9 @@ from moetune.engine.quant.stacks import QuantError, register
 from moetune.engine.stored.formats import Buffers, StoredFormat, divides
 from moetune.engine.stored.words import bits_of, pack_words, parts_of, unpack_words
 
-_FIX = "use a checkpoint stored as INT4 / INT8 pack-quantized (group or channel), or its bf16 release"
+_FIX = (
+    "use a checkpoint stored as INT4 / INT8 pack-quantized (group or channel), or its bf16 release"
+)
 
 
 def ct_scheme(qcfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -90,7 +92,10 @@ class Int4Packed(StoredFormat):
 
     @classmethod
     def options(cls, qcfg: dict[str, Any]) -> dict[str, Any]:
-        w = ct_scheme(qcfg) or {}
+        # the scheme as written (ct_scheme refuses what is not read; sizing asks of any)
+        w = next(
+            iter(g.get("weights") or {} for g in (qcfg.get("config_groups") or {}).values()), {}
+        )
         group = w.get("group_size") if w.get("strategy") in (None, "group") else 0
         return {"group": 128 if group is None else group, "bits": w.get("num_bits", 4)}
 
@@ -108,7 +113,8 @@ class Int4Packed(StoredFormat):
         out, inp = out_in
         groups = buffers["scale"].shape[-1]
         bits = bits_of(buffers["packed"].shape[-1], inp, f"{cls.name} packed weight")
-        found = {"packed": (out, math.ceil(inp * bits / 32)), "scale": (out, groups)}
+        found: dict[str, tuple[int, ...]] = {"packed": (out, math.ceil(inp * bits / 32))}
+        found["scale"] = (out, groups)
         if not cls.g_idx:
             divides(inp, groups, f"{cls.name} scale groups")
         else:
@@ -135,8 +141,15 @@ class Int4Packed(StoredFormat):
         return (q * _per_column(scale, idx)).to(dtype)
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, *, double_quant: bool = False, group: int = 32,
-                 bits: int = 4, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:  # fmt: skip
+    def quantize(
+        cls,
+        w: torch.Tensor,
+        *,
+        double_quant: bool = False,
+        group: int = 32,
+        bits: int = 4,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> dict[str, torch.Tensor]:
         """Round to nearest (per group, or per row where `group` is 0), natural column order."""
         e, out, inp = w.shape
         group = group or inp
