@@ -149,6 +149,10 @@ def test_compressed_tensors_schemes_pick_their_format_or_are_refused() -> None:
     ]:
         with pytest.raises(QuantError, match=said):
             stored_format(_ct_cfg(**bad))
+    mixed = _ct_cfg()
+    mixed["config_groups"]["group_1"] = {"format": "float-quantized", "weights": {}}  # type: ignore[index]
+    with pytest.raises(QuantError, match="mixed formats"):
+        stored_format(mixed)
     w4a8 = _ct_cfg()
     w4a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8}  # type: ignore[index]
     with pytest.raises(QuantError, match="activations"):

@@ -1,7 +1,9 @@
-"""A tiny qwen3_moe base published as GPTQ (asymmetric, desc_act, v1 zeros; experts stored per
-expert as Qwen3-30B-A3B-GPTQ-Int4 does) trains through `moetune train` with its experts and
-attention kept as stored, and its adapter equals a run over the same weights dequantised by
-the GPTQ kernels' formula in float64 (saved fp32) to 1e-5."""
+"""Tiny qwen3_moe bases published as GPTQ (asymmetric, desc_act, v1 zeros; experts stored per
+expert as Qwen3-30B-A3B-GPTQ-Int4 does) and as compressed-tensors INT4 with zero points and
+`actorder: group` (written by compressed-tensors' own compressor) train through `moetune
+train` with experts and attention kept as stored; each adapter equals a run over the same
+weights dequantised by the publisher's reference (the GPTQ kernels' formula in float64;
+compressed-tensors' `decompress`), saved fp32, to 1e-5."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moetune.engine.stored.formats import published_quantised
-from test_engine_stored_int import _nibbles_packed
+from test_engine_stored_int import _ct, _nibbles_packed
 from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -39,8 +41,27 @@ def _gptq(w: torch.Tensor, order: torch.Tensor) -> tuple[dict[str, torch.Tensor]
     return tensors, (scales.double()[g_idx] * (codes - zeros[g_idx]).double()).T
 
 
-def write_gptq(src: Path, out: Path, copy: Path) -> None:
-    """`src` published as GPTQ under `out`, and its reference dequantisation (fp32) under `copy`."""
+def _ct_int4(w: torch.Tensor, order: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors' own compressor, asymmetric, actorder group (g_idx from `order`)."""
+    return _ct(w, BITS, GROUP, False, order)
+
+
+CT_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": BITS, "type": "int", "symmetric": False, "strategy": "group",
+        "group_size": GROUP, "actorder": "group"}}},
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+}  # fmt: skip
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": BITS, "group_size": GROUP, "desc_act": True,
+               "sym": False, "checkpoint_format": "gptq"}  # fmt: skip
+WRITERS = {"gptq": (_gptq, GPTQ_CONFIG), "int4-zp-gidx": (_ct_int4, CT_CONFIG)}
+
+
+def write_published(src: Path, out: Path, copy: Path, method: str) -> None:
+    """`src` published as `method` under `out`, its reference dequantisation (fp32) in `copy`."""
+    quantise, qcfg = WRITERS[method]
     stored, ref = {}, {}
     gen = torch.Generator().manual_seed(0)
     with safe_open(str(next(src.glob("*.safetensors"))), "pt") as f:
@@ -48,8 +69,8 @@ def write_gptq(src: Path, out: Path, copy: Path) -> None:
             t = f.get_tensor(key)
             if t.ndim == 2 and key.endswith(".weight") and published_quantised(key):
                 base = key.removesuffix(".weight")
-                tensors, weight = _gptq(t, torch.randperm(t.shape[1], generator=gen))
-                stored |= {f"{base}.{k}": v for k, v in tensors.items()}
+                tensors, weight = quantise(t, torch.randperm(t.shape[1], generator=gen))
+                stored |= {f"{base}.{k}": v.contiguous() for k, v in tensors.items()}
                 ref[key] = weight.float().contiguous()
             else:
                 stored[key], ref[key] = t.to(torch.float16), t.float()
@@ -60,8 +81,6 @@ def write_gptq(src: Path, out: Path, copy: Path) -> None:
         for extra in src.iterdir():
             if extra.suffix not in (".safetensors", ".json") or "token" in extra.name:
                 shutil.copy2(extra, d / extra.name)
-    qcfg = {"quant_method": "gptq", "bits": BITS, "group_size": GROUP, "desc_act": True,
-            "sym": False, "checkpoint_format": "gptq"}  # fmt: skip
     (out / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg}))
     (copy / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
 
@@ -70,29 +89,30 @@ def _adapter(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(next(run.rglob("adapter_model.safetensors"))))
 
 
-def test_gptq_base_trains_as_its_reference_dequantisation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["gptq", "int4-zp-gidx"])
+def test_published_base_trains_as_its_reference_dequantisation(tmp_path: Path, method: str) -> None:
     from moetune.engine.stored.load import load_stored
     from moetune.train import train
 
     src = save_tiny_model(tmp_path / "bf16", hidden_size=64, moe_intermediate_size=32,
                           intermediate_size=64, head_dim=16, dtype="bfloat16")  # fmt: skip
-    write_gptq(src, tmp_path / "gptq", tmp_path / "copy")
-    model, report = load_stored(tmp_path / "gptq", "cpu", torch.float32, keep_linears=True)
-    assert (report.format, report.stacks, report.linears_stored) == ("gptq", 4, 8)
+    write_published(src, tmp_path / "stored", tmp_path / "copy", method)
+    model, report = load_stored(tmp_path / "stored", "cpu", torch.float32, keep_linears=True)
+    assert (report.format, report.stacks, report.linears_stored) == (method, 4, 8)
     ref = load_file(str(tmp_path / "copy" / "model.safetensors"))
     q = model.get_submodule("model.layers.1.self_attn.q_proj")
     assert torch.equal(q.dequantized().weight, ref["model.layers.1.self_attn.q_proj.weight"])
     data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
     runs = {}
     with one_thread():
-        for name in ("gptq", "copy"):
+        for name in ("stored", "copy"):
             cfg = run_config(tmp_path / name, data, tmp_path / f"run-{name}", max_steps=2,
                              save_steps=2, lora__targets=["attention", "experts"])  # fmt: skip
             runs[name] = train(cfg, progress=False)
-    assert runs["gptq"].coverage == 1.0
-    quant = json.loads((tmp_path / "run-gptq" / "quant.json").read_text())
-    assert quant["format"] == "gptq"
-    mine, theirs = _adapter(tmp_path / "run-gptq"), _adapter(tmp_path / "run-copy")
+    assert runs["stored"].coverage == 1.0
+    quant = json.loads((tmp_path / "run-stored" / "quant.json").read_text())
+    assert quant["format"] == method
+    mine, theirs = _adapter(tmp_path / "run-stored"), _adapter(tmp_path / "run-copy")
     assert mine.keys() == theirs.keys()
     for key, value in theirs.items():
         assert float((mine[key] - value).norm() / value.norm().clamp_min(1e-12)) < 1e-5, key

@@ -31,8 +31,11 @@ def ct_scheme(qcfg: dict[str, Any]) -> dict[str, Any] | None:
         return None
     groups = list((qcfg.get("config_groups") or {}).values())
     formats = {g.get("format") or qcfg.get("format") for g in groups}
-    if not groups or formats != {"pack-quantized"}:
+    if not groups or "pack-quantized" not in formats:
         return None
+    if len(formats) > 1:  # some Linears in another format: none may be read half-way
+        raise QuantError(f"compressed-tensors with mixed formats {sorted(map(str, formats))}",
+                         _FIX)  # fmt: skip
     schemes = [g.get("weights") or {} for g in groups]
     if any(s != schemes[0] for s in schemes):
         raise QuantError("compressed-tensors: config groups with different weight schemes",
