@@ -293,3 +293,44 @@ def test_corrupt_g_idx_and_shapes_are_refused() -> None:
         GPTQ.dequantize(bad, (16, 64), torch.float32)
     with pytest.raises(QuantError, match=r"qzeros|expected"):
         GPTQ.check({k: v[None] for k, v in tensors.items()}, (24, 64), "t")
+
+
+# ---- NVFP4A16 through compressed-tensors ----
+
+
+def test_compressed_tensors_nvfp4a16_equals_its_decompress() -> None:
+    """Its own compressor writes gate and up (each with its global scale); read as one stack,
+    equal to its own `decompress` (which returns bf16) bit for bit."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    from moetune.engine.stored.ct_nvfp4 import NVFP4CompressedTensors as Fmt
+
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    comp = BaseCompressor.load_from_registry("nvfp4-pack-quantized")
+    parts, refs = [], []
+    for seed, gain in ((1, 1.0), (2, 7.0)):
+        w = (_w(16, 64, seed) * gain).to(torch.bfloat16)
+        glob = generate_gparam(w.float().amin(), w.float().amax())
+        g = w.float().reshape(16, 4, 16)
+        scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args, global_scale=glob)
+        sd = comp.compress({"weight": w, "weight_scale": scale, "weight_global_scale": glob},
+                           scheme)  # fmt: skip
+        parts.append(sd)
+        refs.append(comp.decompress(sd, scheme)["weight"])
+    names = {"weight_packed": "weight", "weight_scale": "scale", "weight_global_scale": "scale_2"}
+    bufs = {b: torch.cat([p[k].reshape(p[k].shape[0], -1) if p[k].ndim else p[k][None]
+                          for p in parts])[None] for k, b in names.items()}  # fmt: skip
+    bufs["scale_2"] = bufs["scale_2"].reshape(1, 2)
+    Fmt.check(bufs, (32, 64), "t")
+    mine = Fmt.dequantize(bufs, (32, 64), torch.bfloat16)[0]
+    assert refs[0].dtype == torch.bfloat16 and torch.equal(mine, torch.cat(refs))
+    nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+             "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float",
+                                                 "group_size": 16}}}}  # fmt: skip
+    assert stored_format(nvfp4) is Fmt
+    nvfp4["config_groups"]["g"]["input_activations"] = {"num_bits": 4}  # type: ignore[index]
+    with pytest.raises(QuantError, match="NVFP4A16"):
+        stored_format(nvfp4)
