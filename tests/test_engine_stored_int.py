@@ -289,8 +289,8 @@ def test_corrupt_g_idx_and_shapes_are_refused() -> None:
     tensors, _ = gptq_linear(16, 64, 16, 4, False, True, True, 1)
     bad = {k: v[None].clone() for k, v in tensors.items()}
     bad["g_idx"][0, 0] = 9
-    with pytest.raises(QuantError, match="g_idx"):
-        GPTQ.dequantize(bad, (16, 64), torch.float32)
+    with pytest.raises(QuantError, match="g_idx names groups outside"):
+        GPTQ.check(bad, (16, 64), "t")
     with pytest.raises(QuantError, match=r"qzeros|expected"):
         GPTQ.check({k: v[None] for k, v in tensors.items()}, (24, 64), "t")
 

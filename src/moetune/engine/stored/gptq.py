@@ -18,7 +18,7 @@ import torch
 
 from moetune.engine.quant.stacks import QuantError, register
 from moetune.engine.stored.formats import Buffers, StoredFormat, divides
-from moetune.engine.stored.words import bits_of, pack_words, parts_of, unpack_words
+from moetune.engine.stored.words import bits_of, check_groups, pack_words, parts_of, unpack_words
 
 _FIX = "use a 4- or 8-bit GPTQ checkpoint, or its bf16 release"
 
@@ -92,6 +92,12 @@ class GPTQ(StoredFormat):
         }
 
     @classmethod
+    def check(cls, buffers: Buffers, out_in: tuple[int, int], where: str) -> None:
+        super().check(buffers, out_in, where)
+        parts = buffers["g_idx"].shape[-1] // out_in[1]
+        check_groups(buffers["g_idx"], buffers["scales"].shape[1] // parts, where)
+
+    @classmethod
     def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
                    dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         out, inp = out_in
@@ -105,9 +111,6 @@ class GPTQ(StoredFormat):
         zeros = unpack_words(buffers["qzeros"], bits) + cls.zero_offset
         zeros, scale = (t.reshape(e, parts, groups, -1) for t in (zeros, scales))
         idx = g_idx.long().reshape(e, parts, inp, 1).expand(-1, -1, -1, out // parts)
-        if bool((idx < 0).any()) or bool((idx >= groups).any()):
-            raise QuantError(f"gptq g_idx names groups outside 0..{groups - 1}",
-                             "re-download the checkpoint: its g_idx is corrupt")  # fmt: skip
         # int codes × fp16 / bf16 scales are exact in fp32: the float64 formula, rounded once
         q = (codes - zeros.gather(2, idx)).to(torch.float32)
         w = q * scale.gather(2, idx).to(torch.float32)

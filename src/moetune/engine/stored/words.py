@@ -41,3 +41,12 @@ def parts_of(size: int, whole: int, where: str) -> int:
         raise QuantError(f"{where}: {size} rows are not whole parts of {whole}",
                          "use the config.json published with these weights")  # fmt: skip
     return size // whole
+
+
+def check_groups(g_idx: torch.Tensor, groups: int, where: str) -> None:
+    """Refuse a g_idx naming a group that has no scale (real buffers; meta ones hold none)."""
+    if g_idx.is_meta:
+        return
+    if bool((g_idx < 0).any()) or bool((g_idx >= groups).any()):
+        raise QuantError(f"{where}: g_idx names groups outside 0..{groups - 1}",
+                         "re-download the checkpoint: its g_idx is corrupt")  # fmt: skip
