@@ -85,6 +85,22 @@ def write_published(src: Path, out: Path, copy: Path, method: str) -> None:
     (copy / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
 
 
+def test_an_undeclared_g_idx_is_refused(tmp_path: Path) -> None:
+    """Weights written with g_idx under a config.json without actorder: refused, not read in
+    natural groups."""
+    from moetune.engine.quant.stacks import QuantError
+    from moetune.engine.stored.load import load_stored
+
+    src = save_tiny_model(tmp_path / "bf16", hidden_size=64, moe_intermediate_size=32,
+                          intermediate_size=64, head_dim=16, dtype="bfloat16")  # fmt: skip
+    write_published(src, tmp_path / "stored", tmp_path / "copy", "int4-zp-gidx")
+    config = json.loads((tmp_path / "stored" / "config.json").read_text())
+    del config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"]
+    (tmp_path / "stored" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantError, match=r"g_idx tensors that its config\.json does not declare"):
+        load_stored(tmp_path / "stored", "cpu", torch.float32)
+
+
 def _adapter(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(next(run.rglob("adapter_model.safetensors"))))
 
