@@ -334,3 +334,51 @@ def test_compressed_tensors_nvfp4a16_equals_its_decompress() -> None:
     nvfp4["config_groups"]["g"]["input_activations"] = {"num_bits": 4}  # type: ignore[index]
     with pytest.raises(QuantError, match="NVFP4A16"):
         stored_format(nvfp4)
+
+
+@pytest.mark.parametrize(
+    ("weights", "fmt"),
+    [
+        ({"num_bits": 4, "symmetric": False, "strategy": "group", "group_size": 16},
+         Int4PackedZeroPoint),
+        ({"num_bits": 8, "symmetric": True, "strategy": "channel"}, Int4Packed),
+    ],
+)  # fmt: skip
+def test_a_model_compressed_as_llm_compressor_saves(weights: dict[str, object], fmt: type,
+                                                    tmp_path: object) -> None:  # fmt: skip
+    """The whole-model path llm-compressor saves through (apply_quantization_config, its
+    ModelCompressor's compress_model and update_config): the config.json it writes picks the
+    format, the state dict it holds is read equal to its own decompress_model."""
+    import json
+    from pathlib import Path
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = torch.nn.Sequential()
+    model.add_module("proj", torch.nn.Linear(64, 24, bias=False))
+    model.add_module("lm_head", torch.nn.Linear(24, 8, bias=False))
+    model.to(torch.bfloat16)
+    group = {"targets": ["Linear"], "weights": {"type": "int", **weights}}
+    cfg = {"config_groups": {"group_0": group}, "ignore": ["lm_head"]}
+    apply_quantization_config(model, QuantizationConfig.model_validate(cfg))
+    proj = model.proj
+    g = proj.weight.float().reshape(24, -1, int(weights.get("group_size") or 64))  # type: ignore[call-overload]
+    scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), proj.quantization_scheme.weights)
+    proj.weight_scale.data.copy_(scale.reshape(proj.weight_scale.shape))
+    if hasattr(proj, "weight_zero_point"):
+        proj.weight_zero_point.data.copy_(zero.reshape(proj.weight_zero_point.shape))
+    mc = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    mc.compress_model(model)
+    out = Path(str(tmp_path))
+    (out / "config.json").write_text("{}")
+    mc.update_config(str(out))
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert stored_format(qcfg) is fmt
+    sd = {k.removeprefix("proj."): v for k, v in model.state_dict().items() if "proj." in k}
+    bufs = _bufs(sd)
+    fmt.check(bufs, (24, 64), "proj")
+    mine = fmt.dequantize(bufs, (24, 64), torch.bfloat16)[0]
+    mc.decompress_model(model)
+    assert torch.equal(mine, model.proj.weight.detach())
