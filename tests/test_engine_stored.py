@@ -124,7 +124,9 @@ def test_formats_from_quantization_config() -> None:
     ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
           "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 32}}}}  # fmt: skip
     assert stored_format(ct) is Int4Packed
-    assert {f.name for f in stored_formats()} == {"fp8", "fp8_scaled", "mxfp4", "nvfp4", "int4"}
+    names = {"fp8", "fp8_scaled", "mxfp4", "nvfp4", "nvfp4-ct", "int4", "int4-zp", "int4-gidx"}
+    names |= {"int4-zp-gidx"}
+    assert {f.name for f in stored_formats()} >= names | {"gptq", "gptq-v2", "awq"}
     with pytest.raises(QuantError) as err:  # transformers' quantizer cannot train it either
         stored_format({"quant_method": "higgs"})
     assert "higgs" in str(err.value) and "MXFP4" in err.value.fix

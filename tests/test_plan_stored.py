@@ -79,7 +79,7 @@ def test_a_base_kept_as_stored_trains_on_the_split_engine() -> None:
     assert resolve_engine(spec, lora) == "moetune"  # the stored stacks need the split forward
     assert resolve_engine(spec, lora, quantized_base="dequantize") == "peft"
     assert resolve_engine(small(None), lora) == "peft"
-    assert resolve_engine(small({"quant_method": "awq"}), lora) == "peft"  # unreadable: float
+    assert resolve_engine(small({"quant_method": "no-such-method"}), lora) == "peft"  # unreadable
 
 
 def test_int8_or_nf4_experts_restore_a_stored_base() -> None:
@@ -179,3 +179,25 @@ def test_a_dequantized_base_is_told_to_keep_it_as_published() -> None:
     assert not plan.fits["RTX-4090"].fits and plan.stored and not plan.stored["as_stored"]
     best = plan.best["RTX-4090"]
     assert best.overrides == ("model.quantized_base=as_stored",) and best.cost == 0
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True},
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"},
+        {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+            "g": {"weights": {"num_bits": 4, "group_size": 32, "actorder": "group"}}}},
+    ],
+)  # fmt: skip
+def test_integer_formats_trace_as_stored(quant: dict[str, Any]) -> None:
+    """GPTQ / AWQ / compressed-tensors g_idx bases trace (no value-dependent check on fake
+    buffers); the trace holds the analytic bytes plus g_idx (4 bytes an input column)."""
+    from moetune.plan.trace.cache import run_trace
+
+    spec, cfg = small(quant), run()
+    frozen = analytic(spec, cfg).components["frozen_weights"]
+    traced = run_trace(spec, cfg).at_peak["frozen_weights"]
+    assert frozen <= traced < 1.06 * frozen
+    inflated = analytic(spec, run(quantized_base="dequantize")).components["frozen_weights"]
+    assert frozen < 0.4 * inflated

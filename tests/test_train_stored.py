@@ -260,7 +260,9 @@ def test_dpo_and_grpo_over_a_stored_base(bases: dict[str, Path], tmp_path: Path)
             assert quant["format"] == "fp8" and not result.router_changed
 
 
-@pytest.mark.parametrize("method", ["mxfp4", "nvfp4", "int4"])
+@pytest.mark.parametrize(
+    "method", ["mxfp4", "nvfp4", "nvfp4-ct", "int4", "int4-zp-gidx", "awq", "gptq"]
+)
 def test_every_format_trains_as_its_dequantised_copy(wide: dict[str, Path], tmp_path: Path,
                                                      method: str) -> None:  # fmt: skip
     """The other published formats through the same run: the adapter of the run over the

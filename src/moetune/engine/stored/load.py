@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 # tensors a published checkpoint carries beside the weights that moetune's path does not use
 _UNUSED = ("input_scale", "weight_shape", "weight_zero_point", "k_scale", "v_scale")
+# tensors that move weights between groups: a format that does not read them must refuse
+_REORDER = ("g_idx", "weight_g_idx")
 
 
 @dataclass
@@ -309,10 +311,23 @@ def open_stored(
     with init_empty_weights(include_buffers=False):
         model = ensure_backbone(causal_lm_class(config)._from_config(config, dtype=dtype))
     index = index_dir(model_dir)
+    _refuse_unread_reorder(fmt, index)
     stacks = {(path, n): stack_files(fmt, index, path, n, tuple(m._parameters[n].shape),  # type: ignore[union-attr,arg-type]
                                      is_transposed(m))
               for path, m, names in experts_modules(model) for n in names}  # fmt: skip
     return model, fmt, index, stacks
+
+
+def _refuse_unread_reorder(fmt: type[StoredFormat], index: dict[str, Segment]) -> None:
+    """A g_idx the format does not read would be dropped silently: weights in wrong groups."""
+    read = {s for s, _ in fmt.keys.values()}
+    unread = [
+        k for k in index if k.rpartition(".")[2] in _REORDER and k.rpartition(".")[2] not in read
+    ]
+    if unread:
+        raise QuantError(f"{unread[0]}: the checkpoint has g_idx tensors that its config.json "
+                         f"does not declare (read as {fmt.label})",
+                         "use the config.json published with these weights")  # fmt: skip
 
 
 def install_stack(module: nn.Module, name: str, buffers: dict[str, torch.Tensor],
