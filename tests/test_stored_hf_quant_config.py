@@ -106,7 +106,8 @@ def test_loads_equal_to_modelopt_dequantize(nvfp4: tuple[Path, dict[str, torch.T
         for e in range(4):
             parts = [ref[f"{experts}.{e}.{p}_proj.weight"] for p in ("gate", "up")]
             assert torch.equal(state[f"{experts}.gate_up_proj"][e], torch.cat(parts))
-            assert torch.equal(state[f"{experts}.down_proj"][e], ref[f"{experts}.{e}.down_proj.weight"])  # fmt: skip
+            down = ref[f"{experts}.{e}.down_proj.weight"]
+            assert torch.equal(state[f"{experts}.down_proj"][e], down)
     for proj in ("q", "k", "v", "o"):
         key = f"self_attn.{proj}_proj.weight"
         assert torch.equal(state[f"model.layers.1.{key}"], ref[f"model.layers.1.{key}"])
