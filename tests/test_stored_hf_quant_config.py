@@ -124,3 +124,62 @@ def test_plan_sizes_it_as_nvfp4(nvfp4: tuple[Path, dict[str, torch.Tensor]]) -> 
     stored = json.loads(result.stdout)["stored_experts"]
     assert stored["format"].startswith("NVFP4") and stored["as_stored"]
     assert stored["bytes_per_param"] == 0.5 + 1 / 16
+
+
+def _kept_bytes(model_dir: Path) -> tuple[int, int]:
+    """(bytes of the tensors the loaded model keeps, their second-level scales' bytes):
+    input_scale is for activations a weight-only LoRA run never quantises."""
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    kept = {k: t for k, t in tensors.items() if not k.endswith("input_scale")}
+    scale_2 = sum(t.nbytes for k, t in kept.items() if k.endswith("weight_scale_2"))
+    return sum(t.nbytes for t in kept.values()), scale_2
+
+
+def test_planned_frozen_bytes_are_the_files(tmp_path: Path) -> None:
+    """Its exclude_modules (layer 0's attention in bf16) planned as the files hold them."""
+    from moetune.config import parse_config
+    from moetune.model import load_spec
+    from moetune.plan.analytic import frozen_bytes
+    from moetune.plan.step import Step
+
+    src = save_tiny_model(tmp_path / "float", dtype="bfloat16", moe_intermediate_size=16)
+    out, _ = modelopt_nvfp4(src, tmp_path / "nvfp4")
+    spec = load_spec(str(out))
+    cfg = parse_config({"model": {"id": str(out)}, "lora": {"engine": "moetune"}})
+    step = Step.from_config(cfg, spec)
+    assert step.stored_experts == "nvfp4" and step.stored_linear_params == 1536  # layer 1's
+    files, scale_2 = _kept_bytes(out)
+    # the plan counts scales per 16 values; the 0-dim second-level scales are its slack
+    assert abs(frozen_bytes(spec, step) - files) <= scale_2
+
+
+@pytest.mark.parametrize(("qcfg", "module", "kept"), [
+    ({"ignore": ["lm_head", "re:.*self_attn.*"]}, "model.layers.3.self_attn.q_a_proj", True),
+    ({"ignore": ["re:.*self_attn.*"]}, "model.layers.3.mlp.shared_experts.up_proj", False),
+    ({"ignore": ["model.layers.0.mlp.down_proj"]}, "model.layers.0.mlp.down_proj", True),
+    ({"ignore": ["model.layers.0.mlp.down_proj"]}, "model.layers.10.mlp.down_proj", False),
+    ({"exclude_modules": ["model.layers.*.self_attn*"]}, "model.layers.7.self_attn.o_proj", True),
+    ({"exclude_modules": ["lm_head"]}, "model.layers.7.self_attn.o_proj", False),
+    ({"modules_to_not_convert": ["model.layers.*.self_attn"]}, "model.layers.2.self_attn.k_proj",
+     True),
+    ({"modules_to_not_convert": ["shared_expert"]}, "model.layers.2.mlp.shared_expert", True),
+])  # fmt: skip
+def test_kept_float_reads_each_publishers_list(qcfg: dict[str, Any], module: str,
+                                               kept: bool) -> None:  # fmt: skip
+    from moetune.engine.stored.formats import kept_float
+
+    assert kept_float(qcfg, module) is kept
+
+
+def test_trace_builds_the_excluded_linears_float(
+    nvfp4: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    from moetune.engine.stored.linear import StoredLinear, store_float_linears_
+    from moetune.model import load_spec
+    from moetune.model.build import build_model
+
+    spec = load_spec(str(nvfp4[0]))
+    model = build_model(spec)  # on meta, as the trace builds it
+    assert store_float_linears_(model, "nvfp4", {}, spec.quant_config) == 4
+    stored = [p for p, m in model.named_modules() if isinstance(m, StoredLinear)]
+    assert len(stored) == 4 and all(p.startswith("model.layers.1.self_attn.") for p in stored)

@@ -19,7 +19,9 @@ compressed-tensors' int4 unpacking. `quantize` writes the same layout from float
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -107,6 +109,20 @@ def published_quantised(key: str) -> bool:
     """Whether publishers quantise the Linear weight at `key` (a state-dict key or a module
     path): not the embeddings, lm_head, norms or the router."""
     return not any(k in f"{key}." for k in PUBLISHED_FLOAT)
+
+
+def kept_float(qcfg: dict[str, Any], module: str) -> bool:
+    """Whether a checkpoint's own lists leave the Linear at `module` unquantised:
+    compressed-tensors' `ignore` (exact names, or `re:` patterns matched from the start as
+    its `match_name` does), ModelOpt's `exclude_modules` and transformers'
+    `modules_to_not_convert` (names, prefixes of a module, `*` wildcards)."""
+    for entry in qcfg.get("ignore") or ():
+        text = str(entry)
+        if re.match(text[3:], module) if text.startswith("re:") else text == module:
+            return True
+    listed = [*(qcfg.get("exclude_modules") or ()), *(qcfg.get("modules_to_not_convert") or ())]
+    return any(fnmatch.fnmatchcase(module, str(p)) or fnmatch.fnmatchcase(module, f"{p}.*")
+               or module.endswith(f".{p}") for p in listed)  # fmt: skip
 
 
 def stored_formats() -> list[type[StoredFormat]]:
