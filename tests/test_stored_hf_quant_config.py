@@ -163,6 +163,8 @@ def test_planned_frozen_bytes_are_the_files(tmp_path: Path) -> None:
     ({"modules_to_not_convert": ["model.layers.*.self_attn"]}, "model.layers.2.self_attn.k_proj",
      True),
     ({"modules_to_not_convert": ["shared_expert"]}, "model.layers.2.mlp.shared_expert", True),
+    ({"modules_to_not_convert": ["model.layers.1"]}, "model.layers.11.self_attn.k_proj", False),
+    ({"modules_to_not_convert": ["mlp.gate"]}, "model.layers.1.mlp.gate_proj", False),
 ])  # fmt: skip
 def test_kept_float_reads_each_publishers_list(qcfg: dict[str, Any], module: str,
                                                kept: bool) -> None:  # fmt: skip

@@ -112,17 +112,19 @@ def published_quantised(key: str) -> bool:
 
 
 def kept_float(qcfg: dict[str, Any], module: str) -> bool:
-    """Whether a checkpoint's own lists leave the Linear at `module` unquantised:
-    compressed-tensors' `ignore` (exact names, or `re:` patterns matched from the start as
-    its `match_name` does), ModelOpt's `exclude_modules` and transformers'
-    `modules_to_not_convert` (names, prefixes of a module, `*` wildcards)."""
-    for entry in qcfg.get("ignore") or ():
-        text = str(entry)
-        if re.match(text[3:], module) if text.startswith("re:") else text == module:
+    """Whether a checkpoint's own lists leave the Linear at `module` unquantised, each read as
+    its writer reads it: compressed-tensors' `ignore` (an exact name, or a `re:` pattern
+    matched from the start: its match_name), ModelOpt's `exclude_modules` (fnmatch wildcards,
+    a listed module covering its children), transformers' `modules_to_not_convert` (a regex
+    from the start up to a module boundary, or a suffix: its should_convert_module)."""
+    for entry in map(str, qcfg.get("ignore") or ()):
+        if re.match(entry[3:], module) if entry.startswith("re:") else entry == module:
             return True
-    listed = [*(qcfg.get("exclude_modules") or ()), *(qcfg.get("modules_to_not_convert") or ())]
-    return any(fnmatch.fnmatchcase(module, str(p)) or fnmatch.fnmatchcase(module, f"{p}.*")
-               or module.endswith(f".{p}") for p in listed)  # fmt: skip
+    for entry in map(str, qcfg.get("exclude_modules") or ()):
+        if fnmatch.fnmatchcase(module, entry) or fnmatch.fnmatchcase(module, f"{entry}.*"):
+            return True
+    return any(re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(p)
+               for p in map(str, qcfg.get("modules_to_not_convert") or ()))  # fmt: skip
 
 
 def stored_formats() -> list[type[StoredFormat]]:
