@@ -2,13 +2,16 @@
 Qwen3-235B-A22B-NVFP4: config.json has no quantization_config) is read as NVFP4 – by the spec
 every stage reads, the planner and the loader – and loads equal to ModelOpt's own dequantise.
 
-The fixture is ModelOpt's layout with ModelOpt's own quantiser (`NVFP4QTensor.quantize` per
-Linear: `weight` uint8 e2m1 pairs, `weight_scale` fp8-e4m3 per 16, a 0-dim fp32
-`weight_scale_2`, an `input_scale`), its `exclude_modules` honoured as its export does."""
+Two fixtures, each with config.json's quantization_config removed as in NVIDIA's large repos:
+written by ModelOpt itself on the CPU (`mtq.quantize` with NVFP4_DEFAULT_CFG, layer 0's
+attention disabled, then `export_hf_checkpoint`: slow, importing its exporter takes ~15 s), and
+the same layout per Linear from ModelOpt's own `NVFP4QTensor.quantize` (the default tier: uint8
+`weight`, fp8 `weight_scale` per 16, 0-dim fp32 `weight_scale_2`, `input_scale`, as the export
+writes them). The reference is ModelOpt's `NVFP4QTensor.dequantize` of the stored tensors."""
 
 from __future__ import annotations
 
-import fnmatch
+import copy
 import json
 import warnings
 from pathlib import Path
@@ -21,57 +24,90 @@ from safetensors.torch import load_file, save_file
 from moetune.engine.stored.formats import published_quantised
 from test_train_helpers import save_tiny_model
 
-EXCLUDE = ["lm_head", "model.layers.0.self_attn*"]  # layer 0's attention stays float
-HF_QUANT = {
-    "producer": {"name": "modelopt", "version": "0.47.0"},
-    "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                     "exclude_modules": EXCLUDE},
-}  # fmt: skip
+SKIP = "*layers.0.self_attn*"  # layer 0's attention stays float: ModelOpt lists it excluded
 
 
-def _nvfp4_qtensor() -> Any:
+def _modelopt() -> tuple[Any, Any, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        import modelopt.torch.quantization as mtq
+        from modelopt.torch.export import export_hf_checkpoint
         from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
-    return NVFP4QTensor
+    return mtq, export_hf_checkpoint, NVFP4QTensor
 
 
-def _quantised(key: str) -> bool:
-    module = key.removesuffix(".weight")
-    excluded = any(fnmatch.fnmatch(module, p) for p in EXCLUDE)
-    return key.endswith("proj.weight") and published_quantised(key) and not excluded
+def modelopt_export(src: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """`src` exported by ModelOpt as NVFP4 with the quantisation in hf_quant_config.json only;
+    the reference: each quantised weight as `NVFP4QTensor.dequantize` gives it back (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    mtq, export, _ = _modelopt()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    cfg["quant_cfg"].append({"quantizer_name": SKIP, "enable": False})
+    calibrate = lambda m: m(torch.arange(16)[None] % m.config.vocab_size)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export(mtq.quantize(model, cfg, calibrate), export_dir=str(out))
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]  # as NVIDIA's large repos: hf_quant_config.json alone
+    (out / "config.json").write_text(json.dumps(config))
+    for extra in src.glob("*token*"):
+        (out / extra.name).write_bytes(extra.read_bytes())
+    return out, modelopt_reference(out)
 
 
-def modelopt_nvfp4(src: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    """`src` exported as ModelOpt writes NVFP4; the reference: each quantised weight as
-    ModelOpt's `NVFP4QTensor.dequantize` gives it back (fp32)."""
-    qtensor = _nvfp4_qtensor()
+def modelopt_reference(out: Path) -> dict[str, torch.Tensor]:
+    """Each quantised weight of `out` as ModelOpt's `NVFP4QTensor.dequantize` reads it."""
+    qtensor, tensors, ref = _modelopt()[2], load_file(str(out / "model.safetensors")), {}
+    for key, scale in tensors.items():
+        if key.endswith(".weight_scale"):
+            base = key.removesuffix("_scale")
+            packed = tensors[base]
+            q = qtensor(torch.Size((packed.shape[0], packed.shape[1] * 2)), torch.float32, packed)
+            ref[base] = q.dequantize(torch.float32, scale=scale, block_sizes={-1: 16},
+                                     double_scale=tensors[f"{base}_scale_2"])  # fmt: skip
+    return ref
+
+
+def modelopt_layout(src: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """`src` in the export's layout, each Linear quantised by `NVFP4QTensor.quantize` (not the
+    router, lm_head, embeddings, nor layer 0's attention), with the hf_quant_config.json the
+    export writes for it."""
+    qtensor = _modelopt()[2]
     out.mkdir(parents=True)
-    tensors, ref = {}, {}
+    tensors, exclude = {}, ["lm_head", "model.embed_tokens"]
     for key, w in load_file(str(src / "model.safetensors")).items():
-        if not _quantised(key):
+        base = key.removesuffix(".weight")
+        if ".layers.0.self_attn." in key and key.endswith("proj.weight"):
+            exclude.append(base)
+        if not key.endswith("proj.weight") or not published_quantised(key) or base in exclude:
             tensors[key] = w
             continue
         q, scale, scale_2 = qtensor.quantize(w.float(), 16)
-        base = key.removesuffix(".weight")
         tensors |= {key: q._quantized_data, f"{base}.weight_scale": scale,
                     f"{base}.weight_scale_2": scale_2.reshape(()),
                     f"{base}.input_scale": torch.tensor(1.0)}  # fmt: skip
-        ref[key] = q.dequantize(torch.float32, scale=scale, double_scale=scale_2,
-                                block_sizes={-1: 16})  # fmt: skip
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for extra in src.iterdir():  # config.json as exported: no quantization_config
+    for extra in src.iterdir():  # config.json as in NVIDIA's repos: no quantization_config
         if extra.name != "model.safetensors":
             (out / extra.name).write_bytes(extra.read_bytes())
-    (out / "hf_quant_config.json").write_text(json.dumps(HF_QUANT))
-    return out, ref
+    quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+             "exclude_modules": exclude}  # fmt: skip
+    hf_quant = {"producer": {"name": "modelopt", "version": "0.47.0"}, "quantization": quant}
+    (out / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    return out, modelopt_reference(out)
 
 
-@pytest.fixture(scope="module")
-def nvfp4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+@pytest.fixture(scope="module",
+                params=["layout", pytest.param("export", marks=pytest.mark.slow)])  # fmt: skip
+def nvfp4(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[Path, dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("hfq")
     src = save_tiny_model(root / "float", moe_intermediate_size=16)  # NVFP4 blocks of 16
-    return modelopt_nvfp4(src, root / "nvfp4")
+    write = modelopt_export if request.param == "export" else modelopt_layout
+    return write(src, root / "nvfp4")
 
 
 def test_spec_reads_hf_quant_config(nvfp4: tuple[Path, dict[str, torch.Tensor]]) -> None:
@@ -82,7 +118,9 @@ def test_spec_reads_hf_quant_config(nvfp4: tuple[Path, dict[str, torch.Tensor]])
     qcfg = load_spec(str(nvfp4[0])).quant_config
     assert "quantization_config" not in json.loads((nvfp4[0] / "config.json").read_text())
     assert qcfg is not None and qcfg["quant_method"] == "modelopt"
-    assert qcfg["exclude_modules"] == EXCLUDE and qcfg["group_size"] == 16
+    assert qcfg["quant_algo"] == "NVFP4" and qcfg["group_size"] == 16
+    excluded = qcfg["exclude_modules"]
+    assert "lm_head" in excluded and any("layers.0.self_attn" in m for m in excluded)
     assert stored_format(qcfg) is NVFP4
 
 
@@ -90,7 +128,10 @@ def test_config_json_own_quantization_config_wins(tmp_path: Path) -> None:
     from moetune.model.hf_config import with_hf_quant_config
 
     own = {"quantization_config": {"quant_method": "fp8"}}
-    assert with_hf_quant_config(own, HF_QUANT) == own
+    hf_quant = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4"}}
+    assert with_hf_quant_config(own, hf_quant) == own
+    assert with_hf_quant_config({}, hf_quant)["quantization_config"] == {
+        "quant_method": "modelopt", "quant_algo": "NVFP4"}  # fmt: skip
     assert with_hf_quant_config({}, {"producer": {"name": "modelopt"}}) == {}
 
 
@@ -143,7 +184,7 @@ def test_planned_frozen_bytes_are_the_files(tmp_path: Path) -> None:
     from moetune.plan.step import Step
 
     src = save_tiny_model(tmp_path / "float", dtype="bfloat16", moe_intermediate_size=16)
-    out, _ = modelopt_nvfp4(src, tmp_path / "nvfp4")
+    out, _ = modelopt_layout(src, tmp_path / "nvfp4")
     spec = load_spec(str(out))
     cfg = parse_config({"model": {"id": str(out)}, "lora": {"engine": "moetune"}})
     step = Step.from_config(cfg, spec)
