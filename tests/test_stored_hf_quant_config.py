@@ -226,3 +226,17 @@ def test_trace_builds_the_excluded_linears_float(
     assert store_float_linears_(model, "nvfp4", {}, spec.quant_config) == 4
     stored = [p for p, m in model.named_modules() if isinstance(m, StoredLinear)]
     assert len(stored) == 4 and all(p.startswith("model.layers.1.self_attn.") for p in stored)
+
+
+def test_bundled_entry_carries_its_hf_quant_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moetune.model.sources as sources
+
+    quant = {"producer": {"name": "modelopt"},
+             "quantization": {"quant_algo": "NVFP4", "group_size": 16}}  # fmt: skip
+    meta = {"id": "nvidia/Tiny-NVFP4", "hf_quant_config": quant}
+    config = {"model_type": "qwen3_moe", "_moetune": meta}
+    monkeypatch.setattr(sources, "_catalog", lambda: {"nvidia/Tiny-NVFP4": config})
+    _, raw = sources.resolve_config("nvidia/Tiny-NVFP4")
+    assert raw["quantization_config"] == {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                          "group_size": 16}  # fmt: skip
+    assert "quantization_config" not in config  # the bundled entry itself is left as it is

@@ -36,7 +36,7 @@ def resolve_config(model: str) -> tuple[str, dict[str, Any]]:
     if entry is not None:
         return entry
     if _looks_like_hub_id(model):
-        return model, read_json(_download_config(model))
+        return model, read_config(_download_config(model))  # beside it: a cached snapshot's
     raise ModelSourceError(
         f"{model!r} is not a directory, a .json file, a bundled model or a hub id",
         f"pass a local dir with config.json or a bundled id: {', '.join(catalog_ids())}",
