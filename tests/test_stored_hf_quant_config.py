@@ -194,6 +194,23 @@ def test_planned_frozen_bytes_are_the_files(tmp_path: Path) -> None:
     assert abs(frozen_bytes(spec, step) - files) <= scale_2
 
 
+@pytest.mark.slow  # a fake-tensor trace: ~14 s on 2 cores
+def test_traced_frozen_bytes_are_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trace builds the excluded Linears float too (its stored_config)."""
+    from moetune.config import parse_config
+    from moetune.model import load_spec
+    from moetune.plan import make_plan
+
+    monkeypatch.setenv("MOETUNE_CACHE_DIR", str(tmp_path / "cache"))
+    src = save_tiny_model(tmp_path / "float", dtype="bfloat16", moe_intermediate_size=16)
+    out, _ = modelopt_layout(src, tmp_path / "nvfp4")
+    cfg = parse_config({"model": {"id": str(out)}, "lora": {"engine": "moetune"},
+                        "train": {"seq_len": 32}})  # fmt: skip
+    plan = make_plan(load_spec(str(out)), cfg, cards=["h100-80gb"], estimator="trace")
+    files, scale_2 = _kept_bytes(out)
+    assert abs(plan.components["frozen_weights"] - files) <= scale_2
+
+
 @pytest.mark.parametrize(("qcfg", "module", "kept"), [
     ({"ignore": ["lm_head", "re:.*self_attn.*"]}, "model.layers.3.self_attn.q_a_proj", True),
     ({"ignore": ["re:.*self_attn.*"]}, "model.layers.3.mlp.shared_experts.up_proj", False),
