@@ -53,8 +53,10 @@ def inspect(
     """What a model is: MoE layout and exact parameters by component."""
     # lazy: the stage loads only when its command runs
     from moetune.model import load_spec
+    from moetune.plan.stored import refuse_unreadable
 
     spec = load_spec(model, trust_remote_code)
+    refuse_unreadable(spec)  # as plan, lint and train do: never a spec of an unreadable base
     if as_json:
         emit_json(spec.to_json())
         return

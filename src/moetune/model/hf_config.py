@@ -63,9 +63,27 @@ def quiet_transformers() -> Iterator[None]:
         logger.setLevel(level)
 
 
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's export, beside config.json
+
+
 def quant_config_of(config: dict[str, Any]) -> Any:
     """A config.json's `quantization_config` (a multimodal one's under text_config): the one
-    source of a base's published format, read into the spec (ModelSpec.quant_config)."""
+    source of a base's published format, read into the spec (ModelSpec.quant_config). One
+    declared only in hf_quant_config.json is put there by `with_hf_quant_config` first."""
     text = config.get("text_config")
     return config.get("quantization_config") or (
         text.get("quantization_config") if isinstance(text, dict) else None)  # fmt: skip
+
+
+def with_hf_quant_config(config: dict[str, Any], hf_quant: Any) -> dict[str, Any]:
+    """`config` with the quantisation an `hf_quant_config.json` declares (NVIDIA's ModelOpt
+    exports, e.g. Qwen3-235B-A22B-NVFP4, whose config.json has none) as its
+    `quantization_config`, in the form transformers gives ModelOpt's: quant_method "modelopt"
+    and the "quantization" section's keys (quant_algo, group_size, exclude_modules …).
+    A config.json that declares its own keeps it: the two describe the same weights."""
+    section = hf_quant.get("quantization") if isinstance(hf_quant, dict) else None
+    if quant_config_of(config) or not isinstance(section, dict) or not section:
+        return config
+    producer = hf_quant.get("producer") if isinstance(hf_quant.get("producer"), dict) else {}
+    qcfg = {"quant_method": str(producer.get("name") or "modelopt").lower(), **section}
+    return {**config, "quantization_config": qcfg}

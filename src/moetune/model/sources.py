@@ -14,8 +14,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from moetune.errors import ConfigError, ModelSourceError
+from moetune.model.hf_config import HF_QUANT_CONFIG, with_hf_quant_config
 
 META_KEY = "_moetune"  # catalog-only metadata inside each bundled config
+HF_QUANT = "hf_quant_config"  # in META_KEY: a bundled entry's hf_quant_config.json, as published
 _CATALOG_DIR = ("moetune.model", "catalog")  # package data, see pyproject
 
 
@@ -27,18 +29,26 @@ def resolve_config(model: str) -> tuple[str, dict[str, Any]]:
     """
     path = Path(model).expanduser()
     if path.is_dir():
-        return model, read_json(path / "config.json")
+        return model, read_config(path / "config.json")
     if path.is_file() or path.suffix == ".json":
-        return model, read_json(path)
+        return model, read_config(path)
     entry = _catalog_lookup(model)
     if entry is not None:
         return entry
     if _looks_like_hub_id(model):
-        return model, read_json(_download_config(model))
+        return model, read_config(_download_config(model))  # beside it: a cached snapshot's
     raise ModelSourceError(
         f"{model!r} is not a directory, a .json file, a bundled model or a hub id",
         f"pass a local dir with config.json or a bundled id: {', '.join(catalog_ids())}",
     )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A local config.json with the quantisation an hf_quant_config.json beside it declares
+    (ModelOpt's exports: model/hf_config.with_hf_quant_config)."""
+    config = read_json(path)
+    beside = path.parent / HF_QUANT_CONFIG
+    return with_hf_quant_config(config, read_json(beside)) if beside.is_file() else config
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -96,7 +106,8 @@ def _catalog_lookup(model: str) -> tuple[str, dict[str, Any]] | None:
     wanted = model.strip().lower()
     for model_id, data in _catalog().items():
         if wanted in (model_id.lower(), model_id.split("/")[-1].lower()):
-            return model_id, _as_built(json.loads(json.dumps(data)))  # a copy to mutate
+            data = json.loads(json.dumps(data))  # a copy to mutate
+            return model_id, _as_built(with_hf_quant_config(data, data[META_KEY].get(HF_QUANT)))
     return None
 
 

@@ -174,7 +174,7 @@ def frozen_bytes(spec: ModelSpec, step: Step) -> float:
     c = spec.components
     if step.quantization not in QUANT_BYTES:
         routed = c.routed_experts
-        linears = c.attention + c.dense_mlp + c.shared_experts if step.stored_linear_bytes else 0
+        linears = step.stored_linear_params if step.stored_linear_bytes else 0  # plan/kept.py
         rest = (spec.total_params - routed - linears) * step.weight_bytes
         return (
             rest + routed * expert_bytes_per_param(spec, step) + linears * step.stored_linear_bytes

@@ -21,7 +21,7 @@ from moetune.plan.overhead import Overhead, overhead_for
 from moetune.plan.profiles.registry import mixer_notes, profile_for, uncalibrated
 from moetune.plan.recommend import recommend, refuses_checkpointing
 from moetune.plan.step import split_lora
-from moetune.plan.stored import stored_summary
+from moetune.plan.stored import refuse_unreadable, stored_summary
 from moetune.plan.trace.duration import expected_trace_s
 
 Warn = Callable[[str], None]
@@ -47,6 +47,7 @@ def make_plan(
     Such a fallback is never silent: `warn` gets one line with the trace's expected time
     before it starts, and the plan's `fallback` holds the same.
     """
+    refuse_unreadable(spec)  # lint and train plan first: the same refusal for all three
     chosen = [get_card(c) for c in cards] if cards else all_cards()
     if estimator not in ("trace", "analytic"):
         raise ConfigError(f"unknown estimator {estimator!r}", "use trace or analytic")

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from moetune.config import RunConfig
 from moetune.config.keys import splits
 from moetune.model.spec import ModelSpec
+from moetune.plan.kept import stored_linear_params
 
 Method = Literal["lora", "full", "qlora"]
 Optimizer = Literal["fused", "foreach", "for-loop"]
@@ -38,6 +39,9 @@ class Step:
     # its other quantised Linears (attention, dense and shared MLP), kept as stored too where
     # the format's publishers quantise them (not gpt-oss's MXFP4): bytes per parameter, 0: none
     stored_linear_bytes: float = 0.0
+    # how many of those Linears' weights the checkpoint stores quantised: its ignore /
+    # exclude lists keep the rest float (plan/kept.py)
+    stored_linear_params: int = 0
     fused_head: bool = True  # TRL SFTTrainer's tiled LM head (moetune's trainer) vs full logits
 
     @property
@@ -100,6 +104,9 @@ def _stored(spec: ModelSpec, cfg: RunConfig, split: bool) -> dict[str, Any]:
     fmt = stored_experts(spec, cfg.model.quantized_base)
     if fmt is None or not split or cfg.model.experts_dtype != "bf16":
         return {}
-    per_param = fmt.bytes_per_param(spec.quant_config or {})
-    linears = 0.0 if fmt.experts_only else per_param
-    return {"stored_experts": fmt.name, "stored_bytes": per_param, "stored_linear_bytes": linears}
+    qcfg = spec.quant_config or {}
+    per_param = fmt.bytes_per_param(qcfg)
+    params = 0 if fmt.experts_only else stored_linear_params(spec, qcfg)
+    linears = per_param if params else 0.0
+    return {"stored_experts": fmt.name, "stored_bytes": per_param, "stored_linear_bytes": linears,
+            "stored_linear_params": params}  # fmt: skip

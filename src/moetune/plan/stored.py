@@ -17,6 +17,17 @@ from moetune.plan.step import Step
 from moetune.units import gib
 
 
+def refuse_unreadable(spec: ModelSpec) -> None:
+    """Raise the QuantError of a base published in a format moetune cannot read (naming the
+    format, the ones it reads and the fix), before anything is sized or loaded: `inspect`,
+    `plan`, `lint` and `train` all ask here, so a refusal is the same everywhere instead of
+    a plan that "fits" a base its loader then refuses."""
+    # lazy: heavy to import (torch via moetune.engine)
+    from moetune.engine.stored.formats import stored_format
+
+    stored_format(spec.quant_config)  # decided once per process; raises for an unreadable one
+
+
 def published_format(spec: ModelSpec) -> str:
     """How a person names the published format moetune can keep the base's experts in
     ("MXFP4", "block FP8"); "" for a float base or one moetune cannot read."""

@@ -21,7 +21,9 @@ compressed-tensors' int4 unpacking. `quantize` writes the same layout from float
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -109,6 +111,22 @@ def published_quantised(key: str) -> bool:
     """Whether publishers quantise the Linear weight at `key` (a state-dict key or a module
     path): not the embeddings, lm_head, norms or the router."""
     return not any(k in f"{key}." for k in PUBLISHED_FLOAT)
+
+
+def kept_float(qcfg: dict[str, Any], module: str) -> bool:
+    """Whether a checkpoint's own lists leave the Linear at `module` unquantised, each read as
+    its writer reads it: compressed-tensors' `ignore` (an exact name, or a `re:` pattern
+    matched from the start: its match_name), ModelOpt's `exclude_modules` (fnmatch wildcards,
+    a listed module covering its children), transformers' `modules_to_not_convert` (a regex
+    from the start up to a module boundary, or a suffix: its should_convert_module)."""
+    for entry in map(str, qcfg.get("ignore") or ()):
+        if re.match(entry[3:], module) if entry.startswith("re:") else entry == module:
+            return True
+    for entry in map(str, qcfg.get("exclude_modules") or ()):
+        if fnmatch.fnmatchcase(module, entry) or fnmatch.fnmatchcase(module, f"{entry}.*"):
+            return True
+    return any(re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(p)
+               for p in map(str, qcfg.get("modules_to_not_convert") or ()))  # fmt: skip
 
 
 def stored_formats() -> list[type[StoredFormat]]:

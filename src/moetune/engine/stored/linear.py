@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from moetune.engine.quant.stacks import QUANTIZERS, QuantError, QuantizedStack, _DequantLinear
-from moetune.engine.stored.formats import StoredFormat, published_quantised
+from moetune.engine.stored.formats import StoredFormat, kept_float, published_quantised
 
 
 def _stand_in(stack: QuantizedStack) -> nn.Parameter:
@@ -75,9 +75,11 @@ def dequantize_linears_(model: nn.Module) -> int:
     return len(found)
 
 
-def store_float_linears_(model: nn.Module, method: str, options: dict[str, Any]) -> int:
-    """The Linears a publisher of `method` quantises, replaced by StoredLinears quantised from
-    their float weights (the planner's trace builds a stored base so, on meta); how many."""
+def store_float_linears_(model: nn.Module, method: str, options: dict[str, Any],
+                         qcfg: dict[str, Any] | None = None) -> int:  # fmt: skip
+    """The Linears a publisher of `method` quantises – but for those `qcfg`'s lists keep float
+    (kept_float) – replaced by StoredLinears quantised from their float weights (the planner's
+    trace builds a stored base so, on meta); how many."""
     fmt = QUANTIZERS.get(method).configured(**options)
     if not (issubclass(fmt, StoredFormat) and not fmt.experts_only):
         return 0
@@ -85,6 +87,8 @@ def store_float_linears_(model: nn.Module, method: str, options: dict[str, Any])
     for path, module in list(model.named_modules()):
         if type(module) is not nn.Linear or not published_quantised(path):
             continue
+        if kept_float(qcfg or {}, path):
+            continue  # the checkpoint's ignore / exclude list: float, as published
         try:
             bufs = fmt.quantize(module.weight.detach()[None], **options)
         except QuantError:

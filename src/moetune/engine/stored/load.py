@@ -12,7 +12,6 @@ merged export, `model.quantized_base: dequantize`).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -43,8 +42,10 @@ from moetune.engine.stack_files import (
 )
 from moetune.engine.stored.formats import StoredFormat, stored_format
 from moetune.engine.stored.linear import StoredLinear, dequantize_linears_, replace_module
+from moetune.errors import MoetuneError
 from moetune.model.derive import causal_lm_class, ensure_backbone
 from moetune.model.hf_config import quant_config_of
+from moetune.model.sources import read_config
 
 if TYPE_CHECKING:
     from torch import nn
@@ -111,10 +112,11 @@ class StackFiles:
 
 
 def checkpoint_format(model_dir: str | Path) -> tuple[type[StoredFormat], dict[str, Any]] | None:
-    """The stored format of a local checkpoint's config.json (None: a float checkpoint)."""
+    """The stored format of a local checkpoint's config.json, or of the hf_quant_config.json
+    beside it (None: a float checkpoint)."""
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_config(Path(model_dir) / "config.json")
+    except MoetuneError:
         return None  # no readable config here: the loader says what is wrong with it
     qcfg = quant_config_of(config) if isinstance(config, dict) else None
     fmt = stored_format(qcfg)

@@ -110,6 +110,7 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
         experts_dtype=step.stored_experts or cfg.model.experts_dtype,  # a base kept as stored
         double_quant=cfg.model.experts_double_quant,
         experts_options=stored_options(spec, cfg.model.quantized_base),
+        stored_config=spec.quant_config if step.stored_experts else None,  # its ignore lists
     )
 
 

@@ -96,6 +96,7 @@ def trace_step(
     double_quant: bool = False,
     loss: str = "fused",
     experts_options: dict[str, Any] | None = None,
+    stored_config: dict[str, Any] | None = None,
 ) -> TraceResult:
     """Trace one training step and return its peak live tensor bytes.
 
@@ -109,7 +110,8 @@ def trace_step(
     peft's ParamWrapper; `experts_dtype` "int8"/"nf4" stores the frozen expert stacks
     quantised (engine.quant), which needs that engine; a published format's name ("fp8",
     "mxfp4" …: a base kept as stored) builds them in its layout with its own `quantize` on
-    meta, at the checkpoint's blocks / groups (`experts_options`, StoredFormat.options). `loss`
+    meta, at the checkpoint's blocks / groups (`experts_options`, StoredFormat.options), its
+    other Linears stored but for those its `stored_config` (quantization_config) lists. `loss`
     "fused" is TRL's tiled LM head (what moetune trains with), "full" the model's own loss
     on full logits. Neither config is modified.
     """
@@ -126,7 +128,7 @@ def trace_step(
             warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys")
             model = build_step_model(
                 copy.deepcopy(hf_config), copy.deepcopy(peft_config), dtype, device, fake,
-                engine, (experts_dtype, double_quant, experts_options or {}),
+                engine, (experts_dtype, double_quant, experts_options or {}), stored_config,
             )  # fmt: skip
             prepare_for_training(model, peft_config is None, gradient_checkpointing)
             fused = loss == "fused"
@@ -220,8 +222,10 @@ def build_step_model(
     fake: bool,
     engine: str = "peft",
     experts: tuple[str, bool, dict[str, Any]] = ("bf16", False, {}),
+    stored_config: dict[str, Any] | None = None,
 ) -> Any:
-    """The model (a PeftModel when `peft_config` is given), on `meta` when fake."""
+    """The model (a PeftModel when `peft_config` is given), on `meta` when fake; a stored
+    base's Linears its `stored_config` lists (ignore / exclude_modules) stay float."""
     # lazy: heavy to import (peft, transformers via moetune.engine)
     from moetune.engine.quant.stacks import peft_targets
 
@@ -229,7 +233,7 @@ def build_step_model(
         model = ensure_backbone(causal_lm_class(hf_config)._from_config(hf_config, dtype=dtype))
         apply_fixes(model)  # the step the trainer runs (step3p5: a window its mask needs)
         if experts[0] != "bf16":
-            _quantize(model, engine, *experts)
+            _quantize(model, engine, *experts, stored_config or {})
         if peft_config is not None:
             # lazy: heavy to import (peft)
             from peft import get_peft_model
@@ -249,7 +253,7 @@ def build_step_model(
 
 
 def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool,
-              options: dict[str, Any]) -> None:  # fmt: skip
+              options: dict[str, Any], stored_config: dict[str, Any]) -> None:  # fmt: skip
     """Expert stacks quantised as the trainer loads them, each on the split forward."""
     # lazy: heavy to import (peft, transformers via moetune.engine)
     from moetune.engine import IMPLEMENTATION, register
@@ -258,7 +262,7 @@ def _quantize(model: Any, engine: str, experts_dtype: str, double_quant: bool,
 
     require_split_engine(engine, experts_dtype)
     quantize_experts_(model, experts_dtype, double_quant, error_experts=0, options=options)
-    store_float_linears_(model, experts_dtype, options)  # a stored base's other Linears
+    store_float_linears_(model, experts_dtype, options, stored_config)  # a stored base's Linears
     register()
     model.set_experts_implementation(IMPLEMENTATION)
 
