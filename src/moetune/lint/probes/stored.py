@@ -41,3 +41,22 @@ def transformers_inflates() -> ProbeOutcome:
     fp8, mxfp4 = fp8_dequantised_on_cpu(), mxfp4_refuses_training()
     return ProbeOutcome(fp8.trap_present or mxfp4.trap_present,
                         f"{fp8.evidence}; {mxfp4.evidence}")  # fmt: skip
+
+
+def bnb_import_only_at_load() -> ProbeOutcome:
+    """transformers' bitsandbytes quantizer calls a pre-quantised 4-bit base trainable
+    whether or not bitsandbytes is installed, and raises its ImportError only when the
+    weights load (`validate_environment`): after the plan, on the machine that trains."""
+    from unittest import mock
+
+    # lazy: heavy to import (transformers)
+    import transformers.quantizers.quantizer_bnb_4bit as bnb4
+    from transformers import BitsAndBytesConfig
+
+    quantizer = bnb4.Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True), pre_quantized=True)
+    with mock.patch.object(bnb4, "is_bitsandbytes_available", lambda: False):
+        try:
+            quantizer.validate_environment()
+        except ImportError as exc:
+            return ProbeOutcome(bool(quantizer.is_trainable), f"at load: {exc}")
+    return ProbeOutcome(False, "validate_environment passed with bitsandbytes missing")
