@@ -3,6 +3,8 @@ transformers: what its own quantizers do with an FP8 / MXFP4 checkpoint on this 
 
 from __future__ import annotations
 
+from unittest import mock
+
 from moetune.lint.registry import ProbeOutcome
 
 
@@ -47,8 +49,6 @@ def bnb_import_only_at_load() -> ProbeOutcome:
     """transformers' bitsandbytes quantizer calls a pre-quantised 4-bit base trainable
     whether or not bitsandbytes is installed, and raises its ImportError only when the
     weights load (`validate_environment`): after the plan, on the machine that trains."""
-    from unittest import mock
-
     # lazy: heavy to import (transformers)
     import transformers.quantizers.quantizer_bnb_4bit as bnb4
     from transformers import BitsAndBytesConfig
