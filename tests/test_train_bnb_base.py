@@ -145,3 +145,34 @@ def test_lint_silent_with_the_library_or_a_float_base(
         ctx = LintContext(config=cfg, spec=load_spec(str(base)), env={}, versions={})
         assert check(ctx) is None
     assert formats.missing_library(BNB4) is None
+
+
+def per_expert_bnb(base: Path, out: Path) -> Path:
+    """`base` (a bnb 4-bit save) with every expert's Linear 4-bit too, as transformers 4 saved
+    MoE bases: bitsandbytes' own quantize_4bit and its QuantState.as_dict keys."""
+    import bitsandbytes.functional as bnbf
+    from safetensors.torch import save_file
+
+    shutil.copytree(base, out)
+    tensors = load_file(str(base / "model.safetensors"))
+    for key in [k for k in tensors if ".mlp.experts." in k and k.endswith("_proj.weight")]:
+        packed, state = bnbf.quantize_4bit(tensors[key].float().contiguous(), quant_type="nf4",
+                                           compress_statistics=True)  # fmt: skip
+        tensors[key] = packed
+        tensors |= {f"{key}.{k}": v for k, v in state.as_dict(packed=True).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_experts_quantised_one_linear_each_refused(wide: dict[str, Path], tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    base = per_expert_bnb(bnb_base(wide["float"], tmp_path / "bnb4", 4), tmp_path / "old")
+    cfg = run_config(base, wide["data"], tmp_path / "run", max_steps=1)
+    (tmp_path / "run.yaml").write_text(json.dumps(cfg.model_dump(mode="json")))
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml")])
+    assert result.exit_code == 2, result.output
+    assert "one Linear each" in result.output and "Traceback" not in result.output
+    assert "mlp.experts." in result.output and "bf16 release" in result.output
