@@ -48,9 +48,9 @@ def _expert_b(adapter_dir: str) -> list[torch.Tensor]:
 
 
 def test_trains_over_the_weights_bitsandbytes_reads(wide: dict[str, Path], tmp_path: Path) -> None:
+    base = bnb_base(wide["float"], tmp_path / "bnb4", 4)  # skips without bitsandbytes
     from bitsandbytes.functional import QuantState, dequantize_4bit
 
-    base = bnb_base(wide["float"], tmp_path / "bnb4", 4)
     cfg = run_config(base, wide["data"], tmp_path / "run", max_steps=2, save_steps=2,
                      lora__targets=["attention", "experts"])  # fmt: skip
     cfg.model.dtype = "float32"
