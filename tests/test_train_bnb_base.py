@@ -176,3 +176,19 @@ def test_experts_quantised_one_linear_each_refused(wide: dict[str, Path], tmp_pa
     assert result.exit_code == 2, result.output
     assert "one Linear each" in result.output and "Traceback" not in result.output
     assert "mlp.experts." in result.output and "bf16 release" in result.output
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_offload_refused_before_loading(
+    wide: dict[str, Path], tmp_path: Path, offload: str
+) -> None:
+    pytest.importorskip("bitsandbytes", reason="without it the base is refused for that first")
+    from moetune.train import train
+    from moetune.train.errors import TrainError
+
+    base = _declared_bnb(wide, tmp_path / "declared")  # the packed bytes are never read
+    cfg = run_config(base, wide["data"], tmp_path / "run", max_steps=1, offload=offload,
+                     lora__targets=["attention", "experts"])  # fmt: skip
+    with pytest.raises(TrainError, match=r"train\.offload does not read a bitsandbytes"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()

@@ -31,7 +31,7 @@ def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
     take it from there), or None for a float base."""
     fmt = stored_base(cfg, spec)  # one moetune cannot read: QuantError, naming the readable
     if fmt is None:
-        check_bnb_experts(cfg.model.id, spec)
+        check_bnb_base(cfg, spec)
         return None
     as_stored = cfg.model.quantized_base == "as_stored"
     fix = "or set model.quantized_base: dequantize (inflates the experts to model.dtype)"
@@ -62,12 +62,23 @@ def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
     return fmt
 
 
-def check_bnb_experts(model_id: str, spec: ModelSpec) -> None:
-    """Refuse a bitsandbytes base whose routed experts are stored quantised one Linear each
-    (as transformers 4 saved MoE bases): transformers 5 builds fused expert stacks, which its
-    bitsandbytes integration does not quantise, and fails on those tensors after loading."""
-    if not bnb_linear_bytes(spec) or not os.path.isdir(model_id):
+def check_bnb_base(cfg: RunConfig, spec: ModelSpec) -> None:
+    """Refuse what a bitsandbytes pre-quantised base cannot do: train.offload (its loaders
+    build the float model and would read the packed bytes as weights), and routed experts
+    stored quantised one Linear each (as transformers 4 saved MoE bases): transformers 5
+    builds fused expert stacks, which its bitsandbytes integration does not quantise."""
+    if not bnb_linear_bytes(spec):
         return
+    if cfg.train.offload != "none":
+        raise TrainError("train.offload does not read a bitsandbytes pre-quantised base",
+                         "set train.offload: none (the base's Linears are already 4 / 8-bit), "
+                         "or train its bf16 release")  # fmt: skip
+    if os.path.isdir(cfg.model.id):
+        _bnb_experts(cfg.model.id)
+
+
+def _bnb_experts(model_id: str) -> None:
+    """check_bnb_base's per-expert refusal, from the files' headers (no weight read)."""
     # lazy: heavy to import (moetune.engine, torch)
     from moetune.engine.stack_files import read_header
 
