@@ -69,6 +69,31 @@ def test_trains_over_the_weights_bitsandbytes_reads(wide: dict[str, Path], tmp_p
         trained_over = layer(eye).T
     assert trained_over.shape == reference.shape
     assert torch.equal(trained_over, reference.float())
+    _merged_is_dequantised_plus_delta(result.adapter_dir, tmp_path, wide["data"], name, reference)
+
+
+def _merged_is_dequantised_plus_delta(adapter_dir: str, tmp_path: Path, items: Path, name: str,
+                                      reference: torch.Tensor) -> None:  # fmt: skip
+    """export merged writes bitsandbytes' own dequantised weight + the adapter's ΔW (fp64
+    reference), unquantised, and its served == trained check passes."""
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    out = tmp_path / "merged"
+    args = ["export", str(tmp_path / "run"), "--format", "merged", "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--items", str(items)])
+    assert result.exit_code == 0, result.output
+    adapter = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    lora = f"base_model.model.{name}.lora_{{}}.weight"
+    a, b = adapter[lora.format("A")].double(), adapter[lora.format("B")].double()
+    expected = reference.double() + config["lora_alpha"] / config["r"] * (b @ a)
+    merged = load_file(str(out / "model.safetensors"))
+    assert f"{name}.weight.absmax" not in merged
+    got = merged[f"{name}.weight"].double()
+    assert float((got - expected).norm() / expected.norm()) < 1e-6
+    assert float((b @ a).norm()) > 0  # the delta is there to merge
 
 
 def test_plan_holds_the_linears_as_stored(wide: dict[str, Path], tmp_path: Path) -> None:
