@@ -96,6 +96,8 @@ def load_base(base: str, dtype: torch.dtype) -> Any:
             f"the base {clip(base, 60)} lacks {len(info['missing_keys'])} tensors it builds",
             "point --base at the checkpoint the adapter was trained on",
         )
+    if getattr(model, "hf_quantizer", None) is not None:  # bitsandbytes: its own dequantise
+        model = model.dequantize(dtype=dtype)  # ΔW goes into float weights, saved unquantised
     return model.eval()
 
 

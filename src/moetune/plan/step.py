@@ -80,7 +80,7 @@ class Step:
             split_lora=split,
             experts_dtype=cfg.model.experts_dtype,
             experts_double_quant=cfg.model.experts_double_quant,
-            **_stored(spec, cfg, split and quant == "none"),
+            **(_stored(spec, cfg, split and quant == "none") or _published_bnb(spec)),
         )
 
 
@@ -110,3 +110,29 @@ def _stored(spec: ModelSpec, cfg: RunConfig, split: bool) -> dict[str, Any]:
     linears = per_param if params else 0.0
     return {"stored_experts": fmt.name, "stored_bytes": per_param, "stored_linear_bytes": linears,
             "stored_linear_params": params}  # fmt: skip
+
+
+def bnb_linear_bytes(spec: ModelSpec) -> float:
+    """Bytes per parameter of the Linears a bitsandbytes pre-quantised checkpoint stores
+    (0: not one). 4-bit: NF4 / FP4 nibbles + an fp32 absmax per 64 (double quant: an int8
+    absmax per 64 and an fp32 scale per 256 of those); 8-bit: int8 + an fp32 scale per row.
+    transformers' integration quantises nn.Linear only: the fused experts, router, embeddings
+    and lm_head stay float (model.dtype)."""
+    q = spec.quant_config or {}
+    if q.get("quant_method") != "bitsandbytes":
+        return 0.0
+    if q.get("load_in_8bit"):
+        return 1 + 4 / spec.hidden_size
+    if q.get("load_in_4bit"):
+        return 0.5 + (1 / 64 + 4 / (64 * 256) if q.get("bnb_4bit_use_double_quant") else 4 / 64)
+    return 0.0
+
+
+def _published_bnb(spec: ModelSpec) -> dict[str, Any]:
+    """A bitsandbytes pre-quantised base: its attention, dense and shared MLP Linears at the
+    bytes it stores them in (frozen_bytes), not as model.dtype."""
+    per_param = bnb_linear_bytes(spec)
+    if not per_param:
+        return {}
+    params = stored_linear_params(spec, spec.quant_config or {})  # modules_to_not_convert: float
+    return {"stored_linear_bytes": per_param, "stored_linear_params": params}

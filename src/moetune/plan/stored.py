@@ -13,7 +13,7 @@ from typing import Any
 from moetune.config import RunConfig
 from moetune.model.spec import ModelSpec
 from moetune.plan.moves import Storage, with_lora, with_model
-from moetune.plan.step import Step
+from moetune.plan.step import Step, bnb_linear_bytes
 from moetune.units import gib
 
 
@@ -61,7 +61,7 @@ def stored_summary(spec: ModelSpec, cfg: RunConfig) -> dict[str, Any] | None:
 
     fmt = stored_experts(spec)
     if fmt is None:
-        return None
+        return bnb_summary(spec, cfg)
     step = Step.from_config(cfg, spec)
     kept = bool(step.stored_bytes)
     per_param = step.stored_bytes if kept else fmt.bytes_per_param(spec.quant_config or {})
@@ -90,3 +90,26 @@ def _words(name: str, kept: bool, routed_bytes: int, cfg: RunConfig, step: Step)
         f"planned with them as {held} – as_stored keeps them as published for LoRA on "
         "lora.engine moetune with model.experts_dtype bf16"
     )
+
+
+def bnb_summary(spec: ModelSpec, cfg: RunConfig) -> dict[str, Any] | None:
+    """stored_summary's view of a bitsandbytes pre-quantised base: its Linears planned as the
+    bytes it stores, the rest (the fused experts among it) in model.dtype. None otherwise."""
+    per_param = bnb_linear_bytes(spec)
+    if not per_param:
+        return None
+    bits = 8 if (spec.quant_config or {}).get("load_in_8bit") else 4
+    c = spec.components
+    linears = round((c.attention + c.dense_mlp + c.shared_experts) * per_param)
+    return {
+        "format": f"bitsandbytes {bits}-bit",
+        "as_stored": True,
+        "bytes_per_param": per_param,
+        "routed_experts_params": c.routed_experts,
+        "routed_experts_bytes": 0,
+        "rest_dtype": cfg.model.dtype,
+        "linears_as_stored": True,
+        "text": f"the base is published bitsandbytes {bits}-bit: its attention, dense and "
+        f"shared MLP Linears planned as stored ({gib(linears)}); bitsandbytes leaves the "
+        f"routed experts, router, embeddings and lm_head float: in {cfg.model.dtype}",
+    }

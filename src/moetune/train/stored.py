@@ -4,12 +4,14 @@ cannot work – every key and shape checked from the files' headers before a wei
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
 from moetune.config import RunConfig
 from moetune.config.keys import offload_mode, splits
 from moetune.model.spec import ModelSpec
+from moetune.plan.step import bnb_linear_bytes
 from moetune.train.errors import TrainError
 
 
@@ -30,6 +32,7 @@ def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
     take it from there), or None for a float base."""
     fmt = stored_base(cfg, spec)  # one moetune cannot read: QuantError, naming the readable
     if fmt is None:
+        check_bnb_base(cfg, spec)
         return None
     as_stored = cfg.model.quantized_base == "as_stored"
     fix = "or set model.quantized_base: dequantize (inflates the experts to model.dtype)"
@@ -58,3 +61,40 @@ def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
     if os.path.isdir(cfg.model.id):  # a hub base is checked once its files are here
         open_stored(cfg.model.id, torch.float32)  # every stack's keys and shapes, from headers
     return fmt
+
+
+def check_bnb_base(cfg: RunConfig, spec: ModelSpec) -> None:
+    """Refuse what a bitsandbytes pre-quantised base cannot do: train.offload (its loaders
+    build the float model and would read the packed bytes as weights), and routed experts
+    stored quantised one Linear each (as transformers 4 saved MoE bases): transformers 5
+    builds fused expert stacks, which its bitsandbytes integration does not quantise."""
+    if not bnb_linear_bytes(spec):
+        return
+    if cfg.train.offload != "none":
+        raise TrainError("train.offload does not read a bitsandbytes pre-quantised base",
+                         "set train.offload: none (the base's Linears are already 4 / 8-bit), "
+                         "or train its bf16 release")  # fmt: skip
+    if os.path.isdir(cfg.model.id):
+        _bnb_experts(cfg.model.id)
+
+
+def _bnb_experts(model_id: str) -> None:
+    """check_bnb_base's per-expert refusal, from the files' headers (no weight read)."""
+    # lazy: heavy to import (moetune.engine, torch)
+    from moetune.engine.stack_files import read_header
+
+    files = sorted(Path(model_id).glob("*.safetensors"))
+    keys = (k for f in files for k in read_header(f))
+    found = next((k for k in keys if ".experts." in k and k.endswith(QUANT_STATE_KEYS)), None)
+    if found is not None:
+        raise TrainError(
+            f"the base stores its routed experts bitsandbytes-quantised one Linear each "
+            f"({found}), as transformers 4 saved MoE bases; transformers 5 builds fused "
+            "expert stacks that bitsandbytes does not hold",
+            "use the base's bf16 release (model.experts_dtype: nf4 keeps its experts 4-bit), "
+            "or one saved with transformers >= 5",
+        )
+
+
+# what bitsandbytes saves beside a quantised Linear's weight (4-bit absmax, 8-bit row scales)
+QUANT_STATE_KEYS = (".weight.absmax", ".SCB")

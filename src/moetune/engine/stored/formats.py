@@ -160,6 +160,11 @@ def decide_format(qcfg: dict[str, Any]) -> type[StoredFormat] | None:
         if fmt.reads(qcfg):  # configured: its block size is the config's, never the grid's
             return fmt.configured(**fmt.options(qcfg))  # type: ignore[return-value]
     if transformers_trains(qcfg):
+        needs = missing_library(qcfg)
+        if needs:  # else transformers' loader ends in an ImportError after the plan said fits
+            raise QuantError(f"a base quantised as {describe(qcfg)} needs a library that is "
+                             f"not installed here: {needs}",
+                             "install it as named, or use the base's bf16 release")  # fmt: skip
         return None  # bitsandbytes, GPTQ …: transformers' own quantizer trains it as before
     raise QuantError(f"moetune cannot read checkpoints quantised as {describe(qcfg)}",
                      f"use one stored as {', '.join(f.label for f in stored_formats())}, "
@@ -185,6 +190,22 @@ def transformers_trains(qcfg: dict[str, Any]) -> bool:
         return bool(AutoHfQuantizer.from_config(dict(qcfg), pre_quantized=True).is_trainable)
     except Exception:  # a missing library, an unknown method: it cannot train here
         return False
+
+
+def missing_library(qcfg: dict[str, Any]) -> str | None:
+    """What transformers' own quantizer for `qcfg` says is not installed (its
+    `validate_environment`'s ImportError, one line), or None. Its other checks (a GPU, a
+    device map) are about the machine that loads it, which need not be this one."""
+    # lazy: heavy to import (transformers)
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    try:
+        AutoHfQuantizer.from_config(dict(qcfg), pre_quantized=True).validate_environment()
+    except ImportError as exc:
+        return " ".join(str(exc).split()) or type(exc).__name__
+    except Exception:  # not a missing library: the loader's own error, on the loading machine
+        return None
+    return None
 
 
 def describe(qcfg: dict[str, Any]) -> str:

@@ -3,6 +3,8 @@ transformers: what its own quantizers do with an FP8 / MXFP4 checkpoint on this 
 
 from __future__ import annotations
 
+from unittest import mock
+
 from moetune.lint.registry import ProbeOutcome
 
 
@@ -66,3 +68,20 @@ def fp8_block_from_grid() -> ProbeOutcome:
     return ProbeOutcome(refused != "dequantised" or wrong > 0,
                         f"576 rows / grid 5: {refused}; 192 rows / grid 2: {wrong} rows "
                         "mis-scaled")  # fmt: skip
+
+
+def bnb_import_only_at_load() -> ProbeOutcome:
+    """transformers' bitsandbytes quantizer calls a pre-quantised 4-bit base trainable
+    whether or not bitsandbytes is installed, and raises its ImportError only when the
+    weights load (`validate_environment`): after the plan, on the machine that trains."""
+    # lazy: heavy to import (transformers)
+    import transformers.quantizers.quantizer_bnb_4bit as bnb4
+    from transformers import BitsAndBytesConfig
+
+    quantizer = bnb4.Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True), pre_quantized=True)
+    with mock.patch.object(bnb4, "is_bitsandbytes_available", lambda: False):
+        try:
+            quantizer.validate_environment()
+        except ImportError as exc:
+            return ProbeOutcome(bool(quantizer.is_trainable), f"at load: {exc}")
+    return ProbeOutcome(False, "validate_environment passed with bitsandbytes missing")

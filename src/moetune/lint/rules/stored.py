@@ -84,3 +84,25 @@ def quant_fp8_partial_block(ctx: LintContext) -> Hit | None:
         "loaded through transformers' FP8 path",
         "model.id",
     )
+
+
+@register_rule(
+    "QUANT-BASE-LIBRARY",
+    "error",
+    "a base published quantised (bitsandbytes …) whose library is not installed",
+    probe=probes.bnb_import_only_at_load,
+    libraries=("transformers", "bitsandbytes"),
+)
+def quant_base_library(ctx: LintContext) -> Hit | None:
+    qcfg = ctx.spec.quant_config if ctx.spec is not None else None
+    if not qcfg:
+        return None
+    # lazy: heavy to import (moetune.engine, torch)
+    from moetune.engine.stored.formats import missing_library, stored_format
+
+    try:
+        stored_format(qcfg)
+    except MoetuneError as exc:
+        if missing_library(qcfg):  # not an unreadable format: one library away from training
+            return Hit(exc.cause, exc.fix, "model.id")
+    return None

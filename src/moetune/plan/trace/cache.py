@@ -21,7 +21,7 @@ from moetune.config import RunConfig
 from moetune.errors import ConfigError
 from moetune.model import to_hf_config
 from moetune.model.spec import ModelSpec
-from moetune.plan.step import Step
+from moetune.plan.step import Step, bnb_linear_bytes
 from moetune.recipe.targets import build_peft_config
 
 if TYPE_CHECKING:
@@ -88,7 +88,8 @@ def run_trace(spec: ModelSpec, cfg: RunConfig, optimizer: str = "fused") -> Trac
     from moetune.engine.resolve import resolve_engine, stored_options
     from moetune.plan.trace.fake_step import trace_step
 
-    if cfg.train.tuning == "qlora" or cfg.train.quantization != "none":
+    bnb = cfg.train.tuning == "qlora" or cfg.train.quantization != "none"
+    if bnb or bnb_linear_bytes(spec):  # a bitsandbytes base (asked, or published so)
         raise ConfigError(
             "the trace estimator cannot run quantized (bitsandbytes) steps on fake tensors",
             "use --estimator analytic for qlora / bnb quantization",

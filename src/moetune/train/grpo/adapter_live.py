@@ -23,6 +23,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from moetune.train.errors import TrainError
+from moetune.train.routing.modes import measuring
 
 SEPARATION = 1e-3  # policy vs base log-prob gap (max over tokens) needed to tell them apart
 MAX_TOKENS = 64  # sampled positions compared: a vocab-sized fp32 row each (151k: 0.6 MB)
@@ -159,14 +160,9 @@ class LiveCheck(TrainerCallback):
         ids = sample.full.unsqueeze(0).to(next(self.model.parameters()).device)
         peft: Any = self.model  # a PeftModel: disable_adapter() turns every LoRA off
         disable: Callable[[], Any] = peft.disable_adapter
-        was = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad(), disable():
-                self._phase = None
-                logits = self.model(input_ids=ids).logits[0].cpu()
-        finally:
-            self.model.train(was)
+        with measuring(self.model), disable():  # quantised kernels keep their train mode
+            self._phase = None
+            logits = self.model(input_ids=ids).logits[0].cpu()
         every = torch.ones(ids.shape[1], dtype=torch.bool)
         per = row_logps(logits, ids[0].cpu(), every, self.temperature)
         return _picked(per, ids[0].cpu(), sample.logps)

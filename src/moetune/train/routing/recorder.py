@@ -43,6 +43,7 @@ from transformers import TrainerCallback
 
 from moetune.model.families.registry import get_family
 from moetune.model.layers import decoder_layers
+from moetune.train.routing.modes import measuring
 from moetune.train.routing.rows import BASE_ROWS, batches, sampled
 
 if TYPE_CHECKING:
@@ -344,18 +345,16 @@ class RoutingRecorder:
 def base_routing(
     recorder: RoutingRecorder, model: nn.Module, inputs: Iterable[dict[str, Any]]
 ) -> dict[int, LayerLoad]:
-    """MoE layer -> the routing of `model` over `inputs` (no grad, eval mode). Called before
-    the first step, when every LoRA B is still zero: the model routes as the base does."""
-    was_training = model.training
-    model.eval()
+    """MoE layer -> the routing of `model` over `inputs` (no grad, eval mode but for the
+    quantised kernels, each module's mode back after: `measuring`). Called before the first
+    step, when every LoRA B is still zero: the model routes as the base does."""
     recorder.start()
     try:
-        with torch.no_grad():
+        with measuring(model):
             for batch in inputs:
                 model(**batch)
     finally:
         loads = recorder.stop()
-        model.train(was_training)
     return {load.layer: load for load in loads}
 
 

@@ -37,6 +37,7 @@ from moetune.engine.experts_lora import PROJECTIONS, EngineError, train_only
 from moetune.errors import ConfigError
 from moetune.model.families.registry import get_family
 from moetune.model.layers import decoder_layers
+from moetune.train.routing.modes import measuring
 from moetune.train.routing.recorder import RoutingRecorder
 from moetune.train.routing.rows import batches, sampled
 
@@ -246,17 +247,14 @@ def score_experts(
     """Per MoE layer, the `mode` score of each expert over `inputs` (frozen base), and the
     number of tokens scored."""
     recorder = RoutingRecorder(model, spec, weights=True)
-    was_training = model.training
-    model.eval()
     try:
         recorder.start()
-        with torch.no_grad(), _adapters_off(model):
+        with measuring(model), _adapters_off(model):
             for batch in inputs:
                 model(**batch)
         routed = recorder.routed()
     finally:
         recorder.remove()
-        model.train(was_training)
     missing = sorted(set(spec.moe_layers) - set(routed))
     if missing:
         raise EngineError(
