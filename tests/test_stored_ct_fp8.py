@@ -197,6 +197,8 @@ def _publish(src: Path, out: Path, copy: Path, strategy: str, block: list[int] |
         tensors |= {f"{base}.{k}": v for k, v in sd.items()}
         if strategy == "tensor":  # static activations: unused to train
             tensors[f"{base}.input_scale"] = torch.tensor([0.02], dtype=value.dtype)
+            if ".layers.0." in key:  # a 0-dim scale (older writers) loads as [1] does
+                tensors[f"{base}.weight_scale"] = tensors[f"{base}.weight_scale"].reshape(())
         ref[key] = deq.float()
     config = json.loads((src / "config.json").read_text())
     qcfg = ct_config(strategy, block, static=strategy == "tensor")
