@@ -1,7 +1,8 @@
-"""Exports over a base published quantised (block FP8, MXFP4): the merge adds ΔW to the
-dequantised stored weights and writes floats with no quantization_config; --requantize writes
-the base's stored layout back and reports how much of ΔW survives the rounding (refused below
-the floor, nothing written); the vLLM export leaves the stored base as published."""
+"""Exports over a base published quantised (block FP8, MXFP4, compressed-tensors FP8): the
+merge adds ΔW to the dequantised stored weights and writes floats with no quantization_config;
+--requantize writes the base's stored layout back and reports how much of ΔW survives the
+rounding (refused below the floor, nothing written); the vLLM export leaves the stored base as
+published."""
 
 from __future__ import annotations
 
@@ -26,7 +27,12 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 TINY = {"hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2,
         "num_experts": 4, "mlp_only_layers": [], "head_dim": 16, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 64}  # fmt: skip
-STORED = {"fp8": {"block": (16, 32)}, "mxfp4": {}}
+STORED = {
+    "fp8": {"block": (16, 32)},
+    "mxfp4": {},
+    "fp8-ct": {"per": "channel"},
+    "fp8-ct-block": {"block": (16, 32)},
+}
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from moetune.engine.experts_lora import (
 from moetune.engine.quant import int8_nf4 as _quant_int  # noqa: F401  (registers int8 / NF4)
 from moetune.engine.stored import (  # noqa: F401  (each registers its published format)
     awq,
+    ct_fp8,
     ct_nvfp4,
     fp8,
     fp8_scaled,

@@ -34,6 +34,7 @@ class BlockFP8(StoredFormat):
     }
     scales = ("scale_inv",)
     block: ClassVar[tuple[int, int]] = (128, 128)  # config.json's weight_block_size
+    block_field: ClassVar[str] = "weight_block_size"  # where quantization_config names it
 
     @classmethod
     def reads(cls, qcfg: dict[str, Any]) -> bool:
@@ -50,7 +51,7 @@ class BlockFP8(StoredFormat):
 
     @classmethod
     def configured(cls, block: tuple[int, int] | None = None, **_: Any) -> type[BlockFP8]:
-        return cls if block is None else _with_block(_block_of(block))
+        return cls if block is None else _with_block(cls, _block_of(block))
 
     @classmethod
     def config(cls, block: tuple[int, int] | None = None, **options: Any) -> dict[str, Any]:
@@ -75,8 +76,8 @@ class BlockFP8(StoredFormat):
         if buffers["weight"].dtype != torch.int8 and got != want:
             raise QuantError(
                 f"{where}: fp8 scale grid {list(got)} is not ceil([{out_in[0]}, {out_in[1]}] / "
-                f"{list(cls.block)}) = {list(want)} for weight_block_size {list(cls.block)}",
-                "set quantization_config.weight_block_size in config.json to the block the "
+                f"{list(cls.block)}) = {list(want)} for {cls.block_field} {list(cls.block)}",
+                f"set quantization_config's {cls.block_field} in config.json to the block the "
                 "weights were quantised with (or use the config.json published with them)",
             )
         super().check(buffers, out_in, where)
@@ -145,19 +146,20 @@ def _block_of(block: Any) -> tuple[int, int]:
     return rows, cols
 
 
-_VARIANTS: dict[tuple[int, int], type[BlockFP8]] = {}
+_VARIANTS: dict[tuple[type[BlockFP8], tuple[int, int]], type[BlockFP8]] = {}
 
 
-def _with_block(block: tuple[int, int]) -> type[BlockFP8]:
-    """BlockFP8 with another weight_block_size: one class a size (a stack names it as its
-    backend, so every reader of its buffers – the forward, offload, the export – agrees)."""
-    if block == BlockFP8.block:
-        return BlockFP8
-    if block not in _VARIANTS:
-        name = f"BlockFP8_{block[0]}x{block[1]}"
-        variant = type(name, (BlockFP8,), {"block": block, "__module__": __name__})
-        globals()[name] = _VARIANTS[block] = variant  # found by name: pickle, deepcopy
-    return _VARIANTS[block]
+def _with_block(fmt: type[BlockFP8], block: tuple[int, int]) -> type[BlockFP8]:
+    """`fmt` (BlockFP8 or a subclass reading other keys) with another block size: one class a
+    size (a stack names it as its backend, so every reader of its buffers – the forward,
+    offload, the export – agrees)."""
+    if block == fmt.block:
+        return fmt
+    if (fmt, block) not in _VARIANTS:
+        name = f"{fmt.__name__}_{block[0]}x{block[1]}"
+        variant = type(name, (fmt,), {"block": block, "__module__": __name__})
+        globals()[name] = _VARIANTS[fmt, block] = variant  # found by name: pickle, deepcopy
+    return _VARIANTS[fmt, block]
 
 
 def _fp8_scales(scale: torch.Tensor) -> torch.Tensor:

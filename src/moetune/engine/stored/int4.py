@@ -27,23 +27,33 @@ _FIX = (
 def ct_scheme(qcfg: dict[str, Any]) -> dict[str, Any] | None:
     """The one weight scheme of a compressed-tensors pack-quantized config (None: another
     format); QuantError for a pack-quantized scheme moetune does not read."""
-    if qcfg.get("quant_method") != "compressed-tensors":
+    groups = ct_groups(qcfg, "pack-quantized", _FIX)
+    if groups is None:
         return None
-    groups = list((qcfg.get("config_groups") or {}).values())
-    formats = {g.get("format") or qcfg.get("format") for g in groups}
-    if not groups or "pack-quantized" not in formats:
-        return None
-    if len(formats) > 1:  # some Linears in another format: none may be read half-way
-        raise QuantError(f"compressed-tensors with mixed formats {sorted(map(str, formats))}",
-                         _FIX)  # fmt: skip
     schemes = [g.get("weights") or {} for g in groups]
-    if any(s != schemes[0] for s in schemes):
-        raise QuantError("compressed-tensors: config groups with different weight schemes",
-                         _FIX)  # fmt: skip
     if any(g.get("input_activations") or g.get("output_activations") for g in groups):
         raise QuantError("compressed-tensors: activations quantised too (moetune reads the "
                          "weights and trains in float)", _FIX)  # fmt: skip
     return _checked(schemes[0])
+
+
+def ct_groups(qcfg: dict[str, Any], fmt: str, fix: str) -> list[dict[str, Any]] | None:
+    """The config groups of a compressed-tensors config stored as `fmt` (None: another
+    format), refused where some Linears use another format or another weight scheme."""
+    if qcfg.get("quant_method") != "compressed-tensors":
+        return None
+    groups = list((qcfg.get("config_groups") or {}).values())
+    formats = {g.get("format") or qcfg.get("format") for g in groups}
+    if not groups or fmt not in formats:
+        return None
+    if len(formats) > 1:  # some Linears in another format: none may be read half-way
+        raise QuantError(f"compressed-tensors with mixed formats {sorted(map(str, formats))}",
+                         fix)  # fmt: skip
+    schemes = [g.get("weights") or {} for g in groups]
+    if any(s != schemes[0] for s in schemes):
+        raise QuantError("compressed-tensors: config groups with different weight schemes",
+                         fix)  # fmt: skip
+    return groups
 
 
 def _checked(w: dict[str, Any]) -> dict[str, Any]:
