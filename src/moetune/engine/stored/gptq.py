@@ -18,7 +18,14 @@ import torch
 
 from moetune.engine.quant.stacks import QuantError, register
 from moetune.engine.stored.formats import Buffers, StoredFormat, divides
-from moetune.engine.stored.words import bits_of, check_groups, pack_words, parts_of, unpack_words
+from moetune.engine.stored.words import (
+    bits_of,
+    check_groups,
+    pack_words,
+    parts_of,
+    round_groups,
+    unpack_words,
+)
 
 _FIX = "use a 4- or 8-bit GPTQ checkpoint, or its bf16 release"
 
@@ -128,12 +135,9 @@ class GPTQ(StoredFormat):
     ) -> dict[str, torch.Tensor]:
         """Round to nearest, symmetric, natural order (the planner's trace, re-exports)."""
         e, out, inp = w.shape
-        group = group or inp
-        g = w.float().reshape(e, out, divides(inp, group, "gptq groups"), group)
-        top = (1 << (bits - 1)) - 1
-        scale = (g.abs().amax(-1) / (top + 0.5)).clamp_min(1e-8).to(dtype)
-        codes = torch.round(g / scale.float().unsqueeze(-1)).clamp(-top - 1, top) + top + 1
-        codes = codes.reshape(e, out, inp).transpose(1, 2).to(torch.int64)  # [E, in, out]
+        codes, scale, _ = round_groups(w, group, bits, dtype, "gptq groups")
+        codes = codes.transpose(1, 2)  # [E, in, out]: GPTQ packs along the input rows
+        top, group = (1 << (bits - 1)) - 1, group or inp
         zero = torch.full((e, scale.shape[-1], out), top + 1 - cls.zero_offset)
         return {
             "qweight": pack_words(codes.transpose(1, 2), bits).transpose(1, 2).contiguous(),

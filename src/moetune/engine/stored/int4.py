@@ -17,7 +17,14 @@ import torch
 
 from moetune.engine.quant.stacks import QuantError, register
 from moetune.engine.stored.formats import Buffers, StoredFormat, divides
-from moetune.engine.stored.words import bits_of, check_groups, pack_words, parts_of, unpack_words
+from moetune.engine.stored.words import (
+    bits_of,
+    check_groups,
+    pack_words,
+    parts_of,
+    round_groups,
+    unpack_words,
+)
 
 _FIX = (
     "use a checkpoint stored as INT4 / INT8 pack-quantized (group or channel), or its bf16 release"
@@ -170,19 +177,10 @@ class Int4Packed(StoredFormat):
         dtype: torch.dtype = torch.bfloat16,
     ) -> dict[str, torch.Tensor]:
         """Round to nearest (per group, or per row where `group` is 0), natural column order."""
-        e, out, inp = w.shape
-        group = group or inp
-        g = w.float().reshape(e, out, divides(inp, group, f"{cls.name} groups"), group)
-        top = (1 << (bits - 1)) - 1
-        if cls.zero_points:
-            lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-            scale = ((hi - lo) / (2 * top + 1)).clamp_min(1e-8).to(dtype)
-            zero = (torch.round(-lo / scale.float()) - top - 1).clamp(-top - 1, top)
-        else:
-            scale = (g.abs().amax(-1) / (top + 0.5)).clamp_min(1e-8).to(dtype)
-            zero = torch.zeros_like(scale, dtype=torch.float32)
-        codes = torch.round(g / scale.float().unsqueeze(-1) + zero.unsqueeze(-1))
-        codes = codes.clamp(-top - 1, top).reshape(e, out, inp).to(torch.int64) + top + 1
+        e, _, inp = w.shape
+        where = f"{cls.name} groups"
+        codes, scale, zero = round_groups(w, group, bits, dtype, where, cls.zero_points)
+        top, group = (1 << (bits - 1)) - 1, group or inp
         bufs = {"packed": pack_words(codes, bits), "scale": scale}
         if cls.zero_points:
             rows = (zero.to(torch.int64) + top + 1).transpose(1, 2)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from moetune.engine.quant.stacks import QuantError
+from moetune.engine.stored.formats import divides
 
 
 def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -50,3 +51,27 @@ def check_groups(g_idx: torch.Tensor, groups: int, where: str) -> None:
     if bool((g_idx < 0).any()) or bool((g_idx >= groups).any()):
         raise QuantError(f"{where}: g_idx names groups outside 0..{groups - 1}",
                          "re-download the checkpoint: its g_idx is corrupt")  # fmt: skip
+
+
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def round_groups(w: torch.Tensor, group: int, bits: int, dtype: torch.dtype, where: str,
+                 zero_points: bool = False) -> Codes:  # fmt: skip
+    """Round to nearest, as the publishers' writers do: w [E, out, in] in groups of `group`
+    columns (0: the whole row) -> (unsigned codes [E, out, in] int64, scale [E, out, groups]
+    in `dtype`, signed zero points [E, out, groups] float32 – 0 where `zero_points` is off)."""
+    e, out, inp = w.shape
+    group = group or inp
+    g = w.float().reshape(e, out, divides(inp, group, where), group)
+    top = (1 << (bits - 1)) - 1
+    if zero_points:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / (2 * top + 1)).clamp_min(1e-8).to(dtype)
+        zero = (torch.round(-lo / scale.float()) - top - 1).clamp(-top - 1, top)
+    else:
+        scale = (g.abs().amax(-1) / (top + 0.5)).clamp_min(1e-8).to(dtype)
+        zero = torch.zeros_like(scale, dtype=torch.float32)
+    codes = torch.round(g / scale.float().unsqueeze(-1) + zero.unsqueeze(-1))
+    codes = codes.clamp(-top - 1, top).reshape(e, out, inp).to(torch.int64) + top + 1
+    return codes, scale, zero
