@@ -153,3 +153,33 @@ def test_another_weight_file_beside_a_single_file_base_is_named(
     (note,) = check_weight_files(base)
     assert "consolidated.safetensors" in note and "ignored" in note
     assert check_weight_files(bases["float"]) == []
+
+
+def test_the_mlx_fused_dir_is_read_from_its_index(bases: dict[str, Path], tmp_path: Path) -> None:
+    from moetune.export.mlx import _read_weights
+
+    fused = _sharded_float(bases, tmp_path / "fused")
+    stale = load_file(str(bases["float"] / SINGLE))
+    save_file({k: v * 0 for k, v in stale.items()}, str(fused / SINGLE), metadata={"format": "pt"})
+    read = _read_weights(fused)
+    assert read.keys() == stale.keys()
+    assert all(torch.equal(read[k], v) for k, v in stale.items())  # the shards, not the zeros
+    first, second = checkpoint_files(fused)
+    key = min(load_file(str(second)))
+    save_file(load_file(str(first)) | {key: stale[key]}, str(first), metadata={"format": "pt"})
+    with pytest.raises(WeightFileError, match=key.replace(".", r"\.")):
+        _read_weights(fused)
+
+
+def test_eval_reads_the_base_as_its_loader_does(
+    bases: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moetune.evaluate.ladder import _check_base_files
+
+    stale = _with_stale_float(bases, tmp_path / "fp8-stale")
+    _check_base_files(_cfg(bases, stale, tmp_path / "a"), show=True)  # the stored loader
+    assert "ignored" in capsys.readouterr().err
+    sharded = _sharded_float(bases, tmp_path / "sharded")
+    shutil.copy2(bases["float"] / SINGLE, sharded / SINGLE)
+    with pytest.raises(WeightFileError, match="transformers"):  # from_pretrained would read it
+        _check_base_files(_cfg(bases, sharded, tmp_path / "b"), show=True)
