@@ -183,3 +183,16 @@ def test_eval_reads_the_base_as_its_loader_does(
     shutil.copy2(bases["float"] / SINGLE, sharded / SINGLE)
     with pytest.raises(WeightFileError, match="transformers"):  # from_pretrained would read it
         _check_base_files(_cfg(bases, sharded, tmp_path / "b"), show=True)
+
+
+def test_the_mlx_view_links_only_the_checkpoint(bases: dict[str, Path], tmp_path: Path) -> None:
+    from moetune.model import load_spec
+    from moetune.train.mlx.base import _stage
+
+    base = _sharded_float(bases, tmp_path / "sharded")
+    shutil.copy2(bases["float"] / SINGLE, base / SINGLE)  # mlx-lm reads every model*.safetensors
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    _stage(base, stage, load_spec(str(base)))
+    linked = {p.name for p in stage.glob("*.safetensors")}
+    assert linked == {p.name for p in checkpoint_files(base)} and SINGLE not in linked
