@@ -22,6 +22,7 @@ import torch
 
 from moetune.engine.direct_io import DirectReader, Piece, Span, read_once
 from moetune.errors import MoetuneError
+from moetune.model.weight_files import checkpoint_files, refuse_twice
 from moetune.model.weight_files import read_header as checked_header
 from moetune.registry import Registry
 
@@ -60,14 +61,19 @@ def read_header(path: str | Path) -> dict[str, Segment]:
 
 
 def index_dir(model_dir: str | Path) -> dict[str, Segment]:
-    """Every tensor of every *.safetensors file in a model dir."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    """Every tensor of the files that make a model dir's checkpoint (a key in two: refused)."""
+    files = checkpoint_files(model_dir)
     if not files:
         raise OffloadError(
             f"train.offload reads the base's safetensors files, but {model_dir} has none",
             "save the base with save_pretrained (safetensors), or set train.offload: none",
         )
-    return {k: s for f in files for k, s in read_header(f).items()}
+    out: dict[str, Segment] = {}
+    for f in files:
+        segments = read_header(f)
+        refuse_twice(out.keys() & segments.keys(), lambda k: Path(out[k].path), f)
+        out.update(segments)
+    return out
 
 
 def pieces_of(segments: list[Segment], out: torch.Tensor) -> list[Piece]:

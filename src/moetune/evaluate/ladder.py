@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetune.config import RunConfig
@@ -109,6 +110,20 @@ def load_model(cfg: RunConfig) -> tuple[Any, Any]:
     model.eval()
     torch.manual_seed(cfg.train.seed)
     return model, tokenizer
+
+
+def _check_base_files(cfg: RunConfig, show: bool) -> None:
+    """The base's checkpoint files whole (model.weight_files), read as the loader reads them;
+    a stray weight file beside them named."""
+    # lazy: heavy to import (moetune.engine via moetune.train.stored)
+    from moetune.train.stored import own_reader
+
+    local = Path(cfg.model.id).is_dir() and not cfg.model.is_gguf
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code) if local else None
+    own = spec is not None and own_reader(cfg, spec)
+    for note in check_weight_files(cfg.model.id, own):
+        if show:
+            Console(stderr=True).print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
 
 
 @contextmanager
@@ -230,7 +245,7 @@ def score_ladder(
         raise EvalError(why, PROMOTION_FIX)
     results = cfg.eval.results_path(cfg.output.dir)
     refuse_unasked_replace(results, overwrite)
-    check_weight_files(cfg.model.id)  # a damaged local base: one line, before any load
+    _check_base_files(cfg, show)  # a damaged local base: one line, before any load
     model, tokenizer = load_model(cfg)
     score_all(ladder, model, tokenizer, cfg, "base", show)
     with warnings.catch_warnings():  # peft calls a transformers API deprecated for v6

@@ -32,6 +32,7 @@ from moetune.export.registry import (
 from moetune.export.stored_base import export_requantized, load_dequantized, stored_of
 from moetune.model.derive import checkpoint_class
 from moetune.model.remote import code_files
+from moetune.model.weight_files import checkpoint_files
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = (
@@ -66,7 +67,7 @@ _STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 def _stored_dtype(base: str) -> torch.dtype | None:
     """The float dtype of the first tensor of a local base's first safetensors file (a
     config.json without `dtype` says nothing; merging fp32 weights into bf16 loses ΔW)."""
-    files = sorted(Path(base).glob("*.safetensors")) if Path(base).is_dir() else []
+    files = checkpoint_files(base) if Path(base).is_dir() else []
     if not files:
         return None
     # lazy: heavy to import (safetensors)
@@ -180,12 +181,12 @@ def _copy_present(folders: Sequence[Path], names: Sequence[str], out: Path) -> l
 
 
 def saved_layout(folder: Path) -> dict[str, tuple[list[int], str]]:
-    """Tensor name -> (shape, dtype) of every safetensors file in `folder` (headers only)."""
+    """Tensor name -> (shape, dtype) of every file of the checkpoint in `folder` (headers)."""
     # lazy: heavy to import (safetensors)
     from safetensors import safe_open
 
     layout = {}
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in checkpoint_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118  (safe_open has no __contains__/__iter__)
                 sl = f.get_slice(key)
@@ -230,7 +231,7 @@ def write_merged(
 def layout_vs_base(base: str, out: Path, unquantised: bool = False) -> dict[str, Any]:
     """Whether the merged files hold exactly the base checkpoint's tensor names and shapes
     (not compared when a quantised base was written unquantised: its scales are gone)."""
-    if unquantised or not Path(base).is_dir() or not any(Path(base).glob("*.safetensors")):
+    if unquantised or not Path(base).is_dir() or not checkpoint_files(base):
         return {"compared": False}
     mine, theirs = saved_layout(out), saved_layout(Path(base))
     same_shapes = all(mine[k][0] == theirs[k][0] for k in mine.keys() & theirs.keys())

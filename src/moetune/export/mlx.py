@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.export.registry import Exporter, ExportResult, register
 from moetune.model import ModelSpec, load_spec, spec_from_config
 from moetune.model.derive import causal_lm_class
+from moetune.model.weight_files import checkpoint_files, read_header, refuse_twice
 from moetune.train.mlx.base import SIDE_FILES, hf_to_mlx, mlx_dtype
 from moetune.train.mlx.format import (
     MLX_CONFIG,
@@ -248,10 +249,20 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     # lazy: heavy to import (safetensors)
     from safetensors.torch import load_file
 
-    files = sorted(model_dir.glob("model*.safetensors"))
+    files = checkpoint_files(model_dir)  # the index's shards, else model.safetensors
     if not files:
         raise MlxExportError(f"{model_dir} has no model*.safetensors", "point at a model dir")
-    return {k: v for f in files for k, v in load_file(str(f)).items()}
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors = load_file(str(f))
+        refuse_twice(state.keys() & tensors.keys(), lambda k: _file_of(files, k), f)
+        state.update(tensors)
+    return state
+
+
+def _file_of(files: list[Path], key: str) -> Path:
+    """The first of `files` whose header holds `key` (only asked once, to name it)."""
+    return next(f for f in files if key in read_header(f)[0])
 
 
 def fused_to_hf(fused_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:

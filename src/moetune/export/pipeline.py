@@ -63,8 +63,8 @@ def export(
     source = resolve_source(path, base, trust_remote_code)
     require_buildable(source)
     require_whole_adapter(source.adapter_dir)
-    if check is not None or chosen.needs_weights:
-        require_weights(source.base)
+    needs_base = check is not None or chosen.needs_weights
+    ignored = require_weights(source.base) if needs_base else []
     ledger, fields = ledger_of(source)
     with hold_out(out), interrupted_says(out), attempt(ledger, "export", **fields) as row:
         row["metrics"] = {"format": fmt, "out": str(out)}  # a failed export says what it was
@@ -73,6 +73,7 @@ def export(
         texts = eval_texts(source, check.items_file, check.items) if check else None
         why = "its served == trained check had not finished" if check else "--no-check"
         result = run_export(source, fmt, out, opts, unchecked=why)
+        result.notes += ignored  # a stray weight file beside the base, not read
         doc = {**result.to_json(), "adapter": str(source.adapter_dir), "base": source.base}
         return checked(source, result, check, texts, doc, row)
 

@@ -106,9 +106,9 @@ def require_whole_adapter(adapter_dir: Path) -> None:
         )
 
 
-def require_weights(base: str) -> None:
+def require_weights(base: str) -> list[str]:
     """A local base dir must hold weights, not only config.json, and whole ones (the merge
-    and the check read its tensors)."""
+    and the check read its tensors); a note naming each stray weight file beside them."""
     folder = Path(base).expanduser()
     local = base.startswith(("/", ".", "~")) or base.count("/") != 1  # not owner/name
     if local and not folder.exists():  # else the hub client's repo-id check says it, exit 3
@@ -121,7 +121,7 @@ def require_weights(base: str) -> None:
             f"the base {clip(base, 80)} has a config.json but no weights (*.safetensors)",
             "pass --base the full checkpoint the adapter was trained on",
         )
-    check_weight_files(folder)  # a damaged one: one line, before the out dir is made
+    return check_weight_files(folder)  # a damaged one: one line, before the out dir is made
 
 
 def item_texts(path: Path, limit: int) -> list[str]:

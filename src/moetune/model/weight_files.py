@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,19 +60,68 @@ def _inside(info: Any, data_bytes: int) -> bool:
     return isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= data_bytes
 
 
-def check_weight_files(model_dir: str | Path | None) -> None:
-    """Every *.safetensors header of a local base readable and whole, and every shard its
-    index names present; nothing to check for a hub id (None) or a GGUF / .bin base."""
-    if model_dir is None or not Path(model_dir).is_dir():
-        return
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The files that make a local base's checkpoint, decided here once for every loader: the
+    shards its index names when it has one, else model.safetensors, else every *.safetensors.
+    Any other weight file in the dir (a stale float model.safetensors beside an FP8 release's
+    shards) is not read: read too, its bytes would replace the same keys' and train garbage."""
     folder = Path(model_dir)
-    for path in sorted(folder.glob("*.safetensors")):
-        read_header(path)
-    index = folder / INDEX
-    if index.is_file() and not (folder / SINGLE).is_file():  # read first
-        for name in sorted(_shards(index)):
-            if not (folder / name).is_file():
-                raise _damaged(folder / name, f"{INDEX} names it but it is not there")
+    if (folder / INDEX).is_file():
+        return [folder / name for name in sorted(_shards(folder / INDEX))]
+    if (folder / SINGLE).is_file():
+        return [folder / SINGLE]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def ignored_files(model_dir: str | Path) -> list[Path]:
+    """The *.safetensors files in a base's dir that are not part of its checkpoint."""
+    keep = set(checkpoint_files(model_dir))
+    return [p for p in sorted(Path(model_dir).glob("*.safetensors")) if p not in keep]
+
+
+def check_weight_files(model_dir: str | Path | None, own_reader: bool = False) -> list[str]:
+    """Every file of a local base's checkpoint present, its header readable and whole, and no
+    tensor in two of them; a note naming each other weight file in the dir (not read).
+    `own_reader`: moetune's loaders read the files (checkpoint_files), not transformers'
+    from_pretrained, which reads a model.safetensors ahead of an index that does not name it.
+    Nothing to check for a hub id (None) or a GGUF / .bin base."""
+    if model_dir is None or not Path(model_dir).is_dir():
+        return []
+    folder, seen = Path(model_dir), dict[str, Path]()
+    if not own_reader and (folder / SINGLE) in ignored_files(folder):
+        raise _shadowing(folder)
+    for path in checkpoint_files(folder):
+        if not path.is_file():
+            raise _damaged(path, f"{INDEX} names it but it is not there")
+        keys = read_header(path)[0].keys() - {"__metadata__"}
+        refuse_twice(seen.keys() & keys, seen.__getitem__, path)
+        seen.update(dict.fromkeys(keys, path))
+    return [_ignored_note(p) for p in ignored_files(folder)]
+
+
+def refuse_twice(both: Iterable[str], first_file: Callable[[str], Path], second: Path) -> None:
+    """A tensor in two files of one checkpoint: which bytes would load depends on the reader."""
+    key = min(both, default=None)
+    if key is not None:
+        raise WeightFileError(
+            f"tensor {clip(key, 60)} is in two files of the base, {clip(first_file(key).name, 60)} "
+            f"and {clip(second.name, 60)}: which of them holds its weights is not decidable",
+            "re-download or re-save the base (save_pretrained): each tensor is in one shard",
+        )
+
+
+def _shadowing(folder: Path) -> WeightFileError:
+    return WeightFileError(
+        f"{clip(folder / SINGLE, 100)} lies beside {INDEX}, which does not name it: transformers "
+        "would load it instead of the index's shards",
+        f"move the stale one out of the base's dir ({SINGLE}, or {INDEX} and its shards)",
+    )
+
+
+def _ignored_note(path: Path) -> str:
+    made_of = f"{INDEX} names its shards" if (path.parent / INDEX).is_file() else SINGLE
+    return (f"ignored {clip(path, 100)}: not part of the base's checkpoint ({made_of}); "
+            "move it out of the base's dir if it is stale")  # fmt: skip
 
 
 def _shards(index: Path) -> set[str]:
@@ -79,6 +129,8 @@ def _shards(index: Path) -> set[str]:
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
     except (OSError, ValueError, AttributeError):
         raise _damaged(index, "it is not a JSON index with a weight_map") from None
-    if not isinstance(weight_map, dict):
+    if not isinstance(weight_map, dict) or not weight_map:
         raise _damaged(index, "it has no weight_map")
-    return {str(v) for v in weight_map.values()}
+    if not all(isinstance(v, str) and v == Path(v).name for v in weight_map.values()):
+        raise _damaged(index, "its weight_map names a file outside the base's dir")
+    return set(weight_map.values())

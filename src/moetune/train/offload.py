@@ -21,6 +21,7 @@ from moetune.config import RunConfig
 from moetune.config.keys import offload_mode, splits
 from moetune.io import atomic_write_json
 from moetune.model.fixes.registry import apply_fixes
+from moetune.model.weight_files import checkpoint_files
 from moetune.train.errors import TrainError
 from moetune.units import human_bytes
 
@@ -59,7 +60,7 @@ def check_offload(cfg: RunConfig, engine: str, model_dir: str | None) -> None:
 
 
 def _check_files(cfg: RunConfig, model_dir: Path) -> None:
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = checkpoint_files(model_dir)
     if not files:
         raise TrainError(
             f"train.offload={cfg.train.offload} reads the base's safetensors files; "

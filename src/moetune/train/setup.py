@@ -185,13 +185,14 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     from moetune.engine.resolve import resolve_engine
     from moetune.train.offload import check_offload, local_dir
     from moetune.train.routing.select import check_selection
-    from moetune.train.stored import check_stored
+    from moetune.train.stored import check_stored, own_reader
 
     place = resolve_placement(cfg.train)
     method = method_of(cfg)
     rows = check_data(cfg, method.formats)  # bad data stops before any model is built
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
-    check_weight_files(cfg.model.id)  # a damaged local base: one line, no run dir
+    # a damaged local base: one line, no run dir; a stray weight file beside it: named
+    ignored = check_weight_files(cfg.model.id, own_reader(cfg, spec))
     cfg, gc_off = as_checkpointable(cfg, spec)  # jetmoe refuses it: off, and said
     check_selection(cfg.lora, spec)
     run_cfg = as_run(cfg, place)  # the dtype the base loads in, decided here once
@@ -228,7 +229,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         stored=stored,
         load_dtype=run_cfg.model.dtype,
         data_summary=summary,
-        notes=gc_off + seen,
+        notes=ignored + gc_off + seen,
         processor=processor,
         run_plan=run_plan,
     )

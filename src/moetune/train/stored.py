@@ -4,13 +4,13 @@ cannot work – every key and shape checked from the files' headers before a wei
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
 from moetune.config import RunConfig
 from moetune.config.keys import offload_mode, splits
 from moetune.model.spec import ModelSpec
+from moetune.model.weight_files import checkpoint_files
 from moetune.plan.step import bnb_linear_bytes
 from moetune.train.errors import TrainError
 
@@ -25,6 +25,13 @@ def stored_base(cfg: RunConfig, spec: ModelSpec) -> str | None:
 
     found = stored_format(spec.quant_config)
     return None if found is None else found.name
+
+
+def own_reader(cfg: RunConfig, spec: ModelSpec) -> bool:
+    """Whether moetune's loaders read the base's files (checkpoint_files: a stored, quantised or
+    offloaded base) rather than transformers' from_pretrained (train/model.py's dispatch)."""
+    quantised = cfg.model.experts_dtype != "bf16" or stored_base(cfg, spec) is not None
+    return quantised or offload_mode(cfg.train.offload).streams
 
 
 def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
@@ -83,7 +90,7 @@ def _bnb_experts(model_id: str) -> None:
     # lazy: heavy to import (moetune.engine, torch)
     from moetune.engine.stack_files import read_header
 
-    files = sorted(Path(model_id).glob("*.safetensors"))
+    files = checkpoint_files(model_id)
     keys = (k for f in files for k in read_header(f))
     found = next((k for k in keys if ".experts." in k and k.endswith(QUANT_STATE_KEYS)), None)
     if found is not None:

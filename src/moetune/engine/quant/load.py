@@ -24,6 +24,7 @@ from moetune.engine.quant.stacks import (
     quantizer_for,
 )
 from moetune.model.derive import causal_lm_class, ensure_backbone
+from moetune.model.weight_files import checkpoint_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -81,7 +82,7 @@ def _stream(model: PreTrainedModel, model_dir: Path, device_map: dict[str, Any],
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = checkpoint_files(model_dir)  # the one decision every loader reads
     if not files:
         raise QuantError(f"no *.safetensors files in {model_dir}.",
                          "save the model with save_pretrained (safetensors).")  # fmt: skip

@@ -22,6 +22,7 @@ import torch
 from moetune.engine.quant.stacks import QUANTIZERS, QuantError, experts_modules, is_transposed
 from moetune.engine.stored.formats import StoredFormat, published_quantised
 from moetune.model.derive import causal_lm_class
+from moetune.model.weight_files import checkpoint_files
 
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")
 
@@ -80,7 +81,7 @@ def _tensors(src: Path) -> Iterator[tuple[str, torch.Tensor]]:
     # lazy: heavy to import
     from safetensors import safe_open
 
-    for file in sorted(src.glob("*.safetensors")):
+    for file in checkpoint_files(src):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (a safe_open handle)
                 yield key, f.get_tensor(key)

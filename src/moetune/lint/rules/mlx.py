@@ -10,6 +10,7 @@ from moetune.lint.mlx_env import MLX_INSTALL, backend_fix, mlx_backend, pin_prob
 from moetune.lint.probes import model as probes
 from moetune.lint.registry import Hit, LintContext, register_rule
 from moetune.model.families.registry import ModulePaths
+from moetune.model.weight_files import checkpoint_files
 
 # Module names mlx-lm matches at model level (its second pass over model.named_modules()).
 MLX_MODEL_LEVEL = ("lm_head", "model.embed_tokens")
@@ -154,7 +155,7 @@ def fused_mlx_keys(model_id: str) -> list[str]:
     from safetensors import safe_open
 
     found: list[str] = []
-    for path in sorted(root.glob("*.safetensors")):
+    for path in checkpoint_files(root):
         try:
             with safe_open(str(path), "np") as fh:
                 found += [k for k in fh.keys() if ".switch_mlp." in k]  # noqa: SIM118

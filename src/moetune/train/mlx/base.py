@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.lint.mlx_env import backend_fix, mlx_backend
 from moetune.model import ModelSpec, load_spec
+from moetune.model.weight_files import check_weight_files, checkpoint_files
 from moetune.train.mlx.format import MlxFormatError, commit_dir, fresh_dir
 
 if TYPE_CHECKING:
@@ -90,11 +91,14 @@ def mlx_config(config: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
 
 
 def _stage(model_dir: Path, stage: Path, spec: ModelSpec) -> None:
-    """A view of `model_dir` with the filled config.json (weights linked, not copied)."""
+    """A view of `model_dir` with the filled config.json (weights linked, not copied): only
+    the checkpoint's files, since mlx-lm reads every model*.safetensors in the dir."""
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     (stage / "config.json").write_text(json.dumps(mlx_config(config, spec)), encoding="utf-8")
+    check_weight_files(model_dir, own_reader=True)  # mlx-lm reads this view, not transformers
+    weights = set(checkpoint_files(model_dir))
     for path in model_dir.iterdir():
-        if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
+        if path in weights or path.name.endswith(".safetensors.index.json"):
             (stage / path.name).symlink_to(path.resolve())
         elif SIDE_FILES.fullmatch(path.name):
             shutil.copy(path, stage / path.name)
