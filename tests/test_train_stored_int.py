@@ -105,8 +105,15 @@ def _adapter(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(next(run.rglob("adapter_model.safetensors"))))
 
 
-@pytest.mark.parametrize("method", ["gptq", "int4-zp-gidx"])
-def test_published_base_trains_as_its_reference_dequantisation(tmp_path: Path, method: str) -> None:
+CASES = [("gptq", "none"), ("int4-zp-gidx", "none"), ("gptq", "disk")]
+
+
+@pytest.mark.parametrize(("method", "offload"), CASES)
+def test_published_base_trains_as_its_reference_dequantisation(
+    tmp_path: Path, method: str, offload: str
+) -> None:
+    """As stored (and streamed from disk: offload moves the stored bytes) equals the run over
+    the reference-dequantised fp32 copy."""
     from moetune.engine.stored.load import load_stored
     from moetune.train import train
 
@@ -122,8 +129,10 @@ def test_published_base_trains_as_its_reference_dequantisation(tmp_path: Path, m
     runs = {}
     with one_thread():
         for name in ("stored", "copy"):
+            streamed = {"offload": offload} if name == "stored" else {}
             cfg = run_config(tmp_path / name, data, tmp_path / f"run-{name}", max_steps=2,
-                             save_steps=2, lora__targets=["attention", "experts"])  # fmt: skip
+                             save_steps=2, lora__targets=["attention", "experts"],
+                             **streamed)  # fmt: skip
             runs[name] = train(cfg, progress=False)
     assert runs["stored"].coverage == 1.0
     quant = json.loads((tmp_path / "run-stored" / "quant.json").read_text())
