@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from moetune.errors import ConfigError
-from moetune.ledger import Terminated, sigterm_interrupts
+from moetune.ledger import sigterm_interrupts
 from moetune.lint.doctor import hf_cache_dir
 from moetune.plan.host import HostProfile, cpu_name, host_file, ram, save_host
 
@@ -69,7 +69,7 @@ def calibrate_and_save(
     try:
         with sigterm_interrupts():  # SIGTERM unwinds through the probe file's cleanup
             profile = calibrate(path, file, probe_bytes)
-    except Terminated as err:
+    except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM as Terminated: say what to rerun
         err.add_note(f"rerun `moetune doctor --calibrate`; {target} was left as it was")
         raise
     return profile, save_host(profile, target)
