@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.demo.base import SHIPPED_DIR
-from moetune.lane.providers.base import Pod
-from moetune.lane.providers.ssh import SshProvider
+from moetune.lane.providers.base import LaneError, Pod, SshTarget
+from moetune.lane.providers.ssh import SshProvider, SshTransport
 from moetune.ledger import Ledger
 from sshd import SKIP_REASON, Sshd, free_port, have_sshd, start_sshd
 
@@ -99,6 +99,70 @@ def test_an_ssh_launch_with_no_host_is_refused_even_as_a_dry_run(tmp_path: Path)
         assert got.exit_code == 2 and "provider ssh has no host" in got.output, got.output
         assert "set lane.ssh.host" in got.output and "Traceback" not in got.output
     assert not (tmp_path / ".moetune").exists() and not (tmp_path / "runs").exists()
+
+
+PROXY = "-oProxyCommand=/tmp/pwn.sh"  # ssh would run it: an option, not a host
+
+
+@pytest.mark.parametrize(
+    ("flags", "ssh", "says"),
+    [
+        (["--nnodes", "2", "--hosts", f"{PROXY},gpu-b"], {}, "is not a host name or IP address"),
+        (["--nnodes", "2", "--hosts", f"{PROXY}@h1,gpu-b"], {}, "is not a login name"),
+        (["--nnodes", "2", "--hosts", "gpu-a,-gpu-b:22"], {}, "is not a host name or IP"),
+        ([], {"host": PROXY}, "lane.ssh.host '-oProxyCommand"),
+        ([], {"host": "gpu-a", "user": PROXY}, "is not a login name"),
+        (["--nnodes", "2", "--hosts", "gpu-a,ops@GPU-A:22"], {}, "names GPU-A:22 twice"),
+        (["--nnodes", "2", "--hosts", "gpu-a,gpu-b,gpu-c"], {}, "lists 3 hosts but train.nnodes=2"),
+        (["--hosts", "gpu-a,gpu-b"], {}, "lists 2 hosts but train.nnodes=1"),
+        (["--nnodes", "2", "--hosts", "127.0.0.1,gpu-b"], {}, "127.0.0.1 is loopback"),
+        (["--nnodes", "2", "--hosts", "gpu-a,gpu-b", "--set", "train.master_addr=localhost"], {},
+         "localhost is loopback"),
+        (["--nnodes", "2", "--hosts", "[::1]:22,[2001:db8::2]"], {}, "::1 is loopback"),
+        (["--nnodes", "2", "--hosts", "[gpu-a]:22,gpu-b"], {}, "brackets hold an IPv6 address"),
+    ],
+)  # fmt: skip
+def test_hosts_that_are_options_or_cannot_carry_the_nodes_are_one_line(
+    tmp_path: Path, flags: list[str], ssh: dict[str, str], says: str
+) -> None:
+    """A host or user starting with "-" used to be planned and handed to ssh / rsync as an
+    option; a repeated host, a host too many and a loopback node 0 were planned silently."""
+    config = write_config(tmp_path, ssh=ssh)
+    for dry in (["--dry-run"], ["--dry-run", "--json"], []):
+        got = CliRunner().invoke(app, ["launch", str(config), *dry, *flags])
+        assert got.exit_code == 2 and says in got.output, got.output
+        assert "Traceback" not in got.output
+    assert not (tmp_path / ".moetune").exists() and not (tmp_path / "runs").exists()
+
+
+def test_ipv6_hosts_are_taken_bracketed_or_bare(tmp_path: Path) -> None:
+    config = write_config(tmp_path, ssh={"port": 2222})
+    args = ["launch", str(config), "--dry-run", "--json", "--nnodes", "3",
+            "--hosts", "[2001:db8::1]:2200,ops@[2001:db8::2],2001:db8::3"]  # fmt: skip
+    got = CliRunner().invoke(app, args)
+    assert got.exit_code == 0, got.output
+    nodes = json.loads(got.stdout)["nodes"]
+    assert [n["host"] for n in nodes] == [
+        "root@[2001:db8::1]:2200", "ops@[2001:db8::2]:2222", "root@[2001:db8::3]:2222"
+    ]  # fmt: skip
+    port = yaml.safe_load(config.read_text())["train"]["master_port"]
+    tail = f" --node-rank 1 --master-addr 2001:db8::1 --master-port {port}"
+    assert nodes[1]["command"].endswith(tail)
+
+
+def test_names_reach_ssh_scp_and_rsync_after_their_options(tmp_path: Path) -> None:
+    """Defence in depth: even a checked name goes after `--`, where nothing is an option."""
+    t = SshTransport(SshTarget("2001:db8::1", 2200, "ops"), None, tmp_path / "kh", "w")
+    argv = t.ssh_argv()
+    assert argv[-2:] == ["--", "ops@2001:db8::1"] and argv.index("-p") < argv.index("--")
+    spec = t._spec("/r/a")
+    assert spec == "ops@[2001:db8::1]:/r/a"
+    for got in (t._rsync_argv(spec, "/l/", extra=("--delete",)), t._scp_argv(spec, "/l/")):
+        assert got[-3:] == ["--", spec, "/l/"]
+    assert t._rsync_argv(spec, "/l/", extra=("--delete",)).index("--delete") < len(got) - 3
+    for bad in (SshTarget("-oProxyCommand=x", 22, "root"), SshTarget("h", 22, "-oX=y")):
+        with pytest.raises(LaneError, match="is not a"):
+            SshTransport(bad, None, tmp_path / "kh", "w")
 
 
 @pytest.fixture

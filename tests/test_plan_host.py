@@ -5,6 +5,10 @@ a hand-written host.json is read (a bad one refused in one line), a CPU-only hos
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +205,77 @@ def test_the_memory_plan_for_this_host_alone_counts_fp32(host_file: Path, tiny: 
     assert on_cpu.overhead.terms == {"process_baseline": CPU_PROCESS_BASELINE}
     mixed = make_plan(tiny, run, cards=["cpu", "H100-80GB"])  # the configured dtype
     assert mixed.peak_bytes == analytic(tiny, run).peak_bytes
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [b"my notes about this box\n", b'{"theme": "dark"}', b"", b"[1, 2]"],
+    ids=["notes", "other-json", "empty", "a-list"],
+)
+def test_calibrate_never_overwrites_a_file_it_did_not_make(
+    host_file: Path, tmp_path: Path, theirs: bytes
+) -> None:
+    """MOETUNE_HOST_FILE naming a user's own file used to be overwritten without a word."""
+    host_file.parent.mkdir(parents=True)
+    host_file.write_bytes(theirs)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = ["doctor", "--calibrate", "--path", str(disk), "--probe-mib", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "is not a host file moetune wrote" in result.output and str(host_file) in result.output
+    assert "Traceback" not in result.output
+    assert host_file.read_bytes() == theirs and list(disk.iterdir()) == []
+
+
+def test_calibrate_refuses_a_directory_and_rewrites_its_own_file(
+    host_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibrate, "SECONDS", 0.01)
+    host_file.mkdir(parents=True)
+    result = CliRunner().invoke(app, ["doctor", "--calibrate", "--probe-mib", "1"])
+    assert result.exit_code == 2 and "is not a regular file" in result.output, result.output
+    host_file.rmdir()
+    write(host_file, fp32_gflops=-1)  # a host file with a bad value: recalibrating is the fix
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = ["doctor", "--calibrate", "--path", str(disk), "--probe-mib", "1"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    stored = load_host()
+    assert stored is not None and stored.source == "calibrated" and stored.fp32_gflops > 0
+
+
+CHILD = """
+import sys, time
+import moetune.engine.direct_io as direct_io
+from moetune.cli import app
+
+def stuck(paths, budget):  # the disk probe's read, held so SIGTERM lands while the file exists
+    print("probing", flush=True)
+    time.sleep(120)
+
+direct_io.read_rate = stuck
+app(["doctor", "--calibrate", "--path", sys.argv[1], "--probe-mib", "1"])
+"""
+
+
+def test_sigterm_during_calibration_removes_the_probe_file(host_file: Path, tmp_path: Path) -> None:
+    """SIGTERM used to kill the calibration with its probe file (up to 1 GiB) left behind."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    env = {**os.environ, "MOETUNE_HOST_FILE": str(host_file)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(disk)], env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "probing\n"
+        assert len(list(disk.iterdir())) == 1  # the probe is there while it is read
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode not in (0, -signal.SIGTERM), err
+    assert list(disk.iterdir()) == [] and not host_file.exists()
+    assert "terminated (SIGTERM)" in err and "moetune doctor --calibrate" in err
+    assert "Traceback" not in err

@@ -10,8 +10,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from datetime import timedelta
@@ -24,10 +26,12 @@ from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.config import dump_config
+from moetune.config.sections import TrainArgs
 from moetune.ledger import Ledger
 from moetune.lint.preflight import lint_run
 from moetune.train import TrainError
 from moetune.train import launch as D
+from moetune.train.distributed import nodes as N
 from moetune.train.rundir.checkpoint import inspect_run
 from moetune.train.rundir.lock import hold
 from moetune.train.setup import device_args
@@ -269,6 +273,64 @@ def test_a_node_waiting_for_node_0_says_whom_and_gives_up_at_the_timeout(
     assert f"node 1 of 2: waiting up to 1 s for node 0 at 127.0.0.1:{port}" in line
     assert f"node 0 did not answer at 127.0.0.1:{port} within 1 s" in line
     assert started == []  # no rank was started to retry for ten minutes
+
+
+@contextlib.contextmanager
+def _silent_server():
+    """Another service on node 0's port: it accepts every connection and never speaks."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(server.accept()[0])
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+
+
+def test_a_node_never_waits_past_its_timeout_on_a_service_that_is_not_node_0(
+    tiny, tmp_path, monkeypatch
+):
+    """Something else answering on the master port used to hold node 1 in torchrun's store
+    client for good, long past --rdzv-timeout."""
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda *a: started.append(a) or 1)
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(_cfg(tiny, tmp_path / "run")))
+    with _silent_server() as port:
+        begun = time.monotonic()
+        got = CliRunner().invoke(app, [
+            "train", str(config), "--nnodes", "2", "--node-rank", "1", "--master-addr",
+            "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "3",
+        ])  # fmt: skip
+        took = time.monotonic() - begun
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert f"something answers at 127.0.0.1:{port} but is not node 0's rendezvous" in line
+    assert started == [] and took < 3 + 15  # the timeout, plus the CLI's own start
+
+
+def test_node_0s_own_store_ends_the_wait(monkeypatch):
+    """The other side of the check: torch's TCPStore (what torchrun's node 0 hosts) is
+    node 0, and the wait ends as soon as it answers."""
+    from torch.distributed import TCPStore  # lazy: heavy to import (torch)
+
+    port = D.free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=60))  # fmt: skip
+    said = []
+    t = TrainArgs(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port,
+                  rdzv_timeout_s=60)  # fmt: skip
+    N.await_master(t, said.append)
+    assert said and "waiting up to 60 s for node 0" in said[0]
+    del store
 
 
 @pytest.mark.slow

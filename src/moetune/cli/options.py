@@ -7,6 +7,7 @@ exactly what the field accepts. None means "not given": YAML and defaults win.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -176,8 +177,8 @@ def _problem(path: str, err: ValidationError) -> str:
 def _yaml(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ",".join(str(v) for v in value) + "]"
+    if isinstance(value, list):  # strings JSON-quoted (valid YAML): "[::1]:22" stays one item
+        return "[" + ",".join(json.dumps(v) if isinstance(v, str) else str(v) for v in value) + "]"
     return str(value)
 
 

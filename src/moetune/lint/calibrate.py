@@ -7,7 +7,12 @@ Three figures, each the rate a CPU-offloaded step depends on (`plan.offload.cpu_
 - memcpy GB/s: a `MEMCPY_BYTES` tensor copied into another (bytes copied per second);
 - the disk's sequential read rate with O_DIRECT on the file system of `--path`
   (`engine.direct_io.read_rate`, the reader the offload stream uses), over a file given
-  with `--file` or a temporary one written there and always removed.
+  with `--file` or a temporary one written there and removed on every way out (SIGTERM
+  included: it is raised as `ledger.Terminated` while the calibration runs).
+
+It writes only a host file it could have made: where `plan.host.host_file()` (which
+`$MOETUNE_HOST_FILE` may point anywhere) already holds something that is not a host
+profile – a user's notes, other JSON, a directory – it refuses before measuring.
 
 Each measure runs for about `SECONDS` (the disk probe: as long as its file takes), so a
 calibration takes well under a minute. The result is written to `plan.host.host_file()`.
@@ -15,6 +20,7 @@ calibration takes well under a minute. The result is written to `plan.host.host_
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -25,8 +31,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from moetune.errors import ConfigError
+from moetune.ledger import sigterm_interrupts
 from moetune.lint.doctor import hf_cache_dir
-from moetune.plan.host import HostProfile, cpu_name, ram, save_host
+from moetune.plan.host import HostProfile, cpu_name, host_file, ram, save_host
 
 SHAPE = (256, 2048, 768)  # rows × hidden → intermediate: one expert's gate/up projection
 MEMCPY_BYTES = 256 << 20
@@ -57,8 +64,35 @@ def calibrate(
 def calibrate_and_save(
     path: Path | None = None, file: Path | None = None, probe_bytes: int = PROBE_BYTES
 ) -> tuple[HostProfile, Path]:
-    profile = calibrate(path, file, probe_bytes)
-    return profile, save_host(profile)
+    target = host_file()
+    check_host_target(target)  # before a minute of measuring, not after
+    try:
+        with sigterm_interrupts():  # SIGTERM unwinds through the probe file's cleanup
+            profile = calibrate(path, file, probe_bytes)
+    except KeyboardInterrupt as err:  # Ctrl-C, and SIGTERM as Terminated: say what to rerun
+        err.add_note(f"rerun `moetune doctor --calibrate`; {target} was left as it was")
+        raise
+    return profile, save_host(profile, target)
+
+
+def check_host_target(path: Path) -> None:
+    """ConfigError unless `path` is absent or a host file: a JSON object with HostProfile's
+    `cpu` and `measured_at` (other fields may be bad or mistyped: load_host's fix for those
+    is to recalibrate); any other file there is the user's and is kept."""
+    fix = "point MOETUNE_HOST_FILE at a new path (e.g. ~/.config/moetune/host.json) or move it"
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        raise ConfigError(f"host file {path} is not a regular file; it is not overwritten", fix)
+    if path.exists() and not _is_host_file(path):
+        cause = f"{path} is not a host file moetune wrote; --calibrate does not overwrite it"
+        raise ConfigError(cause, fix)
+
+
+def _is_host_file(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # unreadable, not JSON, not UTF-8
+        return False
+    return isinstance(data, dict) and {"cpu", "measured_at"} <= set(data)
 
 
 def default_dir() -> Path:

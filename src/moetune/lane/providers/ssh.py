@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from moetune.io import file_digests
+from moetune.lane.hosts import check_node_hosts, check_target, node_targets, shown
 from moetune.lane.providers.base import (
     Env,
     ExecResult,
@@ -41,7 +42,6 @@ from moetune.lane.providers.base import (
 
 if TYPE_CHECKING:
     from moetune.config import LaneArgs, RunConfig
-    from moetune.config.lane import SshArgs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,23 +64,6 @@ ALIVE_FN = (
     'alive() { kill -0 -- "-$1" 2>/dev/null && '
     '[ "$(cut -d" " -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]; }'
 )
-
-
-HOST_SPEC = re.compile(r"(?:(?P<user>[^@\s]+)@)?(?P<host>[^@:\s]+)(?::(?P<port>\d{1,5}))?")
-
-
-def node_targets(ssh: SshArgs) -> list[SshTarget]:
-    """The hosts of the nodes, node 0 first: lane.ssh.hosts (`[user@]host[:port]`, the
-    rest from lane.ssh), else lane.ssh.host alone."""
-    specs = ssh.hosts or ([ssh.host] if ssh.host else [])
-    return [_target(spec, ssh) for spec in specs]
-
-
-def _target(spec: str, ssh: SshArgs) -> SshTarget:
-    got = HOST_SPEC.fullmatch(spec.strip())
-    if got is None or not 0 < int(got["port"] or ssh.port) < 65536:
-        raise LaneError(f"lane.ssh.hosts entry {spec!r} is not [user@]host[:port]", "fix it")
-    return SshTarget(got["host"], int(got["port"] or ssh.port), got["user"] or ssh.user)
 
 
 def staging_path(local: Path) -> Path:
@@ -123,6 +106,7 @@ class SshTransport:
     def __init__(
         self, target: SshTarget, identity: Path | None, known_hosts: Path, workdir: str
     ) -> None:
+        check_target(target, "ssh target")  # runpod's pods come here too, not via _target
         self.target = target
         self.identity = identity
         self.known_hosts = known_hosts
@@ -136,7 +120,7 @@ class SshTransport:
 
     @property
     def where(self) -> str:
-        return f"{self.target.user}@{self.target.host}:{self.target.port}"
+        return shown(self.target)
 
     def ssh_options(self) -> list[str]:
         """Options shared by ssh, scp and rsync's ssh (the port flag differs, so not here)."""
@@ -156,7 +140,8 @@ class SshTransport:
 
     def ssh_argv(self) -> list[str]:
         login = f"{self.target.user}@{self.target.host}"
-        return ["ssh", *self.ssh_options(), "-p", str(self.target.port), login]
+        # "--": nothing after it is an option, whatever a name holds (check_target too)
+        return ["ssh", *self.ssh_options(), "-p", str(self.target.port), "--", login]
 
     def _spec(self, path: str) -> str:
         host = f"[{self.target.host}]" if ":" in self.target.host else self.target.host
@@ -307,14 +292,15 @@ class SshTransport:
             self._remote_rsync = self.run("command -v rsync >/dev/null", 60).rc == 0
         return self._remote_rsync
 
-    def _rsync_argv(self, *paths: str) -> list[str]:
+    def _rsync_argv(self, *paths: str, extra: tuple[str, ...] = ()) -> list[str]:
         rsh = shlex.join(["ssh", *self.ssh_options(), "-p", str(self.target.port)])
         # -s: file names travel inside the rsync protocol, never through the remote shell
-        flags = ["-a", "-s", "--partial", "--timeout=120", *self.rsync_args]
-        return ["rsync", *flags, "-e", rsh, *paths]
+        flags = ["-a", "-s", "--partial", "--timeout=120", *self.rsync_args, *extra]
+        return ["rsync", *flags, "-e", rsh, "--", *paths]
 
     def _scp_argv(self, *paths: str) -> list[str]:
-        return ["scp", "-r", "-p", "-q", *self.ssh_options(), "-P", str(self.target.port), *paths]
+        port = str(self.target.port)
+        return ["scp", "-r", "-p", "-q", *self.ssh_options(), "-P", port, "--", *paths]
 
     def _transfer(self, argv: list[str], what: str) -> None:
         rc, _, err = self._call(argv, what, None)
@@ -365,7 +351,7 @@ class SshTransport:
     def _fetch(self, full: str, staging: Path) -> None:
         """One transfer attempt of `full` into `staging/<basename>`; rsync resumes partials."""
         if self._use_rsync():
-            argv = self._rsync_argv("--delete", self._spec(full), f"{staging}/")
+            argv = self._rsync_argv(self._spec(full), f"{staging}/", extra=("--delete",))
         else:  # scp cannot resume: start the payload afresh
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
@@ -454,22 +440,12 @@ class SshProvider(Provider):
 
     @classmethod
     def check_nodes(cls, cfg: RunConfig) -> None:
-        hosts, n = node_targets(cfg.lane.ssh), cfg.train.nnodes
-        if not hosts:  # a dry run must not plan a launch that has nowhere to go
-            raise LaneError(
-                "provider ssh has no host: lane.ssh.host and lane.ssh.hosts are unset",
-                "set lane.ssh.host (or --hosts / lane.ssh.hosts for several nodes)",
-            )
-        if n > 1 and len(hosts) < n:
-            raise LaneError(
-                f"train.nnodes={n} but provider ssh has {len(hosts)} host(s)",
-                f"pass --hosts with {n} hosts, node 0 first (or set lane.ssh.hosts)",
-            )
+        check_node_hosts(cfg)
 
     @classmethod
     def node_hosts(cls, cfg: RunConfig) -> list[str]:
         targets = node_targets(cfg.lane.ssh)[: cfg.train.nnodes]
-        return [f"{t.user}@{t.host}:{t.port}" for t in targets]
+        return [shown(t) for t in targets]
 
     @classmethod
     def node_command(cls, cfg: RunConfig, command: str, rank: int) -> str:

@@ -15,6 +15,11 @@ collective (gloo: "Connection closed by peer", NCCL: a remote error) and stop, a
 ledgers the attempt failed with a cause that says a node died. A node that vanishes
 without closing its sockets is bounded by the collective timeout (TrainingArguments'
 ddp_timeout, 30 min by default) and torchrun's rendezvous timeout (10 min) at start.
+
+Node K > 0 waits for node 0 at most train.rdzv_timeout_s, whatever answers there: a port
+that accepts is not taken for node 0 until torch's own TCPStore client, run in a child
+process killed at the deadline, has connected to it (torchrun's client waits on another
+service's silence forever).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import ipaddress
 import os
 import re
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -110,12 +117,43 @@ def await_master(t: TrainArgs, say: Callable[[str], None]) -> None:
         return
     say(f"node {t.node_rank} of {t.nnodes}: waiting up to {t.rdzv_timeout_s} s for node 0 "
         f"at {where}")  # fmt: skip
+    deadline = time.monotonic() + t.rdzv_timeout_s
     if not _answers(str(t.master_addr), t.master_port, t.rdzv_timeout_s):
         raise TrainError(
             f"node 0 did not answer at {where} within {t.rdzv_timeout_s} s (train.rdzv_timeout_s)",
             "start node 0's launcher (--node-rank 0) with the same --master-addr and "
             "--master-port, check that port is open between the nodes, or raise --rdzv-timeout",
         )
+    # Something accepts there; only torch's store may be trusted to end the wait: torchrun's
+    # client waits on any other listener's silence past every timeout it is given.
+    if not _is_store(str(t.master_addr), t.master_port, deadline - time.monotonic()):
+        raise TrainError(
+            f"something answers at {where} but is not node 0's rendezvous (torch's TCPStore "
+            f"did not reply within {t.rdzv_timeout_s} s, train.rdzv_timeout_s)",
+            "another service holds that port on node 0: pass --master-port with a free port "
+            "on every node (and start node 0's launcher first)",
+        )
+
+
+# Run in a child so the wait can be ended at the deadline whatever the listener does.
+STORE_PROBE = (
+    "import datetime, sys\n"
+    "from torch.distributed import TCPStore\n"
+    "TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, wait_for_workers=False,\n"
+    "         timeout=datetime.timedelta(seconds=float(sys.argv[3])))\n"
+)
+
+
+def _is_store(host: str, port: int, within_s: float) -> bool:
+    """Whether a torch TCPStore client connects to host:port within `within_s` (a child
+    process, killed at the deadline: the client itself may never return)."""
+    left = max(within_s, 1.0)
+    argv = [sys.executable, "-c", STORE_PROBE, host, str(port), f"{left:g}"]
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=left)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
 
 
 def never_met(cfg: RunConfig, started: float) -> TrainError | None:
