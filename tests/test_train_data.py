@@ -269,6 +269,26 @@ def test_preference_rows_are_cut_per_sequence(tok):
     row = {"prompt": "p" * 6, "chosen": "c" * 20, "rejected": "r" * 3}
     got = capped("src row 1", row, FORMATS["preference"], Cap(10, 2, 5), "truncate")
     assert got == {"prompt": "p" * 6, "chosen": "cccc", "rejected": "rrr"}  # 6 + 4 ≤ 10 each
-    turns = [{"role": "user", "content": "u" * 8}, {"role": "assistant", "content": "a" * 8}]
-    got = capped("src row 2", {"messages": turns}, FORMATS["messages"], Cap(10, 2, 5), "x")
-    assert [t["content"] for t in got["messages"]] == ["u" * 8, "aa"]
+    turns = [{"role": "user", "content": "u" * 20}, {"role": "assistant", "content": "a" * 20}]
+    got = capped("src row 2", {"messages": turns}, FORMATS["messages"], Cap(30, 6, 5), "x")
+    assert [t["content"] for t in got["messages"]] == ["u" * 20, "a" * 10]
+
+
+def test_every_field_a_template_renders_counts_toward_the_cap(tok):
+    """A 3 MB tool call `arguments` string counts (it was tokenised whole): cut in reading
+    order under truncate, refused under error; roles and names are kept whole, uncounted."""
+    from moetune.data.cap import Cap, capped
+
+    call = {"type": "function", "function": {"name": "f", "arguments": "a" * 3_000_000}}
+    turns = [{"role": "user", "content": "u" * 4},
+             {"role": "assistant", "content": "", "tool_calls": [call]}]  # fmt: skip
+    row, cap = {"messages": turns}, Cap(30, 6, 5)
+    got = capped("src row 1", row, FORMATS["messages"], cap, "truncate")
+    kept = got["messages"][1]["tool_calls"][0]
+    assert kept["function"] == {"name": "f", "arguments": "a" * 26}  # 4 + 26 = the cap
+    assert kept["type"] == "function" and got["messages"][0]["role"] == "user"
+    with pytest.raises(DataError, match=r"3,000,004 characters"):
+        capped("src row 1", row, FORMATS["messages"], cap, "error")
+    named = {"messages": [{"role": "user", "content": "x", "name": "n" * 27}]}  # 4 + 27 > 30
+    with pytest.raises(DataError, match="roles, names, paths"):
+        capped("src row 2", named, FORMATS["messages"], cap, "truncate")

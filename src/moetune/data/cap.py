@@ -7,6 +7,12 @@ byte-fallback entries spell a byte with one character or more), so a sequence of
 twice that: a row past it is cut to the cap (data.overlong: truncate – what lies beyond
 could never reach the model, and the first seq_len tokens are unchanged) or refused with its
 source and index (data.overlong: error), before a tokenizer sees it.
+
+Every string a chat template may render counts: a turn's content and text, and its tool
+calls' names and arguments too (a 3 MB `arguments` string was tokenised whole before). A cut
+shortens text in reading order but keeps the strings that name things whole (roles, types,
+names, image paths: not counted toward the cap), and a row whose kept strings alone pass the
+cap is refused, never tokenised.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ if TYPE_CHECKING:
 
     from moetune.data.formats import DataFormat, Row
 
-TEXT_KEYS = ("content", "text")  # a turn's or a content block's text
+KEPT_KEYS = frozenset({"role", "type", "name", "id", "image", "path", "url"})  # never cut
 MARGIN = 2  # the cap over the least characters that certainly exceed seq_len tokens
 
 
@@ -39,14 +45,18 @@ def char_cap(tok: PreTrainedTokenizerBase, seq_len: int) -> Cap:
     return Cap(MARGIN * seq_len * longest, seq_len, longest)
 
 
-def chars(value: Any) -> int:
-    """Characters of text in a row's value: a string, or turns / blocks of them."""
+def chars(value: Any, kept: bool = False) -> int:
+    """Characters of the text in a row's value – a string, or turns / blocks / tool calls of
+    them at any depth (a template may render any of them) – leaving out what a cut keeps
+    whole (KEPT_KEYS); `kept`: the characters of just those."""
     if isinstance(value, str):
-        return len(value)
+        return 0 if kept else len(value)
     if isinstance(value, list):
-        return sum(chars(v) for v in value)
+        return sum(chars(v, kept) for v in value)
     if isinstance(value, dict):
-        return sum(chars(value[k]) for k in TEXT_KEYS if k in value)
+        return sum(len(v) if kept and k in KEPT_KEYS and isinstance(v, str)
+                   else 0 if k in KEPT_KEYS else chars(v, kept)
+                   for k, v in value.items())  # fmt: skip
     return 0
 
 
@@ -63,8 +73,10 @@ def _cut(value: Any, budget: int) -> tuple[Any, int]:
         return out, used
     if isinstance(value, dict):
         new_dict, used = dict(value), 0
-        for key in (k for k in TEXT_KEYS if k in value):
-            new_dict[key], n = _cut(value[key], budget - used)
+        for key, item in value.items():
+            if key in KEPT_KEYS:  # a role or a path cut short would change what the row is
+                continue
+            new_dict[key], n = _cut(item, budget - used)
             used += n
         return new_dict, used
     return value, 0
@@ -88,6 +100,13 @@ def _cut_row(row: Row, fmt: DataFormat, cap: int) -> Row:
 def capped(where: str, row: Row, fmt: DataFormat, cap: Cap, policy: str) -> Row:
     """The row within the cap: as it is, cut (truncate) or refused (error), never tokenised;
     `where` names its source and its place in it."""
+    kept = max(sum(chars(row[k], kept=True) for k in seq) for seq in fmt.token_sequences())
+    if kept > cap.chars:  # roles, names, paths: never cut, so a row of them is refused
+        raise DataError(
+            f"{where}: {kept:,} characters in what a cut keeps whole (roles, names, paths), "
+            f"certainly longer than train.seq_len={cap.seq_len} tokens; not tokenised",
+            "shorten the row's names and paths, or raise train.seq_len",
+        )
     n = row_chars(row, fmt)
     if n <= cap.chars:
         return row
