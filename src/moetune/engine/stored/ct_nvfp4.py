@@ -8,7 +8,6 @@ from typing import Any, ClassVar
 import torch
 
 from moetune.engine.quant.stacks import QuantError, register
-from moetune.engine.stored.e2m1 import unpack_e2m1
 from moetune.engine.stored.nvfp4 import NVFP4
 
 _FIX = "use a checkpoint stored as NVFP4A16 (weights only, groups of 16), or its bf16 release"
@@ -50,16 +49,10 @@ class NVFP4CompressedTensors(NVFP4):
                 "config_groups": {"group_0": {"weights": weights, "targets": ["Linear"]}},
                 "ignore": ["lm_head"]}  # fmt: skip
 
-    @classmethod
-    def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
-                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        values = unpack_e2m1(buffers["weight"])  # [E, out, in]
-        e, out, inp = values.shape
-        glob = buffers["scale_2"].to(torch.float32)
-        rows = glob.repeat_interleave(out // glob.shape[1], dim=1)  # [E, out]
-        block = buffers["scale"].to(torch.float32) / rows.unsqueeze(-1)
-        deq = values.view(e, out, inp // cls.BLOCK, cls.BLOCK) * block.unsqueeze(-1)
-        return deq.reshape(e, out, inp).to(dtype)
+    @staticmethod
+    def _block_scales(scale: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        # compressed-tensors divides by its global scale (its reciprocal would round otherwise)
+        return scale / second
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, double_quant: bool = False) -> dict[str, torch.Tensor]:

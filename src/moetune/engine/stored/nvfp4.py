@@ -60,9 +60,14 @@ class NVFP4(StoredFormat):
         e, out, inp = values.shape
         second = buffers["scale_2"].to(torch.float32)
         rows = second.repeat_interleave(out // second.shape[1], dim=1)  # [E, out]
-        block = buffers["scale"].to(torch.float32) * rows.unsqueeze(-1)
+        block = cls._block_scales(buffers["scale"].to(torch.float32), rows.unsqueeze(-1))
         deq = values.view(e, out, inp // cls.BLOCK, cls.BLOCK) * block.unsqueeze(-1)
         return deq.reshape(e, out, inp).to(dtype)
+
+    @staticmethod
+    def _block_scales(scale: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """One block's scale from its two levels: ModelOpt multiplies by the second level."""
+        return scale * second
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, double_quant: bool = False) -> dict[str, torch.Tensor]:
