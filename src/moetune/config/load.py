@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from moetune.config.fields import comma_list, lists_values
 from moetune.config.paths import rebase
 from moetune.config.sections import RunConfig
 from moetune.errors import ConfigError, clip, os_problem
@@ -93,13 +94,22 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {key!r} goes through a non-section", "check the path")
     try:
-        node[leaf] = load_yaml(raw)
+        node[leaf] = _value(key.strip(), raw)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or type(err).__name__
         raise ConfigError(
             f"--set {clip(key, 60)}: the value {clip(raw, 60)!r} is not valid YAML ({problem})",
             "close brackets and quotes, e.g. --set lora.targets=[attention,experts]",
         ) from None
+
+
+def _value(path: str, raw: str) -> Any:
+    """The YAML value of `raw`; for a list field an unquoted `a,b` is the list [a, b], as
+    its shortcut flag reads it, and a quoted one is one item (a command may hold commas)."""
+    value = load_yaml(raw)
+    if not isinstance(value, str) or not lists_values(path):
+        return value
+    return [value] if raw.strip()[:1] in ("'", '"') else comma_list(value)
 
 
 # Fixes that say more than "set it to a valid value", by the field an error names.
