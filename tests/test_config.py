@@ -212,7 +212,7 @@ def test_set_keeps_a_quoted_value_one_item_and_maps_untouched() -> None:
     cfg = parse_config({}, ['lane.setup="pip install a,b"', "lane.env.TAGS=a,b"])
     assert cfg.lane.setup == ["pip install a,b"]  # a command may hold commas
     assert cfg.lane.env["TAGS"] == "a,b"  # a mapping's value: text, never split
-    with pytest.raises(ConfigError, match="lora.targets"):
+    with pytest.raises(ConfigError, match=r"lora\.targets"):
         parse_config({}, ["lora.targets=attention,expertz"])
 
 
