@@ -289,6 +289,11 @@ def _report_train(result: Any, as_json: bool) -> None:
     if isinstance(result, NodeDone):  # node K > 0: node 0 has the results
         console.print(result.line())
         return
+    if result.already_complete:  # --resume of a finished run: nothing trained, exit 0
+        console.print(
+            f"already complete: {escape(result.run_dir)} finished at step {result.steps}; "
+            "nothing trained, no ledger row added (a new run: --overwrite or a new output.dir)"
+        )
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "–"
     router = "changed" if result.router_changed else "unchanged"
     planned = human_bytes(result.planned_peak_bytes) if result.planned_peak_bytes else "–"
