@@ -182,7 +182,6 @@ def test_finished_run_is_never_overwritten(done):
     assert {p: p.stat().st_mtime_ns for p in done.run.rglob("*")} == before
 
 
-
 def test_resuming_a_finished_run_says_so_and_adds_no_ledger_row(done):
     """`train --resume` on a complete run: its recorded result, exit 0, "already complete",
     and the ledger keeps one row for the one run (a second row counted it twice)."""
