@@ -38,6 +38,7 @@ from moetune.cli.render import (
 )
 from moetune.cli.render_offload import offload_cards_table, offload_components_table
 from moetune.config import load_config, schema_rows
+from moetune.config.reference import reference_markdown
 from moetune.config.keys import offload_mode
 from moetune.errors import ConfigError
 from moetune.units import human_bytes
@@ -312,8 +313,16 @@ def _report_train(result: Any, as_json: bool) -> None:
 
 @app.command()
 @friendly
-def schema(as_json: JsonOpt = False) -> None:
+def schema(
+    as_json: JsonOpt = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Print the config reference page (docs/config.md).")
+    ] = False,
+) -> None:
     """Every run.yaml field with its default and meaning."""
+    if markdown:
+        sys.stdout.write(reference_markdown())
+        return
     rows = schema_rows()
     if as_json:
         emit_json([{"field": f, "default": d, "description": t} for f, d, t in rows])

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from moetune.config.fields import bare as _base
-from moetune.config.fields import comma_list, field_at
+from moetune.config.fields import comma_list, field_at, field_rule
 from moetune.errors import ConfigError
 
 
@@ -113,11 +113,9 @@ def accepts(path: str) -> str:
     if values is not None:
         joined = " | ".join(values)
         return f"a comma list of {joined}" if _is_list(path) else joined
-    meta = [*info.metadata, *getattr(_base(info.annotation), "__metadata__", ())]
-    docs = [getattr(getattr(m, "func", None), "__doc__", None) for m in meta]
-    rule = next((d for d in docs if d and d.startswith("must be")), None)  # config.base's
+    rule = field_rule(info)  # config.base's one-line rule of a constrained number
     if rule:
-        return rule.removeprefix("must be ")
+        return rule
     return str(getattr(_base(info.annotation), "__name__", ""))
 
 

@@ -48,3 +48,12 @@ def lists_values(path: str) -> bool:
 def comma_list(text: str) -> list[str]:
     """`a, b,c` as ["a", "b", "c"]; empty parts dropped (`--targets ,` names no part)."""
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def field_rule(info: FieldInfo) -> str | None:
+    """What a constrained number accepts, in words (`a positive integer (> 0)`): the first
+    one-line rule of config/base.py among the field's validators, else None."""
+    meta = [*info.metadata, *getattr(bare(info.annotation), "__metadata__", ())]
+    docs = [getattr(getattr(m, "func", None), "__doc__", None) for m in meta]
+    rule = next((d for d in docs if d and d.startswith("must be")), None)
+    return rule.removeprefix("must be ") if rule else None
