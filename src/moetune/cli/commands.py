@@ -38,8 +38,8 @@ from moetune.cli.render import (
 )
 from moetune.cli.render_offload import offload_cards_table, offload_components_table
 from moetune.config import load_config, schema_rows
-from moetune.config.reference import reference_markdown
 from moetune.config.keys import offload_mode
+from moetune.config.reference import reference_markdown
 from moetune.errors import ConfigError
 from moetune.units import human_bytes
 
