@@ -21,7 +21,8 @@ def test_the_committed_page_is_the_generated_one() -> None:
     assert cli.exit_code == 0, cli.output
     assert cli.output == reference_markdown()
     assert PAGE.read_text(encoding="utf-8") == cli.output, (
-        "docs/config.md is stale: run `moetune schema --markdown > docs/config.md`"
+        "docs/config.md is stale: run `python docs/gen_examples.py` (or `moetune schema "
+        "--markdown > docs/config.md`)"
     )
 
 
