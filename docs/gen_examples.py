@@ -134,17 +134,34 @@ def rewrite(path: Path) -> bool:
     return new != text
 
 
+CONFIG_PAGE = ROOT / "docs" / "config.md"  # the whole page is `moetune schema --markdown`
+
+
+def config_page() -> str:
+    # lazy: as the examples' own import of the CLI, only when the script runs
+    from moetune.config.reference import reference_markdown
+
+    return reference_markdown()
+
+
 def main(argv: list[str]) -> int:
-    """Rewrite the pages, or with --check only list the out-of-date blocks."""
+    """Rewrite the pages (and the config reference), or with --check only list the
+    out-of-date blocks."""
     if "--check" not in argv:
         for path in pages():
             if rewrite(path):
                 print(f"rewrote {path.relative_to(ROOT)}")
+        if CONFIG_PAGE.read_text(encoding="utf-8") != config_page():
+            CONFIG_PAGE.write_text(config_page(), encoding="utf-8")
+            print(f"rewrote {CONFIG_PAGE.relative_to(ROOT)}")
         return 0
     stale = [ex for ex in examples() if ex.shown != ex.fresh()]
     for ex in stale:
         print(f"stale: {ex.path.relative_to(ROOT)}: {ex.command}")
-    return 1 if stale else 0
+    config_stale = CONFIG_PAGE.read_text(encoding="utf-8") != config_page()
+    if config_stale:
+        print(f"stale: {CONFIG_PAGE.relative_to(ROOT)}: moetune schema --markdown")
+    return 1 if stale or config_stale else 0
 
 
 if __name__ == "__main__":

@@ -170,3 +170,54 @@ def test_an_empty_run_yaml_writes_no_ledger_anywhere(
     got = CliRunner().invoke(app, [command, "run.yaml"])
     assert got.exit_code == 2 and "run.yaml is empty" in got.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no .moetune/ ledger
+
+
+def _list_fields() -> list[str]:
+    from moetune.config import schema_rows
+    from moetune.config.fields import lists_values
+
+    return [path for path, _, _ in schema_rows() if "[]" not in path and lists_values(path)]
+
+
+def _two_items(path: str) -> list[str]:
+    """Two values the list field accepts: its Literal's first two, else two names."""
+    from moetune.cli.options import choices
+
+    return (choices(path) or ["FIRST_NAME", "SECOND_NAME"])[:2]
+
+
+def test_set_reads_a_comma_list_for_every_list_field() -> None:
+    """`--set lora.targets=a,b` was refused where `--targets a,b` worked: every list field
+    now takes a comma list and a YAML flow list alike, from the field's own type."""
+    fields = _list_fields()
+    assert {"lora.targets", "output.report_to", "lane.ssh.hosts", "lane.setup"} <= set(fields)
+    for path in fields:
+        a, b = _two_items(path)
+        section, leaf = path.rsplit(".", 1)
+        comma = parse_config({}, [f"{path}={a}, {b}"])
+        flow = parse_config({}, [f"{path}=[{a},{b}]"])
+        got = [getattr(_section(cfg, section), leaf) for cfg in (comma, flow)]
+        assert got == [[a, b], [a, b]], path
+    one = parse_config({}, ["lora.targets=experts"])
+    assert one.lora.targets == ["experts"]
+
+
+def _section(cfg: object, dotted: str) -> object:
+    for name in dotted.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def test_set_keeps_a_quoted_value_one_item_and_maps_untouched() -> None:
+    cfg = parse_config({}, ['lane.setup="pip install a,b"', "lane.env.TAGS=a,b"])
+    assert cfg.lane.setup == ["pip install a,b"]  # a command may hold commas
+    assert cfg.lane.env["TAGS"] == "a,b"  # a mapping's value: text, never split
+    with pytest.raises(ConfigError, match=r"lora\.targets"):
+        parse_config({}, ["lora.targets=attention,expertz"])
+
+
+def test_a_flag_and_set_read_a_list_alike() -> None:
+    from moetune.cli.options import option_overrides
+
+    flag = parse_config({}, option_overrides(targets="attention, experts"))
+    assert flag.lora.targets == parse_config({}, ["lora.targets=attention, experts"]).lora.targets

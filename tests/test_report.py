@@ -13,6 +13,7 @@ import subprocess
 import types
 from html import unescape
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -430,3 +431,25 @@ def test_report_out_a_folder_a_device_or_unwritable_is_one_line(trained, tmp_pat
         assert "pass --out a file path in a writable folder" in info.value.fix
     assert Path("/dev/null").is_char_device() and (tmp_path / "a-file").read_text() == "x"
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_memory_ratio_compares_like_with_like(tmp_path: Path) -> None:
+    """A CPU run's peak RSS holds the whole process: the ratio is shown against a plan that
+    counts the process baseline (0.90 here), never against tensors alone (it read 5x)."""
+    from moetune.report.html import Inputs, memory_section
+
+    mib = 2**20
+    tensors = {"frozen_weights": 100 * mib}
+    summary = {"memory": {"measured_peak_bytes": 630 * mib, "measured": "process_peak_rss"}}
+
+    def section(peak: int, components: dict[str, int]) -> dict[str, Any]:
+        plan = {"kind": "memory", "label": "one device", "peak_bytes": peak}
+        files = {"summary.json": summary, "preflight.json": {"run_plan": {**plan,
+                 "components": components}}}  # fmt: skip
+        return memory_section(Inputs(tmp_path, {}, files))
+
+    process = section(700 * mib, {**tensors, "process_baseline": 600 * mib})
+    assert process["ratio"] == pytest.approx(0.9)
+    assert "as the plan counts it" in process["rows"][-1][2]
+    old = section(100 * mib, tensors)  # a run dir from before: RSS against tensors
+    assert old["ratio"] is None and "not comparable" in old["rows"][-1][2]

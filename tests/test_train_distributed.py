@@ -238,6 +238,27 @@ def test_resuming_with_the_same_relative_command_passes_the_launchers_check(
     assert "training processes failed (exit 1)" in " ".join(got.output.split())
 
 
+def test_resuming_a_finished_launch_starts_no_rank_and_adds_no_row(tiny, tmp_path, monkeypatch):
+    """--resume of a run that finished: "already complete", exit 0 – no rank is started
+    and the ledger keeps its one row of that run."""
+    out = tmp_path / "runs" / "r"
+    cfg = _cfg(tiny, out, nproc=2)
+    cfg.output.ledger = str(tmp_path / "ledger.jsonl")
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    result = {"run_dir": str(out), "adapter_dir": str(out / "adapter"), "steps": 7,
+              "final_loss": 0.5, "coverage": 1.0, "router_changed": False, "seconds": 1.0,
+              "peak_memory_bytes": 1, "planned_peak_bytes": 1}  # fmt: skip
+    (out / "summary.json").write_text(json.dumps({"result": result}))
+    started = []
+    monkeypatch.setattr(D, "_run_ranks", lambda config, argv: started.append(argv) or 0)
+    got = CliRunner().invoke(app, ["train", str(out / "config.yaml"), "--resume", "--json"])
+    assert got.exit_code == 0, got.output
+    shown = json.loads(got.stdout)
+    assert shown["already_complete"] is True and shown["steps"] == 7
+    assert not started and not Path(cfg.output.ledger).exists()
+
+
 @pytest.mark.parametrize(
     ("addr", "said"),
     [("999.1.1.1", "is not an IP address"), ("no-such-node.invalid", "does not resolve")],

@@ -46,15 +46,16 @@ def _as_run(cfg: RunConfig) -> RunConfig:
 
 def test_nproc_plans_one_ranks_share(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     from moetune.plan.devices.sharding import per_rank_bytes
+    from moetune.plan.overhead import CPU_PROCESS_BASELINE
 
     cfg = _config(tiny, tmp_path / "run", nproc=2, strategy="fsdp")
     setup = _prepared(cfg)
     share = per_rank_bytes(setup.spec, _as_run(cfg), 2, "fsdp")
-    assert setup.run_plan.kind == "per_rank" and setup.planned_peak_bytes == sum(share.values())
-    assert setup.planned_peak_bytes < setup.plan.peak_bytes  # not one device holding it all
+    assert setup.run_plan.kind == "per_rank"
+    assert setup.run_plan.components == {**share, "process_baseline": CPU_PROCESS_BASELINE}
+    assert sum(share.values()) < setup.plan.peak_bytes  # not one device holding it all
     preflight = json.loads((tmp_path / "run" / "preflight.json").read_text())
-    assert preflight["run_plan"]["peak_bytes"] == sum(share.values())
-    assert preflight["run_plan"]["components"] == share
+    assert preflight["run_plan"]["peak_bytes"] == sum(share.values()) + CPU_PROCESS_BASELINE
 
 
 def test_offload_with_int8_experts_plans_their_quantised_bytes(
@@ -76,9 +77,11 @@ def test_offload_with_int8_experts_plans_their_quantised_bytes(
 def test_no_offload_one_process_is_the_memory_plan(
     tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:  # fmt: skip
+    from moetune.plan.overhead import CPU_PROCESS_BASELINE
+
     setup = _prepared(_config(tiny, tmp_path / "run"))
-    assert setup.run_plan.kind == "memory"
-    assert setup.planned_peak_bytes == setup.plan.peak_bytes
+    assert setup.run_plan.kind == "memory"  # on CPU: the process, as its peak RSS counts
+    assert setup.planned_peak_bytes == setup.plan.peak_bytes + CPU_PROCESS_BASELINE
     assert setup.run_plan.required_bytes == setup.plan.required_bytes
 
 

@@ -39,6 +39,7 @@ from moetune.cli.render import (
 from moetune.cli.render_offload import offload_cards_table, offload_components_table
 from moetune.config import load_config, schema_rows
 from moetune.config.keys import offload_mode
+from moetune.config.reference import reference_markdown
 from moetune.errors import ConfigError
 from moetune.units import human_bytes
 
@@ -289,6 +290,11 @@ def _report_train(result: Any, as_json: bool) -> None:
     if isinstance(result, NodeDone):  # node K > 0: node 0 has the results
         console.print(result.line())
         return
+    if result.already_complete:  # --resume of a finished run: nothing trained, exit 0
+        console.print(
+            f"already complete: {escape(result.run_dir)} finished at step {result.steps}; "
+            "nothing trained, no ledger row added (a new run: --overwrite or a new output.dir)"
+        )
     loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "–"
     router = "changed" if result.router_changed else "unchanged"
     planned = human_bytes(result.planned_peak_bytes) if result.planned_peak_bytes else "–"
@@ -307,8 +313,16 @@ def _report_train(result: Any, as_json: bool) -> None:
 
 @app.command()
 @friendly
-def schema(as_json: JsonOpt = False) -> None:
+def schema(
+    as_json: JsonOpt = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Print the config reference page (docs/config.md).")
+    ] = False,
+) -> None:
     """Every run.yaml field with its default and meaning."""
+    if markdown:
+        sys.stdout.write(reference_markdown())
+        return
     rows = schema_rows()
     if as_json:
         emit_json([{"field": f, "default": d, "description": t} for f, d, t in rows])

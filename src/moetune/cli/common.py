@@ -196,5 +196,6 @@ def main() -> None:  # pragma: no cover - console entry
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", help="Override a config field: section.field=value.")
+    list[str] | None,
+    typer.Option("--set", help="Override a config field: section.field=value (a list: a,b)."),
 ]

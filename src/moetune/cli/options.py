@@ -15,7 +15,8 @@ import typer
 from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from moetune.config import RunConfig
+from moetune.config.fields import bare as _base
+from moetune.config.fields import comma_list, field_at, field_rule
 from moetune.errors import ConfigError
 
 
@@ -86,20 +87,11 @@ SHORTCUTS: dict[str, Shortcut] = {
 
 
 def field_info(path: str) -> FieldInfo:
-    """The RunConfig field at `section.field` (nested sections included)."""
-    cls: Any = RunConfig
-    *sections, leaf = path.split(".")
-    for name in sections:
-        cls = cls.model_fields[name].annotation
-    info: FieldInfo = cls.model_fields[leaf]
+    """The RunConfig field at `section.field` (a shortcut always names one)."""
+    info = field_at(path)
+    if info is None:
+        raise KeyError(f"no run config field {path}")  # a shortcut's own typo: a bug here
     return info
-
-
-def _base(annotation: Any) -> Any:
-    """The annotation without `| None` (a field that may be unset)."""
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    is_optional = len(args) == 1 and type(None) in get_args(annotation)
-    return args[0] if is_optional and get_origin(annotation) is not Literal else annotation
 
 
 def _is_list(path: str) -> bool:
@@ -121,11 +113,9 @@ def accepts(path: str) -> str:
     if values is not None:
         joined = " | ".join(values)
         return f"a comma list of {joined}" if _is_list(path) else joined
-    meta = [*info.metadata, *getattr(_base(info.annotation), "__metadata__", ())]
-    docs = [getattr(getattr(m, "func", None), "__doc__", None) for m in meta]
-    rule = next((d for d in docs if d and d.startswith("must be")), None)  # config.base's
+    rule = field_rule(info)  # config.base's one-line rule of a constrained number
     if rule:
-        return rule.removeprefix("must be ")
+        return rule
     return str(getattr(_base(info.annotation), "__name__", ""))
 
 
@@ -150,7 +140,7 @@ def checked(name: str, value: Any) -> Any:
     if value is None:
         return None
     if cut.comma and isinstance(value, str):
-        value = [part.strip() for part in value.split(",") if part.strip()]
+        value = comma_list(value)
     info = field_info(cut.field)
     try:
         meta = info.metadata

@@ -10,7 +10,9 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
+from moetune.config.fields import comma_list, lists_values
 from moetune.config.paths import rebase
 from moetune.config.sections import RunConfig
 from moetune.errors import ConfigError, clip, os_problem
@@ -93,13 +95,22 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {key!r} goes through a non-section", "check the path")
     try:
-        node[leaf] = load_yaml(raw)
+        node[leaf] = _value(key.strip(), raw)
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or type(err).__name__
         raise ConfigError(
             f"--set {clip(key, 60)}: the value {clip(raw, 60)!r} is not valid YAML ({problem})",
             "close brackets and quotes, e.g. --set lora.targets=[attention,experts]",
         ) from None
+
+
+def _value(path: str, raw: str) -> Any:
+    """The YAML value of `raw`; for a list field an unquoted `a,b` is the list [a, b], as
+    its shortcut flag reads it, and a quoted one is one item (a command may hold commas)."""
+    value = load_yaml(raw)
+    if not isinstance(value, str) or not lists_values(path):
+        return value
+    return [value] if raw.strip()[:1] in ("'", '"') else comma_list(value)
 
 
 # Fixes that say more than "set it to a valid value", by the field an error names.
@@ -243,23 +254,31 @@ def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, str]:
     return None, ""
 
 
-def _rows(cls: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:
+def _fields(cls: type[BaseModel], prefix: str) -> list[tuple[str, FieldInfo]]:
     rows = []
     for name, field in cls.model_fields.items():
         path = f"{prefix}{name}"
         nested, suffix = _nested_model(field.annotation)
         if nested is not None:  # a section (or list of them): document its fields instead
-            rows.extend(_rows(nested, f"{path}{suffix}."))
+            rows.extend(_fields(nested, f"{path}{suffix}."))
             continue
-        default = (
-            "(required)"
-            if field.is_required()
-            else repr(field.get_default(call_default_factory=True))
-        )
-        rows.append((path, default, field.description or ""))
+        rows.append((path, field))
     return rows
+
+
+def schema_fields() -> list[tuple[str, FieldInfo]]:
+    """(field path, its pydantic field) for every field of run.yaml, in schema order; a list
+    of sections (eval.rungs) is documented by its items' fields (`eval.rungs[].name`)."""
+    return _fields(RunConfig, "")
+
+
+def default_text(field: FieldInfo) -> str:
+    """The field's default as Python writes it, or `(required)`."""
+    if field.is_required():
+        return "(required)"
+    return repr(field.get_default(call_default_factory=True))
 
 
 def schema_rows() -> list[tuple[str, str, str]]:
     """(field path, default, description) for every field: the documentation of run.yaml."""
-    return _rows(RunConfig, "")
+    return [(p, default_text(f), f.description or "") for p, f in schema_fields()]

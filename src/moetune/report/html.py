@@ -270,15 +270,22 @@ def memory_section(inp: Inputs) -> dict[str, Any]:
     return {
         "rows": rows,
         "components": [(k, v) for k, v in (plan.get("components") or {}).items() if v],
-        "ratio": measured / planned if measured and planned else None,
+        "ratio": measured / planned if measured and planned and _alike(how, plan) else None,
         "plot": plots.memory_plot([(label, value) for label, value, _ in rows]),
     }
 
 
+def _alike(how: str, plan: dict[str, Any]) -> bool:
+    """Whether the measured and planned figures count the same thing: a peak RSS holds the
+    whole process, which a plan counts only with its process baseline (run dirs from before
+    it compared RSS with tensors: no ratio is shown for them)."""
+    return how != "process_peak_rss" or "process_baseline" in (plan.get("components") or {})
+
+
 def _measured_note(how: str, plan: dict[str, Any]) -> str:
-    """How the peak was measured; a CPU offload plan counts the whole process, as RSS does."""
-    if how == "process_peak_rss" and plan.get("kind") == "offload":
-        return "process peak RSS (the whole Python process, as the offload plan counts it)"
+    """How the peak was measured; a plan off CUDA counts the whole process, as RSS does."""
+    if how == "process_peak_rss" and _alike(how, plan):
+        return "process peak RSS (the whole Python process, as the plan counts it)"
     return MEASURED_NOTES.get(how, how)
 
 

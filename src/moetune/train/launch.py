@@ -51,7 +51,7 @@ from moetune.train.distributed import nodes
 from moetune.train.distributed.orphans import LAUNCHED_ENV, die_with_launcher, die_with_parent
 from moetune.train.distributed.sharded_load import LOAD
 from moetune.train.errors import TrainError
-from moetune.train.result import TrainResult
+from moetune.train.result import TrainResult, finished_result
 from moetune.train.rundir.checkpoint import inspect_run
 
 CONFIG_NAME = "accelerate.yaml"  # in the run dir, beside config.yaml
@@ -309,6 +309,8 @@ def launch_or_train(
         return train(cfg, progress=not flags.get("json"), **opts)
 
     cfg = anchor(cfg)  # as every rank sees it: a resume compares the paths it saved
+    if opts["resume"] and (done := finished_result(cfg)) is not None:
+        return done  # already complete: no rank is started
     nodes.check_one_process(cfg)  # before any rank starts (a rank would refuse with a trace)
 
     def check() -> None:

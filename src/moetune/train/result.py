@@ -4,8 +4,12 @@ back from the ranks' summary.json (distributed.py), so both import it from here.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from moetune.config import RunConfig
+from moetune.train.rundir.checkpoint import inspect_run
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class TrainResult:
     # Which plan gave planned_peak_bytes ("offload disk, host RAM as device", "per rank of 2,
     # fsdp", "one device"): the closing line names it.
     planned_by: str | None = None
+    # `--resume` of a run that had finished: this is its recorded result, nothing trained.
+    already_complete: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,3 +53,16 @@ class TrainResult:
     def from_json(cls, data: dict[str, Any]) -> TrainResult:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def finished_result(cfg: RunConfig) -> TrainResult | None:
+    """`--resume` of a run that has finished (summary.json): its recorded result, where the
+    run dir now is, marked `already_complete`; None when there is something left to train.
+    Checked like any resume (the same config, or a refusal). Nothing is attempted, so no
+    ledger row is appended: a second row would count one run twice."""
+    run = inspect_run(cfg, True)
+    if not run.finished:
+        return None
+    recorded = json.loads(run.summary.read_text(encoding="utf-8"))["result"]
+    here = {"run_dir": str(run.root), "adapter_dir": str(run.adapter), "already_complete": True}
+    return TrainResult.from_json({**recorded, **here})

@@ -72,7 +72,7 @@ from moetune.train.launch import fsdp_on_cpu, launched, sharding
 from moetune.train.methods import method_of
 from moetune.train.model import load_model, wrap_lora
 from moetune.train.offload import store_meter, write_offload_json
-from moetune.train.result import TrainResult
+from moetune.train.result import TrainResult, finished_result
 from moetune.train.routing.recorder import (
     LayerLoad,
     RoutingCallback,
@@ -124,6 +124,8 @@ def train(
     only one process at a time writes a run dir (lock.py)."""
     replace = (overwrite or overwrite_promoted, overwrite_promoted)
     cfg = anchor(cfg)  # the run dir names no place relative to where it was started
+    if resume and (done := finished_result(cfg)) is not None:
+        return done  # already complete: nothing attempted, no second ledger row
     require_launcher(cfg)
     check_trackers(cfg.output.report_to)  # a missing package: one line, nothing built
     check_tracker_dirs(cfg.output.report_to)  # or an unwritable folder of theirs
@@ -169,10 +171,6 @@ def _train(
 ) -> TrainResult:
     started = time.perf_counter()
     run = inspect_run(cfg, resume, *replace)
-    if resume and run.finished:  # nothing left to do: the recorded result, where it now is
-        recorded = json.loads(run.summary.read_text(encoding="utf-8"))["result"]
-        here = {"run_dir": str(run.root), "adapter_dir": str(run.adapter)}
-        return TrainResult.from_json({**recorded, **here})
     console = Console(stderr=True, quiet=not progress)
     setup = prepare(cfg, run, resume, allow_errors)
     with base_load(setup.args, cfg, setup.spec) as loaded:  # ZeRO-3: partitioned as it loads

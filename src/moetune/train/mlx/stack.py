@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import sys
 import time
 from pathlib import Path
@@ -63,8 +62,6 @@ def train_mlx(
     refuse_unsupported(cfg)
     started = time.perf_counter()
     run = inspect_run(cfg, resume, *replace)
-    if resume and run.finished:
-        return TrainResult.from_json(json.loads(run.summary.read_text(encoding="utf-8"))["result"])
     if resume:
         raise TrainError(
             "lora.stack=mlx runs cannot resume: mlx-lm saves no optimizer state",
