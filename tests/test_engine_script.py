@@ -161,7 +161,9 @@ def test_script_adapter_loads_with_plain_peft(script_run: Path) -> None:
 
 def test_import_moetune_stays_light() -> None:
     """register_experts() is a call, so `import moetune` alone loads no torch."""
-    code = "import sys, moetune; print(sorted({'torch', 'transformers', 'peft'} & set(sys.modules)))"
+    code = (
+        "import sys, moetune; print(sorted({'torch', 'transformers', 'peft'} & set(sys.modules)))"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.stdout.strip() == "[]", done.stderr
