@@ -1,6 +1,6 @@
 """A local stand-in for the Hugging Face Hub's upload API: the calls huggingface_hub makes
-for `HfApi.create_repo` and `HfApi.create_commit` (validate-yaml, repos/create, preupload, commit), over an
-in-memory repo table.
+for `HfApi.create_repo` and `HfApi.create_commit` (validate-yaml, repos/create, preupload,
+commit), over an in-memory repo table.
 
 Every file is answered "regular" at preupload, so the commit carries its bytes (base64 in
 the ndjson body) and the test can compare them with what was on disk. A request without

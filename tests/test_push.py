@@ -21,6 +21,8 @@ from fake_hub import FakeHub
 from moetune.evaluate import promote
 from moetune.evaluate.gate import verdict_hash
 from moetune.io import adapter_digest
+from moetune.report.card import model_card
+from moetune.report.html import load_inputs
 from moetune.train import train
 from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
 
@@ -127,7 +129,9 @@ def test_an_unpromoted_or_no_go_adapter_is_refused(hub: FakeHub, run: Path, tmp_
     done = _push(hub, copy, "--repo", "alice/nogo")
     assert done.returncode == 2 and hub.requests == []
     assert "not promoted (the gate said NO-GO)" in done.stderr and "--unpromoted" in done.stderr
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    refused = _ledger(run)[-1]  # the copy keeps the run's ledger (config.yaml)
+    assert refused["status"] == "failed" and "not promoted" in refused["reason"]
     done = _push(hub, copy, "--repo", "alice/nogo", "--unpromoted", "--public")
     assert done.returncode == 0, done.stderr
     assert hub.repos["alice/nogo"]["visibility"] == "public"
@@ -169,3 +173,16 @@ def test_an_export_goes_up_only_once_checked(hub: FakeHub, run: Path, tmp_path) 
     assert "| merged | transformers | served == trained |" in card.text
     done = _push(hub, copy, "--repo", "alice/merged", "--export", "gguf")
     assert done.returncode == 2 and "has no gguf export on disk (exports: merged)" in done.stderr
+
+
+def test_a_record_of_an_unexpected_shape_leaves_its_section_out(run: Path, tmp_path) -> None:
+    """A card is still written (and still parses) when one record is damaged."""
+    copy = tmp_path / "run-odd"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    coverage = json.loads((copy / "coverage.json").read_text())
+    (copy / "coverage.json").write_text(json.dumps({**coverage, "by_kind": {"experts": 3}}))
+    text = model_card(load_inputs(copy, None), "alice/odd", "adapter", None, None)
+    card = ModelCard(text)
+    assert card.data.library_name == "peft"
+    assert "a section is not available" in card.text and "## Data" in card.text
+    assert "Gate verdict: **GO**" in card.text

@@ -12,6 +12,7 @@ file name only: a card is often public, the training machine's folders are not.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,11 @@ def shown_path(value: Any) -> str:
     return Path(text).name or text
 
 
-def base_section(inp: Inputs, base: str | None) -> list[str]:
+def base_section(base: str | None) -> Callable[[Inputs], list[str]]:
+    return lambda inp: _base_lines(inp, base)
+
+
+def _base_lines(inp: Inputs, base: str | None) -> list[str]:
     cfg = inp.config
     name = base or f"{shown_path(lookup(cfg, 'model.id'))} (a local base; no Hub id given)"
     return [
@@ -115,8 +120,8 @@ def lora_section(inp: Inputs) -> list[str]:
     ]  # fmt: skip
     if not cov:
         return [*lines, f"- coverage audit: not available ({inp.why['coverage.json']})", ""]
-    kinds = ", ".join(f"{k} {v['adapted']}/{v['expected']}"
-                      for k, v in (cov.get("by_kind") or {}).items() if v.get("expected"))  # fmt: skip
+    by_kind = (cov.get("by_kind") or {}).items()
+    kinds = ", ".join(f"{k} {v['adapted']}/{v['expected']}" for k, v in by_kind if v["expected"])
     lines += [
         f"- coverage audit: {cov.get('adapted')}/{cov.get('expected')} targets "
         f"({cov.get('coverage', 0):.0%}): {kinds}; missed: {len(cov.get('missed') or [])}",
@@ -195,6 +200,16 @@ def gate_section(inp: Inputs) -> list[str]:
     return [*lines, ""]
 
 
+def _guarded(section: Callable[[Inputs], list[str]], inp: Inputs) -> list[str]:
+    """A section's lines, or one saying its record has a shape this card cannot read (the
+    report's rule: a broken input never stops the rest)."""
+    try:
+        return section(inp)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        return [f"(a section is not available: its record has an unexpected format: "
+                f"{type(exc).__name__}: {exc})", ""]  # fmt: skip
+
+
 def _num(value: Any) -> str:
     return f"{value:+.4g}" if isinstance(value, int | float) else "–"
 
@@ -228,12 +243,12 @@ def usage_section(repo: str, base: str | None, what: str) -> list[str]:
         "vllm": [
             f"`vllm serve {base} --enable-lora --lora-modules adapter={repo}` "
             "(the exact line and `LoRARequest`: vllm.json in this repo)."
-        ],  # fmt: skip
+        ],
         "merged": [f'`AutoModelForCausalLM.from_pretrained("{repo}")`, or `vllm serve {repo}`.'],
         "gguf": [
             "`llama-server -m BASE.gguf --lora adapter.gguf` (llama.cpp; the base "
             "converted with its `convert_hf_to_gguf.py`)."
-        ],  # fmt: skip
+        ],
         "mlx": [f"`mlx_lm.generate --model {base} --adapter-path {repo}`"],
     }
     lines = ["## How to load", "", *uses[what], ""]
@@ -252,15 +267,9 @@ def model_card(inp: Inputs, repo: str, what: str, base: str | None,
     title = [f"# {repo.rpartition('/')[2]}", "",
              f"A {'LoRA adapter' if what == 'adapter' else what + ' export'} of a "
              "Mixture-of-Experts model, trained and checked with moetune.", ""]  # fmt: skip
-    body = [
-        *title,
-        *base_section(inp, base),
-        *lora_section(inp),
-        *data_section(inp),
-        *plan_section(inp),
-        *gate_section(inp),
-        *exports_section(inp),
-        *usage_section(repo, base, what),
-    ]
+    sections = [base_section(base), lora_section, data_section, plan_section,
+                gate_section, exports_section]  # fmt: skip
+    body = [*title, *(line for s in sections for line in _guarded(s, inp)),
+            *usage_section(repo, base, what)]  # fmt: skip
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
     return masked(f"---\n{header}---\n\n" + "\n".join(body))

@@ -45,8 +45,18 @@ class PushOptions:
 
 
 def push(run_dir: Path | str, opts: PushOptions) -> dict[str, Any]:
-    """Upload and return what went up: repo, url, commit, files, the card's metadata."""
+    """Upload and return what went up: repo, url, commit, files, the card (a `push` ledger
+    row either way: a refusal is a failed row with its cause)."""
     inp = load_inputs(Path(run_dir), opts.results_dir)
+    ledger = opts.ledger or Path(str(lookup(inp.config, "output.ledger") or DEFAULT_PATH))
+    with attempt(ledger, "push", run_id=inp.run_dir.resolve().name) as row:
+        doc = _push(inp, opts)
+        row["metrics"] = {k: doc[k] for k in ("repo", "commit", "private", "what", "bytes",
+                                              "vouched")}  # fmt: skip
+    return doc
+
+
+def _push(inp: Inputs, opts: PushOptions) -> dict[str, Any]:
     if not HUB_ID.match(opts.repo):
         raise PushError(f"--repo {clip(opts.repo, 80)} is not a Hub repo id",
                         "pass it as user/name (or org/name)")  # fmt: skip
@@ -58,16 +68,12 @@ def push(run_dir: Path | str, opts: PushOptions) -> dict[str, Any]:
     base = hub_base(inp, opts.base_model)
     card = model_card(inp, opts.repo, what, base, opts.license)
     files = upload_files(folder)
-    ledger = opts.ledger or Path(str(lookup(inp.config, "output.ledger") or DEFAULT_PATH))
-    with attempt(ledger, "push", run_id=inp.run_dir.resolve().name) as row:
-        url, commit = upload(opts, folder, files, card)
-        doc = {"repo": opts.repo, "url": url, "commit": commit, "private": opts.private,
-               "what": what, "folder": str(folder), "files": [*files, "README.md"],
-               "bytes": sum((folder / f).stat().st_size for f in files) + len(card.encode()),
-               "vouched": refusal is None, "refusal": refusal, "base_model": base}  # fmt: skip
-        row["metrics"] = {k: doc[k] for k in ("repo", "commit", "private", "what", "bytes",
-                                              "vouched")}  # fmt: skip
-    return {**doc, "card": card}
+    url, commit = upload(opts, folder, files, card)
+    return {"repo": opts.repo, "url": url, "commit": commit, "private": opts.private,
+            "what": what, "folder": str(folder), "files": [*files, "README.md"],
+            "bytes": sum((folder / f).stat().st_size for f in files) + len(card.encode()),
+            "vouched": refusal is None, "refusal": refusal, "base_model": base,
+            "card": card}  # fmt: skip
 
 
 def source(inp: Inputs, export: str | None) -> tuple[Path, str]:
@@ -82,8 +88,10 @@ def source(inp: Inputs, export: str | None) -> tuple[Path, str]:
     entry = (exports or {}).get(export)
     if not isinstance(entry, dict) or not Path(str(entry.get("out"))).is_dir():
         known = ", ".join(sorted(exports or {})) or "none"
-        raise PushError(f"{clip(inp.run_dir, 80)} has no {export} export on disk (exports: {known})",
-                        f"run moetune export {inp.run_dir} --format {export} --out DIR first")  # fmt: skip
+        raise PushError(
+            f"{clip(inp.run_dir, 80)} has no {export} export on disk (exports: {known})",
+            f"run moetune export {clip(inp.run_dir, 80)} --format {export} --out DIR first",
+        )
     return Path(str(entry["out"])), export
 
 
