@@ -95,15 +95,17 @@ def base_section(base: str | None) -> Callable[[Inputs], list[str]]:
 
 
 def _base_lines(inp: Inputs, base: str | None) -> list[str]:
-    cfg = inp.config
+    cfg, published = inp.config, published_format(inp)
     name = base or f"{shown_path(lookup(cfg, 'model.id'))} (a local base; no Hub id given)"
+    read = (
+        f", read `{config_value(cfg, 'model.quantized_base')}`" if "quantised" in published else ""
+    )
     return [
         "## Base model", "",
         f"- base: `{name}`",
-        f"- published format: {published_format(inp)}",
-        f"- trained with experts held as `{config_value(cfg, 'model.experts_dtype')}`, "
-        f"a published quantised base `{config_value(cfg, 'model.quantized_base')}`, "
-        f"dtype `{config_value(cfg, 'model.dtype')}`",
+        f"- published format: {published}",
+        f"- held in training as `{config_value(cfg, 'model.dtype')}`, routed experts "
+        f"`{config_value(cfg, 'model.experts_dtype')}`{read}",
         f"- method: `{config_value(cfg, 'train.method')}`, "
         f"tuning `{config_value(cfg, 'train.tuning')}`", "",
     ]  # fmt: skip
@@ -184,7 +186,7 @@ def gate_section(inp: Inputs) -> list[str]:
     verdict = inp.files.get("verdict.json")
     lines = ["## Evaluation and promotion", "", f"Promotion: {promotion(inp)}.", ""]
     if not verdict:
-        return [*lines, f"Gate: not run ({inp.why['verdict.json']}).", ""]
+        return [*lines, "Gate: not run (no verdict.json in the run's results).", ""]
     lines += [
         f"Gate verdict: **{verdict.get('verdict')}** (α {verdict.get('alpha')}): "
         f"{verdict.get('reason', '')} (verdict hash `{str(verdict.get('hash', ''))[:12]}`)", "",
@@ -272,4 +274,13 @@ def model_card(inp: Inputs, repo: str, what: str, base: str | None,
     body = [*title, *(line for s in sections for line in _guarded(s, inp)),
             *usage_section(repo, base, what)]  # fmt: skip
     header = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
-    return masked(f"---\n{header}---\n\n" + "\n".join(body))
+    return masked(private_paths(f"---\n{header}---\n\n" + "\n".join(body), inp.run_dir))
+
+
+def private_paths(text: str, run_dir: Path) -> str:
+    """The training machine's folders out of a text (a promotion note names the adapter's
+    path): the run dir as RUN_DIR, the user's home as ~."""
+    for path, name in ((run_dir.resolve(), "RUN_DIR"), (run_dir, "RUN_DIR"), (Path.home(), "~")):
+        if str(path) not in ("", ".", "/"):
+            text = text.replace(str(path), name)
+    return text
