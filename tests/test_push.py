@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from huggingface_hub import ModelCard
+from huggingface_hub import ModelCard, constants
+from typer.testing import CliRunner
 
 from fake_hub import FakeHub
+from moetune.cli import app
 from moetune.evaluate import promote
 from moetune.evaluate.gate import verdict_hash
 from moetune.io import adapter_digest
@@ -26,7 +28,7 @@ from moetune.report.html import load_inputs
 from moetune.train import train
 from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
 
-TOKEN = "hf_SentinelPushTokenNeverShownAnywhere42"
+TOKEN = "sentinel-push-token-7f3a9c41"  # no credential shape: no masker would hide it
 RUNGS = [("reverse-words", "target", 0.52), ("copy-skill", "protected", -0.02)]
 
 
@@ -86,6 +88,20 @@ def _ledger(run: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, text.splitlines()) if r["kind"] == "push"]
 
 
+def _push_here(
+    hub: FakeHub, run: Path, monkeypatch: pytest.MonkeyPatch, *args: str, token: str = TOKEN
+) -> Any:
+    """The same command in this process (cheaper than a subprocess): the hub client's
+    endpoint, offline switch and token path pointed here as the environment would."""
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(run.parent / "no-token"))
+    monkeypatch.setenv("HF_TOKEN", token)
+    result = CliRunner().invoke(app, ["push", str(run), *args])
+    assert TOKEN not in result.stdout + result.stderr
+    return result
+
+
 def test_push_uploads_the_promoted_adapter_with_its_card(hub: FakeHub, run: Path) -> None:
     done = _push(hub, run, "--repo", "alice/tiny-moe", "--base-model", "Qwen/Qwen3-30B-A3B",
                  "--license", "apache-2.0", "--json")  # fmt: skip
@@ -121,19 +137,21 @@ def test_push_uploads_the_promoted_adapter_with_its_card(hub: FakeHub, run: Path
     assert rows[-1]["metrics"]["commit"] == doc["commit"]
 
 
-def test_an_unpromoted_or_no_go_adapter_is_refused(hub: FakeHub, run: Path, tmp_path) -> None:
+def test_an_unpromoted_or_no_go_adapter_is_refused(
+    hub: FakeHub, run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     copy = tmp_path / "run-nogo"
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
     (copy / "adapter" / "PROMOTED").unlink()
     (copy / "eval" / "verdict.json").write_text(json.dumps(_verdict(copy / "adapter", "NO-GO")))
-    done = _push(hub, copy, "--repo", "alice/nogo")
-    assert done.returncode == 2 and hub.requests == []
+    done = _push_here(hub, copy, monkeypatch, "--repo", "alice/nogo")
+    assert done.exit_code == 2 and hub.requests == []
     assert "not promoted (the gate said NO-GO)" in done.stderr and "--unpromoted" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
     refused = _ledger(run)[-1]  # the copy keeps the run's ledger (config.yaml)
     assert refused["status"] == "failed" and "not promoted" in refused["reason"]
-    done = _push(hub, copy, "--repo", "alice/nogo", "--unpromoted", "--public")
-    assert done.returncode == 0, done.stderr
+    done = _push_here(hub, copy, monkeypatch, "--repo", "alice/nogo", "--unpromoted", "--public")
+    assert done.exit_code == 0, done.stderr
     assert hub.repos["alice/nogo"]["visibility"] == "public"
     card = ModelCard(hub.repos["alice/nogo"]["files"]["README.md"].decode())
     assert "Promotion: not promoted." in card.text and "Gate verdict: **NO-GO**" in card.text
@@ -141,16 +159,18 @@ def test_an_unpromoted_or_no_go_adapter_is_refused(hub: FakeHub, run: Path, tmp_
 
 
 def test_a_push_the_hub_refuses_is_one_line_and_a_failed_ledger_row(
-    hub: FakeHub, run: Path
+    hub: FakeHub, run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    done = _push(hub, run, "--repo", "alice/no-token", token="hf_WrongTokenWrongTokenWrong00")
-    assert done.returncode == 2 and "Traceback" not in done.stderr
+    done = _push_here(hub, run, monkeypatch, "--repo", "alice/no-token", token="wrong-token-5d1e0b")
+    assert done.exit_code == 2 and "Traceback" not in done.stderr
     assert "the Hub refused the push to alice/no-token" in done.stderr
-    assert "hf_WrongTokenWrongTokenWrong00" not in done.stderr
+    assert "wrong-token-5d1e0b" not in done.stderr
     assert _ledger(run)[-1]["status"] == "failed"
 
 
-def test_an_export_goes_up_only_once_checked(hub: FakeHub, run: Path, tmp_path) -> None:
+def test_an_export_goes_up_only_once_checked(
+    hub: FakeHub, run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     copy = tmp_path / "run-export"
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
     merged = tmp_path / "merged"
@@ -161,18 +181,20 @@ def test_an_export_goes_up_only_once_checked(hub: FakeHub, run: Path, tmp_path) 
              "expert_effect": 0.3, "greedy_match": 1.0}  # fmt: skip
     (copy / "exports.json").write_text(json.dumps({"merged": {"out": str(merged), "check": check}}))
     (merged / "UNCHECKED").write_text("unchecked")
-    done = _push(hub, copy, "--repo", "alice/merged", "--export", "merged")
-    assert done.returncode == 2 and "did not pass served == trained" in done.stderr
+    done = _push_here(hub, copy, monkeypatch, "--repo", "alice/merged", "--export", "merged")
+    assert done.exit_code == 2 and "did not pass served == trained" in done.stderr
     (merged / "UNCHECKED").unlink()
-    done = _push(hub, copy, "--repo", "alice/merged", "--export", "merged", "--json")
-    assert done.returncode == 0, done.stderr
+    done = _push_here(
+        hub, copy, monkeypatch, "--repo", "alice/merged", "--export", "merged", "--json"
+    )
+    assert done.exit_code == 0, done.stderr
     files = hub.repos["alice/merged"]["files"]
     assert set(files) == {"config.json", "model.safetensors", "README.md"}
     card = ModelCard(files["README.md"].decode())
     assert card.data.library_name == "transformers"
     assert "| merged | transformers | served == trained |" in card.text
-    done = _push(hub, copy, "--repo", "alice/merged", "--export", "gguf")
-    assert done.returncode == 2 and "has no gguf export on disk (exports: merged)" in done.stderr
+    done = _push_here(hub, copy, monkeypatch, "--repo", "alice/merged", "--export", "gguf")
+    assert done.exit_code == 2 and "has no gguf export on disk (exports: merged)" in done.stderr
 
 
 def test_a_record_of_an_unexpected_shape_leaves_its_section_out(run: Path, tmp_path) -> None:
