@@ -208,3 +208,27 @@ def test_a_record_of_an_unexpected_shape_leaves_its_section_out(run: Path, tmp_p
     assert card.data.library_name == "peft"
     assert "a section is not available" in card.text and "## Data" in card.text
     assert "Gate verdict: **GO**" in card.text
+
+
+@pytest.mark.slow
+def test_a_real_merged_export_goes_up_with_its_check(
+    hub: FakeHub, run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`moetune export --format merged` (its served == trained check included), then push."""
+    copy = tmp_path / "run-merged"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    items = write_jsonl(tmp_path / "items.jsonl", reverse_rows(4))
+    out = tmp_path / "merged"
+    exported = CliRunner().invoke(
+        app, ["export", str(copy), "--format", "merged", "--out", str(out), "--items", str(items)]
+    )
+    assert exported.exit_code == 0, exported.stderr
+    done = _push_here(hub, copy, monkeypatch, "--repo", "alice/merged-real", "--export", "merged")
+    assert done.exit_code == 0, done.stderr
+    files = hub.repos["alice/merged-real"]["files"]
+    on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert set(files) == on_disk - {"README.md"} | {"README.md"}
+    weights = [f for f in files if f.endswith(".safetensors")]
+    assert weights and all(files[f] == (out / f).read_bytes() for f in weights)
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.library_name == "transformers" and "served == trained" in card.text
