@@ -142,8 +142,10 @@ def test_an_unpromoted_or_no_go_adapter_is_refused(
 ) -> None:
     copy = tmp_path / "run-nogo"
     shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
-    (copy / "adapter" / "PROMOTED").unlink()
     (copy / "eval" / "verdict.json").write_text(json.dumps(_verdict(copy / "adapter", "NO-GO")))
+    done = _push_here(hub, copy, monkeypatch, "--repo", "alice/nogo")  # promoted, then re-gated
+    assert done.exit_code == 2 and "a later gate said NO-GO" in done.stderr
+    (copy / "adapter" / "PROMOTED").unlink()
     done = _push_here(hub, copy, monkeypatch, "--repo", "alice/nogo")
     assert done.exit_code == 2 and hub.requests == []
     assert "not promoted (the gate said NO-GO)" in done.stderr and "--unpromoted" in done.stderr

@@ -104,6 +104,9 @@ def vouch(inp: Inputs, folder: Path, export: str | None) -> str | None:
         return f"the adapter of {clip(inp.run_dir.name, 60)} is not promoted ({said})"
     if broken := promotion_broken(adapter):
         return broken
+    verdict, marker = inp.get("verdict.json"), inp.get(PROMOTED)
+    if verdict and verdict.get("hash") != marker.get("verdict_hash") and verdict["verdict"] != "GO":
+        return f"a later gate said {verdict['verdict']} for the promoted adapter"
     if export is None:
         return None
     check = ((read_json(inp.run_dir / "exports.json")[0] or {}).get(export) or {}).get("check")
