@@ -40,7 +40,7 @@ from moetune.io import (
 Status = Literal["ok", "failed", "infra-failed", "cancelled"]
 # Every kind of row moetune writes (train, eval, export … by their stages; the rest by a
 # launch and its cost guard) – what `ledger show --kind` accepts.
-KINDS = ("train", "eval", "gate", "promote", "export", "launch", "provision", "bank",
+KINDS = ("train", "eval", "gate", "promote", "export", "push", "launch", "provision", "bank",
          "teardown", "spend", "infra")  # fmt: skip
 DEFAULT_PATH = Path(".moetune") / "ledger.jsonl"
 # the patterns live with the one masker (moetune.io); the ledger applies them to every row

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.modules.module import register_module_module_registration_hook
+from torch.utils.hooks import RemovableHandle
 from transformers.integrations.moe import ExpertsInterface
 
 from moetune.engine.offload.store import StackRef, offloaded_of
@@ -354,9 +356,41 @@ class SplitParamWrapper(ParamWrapper):
         return self.base_layer(x, *args, **kwargs)
 
 
+# peft recognises its wrapper by class name while injecting (tuners_utils.py,
+# `create_and_replace_param`: a further parameter or adapter on wrapped experts), so the
+# split wrapper answers to that name; isinstance still tells the two apart.
+SplitParamWrapper.__name__ = ParamWrapper.__name__
+
+
 def register() -> None:
-    """Register "moetune_lora" in transformers' experts interface (idempotent)."""
+    """Register "moetune_lora" in transformers' experts interface, and switch every peft
+    wrapper later put on such experts to the split path (idempotent).
+
+    transformers checks the name when a model loads, so this runs before
+    `from_pretrained(..., experts_implementation="moetune_lora")`. peft then builds its
+    `ParamWrapper`s on that model (`get_peft_model`, `PeftModel.from_pretrained`) and
+    installs each with a plain `setattr`; torch's global module-registration hook sees it
+    there, before any forward, and switches it as `apply_split_lora(model)` would (no
+    dropout: peft's config cannot carry it on experts). So a user's own script trains
+    split LoRA without calling moetune again.
+    """
+    global _HOOK
     ExpertsInterface.register(IMPLEMENTATION, split_lora_experts_forward)
+    if _HOOK is None:
+        _HOOK = register_module_module_registration_hook(_split_on_arrival)
+
+
+_HOOK: RemovableHandle | None = None  # the module-registration hook, installed once
+
+
+def _split_on_arrival(parent: nn.Module, name: str, module: nn.Module | None) -> None:
+    """Torch calls this on every submodule registration; it acts only on a peft wrapper of
+    fused experts whose model selected "moetune_lora" (returns None: `module` stays)."""
+    if not isinstance(module, ParamWrapper) or _is_switched(module):
+        return
+    experts = module.get_base_layer()
+    if getattr(getattr(experts, "config", None), "_experts_implementation", None) == IMPLEMENTATION:
+        _switch(module, 0.0)
 
 
 def apply_split_lora(model: nn.Module, *, dropout: float = 0.0) -> list[str]:
