@@ -344,7 +344,8 @@ def test_train_overwrite_refuses_a_promoted_adapter_on_the_cli(tmp_path: Path) -
     (run / "summary.json").write_text("{}")
     (run / "adapter" / "PROMOTED").write_text("{}")
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"output": {"dir": str(run), "ledger": str(tmp_path / "l")}}))
+    out = {"dir": str(run), "ledger": str(tmp_path / "l")}
+    config.write_text(yaml.safe_dump({"model": {"id": "Qwen/Qwen3-30B-A3B"}, "output": out}))
     out = runner.invoke(app, ["train", str(config), "--overwrite"])
     assert_cli_refused_or_ok(out)
     assert out.exit_code == 2 and "--overwrite-promoted" in out.output
