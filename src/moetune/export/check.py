@@ -299,7 +299,7 @@ def tokenizer_of(source: Source) -> Any:
     it; else the one saved beside the adapter."""
     for where in (source.tokenizer_dir, str(source.adapter_dir)):
         try:
-            return load_tokenizer(ModelArgs(id=where))
+            return load_tokenizer(ModelArgs.model_validate({"id": where}))
         except TokenizerError:
             continue
     raise CheckFailed(

@@ -192,6 +192,8 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     method = method_of(cfg)
     rows = check_data(cfg, method.formats)  # bad data stops before any model is built
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
+    # before the lint (its TOKENIZER rule asks the same): `moetune data`'s very line
+    tokenizer = run_tokenizer(cfg, spec.vocab_size, rows[0][0] if rows[0] else None)
     # a damaged local base: one line, no run dir; a stray weight file beside it: named
     ignored = check_weight_files(cfg.model.id, own_reader(cfg, spec))
     cfg, gc_off = as_checkpointable(cfg, spec)  # jetmoe refuses it: off, and said
@@ -203,7 +205,6 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     stored = check_stored(cfg, spec, engine)  # a published FP8 / FP4 base: keys, shapes
     check_offload(cfg, engine, local_dir(cfg.model.id))  # train.offload: refused up front
     run_plan = plan_of_run(spec, run_cfg, place.device, plan)  # offload, nproc
-    tokenizer = run_tokenizer(cfg, spec.vocab_size, rows[0][0] if rows[0] else None)
     data, eval_data = load_train_data(
         cfg.data, tokenizer, cfg.train.seq_len, method.formats, cfg.train.seed, rows
     )
