@@ -193,9 +193,8 @@ def test_seq_len_past_the_models_positions_is_a_lint_error_and_stops_train(tmp_p
     linted = runner.invoke(app, ["lint", config, "--json"])
     assert linted.exit_code == 1
     found = {f["rule_id"]: f for f in json.loads(linted.stdout)["findings"]}
-    assert "train.seq_len 96 is longer than the 64 positions" in found["SEQ-PAST-POSITIONS"][
-        "message"
-    ]
+    message = found["SEQ-PAST-POSITIONS"]["message"]
+    assert "train.seq_len 96 is longer than the 64 positions" in message
     out = runner.invoke(app, ["train", config])
     assert out.exit_code == 2 and "[SEQ-PAST-POSITIONS]" in out.output
     assert not (tmp_path / "out").exists()

@@ -209,7 +209,7 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         cfg.data, tokenizer, cfg.train.seq_len, method.formats, cfg.train.seed, rows
     )
     method.check(cfg, data)
-    processor, seen = image_processor(cfg, data)  # image rows: the checkpoint's processor
+    processor, seen = image_processor(cfg, data, tokenizer)  # image rows: the checkpoint's
     summary = summarize(cfg, tokenizer, method.formats, rows)  # what announce() says of it
     summary.refuse_no_loss()  # nothing to learn from: stopped before any weight loads
     aux = aux_choice(cfg, spec)
@@ -242,12 +242,16 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     return setup
 
 
-def image_processor(cfg: RunConfig, data: TrainData) -> tuple[Any, list[str]]:
+def image_processor(
+    cfg: RunConfig, data: TrainData, tokenizer: PreTrainedTokenizerBase
+) -> tuple[Any, list[str]]:
     """(the checkpoint's processor, what to say of it) for image+text rows, checked on the
-    first row; (None, []) for text rows."""
+    first row; (None, []) for text rows. model.tokenizer replaces the processor's own."""
     if not data.images:
         return None, []
     processor, notes = load_processor(cfg.model.id, cfg.data.chat_template)
+    if cfg.model.tokenizer:  # the one the run checked, not the checkpoint dir's
+        processor.tokenizer = tokenizer
     collator = ImageCollator(processor, cfg.train.seq_len, cfg.data.completion_only_loss)
     check_first_row(collator, data.dataset, data.path)
     return processor, notes
