@@ -209,3 +209,14 @@ def test_positions_count_a_rope_scaling_factor():
     assert positions({"max_position_embeddings": 40960, "rope_parameters": default}) == 40960
     assert positions({"text_config": {"max_position_embeddings": 8192}}) == 8192
     assert positions({}) is None
+
+
+def test_a_remote_run_takes_a_local_model_tokenizer_along(tmp_path):
+    from moetune.config import parse_config
+    from moetune.lane.stage import staging
+
+    tok_dir, _ = _tokenizer_dir(tmp_path / "tok")
+    out = staging(parse_config({"model": {"id": "Qwen/Qwen3-30B-A3B", "tokenizer": str(tok_dir)}}))
+    assert out.config.model.tokenizer == "tokenizer" and (tok_dir, "tokenizer") in out.files
+    hub = staging(parse_config({"model": {"tokenizer": "Qwen/Qwen3-30B-A3B"}}))
+    assert hub.config.model.tokenizer == "Qwen/Qwen3-30B-A3B"  # fetched on the pod

@@ -56,6 +56,7 @@ def remote_code(ctx: LintContext) -> Hit | None:
     "a tokenizer that cannot carry the run trains on nothing, or fails mid-run",
     probe=probes.empty_tokenizer_built,
     libraries=("transformers",),
+    enforced=True,  # train refuses it where it loads the tokenizer, in `data`'s line
 )
 def tokenizer(ctx: LintContext) -> Hit | None:
     """data/tokenizer.py's refusal, as `data` and `train` say it (a hub tokenizer not
