@@ -344,7 +344,8 @@ def test_train_overwrite_refuses_a_promoted_adapter_on_the_cli(tmp_path: Path) -
     (run / "summary.json").write_text("{}")
     (run / "adapter" / "PROMOTED").write_text("{}")
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"output": {"dir": str(run), "ledger": str(tmp_path / "l")}}))
+    out = {"dir": str(run), "ledger": str(tmp_path / "l")}
+    config.write_text(yaml.safe_dump({"model": {"id": "Qwen/Qwen3-30B-A3B"}, "output": out}))
     out = runner.invoke(app, ["train", str(config), "--overwrite"])
     assert_cli_refused_or_ok(out)
     assert out.exit_code == 2 and "--overwrite-promoted" in out.output
@@ -359,7 +360,7 @@ def test_train_overwrite_refuses_a_promoted_adapter_on_the_cli(tmp_path: Path) -
 def test_a_ledger_that_is_a_directory_is_refused_before_any_work(tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     output = {"dir": str(tmp_path / "run"), "ledger": str(tmp_path)}
-    config.write_text(yaml.safe_dump({"output": output}))
+    config.write_text(yaml.safe_dump({"model": {"id": "Qwen/Qwen3-30B-A3B"}, "output": output}))
     out = runner.invoke(app, ["eval", str(config)])
     assert_cli_refused_or_ok(out)
     assert "is a directory" in out.output and not (tmp_path / "run").exists()

@@ -27,14 +27,14 @@ def data_cmd(
     """Preview a run's data: sources, mixing, lengths, loss share, masked samples, steps."""
     # lazy: the stage loads only when its command runs
     from moetune.train.preview import preview
-    from moetune.train.setup import load_tokenizer
 
     cfg = load_config(config, overrides or [])
-    got = preview(cfg, load_tokenizer(cfg.model.id))
+    got = preview(cfg)
+    if not as_json:
+        _print(got)  # the samples show why, before the refusal below
+    got.summary.refuse_no_loss()  # what `train` refuses, with its line
     if as_json:
         emit_json(got.to_json())
-        return
-    _print(got)
 
 
 def _sources_table(summary: Any) -> Table:

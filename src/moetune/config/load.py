@@ -224,7 +224,22 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
         cfg = parse_config(data, overrides)
     except ConfigError as err:
         raise ConfigError(f"{clip(path, 80)}: {err.cause}", err.fix) from None
+    if not _names_model(data, overrides or []):
+        raise ConfigError(
+            f"{clip(path, 80)} has no model.id, so the run would target the schema's default "
+            f"{cfg.model.id}",
+            "add `model: {id: <your model dir or hub id>}` (or pass --set model.id=...)",
+        )
     return rebase(cfg, path.parent) if is_run_config(path) else cfg
+
+
+def _names_model(data: dict[str, Any], overrides: list[str]) -> bool:
+    """Whether a run file (or an override) names model.id: a forgotten `model:` section
+    must not fall back on the schema's default, a 30B model the user never chose."""
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("id"):
+        return True
+    return any(o.partition("=")[0].strip() in ("model.id", "model") for o in overrides)
 
 
 RUN_MARKS = ("versions.json", "preflight.json", "adapter")  # what only a run dir holds

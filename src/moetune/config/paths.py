@@ -45,8 +45,10 @@ def anchor(cfg: RunConfig, cwd: Path | None = None) -> RunConfig:
         value = getattr(owner, name)
         if value:
             setattr(owner, name, str(_absolute(value, here)))
-    if (here / out.model.id).is_dir():
-        out.model.id = str(_absolute(out.model.id, here))
+    for name in ("id", "tokenizer"):  # a hub id stays as it is
+        value = getattr(out.model, name)
+        if value and (here / value).is_dir():
+            setattr(out.model, name, str(_absolute(value, here)))
     return out
 
 

@@ -37,6 +37,11 @@ class ModelArgs(_Section):
         "Qwen/Qwen3-30B-A3B",
         description="Local dir/file with config.json, a bundled catalog id, or a hub id.",
     )
+    tokenizer: str | None = Field(
+        None,
+        description="Where the tokenizer comes from when model.id has none: a local dir or a "
+        "hub id (default: model.id). Its vocabulary must fit the model's embedding rows.",
+    )
     format: Literal["hf", "gguf"] = Field(
         "hf", description="Weight format of the base; gguf bases cannot be trained."
     )

@@ -195,6 +195,7 @@ class DataFormat:
     loss: Callable[[bool, PreTrainedTokenizerBase], Loss]
     length: Callable[[Row, PreTrainedTokenizerBase], int]
     extras: bool = False  # keep the row's other columns (GRPO rewards read them)
+    sampled: bool = False  # the loss is on completions sampled in training: rows carry none
     # the keys tokenised together, per sequence (preference rows hold two); () is all keys
     sequences: tuple[tuple[str, ...], ...] = ()
     # the keys before the first trained token (a completion-only loss masks them)
@@ -218,7 +219,7 @@ FORMATS: dict[str, DataFormat] = {
                    sequences=(("prompt", "chosen"), ("prompt", "rejected"))),
         # last: any row with a prompt matches it; GRPO keeps the other columns for rewards
         DataFormat("prompt", ("prompt",), _check_prompt, _prompt_loss,
-                   lambda r, t: _ids(r, t, "prompt"), extras=True),
+                   lambda r, t: _ids(r, t, "prompt"), extras=True, sampled=True),
     )
 }  # fmt: skip
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from moetune.config import SourceArgs
 from moetune.data.cap import Cap, capped, char_cap
 from moetune.data.convert import BECOMES, auto_format, converted
-from moetune.data.errors import DataError
+from moetune.data.errors import DataError, TokenizerError
 from moetune.data.formats import (
     SFT_FORMATS,
     DataFormat,
@@ -168,9 +168,10 @@ class TrainData:
         }
 
 
-def _needs_template(lab: str, fmt: DataFormat, first: Row, tok: PreTrainedTokenizerBase) -> None:
+def needs_template(lab: str, fmt: DataFormat, first: Row, tok: PreTrainedTokenizerBase) -> None:
+    """Rows with message lists need a chat template (lint, `data` and `train` ask this)."""
     if _uses_chat(first) and not tok.chat_template:
-        raise DataError(
+        raise TokenizerError(
             f"{lab}: {fmt.name} rows with message lists need a chat template; "
             "the tokenizer has none",
             f"set data.chat_template to a .jinja file or a template TRL ships "
@@ -187,7 +188,7 @@ def usable(
     tokenised (cut or refused past the cap, cap.py); rows over train.seq_len are counted
     or refused (data.overlong). (The rows within the cap, the count over seq_len.) `rows`
     are located: (the source and where in it, the row)."""
-    _needs_template(lab, fmt, rows[0][1], tok)
+    needs_template(lab, fmt, rows[0][1], tok)
     cap = char_cap(tok, seq_len)
     rows = [(w, capped(w, r, fmt, cap, policy)) for w, r in rows]
     too_long = _count_overlong(rows, fmt, tok, seq_len, policy)

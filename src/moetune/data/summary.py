@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from moetune.data.formats import Row, _chat_ids
+from moetune.data.errors import DataError
+from moetune.data.formats import FORMATS, Row, _chat_ids
 from moetune.data.images import image_counts
 from moetune.data.load import CHECK_ROWS, Checked, Mixed, mixed_rows, no_streamed_images, usable
 from moetune.data.mix import row_key
@@ -92,6 +93,20 @@ class Summary:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def refuse_no_loss(self) -> None:
+        """No token of any row carries loss (after the template's masks and the cut at
+        train.seq_len): every step's loss would be 0 and the adapter would learn nothing."""
+        if self.rows and self.loss_share == 0 and not FORMATS[self.format].sampled:
+            read = "the first " if self.streaming_rows_checked else ""  # a head, when streamed
+            raise DataError(
+                f"no token of {read}{self.rows} training rows carries loss after the chat "
+                f"template's masks and the cut at train.seq_len={self.seq_len}: the run "
+                "would learn nothing",
+                "look at the samples `moetune data` renders (loss in green): raise "
+                "train.seq_len, shorten the prompts, or mark the assistant turns in the "
+                "template ({% generation %})",
+            )
 
     def one_line(self) -> str:
         """The summary `moetune train` prints before the first step."""

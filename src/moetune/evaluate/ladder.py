@@ -27,6 +27,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetune.config import RunConfig
+from moetune.data.tokenizer import load_tokenizer
 from moetune.errors import clip, os_problem
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.gate import gate_results, paired
@@ -98,12 +99,12 @@ def load_model(cfg: RunConfig) -> tuple[Any, Any]:
 
     from moetune.engine.resolve import resolve_engine
     from moetune.train.model import load_model as load_weights
-    from moetune.train.setup import load_tokenizer, resolve_placement
+    from moetune.train.setup import resolve_placement
     from moetune.train.stored import stored_base
 
     place = resolve_placement(cfg.train)
-    tokenizer = load_tokenizer(cfg.model.id)
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model, spec.vocab_size)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
     stored, dtype = stored_base(cfg, spec), place.load_dtype(cfg.model.dtype)
     model = load_weights(cfg, place, engine, stored, dtype).to(place.device)

@@ -37,7 +37,8 @@ from typing import Any, cast
 
 import torch
 
-from moetune.config import load_config
+from moetune.config import ModelArgs, load_config
+from moetune.data.tokenizer import TokenizerError, load_tokenizer
 from moetune.errors import MoetuneError
 from moetune.export import load_formats
 from moetune.export.registry import ExportError, Source
@@ -294,13 +295,12 @@ def eval_texts(source: Source, items_file: Path | None, limit: int) -> list[str]
 
 
 def tokenizer_of(source: Source) -> Any:
-    # lazy: heavy to import (transformers)
-    from transformers import AutoTokenizer
-
-    for where in (source.base, str(source.adapter_dir)):
+    """The run's tokenizer (model.tokenizer, else the base's), checked as training checks
+    it; else the one saved beside the adapter."""
+    for where in (source.tokenizer_dir, str(source.adapter_dir)):
         try:
-            return AutoTokenizer.from_pretrained(where)
-        except (OSError, ValueError):
+            return load_tokenizer(ModelArgs.model_validate({"id": where}))
+        except TokenizerError:
             continue
     raise CheckFailed(
         f"no tokenizer next to the base {source.base} or the adapter",

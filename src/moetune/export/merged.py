@@ -154,8 +154,9 @@ def add_delta(
 
 
 def copy_tokenizer(source: Source, out: Path) -> list[str]:
-    """Tokenizer files from the base dir (or, failing that, the adapter dir) into `out`."""
-    return _copy_present((Path(source.base), source.adapter_dir), TOKENIZER_FILES, out)
+    """Tokenizer files from the base's tokenizer dir (or, failing that, the adapter dir)
+    into `out`."""
+    return _copy_present((Path(source.tokenizer_dir), source.adapter_dir), TOKENIZER_FILES, out)
 
 
 def copy_code(base: str, out: Path) -> list[str]:

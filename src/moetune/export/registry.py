@@ -90,6 +90,12 @@ class Source:
     base: str  # a local dir or hub id, as the run config / adapter_config.json names it
     run_dir: Path | None = None  # set when a run dir was given: its config and eval items
     trust_remote_code: bool = False  # the base's own modeling code may run (the run's choice)
+    tokenizer: str | None = None  # the run's model.tokenizer, when it names one (else base's)
+
+    @property
+    def tokenizer_dir(self) -> str:
+        """Where the base's tokenizer is: model.tokenizer, else the base itself."""
+        return self.tokenizer or self.base
 
 
 @dataclass

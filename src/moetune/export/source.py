@@ -46,7 +46,7 @@ def _promotion_intact(source: Source) -> Source:
 def _from_run(run_dir: Path, base: str | None, trust: bool) -> Source:
     cfg = load_config(run_dir / "config.yaml")
     trust = trust or cfg.model.trust_remote_code
-    return Source(run_dir / "adapter", base or cfg.model.id, run_dir, trust)
+    return Source(run_dir / "adapter", base or cfg.model.id, run_dir, trust, cfg.model.tokenizer)
 
 
 def require_buildable(source: Source) -> None:

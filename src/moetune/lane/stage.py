@@ -49,6 +49,8 @@ def staging(cfg: RunConfig) -> Staging:
     if Path(cfg.model.id).exists():  # a local base: copied in; a hub id is fetched on the pod
         pod.model.id = _stage(out.files, cfg.model.id, "model") or cfg.model.id
         out.local_model = True
+    if cfg.model.tokenizer and Path(cfg.model.tokenizer).is_dir():  # model.tokenizer alike
+        pod.model.tokenizer = _stage(out.files, cfg.model.tokenizer, "tokenizer")
     for attr in ("train_file", "eval_file"):
         local = getattr(cfg.data, attr)
         name = f"data/{attr}{Path(local).suffix}" if local else ""

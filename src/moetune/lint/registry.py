@@ -143,6 +143,9 @@ class Rule:
     libraries: tuple[str, ...]  # where the trap lives; named when the probe stops reproducing
     check_fn: CheckFn
     probe_fn: ProbeFn
+    # the stage that uses the thing refuses it itself, in this very line, --allow-errors or
+    # not: train's preflight leaves it to that stage (TOKENIZER: data/tokenizer.py)
+    enforced: bool = False
 
     def check(self, ctx: LintContext) -> Finding | None:
         hit = self.check_fn(ctx)
@@ -165,11 +168,12 @@ def register_rule(
     *,
     probe: ProbeFn,
     libraries: tuple[str, ...] = (),
+    enforced: bool = False,
 ) -> Callable[[CheckFn], CheckFn]:
     """Register the decorated check as rule `rule_id`; ids are unique."""
 
     def decorate(check: CheckFn) -> CheckFn:
-        RULES.add(rule_id, Rule(rule_id, severity, title, libraries, check, probe))
+        RULES.add(rule_id, Rule(rule_id, severity, title, libraries, check, probe, enforced))
         return check
 
     return decorate

@@ -89,6 +89,9 @@ _KEEP = {  # TRL/HF log key -> metrics.jsonl field
 }
 
 
+ZERO_LOSS_STEPS = 3  # logged losses of exactly 0 from the start that stop a run
+
+
 class MetricsCallback(TrainerCallback):
     """One metrics row per log: step, loss, lr, tokens/s, memory (+ aux loss when on, and
     `extra`'s figures: train.offload's reads); and, once training ends, `loop`: the tokens
@@ -99,8 +102,11 @@ class MetricsCallback(TrainerCallback):
         write: Callable[[dict[str, Any]], None],
         clock: Callable[[], float] = time.perf_counter,
         extra: Callable[[], dict[str, Any]] | None = None,
+        zero_stop: int = 0,
     ) -> None:
         self.write, self.clock, self.extra = write, clock, extra
+        # stop after this many logged losses of exactly 0 from the start (0: never)
+        self.zero_stop, self._zeros = zero_stop, 0
         self.last: dict[str, Any] = {}
         self.loop: dict[str, Any] = {}
         self._mark = self._begin = (0.0, 0)
@@ -134,6 +140,23 @@ class MetricsCallback(TrainerCallback):
             self.write(row)  # the diverged row is kept: it says when it happened
         self.last = {**self.last, **row}
         refuse_non_finite(row)
+        self._refuse_zero_loss(row)
+
+    def _refuse_zero_loss(self, row: dict[str, Any]) -> None:
+        """A training loss of exactly 0 at each of the first `zero_stop` logged steps: no
+        token carries loss (a float loss that learns is never exactly 0), so the run stops
+        rather than report a perfect loss on an adapter that learned nothing."""
+        if not self.zero_stop or "loss" not in row or self._zeros < 0:
+            return
+        self._zeros = self._zeros + 1 if row["loss"] == 0 else -1  # -1: it learns, done
+        if self._zeros >= self.zero_stop:
+            raise TrainError(
+                f"loss is exactly 0 at each of the first {self._zeros} logged steps (to step "
+                f"{row['step']}): no token carries loss, so the run learns nothing and was "
+                "stopped",
+                "run `moetune data` on this config: its samples show which tokens carry "
+                "loss (in green); check the tokenizer (model.tokenizer) and the chat template",
+            )
 
     def _throughput(self, tokens: int, step: int) -> dict[str, Any]:
         """Tokens/s (3 significant figures: a slow offload step is not "0") and seconds per

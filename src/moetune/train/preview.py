@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moetune.data.summary import Summary, summarize
+from moetune.data.tokenizer import run_tokenizer
 from moetune.model import load_spec
 from moetune.plan.cost.estimate import MFU, flops_per_token
 from moetune.plan.hardware import get_card
@@ -15,8 +16,6 @@ from moetune.train.methods import method_of
 from moetune.train.setup import check_data
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from moetune.config import RunConfig
 
 
@@ -53,8 +52,12 @@ def step_seconds(cfg: RunConfig, summary: Summary) -> float | None:
     return flops / (card.bf16_tflops * 1e12 * MFU * cfg.train.nproc * cfg.train.nnodes)
 
 
-def preview(cfg: RunConfig, tok: PreTrainedTokenizerBase) -> Preview:
-    """The data summary of a run config, read exactly as training reads it."""
+def preview(cfg: RunConfig) -> Preview:
+    """The data summary of a run config, read exactly as training reads it, with the
+    tokenizer training uses (refused as training refuses it: no weight loads)."""
     formats = method_of(cfg).formats
-    summary = summarize(cfg, tok, formats, check_data(cfg, formats))
+    rows = check_data(cfg, formats)
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
+    tok = run_tokenizer(cfg, spec.vocab_size, rows[0][0] if rows[0] else None)
+    summary = summarize(cfg, tok, formats, rows)
     return Preview(summary, cfg.hardware.card, step_seconds(cfg, summary))

@@ -21,7 +21,9 @@ from moetune.config import RunConfig, TrainArgs
 from moetune.data import TrainData, check_sources, load_train_data
 from moetune.data.load import Checked
 from moetune.data.summary import Summary, summarize
+from moetune.data.tokenizer import run_tokenizer
 from moetune.io import atomic_write_json
+from moetune.lint import RULES
 from moetune.lint.preflight import lint_run
 from moetune.model import load_spec, to_hf_config
 from moetune.model.weight_files import check_weight_files
@@ -202,13 +204,15 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     stored = check_stored(cfg, spec, engine)  # a published FP8 / FP4 base: keys, shapes
     check_offload(cfg, engine, local_dir(cfg.model.id))  # train.offload: refused up front
     run_plan = plan_of_run(spec, run_cfg, place.device, plan)  # offload, nproc
-    tokenizer = load_tokenizer(cfg.model.id)
+    # lint's TOKENIZER, refused here in `moetune data`'s line (before any weight loads)
+    tokenizer = run_tokenizer(cfg, spec.vocab_size, rows[0][0] if rows[0] else None)
     data, eval_data = load_train_data(
         cfg.data, tokenizer, cfg.train.seq_len, method.formats, cfg.train.seed, rows
     )
     method.check(cfg, data)
-    processor, seen = image_processor(cfg, data)  # image rows: the checkpoint's processor
+    processor, seen = image_processor(cfg, data, tokenizer)  # image rows: the checkpoint's
     summary = summarize(cfg, tokenizer, method.formats, rows)  # what announce() says of it
+    summary.refuse_no_loss()  # nothing to learn from: stopped before any weight loads
     aux = aux_choice(cfg, spec)
     args = trl_args(cfg, run, place, aux, data, eval_data is not None)
     point = resume_point(run, data) if resume else None
@@ -239,12 +243,16 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     return setup
 
 
-def image_processor(cfg: RunConfig, data: TrainData) -> tuple[Any, list[str]]:
+def image_processor(
+    cfg: RunConfig, data: TrainData, tokenizer: PreTrainedTokenizerBase
+) -> tuple[Any, list[str]]:
     """(the checkpoint's processor, what to say of it) for image+text rows, checked on the
-    first row; (None, []) for text rows."""
+    first row; (None, []) for text rows. model.tokenizer replaces the processor's own."""
     if not data.images:
         return None, []
     processor, notes = load_processor(cfg.model.id, cfg.data.chat_template)
+    if cfg.model.tokenizer:  # the one the run checked, not the checkpoint dir's
+        processor.tokenizer = tokenizer
     collator = ImageCollator(processor, cfg.train.seq_len, cfg.data.completion_only_loss)
     check_first_row(collator, data.dataset, data.path)
     return processor, notes
@@ -273,7 +281,8 @@ def preflight(
     """Lint and plan the run as it will really run (`cfg` in its load dtype: `as_run`), on
     its spec when the caller has it; an error finding stops it."""
     findings, plan = lint_run(cfg, spec=spec)
-    errors = [f for f in findings if f.severity == "error"]
+    enforced = {rule_id for rule_id, rule in RULES.items() if rule.enforced}  # said later
+    errors = [f for f in findings if f.severity == "error" and f.rule_id not in enforced]
     if errors and not allow_errors:
         more = f" (and {len(errors) - 1} more: {', '.join(f.rule_id for f in errors[1:])})"
         raise TrainError(
@@ -287,22 +296,6 @@ def as_run(cfg: RunConfig, place: Placement) -> RunConfig:
     """`cfg` in the dtype the base really loads in (fp32 runs hold it in float32)."""
     dtype = place.load_dtype(cfg.model.dtype)
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": dtype})})
-
-
-def load_tokenizer(model_id: str) -> PreTrainedTokenizerBase:
-    # lazy: heavy to import (transformers)
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(model_id)
-    except (OSError, ValueError) as exc:
-        raise TrainError(
-            f"cannot load a tokenizer for {model_id}: {str(exc).splitlines()[0]}",
-            "point model.id at a directory (or hub id) that has the tokenizer files",
-        ) from None
-    if tok.pad_token is None:  # batches need padding; EOS is the usual stand-in
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 # ---------------------------------------------------------------- TRL's arguments

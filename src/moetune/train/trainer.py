@@ -55,6 +55,7 @@ from moetune.model.saved_names import write_checkpoint_named
 from moetune.plan.cost.estimate import step_signature
 from moetune.plan.hardware import card_for_device
 from moetune.train.callbacks import (
+    ZERO_LOSS_STEPS,
     MetricsCallback,
     RichProgress,
     peak_memory,
@@ -294,7 +295,9 @@ def build_trainer(
         lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"),
     )
     meter = store_meter(model)  # train.offload: what each step read, and what bound it
-    metrics = MetricsCallback(run.metrics.append, extra=meter.totals if meter else None)
+    zero_stop = 0 if method.rollout else ZERO_LOSS_STEPS  # GRPO: 0 when rewards tie
+    extra = meter.totals if meter else None
+    metrics = MetricsCallback(run.metrics.append, extra=extra, zero_stop=zero_stop)
     shift = rollout_shift(cfg, setup, run, model, console, feed)
     # shift first: its on_log puts the shift into the loss row that metrics then writes
     callbacks = (*shift, metrics, routing, *([feed] if feed else []), CheckpointCommitter(run))

@@ -9,9 +9,9 @@ import shutil
 import tempfile
 from importlib import util
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from moetune.lint.probes.tiny import _quiet, _version
+from moetune.lint.probes.tiny import _TINY, _TINY_MOE, _quiet, _version
 from moetune.lint.registry import ProbeOutcome
 
 if TYPE_CHECKING:
@@ -88,3 +88,46 @@ def remote_code_runs() -> ProbeOutcome:
         ran = marker.exists()
     said = "wrote" if ran else "did not write"
     return ProbeOutcome(ran, f"importing probe_code.Probe from a local dir {said} a file")
+
+
+def empty_tokenizer_built() -> ProbeOutcome:
+    """transformers builds a tokenizer from a model dir that holds no tokenizer file at all
+    (config.json and weights only) – one that turns text into no ids – instead of failing."""
+    # lazy: heavy to import (transformers)
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp, _quiet():
+        _tiny_config(max_position_embeddings=8).save_pretrained(tmp)
+        try:
+            tok = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            return ProbeOutcome(False, f"refused: {str(exc).splitlines()[0]}")
+    ids = tok("Hello, world", add_special_tokens=False)["input_ids"]
+    evidence = f"a dir without tokenizer files gave {type(tok).__name__}: {len(tok)} tokens, "
+    return ProbeOutcome(len(ids) == 0, evidence + f"'Hello, world' → {ids}")
+
+
+def positions_unchecked() -> ProbeOutcome:
+    """A qwen3_moe forward on more tokens than max_position_embeddings runs without a word:
+    RoPE computes the positions it was never trained on, so nothing stops such a run."""
+    # lazy: heavy to import (torch, transformers)
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(_tiny_config(max_position_embeddings=8)).eval()
+    try:
+        with torch.no_grad():
+            logits = model(torch.arange(32).remainder(32)[None]).logits
+    except (IndexError, RuntimeError, ValueError) as exc:
+        return ProbeOutcome(False, f"32 tokens on 8 positions refused: {exc}")
+    finite = bool(torch.isfinite(logits).all())
+    return ProbeOutcome(finite, f"32 tokens on max_position_embeddings 8 ran: finite={finite}")
+
+
+def _tiny_config(**over: int) -> Any:
+    """The probes' 2-layer qwen3_moe config (tiny.py's sizes), with `over` on top."""
+    # lazy: heavy to import (transformers)
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("qwen3_moe", **_TINY, **_TINY_MOE["qwen3_moe"], **over)

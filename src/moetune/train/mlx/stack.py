@@ -127,6 +127,8 @@ def write_inputs(cfg: RunConfig, setup: Setup, work: Path) -> dict[str, Any]:
     cap = char_cap(setup.tokenizer, cfg.train.seq_len)  # a huge row cut as the torch stack cuts it
     rows = mlx_rows(cfg, SFT_FORMATS, cap)  # refuse_unsupported: sft only
     hf_to_mlx(cfg.model.id, work / "model", overwrite=True)
+    if cfg.model.tokenizer:  # mlx-lm reads the model dir's: the run's own, as checked
+        setup.tokenizer.save_pretrained(work / "model")
     if rows.template:
         set_chat_template(work / "model", rows.template)
     write_rows(work / "data", rows)
