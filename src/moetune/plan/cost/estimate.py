@@ -51,7 +51,7 @@ REFERENCE = Published(
 def calibrated_mfu(ref: Published = REFERENCE) -> float:
     """The MFU `ref` implies, its FLOPs counted without recompute (4·N_active per token):
     the table does not say whether it checkpointed, and the lower reading errs long."""
-    peak = get_card(ref.card).bf16_tflops * 1e12
+    peak = get_card(ref.card).tensor_tflops * 1e12
     return round(ref.tokens_per_s * flops_per_token(int(ref.active_params), False) / peak, 4)
 
 
@@ -252,7 +252,7 @@ def estimate(
     measured = None
     if ledger is not None and card is not None:
         measured = measured_rate(ledger, launch_signature(spec, cfg), card.id)
-    tflops = getattr(card, "bf16_tflops", None)
+    tflops = getattr(card, "tensor_tflops", None)
     tokens = token_count(cfg)
     base = Estimate(
         card=getattr(card, "id", None),
