@@ -216,7 +216,8 @@ class TrainArgs(_Section):
         "auto", description="Where to train; auto picks CUDA, then MPS, then CPU."
     )
     precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="auto: bf16 on GPU, fp32 on CPU."
+        "auto",
+        description="auto: bf16 on GPU (fp16 on a CUDA card without bf16: T4, V100), fp32 on CPU.",
     )
     dpo: DpoArgs = Field(
         default_factory=DpoArgs,  # type: ignore[arg-type]

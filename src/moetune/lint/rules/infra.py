@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moetune.lint.doctor import no_cuda_here, torch_build
 from moetune.lint.probes import infra as probes
 from moetune.lint.registry import Hit, LintContext, register_rule
 from moetune.plan.cost import walls
+from moetune.plan.hardware import get_card
 from moetune.units import gib
 
 
@@ -146,4 +148,31 @@ def ci_step_timeout(ctx: LintContext) -> Hit | None:
         f"set lane.ci_step_timeout_minutes: {walls.max_step_timeout_minutes(job)} "
         f"(job − {walls.CI_TEARDOWN_MINUTES} min for teardown)",
         "lane.ci_step_timeout_minutes",
+    )
+
+
+@register_rule(
+    "CARD-NOT-HERE",
+    "error",
+    "hardware.card is a CUDA card, but this machine (or its torch) has no CUDA",
+    probe=probes.card_not_here,
+    libraries=("torch",),
+)
+def card_not_here(ctx: LintContext) -> Hit | None:
+    cfg = ctx.config
+    if not cfg.hardware.card or cfg.train.device == "cpu" or _remote(ctx):
+        return None
+    if cfg.lane.provider != "local":  # the card is the pod's, not this host's
+        return None
+    card = get_card(cfg.hardware.card)
+    why = no_cuda_here(torch_build()) if card.is_cuda else None
+    if why is None:
+        return None
+    return Hit(
+        f"hardware.card {card.id} is a CUDA card, but {why}: train would run on the CPU "
+        "(or stop) instead",
+        "install the CUDA torch for this machine (docs/install.md; `make setup` picks it and "
+        "`moetune doctor` shows it), or set train.device: cpu to train here on purpose, or send "
+        "the run to a pod (lane.provider)",
+        "hardware.card",
     )
