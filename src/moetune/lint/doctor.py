@@ -128,7 +128,7 @@ def accelerators() -> list[dict[str, object]]:
                     "name": props.name,
                     "bytes": props.total_memory,
                     "card": card_for_device(props.name),
-                }  # fmt: skip
+                }
             )
     mps = getattr(torch.backends, "mps", None)
     if mps is not None and mps.is_available():
