@@ -72,7 +72,7 @@ def _print_report(report: Any) -> None:
     if report.card is not None:
         card = report.card
         named = f"{card['card']} ({card['compute_dtype']}) " if card["card"] else ""
-        console.print(f"hardware.card: {named}– {card['verdict']}", highlight=False)
+        console.print(f"hardware.card: {named}– {card['verdict']}", highlight=False, soft_wrap=True)
     mlx = report.mlx
     if mlx.get("mlx_lm"):
         where = mlx["device"] or f"no backend ({mlx['error']})"
