@@ -213,7 +213,10 @@ class TrainArgs(_Section):
         0.001, description="Coefficient of the aux loss when on."
     )
     device: Literal["auto", "cpu", "cuda", "mps"] = Field(
-        "auto", description="Where to train; auto picks CUDA, then MPS, then CPU."
+        "auto",
+        description="Where to train; auto picks CUDA, then MPS, then CPU. cpu trains here on "
+        "the CPU on purpose even where hardware.card names a CUDA card (CARD-NOT-HERE refuses "
+        "that otherwise).",
     )
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
