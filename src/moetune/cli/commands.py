@@ -159,8 +159,10 @@ def _planned_cards(cards: list[str] | None, cfg: Any) -> list[str] | None:
     first = [cfg.hardware.card] if cfg.hardware.card else local_card_ids()[:1]
     if not first:
         return None
-    named = get_card(first[0]).id
-    return [named, *(c for c in card_ids() if c != named)]
+    card = get_card(first[0])
+    if card.is_host:  # this host plans alone, as train runs there (as --card cpu does)
+        return [card.id]
+    return [card.id, *(c for c in card_ids() if c != card.id)]
 
 
 def _offloads(spec: Any, cfg: Any, cards: list[str] | None) -> dict[str, Any]:

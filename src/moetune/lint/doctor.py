@@ -96,6 +96,15 @@ def no_cuda_here(build: TorchBuild) -> str | None:
     return None
 
 
+def why_not_here(cfg: RunConfig, build: TorchBuild) -> str | None:
+    """Why this host cannot train the CUDA card `cfg` names (CARD-NOT-HERE's cause), or None:
+    no such card, train.device cpu (on purpose), a lane sending it to a pod, or CUDA here."""
+    card = get_card(cfg.hardware.card) if cfg.hardware.card else None
+    if card is None or not card.is_cuda or cfg.train.device == "cpu":
+        return None
+    return no_cuda_here(build) if cfg.lane.provider == "local" else None
+
+
 def card_here(cfg: RunConfig, build: TorchBuild) -> dict[str, object]:
     """The card the config names, and whether this host can train on it (CARD-NOT-HERE's
     verdict): "here", "cpu" (train.device cpu), "pod" (a lane sends it elsewhere), or why not."""
@@ -107,7 +116,7 @@ def card_here(cfg: RunConfig, build: TorchBuild) -> dict[str, object]:
     elif cfg.lane.provider != "local":
         verdict = f"the pod's (lane.provider {cfg.lane.provider}), not this host's"
     else:
-        why = no_cuda_here(build) if card.is_cuda else None
+        why = why_not_here(cfg, build)
         verdict = f"not here: {why}" if why else "here"
     return {"card": card.id, "name": card.name, "compute_dtype": card.compute_dtype,
             "verdict": verdict}  # fmt: skip

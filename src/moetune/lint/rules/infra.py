@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moetune.lint.doctor import no_cuda_here, torch_build
+from moetune.lint.doctor import torch_build, why_not_here
 from moetune.lint.probes import infra as probes
 from moetune.lint.registry import Hit, LintContext, register_rule
 from moetune.plan.cost import walls
@@ -159,15 +159,10 @@ def ci_step_timeout(ctx: LintContext) -> Hit | None:
     libraries=("torch",),
 )
 def card_not_here(ctx: LintContext) -> Hit | None:
-    cfg = ctx.config
-    if not cfg.hardware.card or cfg.train.device == "cpu" or _remote(ctx):
-        return None
-    if cfg.lane.provider != "local":  # the card is the pod's, not this host's
-        return None
-    card = get_card(cfg.hardware.card)
-    why = no_cuda_here(torch_build()) if card.is_cuda else None
+    why = None if _remote(ctx) else why_not_here(ctx.config, torch_build())
     if why is None:
         return None
+    card = get_card(str(ctx.config.hardware.card))
     return Hit(
         f"hardware.card {card.id} is a CUDA card, but {why}: train would run on the CPU "
         "(or stop) instead",
