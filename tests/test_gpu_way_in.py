@@ -101,7 +101,7 @@ def test_a_cuda_torch_without_a_device_is_refused_too(monkeypatch: pytest.Monkey
     [
         {"hardware": {"card": "RTX-4090"}, "train": {"device": "cpu"}},  # on purpose
         {"hardware": {"card": "H200"}, "lane": {"provider": "runpod"}},  # the pod's card
-        {"hardware": {"card": "M3-Max-128GB"}},  # not a CUDA card
+        {"hardware": {"card": "24GB"}, "train": {"device": "cpu"}},
         {"hardware": {"card": "cpu"}},
         {},
     ],
@@ -111,6 +111,16 @@ def test_no_refusal_where_the_card_is_not_this_hosts_cuda(
 ) -> None:
     _cuda(monkeypatch, None, False)
     assert RULES.get("CARD-NOT-HERE").check(_ctx(**raw)) is None
+
+
+def test_an_apple_card_without_mps_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    mps = SimpleNamespace(is_available=lambda: False)
+    monkeypatch.setattr(torch.backends, "mps", mps)
+    hit = RULES.get("CARD-NOT-HERE").check(_ctx(hardware={"card": "M4-Max-64GB"}))
+    assert hit is not None and "M4-Max-64GB is an Apple GPU" in hit.message
+    assert "has no MPS device" in hit.message
+    monkeypatch.setattr(mps, "is_available", lambda: True)
+    assert RULES.get("CARD-NOT-HERE").check(_ctx(hardware={"card": "M4-Max-64GB"})) is None
 
 
 def test_a_cuda_host_runs_its_card(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -97,12 +97,14 @@ def no_cuda_here(build: TorchBuild) -> str | None:
 
 
 def why_not_here(cfg: RunConfig, build: TorchBuild) -> str | None:
-    """Why this host cannot train the CUDA card `cfg` names (CARD-NOT-HERE's cause), or None:
+    """Why this host cannot train on the card `cfg` names (CARD-NOT-HERE's cause), or None:
     no such card, train.device cpu (on purpose), a lane sending it to a pod, or CUDA here."""
     card = get_card(cfg.hardware.card) if cfg.hardware.card else None
-    if card is None or not card.is_cuda or cfg.train.device == "cpu":
+    if card is None or card.is_host or cfg.train.device == "cpu" or cfg.lane.provider != "local":
         return None
-    return no_cuda_here(build) if cfg.lane.provider == "local" else None
+    if card.kind == "mps":  # an Apple card: Metal through torch's MPS backend
+        return None if build.mps_available else f"torch {build.version} has no MPS device here"
+    return no_cuda_here(build)
 
 
 def card_here(cfg: RunConfig, build: TorchBuild) -> dict[str, object]:

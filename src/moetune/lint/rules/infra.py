@@ -154,7 +154,7 @@ def ci_step_timeout(ctx: LintContext) -> Hit | None:
 @register_rule(
     "CARD-NOT-HERE",
     "error",
-    "hardware.card is a CUDA card, but this machine (or its torch) has no CUDA",
+    "hardware.card is a GPU this machine (or its torch) cannot use",
     probe=probes.card_not_here,
     libraries=("torch",),
 )
@@ -163,10 +163,11 @@ def card_not_here(ctx: LintContext) -> Hit | None:
     if why is None:
         return None
     card = get_card(str(ctx.config.hardware.card))
+    kind = "an Apple GPU" if card.kind == "mps" else "a CUDA card"
     return Hit(
-        f"hardware.card {card.id} is a CUDA card, but {why}: train would run on the CPU "
+        f"hardware.card {card.id} is {kind}, but {why}: train would run on the CPU "
         "(or stop) instead",
-        "install the CUDA torch for this machine (docs/install.md; `make setup` picks it and "
+        "install the torch build for this machine (docs/install.md; `make setup` picks it and "
         "`moetune doctor` shows it), or set train.device: cpu to train here on purpose, or send "
         "the run to a pod (lane.provider)",
         "hardware.card",
