@@ -125,3 +125,18 @@ def test_plan_of_a_card_given_by_memory_states_its_assumptions(tmp_path: Path) -
         cards["RTX-4090"]["headroom_bytes"], abs=1
     )
     assert any("no TFLOPS or bandwidth" in n for n in json.loads(got.stdout)["notes"])
+
+
+def test_time_is_estimated_at_the_cards_own_dtype_and_never_for_a_card_by_memory() -> None:
+    from moetune.config import parse_config
+    from moetune.model import load_spec
+    from moetune.plan.cost.estimate import estimate
+
+    spec = load_spec("Qwen/Qwen3-30B-A3B")
+    cfg = parse_config({"model": {"id": "Qwen/Qwen3-30B-A3B"}, "train": {"max_steps": 10}})
+    t4, v100 = estimate(spec, cfg, get_card("T4")), estimate(spec, cfg, get_card("V100-16GB"))
+    assert "T4 fp16 peak" in t4.rate_basis
+    assert t4.estimated_train_s is not None and v100.estimated_train_s is not None
+    assert t4.estimated_train_s / v100.estimated_train_s == pytest.approx(125 / 65)
+    by_memory = estimate(spec, cfg, get_card("24GB"))
+    assert by_memory.estimated_train_s is None and "no known TFLOPS" in by_memory.rate_basis
