@@ -140,3 +140,14 @@ def test_time_is_estimated_at_the_cards_own_dtype_and_never_for_a_card_by_memory
     assert t4.estimated_train_s / v100.estimated_train_s == pytest.approx(125 / 65)
     by_memory = estimate(spec, cfg, get_card("24GB"))
     assert by_memory.estimated_train_s is None and "no known TFLOPS" in by_memory.rate_basis
+
+
+def test_every_skypilot_accelerator_is_a_catalog_card() -> None:
+    """A key that is no card id would never be looked up: its card could not launch."""
+    from moetune.lane.providers.skypilot import ACCELERATORS
+    from moetune.plan.hardware import card_ids
+
+    assert set(ACCELERATORS) <= set(card_ids())
+    assert {ACCELERATORS[c] for c in ("T4", "A10G", "L4", "V100-32GB")} == {
+        "T4", "A10G", "L4", "V100-32GB"
+    }  # fmt: skip
