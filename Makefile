@@ -14,7 +14,7 @@ $(BIN)/moetune: pyproject.toml
 	$(BIN)/pip install --upgrade pip
 	# this machine's torch build first (CUDA per the driver, ROCm, Apple MPS, else CPU; docs/install.md;
 	# MOETUNE_TORCH=cpu|cu128|cu130|rocmX.Y|pypi to choose), so moetune's install keeps it.
-	$(BIN)/pip install "torch==2.13.0" $$($(PY) src/moetune/lint/torch_index.py)
+	where=$$($(PY) src/moetune/lint/torch_index.py) && $(BIN)/pip install "torch==2.13.0" $$where
 	# mlx extra: mlx-lm with its CPU backend on Linux x86-64, Metal on Apple silicon (markers).
 	$(BIN)/pip install -e ".[dev,mlx]"
 	touch $@
