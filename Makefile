@@ -12,8 +12,9 @@ setup: $(BIN)/moetune
 $(BIN)/moetune: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	# CPU build of torch first, so nothing pulls a multi-GB CUDA wheel.
-	$(BIN)/pip install "torch==2.13.0" || $(BIN)/pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+	# this machine's torch build first (CUDA per the driver, ROCm, Apple MPS, else CPU; docs/install.md;
+	# MOETUNE_TORCH=cpu|cu128|cu130|rocmX.Y|pypi to choose), so moetune's install keeps it.
+	where=$$($(PY) src/moetune/lint/torch_index.py) && $(BIN)/pip install "torch==2.13.0" $$where
 	# mlx extra: mlx-lm with its CPU backend on Linux x86-64, Metal on Apple silicon (markers).
 	$(BIN)/pip install -e ".[dev,mlx]"
 	touch $@

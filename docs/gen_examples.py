@@ -79,15 +79,27 @@ def keep(lines: list[str], cut: str | None, n: int) -> list[str]:
     return lines[-n:] if cut == "tail" else lines
 
 
+def _cuda_host() -> object:
+    """A CUDA build with a device: the machine a config naming a CUDA card is linted on.
+    The docs are built on a CPU box, where CARD-NOT-HERE would fill every lint example."""
+    from moetune.lint.doctor import TorchBuild
+
+    return TorchBuild("2.13.0", "12.8", None, cuda_available=True, mps_available=False)
+
+
 @contextmanager
 def _fresh_shell() -> Iterator[None]:
+    import moetune.lint.rules.infra as infra
+
     saved = {name: os.environ.get(name) for name in (*UNSET, "HF_HUB_OFFLINE")}
     for name in UNSET:
         os.environ.pop(name, None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # catalog ids only: never the network
+    host, infra.torch_build = infra.torch_build, _cuda_host  # type: ignore[assignment]
     try:
         yield
     finally:
+        infra.torch_build = host
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

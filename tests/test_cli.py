@@ -139,6 +139,7 @@ def test_plan_json_best_per_card_reproduces_its_peak(tmp_path: Path) -> None:
     from moetune.model import load_spec
     from moetune.plan import card_ids
     from moetune.plan.fit import analytic
+    from moetune.plan.offload.memory import plan_offload
 
     run = tmp_path / "run.yaml"
     run.write_text(
@@ -152,8 +153,14 @@ def test_plan_json_best_per_card_reproduces_its_peak(tmp_path: Path) -> None:
     spec = load_spec("Qwen/Qwen3-30B-A3B")
     for card, rec in best.items():
         assert rec["card"] == card and rec["fits"], rec["text"]
-        # the overrides, given to the same run.yaml as --set, give the predicted peak
-        assert analytic(spec, load_config(run, rec["overrides"])).peak_bytes == rec["peak_bytes"]
+        # the overrides, given to the same run.yaml as --set, give the predicted peak (an
+        # offloaded one: the device's live tensors as the offload plan has them)
+        cfg = load_config(run, rec["overrides"])
+        if cfg.train.offload != "none":
+            off = plan_offload(spec, cfg, card)
+            assert off.device_peak_bytes - off.device_components["overhead"] == rec["peak_bytes"]
+            continue
+        assert analytic(spec, cfg).peak_bytes == rec["peak_bytes"]
         assert rec["headroom_bytes"] >= 0
     four = best["RTX-4090"]
     assert "model.experts_dtype=nf4" in four["overrides"] and four["peak_bytes"] <= 22 * 1024**3

@@ -30,7 +30,7 @@ def test_h100_80gb_shows_about_79_gib_to_pytorch() -> None:
 def test_every_card_is_documented_and_usable_is_below_marketed() -> None:
     for card in all_cards():
         assert 0 < card.usable_bytes < card.memory_bytes, card.id
-        assert card.notes and card.bf16_tflops > 0, card.id
+        assert card.notes and card.tensor_tflops > 0, card.id
         assert card.kind in ("cuda", "unified", "mps"), card.id
 
 

@@ -116,15 +116,22 @@ def plan(
     nodes = checked("nodes", nodes)
     cfg = resolve_run(target, [*(overrides or []), *opts])
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
-    result = make_plan(spec, cfg, cards=card, estimator=estimator)
+    planned = _planned_cards(card, cfg)
+    result = make_plan(spec, cfg, cards=planned, estimator=estimator)
     findings = lint(lint_context(cfg, spec, result, site_of(cfg.lane.provider)))
     devices = _devices(spec, cfg, list(result.fits), gpus, strategy, nodes)
-    offloads = _offloads(spec, cfg, card)
+    offloads = _offloads(spec, cfg, card or ([cfg.hardware.card] if cfg.hardware.card else None))
+    named = planned[0] if planned and not card else None  # hardware.card or this GPU
+    why = "hardware.card" if cfg.hardware.card else "this machine's GPU"
     if as_json:
         extra = {"devices": devices.to_json()} if devices else {}
+        extra |= {"card": named}
         extra |= {"offload": {k: p.to_json() for k, p in offloads.items()}} if offloads else {}
         emit_json({**result.to_json(), "findings": [f.rule_id for f in findings], **extra})
         return
+    if named:
+        console.print(f"card: {named} ({why}; the catalog's cards follow)")
+    console.print(f"assumed: {escape(result.assumed)}", highlight=False, soft_wrap=True)
     console.print(plan_components_table(result))
     print_plan_notes(console, result)
     console.print(fits_table(result))
@@ -140,6 +147,23 @@ def plan(
         console.print(offload_cards_table(offloads))
         for note in next(iter(offloads.values())).notes:
             console.print(f"[dim]note:[/] {escape(note)}")
+
+
+def _planned_cards(cards: list[str] | None, cfg: Any) -> list[str] | None:
+    """--card, else hardware.card (or this machine's GPU) first and the rest of the catalog
+    after it, else None (the catalog)."""
+    # lazy: the stage loads only when its command runs
+    from moetune.plan.hardware import card_ids, get_card, local_card_ids
+
+    if cards:
+        return cards
+    first = [cfg.hardware.card] if cfg.hardware.card else local_card_ids()[:1]
+    if not first:
+        return None
+    card = get_card(first[0])
+    if card.is_host:  # this host plans alone, as train runs there (as --card cpu does)
+        return [card.id]
+    return [card.id, *(c for c in card_ids() if c != card.id)]
 
 
 def _offloads(spec: Any, cfg: Any, cards: list[str] | None) -> dict[str, Any]:

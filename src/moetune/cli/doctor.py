@@ -15,6 +15,12 @@ from moetune.units import gib
 @app.command()
 @friendly
 def doctor(
+    target: Annotated[
+        str | None,
+        typer.Argument(
+            help="A run.yaml: also report its hardware.card and whether it trains here."
+        ),
+    ] = None,
     calibrate: Annotated[
         bool,
         typer.Option(
@@ -42,8 +48,9 @@ def doctor(
         return
     # lazy: the stage loads only when its command runs
     from moetune.lint.doctor import run_doctor
+    from moetune.lint.preflight import resolve_run
 
-    report = run_doctor()
+    report = run_doctor(resolve_run(target) if target else None)
     if as_json:
         emit_json(report.to_json())
         return
@@ -58,14 +65,27 @@ def _print_report(report: Any) -> None:
         f"HF_HUB_DISABLE_XET={xet!s:<6} {'ok' if xet == '1' else 'set it to 1 before big pulls'}"
     )
     console.print(f"free disk at {report.cache_dir}: {gib(report.free_disk_bytes)}")
-    accel = ", ".join(str(a["name"]) for a in report.accelerators) or "none (CPU only)"
+    t = report.torch
+    console.print(f"torch {t['version']}: {t['label']} build")
+    accel = ", ".join(_device(a) for a in report.accelerators) or "none (CPU only)"
     console.print(f"accelerators: {accel}")
+    if report.card is not None:
+        card = report.card
+        named = f"{card['card']} ({card['compute_dtype']}) " if card["card"] else ""
+        console.print(f"hardware.card: {named}– {card['verdict']}", highlight=False, soft_wrap=True)
     mlx = report.mlx
     if mlx.get("mlx_lm"):
         where = mlx["device"] or f"no backend ({mlx['error']})"
         console.print(f"mlx-lm {mlx['mlx_lm']} on mlx {mlx['mlx'] or '(absent)'}: {where}")
     for p in report.problems:
         console.print(f"[red]known bad:[/] {p['message']} – fix: {p['fix']}")
+
+
+def _device(accel: dict[str, Any]) -> str:
+    """ "NVIDIA H200 (H200, 139.8 GiB)": torch's name, the catalog card, its memory."""
+    about = [str(accel["card"] or "not in the catalog")] if accel["kind"] == "cuda" else []
+    about += [gib(accel["bytes"])] if accel.get("bytes") else []
+    return f"{accel['name']} ({', '.join(about)})" if about else str(accel["name"])
 
 
 def _calibrate(path: Path | None, file: Path | None, probe_bytes: int, as_json: bool) -> None:

@@ -218,10 +218,14 @@ class TrainArgs(_Section):
         0.001, description="Coefficient of the aux loss when on."
     )
     device: Literal["auto", "cpu", "cuda", "mps"] = Field(
-        "auto", description="Where to train; auto picks CUDA, then MPS, then CPU."
+        "auto",
+        description="Where to train; auto picks CUDA, then MPS, then CPU. cpu trains here on "
+        "the CPU on purpose even where hardware.card names a CUDA card (CARD-NOT-HERE refuses "
+        "that otherwise).",
     )
     precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="auto: bf16 on GPU, fp32 on CPU."
+        "auto",
+        description="auto: bf16 on GPU (fp16 on a CUDA card without bf16: T4, V100), fp32 on CPU.",
     )
     dpo: DpoArgs = Field(
         default_factory=DpoArgs,  # type: ignore[arg-type]
@@ -408,7 +412,16 @@ class OutputArgs(_Section):
 class HardwareArgs(_Section):
     """Where the run is meant to happen."""
 
-    card: str | None = Field(None, description="Card id from `moetune plan` (e.g. H100-80GB).")
+    card: str | None = Field(
+        None,
+        description="Card id from `moetune plan` (e.g. H100-80GB), or an unlisted card by its "
+        "memory (e.g. 24GB: planned by memory alone, no time or cost estimate).",
+    )
+    card_memory_gb: PositiveFloat | None = Field(
+        None,
+        description="An unlisted card by its memory in GB (as marketed): the same as "
+        "hardware.card: <N>GB, which it sets.",
+    )
     host_ram_gb: PositiveFloat | None = Field(
         None,
         description="Host RAM per node in GB, for the offload and sharded-load plans "
@@ -417,6 +430,24 @@ class HardwareArgs(_Section):
     disk_gb: PositiveFloat | None = Field(
         None, description="Free disk per node in GB for train.offload: disk (default: measured)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _card_by_memory(cls, data: Any) -> Any:
+        """card_memory_gb names the card `<N>GB` (plan.hardware.card_by_memory); a card
+        named apart from it is a contradiction, refused."""
+        if not isinstance(data, dict) or data.get("card_memory_gb") is None:
+            return data
+        try:
+            by_memory = f"{float(data['card_memory_gb']):g}GB"
+        except (TypeError, ValueError):
+            return data  # the field's own validation says why
+        if data.get("card") not in (None, by_memory):
+            raise ValueError(
+                f"hardware.card {data['card']!r} and hardware.card_memory_gb "
+                f"{data['card_memory_gb']} both name the card: keep one"
+            )
+        return {**data, "card": by_memory}
 
 
 RungRole = Literal["target", "protected"]

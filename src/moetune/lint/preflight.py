@@ -56,9 +56,10 @@ def lint_context(cfg: RunConfig, spec: Any, plan: Any = None, site: Site | None 
     if plan is not None:
         ctx.peak_bytes = plan.required_bytes
         ctx.trainable_params = plan.trainable_params
-        fit = plan.fits.get(cfg.hardware.card or "")
+        named = get_card(cfg.hardware.card).id if cfg.hardware.card else ""  # "t4" is T4
+        fit = plan.fits.get(named)
         if fit is not None:
-            ctx.card_id, ctx.card_usable_bytes = cfg.hardware.card, fit.usable_bytes
+            ctx.card_id, ctx.card_usable_bytes = named, fit.usable_bytes
             ctx.peak_bytes = fit.required_bytes
     if spec is not None and cfg.hardware.card:
         # the launch's own estimate: a rate measured on this card (ledger) beats FLOPs

@@ -35,10 +35,12 @@ class CardFit:
     headroom_bytes: int  # usable − required (negative: short by that much)
     required_bytes: int
     overhead_bytes: int
+    compute_dtype: str = "bf16"  # fp16 on a card without bf16 (T4, V100): same bytes a value
 
     def to_json(self) -> dict[str, Any]:
         return {
             "fits": self.fits,
+            "compute_dtype": self.compute_dtype,
             "usable_bytes": self.usable_bytes,
             "headroom_bytes": self.headroom_bytes,
             "required_bytes": self.required_bytes,
@@ -121,12 +123,26 @@ class MemoryPlan:
     def required_bytes(self) -> int:
         return self.peak_bytes + self.overhead_bytes
 
+    @property
+    def assumed(self) -> str:
+        """The run the figures are for, in one line: what a user did not say is assumed."""
+        s = self.settings
+        rank = f"rank {s['rank']}" + (
+            f" (experts {s['expert_rank']})" if s["expert_rank"] != s["rank"] else ""
+        )
+        gc = "on" if s["gradient_checkpointing"] else "off"
+        return (
+            f"{rank} · seq {s['seq_len']} · batch {s['batch_size']} · gradient checkpointing "
+            f"{gc} · targets {','.join(s['targets'])} · {s['tuning']} {s['method']}"
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "estimator": self.estimator,
             "estimator_requested": self.requested or self.estimator,
             "settings": dict(self.settings),
+            "assumed": self.assumed,
             "peak_bytes": self.peak_bytes,
             "components": dict(self.components),
             "peak_op": self.peak_op,
@@ -195,4 +211,5 @@ def card_fit(card: Card, peak: int) -> CardFit:
         headroom_bytes=card.usable_bytes - required,
         required_bytes=required,
         overhead_bytes=overhead,
+        compute_dtype=card.compute_dtype,
     )

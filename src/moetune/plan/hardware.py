@@ -10,7 +10,10 @@ with `register_host_card`).
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -82,11 +85,25 @@ class Card:
     host_ram_bytes: int | None = None  # RAM of the card's usual node (decimal GB in the json)
     gpus_per_node: int = 1
     rates: HostRates | None = None  # the CPU card's measured rates (GPU cards: None)
+    bf16: bool = True  # False: Turing / Volta (T4, V100) compute in fp16
+    fp16_tflops: float | None = None  # dense fp16 tensor peak (None: bf16_tflops)
+    mem_gb_per_s: float | None = None  # memory bandwidth, datasheet, decimal GB/s
+    assumed: str | None = None  # a card given by its memory: what the plan assumes of it
 
     @property
     def is_host(self) -> bool:
         """A CPU "card": device and host are one RAM, so its peak is the process's RSS."""
         return self.kind == "cpu"
+
+    @property
+    def compute_dtype(self) -> Literal["bf16", "fp16"]:
+        """The half precision a run computes in here: fp16 where the card has no bf16."""
+        return "bf16" if self.bf16 else "fp16"
+
+    @property
+    def tensor_tflops(self) -> float:
+        """Dense tensor peak at `compute_dtype` (0: unknown, so no time is estimated)."""
+        return self.bf16_tflops if self.bf16 else (self.fp16_tflops or 0.0)
 
     @property
     def is_cuda(self) -> bool:
@@ -108,6 +125,11 @@ class Card:
             "host_ram_bytes": self.host_ram_bytes,
             "gpus_per_node": self.gpus_per_node,
             "rates": self.rates.to_json() if self.rates else None,
+            "bf16": self.bf16,
+            "compute_dtype": self.compute_dtype,
+            "fp16_tflops": self.fp16_tflops,
+            "mem_gb_per_s": self.mem_gb_per_s,
+            "assumed": self.assumed,
         }
 
 
@@ -118,13 +140,16 @@ def _card(entry: dict[str, Any]) -> Card:
         kind=entry["kind"],
         memory_bytes=int(entry["memory_gib"] * GiB),
         usable_bytes=int(entry["usable_gib"] * GiB),
-        bf16_tflops=float(entry["bf16_tflops"]),
+        bf16_tflops=float(entry["bf16_tflops"] or 0.0),
         runpod_gpu_type_id=entry.get("runpod_gpu_type_id"),
         usd_per_hour=entry.get("usd_per_hour"),
         notes=entry.get("notes", ""),
         host_link=get_link(entry["host_link"]) if entry.get("host_link") else None,
         host_ram_bytes=int(entry["host_ram_gb"] * 1e9) if entry.get("host_ram_gb") else None,
         gpus_per_node=int(entry.get("gpus_per_node", 1)),
+        bf16=bool(entry.get("bf16", True)),
+        fp16_tflops=float(entry.get("fp16_tflops") or entry["bf16_tflops"]),
+        mem_gb_per_s=entry.get("mem_gb_per_s"),
     )
 
 
@@ -172,19 +197,59 @@ def all_cards() -> list[Card]:
 
 
 def get_card(card_id: str) -> Card:
-    """The card with `card_id` (case-insensitive; "cpu": this host, `plan.host`), or
-    UnknownCardError listing the ids."""
+    """The card with `card_id` (case-insensitive; "cpu": this host, `plan.host`; "24GB": an
+    unlisted card by its memory, `card_by_memory`), or UnknownCardError naming near ids."""
     key = card_id.strip().lower()
     if key in _HOST_CARDS:
         return _HOST_CARDS[key]()
+    if (gib_ := _memory_of(key)) is not None:
+        return card_by_memory(gib_)
     by_lower = {k.lower(): v for k, v in _catalog().items()}
-    try:
-        return by_lower[key]
-    except KeyError:
-        raise UnknownCardError(
-            f"unknown card {card_id!r}",
-            f"use one of: {', '.join([*card_ids(), *_HOST_CARDS])}",
-        ) from None
+    if (card := by_lower.get(key) or by_lower.get(re.sub(r"[\s_]+", "-", key))) is not None:
+        return card
+    near = difflib.get_close_matches(re.sub(r"[\s_]+", "-", key), list(by_lower), n=3, cutoff=0.5)
+    hint = f" (did you mean {', '.join(by_lower[n].id for n in near)}?)" if near else ""
+    raise UnknownCardError(
+        f"unknown card {card_id!r}{hint}",
+        f"use one of: {', '.join([*card_ids(), *_HOST_CARDS])}; or give an unlisted card by "
+        "its memory: --card 24GB (hardware.card_memory_gb: 24)",
+    )
+
+
+_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*gi?b$")
+
+
+def _memory_of(key: str) -> float | None:
+    """24 from "24gb" / "24 gib"; None for anything else."""
+    match = _MEMORY.match(key)
+    return float(match.group(1)) if match and float(match.group(1)) > 0 else None
+
+
+BY_MEMORY_LIKE = "RTX-4090"  # an unlisted card's driver reserve is taken as this one's share
+
+
+def card_by_memory(memory_gib: float) -> Card:
+    """An unlisted CUDA card known only by its memory (marketed GB, binary as NVIDIA's are):
+    usable at the RTX 4090's driver-reserve share (no ECC), bf16, a PCIe 4.0 x16 host link,
+    and no TFLOPS or bandwidth – so its plans fit by memory and estimate no time or cost."""
+    like = _catalog()[BY_MEMORY_LIKE]
+    share = like.usable_bytes / like.memory_bytes
+    name = f"{memory_gib:g}GB"
+    return Card(
+        id=name,
+        name=f"an unlisted CUDA card with {name}",
+        kind="cuda",
+        memory_bytes=int(memory_gib * GiB),
+        usable_bytes=int(memory_gib * GiB * share),
+        bf16_tflops=0.0,
+        runpod_gpu_type_id=None,
+        usd_per_hour=None,
+        notes="given by its memory",
+        host_link=get_link("pcie4-x16"),
+        assumed=f"{name} card: usable {share:.1%} of it (an {BY_MEMORY_LIKE}'s driver reserve; "
+        "ECC cards keep less), bf16, a PCIe 4.0 x16 host link; no TFLOPS or bandwidth, so no "
+        "time or cost estimate",
+    )
 
 
 # What torch.cuda.get_device_name() reports for cards whose name is not their RunPod id (or
@@ -194,6 +259,12 @@ _DEVICE_NAMES = {
     "NVIDIA A100-PCIE-40GB": "A100-40GB",
     "NVIDIA GB10": "DGX-Spark",
     "NVIDIA GH200 480GB": "GH200-96GB",
+    "NVIDIA GeForce RTX 4080": "RTX-4080",
+    "NVIDIA GeForce RTX 4070 Ti": "RTX-4070-Ti",
+    "NVIDIA A10G": "A10G",
+    "Tesla T4": "T4",
+    "Tesla V100-SXM2-16GB": "V100-16GB",
+    "Tesla V100-SXM2-32GB": "V100-32GB",
 }
 
 
@@ -204,3 +275,16 @@ def card_for_device(device_name: str | None) -> str | None:
     names = {c.runpod_gpu_type_id: c.id for c in all_cards() if c.runpod_gpu_type_id}
     by_lower = {k.lower(): v for k, v in {**names, **_DEVICE_NAMES}.items()}
     return by_lower.get(" ".join((device_name or "").split()).lower())
+
+
+def local_card_ids() -> list[str]:
+    """The card of each CUDA device torch sees here: its catalog id where torch's name is
+    one, else the device by its memory ("16GB", rounded up from what torch reports, so the
+    usable share is the estimate `card_by_memory` states). [] without CUDA."""
+    # lazy: heavy to import (torch), and only a plan of this machine needs it
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return [card_for_device(p.name) or f"{math.ceil(p.total_memory / GiB)}GB" for p in props]

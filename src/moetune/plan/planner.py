@@ -72,7 +72,13 @@ def make_plan(
         total_params=spec.total_params,
         fits=fits,
         settings=_settings(cfg),
-        notes=[*([stored["text"]] if stored else []), *fallback, *gc_off, *_notes(spec, cfg)],
+        notes=[
+            *([stored["text"]] if stored else []),
+            *fallback,
+            *gc_off,
+            *_notes(spec, cfg),
+            *card_notes(chosen),
+        ],
         requested=estimator if used != estimator else None,
         fallback=slow,
         stored=stored,
@@ -81,6 +87,19 @@ def make_plan(
     plan.recommendations.extend(recommend(spec, cfg, missing))
     plan.best.update({c.id: _best(plan, c.id) for c in chosen})
     return plan
+
+
+def card_notes(cards: list[Card]) -> list[str]:
+    """What the plan assumes of its cards: fp16 where one has no bf16, and what a card given
+    by its memory is taken to be."""
+    fp16 = [c.id for c in cards if c.is_cuda and not c.bf16]
+    notes = [c.assumed for c in cards if c.assumed]
+    if fp16:
+        notes.append(
+            f"{', '.join(fp16)}: no bfloat16 on the card, so the run computes in fp16 (the same "
+            "2 bytes a value; train.precision auto picks fp16 there, with loss scaling)"
+        )
+    return notes
 
 
 def as_checkpointable(cfg: RunConfig, spec: ModelSpec) -> tuple[RunConfig, list[str]]:

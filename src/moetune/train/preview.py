@@ -46,10 +46,12 @@ def step_seconds(cfg: RunConfig, summary: Summary) -> float | None:
     if not cfg.hardware.card:
         return None
     spec, card = load_spec(cfg.model.id), get_card(cfg.hardware.card)
+    if not card.tensor_tflops:  # a card given by its memory: no rate to time it by
+        return None
     flops = tokens_per_step(cfg, summary) * flops_per_token(
         spec.active_params, cfg.train.gradient_checkpointing
     )
-    return flops / (card.bf16_tflops * 1e12 * MFU * cfg.train.nproc * cfg.train.nnodes)
+    return flops / (card.tensor_tflops * 1e12 * MFU * cfg.train.nproc * cfg.train.nnodes)
 
 
 def preview(cfg: RunConfig) -> Preview:

@@ -56,10 +56,13 @@ _DEVICES: dict[str, Callable[[], bool]] = {  # auto picks the first available, i
 @dataclass(frozen=True)
 class Placement:
     device: str  # cuda | mps | cpu
-    precision: str  # bf16 | fp32
+    precision: str  # bf16 | fp16 (auto on a card without bf16) | fp32
 
     def load_dtype(self, configured: str) -> str:
-        """fp32 runs hold the base in float32; bf16 runs in the configured model.dtype."""
+        """fp32 runs hold the base in float32; fp16 runs a bfloat16 base in float16 (the
+        card has no bf16); bf16 runs in the configured model.dtype."""
+        if self.precision == "fp16" and configured == "bfloat16":
+            return "float16"
         return "float32" if self.precision == "fp32" else configured
 
     @property
@@ -103,8 +106,16 @@ def resolve_placement(t: TrainArgs) -> Placement:
             f"train.device={t.device} but no {t.device} device is available here",
             "set train.device: auto (or cpu)",
         )
-    precision = t.precision if t.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+    precision = t.precision if t.precision != "auto" else auto_precision(device)
     return Placement(device, precision)
+
+
+def auto_precision(device: str) -> str:
+    """train.precision auto: bf16 on CUDA, fp16 on a CUDA card without bf16 (T4, V100; torch
+    would emulate it, slowly), fp32 elsewhere."""
+    if device != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
 
 
 # ---------------------------------------------------------------- the aux loss
@@ -351,6 +362,7 @@ def shared_args(
         seed=t.seed,
         data_seed=t.seed,
         bf16=place.precision == "bf16",
+        fp16=place.precision == "fp16",  # loss scaling; LoRA factors stay fp32 (peft's cast)
         **device_args(place.device),
         logging_steps=t.logging_steps,
         logging_nan_inf_filter=False,  # a NaN loss must show (and stop the run), not be averaged

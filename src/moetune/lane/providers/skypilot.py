@@ -61,6 +61,13 @@ ACCELERATORS = {
     "B200": "B200",
     "RTX-4090": "RTX4090",
     "RTX-5090": "RTX5090",
+    # the smaller cards as `sky show-gpus -a` names them (SkyPilot docs, GPUs and Accelerators)
+    "RTX-A6000": "A6000",
+    "L4": "L4",
+    "A10G": "A10G",
+    "T4": "T4",
+    "V100-16GB": "V100",
+    "V100-32GB": "V100-32GB",
 }
 _NO_SKY = "install SkyPilot (pip install skypilot, or its own venv) and set lane.skypilot.sky"
 

@@ -33,6 +33,22 @@ def card_too_small() -> ProbeOutcome:
     return ProbeOutcome(False, f"allocated {total + 2**30} bytes on a {total}-byte card")
 
 
+def card_not_here() -> ProbeOutcome:
+    """Without a CUDA device torch reports none, and a run asking for "auto" gets the CPU:
+    nothing fails, the step is only hundreds of times slower."""
+    # lazy: heavy to import (torch)
+    import torch
+
+    if torch.cuda.is_available():
+        raise ProbeUnavailable("needs a host without CUDA (this one has a CUDA device)")
+    where = torch.empty(1).device  # where a run with no device named computes
+    return ProbeOutcome(
+        where.type == "cpu",
+        f"torch {torch.__version__} (built for CUDA {torch.version.cuda}): "
+        f"cuda.is_available() False, tensors land on {where}",
+    )
+
+
 _XET_SCRIPT = """
 import os, importlib.util
 from huggingface_hub import constants

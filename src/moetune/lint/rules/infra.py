@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moetune.lint.doctor import torch_build, why_not_here
 from moetune.lint.probes import infra as probes
 from moetune.lint.registry import Hit, LintContext, register_rule
 from moetune.plan.cost import walls
+from moetune.plan.hardware import get_card
 from moetune.units import gib
 
 
@@ -146,4 +148,27 @@ def ci_step_timeout(ctx: LintContext) -> Hit | None:
         f"set lane.ci_step_timeout_minutes: {walls.max_step_timeout_minutes(job)} "
         f"(job − {walls.CI_TEARDOWN_MINUTES} min for teardown)",
         "lane.ci_step_timeout_minutes",
+    )
+
+
+@register_rule(
+    "CARD-NOT-HERE",
+    "error",
+    "hardware.card is a GPU this machine (or its torch) cannot use",
+    probe=probes.card_not_here,
+    libraries=("torch",),
+)
+def card_not_here(ctx: LintContext) -> Hit | None:
+    why = None if _remote(ctx) else why_not_here(ctx.config, torch_build())
+    if why is None:
+        return None
+    card = get_card(str(ctx.config.hardware.card))
+    kind = "an Apple GPU" if card.kind == "mps" else "a CUDA card"
+    return Hit(
+        f"hardware.card {card.id} is {kind}, but {why}: train would run on the CPU "
+        "(or stop) instead",
+        "install the torch build for this machine (docs/install.md; `make setup` picks it and "
+        "`moetune doctor` shows it), or set train.device: cpu to train here on purpose, or send "
+        "the run to a pod (lane.provider)",
+        "hardware.card",
     )

@@ -51,7 +51,7 @@ REFERENCE = Published(
 def calibrated_mfu(ref: Published = REFERENCE) -> float:
     """The MFU `ref` implies, its FLOPs counted without recompute (4·N_active per token):
     the table does not say whether it checkpointed, and the lower reading errs long."""
-    peak = get_card(ref.card).bf16_tflops * 1e12
+    peak = get_card(ref.card).tensor_tflops * 1e12
     return round(ref.tokens_per_s * flops_per_token(int(ref.active_params), False) / peak, 4)
 
 
@@ -59,7 +59,7 @@ def flops_per_token(active_params: int, gradient_checkpointing: bool) -> float:
     return (6.0 if gradient_checkpointing else 4.0) * active_params
 
 
-MFU = calibrated_mfu()  # scaled by each card's own bf16 peak
+MFU = calibrated_mfu()  # scaled by each card's own peak (bf16; fp16 where it has no bf16)
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def estimate(
     measured = None
     if ledger is not None and card is not None:
         measured = measured_rate(ledger, launch_signature(spec, cfg), card.id)
-    tflops = getattr(card, "bf16_tflops", None)
+    tflops = getattr(card, "tensor_tflops", None)
     tokens = token_count(cfg)
     base = Estimate(
         card=getattr(card, "id", None),
@@ -271,7 +271,10 @@ def mfu_basis(card: Any | None) -> str:
     if card is None:
         return "no card"
     ref = REFERENCE
-    return f"MFU {MFU} of {card.id} bf16 peak (from {ref.what} on {ref.card})"
+    if not getattr(card, "tensor_tflops", None):  # a card given by its memory
+        return f"no estimate: {card.id} has no known TFLOPS"
+    dtype = getattr(card, "compute_dtype", "bf16")  # fp16 where the card has no bf16
+    return f"MFU {MFU} of {card.id} {dtype} peak (from {ref.what} on {ref.card})"
 
 
 def from_measured(

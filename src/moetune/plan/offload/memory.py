@@ -172,7 +172,9 @@ def _times(
         return step.cpu_s, step.read_s, step.step_s
     tokens = cfg.train.seq_len * cfg.train.batch_size * cfg.train.grad_accum
     per_token = flops_per_token(spec.active_params, cfg.train.gradient_checkpointing)
-    return tokens * per_token / (card.bf16_tflops * 1e12 * MFU), transfer, None
+    if not card.tensor_tflops:  # a card given by its memory: compute untimed (its note says)
+        return 0.0, transfer, None
+    return tokens * per_token / (card.tensor_tflops * 1e12 * MFU), transfer, None
 
 
 def _device(cfg: RunConfig, card: Card | str | None) -> Card:
@@ -316,8 +318,9 @@ def _notes(cfg: RunConfig, card: Card) -> tuple[str, ...]:
 
 def _gpu_notes(cfg: RunConfig, card: Card) -> list[str]:
     notes = [
-        f"compute at MFU {MFU} of the card's bf16 peak (plan.estimate); host side "
-        f"{CUDA_HOST_BASELINE // GiB} GiB beside the pinned buffers (assumed)"
+        f"compute at MFU {MFU} of the card's {card.compute_dtype} peak (plan.estimate); host "
+        f"side {CUDA_HOST_BASELINE // GiB} GiB beside the pinned buffers (assumed)",
+        *([f"{card.assumed}: the step time is the transfer alone"] if card.assumed else []),
     ]
     if offload_mode(cfg.train.offload).on_disk:
         notes.append(
