@@ -1,7 +1,20 @@
 """moetune as a library: the CLI's entry functions, typed, taking the same RunConfig
 (docs/api.md). `moetune` forwards these names lazily, so `import moetune` stays cheap."""
 
-from moetune.api.callbacks import callbacks
-from moetune.api.config import run_config
-from moetune.api.load import Loaded, load
+from moetune.api.configure import run_config
+from moetune.api.hooks import callbacks
+from moetune.api.loading import Loaded, load
 from moetune.api.stages import eval_run, export_run, gate_results, lint_run, plan_run, train_run
+
+__all__ = [
+    "Loaded",
+    "callbacks",
+    "eval_run",
+    "export_run",
+    "gate_results",
+    "lint_run",
+    "load",
+    "plan_run",
+    "run_config",
+    "train_run",
+]

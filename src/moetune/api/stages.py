@@ -8,10 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from moetune.api.config import ConfigLike, run_config
+from moetune.api.configure import ConfigLike, run_config
 from moetune.errors import ConfigError
+from moetune.evaluate import gate_results as decide
+from moetune.evaluate import promote as promote_adapter
+from moetune.evaluate import run_eval
+from moetune.export.check import CheckOptions
+from moetune.export.pipeline import export
+from moetune.export.registry import export_options
 from moetune.lane.providers import site_of
 from moetune.lint.preflight import lint_run as lint_config
+from moetune.model import load_spec
+from moetune.plan import make_plan
+from moetune.train import train as train_run_of
 
 if TYPE_CHECKING:
     from moetune.lint.registry import Finding
@@ -29,10 +38,6 @@ def plan_run(
 ) -> MemoryPlan:
     """`moetune plan`: peak memory by component, the fit per card (`cards`, default the
     catalog's) and per card the best change that fits."""
-    # lazy: heavy to import (moetune.plan loads torch)
-    from moetune.model import load_spec
-    from moetune.plan import make_plan
-
     cfg = run_config(config, **sections)
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     return make_plan(spec, cfg, cards=cards, estimator=estimator)
@@ -56,11 +61,8 @@ def train_run(
     **sections: Any,
 ) -> TrainResult:
     """`moetune train` in this process (one GPU, or the CPU): the run dir, adapter, ledger."""
-    # lazy: heavy to import (moetune.train loads torch, transformers)
-    from moetune.train import train as train_run
-
     cfg = run_config(config, **sections)
-    return train_run(
+    return train_run_of(
         cfg, resume=resume, allow_errors=allow_errors, overwrite=overwrite, progress=progress
     )
 
@@ -77,9 +79,6 @@ def eval_run(
 ) -> dict[str, Any]:
     """`moetune eval`: base and adapter (default <output.dir>/adapter) on the same items of
     every eval rung, then the gate; the verdict document `moetune gate` prints."""
-    # lazy: heavy to import (moetune.evaluate loads torch)
-    from moetune.evaluate import run_eval
-
     cfg = run_config(config, **sections)
     return run_eval(cfg, adapter, limit=limit, overwrite=overwrite, progress=progress)
 
@@ -89,10 +88,6 @@ def gate_results(
 ) -> dict[str, Any]:
     """`moetune gate`: GO / NO-GO / INCONCLUSIVE from a results dir `evaluate` wrote;
     `promote`: on GO, mark the adapter promoted (`promoted` names the marker, else None)."""
-    # lazy: heavy to import (moetune.evaluate loads torch)
-    from moetune.evaluate import gate_results as decide
-    from moetune.evaluate import promote as promote_adapter
-
     doc = decide(results, alpha)
     marker = promote_adapter(results) if promote and doc["verdict"] == "GO" else None
     return {**doc, "promoted": str(marker) if marker else None}
@@ -113,11 +108,6 @@ def export_run(
     vllm | gguf | mlx) in the new folder `out`, then the served == trained check on `items`
     eval items (`check=False`: marked unchecked). `options`: the format's own
     (vllm_layout, requantize, survival_floor)."""
-    # lazy: heavy to import (moetune.export loads torch)
-    from moetune.export.check import CheckOptions
-    from moetune.export.pipeline import export
-    from moetune.export.registry import export_options
-
     if items < 1:
         raise ConfigError(f"items={items} is not a positive number", "pass items >= 1")
     opts = export_options(dtype=dtype, extra=options)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moetune.api.config import ConfigLike, run_config
+from moetune.api.configure import ConfigLike, run_config
 from moetune.train.model import finish_lora, load_model, peft_wrapped
 from moetune.train.setup import load_tokenizer, resolve_placement, settle_base
 

@@ -19,13 +19,14 @@ def run_config(config: ConfigLike = None, /, **sections: Any) -> RunConfig:
     """A RunConfig from `config` with `sections` over it, each a run.yaml section as a dict
     (`lora={"rank": 8}`); `model` may also be a model id (`model="Qwen/Qwen3-30B-A3B"`).
     Overrides go through the same `--set` path as the CLI, so a bad value is refused alike."""
-    sets = [f"{key}={json.dumps(value, default=str)}" for key, value in _leaves(_sections(sections))]
+    leaves = _leaves(_sections(sections))
+    sets = [f"{key}={json.dumps(value, default=str)}" for key, value in leaves]
     if isinstance(config, RunConfig):
         return parse_config(config.model_dump(), sets) if sets else config
     if isinstance(config, Mapping):
         return parse_config(dict(config), sets)
     if config is None:
-        if "model.id" not in {key for key, _ in _leaves(_sections(sections))}:
+        if "model.id" not in {key for key, _ in leaves}:
             raise ConfigError(
                 "no configuration: neither a run.yaml, a dict nor model= was given",
                 'pass a run.yaml path, a dict, or model="<dir or hub id>"',

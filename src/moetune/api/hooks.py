@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetune.api.load import SPEC
+from moetune.api.loading import SPEC
 from moetune.errors import ConfigError
 from moetune.train.callbacks import MetricsCallback
 from moetune.train.routing.recorder import RoutingCallback, RoutingRecorder
@@ -25,7 +25,8 @@ def callbacks(
     """[metrics, routing] for `trainer.add_callback` / `callbacks=`: a metrics row per log
     (loss, lr, tokens/s, memory; a NaN / Inf loss stops the run) and the expert load of
     every MoE layer each `routing_every` steps, warning when a layer collapses. Rows go to
-    `log_dir`/metrics.jsonl and routing.jsonl, or stay in memory (each callback's `write` is then a list of them).
+    `log_dir`/metrics.jsonl and routing.jsonl, or stay in memory (each callback's `write`
+    is then the list of its rows).
     `model`: one `moetune.load` returned (its spec says where the routers are)."""
     spec = model.__dict__.get(SPEC)
     if spec is None:

@@ -1,0 +1,122 @@
+"""The Python API (docs/api.md): `import moetune` stays light, `moetune.load` gives the peft
+model `moetune train` trains (coverage audited, router frozen, split engine), and a plain
+TRL SFTTrainer over it trains the adapter `moetune train` trains, to 1e-6 in fp32."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import moetune
+from moetune.errors import ConfigError
+from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    model = save_tiny_model(root / "model")
+    data = write_jsonl(root / "train.jsonl", reverse_rows(12))
+    return root, model, data
+
+
+def test_import_moetune_loads_no_torch() -> None:
+    """A notebook's `import moetune` costs nothing: torch, transformers load on first use."""
+    code = (
+        "import sys, moetune; heavy = {'torch', 'transformers', 'peft', 'trl'} & set(sys.modules);"
+        "assert not heavy, heavy; assert 'load' in dir(moetune)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_public_names_are_the_api() -> None:
+    """Each public name forwards to moetune.api (loaded on first use), none is a stage's
+    package (`moetune.train` stays the package once it loads)."""
+    import moetune.api
+
+    assert set(moetune.__all__) <= set(dir(moetune))
+    exported = {n for n, v in vars(moetune.api).items() if not n.startswith("_")}
+    assert set(moetune.__all__) - {"RunConfig"} == exported - {
+        "configure",
+        "hooks",
+        "loading",
+        "stages",
+    }  # its modules
+    for name in moetune.__all__:
+        assert getattr(moetune, name) is not None, name
+    with pytest.raises(AttributeError):
+        _ = moetune.no_such_name
+
+
+def test_config_from_a_dict_a_yaml_or_keywords_is_one_config(tiny, tmp_path) -> None:
+    _, model, data = tiny
+    doc = {"model": {"id": str(model)}, "lora": {"rank": 8}, "data": {"train_file": str(data)}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    from_kw = moetune.run_config(model=str(model), lora={"rank": 8}, data={"train_file": str(data)})
+    assert moetune.run_config(doc) == from_kw == moetune.run_config(path)
+    over = moetune.run_config(path, lora={"rank": 2}, train={"seed": 7})
+    assert (over.lora.rank, over.train.seed, over.model.id) == (2, 7, str(model))
+    with pytest.raises(ConfigError, match=r"lora\.rank"):
+        moetune.run_config(doc, lora={"rank": "many"})
+    with pytest.raises(ConfigError, match="not a section"):
+        moetune.run_config(doc, lora=8)
+    with pytest.raises(ConfigError, match="no configuration"):
+        moetune.run_config()
+
+
+def _adapter(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(
+        float((a[k].double() - b[k].double()).norm() / a[k].double().norm().clamp_min(1e-30))
+        for k in a
+    )
+
+
+def test_user_sft_trainer_trains_what_moetune_train_trains(tiny) -> None:
+    """moetune.load + a plain TRL SFTTrainer (the user's own script) gives the adapter
+    `moetune train` gives for the same config and data: same seed, same row order."""
+    from datasets import load_dataset
+    from trl import SFTConfig, SFTTrainer
+
+    root, model_dir, data = tiny
+    cfg = run_config(model_dir, data, root / "run", max_steps=4, save_steps=4, routing_every=0)
+    with one_thread():
+        ours = moetune.train_run(cfg, progress=False)
+        loaded = moetune.load(cfg)
+        model, tokenizer = loaded
+        assert loaded.coverage.coverage == 1.0 and not loaded.coverage.router_adapted
+        assert loaded.engine == "moetune"  # split LoRA on the experts
+        t = cfg.train
+        args = SFTConfig(
+            output_dir=str(root / "user"), max_steps=t.max_steps, learning_rate=t.learning_rate,
+            per_device_train_batch_size=t.batch_size, max_length=t.seq_len, seed=t.seed,
+            lr_scheduler_type="cosine", warmup_steps=t.warmup_ratio, use_cpu=True,
+            bf16=loaded.precision == "bf16",  # TRL's default is bf16, moetune's on a CPU fp32
+            router_aux_loss_coef=0.0, report_to=[], save_strategy="no", logging_steps=1,
+        )  # fmt: skip
+        dataset = load_dataset("json", data_files=str(data), split="train")
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+            callbacks=moetune.callbacks(model, root / "user" / "logs", routing_every=2),
+        )  # fmt: skip
+        trainer.train()
+        trainer.save_model(str(root / "user" / "adapter"))
+    theirs, trained = _adapter(root / "user" / "adapter"), _adapter(Path(ours.adapter_dir))
+    assert _max_rel(trained, theirs) <= 1e-6
+    assert any(".experts." in k for k in trained)  # the experts' LoRA is among them
+    assert all(trained[k].abs().max() > 0 for k in trained if "lora_B" in k)  # B starts at 0
+    logs = root / "user" / "logs"
+    assert len((logs / "metrics.jsonl").read_text().splitlines()) == 4  # one a logged step
+    assert len((logs / "routing.jsonl").read_text().splitlines()) == 2  # steps 2 and 4
