@@ -4,6 +4,7 @@ TRL SFTTrainer over it trains the adapter `moetune train` trains, to 1e-6 in fp3
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,42 @@ def test_user_sft_trainer_trains_what_moetune_train_trains(tiny) -> None:
     logs = root / "user" / "logs"
     assert len((logs / "metrics.jsonl").read_text().splitlines()) == 4  # one a logged step
     assert len((logs / "routing.jsonl").read_text().splitlines()) == 2  # steps 2 and 4
+
+
+def test_recipe_emits_the_load_the_plan_fits_and_it_runs(tiny) -> None:
+    """`moetune recipe` on a run with NF4 experts emits `moetune.load` with those choices
+    (not only a plain peft config, which would not load it so); executed, that code loads
+    the base with NF4 expert stacks and audited split LoRA."""
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+    from moetune.engine.quant.stacks import QuantizedStack
+
+    _, model_dir, _ = tiny
+    sets = ["model.experts_dtype=nf4", "lora.rank=4", "train.device=cpu"]
+    args = ["recipe", str(model_dir), *[a for s in sets for a in ("--set", s)], "--json"]
+    got = CliRunner().invoke(app, args)
+    assert got.exit_code == 0, got.output
+    load = json.loads(got.stdout)["load"]
+    assert load["engine"] == "moetune"
+    assert any("nf4" in why for why in load["needs_moetune"])
+    code = load["code"]
+    assert "'experts_dtype': 'nf4'" in code and "'engine': 'moetune'" in code
+    scope: dict[str, object] = {}
+    with one_thread():
+        exec(compile(code, "recipe", "exec"), scope)  # the user's paste, as it is printed
+    model = scope["model"]
+    stacks = [m for m in model.modules() if isinstance(m, QuantizedStack)]  # type: ignore[attr-defined]
+    assert stacks and {s.backend.name for s in stacks} == {"nf4"}
+    assert model.peft_config["default"].r == 4  # type: ignore[attr-defined]
+
+
+def test_recipe_of_a_plain_run_says_peft_alone_does_it(tiny) -> None:
+    from moetune.model import load_spec
+    from moetune.recipe import recipe_for
+
+    _, model_dir, _ = tiny
+    cfg = moetune.run_config(model=str(model_dir), lora={"engine": "peft"})
+    load = recipe_for(load_spec(cfg.model.id), cfg.lora, cfg)["load"]
+    assert load == {"code": load["code"], "engine": "peft", "needs_moetune": []}
+    assert "lora={'engine': 'peft'}" in load["code"]

@@ -17,6 +17,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from moetune.config.keys import lora_stack
+from moetune.recipe.loading import load_plan
 from moetune.recipe.mlx import make_mlx_recipe
 from moetune.recipe.targets import make_recipe
 from moetune.registry import Registry
@@ -34,7 +35,9 @@ STACKS: Registry[StackRecipe] = Registry("LoRA stack")
 
 @STACKS.register("peft")
 def _peft(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
-    return make_recipe(spec, lora).to_json()
+    """The audited peft config; with the run, the code that loads it as planned (`load`)."""
+    recipe = make_recipe(spec, lora).to_json()
+    return recipe | ({"load": load_plan(spec, run)} if run is not None else {})
 
 
 @STACKS.register("mlx")
@@ -66,6 +69,8 @@ def render_recipe(console: Console, result: dict[str, Any]) -> None:
     if lora_stack(result["stack"]).runs_mlx:  # raw: valid YAML at any width (notes: comments)
         console.file.write(result["yaml"])
         return
+    if "load" in result:
+        _print_load(console, result["load"])
     console.print(Syntax(result["snippet"], "python"))
     cov = result["coverage"]
     table = Table(*cov["table"]["header"], title="LoRA coverage by layer", title_justify="left")
@@ -81,3 +86,14 @@ def render_recipe(console: Console, result: dict[str, Any]) -> None:
         console.print(f"  {kind}: not present ({why})")
     for path, why in cov.get("not_targeted", {}).items():
         console.print(f"  {path}: not targeted ({why})")
+
+
+def _print_load(console: Console, load: dict[str, Any]) -> None:
+    """The API call that loads as planned, then whether plain peft (below it) would too."""
+    console.print(Syntax(load["code"], "python"))
+    if not load["needs_moetune"]:
+        console.print("plain peft trains it as planned too:", highlight=False)
+        return
+    console.print("plain peft below reaches the same targets, but not as planned:")
+    for why in load["needs_moetune"]:
+        console.print(f"  {why}", highlight=False)
