@@ -69,8 +69,6 @@ def render_recipe(console: Console, result: dict[str, Any]) -> None:
     if lora_stack(result["stack"]).runs_mlx:  # raw: valid YAML at any width (notes: comments)
         console.file.write(result["yaml"])
         return
-    if "load" in result:
-        _print_load(console, result["load"])
     console.print(Syntax(result["snippet"], "python"))
     cov = result["coverage"]
     table = Table(*cov["table"]["header"], title="LoRA coverage by layer", title_justify="left")
@@ -86,14 +84,17 @@ def render_recipe(console: Console, result: dict[str, Any]) -> None:
         console.print(f"  {kind}: not present ({why})")
     for path, why in cov.get("not_targeted", {}).items():
         console.print(f"  {path}: not targeted ({why})")
+    if "load" in result:
+        _print_load(console, result["load"])
 
 
 def _print_load(console: Console, load: dict[str, Any]) -> None:
-    """The API call that loads as planned, then whether plain peft (below it) would too."""
-    console.print(Syntax(load["code"], "python"))
-    if not load["needs_moetune"]:
-        console.print("plain peft trains it as planned too:", highlight=False)
-        return
-    console.print("plain peft below reaches the same targets, but not as planned:")
+    """Whether the peft config above trains the run as planned, then the API call that does."""
+    if load["needs_moetune"]:
+        console.print("\nthe peft config reaches these targets, but not as planned:")
+    else:
+        console.print("\nthe peft config trains it as planned; so does moetune.load:")
     for why in load["needs_moetune"]:
         console.print(f"  {why}", highlight=False)
+    console.print()
+    console.print(Syntax(load["code"], "python"))
