@@ -8,12 +8,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import yaml
 
 import moetune
+from moetune.config import RunConfig
 from moetune.errors import ConfigError
 from test_train_helpers import one_thread, reverse_rows, run_config, save_tiny_model, write_jsonl
 
@@ -85,42 +87,74 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     )
 
 
-def test_user_sft_trainer_trains_what_moetune_train_trains(tiny) -> None:
-    """moetune.load + a plain TRL SFTTrainer (the user's own script) gives the adapter
-    `moetune train` gives for the same config and data: same seed, same row order."""
+def _user_sft(cfg: RunConfig, out: Path) -> tuple[Path, Any]:
+    """The user's own script: moetune.load, then a plain TRL SFTTrainer with the run's
+    hyperparameters over the rows as `datasets` reads them; the adapter dir and the load."""
     from datasets import load_dataset
     from trl import SFTConfig, SFTTrainer
 
-    root, model_dir, data = tiny
-    cfg = run_config(model_dir, data, root / "run", max_steps=4, save_steps=4, routing_every=0)
+    loaded = moetune.load(cfg)
+    model, tokenizer = loaded
+    t = cfg.train
+    args = SFTConfig(
+        output_dir=str(out), max_steps=t.max_steps, learning_rate=t.learning_rate,
+        per_device_train_batch_size=t.batch_size, max_length=t.seq_len, seed=t.seed,
+        lr_scheduler_type="cosine", warmup_steps=t.warmup_ratio, use_cpu=True,
+        bf16=loaded.precision == "bf16",  # TRL's default is bf16, moetune's on a CPU fp32
+        router_aux_loss_coef=0.0, report_to=[], save_strategy="no", logging_steps=1,
+    )  # fmt: skip
+    dataset = load_dataset("json", data_files=cfg.data.train_file, split="train")
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+        callbacks=moetune.callbacks(model, out / "logs", routing_every=2),
+    )  # fmt: skip
+    trainer.train()
+    trainer.save_model(str(out / "adapter"))
+    return out / "adapter", loaded
+
+
+def _same_adapter(cfg: RunConfig, out: Path) -> Any:
+    """`moetune train` and the user's script on `cfg`: their adapters equal to 1e-6."""
     with one_thread():
         ours = moetune.train_run(cfg, progress=False)
-        loaded = moetune.load(cfg)
-        model, tokenizer = loaded
-        assert loaded.coverage.coverage == 1.0 and not loaded.coverage.router_adapted
-        assert loaded.engine == "moetune"  # split LoRA on the experts
-        t = cfg.train
-        args = SFTConfig(
-            output_dir=str(root / "user"), max_steps=t.max_steps, learning_rate=t.learning_rate,
-            per_device_train_batch_size=t.batch_size, max_length=t.seq_len, seed=t.seed,
-            lr_scheduler_type="cosine", warmup_steps=t.warmup_ratio, use_cpu=True,
-            bf16=loaded.precision == "bf16",  # TRL's default is bf16, moetune's on a CPU fp32
-            router_aux_loss_coef=0.0, report_to=[], save_strategy="no", logging_steps=1,
-        )  # fmt: skip
-        dataset = load_dataset("json", data_files=str(data), split="train")
-        trainer = SFTTrainer(
-            model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-            callbacks=moetune.callbacks(model, root / "user" / "logs", routing_every=2),
-        )  # fmt: skip
-        trainer.train()
-        trainer.save_model(str(root / "user" / "adapter"))
-    theirs, trained = _adapter(root / "user" / "adapter"), _adapter(Path(ours.adapter_dir))
-    assert _max_rel(trained, theirs) <= 1e-6
+        theirs, loaded = _user_sft(cfg, out)
+    trained = _adapter(Path(ours.adapter_dir))
+    assert _max_rel(trained, _adapter(theirs)) <= 1e-6
     assert any(".experts." in k for k in trained)  # the experts' LoRA is among them
     assert all(trained[k].abs().max() > 0 for k in trained if "lora_B" in k)  # B starts at 0
+    return loaded
+
+
+def test_user_sft_trainer_trains_what_moetune_train_trains(tiny) -> None:
+    """moetune.load + a plain TRL SFTTrainer (the user's own script) gives the adapter
+    `moetune train` gives for the same config and data: same seed, same row order."""
+    root, model_dir, data = tiny
+    cfg = run_config(model_dir, data, root / "run", max_steps=4, save_steps=4, routing_every=0)
+    loaded = _same_adapter(cfg, root / "user")
+    assert loaded.coverage.coverage == 1.0 and not loaded.coverage.router_adapted
+    assert loaded.engine == "moetune"  # split LoRA on the experts
     logs = root / "user" / "logs"
     assert len((logs / "metrics.jsonl").read_text().splitlines()) == 4  # one a logged step
     assert len((logs / "routing.jsonl").read_text().splitlines()) == 2  # steps 2 and 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, sections",
+    [
+        ("nf4", {"model": {"experts_dtype": "nf4"}}),
+        ("int8", {"model": {"experts_dtype": "int8"}}),
+        ("offload", {"train": {"offload": "cpu"}}),
+    ],
+)
+def test_user_sft_trainer_matches_on_every_way_to_load(tiny, name, sections) -> None:
+    """NF4 / int8 experts and experts offloaded to host RAM: the user's trainer over the
+    model moetune.load gives still trains `moetune train`'s adapter."""
+    root, model_dir, data = tiny
+    base = run_config(model_dir, data, root / name, max_steps=3, save_steps=3, routing_every=0)
+    cfg = moetune.run_config(base, **sections)
+    loaded = _same_adapter(cfg, root / f"user-{name}")
+    assert loaded.engine == "moetune"
 
 
 def test_recipe_emits_the_load_the_plan_fits_and_it_runs(tiny) -> None:
