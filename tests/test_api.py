@@ -194,3 +194,4 @@ def test_recipe_of_a_plain_run_says_peft_alone_does_it(tiny) -> None:
     load = recipe_for(load_spec(cfg.model.id), cfg.lora, cfg)["load"]
     assert load == {"code": load["code"], "engine": "peft", "needs_moetune": []}
     assert "lora={'engine': 'peft'}" in load["code"]
+

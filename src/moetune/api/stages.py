@@ -102,14 +102,17 @@ def export_run(
     dtype: str = "auto",
     check: bool = True,
     items: int = 16,
+    items_file: str | Path | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """`moetune export`: a run dir's (or a peft adapter dir's) adapter as `format` (merged |
     vllm | gguf | mlx) in the new folder `out`, then the served == trained check on `items`
-    eval items (`check=False`: marked unchecked). `options`: the format's own
+    eval items (`items_file`: a JSONL of {"prompt": …} or {"text": …} rows; default the
+    run's eval items; `check=False`: marked unchecked). `options`: the format's own
     (vllm_layout, requantize, survival_floor)."""
     if items < 1:
         raise ConfigError(f"items={items} is not a positive number", "pass items >= 1")
     opts = export_options(dtype=dtype, extra=options)
-    checking = CheckOptions(items=items) if check else None
+    chosen = Path(items_file) if items_file is not None else None
+    checking = CheckOptions(items=items, items_file=chosen) if check else None
     return export(Path(source), format, Path(out), opts, checking, base)
