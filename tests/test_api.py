@@ -195,3 +195,39 @@ def test_recipe_of_a_plain_run_says_peft_alone_does_it(tiny) -> None:
     assert load == {"code": load["code"], "engine": "peft", "needs_moetune": []}
     assert "lora={'engine': 'peft'}" in load["code"]
 
+
+
+@pytest.mark.slow
+def test_user_dpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
+    """A plain TRL DPOTrainer over moetune.load's model (lora.engine peft: TRL adds its
+    frozen "ref" copy of the fresh adapter, which peft cannot add beside split expert LoRA)
+    trains the adapter `moetune train` trains, whose reference is the adapter disabled –
+    the same policy while LoRA B is zero."""
+    from datasets import load_dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from test_train_methods import preference_rows
+
+    root, model_dir, _ = tiny
+    pref = write_jsonl(root / "pref.jsonl", preference_rows(8))
+    cfg = run_config(model_dir, pref, root / "dpo", method="dpo", max_steps=3, save_steps=3,
+                     routing_every=0, lora__engine="peft")  # fmt: skip
+    with one_thread():
+        ours = moetune.train_run(cfg, progress=False)
+        loaded = moetune.load(cfg)
+        model, tokenizer = loaded
+        t, d = cfg.train, cfg.train.dpo
+        args = DPOConfig(
+            output_dir=str(root / "user-dpo"), max_steps=t.max_steps,
+            learning_rate=t.learning_rate, per_device_train_batch_size=t.batch_size,
+            max_length=t.seq_len, seed=t.seed, lr_scheduler_type="cosine", use_cpu=True,
+            bf16=loaded.precision == "bf16", router_aux_loss_coef=0.0, report_to=[],
+            save_strategy="no", beta=d.beta, loss_type=[d.loss_type],
+        )  # fmt: skip
+        dataset = load_dataset("json", data_files=str(pref), split="train")
+        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset,
+                             processing_class=tokenizer)  # fmt: skip
+        trainer.train()
+        trainer.save_model(str(root / "user-dpo" / "adapter"))
+    theirs = _adapter(root / "user-dpo" / "adapter")
+    assert _max_rel(_adapter(Path(ours.adapter_dir)), theirs) <= 1e-6
