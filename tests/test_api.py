@@ -196,7 +196,6 @@ def test_recipe_of_a_plain_run_says_peft_alone_does_it(tiny) -> None:
     assert "lora={'engine': 'peft'}" in load["code"]
 
 
-
 @pytest.mark.slow
 def test_user_dpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
     """A plain TRL DPOTrainer over moetune.load's model (lora.engine peft: TRL adds its
