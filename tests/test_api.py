@@ -230,3 +230,16 @@ def test_user_dpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
         trainer.save_model(str(root / "user-dpo" / "adapter"))
     theirs = _adapter(root / "user-dpo" / "adapter")
     assert _max_rel(_adapter(Path(ours.adapter_dir)), theirs) <= 1e-6
+
+
+@pytest.mark.slow
+def test_user_sft_trainer_matches_over_a_stored_fp8_base(tiny) -> None:
+    """A base published FP8 (block scales), read as stored by moetune.load: the user's
+    trainer still trains `moetune train`'s adapter."""
+    from moetune.engine.stored.write import write_stored
+
+    root, model_dir, data = tiny
+    fp8 = write_stored(model_dir, root / "fp8-base", "fp8", block=(8, 8))
+    cfg = run_config(fp8, data, root / "fp8", max_steps=3, save_steps=3, routing_every=0)
+    loaded = _same_adapter(cfg, root / "user-fp8")
+    assert loaded.stored is not None and loaded.engine == "moetune"

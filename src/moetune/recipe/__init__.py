@@ -17,7 +17,6 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from moetune.config.keys import lora_stack
-from moetune.recipe.loading import load_plan
 from moetune.recipe.mlx import make_mlx_recipe
 from moetune.recipe.targets import make_recipe
 from moetune.registry import Registry
@@ -36,6 +35,9 @@ STACKS: Registry[StackRecipe] = Registry("LoRA stack")
 @STACKS.register("peft")
 def _peft(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
     """The audited peft config; with the run, the code that loads it as planned (`load`)."""
+    # lazy: heavy to import (moetune.engine loads torch; this package stays light)
+    from moetune.recipe.loading import load_plan
+
     recipe = make_recipe(spec, lora).to_json()
     return recipe | ({"load": load_plan(spec, run)} if run is not None else {})
 
