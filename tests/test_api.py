@@ -243,3 +243,41 @@ def test_user_sft_trainer_matches_over_a_stored_fp8_base(tiny) -> None:
     cfg = run_config(fp8, data, root / "fp8", max_steps=3, save_steps=3, routing_every=0)
     loaded = _same_adapter(cfg, root / "user-fp8")
     assert loaded.stored is not None and loaded.engine == "moetune"
+
+
+@pytest.mark.slow
+def test_user_grpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
+    """A plain TRL GRPOTrainer over moetune.load's model, with the user's own exact-match
+    reward, samples and trains as `moetune train --set train.method=grpo` does."""
+    from datasets import load_dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from test_train_methods import GRPO, prompt_rows
+
+    def exact(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+        return [float(c.strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
+
+    root, model_dir, _ = tiny
+    rows = write_jsonl(root / "prompts.jsonl", prompt_rows(8))
+    cfg = run_config(model_dir, rows, root / "grpo", method="grpo", max_steps=2, save_steps=2,
+                     routing_every=0, batch_size=4, grpo=GRPO)  # fmt: skip
+    with one_thread():
+        ours = moetune.train_run(cfg, progress=False)
+        loaded = moetune.load(cfg)
+        model, tokenizer = loaded
+        t, g = cfg.train, cfg.train.grpo
+        args = GRPOConfig(
+            output_dir=str(root / "user-grpo"), max_steps=t.max_steps,
+            learning_rate=t.learning_rate, per_device_train_batch_size=t.batch_size,
+            seed=t.seed, lr_scheduler_type="cosine", use_cpu=True,
+            bf16=loaded.precision == "bf16", router_aux_loss_coef=0.0, report_to=[],
+            save_strategy="no", num_generations=g.num_generations,
+            max_completion_length=g.max_completion_length, beta=g.beta, loss_type=g.loss_type,
+        )  # fmt: skip
+        dataset = load_dataset("json", data_files=str(rows), split="train")
+        trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset,
+                              processing_class=tokenizer, reward_funcs=[exact])  # fmt: skip
+        trainer.train()
+        trainer.save_model(str(root / "user-grpo" / "adapter"))
+    theirs = _adapter(root / "user-grpo" / "adapter")
+    assert _max_rel(_adapter(Path(ours.adapter_dir)), theirs) <= 1e-6
