@@ -56,6 +56,12 @@ def test_public_names_are_the_api() -> None:
         _ = moetune.no_such_name
 
 
+def test_callbacks_refuse_a_model_moetune_did_not_load() -> None:
+    """Without the spec moetune.load keeps, the routers are unknown: one line, no guess."""
+    with pytest.raises(ConfigError, match="did not come from moetune.load"):
+        moetune.callbacks(torch.nn.Linear(2, 2))
+
+
 def test_config_from_a_dict_a_yaml_or_keywords_is_one_config(tiny, tmp_path) -> None:
     _, model, data = tiny
     doc = {"model": {"id": str(model)}, "lora": {"rank": 8}, "data": {"train_file": str(data)}}
