@@ -58,7 +58,7 @@ def test_public_names_are_the_api() -> None:
 
 def test_callbacks_refuse_a_model_moetune_did_not_load() -> None:
     """Without the spec moetune.load keeps, the routers are unknown: one line, no guess."""
-    with pytest.raises(ConfigError, match="did not come from moetune.load"):
+    with pytest.raises(ConfigError, match=r"did not come from moetune\.load"):
         moetune.callbacks(torch.nn.Linear(2, 2))
 
 
