@@ -1,18 +1,62 @@
-"""moetune: fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right."""
+"""moetune: fine-tune Mixture-of-Experts LLMs on limited GPU memory, first time right.
+
+The Python API (docs/api.md) is forwarded from moetune.api on first use, so `import
+moetune` loads neither torch nor transformers:
+
+    import moetune
+    model, tokenizer = moetune.load("run.yaml")  # planned, LoRA attached and audited
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# the public names, each from moetune.api (docs/api.md lists them; tests/test_api.py checks)
+__all__ = [
+    "Loaded",
+    "RunConfig",
+    "callbacks",
+    "eval_run",
+    "export_run",
+    "gate_results",
+    "lint_run",
+    "load",
+    "plan_run",
+    "push_run",
+    "register_experts",
+    "run_config",
+    "train_run",
+]
 
-def register_experts() -> None:
-    """Make `experts_implementation="moetune_lora"` loadable in your own script.
+if TYPE_CHECKING:
+    from moetune.api import (
+        Loaded,
+        callbacks,
+        eval_run,
+        export_run,
+        gate_results,
+        lint_run,
+        load,
+        plan_run,
+        push_run,
+        register_experts,
+        run_config,
+        train_run,
+    )
+    from moetune.config import RunConfig
 
-    Call it before `AutoModelForCausalLM.from_pretrained(..., experts_implementation=
-    "moetune_lora")` (transformers checks the name at load); peft's LoRA on that model's
-    fused experts (`LoraConfig(target_parameters=[...experts.gate_up_proj, ...down_proj])`)
-    then trains on moetune's split-LoRA path, and the adapter stays a plain peft one.
-    See docs/engine.md ("In your own script").
-    """
-    # lazy: heavy to import (torch, transformers, peft): `import moetune` stays light
-    from moetune.engine.experts_lora import register
 
-    register()
+def __getattr__(name: str) -> Any:
+    """A public name, imported on first use: moetune.api loads torch and transformers."""
+    if name == "RunConfig":
+        return importlib.import_module("moetune.config").RunConfig
+    if name in __all__:
+        return getattr(importlib.import_module("moetune.api"), name)
+    raise AttributeError(f"module 'moetune' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -34,7 +34,12 @@ STACKS: Registry[StackRecipe] = Registry("LoRA stack")
 
 @STACKS.register("peft")
 def _peft(spec: ModelSpec, lora: LoraArgs, run: RunConfig | None) -> dict[str, Any]:
-    return make_recipe(spec, lora).to_json()
+    """The audited peft config; with the run, the code that loads it as planned (`load`)."""
+    # lazy: heavy to import (moetune.engine loads torch; this package stays light)
+    from moetune.recipe.loading import load_plan
+
+    recipe = make_recipe(spec, lora).to_json()
+    return recipe | ({"load": load_plan(spec, run)} if run is not None else {})
 
 
 @STACKS.register("mlx")
@@ -81,3 +86,17 @@ def render_recipe(console: Console, result: dict[str, Any]) -> None:
         console.print(f"  {kind}: not present ({why})")
     for path, why in cov.get("not_targeted", {}).items():
         console.print(f"  {path}: not targeted ({why})")
+    if "load" in result:
+        _print_load(console, result["load"])
+
+
+def _print_load(console: Console, load: dict[str, Any]) -> None:
+    """Whether the peft config above trains the run as planned, then the API call that does."""
+    if load["needs_moetune"]:
+        console.print("\nthe peft config reaches these targets, but not as planned:")
+    else:
+        console.print("\nthe peft config trains it as planned; so does moetune.load:")
+    for why in load["needs_moetune"]:
+        console.print(f"  {why}", highlight=False)
+    console.print()
+    console.print(Syntax(load["code"], "python"))

@@ -28,6 +28,7 @@ from moetune.train.setup import Placement, Setup
 if TYPE_CHECKING:
     from torch import nn
 
+    from moetune.model.spec import ModelSpec
     from moetune.recipe.audit import CoverageReport
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -178,6 +179,21 @@ def wrap_lora(
     model: nn.Module, cfg: RunConfig, run: RunDir, setup: Setup
 ) -> tuple[nn.Module, CoverageReport]:
     """Apply the recipe's LoRA (seeded), audit it into coverage.json, refuse any gap."""
+    quant = model.__dict__.get(_QUANT_REPORT)
+    wrapped, report, notes, built = peft_wrapped(model, cfg, setup.spec)
+    if setup.args.should_save:
+        atomic_write_json(run.coverage, {**report.to_json(), "peft_warnings": notes})
+        if quant is not None:
+            atomic_write_json(run.root / "quant.json", quant.to_json())
+    finish_lora(wrapped, report, cfg, setup.engine, built)
+    return wrapped, report
+
+
+def peft_wrapped(
+    model: nn.Module, cfg: RunConfig, spec: ModelSpec
+) -> tuple[nn.Module, CoverageReport, list[str], float]:
+    """The recipe's LoRA on `model` (seeded by train.seed) and its coverage audit: (the peft
+    model, the audit, peft's warnings, the dropout peft's config carries)."""
     from peft import get_peft_model
     from transformers import set_seed
 
@@ -185,9 +201,8 @@ def wrap_lora(
     from moetune.engine.offload.store import peft_targets  # quantised and offloaded stacks
 
     set_seed(cfg.train.seed)  # the LoRA A matrices are initialised here
-    quant = model.__dict__.get(_QUANT_REPORT)
     # given the model: a multimodal checkpoint's class gets LoRA on its language model only
-    config = build_peft_config(setup.spec, cfg.lora, model)
+    config = build_peft_config(spec, cfg.lora, model)
     with warnings.catch_warnings(record=True) as caught, peft_targets(model):
         warnings.simplefilter("always")
         # a fresh config each time: get_peft_model rewrites the one it is given;
@@ -196,14 +211,16 @@ def wrap_lora(
     sharded_load.materialise_trainable(wrapped)  # a meta rank's LoRA: real, distinct storage
     apply_overrides(wrapped)  # families whose experts peft's wrappers cannot reach (dbrx)
     notes = peft_notes(caught, config)
-    report = audit_coverage(wrapped, setup.spec, cfg.lora)
-    if setup.args.should_save:
-        atomic_write_json(run.coverage, {**report.to_json(), "peft_warnings": notes})
-        if quant is not None:
-            atomic_write_json(run.root / "quant.json", quant.to_json())
+    return wrapped, audit_coverage(wrapped, spec, cfg.lora), notes, config.lora_dropout
+
+
+def finish_lora(
+    wrapped: nn.Module, report: CoverageReport, cfg: RunConfig, engine: str, built: float
+) -> None:
+    """Refuse a coverage gap (or an unrequested router), then moetune's split forward and
+    dropout – only on an audited model."""
     require_full_coverage(report)
-    _split_and_dropout(wrapped, cfg, setup.engine, config.lora_dropout)  # audited first
-    return wrapped, report
+    _split_and_dropout(wrapped, cfg, engine, built)
 
 
 def require_full_coverage(report: CoverageReport) -> None:

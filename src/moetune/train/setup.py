@@ -192,17 +192,34 @@ class Setup:
         }
 
 
-def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Setup:
-    """Placement, preflight, data and TRL arguments; then the run dir's first files."""
+@dataclass(frozen=True)
+class Base:
+    """What a run settles about its base before any data: `cfg` as it trains (checkpointing
+    off where the family refuses it), the preflight's findings and plan, the resolved engine
+    and stored format, and the plan of the configuration that runs."""
+
+    cfg: RunConfig
+    place: Placement
+    spec: ModelSpec
+    findings: list[Any]
+    plan: Any  # moetune.plan.MemoryPlan
+    overridden: list[str]
+    engine: str
+    stored: str | None
+    load_dtype: str
+    run_plan: RunPlan | None
+    notes: list[str]
+
+
+def settle_base(cfg: RunConfig, place: Placement, allow_errors: bool) -> Base:
+    """The spec, weight files, preflight (lint + plan), engine, stored format and offload
+    checks – everything `load_model` needs; `moetune train` and the Python API share it."""
     # lazy: heavy to import (moetune)
     from moetune.engine.resolve import resolve_engine
     from moetune.train.offload import check_offload, local_dir
     from moetune.train.routing.select import check_selection
     from moetune.train.stored import check_stored, own_reader
 
-    place = resolve_placement(cfg.train)
-    method = method_of(cfg)
-    rows = check_data(cfg, method.formats)  # bad data stops before any model is built
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     # a damaged local base: one line, no run dir; a stray weight file beside it: named
     ignored = check_weight_files(cfg.model.id, own_reader(cfg, spec))
@@ -215,6 +232,17 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     stored = check_stored(cfg, spec, engine)  # a published FP8 / FP4 base: keys, shapes
     check_offload(cfg, engine, local_dir(cfg.model.id))  # train.offload: refused up front
     run_plan = plan_of_run(spec, run_cfg, place.device, plan)  # offload, nproc
+    return Base(cfg, place, spec, findings, plan, overridden, engine, stored,
+                run_cfg.model.dtype, run_plan, ignored + gc_off)  # fmt: skip
+
+
+def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Setup:
+    """Placement, preflight, data and TRL arguments; then the run dir's first files."""
+    place = resolve_placement(cfg.train)
+    method = method_of(cfg)
+    rows = check_data(cfg, method.formats)  # bad data stops before any model is built
+    settled = settle_base(cfg, place, allow_errors)
+    cfg, spec = settled.cfg, settled.spec
     # lint's TOKENIZER, refused here in `moetune data`'s line (before any weight loads)
     tokenizer = run_tokenizer(cfg, spec.vocab_size, rows[0][0] if rows[0] else None)
     data, eval_data = load_train_data(
@@ -230,9 +258,9 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
     setup = Setup(
         place=place,
         spec=spec,
-        findings=findings,
-        plan=plan,
-        overridden=overridden,
+        findings=settled.findings,
+        plan=settled.plan,
+        overridden=settled.overridden,
         tokenizer=tokenizer,
         data=data,
         eval_data=eval_data,
@@ -240,13 +268,13 @@ def prepare(cfg: RunConfig, run: RunDir, resume: bool, allow_errors: bool) -> Se
         args=args,
         resume_from=point.checkpoint if point else None,
         damaged=point,
-        engine=engine,
-        stored=stored,
-        load_dtype=run_cfg.model.dtype,
+        engine=settled.engine,
+        stored=settled.stored,
+        load_dtype=settled.load_dtype,
         data_summary=summary,
-        notes=ignored + gc_off + seen,
+        notes=settled.notes + seen,
         processor=processor,
-        run_plan=run_plan,
+        run_plan=settled.run_plan,
     )
     with args.main_process_first(local=False, desc="moetune run dir"):  # the others wait
         if args.should_save:
