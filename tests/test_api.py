@@ -173,7 +173,7 @@ def test_recipe_emits_the_load_the_plan_fits_and_it_runs(tiny) -> None:
     from moetune.engine.quant.stacks import QuantizedStack
 
     _, model_dir, _ = tiny
-    sets = ["model.experts_dtype=nf4", "lora.rank=4", "train.device=cpu"]
+    sets = ["model.experts_dtype=nf4", "lora.rank=4", "train.device=cpu", "train.seq_len=64"]
     args = ["recipe", str(model_dir), *[a for s in sets for a in ("--set", s)], "--json"]
     got = CliRunner().invoke(app, args)
     assert got.exit_code == 0, got.output

@@ -16,7 +16,16 @@ if TYPE_CHECKING:
 
 # the run.yaml fields that decide how the base loads and what LoRA it gets
 _MODEL = ("experts_dtype", "experts_double_quant", "quantized_base", "dtype", "trust_remote_code")
-_TRAIN = ("offload", "seed", "device", "precision")
+# seq_len, batch_size and checkpointing too: load() lints and plans the run as it trains
+_TRAIN = (
+    "offload",
+    "seed",
+    "device",
+    "precision",
+    "seq_len",
+    "batch_size",
+    "gradient_checkpointing",
+)
 
 
 def load_plan(spec: ModelSpec, run: RunConfig) -> dict[str, Any]:
