@@ -77,6 +77,13 @@ def _ddp(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
     return {"distributed_type": "MULTI_GPU"}
 
 
+@strategy("ep")
+def _ep(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
+    # DDP for the replicated weights' LoRA (and the gradient average that makes the experts'
+    # LoRA exact); the experts themselves are placed by engine/expert_parallel.py
+    return {"distributed_type": "MULTI_GPU"}
+
+
 @strategy("fsdp")
 def _fsdp(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
     return {

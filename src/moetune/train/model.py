@@ -203,7 +203,20 @@ def wrap_lora(
             atomic_write_json(run.root / "quant.json", quant.to_json())
     require_full_coverage(report)
     _split_and_dropout(wrapped, cfg, setup.engine, config.lora_dropout)  # audited first
+    _place_experts(wrapped, cfg, setup)
     return wrapped, report
+
+
+def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
+    """train.strategy ep on several ranks: this rank keeps its own routed experts and the
+    experts exchange tokens (engine/expert_parallel.py); the adapter stays whole."""
+    if cfg.train.strategy != "ep" or setup.args.world_size == 1:
+        return
+    # lazy: heavy to import (torch.distributed's DeviceMesh)
+    from moetune.engine.expert_parallel import ep_mesh, shard_experts
+
+    device = next(iter(wrapped.parameters())).device.type
+    shard_experts(wrapped, ep_mesh(device))
 
 
 def require_full_coverage(report: CoverageReport) -> None:

@@ -47,7 +47,13 @@ from moetune.config.keys import offload_mode
 from moetune.errors import ConfigError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate, expert_bytes_per_param
-from moetune.plan.devices.expert_parallel import ExpertParallelPlan, plan_expert_parallel
+from moetune.plan.devices.expert_parallel import (
+    EP_SKEW,
+    ExpertParallelPlan,
+    all_to_all_bytes,
+    expert_weight_bytes,
+    plan_expert_parallel,
+)
 from moetune.plan.devices.host_ram import HostRam, host_ram, load_notes
 from moetune.plan.fit import CardFit, analytic, card_fit
 from moetune.plan.hardware import Card, get_card
@@ -82,6 +88,8 @@ class Sizes:
     # zero3 builds this base under zero.Init (a float checkpoint read by from_pretrained,
     # experts in bf16, nothing offloaded); else every rank builds it whole first
     zero3_partitioned: bool = False
+    expert_weights: int = 0  # the frozen routed expert stacks as held (ep places them 1/N)
+    all_to_all: int = 0  # ep: one layer's dispatch + combine receive buffers, balanced routing
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,21 @@ register(Strategy("fsdp", "FSDP2 per decoder layer: all sharded, 2 layers gather
 register(Strategy("zero3", "DeepSpeed ZeRO-3 (default buckets)", _zero3))
 
 
+def _ep(s: Sizes, gpus: int) -> dict[str, int]:
+    # moetune's ep: E/N routed experts a rank, the rest replicated; the LoRA factors whole on
+    # every rank (DDP averages them), so DDP's gradient buckets as in ddp
+    held = s.single.get("frozen_weights", 0) - s.expert_weights + -(-s.expert_weights // gpus)
+    return {
+        "frozen_weights": held,
+        **_ddp(s, gpus),
+        "all_to_all_buffers": s.all_to_all,
+    }
+
+
+register(Strategy("ep", "expert parallelism: E/N routed experts a rank, all-to-all", _ep, (),
+                  (EP_SKEW,)))  # fmt: skip
+
+
 # ---------------------------------------------------------------- sizes of the run
 
 
@@ -207,6 +230,8 @@ def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = No
         root=(c.embeddings + c.lm_head + c.other + _outside_norms(spec)) * step.weight_bytes,
         persistent=c.norms * step.weight_bytes,
         zero3_partitioned=zero3_partitioned(spec, cfg),
+        expert_weights=expert_weight_bytes(spec, cfg),
+        all_to_all=all_to_all_bytes(spec, cfg),
     )
 
 
