@@ -57,6 +57,7 @@ IMPLEMENTATION = "moetune_ep"
 MESH_DIM = "ep"
 _SHARD = "_moetune_ep_shard"  # on an experts module: its ExpertShard
 _IGNORE = "_ddp_params_and_buffers_to_ignore"  # read by torch's DistributedDataParallel
+_MOVED = "_moetune_ep_moved"  # on an experts module: [rows sent to other ranks, received]
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,11 @@ def ep_experts_forward(
     pairs = Dispatch.apply(hidden_states, route.perm, route.inverse, top_k)
     sent = _counts(route).view(shard.ranks, shard.local)  # rows per (rank, its expert)
     got = _exchange_counts(sent, shard.group)
-    rows = _a2a(pairs, got.sum(1).tolist(), sent.sum(1).tolist(), shard.group)
+    sends, gets = sent.sum(1).tolist(), got.sum(1).tolist()
+    _count_moved(self, shard.rank, sends, gets)
+    rows = _a2a(pairs, gets, sends, shard.group)
     back = _local_experts(self, rows, got, shard.part)
-    out = _a2a(back, sent.sum(1).tolist(), got.sum(1).tolist(), shard.group)
+    out = _a2a(back, sends, gets, shard.group)
     out = out * route.weights.unsqueeze(-1)
     summed = Combine.apply(out, route.perm, route.inverse, top_k)
     return summed.view(num_tokens, hidden_dim).to(hidden_states.dtype)
@@ -108,6 +111,32 @@ def _counts(route: Routing) -> torch.Tensor:
     """Rows per expert, from the routing's group ends."""
     ends = route.offsets.long()
     return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
+def _count_moved(experts: Any, rank: int, sends: list[int], gets: list[int]) -> None:
+    """What the summary reports: rows that really left for (and came from) other ranks."""
+    moved = experts.__dict__.setdefault(_MOVED, [0, 0])
+    moved[0] += sum(sends) - sends[rank]
+    moved[1] += sum(gets) - gets[rank]
+
+
+def ep_report(model: nn.Module) -> dict[str, Any] | None:
+    """This rank's expert placement and the rows its exchanges moved (None: no ep)."""
+    sharded = [m for m in model.modules() if _SHARD in m.__dict__]
+    if not sharded:
+        return None
+    shard: ExpertShard = sharded[0].__dict__[_SHARD]
+    moved = [m.__dict__.get(_MOVED, [0, 0]) for m in sharded]
+    return {
+        "ranks": shard.ranks,
+        "experts": shard.experts,
+        "experts_per_rank": shard.local,
+        "first_expert": shard.part.start,
+        "layers": len(sharded),
+        "held_expert_params": sum(p.numel() for m in sharded for p in m.parameters(False)),
+        "rows_sent": sum(m[0] for m in moved),
+        "rows_received": sum(m[1] for m in moved),
+    }
 
 
 def _exchange_counts(sent: torch.Tensor, group: Any) -> torch.Tensor:
