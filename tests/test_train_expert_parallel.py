@@ -145,21 +145,25 @@ def _dense(root: Path) -> Path:
      ({"nproc": 2, "experts_dtype": "nf4"}, "experts_dtype nf4"),
      ({"nproc": 2, "dense": True}, "has none")],
 )  # fmt: skip
-def test_ep_is_refused_before_any_rank_starts(tiny, tmp_path, over, says):
-    """One line, exit 2, no run dir: nothing was started."""
+def test_ep_is_refused_before_any_rank_starts(tiny, tmp_path, monkeypatch, over, says):
+    """One line and exit 2 from the launcher: no rank started, nothing written."""
+    from moetune.train import launch
+
+    started: list[Any] = []
+    monkeypatch.setattr(launch, "_run_ranks", lambda *a: started.append(a) or 1)
     over = dict(over)
     dtype, dense = over.pop("experts_dtype", "bf16"), over.pop("dense", False)
-    cfg = tiny_cfg(tiny, tmp_path / "run", strategy="ep", **over)
+    cfg = tiny_cfg(tiny, tmp_path / "run", **over)
     cfg.model.experts_dtype = dtype  # type: ignore[assignment]
     if dense:
         cfg.model.id = str(_dense(tmp_path))
     config = tmp_path / "run.yaml"
     config.write_text(dump_config(cfg))
-    result = CliRunner().invoke(app, ["train", str(config), "--json"])
-    assert result.exit_code == 2, result.output
-    error = json.loads(result.output)
-    assert says in error["error"] and error["fix"]
-    assert not (tmp_path / "run").exists()
+    got = CliRunner().invoke(app, ["train", str(config), "--strategy", "ep"])
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert says in line and "fix:" in line
+    assert started == [] and not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------- 2 gloo ranks (slow)
