@@ -31,9 +31,14 @@ Strategies (a registry: `STRATEGIES`, extend with `register`):
 Approximations, stated: the transient is added to the single-device peak's phase even
 when that phase is the optimizer step (when FSDP2 has resharded): an upper bound by at
 most the transient. NCCL's own buffers live outside the PyTorch allocator and are not
-counted. The strategies shard experts like any weight; what expert parallelism would hold
-per device instead (and which engines train with it) is `DeviceReport.expert_parallel`
-(`plan.devices.expert_parallel`, planned only).
+counted. ddp / fsdp / zero3 shard experts like any weight.
+
+- ``ep`` – moetune's expert parallelism (engine/expert_parallel.py): the frozen routed
+  expert stacks 1/N (E/N experts a rank), everything else replicated, the LoRA factors
+  whole on every rank with DDP's gradient buckets, plus one layer's all-to-all receive
+  buffers at balanced routing (`plan.devices.expert_parallel.EP_SKEW` states the skew).
+  `DeviceReport.expert_parallel` gives the same figure, split by component, beside any
+  strategy.
 """
 
 from __future__ import annotations
@@ -193,8 +198,10 @@ def _ep(s: Sizes, gpus: int) -> dict[str, int]:
     # moetune's ep: E/N routed experts a rank, the rest replicated; the LoRA factors whole on
     # every rank (DDP averages them), so DDP's gradient buckets as in ddp
     held = s.single.get("frozen_weights", 0) - s.expert_weights + -(-s.expert_weights // gpus)
+    copies = s.single.get("expert_weight_copies")  # peft's W+ΔW of the experts it holds
     return {
         "frozen_weights": held,
+        **({} if copies is None else {"expert_weight_copies": -(-copies // gpus)}),
         **_ddp(s, gpus),
         "all_to_all_buffers": s.all_to_all,
     }
