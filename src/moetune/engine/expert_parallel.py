@@ -191,10 +191,11 @@ def ep_mesh(device_type: str) -> Any:
 def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
     """Keep this rank's experts of every fused experts module and switch the model to
     "moetune_ep"; returns the names of the sliced parameters (DDP ignores them)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base = getattr(model, "get_base_model", None)  # a peft model: transformers' under it
+    base: Any = get_base() if callable(get_base) else model
     group, ranks = mesh.get_group(MESH_DIM), mesh.size(0)
     rank = dist.get_rank(group)
-    sharded = [m for m in model.modules() if is_fused_experts(m)]
+    sharded: list[Any] = [m for m in model.modules() if is_fused_experts(m)]
     if not sharded:
         raise EngineError("the model has no fused routed experts to place.",
                           "use train.strategy ddp or fsdp for a dense model.")  # fmt: skip

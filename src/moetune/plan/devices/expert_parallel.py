@@ -79,7 +79,8 @@ class ExpertParallelPlan:
             f"reach {self.worst_all_to_all / 1024**3:.2f} GiB)"
         )
         if self.engines:
-            return f"{held}; moetune trains ep with LoRA only, full fine-tuning: {'; '.join(self.engines)}"
+            others = "; ".join(self.engines)
+            return f"{held}; moetune trains ep with LoRA only, full fine-tuning: {others}"
         return f"{held}; moetune trains it: train.strategy ep (--strategy ep)"
 
 

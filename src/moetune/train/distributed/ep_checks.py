@@ -34,9 +34,10 @@ def check_expert_parallel(cfg: RunConfig) -> None:
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
     if engine != "moetune":
         raise TrainError(
-            "train.strategy ep runs the experts' LoRA through split LoRA, and this run "
-            f"resolves lora.engine to {engine} (peft's wrappers would see only this rank's experts)",
-            "set lora.engine: moetune (or auto) with experts in lora.targets, or train.strategy fsdp",
+            "train.strategy ep runs the experts' LoRA through split LoRA, and this run resolves "
+            f"lora.engine to {engine} (peft's wrappers would see only this rank's experts)",
+            "set lora.engine: moetune (or auto) with experts in lora.targets, "
+            "or train.strategy fsdp",
         )
     check_divides(spec.num_experts, world(cfg.train))
 
