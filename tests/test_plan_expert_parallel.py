@@ -42,6 +42,12 @@ def test_experts_split_across_devices_the_rest_replicated(tiny: ModelSpec) -> No
     other_lora = layout.trainable_params - expert_lora
     assert ep.components["trainable_weights"] == 4 * (other_lora + expert_lora)  # fp32, whole
     assert ep.components["communication_buffers"] == 4 * layout.trainable_params  # DDP's
+    # the experts' LoRA weights, grads, Adam state and buckets, halved: what sharding saves
+    names = ("trainable_weights", "gradients", "optimizer_state", "optimizer_transients")
+    state = sum(single[n] for n in names) + 4 * layout.trainable_params
+    saved = state * expert_lora / layout.trainable_params / 2
+    assert ep.sharded_lora_peak is not None
+    assert abs(ep.peak_bytes - ep.sharded_lora_peak - saved) <= 8  # rounding, per component
     assert ep.components["activations"] == single["activations"]  # own micro-batch
     assert ep.components["all_to_all_buffers"] == 2 * 64 * 2 * 64 * 2  # in+out, T, k, H, bf16
     assert ep.peak_bytes == sum(ep.components.values())

@@ -54,6 +54,8 @@ class ExpertParallelPlan:
     components: dict[str, int]
     engines: tuple[str, ...] = ()  # other engines, where moetune does not train it (full)
     worst_all_to_all: int = 0  # the all-to-all buffers at the worst skew (all tokens here)
+    # LoRA: the peak were the experts' LoRA state 1/EP too (not built: factors whole per rank)
+    sharded_lora_peak: int | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -69,6 +71,7 @@ class ExpertParallelPlan:
             "trained_by_moetune": not self.engines,
             "skew_assumed": "balanced",
             "worst_skew_all_to_all_bytes": self.worst_all_to_all,
+            "peak_bytes_if_expert_lora_sharded": self.sharded_lora_peak,
         }
 
     def describe(self) -> str:
@@ -81,7 +84,13 @@ class ExpertParallelPlan:
         if self.engines:
             others = "; ".join(self.engines)
             return f"{held}; moetune trains ep with LoRA only, full fine-tuning: {others}"
-        return f"{held}; moetune trains it: train.strategy ep (--strategy ep)"
+        whole = ""
+        if self.sharded_lora_peak is not None and self.sharded_lora_peak < self.peak_bytes:
+            whole = (
+                f"; every expert's LoRA state is whole on each device (sharded 1/EP, not built "
+                f"yet, it would be {self.sharded_lora_peak / 1024**3:.1f} GiB)"
+            )
+        return f"{held}{whole}; moetune trains it: train.strategy ep (--strategy ep)"
 
 
 def plan_expert_parallel(
@@ -113,7 +122,18 @@ def plan_expert_parallel(
         out["communication_buffers"] = est.trainable_params * ADAPTER_BYTES
     engines = ENGINES if full else ()
     worst = out["all_to_all_buffers"] * ep
-    return ExpertParallelPlan(ep, math.ceil(spec.num_experts / ep), out, engines, worst)
+    lora_share = 0.0 if full else _expert_trainable_share(spec, cfg, est.trainable_params)
+    sharded = None if full else _sharded_lora_peak(out, est, lora_share, ep)
+    return ExpertParallelPlan(ep, math.ceil(spec.num_experts / ep), out, engines, worst, sharded)
+
+
+def _sharded_lora_peak(out: dict[str, int], est: AnalyticEstimate, share: float, ep: int) -> int:
+    """The peak with the experts' LoRA weights, gradients, optimizer state and DDP buckets
+    1/EP (how Megatron-Core and torchtitan hold an expert's trainable state)."""
+    whole = {n: est.components.get(n, 0) for n in TRAINABLE}
+    whole["communication_buffers"] = out.get("communication_buffers", 0)
+    saved = sum(round(v * share * (1 - 1 / ep)) for v in whole.values())
+    return sum(out.values()) - saved
 
 
 def expert_weight_bytes(spec: ModelSpec, cfg: RunConfig) -> int:

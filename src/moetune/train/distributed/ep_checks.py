@@ -11,6 +11,7 @@ expert selection under ep.
 from __future__ import annotations
 
 from moetune.config import RunConfig
+from moetune.model import load_spec
 from moetune.train.distributed.nodes import world
 from moetune.train.errors import TrainError
 
@@ -22,7 +23,6 @@ def check_expert_parallel(cfg: RunConfig) -> None:
     # lazy: heavy to import (transformers, through the spec and the engine)
     from moetune.engine.expert_parallel import check_divides
     from moetune.engine.resolve import resolve_engine, stored_experts
-    from moetune.model import load_spec
 
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     if not spec.is_moe or not spec.num_experts:
