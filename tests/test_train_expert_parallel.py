@@ -7,6 +7,7 @@ loss curve and adapter – and the adapter loaded in plain peft."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,9 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     half – without and with gradient checkpointing – and the largest relative differences."""
     from moetune.engine.expert_parallel import ep_mesh, ep_report, shard_experts
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)  # a forked child: one thread, as DataLoader workers (OpenMP)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))  # a hung exchange fails, not waits
     torch.manual_seed(3)
     ids = torch.randint(0, 64, (2 * world, 12))  # the same batch on every rank
     weights = torch.randn(2 * world, 12, 64, dtype=torch.float64)
@@ -95,22 +97,24 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
-def test_ep_ranks_gradients_sum_to_one_process(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_ranks_gradients_sum_to_one_process(tmp_path, world):
     """Tokens dispatched to their experts' ranks and combined back (uneven splits), in
     forward, backward and the checkpointed recompute: every LoRA gradient summed over the
-    2 ranks, and each rank's logits, equal one process on the whole batch (float64)."""
+    ranks, and each rank's logits, equal one process on the whole batch (float64)."""
     # fork: the ranks inherit the imported libraries (spawn re-imports them: a minute here)
-    mp.start_processes(_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       start_method="fork")  # fmt: skip
-    for rank in range(2):
+    mp.start_processes(_rank, args=(world, str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=world, start_method="fork")  # fmt: skip
+    local = EXPERTS // world
+    for rank in range(world):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert found["checkpointing=False"] < 1e-12
         assert found["checkpointing=True"] < 1e-12
         report = found["report"]
-        assert (report["experts_per_rank"], report["first_expert"]) == (2, 2 * rank)
+        assert (report["experts_per_rank"], report["first_expert"]) == (local, local * rank)
         assert report["rows_sent"] > 0 and report["rows_received"] > 0  # tokens did travel
-        # this rank holds its 2 experts' stacks (gate_up [2, 16, 16], down [2, 16, 8]) a layer
-        assert report["held_expert_params"] == 2 * (2 * 16 * 16 + 2 * 16 * 8)
+        # its experts' stacks only, in each of 2 layers: gate_up [16, 16], down [16, 8] each
+        assert report["held_expert_params"] == 2 * local * (16 * 16 + 16 * 8)
 
 
 # ---------------------------------------------------------------- refused in the launcher
