@@ -71,8 +71,13 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     from moetune.engine.expert_parallel import ep_mesh, ep_report, shard_experts
 
     torch.set_num_threads(1)  # a forked child: one thread, as DataLoader workers (OpenMP)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))  # a hung exchange fails, not waits
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )  # a hung exchange fails, not waits
     torch.manual_seed(3)
     ids = torch.randint(0, 64, (2 * world, 12))  # the same batch on every rank
     weights = torch.randn(2 * world, 12, 64, dtype=torch.float64)
