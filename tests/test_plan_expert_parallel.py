@@ -88,3 +88,14 @@ def test_full_fine_tuning_names_the_engines_that_train_it(tiny: ModelSpec) -> No
     assert ep is not None and not ep.to_json()["trained_by_moetune"]
     assert any("Megatron-Core" in e for e in ep.engines)
     assert any("torchtitan" in e for e in ep.engines)
+
+
+def test_fewest_gpus_for_ep_divide_the_experts() -> None:
+    """ep places E/N experts a rank: the fewest GPUs it offers divide E (the launcher
+    refuses any other count)."""
+    from moetune.model import load_spec
+    from moetune.plan.devices.sharding import fewest_gpus
+
+    spec = load_spec("Qwen/Qwen3-30B-A3B")  # 128 experts
+    n = fewest_gpus(spec, cfg(), "RTX-4090", "ep")
+    assert n is not None and spec.num_experts % n == 0 and n > 1

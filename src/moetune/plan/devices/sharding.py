@@ -143,6 +143,7 @@ class Strategy:
     extra: Terms  # the strategy's own terms (transient, communication) on N ranks
     sharded: tuple[str, ...] = SHARDED
     notes: tuple[str, ...] = field(default_factory=tuple)
+    places_experts: bool = False  # E/N routed experts a rank: N must divide E
 
     def components(self, sizes: Sizes, gpus: int) -> dict[str, int]:
         out = {k: (-(-v // gpus) if k in self.sharded else v) for k, v in sizes.single.items()}
@@ -208,7 +209,7 @@ def _ep(s: Sizes, gpus: int) -> dict[str, int]:
 
 
 register(Strategy("ep", "expert parallelism: E/N routed experts a rank, all-to-all", _ep, (),
-                  (EP_SKEW,)))  # fmt: skip
+                  (EP_SKEW,), places_experts=True))  # fmt: skip
 
 
 # ---------------------------------------------------------------- sizes of the run
@@ -360,9 +361,11 @@ def fewest_gpus(
     """The fewest GPUs of `card` on which each rank fits with `strategy`; None when even
     `max_gpus` do not (DDP replicates everything: it fits on 1 or never)."""
     _check_gpus(max_gpus)
-    get_strategy(strategy)
+    strat = get_strategy(strategy)
     sizes = sizes or run_sizes(spec, cfg)
     for n in range(1, max_gpus + 1):
+        if strat.places_experts and spec.num_experts % n:
+            continue  # ep runs E/N experts a rank only (the launcher refuses the rest)
         if plan_devices(spec, cfg, card, n, strategy, sizes).fits:
             return n
     return None
@@ -379,7 +382,7 @@ class DeviceReport:
     fewest: dict[str, int | None]
     notes: tuple[str, ...] = ()
     nodes: int = 1
-    expert_parallel: ExpertParallelPlan | None = None  # EP over every rank (planned only)
+    expert_parallel: ExpertParallelPlan | None = None  # EP over every rank (as ep trains)
     host: HostRam | None = None  # the load's host RAM per node (sharded strategies)
 
     @property
