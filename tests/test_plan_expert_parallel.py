@@ -1,6 +1,7 @@
-"""Expert parallelism, planned: each device holds 1/EP of the routed experts (and of their
-LoRA state), the rest replicated, plus one layer's all-to-all buffers; `plan --gpus N`
-states it with the engines that train that way."""
+"""Expert parallelism, planned as moetune trains it (`train.strategy ep`): each device holds
+1/EP of the routed experts, the rest replicated, the LoRA factors whole (DDP's buckets), plus
+one layer's all-to-all buffers at balanced routing (the skew stated); `plan --gpus N` states
+it, and names other engines only for full fine-tuning, which moetune's ep does not train."""
 
 from __future__ import annotations
 
@@ -39,7 +40,14 @@ def test_experts_split_across_devices_the_rest_replicated(tiny: ModelSpec) -> No
     layout = adapter_layout(tiny, run.lora)
     expert_lora = sum(a.lora_numel for layer in layout.layers for a in layer if a.kind == "experts")
     other_lora = layout.trainable_params - expert_lora
-    assert ep.components["trainable_weights"] == 4 * (other_lora + expert_lora // 2)  # fp32
+    assert ep.components["trainable_weights"] == 4 * (other_lora + expert_lora)  # fp32, whole
+    assert ep.components["communication_buffers"] == 4 * layout.trainable_params  # DDP's
+    # the experts' LoRA weights, grads, Adam state and buckets, halved: what sharding saves
+    names = ("trainable_weights", "gradients", "optimizer_state", "optimizer_transients")
+    state = sum(single[n] for n in names) + 4 * layout.trainable_params
+    saved = state * expert_lora / layout.trainable_params / 2
+    assert ep.sharded_lora_peak is not None
+    assert abs(ep.peak_bytes - ep.sharded_lora_peak - saved) <= 8  # rounding, per component
     assert ep.components["activations"] == single["activations"]  # own micro-batch
     assert ep.components["all_to_all_buffers"] == 2 * 64 * 2 * 64 * 2  # in+out, T, k, H, bf16
     assert ep.peak_bytes == sum(ep.components.values())
@@ -53,11 +61,41 @@ def test_ep_is_at_most_the_number_of_experts_and_needs_two_devices(tiny: ModelSp
     assert plan_expert_parallel(dense, cfg(), 4) is None
 
 
-def test_the_device_report_states_it_and_names_the_engines(tiny: ModelSpec) -> None:
+def test_the_device_report_states_it_as_trained_by_moetune(tiny: ModelSpec) -> None:
     report = device_report(tiny, cfg(), ["H100-80GB"], 2, "fsdp")
     assert report.expert_parallel is not None
     doc = report.to_json()["expert_parallel"]
     assert doc["ep"] == 2 and doc["fits"] == {"H100-80GB": True}
-    assert any("Megatron-Core" in e for e in doc["engines"])
-    assert any("torchtitan" in e for e in doc["engines"])
-    assert any(n.startswith("expert parallelism (EP = 2") for n in report.notes)
+    assert doc["trained_by_moetune"] and doc["engines"] == []
+    assert doc["skew_assumed"] == "balanced"
+    assert doc["worst_skew_all_to_all_bytes"] == 2 * doc["components"]["all_to_all_buffers"]
+    note = next(n for n in report.notes if n.startswith("expert parallelism (EP = 2"))
+    assert "moetune trains it: train.strategy ep" in note and "does not" not in note
+
+
+def test_plan_strategy_ep_gives_the_same_per_device_peak(tiny: ModelSpec) -> None:
+    """`--strategy ep`'s per-rank plan (what the run's preflight plans) and the EP figure
+    beside any strategy agree, byte for byte, and state the skew assumed."""
+    report = device_report(tiny, cfg(), ["H100-80GB"], 2, "ep")
+    ep = report.expert_parallel
+    assert ep is not None and sum(report.components.values()) == ep.peak_bytes
+    assert report.components["all_to_all_buffers"] == ep.components["all_to_all_buffers"]
+    assert any("balanced routing" in n for n in report.plans["H100-80GB"].notes)
+
+
+def test_full_fine_tuning_names_the_engines_that_train_it(tiny: ModelSpec) -> None:
+    ep = plan_expert_parallel(tiny, cfg(tuning="full"), 2)
+    assert ep is not None and not ep.to_json()["trained_by_moetune"]
+    assert any("Megatron-Core" in e for e in ep.engines)
+    assert any("torchtitan" in e for e in ep.engines)
+
+
+def test_fewest_gpus_for_ep_divide_the_experts() -> None:
+    """ep places E/N experts a rank: the fewest GPUs it offers divide E (the launcher
+    refuses any other count)."""
+    from moetune.model import load_spec
+    from moetune.plan.devices.sharding import fewest_gpus
+
+    spec = load_spec("Qwen/Qwen3-30B-A3B")  # 128 experts
+    n = fewest_gpus(spec, cfg(), "RTX-4090", "ep")
+    assert n is not None and spec.num_experts % n == 0 and n > 1

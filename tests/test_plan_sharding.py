@@ -124,7 +124,7 @@ def test_fewest_gpus_is_minimal_lora_235b(qwen235b: ModelSpec, lora: RunConfig) 
 
 
 def test_per_device_peak_falls_with_more_gpus(qwen30b: ModelSpec, lora: RunConfig) -> None:
-    for strategy in ("fsdp", "zero3"):
+    for strategy in ("fsdp", "zero3", "ep"):  # ep: the routed experts 1/N
         peaks = [sum(per_rank_bytes(qwen30b, lora, n, strategy).values()) for n in (1, 2, 4, 8)]
         assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
 
@@ -136,7 +136,7 @@ def test_bad_strategy_gpus_and_card_are_user_errors(qwen30b: ModelSpec, lora: Ru
         plan_devices(qwen30b, lora, "H200", 0, "fsdp")
     with pytest.raises(UnknownCardError):
         fewest_gpus(qwen30b, lora, "H900", "fsdp")
-    assert set(STRATEGIES) == {"ddp", "fsdp", "zero3"}
+    assert set(STRATEGIES) == {"ddp", "fsdp", "zero3", "ep"}
 
 
 def test_cli_plan_gpus_json_and_errors() -> None:

@@ -240,12 +240,14 @@ class TrainArgs(_Section):
         description="Processes (one per GPU) `moetune train` starts through accelerate; "
         "train.batch_size is per process, so the global batch is batch_size × grad_accum × nproc.",
     )
-    strategy: Literal["ddp", "fsdp", "zero3"] = Field(
+    strategy: Literal["ddp", "fsdp", "zero3", "ep"] = Field(
         "ddp",
         description="How nproc > 1 processes split the work: ddp (every process holds the "
         "model; CPU too, over gloo), fsdp (accelerate FSDP2: each process holds 1/nproc of "
-        "weights, grads and optimizer state; GPUs, and CPU over gloo) or zero3 (DeepSpeed "
-        "ZeRO-3, GPUs only, needs deepspeed).",
+        "weights, grads and optimizer state; GPUs, and CPU over gloo), zero3 (DeepSpeed "
+        "ZeRO-3, GPUs only, needs deepspeed) or ep (expert parallelism: each process holds "
+        "E/nproc routed experts, tokens travel to them by all-to-all; the rest replicated; "
+        "lora.engine moetune; GPUs, and CPU over gloo).",
     )
     offload: Literal["none", "cpu", "disk"] = Field(
         "none",

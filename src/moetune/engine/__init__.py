@@ -2,12 +2,14 @@
 
 Importing this package registers the "moetune_lora" experts implementation
 (`experts_lora`): split LoRA for fused MoE experts, trained on peft's own adapter
-parameters, so adapters stay in the peft format, and the quantisers: int8 / NF4
-(quant/int8_nf4.py) and each published format (stored/fp8.py, …). `forwards`: per-model-type
-forwards for experts peft's wrappers cannot reach (forwards_dbrx.py, registered here: the
-registry module imports none of its plug-ins).
+parameters, so adapters stay in the peft format; "moetune_ep" (`expert_parallel`): split
+LoRA with the experts placed over a DeviceMesh (train.strategy ep); and the quantisers:
+int8 / NF4 (quant/int8_nf4.py) and each published format (stored/fp8.py, …).
+`forwards`: per-model-type forwards for experts peft's wrappers cannot reach
+(forwards_dbrx.py, registered here: the registry module imports none of its plug-ins).
 """
 
+from moetune.engine import expert_parallel as _ep  # noqa: F401  (registers "moetune_ep")
 from moetune.engine import forwards_dbrx as _dbrx  # noqa: F401  (registers its override)
 from moetune.engine.experts_lora import (
     IMPLEMENTATION,

@@ -160,8 +160,11 @@ class Combine(torch.autograd.Function):
         return grad[perm // ctx.top_k], None, None, None
 
 
-def _project(experts: Any, name: str, x: torch.Tensor, route: Routing) -> torch.Tensor:
-    """Base projection of each row by its own expert, plus each active adapter's update."""
+def _project(
+    experts: Any, name: str, x: torch.Tensor, route: Routing, part: slice = slice(None)
+) -> torch.Tensor:
+    """Base projection of each row by its own expert, plus each active adapter's update;
+    `part`: the experts the module holds (expert parallelism: route.ids count from its start)."""
     quantized = stacks_of(experts).get(name)
     streamed = offloaded_of(experts).get(name)
     if streamed is not None:  # offloaded (engine/offload/store.py): fetched, never saved
@@ -179,7 +182,8 @@ def _project(experts: Any, name: str, x: torch.Tensor, route: Routing) -> torch.
     if experts.has_bias:
         out.add_(getattr(experts, f"{name}_bias")[route.ids])
     keep = experts.__dict__.get(_KEEP)
-    for factors in _active_factors(experts, name, x.dtype):
+    keep = None if keep is None else keep[part]
+    for factors in _active_factors(experts, name, x.dtype, part):
         if keep is None:
             low = grouped_mm(factors.dropout(x), factors.a, route.offsets)
             out.add_(grouped_mm(low, factors.b, route.offsets))
@@ -201,21 +205,23 @@ def _add_kept_lora(
     out.index_add_(0, rows, grouped_mm(low, factors.b[keep], offsets).to(out.dtype))
 
 
-def _active_factors(experts: nn.Module, name: str, dtype: torch.dtype) -> list[_Factors]:
+def _active_factors(
+    experts: nn.Module, name: str, dtype: torch.dtype, part: slice = slice(None)
+) -> list[_Factors]:
     wrapper = getattr(experts, _STATE, {}).get(name)
     if wrapper is None or wrapper.disable_adapters or wrapper.merged:
         return []  # no LoRA here, adapters off, or already folded into the weight
     adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
-    return [_factors(wrapper, adapter, dtype) for adapter in adapters]
+    return [_factors(wrapper, adapter, dtype, part) for adapter in adapters]
 
 
-def _factors(wrapper: Any, adapter: str, dtype: torch.dtype) -> _Factors:
+def _factors(wrapper: Any, adapter: str, dtype: torch.dtype, part: slice) -> _Factors:
     """Read peft's factors as grouped-matmul operands (layout in the module docstring)."""
     experts = wrapper.num_experts
     a = wrapper.lora_A[adapter].weight  # [r·E, in]
     b = wrapper.lora_B[adapter].weight  # [out, r·E]
-    a = a.view(experts, -1, a.shape[-1]).transpose(1, 2).to(dtype)
-    b = b.view(b.shape[0], -1, experts).permute(2, 1, 0).to(dtype)
+    a = a.view(experts, -1, a.shape[-1]).transpose(1, 2)[part].to(dtype)
+    b = b.view(b.shape[0], -1, experts).permute(2, 1, 0)[part].to(dtype)
     # B is small ([out, r·E]); grouped kernels need it row-major, hence the copy
     b = (b * wrapper.scaling[adapter]).contiguous()
     return _Factors(*pad_rank(a, b), wrapper.lora_dropout[adapter])
@@ -244,8 +250,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 def _grouped_kernel_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
         return False
-    if x.device.type == "cpu":
-        return True
+    if x.device.type == "cpu":  # its CPU kernel takes no float64
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
     # CUDA grouped GEMM: bf16, sm80+, 16-byte aligned row strides

@@ -48,6 +48,7 @@ from moetune.config.sections import TrainArgs
 from moetune.io import atomic_write_text
 from moetune.model.derive import causal_lm_class
 from moetune.train.distributed import nodes
+from moetune.train.distributed.ep_checks import check_expert_parallel
 from moetune.train.distributed.orphans import LAUNCHED_ENV, die_with_launcher, die_with_parent
 from moetune.train.distributed.sharded_load import LOAD
 from moetune.train.errors import TrainError
@@ -74,6 +75,13 @@ def strategy(name: str) -> Callable[[Writer], Writer]:
 @strategy("ddp")
 def _ddp(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
     # MULTI_GPU selects accelerate's torchrun launcher; a CPU rank still runs gloo DDP.
+    return {"distributed_type": "MULTI_GPU"}
+
+
+@strategy("ep")
+def _ep(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
+    # DDP for the replicated weights' LoRA (and the gradient average that makes the experts'
+    # LoRA exact); the experts themselves are placed by engine/expert_parallel.py
     return {"distributed_type": "MULTI_GPU"}
 
 
@@ -270,7 +278,23 @@ def sharding(trainer: Any) -> dict[str, Any] | None:
         "parameters": len(sizes),
         "local_share": round(sum(s[0] for s in sizes) / sum(s[1] for s in sizes), 4),
         **({"load": dict(LOAD)} if LOAD else {}),  # a sharded load's figures, every rank's
+        **_expert_parallel(trainer.model),
     }
+
+
+def _expert_parallel(model: Any) -> dict[str, Any]:
+    """train.strategy ep: every rank's expert placement and the rows it moved."""
+    # lazy: heavy to import (moetune's engine)
+    import torch.distributed as dist
+
+    from moetune.engine.expert_parallel import ep_report
+
+    mine = ep_report(model)
+    if mine is None:
+        return {}
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return {"expert_parallel": ranks}
 
 
 def _share(param: Any) -> tuple[int, int, bool]:
@@ -312,6 +336,7 @@ def launch_or_train(
     if opts["resume"] and (done := finished_result(cfg)) is not None:
         return done  # already complete: no rank is started
     nodes.check_one_process(cfg)  # before any rank starts (a rank would refuse with a trace)
+    check_expert_parallel(cfg)  # train.strategy ep: experts that split, split LoRA on them
 
     def check() -> None:
         # lazy: heavy to import (moetune)

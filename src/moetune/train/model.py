@@ -186,6 +186,7 @@ def wrap_lora(
         if quant is not None:
             atomic_write_json(run.root / "quant.json", quant.to_json())
     finish_lora(wrapped, report, cfg, setup.engine, built)
+    _place_experts(wrapped, cfg, setup)
     return wrapped, report
 
 
@@ -221,6 +222,18 @@ def finish_lora(
     dropout – only on an audited model."""
     require_full_coverage(report)
     _split_and_dropout(wrapped, cfg, engine, built)
+
+
+def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
+    """train.strategy ep on several ranks: this rank keeps its own routed experts and the
+    experts exchange tokens (engine/expert_parallel.py); the adapter stays whole."""
+    if cfg.train.strategy != "ep" or setup.args.world_size == 1:
+        return
+    # lazy: heavy to import (torch.distributed's DeviceMesh)
+    from moetune.engine.expert_parallel import ep_mesh, shard_experts
+
+    device = next(iter(wrapped.parameters())).device.type
+    shard_experts(wrapped, ep_mesh(device))
 
 
 def require_full_coverage(report: CoverageReport) -> None:

@@ -227,8 +227,9 @@ def _train(
         + reward_warnings(trainer),
         **throughput(cfg, setup, trainer),
     )
+    ran = sharding(trainer)  # on every rank: ep gathers each rank's placement
     if setup.args.should_save:
-        checks = {"router": router, "routing_drift": routing.drift(), "dist": sharding(trainer)}
+        checks = {"router": router, "routing_drift": routing.drift(), "dist": ran}
         write_summary(run, result, checks | ({"shift": shift.summary()} if shift else {}), setup)
     return result
 

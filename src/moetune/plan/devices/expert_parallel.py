@@ -1,15 +1,20 @@
-"""Expert parallelism, planned (moetune does not train with it): what each of N devices
-would hold with the routed experts split across them (EP = N) and everything else
-replicated, and which existing engines train that way.
+"""Expert parallelism, planned per device: what each of N devices holds with the routed
+experts split across them (EP = N) and everything else replicated – as moetune trains it
+(`train.strategy ep`, engine/expert_parallel.py) for LoRA, and as Megatron-Core or
+torchtitan would for full fine-tuning (moetune's ep trains LoRA only).
 
-From the single-device analytic peak: the routed expert stacks (as stored), their LoRA
-factors, gradients and optimizer state (or, full fine-tuning, the experts' own) are
-1/EP per device – ⌈E/EP⌉ experts each; attention, routers, shared experts, embeddings and
-their adapters are replicated (an engine may further shard them with TP or FSDP, which
-only lowers these figures). Every device runs its own micro-batch and receives its
-experts' share of every device's tokens: balanced routing leaves the per-device expert
-activations as on one device, plus the all-to-all dispatch and combine buffers of one
-layer (top-k copies of each token's hidden state, in and out).
+From the single-device analytic peak: the routed expert stacks (as stored) are 1/EP per
+device – ⌈E/EP⌉ experts each; attention, routers, shared experts, embeddings and their
+adapters are replicated. moetune keeps every expert's LoRA factors whole on every rank (the
+data-parallel average keeps them equal; they are small), so trainable weights, gradients
+and optimizer state are those of one device, plus DDP's gradient buckets; full fine-tuning
+(other engines) shards the experts' own trainable state 1/EP too. Every device runs its own
+micro-batch and receives its experts' share of every device's tokens. Token skew, stated:
+the figures assume balanced routing (a device receives as many token copies as it sends),
+so its expert activations are those of one device, plus the all-to-all dispatch and combine
+receive buffers of one layer (top-k copies of each token's hidden state, in and out); at
+worst – every device's tokens routed to one device's experts – that device's buffers and
+expert activations grow EP-fold (the note gives the buffers' worst case).
 """
 
 from __future__ import annotations
@@ -25,9 +30,14 @@ from moetune.plan.analytic import AnalyticEstimate
 from moetune.plan.fit import analytic
 from moetune.plan.layout import adapter_layout
 from moetune.plan.offload.memory import layer_expert_bytes
-from moetune.plan.step import DTYPE_BYTES
+from moetune.plan.step import ADAPTER_BYTES, DTYPE_BYTES
 
-# Engines that train MoEs with expert parallelism today (moetune plans it only).
+EP_SKEW = (
+    "ep assumes balanced routing: a rank receives as many token copies as it sends; with "
+    "every rank's tokens routed to one rank's experts, that rank's all-to-all buffers and "
+    "expert activations grow N-fold"
+)
+# Engines that train MoEs with expert parallelism in full fine-tuning (moetune: LoRA only).
 ENGINES = (
     "Megatron-Core (expert_model_parallel_size), through ms-swift (Megatron-SWIFT) or NVIDIA NeMo",
     "torchtitan (expert_parallel_degree, PyTorch-native)",
@@ -42,7 +52,10 @@ class ExpertParallelPlan:
     ep: int
     experts_per_device: int
     components: dict[str, int]
-    engines: tuple[str, ...] = ENGINES
+    engines: tuple[str, ...] = ()  # other engines, where moetune does not train it (full)
+    worst_all_to_all: int = 0  # the all-to-all buffers at the worst skew (all tokens here)
+    # LoRA: the peak were the experts' LoRA state 1/EP too (not built: factors whole per rank)
+    sharded_lora_peak: int | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -55,29 +68,46 @@ class ExpertParallelPlan:
             "components": dict(self.components),
             "peak_bytes": self.peak_bytes,
             "engines": list(self.engines),
+            "trained_by_moetune": not self.engines,
+            "skew_assumed": "balanced",
+            "worst_skew_all_to_all_bytes": self.worst_all_to_all,
+            "peak_bytes_if_expert_lora_sharded": self.sharded_lora_peak,
         }
 
     def describe(self) -> str:
-        return (
+        held = (
             f"expert parallelism (EP = {self.ep}, {self.experts_per_device} experts per "
-            f"device, the rest replicated) would hold {self.peak_bytes / 1024**3:.1f} GiB of "
-            f"live tensors per device; engines that train with it: {'; '.join(self.engines)} "
-            "– moetune plans it, it does not run it"
+            f"device, the rest replicated) holds {self.peak_bytes / 1024**3:.1f} GiB of live "
+            f"tensors per device at balanced routing (at worst skew the all-to-all buffers "
+            f"reach {self.worst_all_to_all / 1024**3:.2f} GiB)"
         )
+        if self.engines:
+            others = "; ".join(self.engines)
+            return f"{held}; moetune trains ep with LoRA only, full fine-tuning: {others}"
+        whole = ""
+        if self.sharded_lora_peak is not None and self.sharded_lora_peak < self.peak_bytes:
+            whole = (
+                f"; every expert's LoRA state is whole on each device (sharded 1/EP, not built "
+                f"yet, it would be {self.sharded_lora_peak / 1024**3:.1f} GiB)"
+            )
+        return f"{held}{whole}; moetune trains it: train.strategy ep (--strategy ep)"
 
 
 def plan_expert_parallel(
     spec: ModelSpec, cfg: RunConfig, gpus: int, est: AnalyticEstimate | None = None
 ) -> ExpertParallelPlan | None:
     """Per-device bytes with the routed experts split over `gpus` (at most one expert per
-    device: EP ≤ E); None for a dense model or a single device."""
+    device: EP ≤ E); None for a dense model or a single device. LoRA: as moetune's
+    `train.strategy ep` holds them (the same figure as `--strategy ep`'s per-rank plan)."""
     if gpus < 2 or not spec.is_moe:
         return None
     ep = min(gpus, spec.num_experts)
     est = est or analytic(spec, cfg)
     parts = dict(est.components)
-    experts = _expert_weight_bytes(spec, cfg)
-    share = _expert_trainable_share(spec, cfg, est.trainable_params)
+    experts = expert_weight_bytes(spec, cfg)
+    full = cfg.train.tuning == "full"
+    # moetune's LoRA: the factors whole on every rank (share 0) and DDP's buckets
+    share = _expert_trainable_share(spec, cfg, est.trainable_params) if full else 0.0
     out = {
         "frozen_weights": parts.pop("frozen_weights", 0) - experts,  # replicated
         "expert_weights": -(-experts // ep),
@@ -87,11 +117,26 @@ def plan_expert_parallel(
         out[name] = round(whole * (1 - share) + whole * share / ep)
     out["expert_weight_copies"] = -(-parts.pop("expert_weight_copies", 0) // ep)
     out.update(parts)  # activations and logits: each device's own micro-batch
-    out["all_to_all_buffers"] = _all_to_all(spec, cfg)
-    return ExpertParallelPlan(ep, math.ceil(spec.num_experts / ep), out)
+    out["all_to_all_buffers"] = all_to_all_bytes(spec, cfg)
+    if not full:
+        out["communication_buffers"] = est.trainable_params * ADAPTER_BYTES
+    engines = ENGINES if full else ()
+    worst = out["all_to_all_buffers"] * ep
+    lora_share = 0.0 if full else _expert_trainable_share(spec, cfg, est.trainable_params)
+    sharded = None if full else _sharded_lora_peak(out, est, lora_share, ep)
+    return ExpertParallelPlan(ep, math.ceil(spec.num_experts / ep), out, engines, worst, sharded)
 
 
-def _expert_weight_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
+def _sharded_lora_peak(out: dict[str, int], est: AnalyticEstimate, share: float, ep: int) -> int:
+    """The peak with the experts' LoRA weights, gradients, optimizer state and DDP buckets
+    1/EP (how Megatron-Core and torchtitan hold an expert's trainable state)."""
+    whole = {n: est.components.get(n, 0) for n in TRAINABLE}
+    whole["communication_buffers"] = out.get("communication_buffers", 0)
+    saved = sum(round(v * share * (1 - 1 / ep)) for v in whole.values())
+    return sum(out.values()) - saved
+
+
+def expert_weight_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
     """Frozen routed stacks as stored (none under full fine-tuning: they are trainable)."""
     if cfg.train.tuning == "full":
         return 0
@@ -112,7 +157,7 @@ def _expert_trainable_share(spec: ModelSpec, cfg: RunConfig, trainable: int) -> 
     return expert / trainable
 
 
-def _all_to_all(spec: ModelSpec, cfg: RunConfig) -> int:
+def all_to_all_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
     """One layer's dispatch and combine receive buffers: top-k hidden states per token."""
     tokens = cfg.train.seq_len * cfg.train.batch_size
     return 2 * tokens * spec.top_k * spec.hidden_size * DTYPE_BYTES[cfg.model.dtype]

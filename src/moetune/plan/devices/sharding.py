@@ -31,9 +31,14 @@ Strategies (a registry: `STRATEGIES`, extend with `register`):
 Approximations, stated: the transient is added to the single-device peak's phase even
 when that phase is the optimizer step (when FSDP2 has resharded): an upper bound by at
 most the transient. NCCL's own buffers live outside the PyTorch allocator and are not
-counted. The strategies shard experts like any weight; what expert parallelism would hold
-per device instead (and which engines train with it) is `DeviceReport.expert_parallel`
-(`plan.devices.expert_parallel`, planned only).
+counted. ddp / fsdp / zero3 shard experts like any weight.
+
+- ``ep`` – moetune's expert parallelism (engine/expert_parallel.py): the frozen routed
+  expert stacks 1/N (E/N experts a rank), everything else replicated, the LoRA factors
+  whole on every rank with DDP's gradient buckets, plus one layer's all-to-all receive
+  buffers at balanced routing (`plan.devices.expert_parallel.EP_SKEW` states the skew).
+  `DeviceReport.expert_parallel` gives the same figure, split by component, beside any
+  strategy.
 """
 
 from __future__ import annotations
@@ -47,7 +52,13 @@ from moetune.config.keys import offload_mode
 from moetune.errors import ConfigError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate, expert_bytes_per_param
-from moetune.plan.devices.expert_parallel import ExpertParallelPlan, plan_expert_parallel
+from moetune.plan.devices.expert_parallel import (
+    EP_SKEW,
+    ExpertParallelPlan,
+    all_to_all_bytes,
+    expert_weight_bytes,
+    plan_expert_parallel,
+)
 from moetune.plan.devices.host_ram import HostRam, host_ram, load_notes
 from moetune.plan.fit import CardFit, analytic, card_fit
 from moetune.plan.hardware import Card, get_card
@@ -82,6 +93,8 @@ class Sizes:
     # zero3 builds this base under zero.Init (a float checkpoint read by from_pretrained,
     # experts in bf16, nothing offloaded); else every rank builds it whole first
     zero3_partitioned: bool = False
+    expert_weights: int = 0  # the frozen routed expert stacks as held (ep places them 1/N)
+    all_to_all: int = 0  # ep: one layer's dispatch + combine receive buffers, balanced routing
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,7 @@ class Strategy:
     extra: Terms  # the strategy's own terms (transient, communication) on N ranks
     sharded: tuple[str, ...] = SHARDED
     notes: tuple[str, ...] = field(default_factory=tuple)
+    places_experts: bool = False  # E/N routed experts a rank: N must divide E
 
     def components(self, sizes: Sizes, gpus: int) -> dict[str, int]:
         out = {k: (-(-v // gpus) if k in self.sharded else v) for k, v in sizes.single.items()}
@@ -181,6 +195,23 @@ register(Strategy("fsdp", "FSDP2 per decoder layer: all sharded, 2 layers gather
 register(Strategy("zero3", "DeepSpeed ZeRO-3 (default buckets)", _zero3))
 
 
+def _ep(s: Sizes, gpus: int) -> dict[str, int]:
+    # moetune's ep: E/N routed experts a rank, the rest replicated; the LoRA factors whole on
+    # every rank (DDP averages them), so DDP's gradient buckets as in ddp
+    held = s.single.get("frozen_weights", 0) - s.expert_weights + -(-s.expert_weights // gpus)
+    copies = s.single.get("expert_weight_copies")  # peft's W+ΔW of the experts it holds
+    return {
+        "frozen_weights": held,
+        **({} if copies is None else {"expert_weight_copies": -(-copies // gpus)}),
+        **_ddp(s, gpus),
+        "all_to_all_buffers": s.all_to_all,
+    }
+
+
+register(Strategy("ep", "expert parallelism: E/N routed experts a rank, all-to-all", _ep, (),
+                  (EP_SKEW,), places_experts=True))  # fmt: skip
+
+
 # ---------------------------------------------------------------- sizes of the run
 
 
@@ -207,6 +238,8 @@ def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = No
         root=(c.embeddings + c.lm_head + c.other + _outside_norms(spec)) * step.weight_bytes,
         persistent=c.norms * step.weight_bytes,
         zero3_partitioned=zero3_partitioned(spec, cfg),
+        expert_weights=expert_weight_bytes(spec, cfg),
+        all_to_all=all_to_all_bytes(spec, cfg),
     )
 
 
@@ -328,9 +361,11 @@ def fewest_gpus(
     """The fewest GPUs of `card` on which each rank fits with `strategy`; None when even
     `max_gpus` do not (DDP replicates everything: it fits on 1 or never)."""
     _check_gpus(max_gpus)
-    get_strategy(strategy)
+    strat = get_strategy(strategy)
     sizes = sizes or run_sizes(spec, cfg)
     for n in range(1, max_gpus + 1):
+        if strat.places_experts and spec.num_experts % n:
+            continue  # ep runs E/N experts a rank only (the launcher refuses the rest)
         if plan_devices(spec, cfg, card, n, strategy, sizes).fits:
             return n
     return None
@@ -347,7 +382,7 @@ class DeviceReport:
     fewest: dict[str, int | None]
     notes: tuple[str, ...] = ()
     nodes: int = 1
-    expert_parallel: ExpertParallelPlan | None = None  # EP over every rank (planned only)
+    expert_parallel: ExpertParallelPlan | None = None  # EP over every rank (as ep trains)
     host: HostRam | None = None  # the load's host RAM per node (sharded strategies)
 
     @property

@@ -1,0 +1,240 @@
+"""Expert parallelism for split LoRA: "moetune_ep", an experts implementation on a DeviceMesh.
+
+Each of the N ranks of the mesh's "ep" dimension holds E/N routed experts, a contiguous
+group (rank i: experts i·E/N … (i+1)·E/N − 1), and runs its own micro-batch. In each MoE
+layer, on every rank:
+
+1. the (token, slot) pairs are sorted by expert – so by the rank that owns it – and each
+   rank learns how many rows every other rank sends it for each of its experts (an
+   `all_to_all_single` of the per-expert counts: the splits are uneven);
+2. the rows travel to their experts' ranks (`all_to_all_single` with those splits),
+   are regrouped by local expert and go through split LoRA there (experts_lora.py: the
+   frozen projection plus the expert's rank-r factors, one grouped matmul per group);
+3. the results travel back (`all_to_all_single` with the splits swapped) and are weighted
+   by the router on the rank the tokens came from, then summed over the k slots – the same
+   operations, in the same order, as split LoRA on one process.
+
+Both exchanges are torch's autograd-aware collective (`_functional_collectives.
+all_to_all_single_autograd`, whose backward is the exchange with the splits swapped), so
+backward returns each row's gradient to the rank it came from, and the gradient of an
+expert's factors on its owner sums every rank's tokens. A recompute (gradient
+checkpointing) reruns the same exchanges with the top-k the recomputed router gives.
+
+LoRA factors stay whole on every rank, in peft's own parameters: a rank computes with its
+experts' slices only, so another rank's slice gets a zero gradient there, and the
+data-parallel gradient average (DDP, as for the attention LoRA) leaves every rank with
+(1/N)·Σ_ranks of each gradient – what one process computes on the global batch. Every rank
+holds the same adapter after every step, and rank 0 saves it whole in peft's layout.
+
+The frozen expert weights are sliced to the rank's experts after loading (`shard_experts`),
+and DDP is told to leave them alone (its start-up broadcast would overwrite each rank's
+experts with rank 0's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from transformers.integrations.moe import ExpertsInterface
+
+from moetune.engine.experts_lora import (
+    PROJECTIONS,
+    Combine,
+    Dispatch,
+    EngineError,
+    Routing,
+    _project,
+    is_fused_experts,
+    route_pairs,
+)
+
+IMPLEMENTATION = "moetune_ep"
+MESH_DIM = "ep"
+_SHARD = "_moetune_ep_shard"  # on an experts module: its ExpertShard
+_IGNORE = "_ddp_params_and_buffers_to_ignore"  # read by torch's DistributedDataParallel
+_MOVED = "_moetune_ep_moved"  # on an experts module: [rows sent to other ranks, received]
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which routed experts this rank holds, and the group it exchanges tokens in."""
+
+    group: Any  # the mesh's "ep" process group
+    ranks: int
+    rank: int
+    experts: int  # E, all ranks together
+
+    @property
+    def local(self) -> int:
+        return self.experts // self.ranks
+
+    @property
+    def part(self) -> slice:
+        return slice(self.rank * self.local, (self.rank + 1) * self.local)
+
+
+def ep_experts_forward(
+    self: Any,  # an experts module decorated by @use_experts_implementation, sharded here
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The experts forward registered as "moetune_ep" (same contract as grouped_mm)."""
+    shard: ExpertShard | None = self.__dict__.get(_SHARD)
+    if shard is None:
+        raise EngineError(
+            f"{type(self).__name__} runs {IMPLEMENTATION} but holds no expert shard.",
+            "call shard_experts(model, mesh) on every rank before the first forward.",
+        )
+    num_tokens, hidden_dim = hidden_states.shape
+    top_k = top_k_index.size(-1)
+    route = route_pairs(top_k_index, top_k_weights, shard.experts)
+    pairs = Dispatch.apply(hidden_states, route.perm, route.inverse, top_k)
+    sent = _counts(route).view(shard.ranks, shard.local)  # rows per (rank, its expert)
+    got = _exchange_counts(sent, shard.group)
+    sends, gets = sent.sum(1).tolist(), got.sum(1).tolist()
+    _count_moved(self, shard.rank, sends, gets)
+    rows = _a2a(pairs, gets, sends, shard.group)
+    back = _local_experts(self, rows, got, shard.part)
+    out = _a2a(back, sends, gets, shard.group)
+    out = out * route.weights.unsqueeze(-1)
+    summed = Combine.apply(out, route.perm, route.inverse, top_k)
+    return summed.view(num_tokens, hidden_dim).to(hidden_states.dtype)
+
+
+def _counts(route: Routing) -> torch.Tensor:
+    """Rows per expert, from the routing's group ends."""
+    ends = route.offsets.long()
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
+def _count_moved(experts: Any, rank: int, sends: list[int], gets: list[int]) -> None:
+    """What the summary reports: rows that really left for (and came from) other ranks."""
+    moved = experts.__dict__.setdefault(_MOVED, [0, 0])
+    moved[0] += sum(sends) - sends[rank]
+    moved[1] += sum(gets) - gets[rank]
+
+
+def ep_report(model: nn.Module) -> dict[str, Any] | None:
+    """This rank's expert placement and the rows its exchanges moved (None: no ep)."""
+    sharded = [m for m in model.modules() if _SHARD in m.__dict__]
+    if not sharded:
+        return None
+    shard: ExpertShard = sharded[0].__dict__[_SHARD]
+    moved = [m.__dict__.get(_MOVED, [0, 0]) for m in sharded]
+    return {
+        "ranks": shard.ranks,
+        "experts": shard.experts,
+        "experts_per_rank": shard.local,
+        "first_expert": shard.part.start,
+        "layers": len(sharded),
+        "held_expert_params": sum(p.numel() for m in sharded for p in m.parameters(False)),
+        "rows_sent": sum(m[0] for m in moved),
+        "rows_received": sum(m[1] for m in moved),
+    }
+
+
+def _exchange_counts(sent: torch.Tensor, group: Any) -> torch.Tensor:
+    """[ranks, local] rows each rank sends me for each of my experts (from [ranks, local]
+    rows I send each rank for each of its experts)."""
+    got = torch.empty_like(sent)
+    dist.all_to_all_single(got.view(-1), sent.reshape(-1).contiguous(), group=group)
+    return got
+
+
+def _a2a(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Any:
+    """Rows to the ranks `in_splits` says, from the ranks `out_splits` says (autograd-aware)."""
+    moved = funcol.all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, group)
+    return funcol.wait_tensor(moved)  # before autograd sees it: the exchange has landed
+
+
+def _local_experts(experts: Any, rows: torch.Tensor, got: torch.Tensor, part: slice) -> Any:
+    """Received rows (by source rank, then by my expert) through my experts, in that order."""
+    local = got.shape[1]
+    ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(got.shape[0]),
+                                  got.reshape(-1))  # fmt: skip
+    ids, order = torch.sort(ids, stable=True)  # stable: each expert's rows keep their order
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    offsets = torch.cumsum(got.sum(0), dim=0, dtype=torch.int32)
+    route = Routing(ids, order, inverse, offsets, rows.new_empty(0))
+    x = Dispatch.apply(rows, order, inverse, 1)
+    h = _project(experts, "gate_up_proj" if experts.has_gate else "up_proj", x, route, part)
+    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    out = _project(experts, "down_proj", h, route, part)
+    if experts.has_post_expert_norm:
+        out = experts.post_expert_norm(out)
+    return Combine.apply(out, order, inverse, 1)
+
+
+def register() -> None:
+    """Register "moetune_ep" in transformers' experts interface (idempotent)."""
+    ExpertsInterface.register(IMPLEMENTATION, ep_experts_forward)
+
+
+def ep_mesh(device_type: str) -> Any:
+    """A 1-D DeviceMesh named "ep" over every rank, on a process group of its own: the
+    token exchanges never queue behind (or between) DDP's gradient all-reduces, which run
+    on the default group. Every rank must call it, in the same order."""
+    # lazy: heavy to import (torch.distributed's mesh pulls DTensor)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=(MESH_DIM,))
+
+
+def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
+    """Keep this rank's experts of every fused experts module and switch the model to
+    "moetune_ep"; returns the names of the sliced parameters (DDP ignores them)."""
+    get_base = getattr(model, "get_base_model", None)  # a peft model: transformers' under it
+    base: Any = get_base() if callable(get_base) else model
+    group, ranks = mesh.get_group(MESH_DIM), mesh.size(0)
+    rank = dist.get_rank(group)
+    sharded: list[Any] = [m for m in model.modules() if is_fused_experts(m)]
+    if not sharded:
+        raise EngineError("the model has no fused routed experts to place.",
+                          "use train.strategy ddp or fsdp for a dense model.")  # fmt: skip
+    for experts in sharded:
+        check_divides(experts.num_experts, ranks)
+        shard = ExpertShard(group, ranks, rank, experts.num_experts)
+        _slice(experts, shard.part)
+        experts.__dict__[_SHARD] = shard
+    register()
+    base.set_experts_implementation(IMPLEMENTATION)
+    ids = {id(p) for m in sharded for p in m.parameters(recurse=False)}
+    names = [name for name, p in model.named_parameters() if id(p) in ids]
+    model.__dict__[_IGNORE] = sorted({*model.__dict__.get(_IGNORE, []), *names})
+    return names
+
+
+def _slice(experts: nn.Module, part: slice) -> None:
+    """Replace each expert stack (and bias) by this rank's rows of it; the whole is freed."""
+    for name in (*PROJECTIONS, *(f"{p}_bias" for p in PROJECTIONS)):
+        whole = getattr(experts, name, None)
+        if isinstance(whole, nn.Parameter):
+            kept = whole.data[part].clone()  # own storage: the whole stack can go
+            setattr(experts, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+
+
+def check_divides(experts: int, ranks: int) -> None:
+    """E/N experts a rank: refuse what does not split evenly (or leaves a rank none)."""
+    if ranks > experts:
+        raise EngineError(
+            f"{ranks} expert-parallel ranks for {experts} routed experts leave a rank none.",
+            f"use at most {experts} processes (train.nproc), or train.strategy fsdp.",
+        )
+    if experts % ranks:
+        fits = [n for n in range(2, experts + 1) if experts % n == 0 and n <= ranks]
+        raise EngineError(
+            f"{experts} routed experts do not split evenly over {ranks} ranks "
+            "(moetune places E/N contiguous experts per rank; an uneven split is not built).",
+            f"use train.nproc {fits[-1] if fits else 1}, a divisor of {experts}.",
+        )
+
+
+register()

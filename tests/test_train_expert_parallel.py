@@ -1,0 +1,224 @@
+"""`train.strategy ep` (engine/expert_parallel.py): experts placed E/N a rank, tokens moved by
+all_to_all_single over gloo. Default tier: 2 spawned gloo ranks whose gradients (float64,
+with and without gradient checkpointing) sum to one process's on the whole batch, and the
+launcher's refusals. Slow: `moetune train --nproc 2 --strategy ep` against one process –
+loss curve and adapter – and the adapter loaded in plain peft."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from moetune.cli import app
+from moetune.config import dump_config
+from test_train_distributed import _rel_diff, _train, _write
+from test_train_helpers import tiny_cfg, tiny_run
+
+EXPERTS = 4  # the tiny Qwen3-MoE of test_train_helpers and of _tiny_model below
+
+
+def _tiny_model(seed: int) -> Any:
+    """A float64 Qwen3-MoE (4 experts, top-2) with random LoRA on attention and the fused
+    experts (B not zero: A gets a gradient too), on split LoRA."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moetune.engine import apply_split_lora
+
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=EXPERTS, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.float64)
+    lora = LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )  # fmt: skip
+    wrapped = get_peft_model(model, lora)
+    apply_split_lora(wrapped)
+    return wrapped
+
+
+def _grads(
+    model: Any, ids: torch.Tensor, weights: torch.Tensor, checkpointing: bool = False
+) -> dict[str, Any]:
+    """A loss summed over tokens (the gradients of the ranks' halves add up), and its LoRA
+    gradients."""
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    logits = model(input_ids=ids).logits
+    loss = (logits * weights).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"logits": logits.detach(), "grads": grads}
+
+
+def _rank(rank: int, world: int, store: str, out: str) -> None:
+    """One spawned gloo rank: one process's reference on the whole batch, then ep on its
+    half – without and with gradient checkpointing – and the largest relative differences."""
+    from moetune.engine.expert_parallel import ep_mesh, ep_report, shard_experts
+
+    torch.set_num_threads(1)  # a forked child: one thread, as DataLoader workers (OpenMP)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )  # a hung exchange fails, not waits
+    torch.manual_seed(3)
+    ids = torch.randint(0, 64, (2 * world, 12))  # the same batch on every rank
+    weights = torch.randn(2 * world, 12, 64, dtype=torch.float64)
+    want = _grads(_tiny_model(0), ids, weights)
+    mine = slice(rank * 2, rank * 2 + 2)
+    found: dict[str, Any] = {}
+    for checkpointing in (False, True):
+        model = _tiny_model(0)
+        shard_experts(model, ep_mesh("cpu"))
+        got = _grads(model, ids[mine], weights[mine], checkpointing)
+        diffs = [_rel(got["logits"], want["logits"][mine])]
+        for name, grad in got["grads"].items():
+            dist.all_reduce(grad)  # each rank's share of every gradient, summed
+            diffs.append(_rel(grad, want["grads"][name]))
+        found[f"checkpointing={checkpointing}"] = max(diffs)
+        found["report"] = ep_report(model)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_ranks_gradients_sum_to_one_process(tmp_path, world):
+    """Tokens dispatched to their experts' ranks and combined back (uneven splits), in
+    forward, backward and the checkpointed recompute: every LoRA gradient summed over the
+    ranks, and each rank's logits, equal one process on the whole batch (float64)."""
+    # fork: the ranks inherit the imported libraries (spawn re-imports them: a minute here)
+    mp.start_processes(_rank, args=(world, str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=world, start_method="fork")  # fmt: skip
+    local = EXPERTS // world
+    for rank in range(world):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["checkpointing=False"] < 1e-12
+        assert found["checkpointing=True"] < 1e-12
+        report = found["report"]
+        assert (report["experts_per_rank"], report["first_expert"]) == (local, local * rank)
+        assert report["rows_sent"] > 0 and report["rows_received"] > 0  # tokens did travel
+        # its experts' stacks only, in each of 2 layers: gate_up [16, 16], down [16, 8] each
+        assert report["held_expert_params"] == 2 * local * (16 * 16 + 16 * 8)
+
+
+# ---------------------------------------------------------------- refused in the launcher
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_run(tmp_path_factory.mktemp("ep"))
+
+
+def _dense(root: Path) -> Path:
+    """A tiny dense Qwen3 (no routed experts), saved by transformers."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from moetune.demo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(root / "dense")
+    tok.save_pretrained(root / "dense")
+    return root / "dense"
+
+
+@pytest.mark.parametrize(
+    ("over", "says"),
+    [({"nproc": 3}, "do not split evenly over 3 ranks"),
+     ({"nproc": 8}, "8 expert-parallel ranks for 4 routed experts"),
+     ({"nproc": 2, "lora__engine": "peft"}, "resolves lora.engine to peft"),
+     ({"nproc": 2, "experts_dtype": "nf4"}, "experts_dtype nf4"),
+     ({"nproc": 2, "dense": True}, "has none")],
+)  # fmt: skip
+def test_ep_is_refused_before_any_rank_starts(tiny, tmp_path, monkeypatch, over, says):
+    """One line and exit 2 from the launcher: no rank started, nothing written."""
+    from moetune.train import launch
+
+    started: list[Any] = []
+    monkeypatch.setattr(launch, "_run_ranks", lambda *a: started.append(a) or 1)
+    over = dict(over)
+    dtype, dense = over.pop("experts_dtype", "bf16"), over.pop("dense", False)
+    cfg = tiny_cfg(tiny, tmp_path / "run", **over)
+    cfg.model.experts_dtype = dtype  # type: ignore[assignment]
+    if dense:
+        cfg.model.id = str(_dense(tmp_path))
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(cfg))
+    got = CliRunner().invoke(app, ["train", str(config), "--strategy", "ep"])
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert says in line and "fix:" in line
+    assert started == [] and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- 2 gloo ranks (slow)
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_ep_trains_the_loss_curve_and_adapter_of_one_process(tiny, checkpointing):
+    """fp32, 4 steps: 2 ep ranks (batch 2 each) against 1 process (batch 4) – every step's
+    loss and the saved adapter to 1e-5; the adapter whole, in peft's layout, and it loads in
+    plain peft with the logits of the merged-by-hand reference."""
+    over = {"max_steps": 4, "gradient_checkpointing": checkpointing}
+    name = f"ep-gc{int(checkpointing)}"
+    _train(_write(tiny, f"{name}-2", batch_size=2, nproc=2, strategy="ep", **over),
+           log=tiny.root / f"{name}-2.log")  # fmt: skip
+    _train(_write(tiny, f"{name}-1", batch_size=4, **over), log=tiny.root / f"{name}-1.log")
+    two, one = tiny.root / f"{name}-2", tiny.root / f"{name}-1"
+    got, want = _losses(two), _losses(one)
+    assert len(got) == len(want) == 4
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+    assert _rel_diff(two, one) < 1e-5
+    ran = json.loads((two / "summary.json").read_text())["distributed"]["expert_parallel"]
+    assert [r["first_expert"] for r in ran] == [0, 2] and all(r["rows_sent"] for r in ran)
+    adapter = load_file(str(two / "adapter" / "adapter_model.safetensors"))
+    a = next(v for k, v in adapter.items() if "experts" in k and "lora_A" in k)
+    assert a.shape[0] == 4 * EXPERTS  # [r·E, in]: every expert's factors, not one rank's
+    _assert_loads_in_peft(tiny.model, two / "adapter")
+
+
+def _assert_loads_in_peft(model_dir: Path, adapter: Path) -> None:
+    """Plain PeftModel.from_pretrained on the saved adapter gives the logits of the same
+    factors applied by moetune's split LoRA (the live path) on a one-process model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from moetune.engine import apply_split_lora
+
+    ids = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(0))
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter)
+    live = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter)
+    apply_split_lora(live)
+    with torch.no_grad():
+        want, got = plain(input_ids=ids).logits, live(input_ids=ids).logits
+    assert _rel(got.double(), want.double()) < 1e-5
