@@ -64,3 +64,31 @@ def test_json_on_bad_input_is_one_json_object_for_every_command(
 def test_without_json_stdout_stays_empty_on_bad_input(tmp_path: Path) -> None:
     result = runner.invoke(app, ["lint", str(tmp_path / "missing.yaml")])
     assert (result.exit_code, result.stdout) == (2, "") and "not found" in result.stderr
+
+
+def _stopped(*_: Any, **__: Any) -> None:
+    from moetune.ledger import Terminated
+
+    raise Terminated()
+
+
+@pytest.mark.parametrize(
+    ("args", "target", "says"),
+    [
+        (["quickstart"], "moetune.demo.quickstart.run_quickstart", "rerun `moetune quickstart`"),
+        (["eval", "run.yaml"], "moetune.cli.commands.load_config", "rerun the same `moetune eval"),
+        (["train", "run.yaml"], "moetune.cli.commands.load_config", "--resume"),
+    ],
+)
+def test_sigterm_names_the_stopped_commands_own_way_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], target: str, says: str
+) -> None:
+    """Before: quickstart was told to pass --resume (it has none), eval to `train --resume`."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(target, _stopped)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 143, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("terminated (SIGTERM)") and says in line.split("fix:")[1]
+    if args[0] != "train":
+        assert "--resume" not in line

@@ -47,3 +47,24 @@ def test_a_reward_of_the_right_shape_passes_none_and_numpy_included():
     reward = GuardedReward("mine:score", lambda prompts, completions, **kw: np.array([1.0, 2]))
     assert reward(["p1", "p2"], ["c1", "c2"]) == [1.0, 2.0]
     assert GuardedReward("r", lambda *a, **k: [None, 0.5])(["p"] * 2, ["c"] * 2) == [None, 0.5]
+
+
+def test_a_stored_base_with_nproc_2_is_refused_in_the_launcher(tmp_path):
+    """Before: each rank refused it after ~40 lines of launcher trace, with a --resume fix."""
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+    from moetune.config import dump_config
+    from moetune.engine.stored.write import write_stored
+    from test_train_helpers import reverse_rows, run_config, save_tiny_model, write_jsonl
+
+    fp8 = write_stored(save_tiny_model(tmp_path / "float"), tmp_path / "fp8", "fp8", block=(8, 8))
+    data = write_jsonl(tmp_path / "d.jsonl", reverse_rows(8))
+    cfg = run_config(fp8, data, tmp_path / "run", lora__targets=["attention", "experts"])
+    (tmp_path / "run.yaml").write_text(dump_config(cfg))
+    got = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml"), "--nproc", "2"])
+    assert got.exit_code == 2, got.output
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and "kept as stored (fp8) trains in one process" in lines[0]
+    assert "--resume" not in lines[0] and "Traceback" not in got.output
+    assert not (tmp_path / "run").exists()  # no rank started, nothing written

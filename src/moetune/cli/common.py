@@ -129,12 +129,23 @@ def report_error(err: Exception) -> int:
     return UNEXPECTED
 
 
-def report_interrupt(err: KeyboardInterrupt) -> int:
-    """Ctrl-C or SIGTERM: one line saying what was kept (click would print a bare "Aborted!")."""
+# What to run after Ctrl-C / SIGTERM, by command: only `train` has a --resume (quickstart and
+# eval start afresh; eval publishes its results only whole, so a stopped one left none).
+RERUN = {
+    "train": "rerun it with --resume (`moetune train … --resume` continues the run from its "
+    "last checkpoint)",
+    "quickstart": "rerun `moetune quickstart` (it starts afresh in a new folder)",
+    "eval": "rerun the same `moetune eval …` (a stopped eval publishes no results; earlier "
+    "ones are as they were)",
+}
+
+
+def report_interrupt(err: KeyboardInterrupt, command: str | None = None) -> int:
+    """Ctrl-C or SIGTERM: one line saying what was kept (click would print a bare "Aborted!")
+    and how to go on with `command` (the subcommand that was stopped)."""
     what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted (Ctrl-C)"
     notes = getattr(err, "__notes__", None)  # a command's own word on what it left (export)
-    default = "rerun the command (`moetune train … --resume` continues a run from its last "
-    fix = escape(notes[-1]) if notes else default + "checkpoint)"
+    fix = escape(notes[-1] if notes else RERUN.get(command or "", "rerun the same command"))
     err_console.print(
         f"[bold yellow]{what}:[/] stopped; finished files and checkpoints are kept and a run "
         f"records the attempt as cancelled in its ledger [bold]fix:[/] {fix}",
@@ -173,7 +184,7 @@ class GuardedGroup(TyperGroup):
             print_error(UsageError(err.format_message(), "see the command's --help"))
             raise typer.Exit(code) from None
         except KeyboardInterrupt as err:
-            raise typer.Exit(report_interrupt(err)) from None
+            raise typer.Exit(report_interrupt(err, ctx.invoked_subcommand)) from None
         except Exception as err:
             debug = ctx.params.get("debug") or os.environ.get("MOETUNE_DEBUG") == "1"
             if debug and not isinstance(err, MoetuneError):

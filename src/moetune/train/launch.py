@@ -314,8 +314,10 @@ def launch_or_train(
     def check() -> None:
         # lazy: heavy to import (moetune)
         from moetune.train.setup import as_run, preflight, resolve_placement
+        from moetune.train.stored import check_stored_before_launch
 
         inspect_run(cfg, opts["resume"], opts["overwrite"], opts["overwrite_promoted"])
+        check_stored_before_launch(cfg)  # a stored base each rank would refuse: refused here
         place = resolve_placement(cfg.train)
         nodes.check_devices(cfg.train, place.device)  # ranks ≤ GPUs, or ≤ cores on CPU
         nodes.check_host_ram(cfg)  # and their host RAM ≤ what is free
