@@ -60,3 +60,15 @@ def test_export_out_an_empty_file_is_named_as_a_file(run: Path, tmp_path: Path) 
     args = ["export", str(run), "--format", "merged", "--out", str(out), "--no-check"]
     _one_line(CliRunner().invoke(app, args), "is a file, not a folder")  # was: "not empty"
     assert out.read_text() == ""
+
+
+def test_set_output_dir_on_a_saved_run_config_wins_over_the_run_dir(run: Path, tmp_path: Path):
+    """`train RUN/config.yaml --set output.dir=NEW` targeted RUN's finished dir and refused,
+    with a fix that said to pass exactly that --set."""
+    from moetune.config import load_config
+
+    new = tmp_path / "new"
+    cfg = load_config(run / "config.yaml", [f"output.dir={new}", "lora.rank=4"])
+    assert (cfg.output.dir, cfg.lora.rank) == (str(new), 4)
+    assert Path(cfg.model.id).is_dir()  # the saved run's own paths still found, as rebased
+    assert load_config(run / "config.yaml").output.dir == str(run.resolve())

@@ -68,3 +68,11 @@ def test_a_stored_base_with_nproc_2_is_refused_in_the_launcher(tmp_path):
     assert len(lines) == 1 and "kept as stored (fp8) trains in one process" in lines[0]
     assert "--resume" not in lines[0] and "Traceback" not in got.output
     assert not (tmp_path / "run").exists()  # no rank started, nothing written
+
+
+def test_the_same_tracker_twice_is_refused_not_logged_twice():
+    data = load_yaml("model: {id: Qwen/Qwen3-30B-A3B}\noutput: {report_to: [tensorboard]}\n")
+    assert parse_config(data).output.report_to == ["tensorboard"]
+    with pytest.raises(ConfigError) as info:  # was: two tensorboard event files for one run
+        parse_config(data, ["output.report_to=[tensorboard, tensorboard]"])
+    assert "report_to" in info.value.cause and "tensorboard twice" in info.value.cause

@@ -209,11 +209,15 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
     if not isinstance(data, dict):
         cause = f"{clip(path, 80)} must hold a mapping of sections"
         raise ConfigError(cause, "see configs/ for examples")
+    saved = is_run_config(path)  # rebased first: a --set output.dir=NEW then wins over it
     try:
-        cfg = parse_config(data, overrides)
+        cfg = parse_config(data, None if saved else overrides)
+        if saved:
+            cfg = rebase(cfg, path.parent)
+            cfg = parse_config(cfg.model_dump(mode="json"), overrides) if overrides else cfg
     except ConfigError as err:
         raise ConfigError(f"{clip(path, 80)}: {err.cause}", err.fix) from None
-    return rebase(cfg, path.parent) if is_run_config(path) else cfg
+    return cfg
 
 
 RUN_MARKS = ("versions.json", "preflight.json", "adapter")  # what only a run dir holds
