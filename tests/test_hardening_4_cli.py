@@ -92,3 +92,53 @@ def test_sigterm_names_the_stopped_commands_own_way_on(
     assert line.startswith("terminated (SIGTERM)") and says in line.split("fix:")[1]
     if args[0] != "train":
         assert "--resume" not in line
+
+
+HOST = {
+    "cpu": "Hand CPU", "cores": 8, "threads": 8, "ram_bytes": 64 * 10**9,
+    "measured_at": "2026-12-05T00:00:00Z", "fp32_gflops": 200.0, "bf16_gflops": 400.0,
+    "memcpy_gb_per_s": 10.0, "disk_read_gb_per_s": 2.0,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "raw", "says"),
+    [
+        ("fp32_gflops", "Infinity", "finite number"),
+        ("fp32_gflops", "1e308", "less than or equal to 1000000"),
+        ("disk_read_gb_per_s", "1e-300", "greater than or equal to 0.001"),
+        ("memcpy_gb_per_s", "true", "valid number"),
+        ("bf16_gflops", '"400"', "valid number"),
+        ("cores", "true", "valid integer"),
+    ],
+)
+def test_host_json_rates_that_cannot_be_a_hosts_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, raw: str, says: str
+) -> None:
+    from moetune.errors import ConfigError
+    from moetune.plan.host import load_host
+
+    path = tmp_path / "host.json"
+    text = json.dumps({**HOST, field: "@"}).replace('"@"', raw)
+    path.write_text(text, encoding="utf-8")  # was: planned with it (a step of 0 s or ages)
+    with pytest.raises(ConfigError) as info:
+        load_host(path)
+    assert f"{field}: " in info.value.cause and says in info.value.cause
+    path.write_text(json.dumps(HOST), encoding="utf-8")
+    assert load_host(path) is not None
+
+
+def test_a_host_file_that_is_a_directory_is_refused_not_ignored(tmp_path: Path) -> None:
+    from moetune.errors import ConfigError
+    from moetune.plan.host import load_host
+
+    (tmp_path / "host.json").mkdir()
+    with pytest.raises(ConfigError, match="is not a file"):  # was: defaults, without a word
+        load_host(tmp_path / "host.json")
+
+
+@pytest.mark.parametrize("extra", [["--probe-mib", "8"], ["--path", "."], ["--file", "x"]])
+def test_calibration_options_without_calibrate_are_refused_not_ignored(extra: list[str]) -> None:
+    result = runner.invoke(app, ["doctor", *extra])
+    assert result.exit_code == 2, result.output  # was: the plain doctor report, exit 0
+    assert f"{extra[0]} only apply with --calibrate" in result.stderr
