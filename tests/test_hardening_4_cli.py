@@ -106,7 +106,7 @@ HOST = {
     [
         ("fp32_gflops", "Infinity", "finite number"),
         ("fp32_gflops", "1e308", "less than or equal to 1000000"),
-        ("disk_read_gb_per_s", "1e-300", "greater than or equal to 0.001"),
+        ("disk_read_gb_per_s", "1e-300", "greater than or equal to 0.000001"),
         ("memcpy_gb_per_s", "true", "valid number"),
         ("bf16_gflops", '"400"', "valid number"),
         ("cores", "true", "valid integer"),

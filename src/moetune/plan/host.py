@@ -29,7 +29,7 @@ UNCALIBRATED = "uncalibrated: run `moetune doctor --calibrate` to measure this h
 
 # What a rate may be: a number (not a string or a bool), finite, and within what a host can
 # do – 1e308 GFLOP/s or 1e-300 GB/s would plan a step at 0 s or at ages, without a word.
-GFLOPS, GB_PER_S = (1e-3, 1e6), (1e-3, 1e4)
+GFLOPS, GB_PER_S = (1e-6, 1e6), (1e-6, 1e4)
 
 
 def _rate(bounds: tuple[float, float], what: str) -> Any:
