@@ -142,3 +142,11 @@ def test_calibration_options_without_calibrate_are_refused_not_ignored(extra: li
     result = runner.invoke(app, ["doctor", *extra])
     assert result.exit_code == 2, result.output  # was: the plain doctor report, exit 0
     assert f"{extra[0]} only apply with --calibrate" in result.stderr
+
+
+@pytest.mark.parametrize("floor", ["nan", "0", "-0.1", "1.5"])
+def test_a_survival_floor_that_is_not_a_share_is_refused(tmp_path: Path, floor: str) -> None:
+    args = ["export", str(tmp_path / "run"), "--format", "merged", "--out", str(tmp_path / "o")]
+    result = runner.invoke(app, [*args, "--requantize", "--survival-floor", floor])
+    assert result.exit_code == 2, result.output  # nan, 0: was accepted, refusing nothing
+    assert "is not a share in (0, 1]" in result.stderr and "fix:" in result.stderr
