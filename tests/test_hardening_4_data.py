@@ -101,3 +101,23 @@ def test_a_400_megapixel_png_and_a_dir_as_image_are_named(tmp_path):
     assert "is a directory" in info.value.cause
     Image.new("RGB", (4, 4)).save(tmp_path / "ok.png")
     assert with_images("src", "line 1", _image_row("ok.png"), tmp_path)["images"]
+
+
+def test_max_rows_holds_in_the_preview_of_a_streamed_run(tmp_path):
+    """`moetune data` of a streamed run read the first 100 rows of each source, past a
+    smaller max_rows: it showed rows training never reads."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+    from test_data_cli import _config
+
+    cfg = _config(tmp_path)
+    sets = ["--set", "data.streaming=true", "--set", "train.max_steps=2"]
+    sources = f"[{{path: {tmp_path / 'a.jsonl'}, max_rows: 2}}]"
+    result = CliRunner().invoke(
+        app, ["data", cfg, *sets, "--set", f"data.sources={sources}", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert [s["rows"] for s in _json.loads(result.stdout)["sources"]] == [2]  # was: 3
