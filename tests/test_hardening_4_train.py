@@ -76,3 +76,13 @@ def test_the_same_tracker_twice_is_refused_not_logged_twice():
     with pytest.raises(ConfigError) as info:  # was: two tensorboard event files for one run
         parse_config(data, ["output.report_to=[tensorboard, tensorboard]"])
     assert "report_to" in info.value.cause and "tensorboard twice" in info.value.cause
+
+
+def test_a_failed_launch_offers_resume_only_past_a_checkpoint():
+    """Ranks that died before any checkpoint were told to rerun with --resume (it cannot help)."""
+    from moetune.config.sections import TrainArgs
+    from moetune.train.launch import _failed
+
+    t = TrainArgs(nproc=2)
+    assert "--resume" not in _failed(t, 1, resumable=False).fix
+    assert "--resume" in _failed(t, 1, resumable=True).fix
