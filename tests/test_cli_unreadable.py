@@ -59,7 +59,8 @@ def test_unreadable_format_refused_by_every_command(
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
     assert f"cannot read checkpoints quantised as {qcfg['quant_method']}" in lines[0]
     assert "fix:" in lines[0] and "block FP8" in lines[0] and "NVFP4" in lines[0]
-    assert result.stdout.strip() == ""  # no table, no "fits", no JSON plan
+    # no table, no "fits", no JSON plan: with --json the refusal alone, as one JSON object
+    assert json.loads(result.stdout)["error"]["exit_code"] == 2 if extra else not result.stdout
     assert not (tmp_path / "run").exists()  # train wrote nothing
 
 

@@ -81,11 +81,11 @@ def test_a_dir_file_of_a_kind_not_read_is_named_before_anything_is_built(tmp_pat
         _load(tok, sources=[{"path": str(folder)}])
     assert "extra.tsv, notes.txt would not be read" in info.value.cause
     assert "move them out of" in info.value.fix and "\n" not in str(info.value)
-    only_text = tmp_path / "text"  # one kind, whatever it is: datasets reads all of it
+    only_text = tmp_path / "text"  # alone as beside rows: the same refusal (issue 48 item 8)
     only_text.mkdir()
     (only_text / "a.txt").write_text("rev:ab>ba\nrev:cd>dc\n", encoding="utf-8")
-    train, _ = _load(tok, sources=[{"path": str(only_text)}])
-    assert (train.format, list(train.dataset["text"])) == ("text", ["rev:ab>ba", "rev:cd>dc"])
+    with pytest.raises(DataError, match=r"a\.txt would not be read"):
+        _load(tok, sources=[{"path": str(only_text)}])
 
 
 @pytest.mark.parametrize("name", ["rows.jsonl", "rows.csv"])

@@ -173,7 +173,7 @@ def test_vllm_leaves_the_stored_base_as_published(bases: dict[str, Path], tmp_pa
 
 def test_cli_prints_and_emits_survival(bases: dict[str, Path], tmp_path: Path) -> None:
     args = ["export", str(bases["adapter"]), "--base", str(bases["mxfp4"]), "--format", "merged",
-            "--requantize", "--survival-floor", "0", "--no-check"]  # fmt: skip
+            "--requantize", "--survival-floor", "1e-9", "--no-check"]  # fmt: skip
     shown = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a")])
     assert shown.exit_code == 0, shown.output
     assert "re-quantised (mxfp4)" in shown.output and "survives" in shown.output

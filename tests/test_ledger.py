@@ -177,7 +177,8 @@ def test_cli_show_takes_only_known_kinds(tmp_path: Path) -> None:
     Ledger(path).append(_row(1))
     show = ["ledger", "show", "--path", str(path), "--json", "--kind"]
     got = CliRunner().invoke(app, [*show, "trian"])  # a typo used to list nothing, silently
-    assert got.exit_code == 2 and got.stdout == "", got.output
+    assert got.exit_code == 2, got.output  # --json: the refusal as JSON, and nothing listed
+    assert list(json.loads(got.stdout)) == ["error"]
     assert "--kind 'trian' is not a kind of ledger row" in got.stderr
     assert "train, eval, gate, promote, export" in " ".join(got.stderr.split())
     got = CliRunner().invoke(app, [*show, "train"])

@@ -104,7 +104,7 @@ def test_no_file_is_defaults_that_say_so(host_file: Path, tiny: ModelSpec) -> No
 
 @pytest.mark.parametrize(
     ("over", "cause"),
-    [({"fp32_gflops": -1}, "fp32_gflops: Input should be greater than 0"),
+    [({"fp32_gflops": -1}, "fp32_gflops: Input should be greater than or equal to 0.000001"),
      ({"disk_gbps": 1.0}, "disk_gbps: Extra inputs are not permitted")],
 )  # fmt: skip
 def test_a_bad_file_is_refused_in_one_line(host_file: Path, tmp_path: Path,

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from contextvars import ContextVar
 from functools import wraps
 from typing import Annotated, Any, TypeVar
 
@@ -52,8 +53,33 @@ class MaskedStream:
 err_console = Console(file=MaskedStream("stderr"))  # type: ignore[arg-type]
 
 
-def print_error(err: MoetuneError) -> None:
-    """A MoetuneError as the one line a user sees: cause, then fix (secrets masked)."""
+class UsageError(MoetuneError):
+    """A command line typer refused (an unknown option, a missing argument), as --json says it."""
+
+
+# Whether the command being run was given --json: set by the guard as it resolves the
+# command, read wherever an error is printed (a ContextVar: typer vendors its own click).
+JSON_WANTED: ContextVar[bool] = ContextVar("moetune_json", default=False)
+
+
+def wants_json(args: list[str]) -> bool:
+    """Whether a command line asks for --json (options end at a bare "--")."""
+    head = args[: args.index("--")] if "--" in args else args
+    return "--json" in head
+
+
+def emit_error(kind: str, cause: str, fix: str, exit_code: int) -> None:
+    """With --json, an error is one JSON object on stdout too (the line still goes to
+    stderr), so a script reading stdout always gets JSON, whatever went wrong."""
+    error = {"type": kind, "cause": cause, "fix": fix, "exit_code": exit_code}
+    emit_json({"error": error})
+
+
+def print_error(err: MoetuneError, as_json: bool | None = None) -> None:
+    """A MoetuneError as the one line a user sees: cause, then fix (secrets masked); with
+    --json also one JSON object on stdout."""
+    if JSON_WANTED.get() if as_json is None else as_json:
+        emit_error(type(err).__name__, err.cause, err.fix, err.exit_code)
     msg = f"[bold red]error:[/] {escape(mask_text(err.cause))}"
     if err.fix:
         msg += f" [bold]fix:[/] {escape(mask_text(err.fix))}"
@@ -91,6 +117,9 @@ def report_error(err: Exception) -> int:
     if known is not None:
         print_error(known)
         return known.exit_code
+    if JSON_WANTED.get():
+        hint = "rerun as `moetune --debug …` for the traceback"
+        emit_error("unexpected", f"unexpected {type(err).__name__}: {clip(err)}", hint, UNEXPECTED)
     err_console.print(
         f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(clip(err))} "
         "[bold]hint:[/] rerun as `moetune --debug …` (or with MOETUNE_DEBUG=1) for the traceback",
@@ -100,12 +129,23 @@ def report_error(err: Exception) -> int:
     return UNEXPECTED
 
 
-def report_interrupt(err: KeyboardInterrupt) -> int:
-    """Ctrl-C or SIGTERM: one line saying what was kept (click would print a bare "Aborted!")."""
+# What to run after Ctrl-C / SIGTERM, by command: only `train` has a --resume (quickstart and
+# eval start afresh; eval publishes its results only whole, so a stopped one left none).
+RERUN = {
+    "train": "rerun it with --resume (`moetune train … --resume` continues the run from its "
+    "last checkpoint)",
+    "quickstart": "rerun `moetune quickstart` (it starts afresh in a new folder)",
+    "eval": "rerun the same `moetune eval …` (a stopped eval publishes no results; earlier "
+    "ones are as they were)",
+}
+
+
+def report_interrupt(err: KeyboardInterrupt, command: str | None = None) -> int:
+    """Ctrl-C or SIGTERM: one line saying what was kept (click would print a bare "Aborted!")
+    and how to go on with `command` (the subcommand that was stopped)."""
     what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted (Ctrl-C)"
     notes = getattr(err, "__notes__", None)  # a command's own word on what it left (export)
-    default = "rerun the command (`moetune train … --resume` continues a run from its last "
-    fix = escape(notes[-1]) if notes else default + "checkpoint)"
+    fix = escape(notes[-1] if notes else RERUN.get(command or "", "rerun the same command"))
     err_console.print(
         f"[bold yellow]{what}:[/] stopped; finished files and checkpoints are kept and a run "
         f"records the attempt as cancelled in its ledger [bold]fix:[/] {fix}",
@@ -120,13 +160,31 @@ class GuardedGroup(TyperGroup):
     (exit 2), any other exception as one line naming its type (exit 3) – its traceback
     only with --debug or MOETUNE_DEBUG=1."""
 
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        JSON_WANTED.set(JSON_WANTED.get() or wants_json(rest))
+        return name, cmd, rest
+
     def invoke(self, ctx: Any) -> Any:
+        token = JSON_WANTED.set(False)
+        try:
+            return self._guarded(ctx)
+        finally:
+            JSON_WANTED.reset(token)
+
+    def _guarded(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
-        except (typer.Exit, typer.Abort, typer.TyperException):
-            raise  # a command's own exit status, or a usage error typer prints itself
+        except (typer.Exit, typer.Abort):
+            raise  # a command's own exit status
+        except typer.TyperException as err:  # a usage error: typer prints it itself …
+            if not (JSON_WANTED.get() and hasattr(err, "format_message")):
+                raise
+            code = getattr(err, "exit_code", 2)  # … but --json wants it as JSON too
+            print_error(UsageError(err.format_message(), "see the command's --help"))
+            raise typer.Exit(code) from None
         except KeyboardInterrupt as err:
-            raise typer.Exit(report_interrupt(err)) from None
+            raise typer.Exit(report_interrupt(err, ctx.invoked_subcommand)) from None
         except Exception as err:
             debug = ctx.params.get("debug") or os.environ.get("MOETUNE_DEBUG") == "1"
             if debug and not isinstance(err, MoetuneError):

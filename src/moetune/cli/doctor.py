@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from moetune.cli.common import JsonOpt, app, console, emit_json, friendly
+from moetune.errors import ConfigError
 from moetune.units import gib
 
 
@@ -38,14 +39,20 @@ def doctor(
         typer.Option(help="With --calibrate: read this large file instead of writing one."),
     ] = None,
     probe_mib: Annotated[
-        int, typer.Option(min=1, help="With --calibrate: MiB of the disk probe (default 1 GiB).")
-    ] = 1024,
+        int | None,
+        typer.Option(min=1, help="With --calibrate: MiB of the disk probe (default 1 GiB)."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Installed versions, known-bad combinations, hub settings, disk and accelerators."""
     if calibrate:
-        _calibrate(path, file, probe_mib << 20, as_json)
+        _calibrate(path, file, (probe_mib or 1024) << 20, as_json)
         return
+    given = [f for f, v in (("--path", path), ("--file", file), ("--probe-mib", probe_mib)) if v]
+    if given:  # a calibration option alone would be ignored without a word
+        raise ConfigError(
+            f"{', '.join(given)} only apply with --calibrate", "add --calibrate, or drop them"
+        )
     # lazy: the stage loads only when its command runs
     from moetune.lint.doctor import run_doctor
     from moetune.lint.preflight import resolve_run

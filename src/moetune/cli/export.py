@@ -60,7 +60,7 @@ def export_cmd(
     ] = False,
     survival_floor: Annotated[
         float,
-        typer.Option(min=0.0, max=1.0, help="--requantize: least share of ΔW that must survive."),
+        typer.Option(help="--requantize: least share of ΔW that must survive, in (0, 1]."),
     ] = 0.5,
     trust_remote_code: Annotated[
         bool,
@@ -80,7 +80,7 @@ def export_cmd(
         doc = run_check_only(check_only, CheckOptions(items=limit, items_file=items))
     else:
         given = _required(source, fmt, out)
-        extra = {"vllm_layout": vllm_layout, "survival_floor": survival_floor}
+        extra = {"vllm_layout": vllm_layout, "survival_floor": _share(survival_floor)}
         opts = export_options(
             dtype=dtype, max_shard_size=max_shard_size, extra=extra | _requant(requantize, fmt)
         )
@@ -89,6 +89,17 @@ def export_cmd(
         emit_json(doc)
     else:
         _print(doc)
+
+
+def _share(floor: float) -> float:
+    """A survival floor is a share in (0, 1]: NaN passed every comparison (nothing refused)
+    and 0 let any rounding through, both without a word."""
+    if not 0 < floor <= 1:
+        raise ConfigError(
+            f"--survival-floor {floor} is not a share in (0, 1]",
+            "pass e.g. --survival-floor 0.5 (the least share of ΔW the rounding must keep)",
+        )
+    return floor
 
 
 def _required(source: Path | None, fmt: str | None, out: Path | None) -> tuple[Path, str, Path]:

@@ -220,8 +220,12 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
     if not isinstance(data, dict):
         cause = f"{clip(path, 80)} must hold a mapping of sections"
         raise ConfigError(cause, "see configs/ for examples")
+    saved = is_run_config(path)  # rebased first: a --set output.dir=NEW then wins over it
     try:
-        cfg = parse_config(data, overrides)
+        cfg = parse_config(data, None if saved else overrides)
+        if saved:
+            cfg = rebase(cfg, path.parent)
+            cfg = parse_config(cfg.model_dump(mode="json"), overrides) if overrides else cfg
     except ConfigError as err:
         raise ConfigError(f"{clip(path, 80)}: {err.cause}", err.fix) from None
     if not _names_model(data, overrides or []):
@@ -230,7 +234,7 @@ def load_config(path: Path | str, overrides: list[str] | None = None) -> RunConf
             f"{cfg.model.id}",
             "add `model: {id: <your model dir or hub id>}` (or pass --set model.id=...)",
         )
-    return rebase(cfg, path.parent) if is_run_config(path) else cfg
+    return cfg
 
 
 def _names_model(data: dict[str, Any], overrides: list[str]) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from moetune.config.base import (
     FiniteFloat,
@@ -105,6 +105,14 @@ class GrpoArgs(_Section):
     use_vllm: bool = Field(
         False, description="CUDA only: generate with TRL's vLLM mode (needs vllm installed)."
     )
+
+    @field_validator("routing_replay", mode="before")
+    @classmethod
+    def _off_as_yaml_reads_it(cls, value: object) -> object:
+        """`routing_replay: off` unquoted is YAML 1.1's false: the documented default, written
+        as documented, must not be refused (true stays refused: it names no mode)."""
+        return "off" if value is False else value
+
     vllm_mode: Literal["colocate", "server"] = Field(
         "colocate", description="vLLM in this process (colocate) or a `trl vllm-serve` server."
     )

@@ -410,6 +410,14 @@ class OutputArgs(_Section):
         "environment variables say otherwise (`pip install 'moetune[trackers]'`).",
     )
 
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, value: list[str]) -> list[str]:
+        twice = sorted({t for t in value if value.count(t) > 1})
+        if twice:  # transformers would start that tracker twice: two event files, one run
+            raise ValueError(f"names {', '.join(twice)} twice; list each tracker once")
+        return value
+
 
 class HardwareArgs(_Section):
     """Where the run is meant to happen."""

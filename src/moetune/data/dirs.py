@@ -10,6 +10,7 @@ rows are what rows point at, not rows; a dataset card (README.md) is not data ei
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,7 @@ def refuse_unread(lab: str, root: Path, got: DirFiles) -> None:
     """Every data file of a source is read, or the ones left out are named."""
     if not got.unread:
         return
-    names = ", ".join(str(Path(f).relative_to(root)) for f in got.unread[:4])
+    names = ", ".join(os.path.relpath(f, root.resolve()) for f in got.unread[:4])
     more = f" and {len(got.unread) - 4} more" if len(got.unread) > 4 else ""
     raise DataError(
         f"source {lab}: {names}{more} would not be read (moetune reads "

@@ -25,14 +25,38 @@ def _bad_json(path: Path, line: int, exc: json.JSONDecodeError) -> DataError:
     )
 
 
+class _DuplicateKey(ValueError):
+    """A key twice in one JSON object: json keeps the last silently, so a row would train
+    on one of two values the user wrote without a word."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _duplicate(path: Path, where: str, exc: _DuplicateKey) -> DataError:
+    return DataError(
+        f"{path} {where}: key {exc.args[0]!r} appears twice in one object (JSON would keep "
+        "only the last); nothing was trained",
+        "keep one of the two values in that row",
+    )
+
+
 def _read_jsonl(path: Path, text: str) -> Iterator[tuple[str, Any]]:
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            yield f"line {n}", json.loads(line)
+            yield f"line {n}", json.loads(line, object_pairs_hook=_unique)
         except json.JSONDecodeError as exc:
             raise _bad_json(path, n, exc) from None
+        except _DuplicateKey as exc:
+            raise _duplicate(path, f"line {n}", exc) from None
 
 
 def _read_json(path: Path, text: str) -> Iterator[tuple[str, Any]]:
@@ -41,9 +65,11 @@ def _read_json(path: Path, text: str) -> Iterator[tuple[str, Any]]:
         yield from _read_jsonl(path, text)
         return
     try:
-        rows = json.loads(text)
+        rows = json.loads(text, object_pairs_hook=_unique)
     except json.JSONDecodeError as exc:
         raise _bad_json(path, exc.lineno, exc) from None
+    except _DuplicateKey as exc:
+        raise _duplicate(path, "(a JSON array)", exc) from None
     for n, row in enumerate(rows, 1):
         yield f"row {n}", row
 
@@ -68,6 +94,16 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"row {n}", row
 
 
+def refuse_special(path: Path) -> None:
+    """A path that exists but is neither a file nor a dir (a FIFO, a device, a socket) is
+    named as what it is: "not found" would send the user looking for a file that is there."""
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise DataError(
+            f"{path} is not a regular file (a FIFO, device or socket): rows are read from files",
+            "point the source at a data file (.jsonl, .json, .parquet, .csv, .arrow) or a dir",
+        )
+
+
 READERS: dict[str, Callable[[Path], Iterator[tuple[str, Any]]]] = {
     ".jsonl": lambda p: _read_jsonl(p, _read_text(p)),
     ".json": lambda p: _read_json(p, _read_text(p)),
@@ -85,6 +121,7 @@ def read_rows(path: Path) -> list[tuple[str, Any]]:
         )
     if path.is_dir():
         raise DataError(f"{path} is a directory, not a data file", "name the file inside it")
+    refuse_special(path)
     if not path.is_file():
         raise DataError(f"data file {path} not found", "check the path in data.train_file")
     rows = list(reader(path))

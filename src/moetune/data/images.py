@@ -98,11 +98,18 @@ def _placed(turns: Turns, column: list[str]) -> tuple[Turns, list[str]]:
 
 def _decoded(path: Path) -> str | None:
     """Why the image cannot be used, or None."""
+    if path.is_dir():
+        return "is a directory, not an image file"
     if not path.is_file():
-        return "not found"
+        return "not found" if not path.exists() else "is not a regular file"
     try:
         with Image.open(path) as img:
             img.load()
+    except Image.DecompressionBombError:  # not an OSError: Pillow's guard against huge images
+        return (
+            f"is over Pillow's limit of {Image.MAX_IMAGE_PIXELS:,} pixels (a decompression "
+            "bomb, or an image no processor would take whole): downscale it"
+        )
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         return f"cannot be decoded ({str(exc).splitlines()[0][:120] or type(exc).__name__})"
     return None

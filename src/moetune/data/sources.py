@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.data.dirs import BUILDERS, refuse_unread, split_files
 from moetune.data.errors import DataError
-from moetune.data.files import READERS, read_rows
+from moetune.data.files import READERS, read_rows, refuse_special
 
 if TYPE_CHECKING:
     from moetune.config import SourceArgs
@@ -49,7 +49,13 @@ def _numbered(parts: Sequence[tuple[str, Iterable[Any]]]) -> Iterator[Located]:
 
 def _split_of(found: Any, src: SourceArgs) -> Any:
     """The configured split of a DatasetDict (or the dataset itself)."""
-    if not hasattr(found, "keys"):
+    if not hasattr(found, "keys"):  # one Dataset saved alone: it has no splits to pick from
+        if src.split != "train":
+            raise DataError(
+                f"source {label(src)}: a dataset saved alone has no splits, so split "
+                f"{src.split!r} cannot apply",
+                "drop split: from that source (or save a DatasetDict with that split)",
+            )
         return found
     if src.split not in found:
         raise DataError(
@@ -131,9 +137,9 @@ def _folder(src: SourceArgs, path: Path, streaming: bool) -> list[tuple[str, Any
     if src.name:
         return [("", _load_dataset(src, streaming, str(path), src.name))]
     got = split_files(path, src.split, lambda load: _guarded(src, load))
+    refuse_unread(label(src), path, got)  # a dir of .txt alone too: datasets reads it as lines
     if not got.mixed:  # one kind (or none: datasets says what is missing)
         return [("", _load_dataset(src, streaming, str(path), src.name))]
-    refuse_unread(label(src), path, got)
     one = src.model_copy(update={"split": "train"})  # data_files given: all in datasets' train
     return [(f"({builder} files) ", _load_dataset(one, streaming, builder, data_files=files))
             for builder, files in got.by_builder.items()]  # fmt: skip
@@ -149,6 +155,7 @@ def _parts(src: SourceArgs, streaming: bool) -> list[tuple[str, Any]]:
         return _folder(src, path, streaming)
     if path.is_file():
         return [("", _file(src, path, streaming))]
+    refuse_special(path)
     if path.suffix.lower() in BUILDERS or src.path.count("/") != 1:  # a file path, not owner/name
         raise DataError(f"source {src.path} not found", "check data.sources[].path / train_file")
     return [("", _load_dataset(src, streaming, src.path, src.name))]

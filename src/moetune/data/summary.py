@@ -161,7 +161,10 @@ def summarize(
         return _summary_of(cfg, tok, mixed_rows(cfg.data, allowed, cfg.train.seed, checked))
     data = cfg.data.model_copy(update={"streaming": False}) if cfg.data.streaming else cfg.data
     if cfg.data.streaming:  # only a head of each source: the set may not fit in RAM
-        sources = [s.model_copy(update={"max_rows": CHECK_ROWS}) for s in data.train_sources()]
+        sources = [  # a smaller max_rows of the user's is kept
+            s.model_copy(update={"max_rows": min(s.max_rows or CHECK_ROWS, CHECK_ROWS)})
+            for s in data.train_sources()
+        ]
         data = data.model_copy(update={"sources": sources, "train_file": None})
     got = mixed_rows(data, allowed, cfg.train.seed)
     if cfg.data.streaming:

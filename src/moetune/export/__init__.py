@@ -36,7 +36,7 @@ from moetune.export.registry import (
     register,
 )
 from moetune.export.source import resolve_source
-from moetune.io import share_by_umask
+from moetune.io import share_by_umask, write_problem
 from moetune.registry import Registry
 
 # Format modules register themselves on import; a missing one (mlx) is simply not offered.
@@ -61,7 +61,10 @@ def run_export(
     load_formats()
     chosen = exporter(fmt)
     refuse_unchecked(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    problem = write_problem(out, folder=True)  # a file in the way is not "not empty"
+    if problem:
+        raise ExportError(f"--out {clip(out, 80)} {problem}", "pass a new --out folder")
+    if out.exists() and any(out.iterdir()):
         raise ExportError(
             f"{clip(out, 80)} already exists and is not empty",
             "pass a new --out folder (moetune never overwrites files it did not write)",

@@ -13,6 +13,7 @@ from moetune.data.files import read_rows
 from moetune.errors import clip
 from moetune.export.registry import ExportError, Source
 from moetune.io import PROMOTION_FIX, promotion_broken
+from moetune.model.finite import require_adapter_config
 from moetune.model.remote import prepare as prepare_remote
 from moetune.model.sources import resolve_config
 from moetune.model.weight_files import check_weight_files
@@ -59,6 +60,7 @@ def require_buildable(source: Source) -> None:
 
 
 def _adapter_config(adapter_dir: Path) -> dict[str, Any]:
+    require_adapter_config(adapter_dir)  # an empty one is not "names no base"
     try:
         return dict(json.loads((adapter_dir / "adapter_config.json").read_text()))
     except (OSError, ValueError) as err:

@@ -5,12 +5,14 @@ written – merged weights full of NaN, or a gate scored on garbage, are worse t
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+from typing import Any
 
 from moetune.errors import MoetuneError, clip
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
 class NonFiniteError(MoetuneError):
@@ -37,9 +39,45 @@ def first_non_finite(path: Path) -> tuple[str, int] | None:
     return None
 
 
+class AdapterConfigError(MoetuneError):
+    """An adapter_config.json peft cannot load an adapter from."""
+
+
+def _config_problem(config: Any) -> str | None:
+    if not isinstance(config, dict):
+        return f"is a JSON {type(config).__name__}, not an object"
+    if not isinstance(config.get("peft_type"), str) or not config["peft_type"]:
+        return "names no peft_type (empty or truncated)"
+    if config["peft_type"] == "LORA" and not (
+        config.get("target_modules") or config.get("target_parameters")
+    ):
+        return "names no target_modules or target_parameters (the adapter would change nothing)"
+    return None
+
+
+def require_adapter_config(adapter_dir: Path) -> None:
+    """AdapterConfigError (exit 2) when `adapter_dir`'s adapter_config.json is not one peft
+    loads from – checked before any model is built (peft's own error was a bare KeyError
+    after the base had been scored); a missing file is left to the caller's checks."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    if not path.is_file():
+        return
+    try:
+        problem = _config_problem(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        problem = f"cannot be read as JSON ({clip(err, 80)})"
+    if problem:
+        raise AdapterConfigError(
+            f"{clip(path, 100)} {problem}",
+            "point at an adapter dir written by peft's save_pretrained (or `moetune train`)",
+        )
+
+
 def require_finite_adapter(adapter_dir: Path) -> None:
     """NonFiniteError (exit 2) naming the tensor and the file when the adapter in
-    `adapter_dir` holds a NaN or an Inf; a missing file is left to the caller's checks."""
+    `adapter_dir` holds a NaN or an Inf (AdapterConfigError when its config is not one peft
+    reads); a missing file is left to the caller's checks."""
+    require_adapter_config(adapter_dir)
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
         return

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from moetune.errors import ConfigError
+from moetune.errors import ConfigError, ModelSourceError
 
 # Keys moetune adds to catalog files, and checkpoint-only settings that must not reach a
 # bf16 build (from_config would try to set up the quantizer).
@@ -71,8 +71,24 @@ def quant_config_of(config: dict[str, Any]) -> Any:
     source of a base's published format, read into the spec (ModelSpec.quant_config). One
     declared only in hf_quant_config.json is put there by `with_hf_quant_config` first."""
     text = config.get("text_config")
-    return config.get("quantization_config") or (
-        text.get("quantization_config") if isinstance(text, dict) else None)  # fmt: skip
+    for where in (config, text if isinstance(text, dict) else {}):
+        if "quantization_config" in where and where["quantization_config"] is not None:
+            return _checked_quant(where["quantization_config"])
+    return None
+
+
+def _checked_quant(qcfg: Any) -> dict[str, Any]:
+    """A `quantization_config` that says how its weights are stored: a mapping (the formats
+    judge its keys). An empty one or a bare string says a base is quantised but not how
+    (transformers refuses to load it too): refused here, the one place every stage reads."""
+    if isinstance(qcfg, dict) and qcfg:
+        return qcfg
+    got = "empty" if qcfg in ({}, "", []) else f"a {type(qcfg).__name__}, not a mapping"
+    raise ModelSourceError(
+        f"config.json's quantization_config is {got}: it does not say how the weights are stored",
+        "use the config.json published with these weights (a float base has no "
+        "quantization_config at all)",
+    )
 
 
 def with_hf_quant_config(config: dict[str, Any], hf_quant: Any) -> dict[str, Any]:

@@ -14,9 +14,9 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from moetune.config import RunConfig
 from moetune.errors import ConfigError
@@ -27,25 +27,40 @@ CPU_CARD = "cpu"
 UNCALIBRATED = "uncalibrated: run `moetune doctor --calibrate` to measure this host"
 
 
+# What a rate may be: a number (not a string or a bool), finite, and within what a host can
+# do – 1e308 GFLOP/s or 1e-300 GB/s would plan a step at 0 s or at ages, without a word.
+GFLOPS, GB_PER_S = (1e-6, 1e6), (1e-6, 1e4)
+
+
+def _rate(bounds: tuple[float, float], what: str) -> Any:
+    low, high = bounds
+    return Field(strict=True, allow_inf_nan=False, ge=low, le=high,
+                 description=f"{what}; a number from {low:g} to {high:g}.")  # fmt: skip
+
+
 class HostProfile(BaseModel):
     """host.json: one host's measured (or hand-given) rates and what identifies it."""
 
     model_config = ConfigDict(extra="forbid")
 
     cpu: str = Field(description="CPU model name (/proc/cpuinfo 'model name').")
-    cores: PositiveInt = Field(description="Logical CPUs of the host (os.cpu_count()).")
-    threads: PositiveInt = Field(description="torch threads the matmuls were measured with.")
-    ram_bytes: PositiveInt = Field(description="Total RAM in bytes.")
+    cores: PositiveInt = Field(
+        strict=True, description="Logical CPUs of the host (os.cpu_count())."
+    )
+    threads: PositiveInt = Field(
+        strict=True, description="torch threads the matmuls were measured with."
+    )
+    ram_bytes: PositiveInt = Field(strict=True, description="Total RAM in bytes.")
     measured_at: str = Field(description="When the figures were taken (ISO 8601, UTC).")
-    fp32_gflops: PositiveFloat = Field(
-        description="fp32 matmul GFLOP/s at a step's expert shapes, all `threads`."
+    fp32_gflops: float = _rate(
+        GFLOPS, "fp32 matmul GFLOP/s at a step's expert shapes, all `threads`"
     )
-    bf16_gflops: PositiveFloat = Field(description="The same matmuls in bf16.")
-    memcpy_gb_per_s: PositiveFloat = Field(
-        description="A large RAM-to-RAM copy in decimal GB/s (bytes copied per second)."
+    bf16_gflops: float = _rate(GFLOPS, "The same matmuls in bf16")
+    memcpy_gb_per_s: float = _rate(
+        GB_PER_S, "A large RAM-to-RAM copy in decimal GB/s (bytes copied per second)"
     )
-    disk_read_gb_per_s: PositiveFloat = Field(
-        description="Sequential read of the checkpoint's file system, decimal GB/s (O_DIRECT)."
+    disk_read_gb_per_s: float = _rate(
+        GB_PER_S, "Sequential read of the checkpoint's file system, decimal GB/s (O_DIRECT)"
     )
     disk_direct: bool = Field(
         True, description="True when the disk read bypassed the page cache (O_DIRECT)."
@@ -80,9 +95,11 @@ def load_host(path: Path | None = None) -> HostProfile | None:
     """The host profile at `path` (default `host_file()`); None when there is none; a bad
     file is a ConfigError naming the field."""
     path = path or host_file()
+    fix = "fix it (docs/lint.md lists the fields) or rerun `moetune doctor --calibrate`"
+    if path.exists() and not path.is_file():  # a dir there is not "no host file"
+        raise ConfigError(f"host file {path} is not a file", f"remove it or {fix}")
     if not path.is_file():
         return None
-    fix = "fix it (docs/lint.md lists the fields) or rerun `moetune doctor --calibrate`"
     try:
         return HostProfile.model_validate(json.loads(path.read_text(encoding="utf-8")))
     except json.JSONDecodeError as exc:

@@ -53,7 +53,7 @@ from moetune.train.distributed.orphans import LAUNCHED_ENV, die_with_launcher, d
 from moetune.train.distributed.sharded_load import LOAD
 from moetune.train.errors import TrainError
 from moetune.train.result import TrainResult, finished_result
-from moetune.train.rundir.checkpoint import inspect_run
+from moetune.train.rundir.checkpoint import RunDir, inspect_run
 
 CONFIG_NAME = "accelerate.yaml"  # in the run dir, beside config.yaml
 HEADER = "# written by `moetune train --nproc` for accelerate launch; regenerated on each launch\n"
@@ -189,18 +189,21 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
     with nodes.config_home(cfg) as home:
         code = _run_ranks(write_config(cfg, home), [*rdzv_args(cfg), "-m", "moetune", *argv])
     if code != 0:
-        raise nodes.never_met(cfg, started) or _failed(cfg.train, code)
+        resumable = RunDir(Path(cfg.output.dir)).last_checkpoint() is not None
+        raise nodes.never_met(cfg, started) or _failed(cfg.train, code, resumable)
     if cfg.train.node_rank != 0:
         return None
     summary = json.loads((Path(cfg.output.dir) / "summary.json").read_text(encoding="utf-8"))
     return dict(summary["result"])
 
 
-def _failed(t: TrainArgs, code: int) -> TrainError:
+def _failed(t: TrainArgs, code: int, resumable: bool) -> TrainError:
+    """`--resume` is offered only where a checkpoint was saved: before one it cannot help."""
     where = f" of node {t.node_rank} (of {t.nnodes})" if t.nnodes > 1 else ""
+    then = "run the same command with --resume to continue" if resumable else "rerun it"
     return TrainError(
         f"the {t.nproc} training processes{where} failed (exit {code}); their error is above",
-        "fix that cause, then run the same command with --resume to continue",
+        f"fix that cause, then {then}",
     )
 
 
@@ -341,8 +344,10 @@ def launch_or_train(
     def check() -> None:
         # lazy: heavy to import (moetune)
         from moetune.train.setup import as_run, preflight, resolve_placement
+        from moetune.train.stored import check_stored_before_launch
 
         inspect_run(cfg, opts["resume"], opts["overwrite"], opts["overwrite_promoted"])
+        check_stored_before_launch(cfg)  # a stored base each rank would refuse: refused here
         place = resolve_placement(cfg.train)
         nodes.check_devices(cfg.train, place.device)  # ranks ≤ GPUs, or ≤ cores on CPU
         nodes.check_host_ram(cfg)  # and their host RAM ≤ what is free

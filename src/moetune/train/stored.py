@@ -9,6 +9,7 @@ import torch
 
 from moetune.config import RunConfig
 from moetune.config.keys import offload_mode, splits
+from moetune.model import load_spec
 from moetune.model.spec import ModelSpec
 from moetune.model.weight_files import checkpoint_files
 from moetune.plan.step import bnb_linear_bytes
@@ -68,6 +69,17 @@ def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
     if os.path.isdir(cfg.model.id):  # a hub base is checked once its files are here
         open_stored(cfg.model.id, torch.float32)  # every stack's keys and shapes, from headers
     return fmt
+
+
+def check_stored_before_launch(cfg: RunConfig) -> None:
+    """check_stored in the launcher of a several-rank run, before any rank starts: each rank
+    would otherwise refuse it inside, after the launcher's own trace."""
+    # lazy: heavy to import (moetune.engine)
+    from moetune.engine.resolve import resolve_engine
+
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
+    base = cfg.model
+    check_stored(cfg, spec, resolve_engine(spec, cfg.lora, base.experts_dtype, base.quantized_base))
 
 
 def check_bnb_base(cfg: RunConfig, spec: ModelSpec) -> None:

@@ -86,11 +86,17 @@ class StoredFormat(Quantizer):
                     "use the config.json published with these weights (or re-download them)",
                 )
         for name in cls.scales:
+            if not cls.scale_dtype_ok(buffers[name]):  # an int read as a float is silently wrong
+                raise QuantError(f"{where}: {cls.name} scales {name!r} are "
+                                 f"{str(buffers[name].dtype).removeprefix('torch.')}, not the "
+                                 "format's scale type", "use the checkpoint as published "
+                                 "(its scales were converted or are corrupt)")  # fmt: skip
             if buffers[name].is_meta:
                 continue
             values = cls.scale_values(name, buffers[name])
-            if not bool(torch.isfinite(values).all()) or bool((values == 0).any()):
-                raise QuantError(f"{where}: {cls.name} scales {name!r} hold NaN, Inf or zero",
+            if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+                raise QuantError(f"{where}: {cls.name} scales {name!r} hold NaN, Inf or zero "
+                                 "(or negative) values",
                                  "re-download the checkpoint: its scales are corrupt")  # fmt: skip
 
     @classmethod
@@ -101,6 +107,11 @@ class StoredFormat(Quantizer):
     @classmethod
     def scale_values(cls, name: str, scale: torch.Tensor) -> torch.Tensor:
         return scale.float()
+
+    @classmethod
+    def scale_dtype_ok(cls, scale: torch.Tensor) -> bool:
+        """Whether a scale tensor's dtype is one the format stores scales in (float here)."""
+        return scale.is_floating_point()
 
 
 # what publishers leave in float beside a quantised checkpoint's Linears (key fragments)

@@ -42,7 +42,7 @@ class BlockFP8(StoredFormat):
 
     @classmethod
     def bytes_per_param(cls, qcfg: dict[str, Any]) -> float:
-        rows, cols = qcfg.get("weight_block_size") or (128, 128)
+        rows, cols = cls.options(qcfg)["block"]
         return 1 + 4 / (rows * cols)
 
     @classmethod
@@ -85,6 +85,10 @@ class BlockFP8(StoredFormat):
     @classmethod
     def scale_values(cls, name: str, scale: torch.Tensor) -> torch.Tensor:
         return _fp8_scales(scale)
+
+    @classmethod
+    def scale_dtype_ok(cls, scale: torch.Tensor) -> bool:
+        return scale.is_floating_point() or scale.dtype == torch.uint8  # uint8: ue8m0 bytes
 
     @classmethod
     def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],
@@ -136,12 +140,15 @@ def _scale_(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tor
 
 
 def _block_of(block: Any) -> tuple[int, int]:
-    try:
-        rows, cols = (int(b) for b in block)
-    except (TypeError, ValueError):
+    """Two positive integer sizes; a number, a string ("64" would read as 6 x 4) or a bool
+    is refused, never guessed."""
+    whole = isinstance(block, list | tuple) and len(block) == 2
+    if whole and all(isinstance(b, int) and not isinstance(b, bool) for b in block):
+        rows, cols = block
+    else:
         rows = cols = 0
     if rows <= 0 or cols <= 0:
-        raise QuantError(f"fp8 weight_block_size {block!r} is not two positive sizes",
+        raise QuantError(f"fp8 weight_block_size {block!r} is not two positive integer sizes",
                          "use the config.json published with these weights")  # fmt: skip
     return rows, cols
 

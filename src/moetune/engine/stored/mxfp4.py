@@ -52,7 +52,12 @@ class MXFP4(StoredFormat):
 
     @classmethod
     def scale_values(cls, name: str, scale: torch.Tensor) -> torch.Tensor:
-        return (scale.to(torch.float32) - 127).exp2()
+        values = (scale.to(torch.float32) - 127).exp2()
+        return values.masked_fill(scale == 0xFF, float("nan"))  # e8m0's one NaN code
+
+    @classmethod
+    def scale_dtype_ok(cls, scale: torch.Tensor) -> bool:
+        return scale.dtype == torch.uint8  # e8m0 exponents, one byte each
 
     @classmethod
     def dequantize(cls, buffers: dict[str, torch.Tensor], out_in: tuple[int, int],

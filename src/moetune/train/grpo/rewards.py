@@ -24,7 +24,7 @@ import functools
 import importlib
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from moetune.errors import clip
@@ -188,7 +188,8 @@ class GuardedReward:
         self.failed = self.scored = 0
 
     def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[Any]:
-        values = [_finite_or_none(v) for v in self.func(prompts, completions, **columns)]
+        got = self._checked(self.func(prompts, completions, **columns), len(completions))
+        values = [_finite_or_none(v) for v in got]
         failed = sum(v is _FAILED for v in values)
         self.failed, self.scored = self.failed + failed, self.scored + len(values)
         if values and failed == len(values):
@@ -198,6 +199,20 @@ class GuardedReward:
                 "make the reward return a finite number (or None: no reward) per completion",
             )
         return [None if v is _FAILED else v for v in values]
+
+    def _checked(self, got: Any, wanted: int) -> Any:
+        """`got` when it is one value per completion; a RewardError naming the reward and
+        what it returned otherwise (a dict, None or a short list reached TRL as a bare
+        TypeError or ValueError, or as "no finite value")."""
+        fix = "return a list with one float (or None: no reward) per completion, in order"
+        if isinstance(got, str | bytes | Mapping) or not hasattr(got, "__len__"):
+            what = "None" if got is None else f"a {type(got).__name__}"
+            raise RewardError(f"reward {self.name} returned {what}, not a list of values", fix)
+        if len(got) != wanted:
+            raise RewardError(
+                f"reward {self.name} returned {len(got)} values for {wanted} completions", fix
+            )
+        return got
 
     def warning(self) -> str | None:
         """The run's warning when some of this reward's values failed."""
