@@ -138,7 +138,9 @@ def test_train_preflight_refuses_the_card_in_one_line(
     monkeypatch: pytest.MonkeyPatch, tiny_model: Path
 ) -> None:
     _cuda(monkeypatch, None, False)
-    cfg = RunConfig.model_validate({"model": {"id": str(tiny_model)}, "hardware": {"card": "L4"}})
+    cfg = RunConfig.model_validate(
+        {"model": {"id": str(tiny_model)}, "hardware": {"card": "L4"}, "train": {"seq_len": 64}}
+    )
     with pytest.raises(TrainError) as exc:
         preflight(cfg, allow_errors=False)
     assert exc.value.cause.startswith("[CARD-NOT-HERE] hardware.card L4 is a CUDA card")

@@ -57,9 +57,9 @@ def test_hardware_card_memory_gb_names_the_card_and_a_second_name_is_refused(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "run.yaml"
-    path.write_text("hardware:\n  card_memory_gb: 24\n")
+    path.write_text("model:\n  id: my/model\nhardware:\n  card_memory_gb: 24\n")
     assert load_config(path).hardware.card == "24GB"
-    path.write_text("hardware:\n  card: T4\n  card_memory_gb: 24\n")
+    path.write_text("model:\n  id: my/model\nhardware:\n  card: T4\n  card_memory_gb: 24\n")
     with pytest.raises(ConfigError, match="both name the card"):
         load_config(path)
 
