@@ -204,10 +204,9 @@ def test_recipe_of_a_plain_run_says_peft_alone_does_it(tiny) -> None:
 
 @pytest.mark.slow
 def test_user_dpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
-    """A plain TRL DPOTrainer over moetune.load's model (lora.engine peft: TRL adds its
-    frozen "ref" copy of the fresh adapter, which peft cannot add beside split expert LoRA)
-    trains the adapter `moetune train` trains, whose reference is the adapter disabled –
-    the same policy while LoRA B is zero."""
+    """A plain TRL DPOTrainer over moetune.load's model (split expert LoRA: TRL adds its
+    frozen "ref" copy of the fresh adapter beside it) trains the adapter `moetune train`
+    trains, whose reference is the adapter disabled – the same policy while LoRA B is zero."""
     from datasets import load_dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -216,7 +215,7 @@ def test_user_dpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
     root, model_dir, _ = tiny
     pref = write_jsonl(root / "pref.jsonl", preference_rows(8))
     cfg = run_config(model_dir, pref, root / "dpo", method="dpo", max_steps=3, save_steps=3,
-                     routing_every=0, lora__engine="peft")  # fmt: skip
+                     routing_every=0)  # fmt: skip
     with one_thread():
         ours = moetune.train_run(cfg, progress=False)
         loaded = moetune.load(cfg)
