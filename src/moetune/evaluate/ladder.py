@@ -177,6 +177,7 @@ def _stderr(scores: list[float]) -> float:
 
 def items_jsonl(s: Scored) -> str:
     assert s.base is not None and s.candidate is not None
+    items = s.items or [{}] * len(s.base)  # lm_eval: the harness holds its documents
     rows = (
         {
             "i": i,
@@ -184,8 +185,9 @@ def items_jsonl(s: Scored) -> str:
             "candidate": c.score,
             "base_output": b.output,
             "candidate_output": c.output,
+            **s.rung.shown(item),
         }
-        for i, (b, c) in enumerate(zip(s.base, s.candidate, strict=True))
+        for i, (item, b, c) in enumerate(zip(items, s.base, s.candidate, strict=True))
     )
     return "".join(json.dumps(row, default=str) + "\n" for row in rows)
 

@@ -65,6 +65,12 @@ class Rung(ABC):
         """Figures beside the mean that a person reads (e.g. perplexity)."""
         return {}
 
+    def shown(self, item: Item) -> dict[str, Any]:
+        """What a person reads of an item beside the models' outputs: its prompt and the
+        expected answer (the per-item file, the gate's and the report's examples)."""
+        prompt = item.get("prompt", item.get("text"))
+        return {"prompt": prompt, "expected": item.get("answer", item.get("completion"))}
+
     # ------------------------------------------------------------ shared item reading
 
     def data_path(self) -> Path:
@@ -236,6 +242,11 @@ class MultipleChoiceRung(Rung):
             return _need_strings(item, "prompt")
 
         return self.read_items(limit, check)
+
+    def shown(self, item: Item) -> dict[str, Any]:
+        index = _answer_index(item)
+        expected = item["choices"][index] if index is not None else None
+        return {"prompt": item.get("prompt"), "expected": expected}
 
     def score(
         self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
