@@ -27,6 +27,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetune.config import RunConfig
+from moetune.data.rendering import RAW, Rendering
+from moetune.data.template import use_template
 from moetune.errors import clip, os_problem
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.gate import gate_results, paired
@@ -91,25 +93,53 @@ def load_ladder(cfg: RunConfig, limit: int | None) -> list[Scored]:
     return [Scored(rung, rung.load(limit)) for rung in map(make_rung, cfg.eval.rungs)]
 
 
-def load_model(cfg: RunConfig) -> tuple[Any, Any]:
-    """The base model and tokenizer, placed like training would place them."""
+def run_rendering(cfg: RunConfig, show: bool) -> Rendering:
+    """How the run's rows became text (its data.json, written by train): the eval renders
+    its prompts the same way. No record (no run trained in output.dir): as written, said."""
+    path = Path(cfg.output.dir) / "data.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        doc = {}
+    if isinstance(doc, dict) and "rendering" in doc:
+        return Rendering.from_json(doc["rendering"])
+    if show:
+        note = f"{path} records no row rendering (no run trained there): prompts are scored "
+        note += "as written, not through a chat template"
+        Console(stderr=True).print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
+    return RAW
+
+
+def eval_tokenizer(cfg: RunConfig, rendering: Rendering) -> Any:
+    """The tokenizer as training set it up (data.chat_template on it), checked to carry the
+    template the run trained with."""
+    # lazy: heavy to import (transformers, via moetune.train)
+    from moetune.train.setup import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.id)
+    use_template(tokenizer, cfg.data.chat_template)
+    rendering.check_tokenizer(tokenizer)
+    return tokenizer
+
+
+def load_model(cfg: RunConfig) -> Any:
+    """The base model, placed like training would place it."""
     # lazy: heavy to import (torch, moetune.engine, moetune.train)
     import torch
 
     from moetune.engine.resolve import resolve_engine
     from moetune.train.model import load_model as load_weights
-    from moetune.train.setup import load_tokenizer, resolve_placement
+    from moetune.train.setup import resolve_placement
     from moetune.train.stored import stored_base
 
     place = resolve_placement(cfg.train)
-    tokenizer = load_tokenizer(cfg.model.id)
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
     stored, dtype = stored_base(cfg, spec), place.load_dtype(cfg.model.dtype)
     model = load_weights(cfg, place, engine, stored, dtype).to(place.device)
     model.eval()
     torch.manual_seed(cfg.train.seed)
-    return model, tokenizer
+    return model
 
 
 def _check_base_files(cfg: RunConfig, show: bool) -> None:
@@ -248,7 +278,11 @@ def score_ladder(
     results = cfg.eval.results_path(cfg.output.dir)
     refuse_unasked_replace(results, overwrite)
     _check_base_files(cfg, show)  # a damaged local base: one line, before any load
-    model, tokenizer = load_model(cfg)
+    rendering = run_rendering(cfg, show)
+    tokenizer = eval_tokenizer(cfg, rendering)  # another template than trained: refused here
+    for s in ladder:
+        s.rung.rendering = rendering
+    model = load_model(cfg)
     score_all(ladder, model, tokenizer, cfg, "base", show)
     with warnings.catch_warnings():  # peft calls a transformers API deprecated for v6
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
@@ -262,6 +296,7 @@ def score_ladder(
         "ledger": cfg.output.ledger,
         "gate": cfg.eval.gate.model_dump(mode="json"),
         "limit": limit if limit is not None else cfg.eval.limit,
+        "rendering": rendering.to_json(),
         "seconds": round(time.perf_counter() - started, 3),
         "time": time.time(),
         **{k: v for k, v in ledger_fields(cfg).items() if k != "versions"},

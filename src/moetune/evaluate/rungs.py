@@ -8,10 +8,14 @@ better": accuracy in [0, 1], or minus the mean negative log-likelihood per token
 
     loss             {"text": ...} or {"prompt": ..., "completion": ...}   -NLL per token
     exact_match      {"prompt": ..., "answer": ...}    greedy output == answer (then EOS)
+    contains         {"prompt": ..., "answer": ...}    the answer appears in the greedy output
     multiple_choice  {"prompt": ..., "choices": [...], "answer": index or choice}
     lm_eval          a task of lm-evaluation-harness (optional extra; see lmeval.py)
 
-This module holds the registry and the three built-in kinds; it imports no other kind
+Prompts are rendered as the run's rows were (`self.rendering`, from its data.json): through
+the chat template that trained the adapter, or as written.
+
+This module holds the registry and the four built-in kinds; it imports no other kind
 module – importing moetune.evaluate registers lmeval's.
 """
 
@@ -26,6 +30,7 @@ from typing import Any, ClassVar
 
 from moetune.config import RungArgs
 from moetune.data.errors import DataError
+from moetune.data.rendering import RAW
 from moetune.data.files import read_rows
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.scoring import Advance, continuation_logprobs, generate, until_eos
@@ -48,6 +53,8 @@ class Rung(ABC):
 
     def __init__(self, args: RungArgs, field: str | None = None) -> None:
         self.args = args
+        # how the run's rows became text: the eval renders its prompts the same way
+        self.rendering = RAW
         # what the user set to give this rung its file: named in every error about it
         self.field = field or f"eval.rungs[].data of rung {args.name!r}"
 
@@ -157,7 +164,8 @@ class LossRung(Rung):
         if "text" in item:
             ids = _ids(tokenizer, item["text"], True)
             return ids[:1], ids[1:]  # every token but the first is predicted
-        return _ids(tokenizer, item["prompt"], True), _ids(tokenizer, item["completion"], False)
+        prompt = self.rendering.prompt_ids(tokenizer, item["prompt"])
+        return prompt, _ids(tokenizer, item["completion"], False)
 
     def score(
         self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
@@ -184,7 +192,8 @@ class LossRung(Rung):
 
 @register_rung
 class ExactMatchRung(Rung):
-    """Greedy generation; right when the text before EOS equals the answer (stripped)."""
+    """Greedy generation; right when the text before EOS (or the chat turn's end) equals the
+    answer (stripped)."""
 
     kind = "exact_match"
     example = '{"prompt": "...", "answer": "..."}'
@@ -192,22 +201,45 @@ class ExactMatchRung(Rung):
     def load(self, limit: int | None) -> list[Item]:
         return self.read_items(limit, lambda item: _need_strings(item, "prompt", "answer"))
 
-    def _limit(self, tokenizer: Any, item: Item) -> int:
-        # room for the answer and EOS: a model that runs past it is wrong whatever follows
-        return self.args.max_new_tokens or len(_ids(tokenizer, item["answer"], False)) + 1
+    def _limit(self, tokenizer: Any, item: Item, end: str) -> int:
+        # room for the answer and its end (EOS, or the turn's end): a model that runs past
+        # it is wrong whatever follows
+        room = len(_ids(tokenizer, end, False)) if end else 1
+        return self.args.max_new_tokens or len(_ids(tokenizer, item["answer"], False)) + room
+
+    def right(self, text: str, answer: str) -> bool:
+        return text.strip() == answer.strip()
 
     def score(
         self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
     ) -> list[ItemScore]:
-        eos = int(tokenizer.eos_token_id)
-        prompts = [_ids(tokenizer, item["prompt"], True) for item in items]
-        limits = [self._limit(tokenizer, item) for item in items]
+        eos, end = int(tokenizer.eos_token_id), self.rendering.turn_end(tokenizer)
+        prompts = [self.rendering.prompt_ids(tokenizer, item["prompt"]) for item in items]
+        limits = [self._limit(tokenizer, item, end) for item in items]
         outputs = generate(model, prompts, limits, eos, batch_size, advance)
         scores = []
         for item, new in zip(items, outputs, strict=True):
             text = str(tokenizer.decode(until_eos(new, eos)[0]))
-            scores.append(ItemScore(float(text.strip() == item["answer"].strip()), text))
+            text = text.split(end, 1)[0] if end else text  # the turn's end closes the answer
+            scores.append(ItemScore(float(self.right(text, item["answer"])), text))
         return scores
+
+
+@register_rung
+class ContainsRung(ExactMatchRung):
+    """Greedy generation of up to max_new_tokens (default 64); right when the answer appears
+    in the text before EOS (or the chat turn's end) – for answers inside a sentence."""
+
+    kind = "contains"
+
+    def _limit(self, tokenizer: Any, item: Item, end: str) -> int:
+        return self.args.max_new_tokens or CONTAINS_TOKENS
+
+    def right(self, text: str, answer: str) -> bool:
+        return answer.strip() in text
+
+
+CONTAINS_TOKENS = 64
 
 
 # ---------------------------------------------------------------- multiple choice
@@ -253,7 +285,7 @@ class MultipleChoiceRung(Rung):
     ) -> list[ItemScore]:
         contexts, conts, owner = [], [], []
         for i, item in enumerate(items):
-            ctx = _ids(tokenizer, item["prompt"], True)
+            ctx = self.rendering.prompt_ids(tokenizer, item["prompt"])
             for choice in item["choices"]:
                 contexts.append(ctx)
                 conts.append(_ids(tokenizer, choice, False))
