@@ -23,15 +23,20 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 from moetune.config import RungArgs
 from moetune.data.errors import DataError
 from moetune.data.rendering import RAW
-from moetune.data.files import read_rows
+from moetune.data.rungs import (
+    RUNG_ROWS,
+    Problem,
+    answer_index,
+    data_field,
+    kind_problem,
+    rung_items,
+)
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.scoring import Advance, continuation_logprobs, generate, until_eos
 from moetune.registry import Registry
@@ -46,7 +51,8 @@ class ItemScore:
 
 
 class Rung(ABC):
-    """One rung kind. Subclasses set `kind` and `unit` and implement `load` and `score`."""
+    """One rung kind. Subclasses set `kind` and `unit` and implement `score` (`load`: the
+    checked rows of its file, unless the kind reads its data another way)."""
 
     kind: ClassVar[str]
     unit: ClassVar[str] = "accuracy"  # accuracy | neg_nll
@@ -56,11 +62,7 @@ class Rung(ABC):
         # how the run's rows became text: the eval renders its prompts the same way
         self.rendering = RAW
         # what the user set to give this rung its file: named in every error about it
-        self.field = field or f"eval.rungs[].data of rung {args.name!r}"
-
-    @abstractmethod
-    def load(self, limit: int | None) -> list[Item]:
-        """The rung's items (the first `limit`), every one checked."""
+        self.field = field or data_field(args)
 
     @abstractmethod
     def score(
@@ -80,41 +82,26 @@ class Rung(ABC):
 
     # ------------------------------------------------------------ shared item reading
 
-    def data_path(self) -> Path:
-        if not self.args.data:
-            raise EvalError(
-                f"rung {self.args.name!r} ({self.kind}) has no data file",
-                f"set eval.rungs[].data for {self.args.name!r} to a JSONL file",
-            )
-        return Path(self.args.data)  # relative to the working dir, like data.train_file
-
-    def read_items(self, limit: int | None, check: Callable[[Item], str | None]) -> list[Item]:
-        """Rows of the data file; the first bad one raises with its file and line."""
-        path = self.data_path()
+    def read_items(self, limit: int | None) -> list[Item]:
+        """Rows of the data file, checked as lint and the train preflight check them; the
+        first bad one raises with its file and line."""
         try:
-            rows = read_rows(path)
+            return rung_items(self.args, limit, self.field)
         except DataError as err:
-            raise EvalError(
-                f"{self.field}: {err.cause}",
-                f"point {self.field} at a JSONL file of {self.example} rows",
-            ) from None
-        items = [row for _, row in rows][:limit]
-        for (where, _), item in zip(rows, items, strict=False):
-            problem = check(item) if isinstance(item, dict) else "is not a JSON object"
-            if problem:
-                raise EvalError(
-                    f"rung {self.args.name!r}: {path} {where}: row {problem}",
-                    f"{self.kind} rows look like {self.example}",
-                )
-        return items
+            raise EvalError(err.cause, err.fix) from None
 
-    example: ClassVar[str] = ""
+    def load(self, limit: int | None) -> list[Item]:
+        return self.read_items(limit)
 
 
 RUNG_KINDS: Registry[type[Rung]] = Registry("rung kind", EvalError)
 
 
 def register_rung(cls: type[Rung]) -> type[Rung]:
+    """A rung kind's scorer; its rows are declared in data/rungs.py's RUNG_ROWS first (lint
+    and the train preflight check them there, below this floor)."""
+    if cls.kind not in RUNG_ROWS:
+        raise TypeError(f"rung kind {cls.kind!r}: declare its rows in RUNG_ROWS first")
     return RUNG_KINDS.add(cls.kind, cls)
 
 
@@ -122,19 +109,13 @@ def make_rung(args: RungArgs, field: str | None = None) -> Rung:
     """The rung object for a config entry (`field`: the option that gave its file, for
     errors); an unknown kind names the known ones."""
     if args.kind not in RUNG_KINDS:
-        raise EvalError(
-            f"rung {args.name!r}: unknown kind {args.kind!r}",
+        problem = kind_problem(args) or Problem(
+            f"rung {args.name!r}: kind {args.kind!r} declares its rows but has no scorer",
             f"use one of: {', '.join(RUNG_KINDS.names())}",
         )
+        raise EvalError(problem.cause, problem.fix)
     cls = RUNG_KINDS.get(args.kind)
     return cls(args, field)
-
-
-def _need_strings(item: Item, *keys: str) -> str | None:
-    for key in keys:
-        if not isinstance(item.get(key), str) or not item[key]:
-            return f"needs a non-empty string {key!r}"
-    return None
 
 
 def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
@@ -150,15 +131,6 @@ class LossRung(Rung):
 
     kind = "loss"
     unit = "neg_nll"
-    example = '{"text": "..."} or {"prompt": "...", "completion": "..."}'
-
-    def load(self, limit: int | None) -> list[Item]:
-        def check(item: Item) -> str | None:
-            if "text" in item:
-                return _need_strings(item, "text")
-            return _need_strings(item, "prompt", "completion")
-
-        return self.read_items(limit, check)
 
     def _split(self, tokenizer: Any, item: Item) -> tuple[list[int], list[int]]:
         if "text" in item:
@@ -196,10 +168,6 @@ class ExactMatchRung(Rung):
     answer (stripped)."""
 
     kind = "exact_match"
-    example = '{"prompt": "...", "answer": "..."}'
-
-    def load(self, limit: int | None) -> list[Item]:
-        return self.read_items(limit, lambda item: _need_strings(item, "prompt", "answer"))
 
     def _limit(self, tokenizer: Any, item: Item, end: str) -> int:
         # room for the answer and its end (EOS, or the turn's end): a model that runs past
@@ -245,13 +213,6 @@ CONTAINS_TOKENS = 64
 # ---------------------------------------------------------------- multiple choice
 
 
-def _answer_index(item: Item) -> int | None:
-    answer, choices = item.get("answer"), item.get("choices")
-    if isinstance(answer, int) and not isinstance(answer, bool):
-        return answer if 0 <= answer < len(choices or []) else None
-    return choices.index(answer) if isinstance(choices, list) and answer in choices else None
-
-
 @register_rung
 class MultipleChoiceRung(Rung):
     """The choice with the highest log-likelihood after the prompt; right when it is the answer.
@@ -260,23 +221,9 @@ class MultipleChoiceRung(Rung):
     tokenizer expects one (" Paris"), as lm-evaluation-harness does."""
 
     kind = "multiple_choice"
-    example = '{"prompt": "...", "choices": ["a", "b"], "answer": 0}'
-
-    def load(self, limit: int | None) -> list[Item]:
-        def check(item: Item) -> str | None:
-            choices = item.get("choices")
-            if not isinstance(choices, list) or len(choices) < 2:
-                return "needs 'choices': a list of at least two strings"
-            if not all(isinstance(c, str) and c for c in choices):
-                return "has a choice that is not a non-empty string"
-            if _answer_index(item) is None:
-                return "needs 'answer': an index into choices or one of the choices"
-            return _need_strings(item, "prompt")
-
-        return self.read_items(limit, check)
 
     def shown(self, item: Item) -> dict[str, Any]:
-        index = _answer_index(item)
+        index = answer_index(item)
         expected = item["choices"][index] if index is not None else None
         return {"prompt": item.get("prompt"), "expected": expected}
 
@@ -297,6 +244,6 @@ class MultipleChoiceRung(Rung):
         advance(len(items))
         picks = [max(range(len(ll)), key=ll.__getitem__) for ll in per_item]
         return [
-            ItemScore(float(pick == _answer_index(item)), pick)
+            ItemScore(float(pick == answer_index(item)), pick)
             for item, pick in zip(items, picks, strict=True)
         ]

@@ -21,6 +21,7 @@ from moetune.config import RunConfig, TrainArgs
 from moetune.data import TrainData, check_sources, load_train_data
 from moetune.data.load import Checked
 from moetune.data.rendering import Rendering, template_source
+from moetune.data.rungs import check_ladder
 from moetune.data.summary import Summary, summarize
 from moetune.io import atomic_write_json
 from moetune.lint.preflight import lint_run
@@ -263,8 +264,10 @@ def check_streaming(cfg: RunConfig) -> None:
 def check_data(cfg: RunConfig, formats: tuple[str, ...]) -> Checked:
     """The data checks `moetune train` and `moetune data` both run before a tokenizer loads
     (one function: the preview never passes what training refuses): a streamed set needs
-    train.max_steps; every row of every source read and checked (data.streaming: a head)."""
+    train.max_steps; every row of every source read and checked (data.streaming: a head);
+    the eval ladder's kinds, rung files and rows, as lint's EVAL-LADDER checks them."""
     check_streaming(cfg)
+    check_ladder(cfg.eval)  # an eval that would fail is found before the spend, not after
     return check_sources(cfg.data, formats)
 
 
