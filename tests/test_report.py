@@ -447,7 +447,7 @@ def test_a_no_go_shows_the_failing_rungs_items_and_an_unpromoted_export(evaluate
     (run / "exports.json").write_text(json.dumps(exports))
     html = build_report(run, out=tmp_path / "no-go.html").read_text()
     assert "Failing rungs: the worst items" in html
-    row = "<td>copy-skill</td><td class=\"n\">7</td><td class=\"w\">rev:abc&gt;</td>"
+    row = '<td>copy-skill</td><td class="n">7</td><td class="w">rev:abc&gt;</td>'
     assert row in html and "&lt;b&gt;zzz&lt;/b&gt;" in html  # the outputs, escaped
     assert "served == trained · NOT PROMOTED" in html and note in html
     assert "not promoted" in html

@@ -55,8 +55,7 @@ class Rendering:
                 "data.json's rendering record is damaged",
                 "re-run `moetune train` (data.json is written by it, never by hand)",
             )
-        keys = ("format", "chat", "template", "template_sha256")
-        return cls(**{k: doc.get(k) for k in keys})
+        return cls(doc.get("format"), doc["chat"], doc.get("template"), doc.get("template_sha256"))
 
     def check_tokenizer(self, tok: PreTrainedTokenizerBase) -> None:
         """The eval's tokenizer must carry the template the run trained with."""
@@ -87,7 +86,9 @@ class Rendering:
 
 def template_source(chat_template: str | None, model_id: str) -> str:
     """Where a run's chat template comes from, in words (data.json and its errors)."""
-    return f"data.chat_template {chat_template}" if chat_template else f"the tokenizer of {model_id}"
+    return (
+        f"data.chat_template {chat_template}" if chat_template else f"the tokenizer of {model_id}"
+    )
 
 
 RAW = Rendering(None, False)  # prompts scored as written (no record of the run's format)

@@ -63,7 +63,9 @@ def answer_index(item: Item) -> int | None:
 
 
 def _loss_row(item: Item) -> str | None:
-    return need_strings(item, "text") if "text" in item else need_strings(item, "prompt", "completion")
+    return (
+        need_strings(item, "text") if "text" in item else need_strings(item, "prompt", "completion")
+    )
 
 
 def _answer_row(item: Item) -> str | None:
@@ -82,11 +84,14 @@ def _choice_row(item: Item) -> str | None:
 
 
 ANSWER_ROW = '{"prompt": "...", "answer": "..."}'
-RUNG_ROWS.add("loss", RungRows('{"text": "..."} or {"prompt": "...", "completion": "..."}', _loss_row))
+RUNG_ROWS.add(
+    "loss", RungRows('{"text": "..."} or {"prompt": "...", "completion": "..."}', _loss_row)
+)
 RUNG_ROWS.add("exact_match", RungRows(ANSWER_ROW, _answer_row))
 RUNG_ROWS.add("contains", RungRows(ANSWER_ROW, _answer_row))
 RUNG_ROWS.add(
-    "multiple_choice", RungRows('{"prompt": "...", "choices": ["a", "b"], "answer": 0}', _choice_row)
+    "multiple_choice",
+    RungRows('{"prompt": "...", "choices": ["a", "b"], "answer": 0}', _choice_row),
 )
 RUNG_ROWS.add("lm_eval", RungRows("task: <name>, include_path: <folder>", None, metric=True))
 
