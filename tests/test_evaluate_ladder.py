@@ -152,9 +152,12 @@ def test_limit_gives_inconclusive_never_go(
         "eval", str(config), "--adapter", str(adapters["identity"]), "--limit", "4", "--json"
     )
     doc = json.loads(out.stdout)
-    assert doc["verdict"] == "INCONCLUSIVE"
+    assert doc["verdict"] == "INCONCLUSIVE" and out.exit_code == 1  # never GO: exit 1
     assert all(r["n"] == 4 and r["n_needed"] > 4 for r in doc["rungs"])
     assert invoke("gate", str(tmp_path / "run" / "eval")).exit_code == 1
+    # a caller that gates the results itself (the lane, on a pod) asks for exit 0
+    again = ("eval", str(config), "--adapter", str(adapters["identity"]), "--limit", "4")
+    assert invoke(*again, "--overwrite", "--no-gate-exit").exit_code == 0
     from moetune.evaluate import GateError, promote
 
     with pytest.raises(GateError, match="INCONCLUSIVE"):

@@ -375,6 +375,14 @@ def eval_cmd(
     provider: Annotated[
         str, opt("provider", "Only one that runs here (remote evals run in `moetune launch`).")
     ] = "local",
+    gate_exit: Annotated[
+        bool,
+        typer.Option(
+            "--gate-exit/--no-gate-exit",
+            help="Exit 1 unless GO, as `gate` does (--no-gate-exit: 0 whenever the eval ran, "
+            "for a caller that gates the results itself, as `moetune launch` does).",
+        ),
+    ] = True,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -394,7 +402,7 @@ def eval_cmd(
         emit_json(doc)
     else:
         _print_verdict(doc, cfg.eval.results_path(cfg.output.dir))
-    if doc["verdict"] != "GO":  # as `gate`: `eval && export` never ships a NO-GO
+    if gate_exit and doc["verdict"] != "GO":  # as `gate`: `eval && export` stops at a NO-GO
         raise typer.Exit(1)
 
 
