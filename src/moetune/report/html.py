@@ -25,8 +25,8 @@ from markupsafe import Markup
 
 import moetune.report.plots as plots
 from moetune.config import load_yaml
-from moetune.errors import clip
 from moetune.io import atomic_write_text, masked, promotion_broken
+from moetune.report.examples import failing_examples
 from moetune.report.exports import exports_section
 from moetune.report.inputs import lookup, missing, read_json, read_jsonl
 from moetune.report.out import ReportError, check_out
@@ -433,18 +433,6 @@ def gate_section(inp: Inputs) -> dict[str, Any]:
         "rungs": [{k: r.get(k) for k in GATE_KEYS} for r in verdict["rungs"]],
         "examples": failing_examples(verdict),
     }
-
-
-def failing_examples(verdict: dict[str, Any]) -> list[dict[str, str]]:
-    """Per failing rung, the few items the gate kept (prompt, expected, base and candidate
-    output), each cell clipped to one readable line."""
-    keys = ("i", "prompt", "expected", "base_output", "candidate_output")
-    return [
-        {"rung": str(r.get("name")), **{k: clip(show(ex.get(k)), 200) for k in keys}}
-        for r in verdict["rungs"]
-        for ex in (r.get("examples") or [])
-        if isinstance(ex, dict)
-    ]
 
 
 # ---------------------------------------------------------------- rendering
