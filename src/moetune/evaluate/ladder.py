@@ -93,21 +93,19 @@ def load_ladder(cfg: RunConfig, limit: int | None) -> list[Scored]:
     return [Scored(rung, rung.load(limit)) for rung in map(make_rung, cfg.eval.rungs)]
 
 
-def run_rendering(cfg: RunConfig, show: bool) -> Rendering:
+def run_rendering(cfg: RunConfig) -> tuple[Rendering, str | None]:
     """How the run's rows became text (its data.json, written by train): the eval renders
-    its prompts the same way. No record (no run trained in output.dir): as written, said."""
+    its prompts the same way. No record (no run trained in output.dir): as written, and a
+    note that says so."""
     path = Path(cfg.output.dir) / "data.json"
     try:
         doc = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         doc = {}
     if isinstance(doc, dict) and "rendering" in doc:
-        return Rendering.from_json(doc["rendering"])
-    if show:
-        note = f"{path} records no row rendering (no run trained there): prompts are scored "
-        note += "as written, not through a chat template"
-        Console(stderr=True).print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
-    return RAW
+        return Rendering.from_json(doc["rendering"]), None
+    note = f"{path} records no row rendering (no run trained there): prompts are scored "
+    return RAW, note + "as written, not through a chat template"
 
 
 def eval_tokenizer(cfg: RunConfig, rendering: Rendering) -> Any:
@@ -278,11 +276,13 @@ def score_ladder(
     results = cfg.eval.results_path(cfg.output.dir)
     refuse_unasked_replace(results, overwrite)
     _check_base_files(cfg, show)  # a damaged local base: one line, before any load
-    rendering = run_rendering(cfg, show)
+    rendering, note = run_rendering(cfg)
     tokenizer = eval_tokenizer(cfg, rendering)  # another template than trained: refused here
     for s in ladder:
         s.rung.rendering = rendering
     model = load_model(cfg)
+    if note and show:  # once the model loaded: a refusal stays one line
+        Console(stderr=True).print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     score_all(ladder, model, tokenizer, cfg, "base", show)
     with warnings.catch_warnings():  # peft calls a transformers API deprecated for v6
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
