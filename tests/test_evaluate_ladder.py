@@ -124,8 +124,8 @@ def test_broken_adapter_is_no_go_and_never_promoted(
 ) -> None:
     config = write_config(tmp_path, data)
     out = invoke("eval", str(config), "--adapter", str(adapters["broken"]))
-    assert out.exit_code == 0, out.output
-    assert "NO-GO" in out.stdout
+    assert out.exit_code == 1, out.output  # as `gate`: `eval && export` stops at a NO-GO
+    assert "NO-GO" in out.stdout and "failing rungs, worst items" in out.stdout
     gated = invoke("gate", str(tmp_path / "run" / "eval"), "--promote", "--json")
     assert gated.exit_code == 1
     doc = json.loads(gated.stdout)
@@ -133,6 +133,15 @@ def test_broken_adapter_is_no_go_and_never_promoted(
     assert any(r["status"] == "fail" and r["role"] == "protected" for r in doc["rungs"])
     assert not (adapters["broken"] / "PROMOTED").exists()
     assert ("promote", "ok") not in ledger_kinds(tmp_path)
+    # the ledger says what the gate decided: a NO-GO gate row is never `ok`
+    assert ledger_kinds(tmp_path) == [("eval", "ok"), ("gate", "no-go"), ("gate", "no-go")]
+    # per failing rung, its worst items as the user's file gave them and as each model answered
+    for rung in (r for r in doc["rungs"] if r["status"] == "fail"):
+        shown = rung["examples"]
+        assert len(shown) == 3 and all(ex["candidate_output"] != ex["expected"] for ex in shown)
+        first = json.loads(data[rung["name"]].read_text().splitlines()[shown[0]["i"]])
+        assert (shown[0]["prompt"], shown[0]["expected"]) == (first["prompt"], first["answer"])
+        assert shown[0]["base_output"] == first["answer"]  # the base knows the skill
 
 
 def test_limit_gives_inconclusive_never_go(
@@ -143,9 +152,12 @@ def test_limit_gives_inconclusive_never_go(
         "eval", str(config), "--adapter", str(adapters["identity"]), "--limit", "4", "--json"
     )
     doc = json.loads(out.stdout)
-    assert doc["verdict"] == "INCONCLUSIVE"
+    assert doc["verdict"] == "INCONCLUSIVE" and out.exit_code == 1  # never GO: exit 1
     assert all(r["n"] == 4 and r["n_needed"] > 4 for r in doc["rungs"])
     assert invoke("gate", str(tmp_path / "run" / "eval")).exit_code == 1
+    # a caller that gates the results itself (the lane, on a pod) asks for exit 0
+    again = ("eval", str(config), "--adapter", str(adapters["identity"]), "--limit", "4")
+    assert invoke(*again, "--overwrite", "--no-gate-exit").exit_code == 0
     from moetune.evaluate import GateError, promote
 
     with pytest.raises(GateError, match="INCONCLUSIVE"):
@@ -157,10 +169,10 @@ def test_results_are_never_silently_replaced(
 ) -> None:
     config = write_config(tmp_path, data)
     args = ("eval", str(config), "--adapter", str(adapters["identity"]), "--limit", "2")
-    assert invoke(*args).exit_code == 0
+    assert invoke(*args).exit_code == 1  # 2 items: INCONCLUSIVE, results written
     again = invoke(*args)
     assert again.exit_code == 2 and "--overwrite" in again.output
-    assert invoke(*args, "--overwrite").exit_code == 0
+    assert invoke(*args, "--overwrite").exit_code == 1
     assert ledger_kinds(tmp_path).count(("eval", "failed")) == 1  # the refused attempt
 
 

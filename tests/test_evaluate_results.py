@@ -172,7 +172,7 @@ def test_overwrite_replaces_only_moetunes_files(evaluated: dict[str, Path], tmp_
     assert refused.exit_code == 2 and "--overwrite" in refused.output
     assert json.loads((results / "ladder.json").read_text()) == old_ladder
     out = invoke(*args, "--overwrite", "--json")
-    assert out.exit_code == 0, out.output
+    assert out.exit_code == 1, out.output  # 3 items: INCONCLUSIVE (exit 1 unless GO)
     assert json.loads((results / "ladder.json").read_text())["rungs"][0]["n"] == 3
     assert len(items_path(results).read_text().splitlines()) == 3
     assert (results / "notes.md").read_text() == "mine"
@@ -190,7 +190,8 @@ def test_a_folder_of_user_files_is_not_results(evaluated: dict[str, Path], tmp_p
     (results / "notes.md").write_text("mine")
     cfg = yaml_with(evaluated["config"], tmp_path, results)
     out = invoke("eval", str(cfg), "--adapter", str(evaluated["adapter"]), "--limit", "2")
-    assert out.exit_code == 0, out.output  # nothing of moetune's there: no --overwrite needed
+    assert out.exit_code == 1, out.output  # nothing of moetune's there: no --overwrite needed
+    assert "INCONCLUSIVE" in out.output  # 2 items decide nothing: exit 1, as `gate`
     assert (results / "notes.md").read_text() == "mine" and (results / "ladder.json").is_file()
 
 

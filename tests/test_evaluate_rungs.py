@@ -38,7 +38,7 @@ def score(rung_args: RungArgs, base: tuple[Any, Any], limit: int | None = None) 
 
 
 def test_registry_has_the_built_in_kinds() -> None:
-    assert {"loss", "exact_match", "multiple_choice"} <= set(RUNG_KINDS)
+    assert {"loss", "exact_match", "contains", "multiple_choice"} <= set(RUNG_KINDS)
 
 
 def test_multiple_choice_picks_the_likeliest_choice(tmp_path: Path, base: Any) -> None:
@@ -54,6 +54,19 @@ def test_exact_match_needs_the_answer_then_stop(tmp_path: Path, base: Any) -> No
     got = score(args, base)
     assert [s.score for s in got] == [1.0, 0.0] and got[0].output == "abc"
     assert len(score(args, base, limit=1)) == 1
+
+
+def test_contains_finds_the_answer_inside_the_output(tmp_path: Path, base: Any) -> None:
+    rows = [
+        {"prompt": "copy:abcd>", "answer": "bc"},  # inside "abcd": right for contains only
+        {"prompt": "copy:abcd>", "answer": "abcd"},
+        {"prompt": "copy:abcd>", "answer": "dcba"},
+    ]
+    path = jsonl(tmp_path / "c.jsonl", rows)
+    got = score(RungArgs(name="c", kind="contains", data=path), base)
+    assert [s.score for s in got] == [1.0, 1.0, 0.0] and got[0].output == "abcd"
+    exact = score(RungArgs(name="e", kind="exact_match", data=path), base)
+    assert [s.score for s in exact] == [0.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize(

@@ -233,3 +233,37 @@ def test_a_damaged_base_is_one_line_before_the_out_dir(run: Path, tmp_path: Path
     code, _, err = _export(str(run), "--format", "merged", "--base", str(base), "--out", str(out))
     _refused(code, err, "are damaged")
     assert not out.exists()
+
+
+def test_an_evaluated_unpromoted_adapter_is_refused_unless_unpromoted(
+    run: Path, tmp_path: Path
+) -> None:
+    from moetune.io import adapter_digest
+    from moetune.report.exports import exports_section
+
+    verdict = {"verdict": "NO-GO", "reason": "1 of 1 rungs fail: skills (protected, Δ -0.500)",
+               "adapter_sha256": adapter_digest(run / "adapter")}  # fmt: skip
+    (run / "eval").mkdir()
+    (run / "eval" / "verdict.json").write_text(json.dumps(verdict))
+    for source in (run, run / "adapter"):  # the run dir, or its adapter/ folder
+        code, _, err = _export(str(source), "--format", "merged", "--out", str(tmp_path / "o"))
+        _refused(code, err, "was evaluated (NO-GO: 1 of 1 rungs fail")
+        assert "--unpromoted" in err and not (tmp_path / "o").exists()
+    code, out, err = _export(
+        str(run), "--format", "merged", "--out", str(tmp_path / "o"), "--no-check",
+        "--unpromoted", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["unpromoted"].startswith("exported with --unpromoted: the adapter")
+    assert doc["unpromoted"] in doc["notes"]
+    row = exports_section(type("Inp", (), {"run_dir": run})())["rows"][0]
+    assert "NOT PROMOTED" in row["status"] and row["ok"] is False  # the report: never green
+    # another adapter's verdict (retrained since) says nothing of this one: exported freely
+    verdict["adapter_sha256"] = "0" * 64
+    (run / "eval" / "verdict.json").write_text(json.dumps(verdict))
+    code, out, err = _export(
+        str(run), "--format", "merged", "--out", str(tmp_path / "o2"), "--no-check", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["unpromoted"] is None

@@ -153,7 +153,20 @@ def test_eval_failure_after_bank_leaves_the_adapter_and_the_next_step(
     monkeypatch.chdir(tmp_path)
     config = write_config(tmp_path, data)
     cfg = yaml.safe_load(config.read_text())
-    cfg["eval"]["rungs"][0]["kind"] = "no_such_kind"  # fails on the pod, after training
+    rung = cfg["eval"]["rungs"][0]
+    rung["kind"] = "no_such_kind"  # a mistyped kind: refused here, before any pod
+    config.write_text(yaml.safe_dump(cfg))
+    out = CliRunner().invoke(app, ["launch", str(config)])
+    assert out.exit_code == 2 and "unknown kind 'no_such_kind'" in " ".join(out.output.split())
+    assert not (tmp_path / ".moetune" / "lane").exists()  # no pod, no lane state
+    # a pod without the lm-eval extra: only its eval can find out, after training
+    harness = tmp_path / "pod-site" / "lm_eval"
+    harness.mkdir(parents=True)
+    (harness / "__init__.py").write_text("raise ImportError('lm_eval is not on this pod')\n")
+    monkeypatch.setenv(
+        "PYTHONPATH", f"{harness.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    )
+    rung.update(kind="lm_eval", task="copy", data=None)
     config.write_text(yaml.safe_dump(cfg))
     out = CliRunner().invoke(app, ["launch", str(config)])
     assert out.exit_code == 2

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from moetune.config import RewardArgs, RungArgs
+from moetune.data.rungs import RUNG_ROWS
 from moetune.engine.forwards import ENGINE_OVERRIDES
 from moetune.engine.quant.stacks import QUANTIZERS
 from moetune.errors import MoetuneError
@@ -27,7 +28,8 @@ from test_layering import edges
 
 REGISTRIES: dict[str, tuple[Registry[Any], set[str]]] = {
     "lint rules": (RULES, {"MOE-LORA-DROPOUT", "MLX-NO-BACKEND"}),
-    "rung kinds": (RUNG_KINDS, {"loss", "exact_match", "multiple_choice", "lm_eval"}),
+    "rung kinds": (RUNG_KINDS, {"loss", "exact_match", "contains", "multiple_choice", "lm_eval"}),
+    "rung rows": (RUNG_ROWS, {"loss", "exact_match", "contains", "multiple_choice", "lm_eval"}),
     "engine overrides": (ENGINE_OVERRIDES, {"dbrx"}),
     "quantizers": (QUANTIZERS, {"int8", "nf4"}),
     "model overrides": (OVERRIDES, {"qwen3_moe", "mixtral"}),
@@ -64,7 +66,7 @@ def test_the_public_lookups_keep_their_own_messages(lookup: Callable[[], Any], n
 
 
 # registry module -> the modules holding its plug-ins (imported by the package instead)
-RULE_MODULES = ("dist", "infra", "mlx", "peft", "serve")
+RULE_MODULES = ("dist", "infra", "ladder", "mlx", "peft", "serve")
 PLUG_INS = {
     "moetune.lint.registry": [f"moetune.lint.rules.{s}" for s in RULE_MODULES],
     "moetune.evaluate.rungs": ["moetune.evaluate.lmeval"],

@@ -453,3 +453,24 @@ def test_memory_ratio_compares_like_with_like(tmp_path: Path) -> None:
     assert "as the plan counts it" in process["rows"][-1][2]
     old = section(100 * mib, tensors)  # a run dir from before: RSS against tensors
     assert old["ratio"] is None and "not comparable" in old["rows"][-1][2]
+
+
+def test_a_no_go_shows_the_failing_rungs_items_and_an_unpromoted_export(evaluated, tmp_path):
+    run = tmp_path / "no-go"
+    shutil.copytree(evaluated.run, run)
+    (run / "adapter" / "PROMOTED").unlink()
+    example = {"i": 7, "prompt": "rev:abc>", "expected": "cba", "base_output": "cba",
+               "candidate_output": "<b>zzz</b>"}  # fmt: skip
+    failing = {**VERDICT["rungs"][1], "status": "fail", "examples": [example]}
+    verdict = {**VERDICT, "verdict": "NO-GO", "rungs": [VERDICT["rungs"][0], failing]}
+    (run / "eval" / "verdict.json").write_text(json.dumps(verdict))
+    note = "exported with --unpromoted: the adapter was evaluated (NO-GO) and never promoted"
+    check = {"passed": True, "consumer": "transformers", "items": 4}
+    exports = {"merged": {"out": "merged/", "files": [], "check": check, "unpromoted": note}}
+    (run / "exports.json").write_text(json.dumps(exports))
+    html = build_report(run, out=tmp_path / "no-go.html").read_text()
+    assert "Failing rungs: the worst items" in html
+    row = '<td>copy-skill</td><td class="n">7</td><td class="w">rev:abc&gt;</td>'
+    assert row in html and "&lt;b&gt;zzz&lt;/b&gt;" in html  # the outputs, escaped
+    assert "served == trained · NOT PROMOTED" in html and note in html
+    assert "not promoted" in html

@@ -73,6 +73,10 @@ def test_a_copied_run_dir_gives_the_same_results_from_elsewhere(
     code, gated, err = _cli("gate", str(copy / "eval"))
     assert gated["verdict"] == original["verdict"], err
     code, exported, err = _cli("export", str(copy), "--format", "merged", "--out", "m")
+    assert code == 2 and "never promoted" in err  # 6 items: INCONCLUSIVE, so not promoted
+    code, exported, err = _cli(
+        "export", str(copy), "--format", "merged", "--out", "m", "--unpromoted"
+    )
     assert code == 0, err
     assert exported["check"]["passed"] and exported["check"]["items"] == 6
     assert (elsewhere / "m" / "check.json").is_file() and (copy / "exports.json").is_file()

@@ -37,7 +37,8 @@ from moetune.io import (
     mask_text,
 )
 
-Status = Literal["ok", "failed", "infra-failed", "cancelled"]
+Status = Literal["ok", "failed", "infra-failed", "cancelled", "no-go", "inconclusive"]
+# no-go / inconclusive: a gate row whose verdict is not GO (the gate ran, the adapter did not pass)
 # Every kind of row moetune writes (train, eval, export … by their stages; the rest by a
 # launch and its cost guard) – what `ledger show --kind` accepts.
 KINDS = ("train", "eval", "gate", "promote", "export", "push", "launch", "provision", "bank",

@@ -25,6 +25,7 @@ from moetune.cli.options import checked, opt, option_overrides
 from moetune.cli.render import (
     device_components_table,
     device_fits_table,
+    examples_table,
     fits_table,
     ladder_table,
     plan_components_table,
@@ -392,6 +393,8 @@ def _print_verdict(doc: dict[str, Any], results: Path) -> None:
 
     console.print(ladder_table(read_json(results / "ladder.json")))
     console.print(verdict_table(doc))
+    if shown := examples_table(doc):
+        console.print(shown)
     console.print(f"results: {escape(str(results))}")
 
 
@@ -410,10 +413,18 @@ def eval_cmd(
     provider: Annotated[
         str, opt("provider", "Only one that runs here (remote evals run in `moetune launch`).")
     ] = "local",
+    gate_exit: Annotated[
+        bool,
+        typer.Option(
+            "--gate-exit/--no-gate-exit",
+            help="Exit 1 unless GO, as `gate` does (--no-gate-exit: 0 whenever the eval ran, "
+            "for a caller that gates the results itself, as `moetune launch` does).",
+        ),
+    ] = True,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Score base and candidate on the same items of every rung, then gate."""
+    """Score base and candidate on the same items of every rung, then gate; exit 1 unless GO."""
     # lazy: the stage loads only when its command runs
     from moetune.evaluate import run_eval
     from moetune.lane.providers import provider_class
@@ -429,6 +440,8 @@ def eval_cmd(
         emit_json(doc)
     else:
         _print_verdict(doc, cfg.eval.results_path(cfg.output.dir))
+    if gate_exit and doc["verdict"] != "GO":  # as `gate`: `eval && export` stops at a NO-GO
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -66,6 +66,14 @@ def export_cmd(
         bool,
         typer.Option(help="Run the base's own modeling code (read it first; a run keeps its own)."),
     ] = False,
+    unpromoted: Annotated[
+        bool,
+        typer.Option(
+            "--unpromoted",
+            help="Export an adapter that was evaluated and not promoted (the export and the "
+            "report say so).",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Export an adapter for serving and check that what is served equals what was trained."""
@@ -84,7 +92,7 @@ def export_cmd(
         opts = export_options(
             dtype=dtype, max_shard_size=max_shard_size, extra=extra | _requant(requantize, fmt)
         )
-        doc = export(*given, opts, check_opts, base, trust_remote_code)
+        doc = export(*given, opts, check_opts, base, trust_remote_code, unpromoted)
     if as_json:
         emit_json(doc)
     else:

@@ -28,7 +28,8 @@ def ledger_show(
     run: Annotated[str | None, typer.Option(help="Only this run id.")] = None,
     kind: Annotated[str | None, typer.Option(help=f"Only this kind: {' | '.join(KINDS)}.")] = None,
     status: Annotated[
-        str | None, typer.Option(help="ok | failed | infra-failed | cancelled")
+        str | None,
+        typer.Option(help="ok | failed | infra-failed | cancelled | no-go | inconclusive"),
     ] = None,
     since: Annotated[
         str | None, typer.Option(help="Only rows from this UTC date on (YYYY-MM-DD).")

@@ -8,6 +8,7 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 
+from moetune.errors import clip
 from moetune.units import count, gib, human_bytes
 
 _VERDICT_STYLE = {"GO": "bold green", "NO-GO": "bold red", "INCONCLUSIVE": "bold yellow"}
@@ -202,6 +203,20 @@ def verdict_table(doc: dict[str, Any]) -> Table:
             escape(r["reason"]),
         )  # fmt: skip
     table.caption = f"α {doc['alpha']} (Holm across {len(doc['rungs'])} rungs) · {doc['hash'][:12]}"
+    return table
+
+
+def examples_table(doc: dict[str, Any]) -> Table | None:
+    """A few items of each failing rung as the models answered them (None: no rung failed)."""
+    shown = [(r["name"], ex) for r in doc["rungs"] for ex in r.get("examples") or []]
+    if not shown:
+        return None
+    table = Table(title="failing rungs, worst items", title_justify="left")
+    for col in ("rung", "item", "prompt", "expected", "base output", "candidate output"):
+        table.add_column(col, overflow="fold")
+    for name, ex in shown:
+        cells = (ex.get(k) for k in ("prompt", "expected", "base_output", "candidate_output"))
+        table.add_row(name, str(ex.get("i")), *(escape(clip(c, 60)) for c in cells))
     return table
 
 

@@ -468,7 +468,7 @@ class RungArgs(_Section):
 
     name: str = Field(description="Unique rung name (a file name: letters, digits, - _ .).")
     kind: str = Field(
-        description="Registered rung kind: loss, exact_match, multiple_choice, lm_eval."
+        description="Registered rung kind: loss, exact_match, contains, multiple_choice, lm_eval."
     )
     role: RungRole = Field(
         "protected",
@@ -490,8 +490,9 @@ class RungArgs(_Section):
     )
     max_new_tokens: PositiveInt | None = Field(
         None,
-        description="exact_match: generation limit; default the answer's length + 1 "
-        "(room for EOS), so a model that does not stop is wrong.",
+        description="exact_match: generation limit; default the answer's length + its end "
+        "(EOS, or the chat turn's end), so a model that does not stop is wrong. contains: "
+        "default 64.",
     )
     task: str | None = Field(None, description="lm_eval: task name.")
     include_path: str | None = Field(None, description="lm_eval: folder of local task YAMLs.")

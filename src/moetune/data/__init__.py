@@ -6,7 +6,8 @@ rendered through the model's chat template with the loss masks they give.
     dirs.py      a directory's files, by kind  cap.py       rows measured by characters
     formats.py   TRL formats and row checks    mix.py       weights, seed, eval by hash
     template.py  chat templates and masks      load.py      the run's train / eval sets
-    summary.py   what `moetune data` shows
+    summary.py   what `moetune data` shows      rendering.py how rows became text (for eval)
+    rungs.py     eval rung files, one check
 """
 
 from moetune.data.errors import DataError

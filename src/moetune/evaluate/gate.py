@@ -30,9 +30,16 @@ from statistics import NormalDist
 from typing import Any, Literal
 
 from moetune.evaluate.errors import GateError
-from moetune.evaluate.results import RungDoc, adapter_digest, read_items, read_json, read_ladder
+from moetune.evaluate.results import (
+    RungDoc,
+    adapter_digest,
+    read_items,
+    read_json,
+    read_ladder,
+    worst_items,
+)
 from moetune.io import PROMOTED, atomic_write_json
-from moetune.ledger import Ledger, LedgerRow
+from moetune.ledger import Ledger, LedgerRow, Status
 from moetune.model.finite import require_finite_adapter
 
 RungStatus = Literal["pass", "fail", "inconclusive"]
@@ -211,23 +218,39 @@ def gate_results(
     alpha = alpha if alpha is not None else checked.gate.alpha
     rungs = checked.rungs
     doc = decide([rule_of(r) for r in rungs], [read_pairs(results, r) for r in rungs], alpha)
+    doc = with_examples(results, rungs, doc)
     doc = {**doc, "adapter": checked.adapter, "adapter_sha256": checked.adapter_sha256}
     doc["hash"] = verdict_hash(doc)
     atomic_write_json(results / "verdict.json", doc)
     metrics = {"verdict": doc["verdict"], "hash": doc["hash"], "results": str(results)}
-    record(ladder, ledger, "gate", metrics, doc["reason"])
+    record(ladder, ledger, "gate", metrics, doc["reason"], GATE_STATUS[doc["verdict"]])
+    return doc
+
+
+# the gate row's ledger status: a NO-GO is the gate working, but never an `ok` adapter
+GATE_STATUS: dict[str, Status] = {"GO": "ok", "NO-GO": "no-go", "INCONCLUSIVE": "inconclusive"}
+EXAMPLES = 3  # items shown per failing rung
+
+
+def with_examples(results: Path, rungs: list[RungDoc], doc: dict[str, Any]) -> dict[str, Any]:
+    """The verdict with, per failing rung, a few of its items as the models answered them
+    (prompt, expected, base and candidate output) – the worst-scored first."""
+    failing = {d["name"] for d in doc["rungs"] if d["status"] == "fail"}
+    for rung, decision in zip(rungs, doc["rungs"], strict=True):
+        if rung.name in failing:
+            decision["examples"] = worst_items(results, rung, EXAMPLES)
     return doc
 
 
 def record(
     ladder: dict[str, Any], ledger: str | Path | None, kind: str, metrics: dict[str, Any],
-    reason: str = "",
+    reason: str = "", status: Status = "ok",
 ) -> None:  # fmt: skip
     """A ledger row for this ladder's run (the run's ledger unless another is given)."""
     Ledger(ledger or ladder["ledger"]).append(
         LedgerRow(
             kind=kind,
-            status="ok",
+            status=status,
             run_id=ladder.get("run_id"),
             config_hash=ladder.get("config_hash"),
             metrics=metrics,

@@ -27,6 +27,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetune.config import RunConfig
+from moetune.data.rendering import RAW, Rendering
+from moetune.data.template import use_template
 from moetune.data.tokenizer import load_tokenizer
 from moetune.errors import clip, os_problem
 from moetune.evaluate.errors import EvalError
@@ -92,8 +94,33 @@ def load_ladder(cfg: RunConfig, limit: int | None) -> list[Scored]:
     return [Scored(rung, rung.load(limit)) for rung in map(make_rung, cfg.eval.rungs)]
 
 
-def load_model(cfg: RunConfig) -> tuple[Any, Any]:
-    """The base model and tokenizer, placed like training would place them."""
+def run_rendering(cfg: RunConfig) -> tuple[Rendering, str | None]:
+    """How the run's rows became text (its data.json, written by train): the eval renders
+    its prompts the same way. No record (no run trained in output.dir): as written, and a
+    note that says so."""
+    path = Path(cfg.output.dir) / "data.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        doc = {}
+    if isinstance(doc, dict) and "rendering" in doc:
+        return Rendering.from_json(doc["rendering"]), None
+    note = f"{path} records no row rendering (no run trained there): prompts are scored "
+    return RAW, note + "as written, not through a chat template"
+
+
+def eval_tokenizer(cfg: RunConfig, rendering: Rendering) -> Any:
+    """The tokenizer as training set it up (data.chat_template on it), checked to carry the
+    template the run trained with."""
+    spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model, spec.vocab_size)  # refused as train refuses it
+    use_template(tokenizer, cfg.data.chat_template)
+    rendering.check_tokenizer(tokenizer)
+    return tokenizer
+
+
+def load_model(cfg: RunConfig) -> Any:
+    """The base model, placed like training would place it."""
     # lazy: heavy to import (torch, moetune.engine, moetune.train)
     import torch
 
@@ -104,13 +131,12 @@ def load_model(cfg: RunConfig) -> tuple[Any, Any]:
 
     place = resolve_placement(cfg.train)
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
-    tokenizer = load_tokenizer(cfg.model, spec.vocab_size)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
     stored, dtype = stored_base(cfg, spec), place.load_dtype(cfg.model.dtype)
     model = load_weights(cfg, place, engine, stored, dtype).to(place.device)
     model.eval()
     torch.manual_seed(cfg.train.seed)
-    return model, tokenizer
+    return model
 
 
 def _check_base_files(cfg: RunConfig, show: bool) -> None:
@@ -178,6 +204,7 @@ def _stderr(scores: list[float]) -> float:
 
 def items_jsonl(s: Scored) -> str:
     assert s.base is not None and s.candidate is not None
+    items = s.items or [{}] * len(s.base)  # lm_eval: the harness holds its documents
     rows = (
         {
             "i": i,
@@ -185,8 +212,9 @@ def items_jsonl(s: Scored) -> str:
             "candidate": c.score,
             "base_output": b.output,
             "candidate_output": c.output,
+            **s.rung.shown(item),
         }
-        for i, (b, c) in enumerate(zip(s.base, s.candidate, strict=True))
+        for i, (item, b, c) in enumerate(zip(items, s.base, s.candidate, strict=True))
     )
     return "".join(json.dumps(row, default=str) + "\n" for row in rows)
 
@@ -247,7 +275,13 @@ def score_ladder(
     results = cfg.eval.results_path(cfg.output.dir)
     refuse_unasked_replace(results, overwrite)
     _check_base_files(cfg, show)  # a damaged local base: one line, before any load
-    model, tokenizer = load_model(cfg)
+    rendering, note = run_rendering(cfg)
+    tokenizer = eval_tokenizer(cfg, rendering)  # another template than trained: refused here
+    for s in ladder:
+        s.rung.rendering = rendering
+    model = load_model(cfg)
+    if note and show:  # once the model loaded: a refusal stays one line
+        Console(stderr=True).print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     score_all(ladder, model, tokenizer, cfg, "base", show)
     with warnings.catch_warnings():  # peft calls a transformers API deprecated for v6
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
@@ -261,6 +295,7 @@ def score_ladder(
         "ledger": cfg.output.ledger,
         "gate": cfg.eval.gate.model_dump(mode="json"),
         "limit": limit if limit is not None else cfg.eval.limit,
+        "rendering": rendering.to_json(),
         "seconds": round(time.perf_counter() - started, 3),
         "time": time.time(),
         **{k: v for k, v in ledger_fields(cfg).items() if k != "versions"},

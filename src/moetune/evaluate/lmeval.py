@@ -47,7 +47,6 @@ class LmEvalRung(Rung):
     """Per-document `metric` of an lm-eval task (documents ordered by doc_id)."""
 
     kind = "lm_eval"
-    example = "task: <name>, include_path: <folder of task YAMLs>"
 
     def load(self, limit: int | None) -> list[Item]:
         _harness()

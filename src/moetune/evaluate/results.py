@@ -119,6 +119,16 @@ def read_items(results: Path, rung: RungDoc) -> list[ItemRow]:
     return sorted(rows, key=lambda r: r.i)  # in id order: the same sums whatever the file order
 
 
+def worst_items(results: Path, rung: RungDoc, k: int) -> list[dict[str, Any]]:
+    """`k` items of a rung's (already checked) per-item file, where the candidate lost most
+    against the base first: what the gate output and the report show of a failing rung."""
+    lines = (results / rung.items_file).read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
+    rows.sort(key=lambda r: (r["candidate"] - r["base"], r["i"]))
+    keys = ("i", "prompt", "expected", "base_output", "candidate_output")
+    return [{key: row.get(key) for key in keys} for row in rows[:k]]
+
+
 def _few(ids: list[int], total: int | None = None) -> str:
     more = (total if total is not None else len(ids)) - 5
     return ", ".join(map(str, ids[:5])) + (f" and {more} more" if more > 0 else "")

@@ -8,10 +8,14 @@ better": accuracy in [0, 1], or minus the mean negative log-likelihood per token
 
     loss             {"text": ...} or {"prompt": ..., "completion": ...}   -NLL per token
     exact_match      {"prompt": ..., "answer": ...}    greedy output == answer (then EOS)
+    contains         {"prompt": ..., "answer": ...}    the answer appears in the greedy output
     multiple_choice  {"prompt": ..., "choices": [...], "answer": index or choice}
     lm_eval          a task of lm-evaluation-harness (optional extra; see lmeval.py)
 
-This module holds the registry and the three built-in kinds; it imports no other kind
+Prompts are rendered as the run's rows were (`self.rendering`, from its data.json): through
+the chat template that trained the adapter, or as written.
+
+This module holds the registry and the four built-in kinds; it imports no other kind
 module – importing moetune.evaluate registers lmeval's.
 """
 
@@ -19,14 +23,20 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 from moetune.config import RungArgs
 from moetune.data.errors import DataError
-from moetune.data.files import read_rows
+from moetune.data.rendering import RAW
+from moetune.data.rungs import (
+    RUNG_ROWS,
+    Problem,
+    answer_index,
+    data_field,
+    kind_problem,
+    rung_items,
+)
 from moetune.evaluate.errors import EvalError
 from moetune.evaluate.scoring import Advance, continuation_logprobs, generate, until_eos
 from moetune.registry import Registry
@@ -41,19 +51,18 @@ class ItemScore:
 
 
 class Rung(ABC):
-    """One rung kind. Subclasses set `kind` and `unit` and implement `load` and `score`."""
+    """One rung kind. Subclasses set `kind` and `unit` and implement `score` (`load`: the
+    checked rows of its file, unless the kind reads its data another way)."""
 
     kind: ClassVar[str]
     unit: ClassVar[str] = "accuracy"  # accuracy | neg_nll
 
     def __init__(self, args: RungArgs, field: str | None = None) -> None:
         self.args = args
+        # how the run's rows became text: the eval renders its prompts the same way
+        self.rendering = RAW
         # what the user set to give this rung its file: named in every error about it
-        self.field = field or f"eval.rungs[].data of rung {args.name!r}"
-
-    @abstractmethod
-    def load(self, limit: int | None) -> list[Item]:
-        """The rung's items (the first `limit`), every one checked."""
+        self.field = field or data_field(args)
 
     @abstractmethod
     def score(
@@ -65,43 +74,34 @@ class Rung(ABC):
         """Figures beside the mean that a person reads (e.g. perplexity)."""
         return {}
 
+    def shown(self, item: Item) -> dict[str, Any]:
+        """What a person reads of an item beside the models' outputs: its prompt and the
+        expected answer (the per-item file, the gate's and the report's examples)."""
+        prompt = item.get("prompt", item.get("text"))
+        return {"prompt": prompt, "expected": item.get("answer", item.get("completion"))}
+
     # ------------------------------------------------------------ shared item reading
 
-    def data_path(self) -> Path:
-        if not self.args.data:
-            raise EvalError(
-                f"rung {self.args.name!r} ({self.kind}) has no data file",
-                f"set eval.rungs[].data for {self.args.name!r} to a JSONL file",
-            )
-        return Path(self.args.data)  # relative to the working dir, like data.train_file
-
-    def read_items(self, limit: int | None, check: Callable[[Item], str | None]) -> list[Item]:
-        """Rows of the data file; the first bad one raises with its file and line."""
-        path = self.data_path()
+    def read_items(self, limit: int | None) -> list[Item]:
+        """Rows of the data file, checked as lint and the train preflight check them; the
+        first bad one raises with its file and line."""
         try:
-            rows = read_rows(path)
+            return rung_items(self.args, limit, self.field)
         except DataError as err:
-            raise EvalError(
-                f"{self.field}: {err.cause}",
-                f"point {self.field} at a JSONL file of {self.example} rows",
-            ) from None
-        items = [row for _, row in rows][:limit]
-        for (where, _), item in zip(rows, items, strict=False):
-            problem = check(item) if isinstance(item, dict) else "is not a JSON object"
-            if problem:
-                raise EvalError(
-                    f"rung {self.args.name!r}: {path} {where}: row {problem}",
-                    f"{self.kind} rows look like {self.example}",
-                )
-        return items
+            raise EvalError(err.cause, err.fix) from None
 
-    example: ClassVar[str] = ""
+    def load(self, limit: int | None) -> list[Item]:
+        return self.read_items(limit)
 
 
 RUNG_KINDS: Registry[type[Rung]] = Registry("rung kind", EvalError)
 
 
 def register_rung(cls: type[Rung]) -> type[Rung]:
+    """A rung kind's scorer; its rows are declared in data/rungs.py's RUNG_ROWS first (lint
+    and the train preflight check them there, below this floor)."""
+    if cls.kind not in RUNG_ROWS:
+        raise TypeError(f"rung kind {cls.kind!r}: declare its rows in RUNG_ROWS first")
     return RUNG_KINDS.add(cls.kind, cls)
 
 
@@ -109,19 +109,13 @@ def make_rung(args: RungArgs, field: str | None = None) -> Rung:
     """The rung object for a config entry (`field`: the option that gave its file, for
     errors); an unknown kind names the known ones."""
     if args.kind not in RUNG_KINDS:
-        raise EvalError(
-            f"rung {args.name!r}: unknown kind {args.kind!r}",
+        problem = kind_problem(args) or Problem(
+            f"rung {args.name!r}: kind {args.kind!r} declares its rows but has no scorer",
             f"use one of: {', '.join(RUNG_KINDS.names())}",
         )
+        raise EvalError(problem.cause, problem.fix)
     cls = RUNG_KINDS.get(args.kind)
     return cls(args, field)
-
-
-def _need_strings(item: Item, *keys: str) -> str | None:
-    for key in keys:
-        if not isinstance(item.get(key), str) or not item[key]:
-            return f"needs a non-empty string {key!r}"
-    return None
 
 
 def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
@@ -137,21 +131,13 @@ class LossRung(Rung):
 
     kind = "loss"
     unit = "neg_nll"
-    example = '{"text": "..."} or {"prompt": "...", "completion": "..."}'
-
-    def load(self, limit: int | None) -> list[Item]:
-        def check(item: Item) -> str | None:
-            if "text" in item:
-                return _need_strings(item, "text")
-            return _need_strings(item, "prompt", "completion")
-
-        return self.read_items(limit, check)
 
     def _split(self, tokenizer: Any, item: Item) -> tuple[list[int], list[int]]:
         if "text" in item:
             ids = _ids(tokenizer, item["text"], True)
             return ids[:1], ids[1:]  # every token but the first is predicted
-        return _ids(tokenizer, item["prompt"], True), _ids(tokenizer, item["completion"], False)
+        prompt = self.rendering.prompt_ids(tokenizer, item["prompt"])
+        return prompt, _ids(tokenizer, item["completion"], False)
 
     def score(
         self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
@@ -178,40 +164,53 @@ class LossRung(Rung):
 
 @register_rung
 class ExactMatchRung(Rung):
-    """Greedy generation; right when the text before EOS equals the answer (stripped)."""
+    """Greedy generation; right when the text before EOS (or the chat turn's end) equals the
+    answer (stripped)."""
 
     kind = "exact_match"
-    example = '{"prompt": "...", "answer": "..."}'
 
-    def load(self, limit: int | None) -> list[Item]:
-        return self.read_items(limit, lambda item: _need_strings(item, "prompt", "answer"))
+    def _limit(self, tokenizer: Any, item: Item, end: str) -> int:
+        # room for the answer and its end (EOS, or the turn's end): a model that runs past
+        # it is wrong whatever follows
+        room = len(_ids(tokenizer, end, False)) if end else 1
+        return self.args.max_new_tokens or len(_ids(tokenizer, item["answer"], False)) + room
 
-    def _limit(self, tokenizer: Any, item: Item) -> int:
-        # room for the answer and EOS: a model that runs past it is wrong whatever follows
-        return self.args.max_new_tokens or len(_ids(tokenizer, item["answer"], False)) + 1
+    def right(self, text: str, answer: str) -> bool:
+        return text.strip() == answer.strip()
 
     def score(
         self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
     ) -> list[ItemScore]:
-        eos = int(tokenizer.eos_token_id)
-        prompts = [_ids(tokenizer, item["prompt"], True) for item in items]
-        limits = [self._limit(tokenizer, item) for item in items]
+        eos, end = int(tokenizer.eos_token_id), self.rendering.turn_end(tokenizer)
+        prompts = [self.rendering.prompt_ids(tokenizer, item["prompt"]) for item in items]
+        limits = [self._limit(tokenizer, item, end) for item in items]
         outputs = generate(model, prompts, limits, eos, batch_size, advance)
         scores = []
         for item, new in zip(items, outputs, strict=True):
             text = str(tokenizer.decode(until_eos(new, eos)[0]))
-            scores.append(ItemScore(float(text.strip() == item["answer"].strip()), text))
+            text = text.split(end, 1)[0] if end else text  # the turn's end closes the answer
+            scores.append(ItemScore(float(self.right(text, item["answer"])), text))
         return scores
 
 
+@register_rung
+class ContainsRung(ExactMatchRung):
+    """Greedy generation of up to max_new_tokens (default 64); right when the answer appears
+    in the text before EOS (or the chat turn's end) – for answers inside a sentence."""
+
+    kind = "contains"
+
+    def _limit(self, tokenizer: Any, item: Item, end: str) -> int:
+        return self.args.max_new_tokens or CONTAINS_TOKENS
+
+    def right(self, text: str, answer: str) -> bool:
+        return answer.strip() in text
+
+
+CONTAINS_TOKENS = 64
+
+
 # ---------------------------------------------------------------- multiple choice
-
-
-def _answer_index(item: Item) -> int | None:
-    answer, choices = item.get("answer"), item.get("choices")
-    if isinstance(answer, int) and not isinstance(answer, bool):
-        return answer if 0 <= answer < len(choices or []) else None
-    return choices.index(answer) if isinstance(choices, list) and answer in choices else None
 
 
 @register_rung
@@ -222,27 +221,18 @@ class MultipleChoiceRung(Rung):
     tokenizer expects one (" Paris"), as lm-evaluation-harness does."""
 
     kind = "multiple_choice"
-    example = '{"prompt": "...", "choices": ["a", "b"], "answer": 0}'
 
-    def load(self, limit: int | None) -> list[Item]:
-        def check(item: Item) -> str | None:
-            choices = item.get("choices")
-            if not isinstance(choices, list) or len(choices) < 2:
-                return "needs 'choices': a list of at least two strings"
-            if not all(isinstance(c, str) and c for c in choices):
-                return "has a choice that is not a non-empty string"
-            if _answer_index(item) is None:
-                return "needs 'answer': an index into choices or one of the choices"
-            return _need_strings(item, "prompt")
-
-        return self.read_items(limit, check)
+    def shown(self, item: Item) -> dict[str, Any]:
+        index = answer_index(item)
+        expected = item["choices"][index] if index is not None else None
+        return {"prompt": item.get("prompt"), "expected": expected}
 
     def score(
         self, model: Any, tokenizer: Any, items: list[Item], batch_size: int, advance: Advance
     ) -> list[ItemScore]:
         contexts, conts, owner = [], [], []
         for i, item in enumerate(items):
-            ctx = _ids(tokenizer, item["prompt"], True)
+            ctx = self.rendering.prompt_ids(tokenizer, item["prompt"])
             for choice in item["choices"]:
                 contexts.append(ctx)
                 conts.append(_ids(tokenizer, choice, False))
@@ -254,6 +244,6 @@ class MultipleChoiceRung(Rung):
         advance(len(items))
         picks = [max(range(len(ll)), key=ll.__getitem__) for ll in per_item]
         return [
-            ItemScore(float(pick == _answer_index(item)), pick)
+            ItemScore(float(pick == answer_index(item)), pick)
             for item, pick in zip(items, picks, strict=True)
         ]

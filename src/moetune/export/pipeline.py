@@ -32,7 +32,12 @@ from moetune.export.guard import (
     read_record,
 )
 from moetune.export.registry import ExportResult, Source
-from moetune.export.source import require_buildable, require_weights, require_whole_adapter
+from moetune.export.source import (
+    require_buildable,
+    require_promoted,
+    require_weights,
+    require_whole_adapter,
+)
 from moetune.io import atomic_write_json
 from moetune.ledger import DEFAULT_PATH, attempt
 from moetune.model.finite import require_finite_adapter
@@ -56,11 +61,14 @@ def export(
     check: CheckOptions | None,
     base: str | None = None,
     trust_remote_code: bool = False,
+    unpromoted: bool = False,
 ) -> dict[str, Any]:
     """Export (and check unless `check` is None); the summary. A failed check raises
-    CheckFailed after check.json and the ledger row are written."""
+    CheckFailed after check.json and the ledger row are written. An evaluated adapter the
+    gate did not promote is refused unless `unpromoted` (then the export says so)."""
     chosen = load_formats().get(fmt)  # an unknown format is refused before anything is read
     source = resolve_source(path, base, trust_remote_code)
+    not_promoted = require_promoted(source, unpromoted)  # before anything is read or written
     require_buildable(source)
     require_whole_adapter(source.adapter_dir)
     needs_base = check is not None or chosen.needs_weights
@@ -73,8 +81,9 @@ def export(
         texts = eval_texts(source, check.items_file, check.items) if check else None
         why = "its served == trained check had not finished" if check else "--no-check"
         result = run_export(source, fmt, out, opts, unchecked=why)
-        result.notes += ignored  # a stray weight file beside the base, not read
+        result.notes += ignored + ([not_promoted] if not_promoted else [])
         doc = {**result.to_json(), "adapter": str(source.adapter_dir), "base": source.base}
+        doc["unpromoted"] = not_promoted
         return checked(source, result, check, texts, doc, row)
 
 
@@ -172,5 +181,6 @@ def record_in_run(source: Source, fmt: str, doc: dict[str, Any]) -> None:
         known = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         known = {}
-    known[fmt] = {"out": doc["out"], "files": doc["files"], "check": doc["check"]}
+    known[fmt] = {"out": doc["out"], "files": doc["files"], "check": doc["check"],
+                  "unpromoted": doc.get("unpromoted")}  # fmt: skip
     atomic_write_json(path, known)

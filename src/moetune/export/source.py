@@ -10,9 +10,9 @@ from typing import Any
 
 from moetune.config import load_config
 from moetune.data.files import read_rows
-from moetune.errors import clip
+from moetune.errors import MoetuneError, clip
 from moetune.export.registry import ExportError, Source
-from moetune.io import PROMOTION_FIX, promotion_broken
+from moetune.io import PROMOTED, PROMOTION_FIX, adapter_digest, promotion_broken
 from moetune.model.finite import require_adapter_config
 from moetune.model.remote import prepare as prepare_remote
 from moetune.model.sources import resolve_config
@@ -42,6 +42,43 @@ def _promotion_intact(source: Source) -> Source:
     if why := promotion_broken(source.adapter_dir):
         raise ExportError(why, PROMOTION_FIX)
     return source
+
+
+UNPROMOTED_FIX = (
+    "promote it first (`moetune gate RESULTS --promote`, on a GO), or pass --unpromoted to "
+    "export it anyway (the export and the report say so)"
+)
+
+
+def unpromoted(source: Source) -> str | None:
+    """Why the adapter must not ship as a fine-tune that passed: it was evaluated (its run's
+    verdict.json names these exact bytes) and carries no PROMOTED marker; None when it is
+    promoted, or no eval of these bytes is known (an adapter without its run)."""
+    run_dir = source.run_dir or source.adapter_dir.parent
+    if (source.adapter_dir / PROMOTED).is_file() or not (run_dir / "config.yaml").is_file():
+        return None
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+        verdict_file = cfg.eval.results_path(str(run_dir)) / "verdict.json"
+        verdict = json.loads(verdict_file.read_text(encoding="utf-8"))
+        evaluated = verdict["adapter_sha256"] == adapter_digest(source.adapter_dir)
+    except (MoetuneError, OSError, ValueError, KeyError, TypeError):
+        return None  # no readable verdict: never evaluated as far as the run shows
+    if not evaluated:
+        return None
+    return (
+        f"the adapter in {clip(source.adapter_dir, 80)} was evaluated ({verdict.get('verdict')}: "
+        f"{clip(verdict.get('reason', ''), 100)}) and never promoted"
+    )
+
+
+def require_promoted(source: Source, allow: bool) -> str | None:
+    """Refuse an evaluated, unpromoted adapter unless `allow` (--unpromoted); the note the
+    export and the report then carry."""
+    why = unpromoted(source)
+    if why and not allow:
+        raise ExportError(why, UNPROMOTED_FIX)
+    return f"exported with --unpromoted: {why}" if why else None
 
 
 def _from_run(run_dir: Path, base: str | None, trust: bool) -> Source:

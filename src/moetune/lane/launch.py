@@ -14,6 +14,7 @@ from rich.console import Console
 import moetune.plan
 import moetune.plan.devices.sharding
 from moetune.config import RunConfig
+from moetune.data.rungs import check_ladder
 from moetune.io import PROMOTION_FIX, promotion_broken
 from moetune.lane.cards import CardChoice, choose_card
 from moetune.lane.nodes import make_workers, node_plan
@@ -167,6 +168,7 @@ def launch(
         plan.choice.require()
         plan.spec = PodSpec(**{**asdict(plan.spec), "name": state.pod_name})
     else:
+        check_ladder(cfg.eval)  # an eval the pod would refuse after training: refused here
         refuse_existing_output(cfg)
         plan = launch_plan(cfg, accept_thin_margin=accept_thin_margin)
         plan.choice.require()

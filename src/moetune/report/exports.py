@@ -32,7 +32,10 @@ def export_row(fmt: str, entry: dict[str, Any]) -> dict[str, Any]:
             f"expert effect {check.get('expert_effect', 0):.2g} · greedy equal "
             f"{check.get('greedy_match', 0):.0%}"
         )
+    ok = bool(check.get("passed"))
+    if entry.get("unpromoted"):  # served == trained says nothing of an adapter that failed
+        status, ok, detail = f"{status} · NOT PROMOTED", False, f"{entry['unpromoted']} · {detail}"
     return {
         "format": fmt, "out": str(entry.get("out", "")), "consumer": check.get("consumer", "–"),
-        "status": status, "ok": bool(check.get("passed")), "detail": detail,
+        "status": status, "ok": ok, "detail": detail,
     }  # fmt: skip

@@ -26,6 +26,7 @@ from markupsafe import Markup
 import moetune.report.plots as plots
 from moetune.config import load_yaml
 from moetune.io import atomic_write_text, masked, promotion_broken
+from moetune.report.examples import failing_examples
 from moetune.report.exports import exports_section
 from moetune.report.inputs import lookup, missing, read_json, read_jsonl
 from moetune.report.out import ReportError, check_out
@@ -437,6 +438,7 @@ def gate_section(inp: Inputs) -> dict[str, Any]:
         "reason": verdict.get("reason", ""),
         "hash": verdict.get("hash", ""),
         "rungs": [{k: r.get(k) for k in GATE_KEYS} for r in verdict["rungs"]],
+        "examples": failing_examples(verdict),
     }
 
 

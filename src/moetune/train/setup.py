@@ -20,6 +20,8 @@ import torch
 from moetune.config import RunConfig, TrainArgs
 from moetune.data import TrainData, check_sources, load_train_data
 from moetune.data.load import Checked
+from moetune.data.rendering import Rendering, template_source
+from moetune.data.rungs import check_ladder
 from moetune.data.summary import Summary, summarize
 from moetune.data.tokenizer import run_tokenizer
 from moetune.io import atomic_write_json
@@ -309,8 +311,10 @@ def check_streaming(cfg: RunConfig) -> None:
 def check_data(cfg: RunConfig, formats: tuple[str, ...]) -> Checked:
     """The data checks `moetune train` and `moetune data` both run before a tokenizer loads
     (one function: the preview never passes what training refuses): a streamed set needs
-    train.max_steps; every row of every source read and checked (data.streaming: a head)."""
+    train.max_steps; every row of every source read and checked (data.streaming: a head);
+    the eval ladder's kinds, rung files and rows, as lint's EVAL-LADDER checks them."""
     check_streaming(cfg)
+    check_ladder(cfg.eval)  # an eval that would fail is found before the spend, not after
     return check_sources(cfg.data, formats)
 
 
@@ -431,4 +435,12 @@ def write_preamble(run: RunDir, cfg: RunConfig, setup: Setup) -> None:
     atomic_write_json(run.versions, {**versions(), **setup.place.to_json()})
     atomic_write_json(run.preflight, setup.preflight_json())
     preview = {"preview": setup.data_summary.to_json()} if setup.data_summary else {}
-    atomic_write_json(run.data, setup.data.to_json() | preview)
+    rendering = {"rendering": rendering_of(cfg, setup).to_json()}  # what the eval renders by
+    atomic_write_json(run.data, setup.data.to_json() | preview | rendering)
+
+
+def rendering_of(cfg: RunConfig, setup: Setup) -> Rendering:
+    """How the run's rows became text (chat template or as written), for data.json."""
+    first = (setup.data.head(1) or [{}])[0]
+    source = template_source(cfg.data.chat_template, cfg.model.id)
+    return Rendering.of_run(setup.data.format, first, setup.tokenizer, source)

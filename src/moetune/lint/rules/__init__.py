@@ -5,6 +5,7 @@ them; importing this package registers them all, in this order.
 from moetune.lint.rules import (  # noqa: F401  (each registers its rules)
     dist,
     infra,
+    ladder,
     mlx,
     model,
     offload,
