@@ -124,7 +124,7 @@ def output(command: str) -> list[str]:
         console._width = saved
     if result.exit_code not in (0, 1):  # 1: lint's error findings, by design
         raise SystemExit(f"`{command}` exited {result.exit_code}: {result.stderr.strip()}")
-    return [line.rstrip() for line in result.stdout.rstrip("\n").splitlines()]
+    return [line.rstrip() for line in result.stdout.rstrip().splitlines()]  # rich pads the end
 
 
 def block(example: Example) -> str:
