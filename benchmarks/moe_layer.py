@@ -49,6 +49,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import bench_env
@@ -146,10 +147,10 @@ def base_block(shape: Shape, device: torch.device, dtype: torch.dtype) -> Any:
     )  # fmt: skip
     config._experts_implementation = "eager"
     block = Qwen3MoeSparseMoeBlock(config).to(device, dtype)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)  # seeded on the device: no host copy of 1 GB
     with torch.no_grad():
-        for param in block.parameters():  # built with torch.empty: fill on the CPU, seeded
-            param.copy_(torch.randn(param.shape, generator=gen) * config.initializer_range)
+        for param in block.parameters():  # built with torch.empty
+            param.normal_(std=config.initializer_range, generator=gen)
     return block.requires_grad_(False)
 
 
@@ -224,10 +225,10 @@ def grad_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
     return max(rel_diff(got[n], ref[n]) for n in ref)
 
 
-def measure(tokens: int, shape: Shape, paths: list[str], repeats: int, device: torch.device,
-            dtype: torch.dtype) -> list[dict]:  # fmt: skip
+def measure(blocks: dict[str, Any], tokens: int, shape: Shape, repeats: int,
+            device: torch.device, dtype: torch.dtype) -> list[dict]:  # fmt: skip
     """One row per path at `tokens`: time, peak extra bytes, agreement with peft's."""
-    blocks = build(shape, paths, device, dtype)
+    paths = list(blocks)
     inputs = make_inputs(tokens, shape, device, dtype)
     sides = {p: make_side(blocks[p], p, inputs) for p in paths}
     first = {p: peak_extra(s.step, s.block, inputs, device) for p, s in sides.items()}
@@ -287,9 +288,9 @@ def heading(rows: list[dict], where: str) -> str:
     )
 
 
-def record(rows: list[dict], absent: dict[str, str], where: str) -> None:
+def record(rows: list[dict], absent: dict[str, str], where: str, path: Path = RESULTS) -> None:
     """Append a dated block (heading line and table) at the end of this benchmark's section."""
-    text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
+    text = path.read_text() if path.exists() else RESULTS_HEADER
     if SECTION not in text:
         text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n"
     head, _, tail = text.partition(SECTION)
@@ -297,7 +298,7 @@ def record(rows: list[dict], absent: dict[str, str], where: str) -> None:
     after = f"\n## {rest}" if sep else ""
     today = datetime.date.today().isoformat()
     block = f"- {today} · {heading(rows, where)}\n\n{table(rows, absent)}"
-    bench_env.write_results(RESULTS, f"{head}{SECTION}{body.rstrip()}\n\n{block}{after}")
+    bench_env.write_results(path, f"{head}{SECTION}{body.rstrip()}\n\n{block}{after}")
 
 
 def where_label(device: torch.device) -> str:
@@ -315,7 +316,8 @@ def run(shape: Shape, tokens: list[int], repeats: int, device: torch.device,
     paths = [p for p in ("split", PEFT, "peft_unfolded", "peft_grouped_mm") if p not in absent]
     with warnings.catch_warnings():  # peft's FutureWarnings about renamed transformers APIs
         warnings.simplefilter("ignore")
-        rows = [r for t in tokens for r in measure(t, shape, paths, repeats, device, dtype)]
+        blocks = build(shape, paths, device, dtype)
+        rows = [r for t in tokens for r in measure(blocks, t, shape, repeats, device, dtype)]
     return with_ratios(rows), absent
 
 
