@@ -58,7 +58,7 @@ import torch
 # Siblings: `python benchmarks/moe_layer.py` puts benchmarks/ first on sys.path.
 from experts_lora import dtype_name, machine, peak_extra, rel_diff, timed
 
-from moetune.engine import IMPLEMENTATION, register
+from moetune.engine import IMPLEMENTATION, is_split, register
 
 RESULTS = bench_env.results_page("engine")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
@@ -163,7 +163,10 @@ def with_lora(base: Any, path: str, shape: Shape) -> Any:
     block.experts.config._experts_implementation = experts_impl(path)
     register()  # "moetune_lora" in transformers' interface; switches wrappers on arrival
     lora = LoraConfig(r=shape.rank, lora_alpha=2 * shape.rank, target_parameters=EXPERT_PARAMS)
-    return inject_adapter_in_model(lora, block)
+    block = inject_adapter_in_model(lora, block)
+    if is_split(block) != (path == "split"):  # a row under the wrong name is worse than none
+        raise SystemExit(f"moe_layer: the {path} block did not get the path it names")
+    return block
 
 
 def lora_params(block: Any) -> dict[str, torch.nn.Parameter]:
