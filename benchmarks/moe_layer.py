@@ -31,7 +31,8 @@ fp32, CPU) fails when any exceeds 1e-4 – that check is the test (tests/test_be
 
 The whole table runs on CUDA in bf16 (benchmarks/gpu_validate.py runs it as its "moe-layer"
 case and `--record-from` records it here); on a CPU, fp32 unless `--dtype bf16`, and
-`--tokens` / `--quick` (32 experts, hidden 512, intermediate 256) bring it to a size the host holds.
+`--tokens` / `--quick` (32 experts, hidden 512, intermediate 256) bring it to a size the host holds
+(the full widths in bf16 at 512 tokens did not finish in 400 s on 2 shared cores).
 
     python benchmarks/moe_layer.py [--quick] [--tokens 4096,16384] [--repeats N]
         [--device cpu|cuda] [--dtype fp32|bf16] [--json] [--record] [--smoke]
