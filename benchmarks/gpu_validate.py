@@ -15,6 +15,12 @@ GPU measures, so their 20–60 s each overlap the GPU work. Cases start only whi
 expected time fits `--budget-s` (a tracker pass only if max(tracker_s, 8 × step_s) fits; the
 clock starts after the imports); the JSON is rewritten after every case.
 
+The "moe-layer" case is benchmarks/moe_layer.py's whole table (one Qwen3-30B-A3B MoE layer,
+bf16, 4k and 16k tokens: split LoRA, peft's ParamWrapper with and without its baddbmm fold,
+transformers' grouped_mm under peft); it runs first (~60 s guessed on an H100, so a 420 s
+budget leaves out one more of the tail cases) and is recorded on moe_layer's page
+(results/engine.md, or `--results` when given).
+
 `--smoke` runs tiny versions of every case on the CPU in seconds: the measured pass then
 has no allocator to read, so measured_bytes is the tracker's count of the real-tensor step
 (what `trace_step(..., fake=False)` counts), which must equal the prediction byte for byte.
@@ -42,12 +48,13 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import bench_env
+import moe_layer
 import torch
 
 # A sibling: `python benchmarks/gpu_validate.py` puts benchmarks/ first on sys.path.
@@ -67,6 +74,8 @@ from gpu_cases import (
 
 GiB = 2**30
 GOAL = 0.03  # |predicted / measured − 1|
+LAYER = "moe-layer"  # moe_layer.py's table, not a planner case
+LAYER_EXPECT_S = 60.0  # H100 guess: build (~5 s), 2 token counts × 4 paths × 6 steps, warm-ups
 RESULTS = bench_env.results_page("trace-and-planner")
 RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 SECTION = "## GPU validation: planner vs real CUDA memory (`benchmarks/gpu_validate.py`)"
@@ -124,6 +133,7 @@ class Run:
     out: Path
     start: float
     rows: list[dict[str, Any]]
+    layer: dict[str, Any] = field(default_factory=dict)  # the "moe-layer" table, if asked
 
     @property
     def elapsed(self) -> float:
@@ -177,6 +187,38 @@ def run_group(run: Run, cases: list[Case], predictions: Predictions) -> None:
     free_memory(run.device)
 
 
+def run_layer(run: Run) -> None:
+    """moe_layer.py's table (smoke: its tiny fp32 shape on the CPU), if the budget allows."""
+    if not run.fits(LAYER_EXPECT_S):
+        run.layer = {"status": "skipped", "reason": f"budget: {run.elapsed:.0f} s used"}
+    else:
+        size = "smoke" if run.args.smoke else "full"
+        shape = moe_layer.SMOKE if run.args.smoke else moe_layer.FULL
+        dtype = torch.float32 if run.args.smoke else torch.bfloat16
+        repeats = 1 if run.args.smoke else 5
+        try:
+            rows, absent = moe_layer.run(shape, list(moe_layer.TOKENS[size]), repeats,
+                                         run.device, dtype)  # fmt: skip
+            run.layer = {"status": "ok", "rows": rows, "absent": absent}
+        except Exception as exc:  # OOM or a broken path: record it, go on with the cases
+            run.layer = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+            del exc
+        free_memory(run.device)
+    print(f"[{run.elapsed:6.1f} s] {LAYER}: {run.layer['status']} {run.layer.get('reason', '')}")
+    write_json(run.out, report(run))
+
+
+def record_layer(data: dict[str, Any], results: Path | None) -> Path | None:
+    """The layer table on moe_layer's page (or `results`); None when it did not run."""
+    layer = data.get("layer_table") or {}
+    if layer.get("status") != "ok":
+        return None
+    where = f"{data['machine']['device']} (gpu_validate)"
+    path = results or moe_layer.RESULTS
+    moe_layer.record(layer["rows"], layer["absent"], where, path)
+    return path
+
+
 def machine(device: torch.device) -> dict[str, Any]:
     from transformers.utils import is_triton_available
 
@@ -210,7 +252,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def report(run: Run) -> dict[str, Any]:
     return {"smoke": run.args.smoke, "wall_s": round(run.elapsed, 1),
             "budget_s": run.args.budget_s, "machine": machine(run.device),
-            "summary": summary(run.rows), "cases": run.rows}  # fmt: skip
+            "summary": summary(run.rows), "cases": run.rows,
+            "layer_table": run.layer}  # fmt: skip
 
 
 def write_json(out: Path, data: dict[str, Any]) -> Path:
@@ -291,8 +334,8 @@ def record(path: Path, data: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    names = [c.name for c in CASES]
-    default = ",".join(c.name for c in CASES if c.default)
+    names = [LAYER, *(c.name for c in CASES)]
+    default = ",".join([LAYER, *(c.name for c in CASES if c.default)])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--cases", default=default, help=f"comma list of: {', '.join(names)} (default: {default})"
@@ -345,9 +388,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def record_from(args: argparse.Namespace) -> int:
     data = json.loads(args.record_from.read_text())
+    layer = record_layer(data, args.results)
+    if layer:
+        print(f"appended the {LAYER} table to {layer}")
     if not data["summary"]["ok"]:
         print(f"gpu_validate: {args.record_from} has no finished case; nothing recorded.")
-        return 1
+        return 0 if layer else 1
     results = args.results or RESULTS
     record(results, data)
     print(f"appended {data['summary']['ok']} case(s) to {results}")
@@ -378,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # peft calls renamed transformers APIs
+            if LAYER in wanted:
+                run_layer(run)
             for group in grouped(cases):
                 run_group(run, group, predictions)
     finally:
@@ -394,7 +442,11 @@ def finish(run: Run) -> int:
     results = (args.results or RESULTS) if data["summary"]["ok"] else None  # none finished
     if args.record and results is not None:
         record(results, data)
+    if args.record:
+        record_layer(data, args.results)
     print(json.dumps(data, indent=2, default=str) if args.json else markdown(data))
+    if run.layer.get("status") == "ok":
+        print(moe_layer.table(run.layer["rows"], run.layer["absent"]))
     print(f"wrote {path}" + (f"; appended to {results}" if args.record and results else ""))
     return 0
 

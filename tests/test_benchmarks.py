@@ -35,6 +35,8 @@ EXPECT: dict[str, tuple[list[str], str]] = {
     "gpu_validate.py": (["--cases", "30b-peft-2k", "--no-tracker"], r"30b-peft-2k"),
     "grpo_routing.py": ([], r"\| deepseek_v3 tiny \| bfloat16 \| \d+ \| \d+\.\d+% \|.*\| 100% \|"),
     "kt_kernel.py": ([], r"CPU .*; flags: "),  # without kt-kernel (its own venv): flags + why
+    # each path's output and LoRA grads agree with peft's (≤ 1e-4) or the script exits 1
+    "moe_layer.py": ([], r"\| 128 \| split \| .*\n\| 128 \| peft \| .*\n\| 128 \| peft_un"),
     "grpo_step.py": ([], r"\| 4 \| \d+\.\d+ \| \d+\.\d+ \|"),
     "offload_stream.py": ([], r"disk stream / O_DIRECT: \d+\.\d+ · cpu stream / memcpy: \d"),
     "planner_accuracy.py": ([], r"worst: [+-]\d+\.\d %"),

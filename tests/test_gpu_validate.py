@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_cases
 import gpu_validate as gv
+import moe_layer
 
 # One build reused across an engine switch and gc on -> off, plus the NF4 build.
 SMOKE_CASES = ("30b-peft-2k", "30b-moetune-2k-nogc", "30b-moetune-nf4dq-2k")
@@ -98,6 +99,25 @@ def test_record_from_appends_under_the_same_section(smoke: dict[str, Any], tmp_p
     assert text.rstrip().endswith("x")
 
 
+def test_smoke_layer_table_runs_and_is_recorded_on_its_page(tmp_path: Path):
+    out, results = tmp_path / "out", tmp_path / "RESULTS.md"
+    argv = ["--smoke", "--cases", gv.LAYER, "--out", str(out), "--record", "--results"]
+    assert gv.main([*argv, str(results)]) == 0
+    data = json.loads((out / "gpu_validate.json").read_text())
+    layer = data["layer_table"]
+    assert layer["status"] == "ok" and layer["absent"] == {} and data["cases"] == []
+    paths = [r["path"] for r in layer["rows"]]
+    assert paths == ["split", "peft", "peft_unfolded", "peft_grouped_mm"]
+    assert all(max(r["output_rel_diff"], r["grad_rel_diff"]) <= 1e-4 for r in layer["rows"])
+    assert all(r["peak_extra_bytes"] > 0 and r["ms"] > 0 for r in layer["rows"])
+    text = results.read_text()
+    assert text.count(moe_layer.SECTION) == 1 and gv.SECTION not in text  # no planner case
+    again = ["--record-from", str(out / "gpu_validate.json"), "--results", str(results)]
+    assert gv.main(again) == 0  # only the layer table finished: still recorded
+    text = results.read_text()
+    assert text.count(moe_layer.SECTION) == 1 and text.count("| split | ") == 2
+
+
 def test_budget_skips_cases_and_still_writes_the_json(tmp_path: Path):
     out, results = tmp_path / "out", tmp_path / "RESULTS.md"
     argv = ["--smoke", "--budget-s", "0", "--out", str(out), "--record", "--results", str(results)]
@@ -106,6 +126,7 @@ def test_budget_skips_cases_and_still_writes_the_json(tmp_path: Path):
     assert [r["status"] for r in data["cases"]] == ["skipped"] * len(data["cases"])
     assert len(data["cases"]) == sum(c.default for c in gpu_cases.CASES) >= 6
     assert all(r["reason"].startswith("budget") for r in data["cases"])
+    assert data["layer_table"]["status"] == "skipped"
     assert not results.exists()  # nothing finished, nothing recorded
 
 
