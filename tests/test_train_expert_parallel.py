@@ -122,6 +122,70 @@ def test_ep_ranks_gradients_sum_to_one_process(tmp_path, world):
         assert report["held_expert_params"] == 2 * local * (16 * 16 + 16 * 8)
 
 
+def _noisy_router(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3-MoE's router with noise that changes with every call (the recompute is a call):
+    the same function of a token's logits on every rank, so ranks and one process agree."""
+    calls = self.__dict__.setdefault("_calls", [0])
+    calls[0] += 1
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    logits = logits + 0.5 * torch.sin(2.3 * calls[0] + 40 * logits.detach())
+    probs = logits.softmax(dim=-1, dtype=torch.float)
+    top, indices = torch.topk(probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), indices
+
+
+def _replayed_grads(model: Any, ids: torch.Tensor, weights: torch.Tensor) -> dict[str, Any]:
+    """Checkpointed gradients with the recompute replaying the forward's routing."""
+    from moetune.train.distributed.ep_replay import RecomputeReplay
+
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    replay = RecomputeReplay(gates, EXPERTS, 2)
+    found = _grads(model, ids, weights, checkpointing=True)
+    return {**found, "rerouted": replay.rerouted, "pending": replay.pending()}
+
+
+def _noisy_rank(rank: int, world: int, store: str, out: str) -> None:
+    """One gloo rank, a router that is not deterministic across calls, checkpointed with the
+    recompute replay: ep on this rank's half against one process (same replay) on the whole."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    from moetune.engine.expert_parallel import ep_mesh, shard_experts
+
+    torch.set_num_threads(1)
+    modeling_qwen3_moe.Qwen3MoeTopKRouter.forward = _noisy_router  # a forked child's own
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))  # fmt: skip
+    torch.manual_seed(3)
+    ids = torch.randint(0, 64, (2 * world, 12))
+    weights = torch.randn(2 * world, 12, 64, dtype=torch.float64)
+    want = _replayed_grads(_tiny_model(0), ids, weights)
+    model, mine = _tiny_model(0), slice(rank * 2, rank * 2 + 2)
+    shard_experts(model, ep_mesh("cpu"))
+    got = _replayed_grads(model, ids[mine], weights[mine])
+    diffs = [_rel(got["logits"], want["logits"][mine])]
+    for name, grad in got["grads"].items():
+        dist.all_reduce(grad)
+        diffs.append(_rel(grad, want["grads"][name]))
+    found = {"diff": max(diffs), **{k: got[k] for k in ("rerouted", "pending")}}
+    Path(out, f"rank{rank}.json").write_text(json.dumps({**found, "one": want["rerouted"]}))
+    dist.destroy_process_group()
+
+
+def test_ep_recompute_replays_the_forwards_routing(tmp_path):
+    """A router whose choice changes between forward and the checkpointed recompute: the
+    recompute sends every token to its forward experts, so 2 ep ranks' gradients still sum
+    to one process's with the same replay (float64), and no forward choice is left over."""
+    mp.start_processes(_noisy_rank, args=(2, str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=2, start_method="fork")  # fmt: skip
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["diff"] < 1e-12, found
+        assert found["rerouted"] > 0 and found["one"] > 0  # the noise did move tokens
+        assert found["pending"] == 0
+
+
 # ---------------------------------------------------------------- refused in the launcher
 
 

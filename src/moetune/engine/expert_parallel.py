@@ -18,7 +18,8 @@ Both exchanges are torch's autograd-aware collective (`_functional_collectives.
 all_to_all_single_autograd`, whose backward is the exchange with the splits swapped), so
 backward returns each row's gradient to the rank it came from, and the gradient of an
 expert's factors on its owner sums every rank's tokens. A recompute (gradient
-checkpointing) reruns the same exchanges with the top-k the recomputed router gives.
+checkpointing) reruns the same exchanges with the top-k it is given: train.strategy ep
+replays the forward's there (train/distributed/ep_replay.py).
 
 LoRA factors stay whole on every rank, in peft's own parameters: a rank computes with its
 experts' slices only, so another rank's slice gets a zero gradient there, and the

@@ -35,6 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 _QUANT_REPORT = "_moetune_quant_report"  # on a model loaded with quantised experts
+REPLAY = "_moetune_recompute_replay"  # on an ep model checkpointed: its RecomputeReplay
 
 
 def load_model(
@@ -226,14 +227,30 @@ def finish_lora(
 
 def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
     """train.strategy ep on several ranks: this rank keeps its own routed experts and the
-    experts exchange tokens (engine/expert_parallel.py); the adapter stays whole."""
-    if cfg.train.strategy != "ep" or setup.args.world_size == 1:
+    experts exchange tokens (engine/expert_parallel.py); the adapter stays whole. Checkpointed,
+    the recompute replays each forward's routing (train/distributed/ep_replay.py) – on one
+    process too, so a one-process ep run is the same computation as N ranks."""
+    if cfg.train.strategy != "ep":
+        return
+    if cfg.train.gradient_checkpointing:
+        replay_routing_in_recompute(wrapped, setup.spec)
+    if setup.args.world_size == 1:
         return
     # lazy: heavy to import (torch.distributed's DeviceMesh)
     from moetune.engine.expert_parallel import ep_mesh, shard_experts
 
     device = next(iter(wrapped.parameters())).device.type
     shard_experts(wrapped, ep_mesh(device))
+
+
+def replay_routing_in_recompute(wrapped: nn.Module, spec: ModelSpec) -> None:
+    """Every MoE router keeps its forward's top-k for the checkpointed recompute."""
+    # lazy: heavy to import (moetune's routing recorder pulls the model families)
+    from moetune.train.distributed.ep_replay import RecomputeReplay
+    from moetune.train.routing.recorder import router_modules
+
+    routers = router_modules(wrapped, spec).values()
+    wrapped.__dict__[REPLAY] = RecomputeReplay(routers, spec.num_experts, spec.top_k)
 
 
 def require_full_coverage(report: CoverageReport) -> None:
