@@ -265,6 +265,7 @@ def test_ep_trains_the_loss_curve_and_adapter_of_one_process(tiny, checkpointing
     assert _rel_diff(two, one) < 1e-5
     ran = json.loads((two / "summary.json").read_text())["distributed"]["expert_parallel"]
     assert [r["first_expert"] for r in ran] == [0, 2] and all(r["rows_sent"] for r in ran)
+    assert all(2 * r["expert_bytes_read"] == r["expert_stack_bytes"] for r in ran)  # its half
     adapter = load_file(str(two / "adapter" / "adapter_model.safetensors"))
     a = next(v for k, v in adapter.items() if "experts" in k and "lora_A" in k)
     assert a.shape[0] == 4 * EXPERTS  # [r·E, in]: every expert's factors, not one rank's

@@ -59,6 +59,9 @@ def load_model(
         return load_stored_model(cfg, place, dtype, engine)
     if cfg.model.experts_dtype != "bf16":
         return load_quantized_model(cfg, place, dtype, engine)
+    ep = _ep_rank(cfg)
+    if ep is not None:  # expert parallelism: this rank's experts' bytes only
+        return _load_partitioned(cfg, dtype, *ep)
     if not sharded_load.loads_weights():  # its shard comes from rank 0 in prepare()
         return sharded_load.note_loaded(sharded_load.meta_base(cfg.model.id, dtype))
     try:
@@ -81,6 +84,26 @@ def load_model(
         first = sorted(info["missing_keys"])[0]
         missing = f"{len(info['missing_keys'])} tensors it builds are not in the weights ({first})"
         raise weights_mismatch(cfg.model.id, missing)
+    return sharded_load.note_loaded(cast("nn.Module", model))
+
+
+def _ep_rank(cfg: RunConfig) -> tuple[int, int] | None:
+    """(this rank, ranks) of a `train.strategy ep` launch of 2+ processes (its environment)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.train.strategy != "ep" or world == 1:
+        return None
+    return int(os.environ.get("RANK", "0")), world
+
+
+def _load_partitioned(cfg: RunConfig, dtype: torch.dtype, rank: int, ranks: int) -> nn.Module:
+    """The base with only this rank's routed experts read (engine/ep_load.py), on the host
+    as from_pretrained leaves it; shard_experts swaps them in after the LoRA wrap."""
+    # lazy: heavy to import (moetune's engine pulls transformers)
+    from moetune.engine.ep_load import load_partitioned
+
+    with quiet():
+        model = load_partitioned(_model_dir(cfg.model.id), "cpu", dtype, rank, ranks)
+    apply_fixes(model)
     return sharded_load.note_loaded(cast("nn.Module", model))
 
 
