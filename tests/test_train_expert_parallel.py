@@ -1,8 +1,9 @@
 """`train.strategy ep` (engine/expert_parallel.py): experts placed E/N a rank, tokens moved by
 all_to_all_single over gloo. Default tier: 2 spawned gloo ranks whose gradients (float64,
 with and without gradient checkpointing) sum to one process's on the whole batch, and the
-launcher's refusals. Slow: `moetune train --nproc 2 --strategy ep` against one process –
-loss curve and adapter – and the adapter loaded in plain peft."""
+launcher's refusals; a router not deterministic across calls, whose checkpointed recompute
+replays the forward's routing. Slow: `moetune train --nproc 2 --strategy ep` against one
+process – loss curve and adapter, SFT and DPO – and the adapter loaded in plain peft."""
 
 from __future__ import annotations
 
@@ -270,6 +271,26 @@ def test_ep_trains_the_loss_curve_and_adapter_of_one_process(tiny, checkpointing
     a = next(v for k, v in adapter.items() if "experts" in k and "lora_A" in k)
     assert a.shape[0] == 4 * EXPERTS  # [r·E, in]: every expert's factors, not one rank's
     _assert_loads_in_peft(tiny.model, two / "adapter")
+
+
+@pytest.mark.slow
+def test_ep_dpo_trains_the_loss_curve_and_adapter_of_one_process(tiny):
+    """train.method dpo under ep (the reference pass – the adapter disabled – exchanges
+    tokens too): 2 ranks (batch 2 each) against 1 process (batch 4), 3 steps, fp32 – every
+    step's loss and the saved adapter to 1e-5."""
+    from test_train_helpers import write_jsonl
+    from test_train_methods import preference_rows
+
+    pref = write_jsonl(tiny.root / "pref.jsonl", preference_rows(16))
+    over = {"max_steps": 3, "method": "dpo", "data__train_file": str(pref)}
+    _train(_write(tiny, "ep-dpo-2", batch_size=2, nproc=2, strategy="ep", **over),
+           log=tiny.root / "ep-dpo-2.log")  # fmt: skip
+    _train(_write(tiny, "ep-dpo-1", batch_size=4, **over), log=tiny.root / "ep-dpo-1.log")
+    two, one = tiny.root / "ep-dpo-2", tiny.root / "ep-dpo-1"
+    got, want = _losses(two), _losses(one)
+    assert len(got) == len(want) == 3
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+    assert _rel_diff(two, one) < 1e-5
 
 
 def _assert_loads_in_peft(model_dir: Path, adapter: Path) -> None:
