@@ -187,6 +187,23 @@ def test_ep_recompute_replays_the_forwards_routing(tmp_path):
         assert found["pending"] == 0
 
 
+def test_a_second_forward_before_the_recompute_is_refused():
+    """Two training forwards before one backward: which recomputes first is autograd's
+    choice, so the replay refuses rather than maybe hand a pass the other's routing."""
+    from moetune.train.distributed.ep_replay import RecomputeReplay
+    from moetune.train.errors import TrainError
+
+    model = _tiny_model(0)
+    RecomputeReplay([m for n, m in model.named_modules() if n.endswith("mlp.gate")], EXPERTS, 2)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids).logits.sum().backward()  # forward then backward: replayed, fine
+    model(input_ids=ids)
+    with pytest.raises(TrainError, match="second training forward"):
+        model(input_ids=ids)
+
+
 # ---------------------------------------------------------------- refused in the launcher
 
 

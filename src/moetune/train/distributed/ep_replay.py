@@ -7,8 +7,10 @@ with non-deterministic reductions, a gate that reads a step counter) could route
 differently in the recompute: under ep its rows would travel to another rank than in
 forward, and backward would differentiate a graph the loss never saw.
 
-So every MoE layer's router keeps the forward's top-k (indices and weights), one entry per
-forward pass – a micro-batch – and its recompute takes them back, first in first out. The
+So every MoE layer's router keeps the forward's top-k (indices and weights) of each
+micro-batch, and its recompute takes them back. Trainers (transformers', TRL's) run one
+forward then its backward per micro-batch; a second training forward while a choice waits
+is refused, since autograd, not this module, would pick which pass recomputes first. The
 weights' values are the forward's; their gradient flows through the recompute's own router
 logits at those experts (the family's gate rule, as GRPO's routing replay recomputes them),
 so the router and the hidden states get their gradient as before. The forward goes through
@@ -60,6 +62,7 @@ class RecomputeReplay:
             raise TrainError(f"cannot read the top-k of router {type(module).__name__}",
                              "set train.gradient_checkpointing false")  # fmt: skip
         if not in_backward():
+            _require_replayed(module, kept)
             choice = (own.detach().clone(), _detached(routed_weights(output, own), own))
             kept.append(choice)
             # the same autograd operations as the recompute's: checkpointing matches the
@@ -87,6 +90,18 @@ class RecomputeReplay:
         for handle in self._handles:
             handle.remove()
         self._handles, self._kept = [], {}
+
+
+def _require_replayed(module: nn.Module, kept: Any) -> None:
+    """A forward while an earlier one's choice waits: the recompute could take the wrong
+    one (the order in which backward recomputes two passes is autograd's), so refuse."""
+    if kept:
+        raise TrainError(
+            f"router {type(module).__name__} ran a second training forward before the "
+            "checkpointed recompute of the first; the recompute could replay the wrong routing",
+            "run one forward and its backward per micro-batch, or set "
+            "train.gradient_checkpointing false",
+        )
 
 
 def _detached(weights: torch.Tensor | None, indices: torch.Tensor) -> torch.Tensor:
