@@ -218,6 +218,12 @@ def test_sharded_plans_name_the_host_ram_a_node_needs_at_load(
         assert whole_each.per_node_bytes == 8 * (RUNTIME_HOST_BYTES + base)
     ddp = device_report(qwen235b, lora, ["H200"], 8, "ddp")
     assert not any("host RAM" in n for n in ddp.notes) and ddp.host is None
+    ep = device_report(qwen235b, lora, ["H200"], 8, "ep").to_json()["host_ram"]
+    rest = whole - sizes.expert_weights  # read whole on every rank; the experts 1/8 each
+    each = RUNTIME_HOST_BYTES + rest + -(-sizes.expert_weights // 8)
+    assert ep["main_rank_bytes"] == ep["other_rank_bytes"] == each
+    assert ep["per_node_bytes"] == 8 * each < 1.5 * whole  # the experts once, the rest 8×
+    assert not ep["once_per_node"] and "reads its E/N routed experts' bytes" in ep["how"]
 
 
 def test_several_nodes_plan_each_rank_of_all_and_host_ram_per_node(

@@ -1,8 +1,9 @@
 """`train.strategy ep` (engine/expert_parallel.py): experts placed E/N a rank, tokens moved by
 all_to_all_single over gloo. Default tier: 2 spawned gloo ranks whose gradients (float64,
 with and without gradient checkpointing) sum to one process's on the whole batch, and the
-launcher's refusals. Slow: `moetune train --nproc 2 --strategy ep` against one process –
-loss curve and adapter – and the adapter loaded in plain peft."""
+launcher's refusals; a router not deterministic across calls, whose checkpointed recompute
+replays the forward's routing. Slow: `moetune train --nproc 2 --strategy ep` against one
+process – loss curve and adapter, SFT and DPO – and the adapter loaded in plain peft."""
 
 from __future__ import annotations
 
@@ -122,6 +123,87 @@ def test_ep_ranks_gradients_sum_to_one_process(tmp_path, world):
         assert report["held_expert_params"] == 2 * local * (16 * 16 + 16 * 8)
 
 
+def _noisy_router(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3-MoE's router with noise that changes with every call (the recompute is a call):
+    the same function of a token's logits on every rank, so ranks and one process agree."""
+    calls = self.__dict__.setdefault("_calls", [0])
+    calls[0] += 1
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    logits = logits + 0.5 * torch.sin(2.3 * calls[0] + 40 * logits.detach())
+    probs = logits.softmax(dim=-1, dtype=torch.float)
+    top, indices = torch.topk(probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), indices
+
+
+def _replayed_grads(model: Any, ids: torch.Tensor, weights: torch.Tensor) -> dict[str, Any]:
+    """Checkpointed gradients with the recompute replaying the forward's routing."""
+    from moetune.train.distributed.ep_replay import RecomputeReplay
+
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    replay = RecomputeReplay(gates, EXPERTS, 2)
+    found = _grads(model, ids, weights, checkpointing=True)
+    return {**found, "rerouted": replay.rerouted, "pending": replay.pending()}
+
+
+def _noisy_rank(rank: int, world: int, store: str, out: str) -> None:
+    """One gloo rank, a router that is not deterministic across calls, checkpointed with the
+    recompute replay: ep on this rank's half against one process (same replay) on the whole."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    from moetune.engine.expert_parallel import ep_mesh, shard_experts
+
+    torch.set_num_threads(1)
+    modeling_qwen3_moe.Qwen3MoeTopKRouter.forward = _noisy_router  # a forked child's own
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))  # fmt: skip
+    torch.manual_seed(3)
+    ids = torch.randint(0, 64, (2 * world, 12))
+    weights = torch.randn(2 * world, 12, 64, dtype=torch.float64)
+    want = _replayed_grads(_tiny_model(0), ids, weights)
+    model, mine = _tiny_model(0), slice(rank * 2, rank * 2 + 2)
+    shard_experts(model, ep_mesh("cpu"))
+    got = _replayed_grads(model, ids[mine], weights[mine])
+    diffs = [_rel(got["logits"], want["logits"][mine])]
+    for name, grad in got["grads"].items():
+        dist.all_reduce(grad)
+        diffs.append(_rel(grad, want["grads"][name]))
+    found = {"diff": max(diffs), **{k: got[k] for k in ("rerouted", "pending")}}
+    Path(out, f"rank{rank}.json").write_text(json.dumps({**found, "one": want["rerouted"]}))
+    dist.destroy_process_group()
+
+
+def test_ep_recompute_replays_the_forwards_routing(tmp_path):
+    """A router whose choice changes between forward and the checkpointed recompute: the
+    recompute sends every token to its forward experts, so 2 ep ranks' gradients still sum
+    to one process's with the same replay (float64), and no forward choice is left over."""
+    mp.start_processes(_noisy_rank, args=(2, str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=2, start_method="fork")  # fmt: skip
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["diff"] < 1e-12, found
+        assert found["rerouted"] > 0 and found["one"] > 0  # the noise did move tokens
+        assert found["pending"] == 0
+
+
+def test_a_second_forward_before_the_recompute_is_refused():
+    """Two training forwards before one backward: which recomputes first is autograd's
+    choice, so the replay refuses rather than maybe hand a pass the other's routing."""
+    from moetune.train.distributed.ep_replay import RecomputeReplay
+    from moetune.train.errors import TrainError
+
+    model = _tiny_model(0)
+    RecomputeReplay([m for n, m in model.named_modules() if n.endswith("mlp.gate")], EXPERTS, 2)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids).logits.sum().backward()  # forward then backward: replayed, fine
+    model(input_ids=ids)
+    with pytest.raises(TrainError, match="second training forward"):
+        model(input_ids=ids)
+
+
 # ---------------------------------------------------------------- refused in the launcher
 
 
@@ -201,10 +283,31 @@ def test_ep_trains_the_loss_curve_and_adapter_of_one_process(tiny, checkpointing
     assert _rel_diff(two, one) < 1e-5
     ran = json.loads((two / "summary.json").read_text())["distributed"]["expert_parallel"]
     assert [r["first_expert"] for r in ran] == [0, 2] and all(r["rows_sent"] for r in ran)
+    assert all(2 * r["expert_bytes_read"] == r["expert_stack_bytes"] for r in ran)  # its half
     adapter = load_file(str(two / "adapter" / "adapter_model.safetensors"))
     a = next(v for k, v in adapter.items() if "experts" in k and "lora_A" in k)
     assert a.shape[0] == 4 * EXPERTS  # [r·E, in]: every expert's factors, not one rank's
     _assert_loads_in_peft(tiny.model, two / "adapter")
+
+
+@pytest.mark.slow
+def test_ep_dpo_trains_the_loss_curve_and_adapter_of_one_process(tiny):
+    """train.method dpo under ep (the reference pass – the adapter disabled – exchanges
+    tokens too): 2 ranks (batch 2 each) against 1 process (batch 4), 3 steps, fp32 – every
+    step's loss and the saved adapter to 1e-5."""
+    from test_train_helpers import write_jsonl
+    from test_train_methods import preference_rows
+
+    pref = write_jsonl(tiny.root / "pref.jsonl", preference_rows(16))
+    over = {"max_steps": 3, "method": "dpo", "data__train_file": str(pref)}
+    _train(_write(tiny, "ep-dpo-2", batch_size=2, nproc=2, strategy="ep", **over),
+           log=tiny.root / "ep-dpo-2.log")  # fmt: skip
+    _train(_write(tiny, "ep-dpo-1", batch_size=4, **over), log=tiny.root / "ep-dpo-1.log")
+    two, one = tiny.root / "ep-dpo-2", tiny.root / "ep-dpo-1"
+    got, want = _losses(two), _losses(one)
+    assert len(got) == len(want) == 3
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+    assert _rel_diff(two, one) < 1e-5
 
 
 def _assert_loads_in_peft(model_dir: Path, adapter: Path) -> None:

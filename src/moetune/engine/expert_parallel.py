@@ -18,7 +18,8 @@ Both exchanges are torch's autograd-aware collective (`_functional_collectives.
 all_to_all_single_autograd`, whose backward is the exchange with the splits swapped), so
 backward returns each row's gradient to the rank it came from, and the gradient of an
 expert's factors on its owner sums every rank's tokens. A recompute (gradient
-checkpointing) reruns the same exchanges with the top-k the recomputed router gives.
+checkpointing) reruns the same exchanges with the top-k it is given: train.strategy ep
+replays the forward's there (train/distributed/ep_replay.py).
 
 LoRA factors stay whole on every rank, in peft's own parameters: a rank computes with its
 experts' slices only, so another rank's slice gets a zero gradient there, and the
@@ -26,9 +27,9 @@ data-parallel gradient average (DDP, as for the attention LoRA) leaves every ran
 (1/N)·Σ_ranks of each gradient – what one process computes on the global batch. Every rank
 holds the same adapter after every step, and rank 0 saves it whole in peft's layout.
 
-The frozen expert weights are sliced to the rank's experts after loading (`shard_experts`),
-and DDP is told to leave them alone (its start-up broadcast would overwrite each rank's
-experts with rank 0's).
+The frozen expert weights are read for the rank's experts only (ep_load.py) – or, loaded
+whole, sliced to them (`shard_experts`) – and DDP is told to leave them alone (its start-up
+broadcast would overwrite each rank's experts with rank 0's).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ IMPLEMENTATION = "moetune_ep"
 MESH_DIM = "ep"
 _SHARD = "_moetune_ep_shard"  # on an experts module: its ExpertShard
 _IGNORE = "_ddp_params_and_buffers_to_ignore"  # read by torch's DistributedDataParallel
+PART = "_moetune_ep_part"  # on an experts module: {stack: this rank's experts, as loaded}
+READ = "_moetune_ep_read"  # on the base: expert bytes this rank read, and the whole stacks'
 _MOVED = "_moetune_ep_moved"  # on an experts module: [rows sent to other ranks, received]
 
 
@@ -136,7 +139,14 @@ def ep_report(model: nn.Module) -> dict[str, Any] | None:
         "held_expert_params": sum(p.numel() for m in sharded for p in m.parameters(False)),
         "rows_sent": sum(m[0] for m in moved),
         "rows_received": sum(m[1] for m in moved),
+        **_base(model).__dict__.get(READ, {}),  # loaded partitioned: the bytes it read
     }
+
+
+def _base(model: nn.Module) -> Any:
+    """transformers' model under a peft model (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
 
 
 def _exchange_counts(sent: torch.Tensor, group: Any) -> torch.Tensor:
@@ -191,8 +201,7 @@ def ep_mesh(device_type: str) -> Any:
 def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
     """Keep this rank's experts of every fused experts module and switch the model to
     "moetune_ep"; returns the names of the sliced parameters (DDP ignores them)."""
-    get_base = getattr(model, "get_base_model", None)  # a peft model: transformers' under it
-    base: Any = get_base() if callable(get_base) else model
+    base = _base(model)
     group, ranks = mesh.get_group(MESH_DIM), mesh.size(0)
     rank = dist.get_rank(group)
     sharded: list[Any] = [m for m in model.modules() if is_fused_experts(m)]
@@ -202,7 +211,7 @@ def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
     for experts in sharded:
         check_divides(experts.num_experts, ranks)
         shard = ExpertShard(group, ranks, rank, experts.num_experts)
-        _slice(experts, shard.part)
+        _slice(experts, shard)
         experts.__dict__[_SHARD] = shard
     register()
     base.set_experts_implementation(IMPLEMENTATION)
@@ -212,13 +221,24 @@ def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
     return names
 
 
-def _slice(experts: nn.Module, part: slice) -> None:
-    """Replace each expert stack (and bias) by this rank's rows of it; the whole is freed."""
+def _slice(experts: nn.Module, shard: ExpertShard) -> None:
+    """Replace each expert stack (and bias) by this rank's rows of it – read so by
+    ep_load.load_partitioned, or cut here from the whole, which is freed."""
+    loaded = experts.__dict__.pop(PART, {})
     for name in (*PROJECTIONS, *(f"{p}_bias" for p in PROJECTIONS)):
         whole = getattr(experts, name, None)
-        if isinstance(whole, nn.Parameter):
-            kept = whole.data[part].clone()  # own storage: the whole stack can go
-            setattr(experts, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+        if not isinstance(whole, nn.Parameter):
+            continue
+        kept = loaded.get(name)
+        if kept is None:
+            kept = whole.data[shard.part].clone()  # own storage: the whole stack can go
+        elif kept.shape[0] != shard.local:
+            raise EngineError(
+                f"{name} was loaded with {kept.shape[0]} experts a rank, and {shard.ranks} "
+                f"ranks hold {shard.local} each",
+                "load the base with the world that trains it (train.nproc)",
+            )
+        setattr(experts, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
 
 
 def check_divides(experts: int, ranks: int) -> None:

@@ -45,6 +45,10 @@ class Segment(Span):
 
     shape: tuple[int, ...]
 
+    def itemsize_elements(self) -> int:
+        """Elements it holds."""
+        return self.nbytes // self.dtype.itemsize
+
 
 def read_header(path: str | Path) -> dict[str, Segment]:
     """Every tensor of one safetensors file, by key (a damaged or vanished file: one line)."""
@@ -167,6 +171,23 @@ def stack_segments(index: dict[str, Segment], prefix: str, name: str,
         f"{prefix}.{name} is in none of the expert layouts moetune reads ({', '.join(LAYOUTS)})",
         "set train.offload: none, or register a Layout in engine/stack_files.py",
     )
+
+
+def expert_part(segments: list[Segment], shape: tuple[int, ...], part: slice) -> list[Segment]:
+    """The bytes of experts `part` of a stack of `shape` that `segments` fill expert-major
+    (every layout does: a fused tensor, or one tensor per expert and projection), cut where
+    the part begins and ends – what expert parallelism reads for one rank, and no more."""
+    per_expert = shape[1] * shape[2]
+    begin, end = part.start * per_expert, part.stop * per_expert  # elements of the stack
+    out, pos = [], 0
+    for seg in segments:
+        size = seg.itemsize_elements()
+        lo, hi = max(begin, pos), min(end, pos + size)
+        if lo < hi:
+            skip, n = (lo - pos) * seg.dtype.itemsize, (hi - lo) * seg.dtype.itemsize
+            out.append(Segment(seg.path, seg.offset + skip, n, seg.dtype, (hi - lo,)))
+        pos += size
+    return out
 
 
 def keys_of(index: dict[str, Segment], segments: Iterable[Segment]) -> set[str]:

@@ -35,6 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 _QUANT_REPORT = "_moetune_quant_report"  # on a model loaded with quantised experts
+REPLAY = "_moetune_recompute_replay"  # on an ep model checkpointed: its RecomputeReplay
 
 
 def load_model(
@@ -58,6 +59,9 @@ def load_model(
         return load_stored_model(cfg, place, dtype, engine)
     if cfg.model.experts_dtype != "bf16":
         return load_quantized_model(cfg, place, dtype, engine)
+    ep = _ep_rank(cfg)
+    if ep is not None:  # expert parallelism: this rank's experts' bytes only
+        return _load_partitioned(cfg, dtype, *ep)
     if not sharded_load.loads_weights():  # its shard comes from rank 0 in prepare()
         return sharded_load.note_loaded(sharded_load.meta_base(cfg.model.id, dtype))
     try:
@@ -80,6 +84,26 @@ def load_model(
         first = sorted(info["missing_keys"])[0]
         missing = f"{len(info['missing_keys'])} tensors it builds are not in the weights ({first})"
         raise weights_mismatch(cfg.model.id, missing)
+    return sharded_load.note_loaded(cast("nn.Module", model))
+
+
+def _ep_rank(cfg: RunConfig) -> tuple[int, int] | None:
+    """(this rank, ranks) of a `train.strategy ep` launch of 2+ processes (its environment)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.train.strategy != "ep" or world == 1:
+        return None
+    return int(os.environ.get("RANK", "0")), world
+
+
+def _load_partitioned(cfg: RunConfig, dtype: torch.dtype, rank: int, ranks: int) -> nn.Module:
+    """The base with only this rank's routed experts read (engine/ep_load.py), on the host
+    as from_pretrained leaves it; shard_experts swaps them in after the LoRA wrap."""
+    # lazy: heavy to import (moetune's engine pulls transformers)
+    from moetune.engine.ep_load import load_partitioned
+
+    with quiet():
+        model = load_partitioned(_model_dir(cfg.model.id), "cpu", dtype, rank, ranks)
+    apply_fixes(model)
     return sharded_load.note_loaded(cast("nn.Module", model))
 
 
@@ -226,14 +250,30 @@ def finish_lora(
 
 def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
     """train.strategy ep on several ranks: this rank keeps its own routed experts and the
-    experts exchange tokens (engine/expert_parallel.py); the adapter stays whole."""
-    if cfg.train.strategy != "ep" or setup.args.world_size == 1:
+    experts exchange tokens (engine/expert_parallel.py); the adapter stays whole. Checkpointed,
+    the recompute replays each forward's routing (train/distributed/ep_replay.py) – on one
+    process too, so a one-process ep run is the same computation as N ranks."""
+    if cfg.train.strategy != "ep":
+        return
+    if cfg.train.gradient_checkpointing:
+        replay_routing_in_recompute(wrapped, setup.spec)
+    if setup.args.world_size == 1:
         return
     # lazy: heavy to import (torch.distributed's DeviceMesh)
     from moetune.engine.expert_parallel import ep_mesh, shard_experts
 
     device = next(iter(wrapped.parameters())).device.type
     shard_experts(wrapped, ep_mesh(device))
+
+
+def replay_routing_in_recompute(wrapped: nn.Module, spec: ModelSpec) -> None:
+    """Every MoE router keeps its forward's top-k for the checkpointed recompute."""
+    # lazy: heavy to import (moetune's routing recorder pulls the model families)
+    from moetune.train.distributed.ep_replay import RecomputeReplay
+    from moetune.train.routing.recorder import router_modules
+
+    routers = router_modules(wrapped, spec).values()
+    wrapped.__dict__[REPLAY] = RecomputeReplay(routers, spec.num_experts, spec.top_k)
 
 
 def require_full_coverage(report: CoverageReport) -> None:

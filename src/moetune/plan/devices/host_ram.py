@@ -30,7 +30,9 @@ class HostRam:
     rank holds its partition plus the module being scattered (rank 0 reads the checkpoint,
     mapped: page cache the kernel reclaims, not the process's); the node holds about one
     base. zero3 otherwise (int8 / NF4 stacks, a published quantised base, offloaded stacks):
-    every rank builds the whole base before DeepSpeed partitions it."""
+    every rank builds the whole base before DeepSpeed partitions it. ep (bf16 experts): every
+    rank reads its E/N experts' bytes and the rest whole, so the node holds the experts once
+    and the rest once per rank."""
 
     strategy: str
     ranks: int
@@ -60,6 +62,11 @@ def host_ram(sizes: Sizes, gpus: int, strategy: str) -> HostRam:
         each = run + -(-whole // gpus) + sizes.largest_module * sizes.weight_bytes
         how = "every rank builds its partition under zero.Init, rank 0 reading the checkpoint"
         return HostRam(strategy, gpus, each, each, gpus * each, how, True)
+    if strategy == "ep" and sizes.expert_weights:
+        # engine/ep_load.py: each rank reads its E/N experts' bytes, every other weight whole
+        each = run + whole - sizes.expert_weights + -(-sizes.expert_weights // gpus)
+        how = "every rank reads its E/N routed experts' bytes and the rest of the base whole"
+        return HostRam(strategy, gpus, each, each, gpus * each, how, False)  # the rest: N×
     how = f"every rank builds the whole base before {strategy} shards it"
     return HostRam(strategy, gpus, run + whole, run + whole, gpus * (run + whole), how, False)
 

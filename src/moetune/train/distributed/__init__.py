@@ -1,3 +1,4 @@
 """Inside a rank of a multi-process run: nodes and their rendezvous (nodes.py), the
-sharded load (sharded_load.py, zero3_load.py) and no orphaned process (orphans.py).
+sharded load (sharded_load.py, zero3_load.py), no orphaned process (orphans.py), and
+expert parallelism's launch checks (ep_checks.py) and recompute replay (ep_replay.py).
 """
