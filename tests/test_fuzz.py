@@ -51,9 +51,11 @@ def assert_cli_refused_or_ok(result: Any, *ok: int) -> None:
     assert "Traceback" not in result.output, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert result.exit_code in (*ok, 2), result.output
-    if result.exit_code == 2:
-        lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    if result.exit_code == 2:  # one line on stderr; with --json, one error object on stdout
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         assert len(lines) == 1 and "error:" in lines[0], result.output
+        if result.stdout.strip():
+            assert json.loads(result.stdout)["error"]["exit_code"] == 2, result.stdout
 
 
 # ---------------------------------------------------------------- run.yaml and --set
