@@ -54,10 +54,12 @@ def doctor(
             f"{', '.join(given)} only apply with --calibrate", "add --calibrate, or drop them"
         )
     # lazy: the stage loads only when its command runs
+    from moetune.lane.providers import site_of
     from moetune.lint.doctor import run_doctor
     from moetune.lint.preflight import resolve_run
 
-    report = run_doctor(resolve_run(target) if target else None)
+    cfg = resolve_run(target) if target else None
+    report = run_doctor(cfg, cfg is not None and site_of(cfg.lane.provider).remote)
     if as_json:
         emit_json(report.to_json())
         return

@@ -98,16 +98,17 @@ def no_cuda_here(build: TorchBuild) -> str | None:
 
 def why_not_here(cfg: RunConfig, build: TorchBuild) -> str | None:
     """Why this host cannot train on the card `cfg` names (CARD-NOT-HERE's cause), or None:
-    no such card, train.device cpu (on purpose), a lane sending it to a pod, or CUDA here."""
+    no such card, train.device cpu (on purpose), or CUDA here. (A lane sending it to a pod is
+    the caller's to know: its Site, filled from the provider's traits.)"""
     card = get_card(cfg.hardware.card) if cfg.hardware.card else None
-    if card is None or card.is_host or cfg.train.device == "cpu" or cfg.lane.provider != "local":
+    if card is None or card.is_host or cfg.train.device == "cpu":
         return None
     if card.kind == "mps":  # an Apple card: Metal through torch's MPS backend
         return None if build.mps_available else f"torch {build.version} has no MPS device here"
     return no_cuda_here(build)
 
 
-def card_here(cfg: RunConfig, build: TorchBuild) -> dict[str, object]:
+def card_here(cfg: RunConfig, build: TorchBuild, remote: bool = False) -> dict[str, object]:
     """The card the config names, and whether this host can train on it (CARD-NOT-HERE's
     verdict): "here", "cpu" (train.device cpu), "pod" (a lane sends it elsewhere), or why not."""
     card = get_card(cfg.hardware.card) if cfg.hardware.card else None
@@ -115,7 +116,7 @@ def card_here(cfg: RunConfig, build: TorchBuild) -> dict[str, object]:
         return {"card": None, "verdict": "no hardware.card: `moetune plan` plans the catalog"}
     if cfg.train.device == "cpu":
         verdict = "train.device cpu: trained here on the CPU, the card is planned only"
-    elif cfg.lane.provider != "local":
+    elif remote:  # the provider's trait (Site.remote): plan/ and lint/ know no provider
         verdict = f"the pod's (lane.provider {cfg.lane.provider}), not this host's"
     else:
         why = why_not_here(cfg, build)
@@ -152,9 +153,9 @@ def hf_cache_dir() -> Path:
     return Path(home)
 
 
-def run_doctor(cfg: RunConfig | None = None) -> DoctorReport:
-    """Collect the report (with `cfg`: its card and whether this host trains on it); never
-    raises for a missing optional library."""
+def run_doctor(cfg: RunConfig | None = None, remote: bool = False) -> DoctorReport:
+    """Collect the report (with `cfg`: its card and whether this host trains on it, unless
+    `remote`: its lane sends it to a pod); never raises for a missing optional library."""
     build = torch_build()
     versions = installed_versions()
     problems = known_bad(versions)
@@ -170,5 +171,5 @@ def run_doctor(cfg: RunConfig | None = None) -> DoctorReport:
         accelerators=accelerators(),
         mlx=mlx_backend().to_json(),
         torch=build.to_json(),
-        card=card_here(cfg, build) if cfg is not None else None,
+        card=card_here(cfg, build, remote) if cfg is not None else None,
     )
