@@ -67,7 +67,7 @@ def test_eval_and_promote_refuse_a_nan_adapter_before_writing(nan_run: tuple[Pat
     results.mkdir()
     (results / "verdict.json").write_text(json.dumps({**verdict, "hash": verdict_hash(verdict)}))
     with pytest.raises(NonFiniteError, match=tensor.replace(".", r"\.")):
-        promote(results)
+        promote(results, adapter=run / "adapter")  # the fake holds no ladder.json to locate it
     assert not (run / "adapter" / "PROMOTED").exists()
 
 
