@@ -11,8 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from typer.testing import CliRunner
 
 import moetune
+from moetune.cli import app
+from moetune.demo.base import SHIPPED_DIR
 
 SRC = Path(moetune.__file__).parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
@@ -40,3 +44,19 @@ def test_a_reader_that_left_is_a_quiet_exit() -> None:
     os.close(write)
     assert done.returncode == 1, done.stderr
     assert "error" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_a_5000_character_output_dir_is_one_short_line(tmp_path: Path) -> None:
+    """Before: exit 2, but the line repeated the whole 5,000-character path and called the
+    dir "not writable"."""
+    deep = tmp_path.joinpath(*["d" * 200] * 25)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "copy:ab>", "completion": "ab"}\n' * 4)
+    config = {"model": {"id": str(SHIPPED_DIR)}, "data": {"train_file": str(data)},
+              "output": {"dir": str(deep), "ledger": str(tmp_path / "l.jsonl")},
+              "train": {"seq_len": 64}}  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    out = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml")])
+    assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert len(line) < 400 and "the path is too long" in line and "shorten output.dir" in line
