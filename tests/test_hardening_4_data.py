@@ -9,12 +9,16 @@ import zlib
 from pathlib import Path
 
 import pytest
+import yaml
 from PIL import Image
+from typer.testing import CliRunner
 
+from moetune.cli import app
 from moetune.config import DataArgs
 from moetune.data import check_sources
 from moetune.data.errors import DataError
 from moetune.data.images import with_images
+from moetune.demo.base import SHIPPED_DIR
 from test_train_helpers import write_jsonl
 
 SFT = ("messages", "prompt/completion", "text")
@@ -121,3 +125,37 @@ def test_max_rows_holds_in_the_preview_of_a_streamed_run(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert [s["rows"] for s in _json.loads(result.stdout)["sources"]] == [2]  # was: 3
+
+
+NO_REPLY = {  # templates that render no assistant token: one drops the reply, one marks nothing
+    "dropped": "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}>"
+    "{% endif %}{% endfor %}",
+    "empty-marks": "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% endgeneration %}{% else %}{{ m['content'] }}>{% endif %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize(("template", "rows"), [("dropped", "messages"), ("empty-marks", "pc")])
+def test_a_template_that_leaves_no_completion_token_is_refused_before_training(
+    tmp_path, template, rows
+):
+    """TRL's trainer died on `num_samples=0` when the template left no completion token."""
+    user, reply = {"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}
+    row = (
+        {"messages": [user, reply]}
+        if rows == "messages"
+        else {"prompt": [user], "completion": [reply]}
+    )
+    (tmp_path / "t.jinja").write_text(NO_REPLY[template])
+    cfg = {
+        "model": {"id": str(SHIPPED_DIR)},
+        "data": {"train_file": str(write_jsonl(tmp_path / "d.jsonl", [row] * 4)),
+                 "chat_template": str(tmp_path / "t.jinja")},
+        "output": {"dir": str(tmp_path / "run"), "ledger": str(tmp_path / "ledger.jsonl")},
+        "train": {"max_steps": 1, "seq_len": 64, "device": "cpu"},
+    }  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    out = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml")])
+    assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+    assert "no token of 4 training rows carries loss" in out.stderr
+    assert "{% generation %}" in out.stderr and not (tmp_path / "run").exists()

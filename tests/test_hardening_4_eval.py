@@ -72,3 +72,19 @@ def test_set_output_dir_on_a_saved_run_config_wins_over_the_run_dir(run: Path, t
     assert (cfg.output.dir, cfg.lora.rank) == (str(new), 4)
     assert Path(cfg.model.id).is_dir()  # the saved run's own paths still found, as rebased
     assert load_config(run / "config.yaml").output.dir == str(run.resolve())
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [('{"prompt": oops', "not valid JSON"), ('{"prompt": "a", "prompt": "b"}', "appears twice")],
+)
+def test_an_eval_rung_file_with_a_bad_line_says_nothing_about_training(
+    run: Path, tmp_path: Path, line: str, says: str
+) -> None:
+    """Before: eval refused a bad rung line with "…; nothing was trained" (the train reader's)."""
+    data = tmp_path / "rung.jsonl"
+    data.write_text('{"prompt": "copy:ab>", "answer": "ab"}\n' + line + "\n")
+    over = ["--set", f"eval.rungs=[{{name: s, kind: exact_match, data: {data}}}]"]
+    out = CliRunner().invoke(app, ["eval", str(run / "config.yaml"), *over])
+    first = _one_line(out, "rung 's'", f"{data} line 2", says)
+    assert "trained" not in first and not (run / "eval").exists()

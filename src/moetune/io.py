@@ -202,27 +202,49 @@ def tree_digest(digests: dict[str, str]) -> str:
 # ---------------------------------------------------------------- promotion
 
 
+# Left out of an adapter's digest: the marker itself, and the model card – prose a user may
+# edit (peft writes one) that no loader reads and `moetune push` replaces with its own.
+NOT_DIGESTED = frozenset({PROMOTED, "README.md"})
+
+
+def adapter_files(adapter: Path) -> dict[str, str]:
+    """{relative path: sha256} of the files an adapter's digest covers."""
+    return file_digests(adapter, skip=NOT_DIGESTED)
+
+
 def adapter_digest(adapter: Path) -> str:
-    """One sha256 over the adapter's files (names and bytes), the PROMOTED marker excluded –
-    the digest a promotion records, and the remote lane when it banks an adapter."""
-    return tree_digest(file_digests(adapter, skip=frozenset({PROMOTED})))
+    """One sha256 over the adapter's files (names and bytes), marker and model card left
+    out – the digest eval and a promotion record, and the remote lane when it banks one."""
+    return tree_digest(adapter_files(adapter))
+
+
+def digest_matches(adapter: Path, recorded: str) -> bool:
+    """Whether `adapter` has the bytes `recorded` names: today's digest, or the one moetune
+    recorded before the model card was left out (older verdicts and markers)."""
+    if recorded == adapter_digest(adapter):
+        return True
+    return recorded == tree_digest(file_digests(adapter, skip=frozenset({PROMOTED})))
 
 
 def promotion_broken(adapter: Path) -> str | None:
     """Why `adapter`'s PROMOTED marker no longer vouches for it (None: no marker, or the
     adapter's bytes are still the ones promoted). A marker records the digest it promoted
-    (older ones: their verdict's, in the results dir they name)."""
+    (older ones: their verdict's, in the results dir they name), newer ones each file's."""
     marker = adapter / PROMOTED
     if not marker.is_file():
         return None
     try:
         body = json.loads(marker.read_text(encoding="utf-8"))
         recorded = body.get("adapter_sha256") or _verdict_digest(Path(body["results"]))
+        files = dict(body.get("files") or {})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{marker} cannot be read, so the promotion cannot be checked"
-    if recorded != adapter_digest(adapter):
-        return f"{adapter} was changed after it was promoted (its files no longer match)"
-    return None
+    if digest_matches(adapter, recorded):
+        return None
+    now = adapter_files(adapter)
+    changed = sorted(n for n in files.keys() | now.keys() if files.get(n) != now.get(n))
+    which = f"changed: {clip(', '.join(changed), 120)}" if files and changed else ""
+    return f"{adapter} was changed after it was promoted ({which or 'its files no longer match'})"
 
 
 def _verdict_digest(results: Path) -> str:

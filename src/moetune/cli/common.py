@@ -12,11 +12,12 @@ lets the traceback through.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from functools import wraps
 from typing import Annotated, Any, TypeVar
@@ -35,6 +36,28 @@ UNEXPECTED = 3  # exit status of an error moetune did not foresee (2: a user's i
 INTERRUPTED, TERMINATED = 130, 143  # 128 + the signal number, as shells report them
 
 
+class StdoutLost(OSError):
+    """stdout refused a write (its reader left, its disk is full): told apart from any
+    other file's error of the same errno."""
+
+
+@contextlib.contextmanager
+def _told_apart(name: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as err:
+        if name != "stdout" or isinstance(err, StdoutLost):
+            raise
+        raise StdoutLost(err.errno, err.strerror) from err
+
+
+def write_stdout(text: str) -> None:
+    """`text` on stdout; a refused write raises StdoutLost."""
+    with _told_apart("stdout"):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
 class MaskedStream:
     """sys.stdout or sys.stderr – whichever is current at each write, as rich resolves them
     – with every secret masked on its way out (moetune.io's one masker)."""
@@ -43,8 +66,13 @@ class MaskedStream:
         self.name = name
 
     def write(self, text: str) -> int:
-        getattr(sys, self.name).write(mask_text(text))
+        with _told_apart(self.name):
+            getattr(sys, self.name).write(mask_text(text))
         return len(text)
+
+    def flush(self) -> None:
+        with _told_apart(self.name):
+            getattr(sys, self.name).flush()
 
     def __getattr__(self, attr: str) -> Any:  # flush, isatty, fileno, encoding …
         return getattr(getattr(sys, self.name), attr)
@@ -129,6 +157,28 @@ def report_error(err: Exception) -> int:
     return UNEXPECTED
 
 
+# stdout that takes no more: its reader left (`moetune … | head`) or its disk is full
+STDOUT_LOST = {errno.EPIPE: 1, errno.ENOSPC: 2, errno.EDQUOT: 2}
+
+
+def stdout_lost(err: Exception) -> int | None:
+    """The exit status when `err` is stdout refusing a write (None otherwise). Its reader
+    gone: quiet, no traceback; a full disk: one line on stderr, as the output is lost.
+    stdout then points at /dev/null, so the interpreter's own flush at exit finds a sink."""
+    if not isinstance(err, StdoutLost) or err.errno not in STDOUT_LOST:
+        return None
+    with contextlib.suppress(OSError, ValueError):  # no fd under a test runner's capture
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if err.errno != errno.EPIPE:
+        err_console.print(
+            f"[bold red]error:[/] stdout could not be written ({os_problem(err)}); the output "
+            "is incomplete [bold]fix:[/] send stdout to a disk with free space",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return STDOUT_LOST[err.errno]
+
+
 # What to run after Ctrl-C / SIGTERM, by command: only `train` has a --resume (quickstart and
 # eval start afresh; eval publishes its results only whole, so a stopped one left none).
 RERUN = {
@@ -186,6 +236,8 @@ class GuardedGroup(TyperGroup):
         except KeyboardInterrupt as err:
             raise typer.Exit(report_interrupt(err, ctx.invoked_subcommand)) from None
         except Exception as err:
+            if (code := stdout_lost(err)) is not None:
+                raise typer.Exit(code) from None
             debug = ctx.params.get("debug") or os.environ.get("MOETUNE_DEBUG") == "1"
             if debug and not isinstance(err, MoetuneError):
                 raise
@@ -239,7 +291,7 @@ def friendly(fn: F) -> F:
 def emit_json(payload: Any) -> None:
     """Machine-readable output: one JSON document on stdout, secrets masked in every string
     before encoding (a secret JSON escapes is found all the same)."""
-    sys.stdout.write(mask_text(json.dumps(masked(payload), indent=2, default=str)) + "\n")
+    write_stdout(mask_text(json.dumps(masked(payload), indent=2, default=str)) + "\n")
 
 
 @app.command()

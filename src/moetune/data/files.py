@@ -20,7 +20,7 @@ from moetune.data.errors import DataError
 
 def _bad_json(path: Path, line: int, exc: json.JSONDecodeError) -> DataError:
     return DataError(
-        f"{path} line {line}: not valid JSON ({exc.msg}); nothing was trained",
+        f"{path} line {line}: not valid JSON ({exc.msg})",  # read for train and eval alike
         "fix or remove that line: each row must be one JSON object",
     )
 
@@ -42,7 +42,7 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _duplicate(path: Path, where: str, exc: _DuplicateKey) -> DataError:
     return DataError(
         f"{path} {where}: key {exc.args[0]!r} appears twice in one object (JSON would keep "
-        "only the last); nothing was trained",
+        "only the last)",
         "keep one of the two values in that row",
     )
 

@@ -32,13 +32,13 @@ from typing import Any, Literal
 from moetune.evaluate.errors import GateError
 from moetune.evaluate.results import (
     RungDoc,
-    adapter_digest,
+    evaluated_adapter,
     read_items,
     read_json,
     read_ladder,
     worst_items,
 )
-from moetune.io import PROMOTED, atomic_write_json
+from moetune.io import PROMOTED, adapter_files, atomic_write_json, digest_matches
 from moetune.ledger import Ledger, LedgerRow, Status
 from moetune.model.finite import require_finite_adapter
 
@@ -263,7 +263,8 @@ def promote(
     results: Path | str, ledger: str | Path | None = None, adapter: Path | None = None
 ) -> Path:
     """Mark the adapter promoted – only on a GO verdict for exactly these adapter bytes.
-    `adapter`: a copy of the evaluated one (e.g. banked off a pod); its bytes must match."""
+    `adapter`: a copy of the evaluated one (e.g. banked off a pod); its bytes must match.
+    Without it, the adapter beside `results` (see `evaluated_adapter`)."""
     results = Path(results)
     verdict = read_json(results / "verdict.json")
     if verdict.get("hash") != verdict_hash(verdict):
@@ -275,8 +276,8 @@ def promote(
             f"not promoted: the verdict is {verdict['verdict']} ({verdict['reason']})",
             "only a GO verdict promotes; see the per-rung reasons above",
         )
-    adapter = adapter or Path(verdict["adapter"])
-    if adapter_digest(adapter) != verdict["adapter_sha256"]:
+    adapter = adapter or evaluated_adapter(results, read_ladder(results)[1])
+    if not digest_matches(adapter, verdict["adapter_sha256"]):
         raise GateError(
             f"{adapter} changed since it was evaluated",
             "re-run `moetune eval` on the adapter as it is now",
@@ -284,7 +285,8 @@ def promote(
     require_finite_adapter(adapter)  # a GO scored on NaN weights promotes nothing
     marker = adapter / PROMOTED
     body = {"verdict_hash": verdict["hash"], "results": str(results.resolve()),
-            "adapter_sha256": verdict["adapter_sha256"], "time": time.time()}  # fmt: skip
+            "adapter_sha256": verdict["adapter_sha256"], "time": time.time(),
+            "files": adapter_files(adapter)}  # each file's: a later change is named  # fmt: skip
     atomic_write_json(marker, body)
     metrics = {"adapter": str(adapter), "verdict_hash": verdict["hash"]}
     record(read_json(results / "ladder.json"), ledger, "promote", metrics)

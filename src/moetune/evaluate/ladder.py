@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 import warnings
@@ -292,6 +293,8 @@ def score_ladder(
         "model": cfg.model.id,
         "adapter": str(adapter_dir.resolve()),
         "adapter_sha256": adapter_digest(adapter_dir),
+        # a copied or moved run dir promotes its own adapter (evaluated_adapter)
+        "adapter_from_results": os.path.relpath(adapter_dir.resolve(), results.resolve()),
         "ledger": cfg.output.ledger,
         "gate": cfg.eval.gate.model_dump(mode="json"),
         "limit": limit if limit is not None else cfg.eval.limit,

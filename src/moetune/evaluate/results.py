@@ -53,6 +53,8 @@ class LadderDoc(BaseModel):
     adapter: str
     adapter_sha256: str
     ledger: str
+    adapter_from_results: str | None = None  # the adapter's path relative to this dir
+    results: str | None = None  # where eval wrote this dir (as the config named it)
 
 
 class ItemRow(BaseModel):
@@ -101,6 +103,29 @@ def read_ladder(results: Path) -> tuple[dict[str, Any], LadderDoc]:
             cause = f"{results / LADDER}: rung {rung.name!r} points outside {results}"
             raise GateError(cause, REDO)
     return raw, doc
+
+
+def evaluated_adapter(results: Path, doc: LadderDoc) -> Path:
+    """The adapter a gate on `results` may mark: found where it sat relative to the results
+    dir, so a copied or moved run dir marks its own copy – never the original's, outside
+    the run dir it was given; an adapter kept outside the run dir only where it was evaluated."""
+    here, recorded = results.resolve(), Path(doc.adapter)
+    if doc.adapter_from_results:
+        found = Path(os.path.normpath(here / doc.adapter_from_results))
+        if found.is_relative_to(here.parent) or found == recorded:
+            return found
+    elif recorded.is_relative_to(here.parent) or _same_place(doc.results, here):
+        return recorded  # written before eval recorded the relative path
+    raise GateError(
+        f"{clip(results, 80)} was copied or moved away from the adapter it evaluated "
+        f"({clip(recorded, 80)}), so promoting would mark an adapter outside it",
+        "keep the adapter beside its results (RUN/adapter and RUN/eval), or re-run "
+        "`moetune eval` on the adapter where it is now",
+    )
+
+
+def _same_place(written: str | None, here: Path) -> bool:
+    return written is not None and Path(written).resolve() == here
 
 
 def read_items(results: Path, rung: RungDoc) -> list[ItemRow]:

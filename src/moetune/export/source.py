@@ -12,7 +12,7 @@ from moetune.config import load_config
 from moetune.data.files import read_rows
 from moetune.errors import MoetuneError, clip
 from moetune.export.registry import ExportError, Source
-from moetune.io import PROMOTED, PROMOTION_FIX, adapter_digest, promotion_broken
+from moetune.io import PROMOTED, PROMOTION_FIX, digest_matches, promotion_broken
 from moetune.model.finite import require_adapter_config
 from moetune.model.remote import prepare as prepare_remote
 from moetune.model.sources import resolve_config
@@ -61,7 +61,7 @@ def unpromoted(source: Source) -> str | None:
         cfg = load_config(run_dir / "config.yaml")
         verdict_file = cfg.eval.results_path(str(run_dir)) / "verdict.json"
         verdict = json.loads(verdict_file.read_text(encoding="utf-8"))
-        evaluated = verdict["adapter_sha256"] == adapter_digest(source.adapter_dir)
+        evaluated = digest_matches(source.adapter_dir, verdict["adapter_sha256"])
     except (MoetuneError, OSError, ValueError, KeyError, TypeError):
         return None  # no readable verdict: never evaluated as far as the run shows
     if not evaluated:

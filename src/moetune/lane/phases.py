@@ -25,7 +25,7 @@ from rich.markup import escape
 
 from moetune.config import RunConfig, dump_config
 from moetune.errors import MoetuneError
-from moetune.io import file_digests, tree_digest
+from moetune.io import adapter_digest
 from moetune.lane import nodes
 from moetune.lane.guard import Budget, deadman_script, idle_watchdog_script
 from moetune.lane.providers.base import LaneError, Pod, PodGone, PodSpec, Provider
@@ -418,7 +418,7 @@ def bank(lane: Lane) -> None:
     """The adapter off the pod, verified, before anything else can go wrong."""
     adapter = lane.out / "adapter"
     lane.provider.copy_out(lane.pod, f"{REMOTE_RUN}/adapter", adapter)
-    digest = tree_digest(file_digests(adapter))
+    digest = adapter_digest(adapter)  # the digest eval records: banked = evaluated
     lane.state.banked = {"dir": str(adapter), "sha256": digest}
     lane.save()
     lane.row("bank", adapter=str(adapter), sha256=digest)

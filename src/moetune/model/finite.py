@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +24,26 @@ def first_non_finite(path: Path) -> tuple[str, int] | None:
     """(tensor name, count of NaN/Inf values) of the first tensor of the safetensors file
     `path` that is not all finite; None when every one is – or when the file cannot be read
     at all (truncated, not safetensors), which the loader's own checks report."""
-    # lazy: heavy to import (safetensors, torch)
-    import torch
+    # lazy: heavy to import (safetensors)
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as fh:
-            for name in sorted(fh.keys()):
-                tensor = fh.get_tensor(name)
-                bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
-                if bad:
-                    return name, bad
+            return first_non_finite_of((name, fh.get_tensor(name)) for name in sorted(fh.keys()))
     except (SafetensorError, OSError):
         return None
+
+
+def first_non_finite_of(named: Iterable[tuple[str, Any]]) -> tuple[str, int] | None:
+    """(name, count of NaN/Inf values) of the first floating-point tensor of `named` that
+    is not all finite (integer tensors hold no NaN); None when every one is."""
+    # lazy: heavy to import (torch)
+    import torch
+
+    for name, tensor in named:
+        bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
+        if bad:
+            return name, bad
     return None
 
 

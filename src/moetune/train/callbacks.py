@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from rich.progress import (
 from rich.table import Column
 from transformers import TrainerCallback
 
+from moetune.engine.offload.store import offloaded_tensors
+from moetune.model.finite import first_non_finite_of
 from moetune.train.errors import TrainError
 from moetune.units import human_bytes
 
@@ -139,7 +142,7 @@ class MetricsCallback(TrainerCallback):
         if args.should_save:
             self.write(row)  # the diverged row is kept: it says when it happened
         self.last = {**self.last, **row}
-        refuse_non_finite(row)
+        refuse_non_finite(row, kw.get("model"))
         self._refuse_zero_loss(row)
 
     def _refuse_zero_loss(self, row: dict[str, Any]) -> None:
@@ -188,19 +191,40 @@ def rate_text(tokens_per_s: float, step_seconds: float | None) -> str:
     return f"{rate} · {step_seconds:.1f} s/step" if slow else rate
 
 
-def refuse_non_finite(row: dict[str, Any]) -> None:
+def refuse_non_finite(row: dict[str, Any], model: Any = None) -> None:
     """A NaN or Inf loss stops the run (TrainError): every later step would train on it,
     and the adapter saved at the end would be garbage. The trainer's own filter, which
-    would log the running average in its place, is off (setup.py)."""
+    would log the running average in its place, is off (setup.py). A base weight that holds
+    NaN is named as the cause, not the learning rate."""
     for key in ("loss", "eval_loss"):
         value = row.get(key)
         if isinstance(value, int | float) and not math.isfinite(value):
+            if (found := _non_finite_base(model)) is not None:
+                raise TrainError(
+                    f"{key} is {value} at step {row['step']}: the base's weight {found[0]} "
+                    f"holds {found[1]} NaN/Inf value(s) – not the learning rate",
+                    "use a base whose weights are all finite (download or convert it again)",
+                )
             raise TrainError(
                 f"{key} is {value} at step {row['step']}: the run diverged, so it was stopped "
                 "(the checkpoints before it are kept)",
                 "lower train.learning_rate (or raise train.warmup_ratio) and start a new "
                 "output.dir, or fix the rows that make the loss explode",
             )
+
+
+def _non_finite_base(model: Any) -> tuple[str, int] | None:
+    """The first frozen weight holding NaN/Inf: the resident ones, then the expert stacks
+    offloaded to host RAM or disk (train.offload) – checked only once the loss is NaN."""
+    if model is None:
+        return None
+    frozen = ((n, p) for n, p in model.named_parameters() if not p.requires_grad)
+    with torch.no_grad():
+        found = first_non_finite_of(chain(frozen, offloaded_tensors(model)))
+    if found is None:
+        return None
+    # the name the base's files use: peft's wrappers (base_model.model., base_layer.) left out
+    return found[0].removeprefix("base_model.model.").replace("base_layer.", ""), found[1]
 
 
 # ---------------------------------------------------------------- progress

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,6 +50,7 @@ from moetune.io import atomic_write_text
 from moetune.model.derive import causal_lm_class
 from moetune.train.distributed import nodes
 from moetune.train.distributed.ep_checks import check_expert_parallel
+from moetune.train.distributed.launcher_output import LauncherOutput
 from moetune.train.distributed.orphans import LAUNCHED_ENV, die_with_launcher, die_with_parent
 from moetune.train.distributed.sharded_load import LOAD
 from moetune.train.errors import TrainError
@@ -186,11 +188,18 @@ def launch(cfg: RunConfig, argv: list[str], check: Callable[[], None]) -> dict[s
     check()
     nodes.await_master(cfg.train, _say)
     started = time.time()
+    # node 0 of several: torchrun's trace of a rendezvous timeout is held for moetune's line
+    held = cfg.train.nnodes > 1 and cfg.train.node_rank == 0
+    output = LauncherOutput(sys.stderr.buffer) if held else None
     with nodes.config_home(cfg) as home:
-        code = _run_ranks(write_config(cfg, home), [*rdzv_args(cfg), "-m", "moetune", *argv])
+        args = (write_config(cfg, home), [*rdzv_args(cfg), "-m", "moetune", *argv])
+        code = _run_ranks(*args, output) if output else _run_ranks(*args)
+    never_met = nodes.never_met(cfg, started) if code != 0 else None
+    if output is not None:
+        output.finish(rendezvous_said=never_met is not None)
     if code != 0:
         resumable = RunDir(Path(cfg.output.dir)).last_checkpoint() is not None
-        raise nodes.never_met(cfg, started) or _failed(cfg.train, code, resumable)
+        raise never_met or _failed(cfg.train, code, resumable)
     if cfg.train.node_rank != 0:
         return None
     summary = json.loads((Path(cfg.output.dir) / "summary.json").read_text(encoding="utf-8"))
@@ -219,17 +228,24 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)  # stderr: stdout is the launcher's report
 
 
-def _run_ranks(config: Path, argv: list[str]) -> int:
+def _run_ranks(config: Path, argv: list[str], output: LauncherOutput | None = None) -> int:
     """accelerate launch, with `config`, of `argv` (its flags, then `-m moetune …`); its
-    exit status."""
+    exit status. With `output`, what it prints goes through that (to finish after)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     env = {**os.environ, LAUNCHED_ENV: str(os.getpid())}  # the ranks watch this pid
+    read, write = os.pipe() if output else (-1, 2)
+    if output and sys.stderr.isatty():  # through a pipe, a terminal's bars stay bars
+        columns = str(shutil.get_terminal_size().columns)
+        env |= {"TTY_COMPATIBLE": "1", "COLUMNS": env.get("COLUMNS", columns)}
     # the ranks' stdout (DeepSpeed prints there) goes to stderr: stdout is the launcher's
     # report. A process group of their own: the launcher ends them all, stragglers included.
     proc = subprocess.Popen(
-        [*cmd, *argv], env=env, stdout=2, preexec_fn=die_with_parent,
-        process_group=0,
+        [*cmd, *argv], env=env, stdout=write, stderr=write if output else None,
+        preexec_fn=die_with_parent, process_group=0,
     )  # fmt: skip
+    if output:
+        os.close(write)  # the launcher holds the write end now
+        output.start(read)
     try:
         return proc.wait()
     finally:

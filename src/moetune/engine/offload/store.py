@@ -294,6 +294,17 @@ def offloaded_of(module: nn.Module) -> dict[str, StackRef]:
     return refs if isinstance(refs, dict) else {}
 
 
+def offloaded_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(module.stack name, tensor) of every offloaded stack, fetched one at a time (the
+    store drops the layers behind it); a quantised stack dequantised – for checks that
+    must see the frozen weights the model's parameters no longer hold."""
+    for prefix, module in model.named_modules():
+        for name, ref in offloaded_of(module).items():
+            weight = ref.fetch()
+            dense = weight.dequantize() if isinstance(weight, QuantizedStack) else weight
+            yield f"{prefix}.{name}", dense
+
+
 def store_of(model: nn.Module) -> ExpertStore | None:
     for module in model.modules():
         store = module.__dict__.get(_STORE)

@@ -10,11 +10,13 @@ a refused writer names.
 from __future__ import annotations
 
 import contextlib
+import errno
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from moetune.errors import clip, os_problem
 from moetune.io import Held, exclusive, read_holder
 from moetune.train.errors import TrainError
 
@@ -35,13 +37,18 @@ def hold(root: Path) -> Iterator[dict[str, Any]]:
         holder = stack.enter_context(exclusive(path))
     except Held as held:
         raise TrainError(
-            f"{root} is in use by another moetune run ({describe(held.holder)})",
+            f"{clip(root, 100)} is in use by another moetune run ({describe(held.holder)})",
             "wait for that run to end (or stop it), or choose another output.dir",
         ) from None
     except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:  # a path of thousands of characters: named, cut
+            raise TrainError(
+                f"output dir {clip(root, 100)}: {os_problem(exc)}",
+                "shorten output.dir (at most 255 bytes per name, 4096 in all on most systems)",
+            ) from None
         raise TrainError(
-            f"output dir {root} is not writable: its lock {path} cannot be made "
-            f"({exc.strerror or exc})",
+            f"output dir {clip(root, 100)} is not writable: its lock {clip(path.name, 60)} "
+            f"cannot be made ({os_problem(exc)})",
             "set output.dir to a directory you can write to (on a file system with locks)",
         ) from None
     with stack:
