@@ -7,6 +7,7 @@ when training on a GPU, the process RSS otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import sys
@@ -48,9 +49,14 @@ def _rss_bytes() -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    """Peak resident set size of this process since the last reset_peak_memory() (Linux's
+    VmHWM), else since it started (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def memory_now() -> int:
@@ -67,8 +73,13 @@ def peak_memory() -> tuple[int, str]:
 
 
 def reset_peak_memory() -> None:
+    """The peak from here on: CUDA's counters, or on Linux the RSS high-water mark (so a run
+    in a long-lived process – a notebook, the API, a test session – measures itself only)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
+        return
+    with contextlib.suppress(OSError):  # not Linux, or not allowed: the lifetime peak stands
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to the current RSS
 
 
 # ---------------------------------------------------------------- metrics
