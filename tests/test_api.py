@@ -131,6 +131,38 @@ def _same_adapter(cfg: RunConfig, out: Path) -> Any:
     return loaded
 
 
+def _user_trl_matches(
+    cfg: RunConfig,
+    rows: Path,
+    out: Path,
+    config_cls: Any,
+    trainer_cls: Any,
+    method: dict[str, Any],
+    **trainer_kwargs: Any,
+) -> None:
+    """`moetune train` on `cfg`, then a plain TRL trainer over moetune.load's model with the
+    run's own settings (`method`: the method's fields): their adapters equal to 1e-6."""
+    from datasets import load_dataset
+
+    with one_thread():
+        ours = moetune.train_run(cfg, progress=False)
+        loaded = moetune.load(cfg)
+        model, tokenizer = loaded
+        t = cfg.train
+        args = config_cls(
+            output_dir=str(out), max_steps=t.max_steps, learning_rate=t.learning_rate,
+            per_device_train_batch_size=t.batch_size, seed=t.seed, lr_scheduler_type="cosine",
+            use_cpu=True, bf16=loaded.precision == "bf16", router_aux_loss_coef=0.0,
+            report_to=[], save_strategy="no", **method,
+        )  # fmt: skip
+        dataset = load_dataset("json", data_files=str(rows), split="train")
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset,
+                              processing_class=tokenizer, **trainer_kwargs)  # fmt: skip
+        trainer.train()
+        trainer.save_model(str(out / "adapter"))
+    assert _max_rel(_adapter(Path(ours.adapter_dir)), _adapter(out / "adapter")) <= 1e-6
+
+
 def test_user_sft_trainer_trains_what_moetune_train_trains(tiny) -> None:
     """moetune.load + a plain TRL SFTTrainer (the user's own script) gives the adapter
     `moetune train` gives for the same config and data: same seed, same row order."""
@@ -207,7 +239,6 @@ def test_user_dpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
     """A plain TRL DPOTrainer over moetune.load's model (split expert LoRA: TRL adds its
     frozen "ref" copy of the fresh adapter beside it) trains the adapter `moetune train`
     trains, whose reference is the adapter disabled – the same policy while LoRA B is zero."""
-    from datasets import load_dataset
     from trl import DPOConfig, DPOTrainer
 
     from test_train_methods import preference_rows
@@ -216,25 +247,9 @@ def test_user_dpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
     pref = write_jsonl(root / "pref.jsonl", preference_rows(8))
     cfg = run_config(model_dir, pref, root / "dpo", method="dpo", max_steps=3, save_steps=3,
                      routing_every=0)  # fmt: skip
-    with one_thread():
-        ours = moetune.train_run(cfg, progress=False)
-        loaded = moetune.load(cfg)
-        model, tokenizer = loaded
-        t, d = cfg.train, cfg.train.dpo
-        args = DPOConfig(
-            output_dir=str(root / "user-dpo"), max_steps=t.max_steps,
-            learning_rate=t.learning_rate, per_device_train_batch_size=t.batch_size,
-            max_length=t.seq_len, seed=t.seed, lr_scheduler_type="cosine", use_cpu=True,
-            bf16=loaded.precision == "bf16", router_aux_loss_coef=0.0, report_to=[],
-            save_strategy="no", beta=d.beta, loss_type=[d.loss_type],
-        )  # fmt: skip
-        dataset = load_dataset("json", data_files=str(pref), split="train")
-        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset,
-                             processing_class=tokenizer)  # fmt: skip
-        trainer.train()
-        trainer.save_model(str(root / "user-dpo" / "adapter"))
-    theirs = _adapter(root / "user-dpo" / "adapter")
-    assert _max_rel(_adapter(Path(ours.adapter_dir)), theirs) <= 1e-6
+    d = cfg.train.dpo
+    method = dict(max_length=cfg.train.seq_len, beta=d.beta, loss_type=[d.loss_type])
+    _user_trl_matches(cfg, pref, root / "user-dpo", DPOConfig, DPOTrainer, method)
 
 
 @pytest.mark.slow
@@ -254,7 +269,6 @@ def test_user_sft_trainer_matches_over_a_stored_fp8_base(tiny) -> None:
 def test_user_grpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
     """A plain TRL GRPOTrainer over moetune.load's model, with the user's own exact-match
     reward, samples and trains as `moetune train --set train.method=grpo` does."""
-    from datasets import load_dataset
     from trl import GRPOConfig, GRPOTrainer
 
     from test_train_methods import GRPO, prompt_rows
@@ -266,23 +280,8 @@ def test_user_grpo_trainer_trains_what_moetune_train_trains(tiny) -> None:
     rows = write_jsonl(root / "prompts.jsonl", prompt_rows(8))
     cfg = run_config(model_dir, rows, root / "grpo", method="grpo", max_steps=2, save_steps=2,
                      routing_every=0, batch_size=4, grpo=GRPO)  # fmt: skip
-    with one_thread():
-        ours = moetune.train_run(cfg, progress=False)
-        loaded = moetune.load(cfg)
-        model, tokenizer = loaded
-        t, g = cfg.train, cfg.train.grpo
-        args = GRPOConfig(
-            output_dir=str(root / "user-grpo"), max_steps=t.max_steps,
-            learning_rate=t.learning_rate, per_device_train_batch_size=t.batch_size,
-            seed=t.seed, lr_scheduler_type="cosine", use_cpu=True,
-            bf16=loaded.precision == "bf16", router_aux_loss_coef=0.0, report_to=[],
-            save_strategy="no", num_generations=g.num_generations,
-            max_completion_length=g.max_completion_length, beta=g.beta, loss_type=g.loss_type,
-        )  # fmt: skip
-        dataset = load_dataset("json", data_files=str(rows), split="train")
-        trainer = GRPOTrainer(model=model, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, reward_funcs=[exact])  # fmt: skip
-        trainer.train()
-        trainer.save_model(str(root / "user-grpo" / "adapter"))
-    theirs = _adapter(root / "user-grpo" / "adapter")
-    assert _max_rel(_adapter(Path(ours.adapter_dir)), theirs) <= 1e-6
+    g = cfg.train.grpo
+    _user_trl_matches(cfg, rows, root / "user-grpo", GRPOConfig, GRPOTrainer,
+                      dict(num_generations=g.num_generations, beta=g.beta, loss_type=g.loss_type,
+                           max_completion_length=g.max_completion_length),
+                      reward_funcs=[exact])  # fmt: skip
