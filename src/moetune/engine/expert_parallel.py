@@ -221,6 +221,12 @@ def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
     return names
 
 
+def placed_stacks(model: nn.Module) -> list[nn.Parameter]:
+    """The expert stacks (and biases) `shard_experts` placed: each rank's own experts, which
+    a data-parallel wrapper must neither broadcast, shard nor reduce."""
+    return [p for m in model.modules() if _SHARD in m.__dict__ for p in m.parameters(False)]
+
+
 def _slice(experts: nn.Module, shard: ExpertShard) -> None:
     """Replace each expert stack (and bias) by this rank's rows of it – read so by
     ep_load.load_partitioned, or cut here from the whole, which is freed."""

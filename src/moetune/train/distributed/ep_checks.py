@@ -4,8 +4,9 @@
 What moetune's expert parallelism trains (engine/expert_parallel.py): LoRA through split
 LoRA (lora.engine moetune) on a model with routed experts, E/N contiguous experts per rank,
 experts in bf16 / the checkpoint's float dtype. Not built yet, so refused rather than
-run another way: int8 / NF4 and published (stored) expert stacks, full fine-tuning and
-expert selection under ep.
+run another way: int8 / NF4 and published (stored) expert stacks and full fine-tuning under
+ep. Expert selection runs: every rank scores the same rows (so all agree on the choice) and
+trains the selected experts it holds.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ def _check_supported(cfg: RunConfig, stored: bool) -> None:
         f"experts_dtype {cfg.model.experts_dtype}": cfg.model.experts_dtype != "bf16",
         "a base stored quantised (FP8 / FP4 / INT4)": stored,
         "train.tuning full": cfg.train.tuning == "full",
-        f"lora.expert_selection {cfg.lora.expert_selection}": cfg.lora.expert_selection != "all",
     }
     for what, asked in asks.items():
         if asked:

@@ -1,0 +1,95 @@
+"""`train.ep_degree` (train/distributed/ep_mesh.py): expert parallelism inside groups of a 2-D
+DeviceMesh, every other weight and all the LoRA FSDP2-sharded over the whole mesh. Default
+tier: 4 forked gloo ranks (dp_shard 2 × ep 2) whose logits and LoRA gradients equal one
+process on the global batch (float64), with and without gradient checkpointing; the
+refusals. Slow: `moetune train --nproc 4 --strategy ep --set train.ep_degree=2` against one
+process."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from test_train_expert_parallel import EXPERTS, _grads, _rel, _tiny_model
+
+WORLD, EP = 4, 2
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    """One forked gloo rank: one process's reference on the whole batch, then its quarter
+    under ep 2 × FSDP2 – the largest relative differences, and what each rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    from moetune.engine.expert_parallel import ep_report, shard_experts
+    from moetune.train.distributed.ep_mesh import ep_fsdp_mesh, shard_rest
+
+    torch.set_num_threads(1)  # a forked child: one thread
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))  # fmt: skip
+    torch.manual_seed(3)
+    ids = torch.randint(0, 64, (2 * WORLD, 12))  # the same batch on every rank
+    weights = torch.randn(2 * WORLD, 12, 64, dtype=torch.float64)
+    want = _grads(_tiny_model(0), ids, weights)
+    mine = slice(rank * 2, rank * 2 + 2)
+    found: dict[str, Any] = {}
+    for checkpointing in (False, True):
+        model = _tiny_model(0)
+        if checkpointing:  # before fully_shard wraps the layers
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        mesh = ep_fsdp_mesh("cpu", EP)
+        shard_experts(model, mesh["ep"])
+        ignored = shard_rest(model, mesh, model.base_model.model.model.layers)
+        got = _grads(model, ids[mine], weights[mine])
+        diffs = [_rel(got["logits"], want["logits"][mine])]
+        sharded = 0
+        for name, grad in got["grads"].items():
+            sharded += isinstance(grad, DTensor)
+            whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
+            diffs.append(_rel(whole * WORLD, want["grads"][name]))  # FSDP2 averages over N
+        found[f"checkpointing={checkpointing}"] = max(diffs)
+        found["sharded"], found["trainable"] = sharded, len(got["grads"])
+        found["ignored"], found["report"] = ignored, ep_report(model)
+        found["groups"] = dist.get_process_group_ranks(mesh.get_group("ep"))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def test_ep_groups_with_fsdp2_equal_one_process(tmp_path):
+    """dp_shard 2 × ep 2: tokens exchanged within each pair of ranks, the experts split over
+    the pair and replicated over the pairs, everything else FSDP2-sharded 4 ways – logits and
+    every LoRA gradient equal one process on the whole batch to 1e-10 (float64)."""
+    # fork: the ranks inherit the imported libraries (spawn re-imports them: a minute here)
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD,
+                       start_method="fork")  # fmt: skip
+    local = EXPERTS // EP
+    for rank in range(WORLD):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["checkpointing=False"] < 1e-10, found
+        assert found["checkpointing=True"] < 1e-10, found
+        assert found["sharded"] == found["trainable"] > 0  # every LoRA factor is FSDP2's
+        assert found["ignored"] == 2 * 2  # gate_up and down stacks of 2 layers: its own
+        group = rank // EP * EP
+        assert found["groups"] == [group, group + 1]  # consecutive ranks exchange tokens
+        report = found["report"]
+        assert report["ranks"] == EP and report["first_expert"] == local * (rank % EP)
+        assert report["held_expert_params"] == 2 * local * (16 * 16 + 16 * 8)
+
+
+@pytest.mark.parametrize(
+    ("degree", "world", "experts", "says"),
+    [(3, 4, 4, "does not divide the 4 ranks"), (4, 8, 6, "does not split the 6 routed")],
+)
+def test_an_ep_degree_that_does_not_divide_is_refused(degree, world, experts, says):
+    from moetune.train.distributed.ep_mesh import check_ep_degree
+    from moetune.train.errors import TrainError
+
+    with pytest.raises(TrainError, match=says) as info:
+        check_ep_degree(degree, world, experts)
+    assert info.value.fix  # one line with its fix
