@@ -19,6 +19,13 @@ from moetune.train.errors import TrainError
 
 def check_expert_parallel(cfg: RunConfig) -> None:
     """Refuse an ep launch moetune cannot run exactly; one line, before any rank starts."""
+    asked = cfg.train.ep_degree is not None or cfg.train.ep_placement != "contiguous"
+    if cfg.train.strategy != "ep" and asked and world(cfg.train) > 1:
+        raise TrainError(
+            f"train.ep_degree / ep_placement place experts, and train.strategy is "
+            f"{cfg.train.strategy}",
+            "set train.strategy ep, or leave train.ep_degree and ep_placement at their defaults",
+        )
     if cfg.train.strategy != "ep" or world(cfg.train) == 1:
         return
     # lazy: heavy to import (transformers, through the spec and the engine)
@@ -40,7 +47,12 @@ def check_expert_parallel(cfg: RunConfig) -> None:
             "set lora.engine: moetune (or auto) with experts in lora.targets, "
             "or train.strategy fsdp",
         )
-    check_divides(spec.num_experts, world(cfg.train))
+    if cfg.train.ep_degree is not None:  # groups of ep_degree ranks, the rest FSDP2
+        # lazy: heavy to import (torch.distributed)
+        from moetune.train.distributed.ep_mesh import check_ep_degree
+
+        check_ep_degree(cfg.train.ep_degree, world(cfg.train), spec.num_experts)
+    check_divides(spec.num_experts, cfg.train.ep_degree or world(cfg.train))
 
 
 def _check_supported(cfg: RunConfig, stored: bool) -> None:
