@@ -116,3 +116,22 @@ def test_a_placement_must_name_every_expert_once():
     experts.__dict__[_SHARD] = ExpertShard(None, 2, 0, 4)
     with pytest.raises(EngineError, match="each of the 4 experts once"):
         place(experts, [0, 0, 1, 2])
+
+
+@pytest.mark.parametrize(
+    ("placement", "says"), [("contiguous", "contiguous groups"), ("balanced", "measured routing")]
+)
+def test_the_plan_states_the_skew_each_placement_assumes(placement, says):
+    """`plan --strategy ep`: the per-rank plan's note and the EP figure name the placement
+    and the skew it assumes."""
+    from moetune.model import spec_from_config
+    from moetune.model.census import shrunk_config
+    from moetune.plan.devices.sharding import device_report
+    from test_plan_expert_parallel import cfg
+
+    spec = spec_from_config(shrunk_config("qwen3_moe"), "qwen3_moe")
+    report = device_report(spec, cfg(ep_placement=placement), ["H100-80GB"], 2, "ep")
+    doc = report.to_json()["expert_parallel"]
+    assert doc["placement"] == placement and says in doc["skew_statement"]
+    notes = report.plans["H100-80GB"].notes
+    assert sum(says in n for n in notes) == 1  # stated once, for this placement

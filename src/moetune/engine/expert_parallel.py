@@ -147,6 +147,7 @@ def ep_report(model: nn.Module) -> dict[str, Any] | None:
         "experts": shard.experts,
         "experts_per_rank": shard.local,
         "first_expert": shard.part.start,
+        "placement": "contiguous" if shard.order is None else "balanced",
         "layers": len(sharded),
         "held_expert_params": sum(p.numel() for m in sharded for p in m.parameters(False)),
         "rows_sent": sum(m[0] for m in moved),

@@ -56,6 +56,7 @@ from moetune.plan.devices.expert_parallel import (
     EP_SKEW,
     ExpertParallelPlan,
     all_to_all_bytes,
+    ep_skew,
     expert_weight_bytes,
     plan_expert_parallel,
 )
@@ -331,7 +332,7 @@ def plan_devices(
         components=components,
         fit=card_fit(chosen, peak),
         single_device_bytes=sum(sizes.single.values()),
-        notes=strat.notes,
+        notes=tuple(ep_skew(cfg) if n == EP_SKEW else n for n in strat.notes),  # its placement
     )
 
 

@@ -53,6 +53,25 @@ def check_expert_parallel(cfg: RunConfig) -> None:
 
         check_ep_degree(cfg.train.ep_degree, world(cfg.train), spec.num_experts)
     check_divides(spec.num_experts, cfg.train.ep_degree or world(cfg.train))
+    if cfg.train.ep_placement == "balanced":
+        _check_balanced(cfg)
+
+
+def _check_balanced(cfg: RunConfig) -> None:
+    """What train.ep_placement balanced needs, and what it does not combine with yet."""
+    asks = {
+        "train.routing_every 0 (the base's routing it places by is not measured)":
+            cfg.train.routing_every == 0,
+        "train.ep_degree (FSDP2 shards the factors it reorders)": cfg.train.ep_degree is not None,
+        "lora.expert_selection (its masks are in the base's expert order)":
+            cfg.lora.expert_selection != "all",
+    }  # fmt: skip
+    for what, asked in asks.items():
+        if asked:
+            raise TrainError(
+                f"train.ep_placement balanced does not run with {what}",
+                "set train.ep_placement: contiguous, or drop that setting",
+            )
 
 
 def _check_supported(cfg: RunConfig, stored: bool) -> None:
