@@ -135,3 +135,41 @@ def test_the_plan_states_the_skew_each_placement_assumes(placement, says):
     assert doc["placement"] == placement and says in doc["skew_statement"]
     notes = report.plans["H100-80GB"].notes
     assert sum(says in n for n in notes) == 1  # stated once, for this placement
+
+
+# ---------------------------------------------------------------- the CLI, 2 gloo ranks (slow)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from test_train_helpers import tiny_run
+
+    return tiny_run(tmp_path_factory.mktemp("ep-balanced"))
+
+
+@pytest.mark.slow
+def test_balanced_placement_trains_the_adapter_of_one_process(tiny):
+    """`--nproc 2 --strategy ep` with train.ep_placement balanced (batch 2 a rank) against 1
+    process (batch 4), 3 steps, fp32: every step's loss and the saved adapter to 1e-5, the
+    router unchanged, the adapter in the base's order (it loads in plain peft); the placement
+    evens out the measured rows per rank."""
+    from test_train_distributed import _rel_diff, _train, _write
+    from test_train_expert_parallel import _assert_loads_in_peft, _losses
+
+    over = {"max_steps": 3}
+    got = _train(_write(tiny, "bal-2", batch_size=2, nproc=2, strategy="ep",
+                        ep_placement="balanced", **over), log=tiny.root / "bal-2.log")  # fmt: skip
+    _train(_write(tiny, "bal-1", batch_size=4, **over), log=tiny.root / "bal-1.log")
+    two, one = tiny.root / "bal-2", tiny.root / "bal-1"
+    losses, want = _losses(two), _losses(one)
+    assert len(losses) == len(want) == 3
+    assert max(abs(g - w) / abs(w) for g, w in zip(losses, want, strict=True)) < 1e-5
+    assert _rel_diff(two, one) < 1e-5
+    assert got["router_changed"] is False
+    placed = json.loads((two / "ep_placement.json").read_text())
+    for layer, rows in placed["rows_per_rank"].items():  # this base: 392 -> 347, 418 -> 383
+        assert max(rows["balanced"]) < max(rows["contiguous"]), layer
+        assert sorted(placed["orders"][layer]) != placed["orders"][layer]  # stacks did move
+    ran = json.loads((two / "summary.json").read_text())["distributed"]["expert_parallel"]
+    assert {r["placement"] for r in ran} == {"balanced"}
+    _assert_loads_in_peft(tiny.model, two / "adapter")
