@@ -135,3 +135,34 @@ def test_ep_degree_trains_the_loss_curve_and_adapter_of_one_process(tiny, degree
     adapter = load_file(str(two / "adapter" / "adapter_model.safetensors"))
     a = next(v for k, v in adapter.items() if "experts" in k and "lora_A" in k)
     assert a.shape[0] == 4 * EXPERTS  # [r·E, in]: every expert's factors
+
+
+@pytest.mark.parametrize(
+    ("over", "says"),
+    [({"nproc": 2, "ep_degree": 3}, "ep_degree 3 does not divide the 2 ranks"),
+     ({"nproc": 2, "strategy": "ddp", "ep_degree": 2}, "train.strategy is ddp"),
+     ({"nproc": 2, "ep_degree": 2, "ep_placement": "balanced"}, "FSDP2 shards the factors"),
+     ({"nproc": 2, "ep_placement": "balanced", "routing_every": 0}, "routing_every 0"),
+     ({"nproc": 2, "ep_placement": "balanced", "lora__expert_selection": "gate"},
+      "lora.expert_selection")],
+)  # fmt: skip
+def test_ep_degree_and_placement_are_refused_before_any_rank_starts(tiny, tmp_path, monkeypatch,
+                                                                    over, says):  # fmt: skip
+    """One line and exit 2 from the launcher: no rank started, nothing written."""
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+    from moetune.config import dump_config
+    from moetune.train import launch
+    from test_train_helpers import tiny_cfg
+
+    started: list[Any] = []
+    monkeypatch.setattr(launch, "_run_ranks", lambda *a: started.append(a) or 1)
+    cfg = tiny_cfg(tiny, tmp_path / "run", **{"strategy": "ep", **over})
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(cfg))
+    got = CliRunner().invoke(app, ["train", str(config)])
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert says in line and "fix:" in line
+    assert started == [] and not (tmp_path / "run").exists()
