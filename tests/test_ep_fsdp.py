@@ -166,3 +166,22 @@ def test_ep_degree_and_placement_are_refused_before_any_rank_starts(tiny, tmp_pa
     assert got.exit_code == 2 and "Traceback" not in got.output, got.output
     assert says in line and "fix:" in line
     assert started == [] and not (tmp_path / "run").exists()
+
+
+def test_the_plan_holds_a_group_of_experts_and_a_shard_of_the_rest():
+    """`plan --strategy ep` with train.ep_degree 2 on 4 devices: E/2 experts a rank (twice
+    the E/4 of one group of 4), the rest of the weights and all the LoRA state 1/4."""
+    from moetune.model import spec_from_config
+    from moetune.model.census import shrunk_config
+    from moetune.plan.devices.sharding import per_rank_bytes, run_sizes
+    from test_plan_expert_parallel import cfg
+
+    spec = spec_from_config(shrunk_config("qwen3_moe"), "qwen3_moe")  # 4 experts
+    sizes = run_sizes(spec, cfg(ep_degree=2))
+    got = per_rank_bytes(spec, cfg(ep_degree=2), 4, "ep")
+    flat = per_rank_bytes(spec, cfg(), 4, "ep")
+    rest = sizes.single["frozen_weights"] - sizes.expert_weights
+    assert got["frozen_weights"] == -(-rest // 4) + sizes.expert_weights // 2
+    assert flat["frozen_weights"] == rest + sizes.expert_weights // 4
+    for name in ("trainable_weights", "optimizer_state"):  # (gradients: 0 in this estimate)
+        assert got[name] == -(-sizes.single[name] // 4) < flat[name] == sizes.single[name]

@@ -16,7 +16,9 @@ from moetune.config import RunConfig
 from moetune.config.keys import offload_mode, splits
 from moetune.io import atomic_write_json
 from moetune.model.derive import checkpoint_class, ensure_backbone
+from moetune.model.families.registry import get_family
 from moetune.model.fixes.registry import apply_fixes
+from moetune.model.layers import decoder_layers
 from moetune.recipe.audit import audit_coverage
 from moetune.recipe.targets import build_peft_config, peft_notes
 from moetune.train.callbacks import quiet
@@ -275,8 +277,6 @@ def _place_experts_fsdp(wrapped: nn.Module, degree: int, device: str, spec: Mode
     other weight and all the LoRA FSDP2-sharded over it (train/distributed/ep_mesh.py)."""
     # lazy: heavy to import (FSDP2, DTensor, transformers)
     from moetune.engine.expert_parallel import shard_experts
-    from moetune.model.families.registry import get_family
-    from moetune.model.layers import decoder_layers
     from moetune.train.distributed.ep_mesh import ep_fsdp_mesh, shard_rest
 
     mesh = ep_fsdp_mesh(device, degree)

@@ -11,6 +11,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from moetune.io import atomic_write_json
+from moetune.model.families.registry import get_family
+from moetune.model.layers import decoder_layers
 from moetune.train.errors import TrainError
 
 if TYPE_CHECKING:
@@ -65,8 +67,6 @@ def _placed_modules(model: nn.Module, setup: Setup) -> dict[int, nn.Module]:
     """MoE layer -> its experts module as shard_experts placed it."""
     # lazy: heavy to import (moetune's engine and model families pull transformers)
     from moetune.engine.expert_parallel import _SHARD
-    from moetune.model.families.registry import get_family
-    from moetune.model.layers import decoder_layers
 
     layers = decoder_layers(model, setup.spec, get_family(setup.spec.model_type))
     found = {}
