@@ -173,3 +173,60 @@ def test_balanced_placement_trains_the_adapter_of_one_process(tiny):
     ran = json.loads((two / "summary.json").read_text())["distributed"]["expert_parallel"]
     assert {r["placement"] for r in ran} == {"balanced"}
     _assert_loads_in_peft(tiny.model, two / "adapter")
+
+
+# ---------------------------------------------------------------- expert selection under ep
+
+KEEP = [torch.tensor([True, False, False, True]), torch.tensor([False, True, True, True])]
+
+
+def _kept(model: Any) -> list[Any]:
+    """Only the KEEP experts' LoRA runs, per layer (what restrict_training asks of split LoRA)."""
+    from moetune.engine.experts_lora import train_only
+
+    layers = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "has_gate")]
+    for experts, keep in zip(layers, KEEP, strict=True):
+        train_only(experts, keep)
+    return layers
+
+
+def _select_rank(rank: int, store: str, out: str) -> None:
+    """One forked gloo rank: selected experts under ep against one process, same selection."""
+    from moetune.engine.expert_parallel import ep_mesh, shard_experts
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))  # fmt: skip
+    torch.manual_seed(3)
+    ids = torch.randint(0, 64, (4, 12))
+    weights = torch.randn(4, 12, 64, dtype=torch.float64)
+    one = _tiny_model(0)
+    _kept(one)
+    want = _grads(one, ids, weights)
+    model, mine = _tiny_model(0), slice(rank * 2, rank * 2 + 2)
+    shard_experts(model, ep_mesh("cpu"))
+    _kept(model)
+    got = _grads(model, ids[mine], weights[mine])
+    diffs, idle = [_rel(got["logits"], want["logits"][mine])], 0.0
+    for name, grad in got["grads"].items():
+        dist.all_reduce(grad)
+        diffs.append(_rel(grad, want["grads"][name]))
+        if "experts" in name and "lora_A" in name:  # [r·E, in]: the unselected experts' rows
+            keep = KEEP[int(name.split("layers.")[1].split(".")[0])]
+            idle = max(idle, float(grad.view(4, -1)[~keep].abs().max()))
+    found = {"diff": max(diffs), "idle": idle}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def test_selected_experts_train_under_ep_as_on_one_process(tmp_path):
+    """lora.expert_selection's split-LoRA restriction under ep: each rank runs the LoRA of
+    the selected experts it holds (layer 0: experts 0 and 3 – one on each rank); logits and
+    LoRA gradients equal one process with the same selection to 1e-12 (float64), and the
+    unselected experts' factors get exactly no gradient."""
+    mp.start_processes(_select_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="fork")  # fmt: skip
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["diff"] < 1e-12, found
+        assert found["idle"] == 0.0
