@@ -40,6 +40,11 @@ from moetune.engine.expert_parallel import _SHARD, ExpertShard
 from moetune.engine.experts_lora import _STATE, EngineError
 
 
+def shard_of(module: nn.Module) -> ExpertShard | None:
+    """The experts a module holds under ep (None: not an experts module placed by ep)."""
+    return module.__dict__.get(_SHARD)
+
+
 def balanced_groups(loads: Sequence[int | float], ranks: int) -> list[list[int]]:
     """E/N experts a rank, bin-packed by load (module docstring, step 1); each ascending."""
     per_rank = len(loads) // ranks

@@ -29,15 +29,15 @@ FILE = "ep_placement.json"  # in the run dir
 def balance_experts(
     cfg: RunConfig, setup: Setup, run: RunDir, model: nn.Module, base: dict[int, LayerLoad]
 ) -> dict[str, Any] | None:
-    """Place each MoE layer's experts by its measured load; what summary.json reports."""
+    """Place each MoE layer's experts by its measured load; the figures ep_placement.json
+    keeps (each layer's order, its rows per rank contiguous and balanced)."""
     if cfg.train.ep_placement != "balanced" or setup.args.world_size == 1:
         return None
     # lazy: heavy to import (moetune's engine pulls transformers)
-    from moetune.engine.ep_placement import balanced_groups, place, rank_loads
-    from moetune.engine.expert_parallel import _SHARD
+    from moetune.engine.ep_placement import balanced_groups, place, rank_loads, shard_of
 
     modules = _placed_modules(model, setup)
-    ranks = next(iter(modules.values())).__dict__[_SHARD].ranks
+    ranks = shard_of(next(iter(modules.values()))).ranks  # type: ignore[union-attr]
     path = run.root / FILE
     if setup.resume_from and path.is_file():  # the checkpoint's optimizer state follows it
         orders = {int(k): v for k, v in json.loads(path.read_text())["orders"].items()}
@@ -65,13 +65,13 @@ def _order(groups: list[list[int]]) -> list[int]:
 
 def _placed_modules(model: nn.Module, setup: Setup) -> dict[int, nn.Module]:
     """MoE layer -> its experts module as shard_experts placed it."""
-    # lazy: heavy to import (moetune's engine and model families pull transformers)
-    from moetune.engine.expert_parallel import _SHARD
+    # lazy: heavy to import (moetune's engine pulls transformers)
+    from moetune.engine.ep_placement import shard_of
 
     layers = decoder_layers(model, setup.spec, get_family(setup.spec.model_type))
     found = {}
     for i in setup.spec.moe_layers:
-        placed = [m for m in layers[i].modules() if _SHARD in m.__dict__]
+        placed = [m for m in layers[i].modules() if shard_of(m) is not None]
         if placed:
             found[i] = placed[0]
     if not found:
