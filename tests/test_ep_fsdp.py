@@ -106,19 +106,21 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("degree", [2, 1])
-def test_ep_degree_trains_the_loss_curve_and_adapter_of_one_process(tiny, degree):
+@pytest.mark.parametrize(("degree", "checkpointing"), [(2, False), (1, False), (2, True)])
+def test_ep_degree_trains_the_loss_curve_and_adapter_of_one_process(tiny, degree, checkpointing):
     """`--nproc 2 --strategy ep` with train.ep_degree (batch 2 a rank) against 1 process
     (batch 4), 3 steps, fp32: every step's loss and the saved adapter to 1e-5, the adapter
     whole. degree 2: one group, its tokens exchanged, the rest FSDP2 over both; degree 1:
-    two groups of one rank (each all experts, "dp_shard" 2). (4 CPU ranks would exceed the 2
+    two groups of one rank (each all experts, "dp_shard" 2); gradient checkpointing switched
+    on by the trainer after fully_shard. (4 CPU ranks would exceed the 2
     cores the launcher allows here: the 4-rank mesh is the default-tier test above.)"""
     from safetensors.torch import load_file
 
     from test_train_distributed import _rel_diff, _train, _write
     from test_train_expert_parallel import _losses
 
-    over, name = {"max_steps": 3}, f"epf{degree}"
+    over = {"max_steps": 3, "gradient_checkpointing": checkpointing}
+    name = f"epf{degree}-gc{int(checkpointing)}"
     _train(_write(tiny, f"{name}-2", batch_size=2, nproc=2, strategy="ep", ep_degree=degree,
                   **over), log=tiny.root / f"{name}-2.log")  # fmt: skip
     _train(_write(tiny, f"{name}-1", batch_size=4, **over), log=tiny.root / f"{name}-1.log")
