@@ -261,8 +261,9 @@ class TrainArgs(_Section):
         "contiguous",
         description="train.strategy ep: which experts a rank holds. contiguous: experts "
         "i*E/N to (i+1)*E/N - 1 on rank i; balanced: each layer's experts bin-packed by the "
-        "base's routing measured on the training rows (lora.expert_selection_rows), so each "
-        "rank receives about the same rows. The adapter is saved in the base's expert order.",
+        "base's routing, measured on training rows before the first step (needs "
+        "train.routing_every > 0), so each rank receives about the same rows. The adapter is "
+        "saved in the base's expert order.",
     )
     offload: Literal["none", "cpu", "disk"] = Field(
         "none",
