@@ -656,10 +656,14 @@ def test_engine_variants_train_sharded_like_one_process(tiny, strategy, experts_
         assert other["sharded_bytes"] < main["loaded_bytes"]  # ... and it ends with a share
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("zero3", marks=DEEPSPEED)])
+@pytest.mark.parametrize(
+    "strategy", [pytest.param("zero3", marks=DEEPSPEED), pytest.param("ep", marks=pytest.mark.slow)]
+)
 def test_expert_selection_scores_the_partitioned_base_like_one_process(tiny, strategy):
     """ZeRO-3 under zero.Init: the experts are scored on the partitioned base, gathered one
-    decoder layer at a time on every rank – the same choice and adapter as one process."""
+    decoder layer at a time on every rank; ep: every rank scores the same rows, its tokens
+    exchanged with the experts' ranks, and trains the selected experts it holds – the same
+    choice and adapter as one process."""
     over = {"max_steps": 2, "lora__expert_selection": "gate", "lora__expert_selection_share": 0.5}
     name = f"select-{strategy}"
     _train(_write(tiny, f"{name}-2", batch_size=2, nproc=2, strategy=strategy, **over),

@@ -249,6 +249,22 @@ class TrainArgs(_Section):
         "E/nproc routed experts, tokens travel to them by all-to-all; the rest replicated; "
         "lora.engine moetune; GPUs, and CPU over gloo).",
     )
+    ep_degree: PositiveInt | None = Field(
+        None,
+        description="train.strategy ep: ranks in one expert group (it must divide nproc and "
+        "the routed experts). Each group splits the experts E/ep_degree a rank and exchanges "
+        "tokens within itself; the nproc/ep_degree groups hold the same experts, and every "
+        "other weight and all the LoRA are FSDP2-sharded over all ranks (a 2-D DeviceMesh). "
+        "Unset: one group of all ranks, the rest replicated under DDP.",
+    )
+    ep_placement: Literal["contiguous", "balanced"] = Field(
+        "contiguous",
+        description="train.strategy ep: which experts a rank holds. contiguous: experts "
+        "i*E/N to (i+1)*E/N - 1 on rank i; balanced: each layer's experts bin-packed by the "
+        "base's routing, measured on training rows before the first step (needs "
+        "train.routing_every > 0), so each rank receives about the same rows. The adapter is "
+        "saved in the base's expert order.",
+    )
     offload: Literal["none", "cpu", "disk"] = Field(
         "none",
         description="Where the frozen expert stacks wait between uses: none (on the device), "

@@ -71,6 +71,9 @@ class ExpertShard:
     ranks: int
     rank: int
     experts: int  # E, all ranks together
+    # train.ep_placement balanced (ep_placement.py): the base's expert id at each position of
+    # the stacks, whose rank groups stay contiguous (`part`); None: the base's own order
+    order: tuple[int, ...] | None = None
 
     @property
     def local(self) -> int:
@@ -96,6 +99,8 @@ def ep_experts_forward(
         )
     num_tokens, hidden_dim = hidden_states.shape
     top_k = top_k_index.size(-1)
+    if shard.order is not None:  # the router names base experts; the stacks are reordered
+        top_k_index = position_of(shard.order, top_k_index.device)[top_k_index]
     route = route_pairs(top_k_index, top_k_weights, shard.experts)
     pairs = Dispatch.apply(hidden_states, route.perm, route.inverse, top_k)
     sent = _counts(route).view(shard.ranks, shard.local)  # rows per (rank, its expert)
@@ -108,6 +113,13 @@ def ep_experts_forward(
     out = out * route.weights.unsqueeze(-1)
     summed = Combine.apply(out, route.perm, route.inverse, top_k)
     return summed.view(num_tokens, hidden_dim).to(hidden_states.dtype)
+
+
+def position_of(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[E]: where each base expert sits in stacks laid out in `order`."""
+    slots = torch.empty(len(order), dtype=torch.long, device=device)
+    slots[torch.tensor(order, device=device)] = torch.arange(len(order), device=device)
+    return slots
 
 
 def _counts(route: Routing) -> torch.Tensor:
@@ -135,6 +147,7 @@ def ep_report(model: nn.Module) -> dict[str, Any] | None:
         "experts": shard.experts,
         "experts_per_rank": shard.local,
         "first_expert": shard.part.start,
+        "placement": "contiguous" if shard.order is None else "balanced",
         "layers": len(sharded),
         "held_expert_params": sum(p.numel() for m in sharded for p in m.parameters(False)),
         "rows_sent": sum(m[0] for m in moved),
@@ -219,6 +232,12 @@ def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
     names = [name for name, p in model.named_parameters() if id(p) in ids]
     model.__dict__[_IGNORE] = sorted({*model.__dict__.get(_IGNORE, []), *names})
     return names
+
+
+def placed_stacks(model: nn.Module) -> list[nn.Parameter]:
+    """The expert stacks (and biases) `shard_experts` placed: each rank's own experts, which
+    a data-parallel wrapper must neither broadcast, shard nor reduce."""
+    return [p for m in model.modules() if _SHARD in m.__dict__ for p in m.parameters(False)]
 
 
 def _slice(experts: nn.Module, shard: ExpertShard) -> None:

@@ -84,7 +84,20 @@ def _ddp(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
 def _ep(cfg: RunConfig, layers: list[str]) -> dict[str, Any]:
     # DDP for the replicated weights' LoRA (and the gradient average that makes the experts'
     # LoRA exact); the experts themselves are placed by engine/expert_parallel.py
-    return {"distributed_type": "MULTI_GPU"}
+    if cfg.train.ep_degree is None:
+        return {"distributed_type": "MULTI_GPU"}
+    # train.ep_degree: the model arrives FSDP2-sharded on its 2-D mesh (ep_mesh.py), which
+    # accelerate's FSDP2 path keeps; each rank loads its own experts, so nothing broadcasts
+    section = _fsdp(cfg, layers)
+    section["fsdp_config"].update(
+        fsdp_cpu_ram_efficient_loading=False,
+        fsdp_sync_module_states=False,
+        # the units are ep_mesh.py's; accelerate would look the layer class up by name, and
+        # fully_shard renamed it (FSDPQwen3MoeDecoderLayer)
+        fsdp_auto_wrap_policy="NO_WRAP",
+    )
+    section["fsdp_config"].pop("fsdp_transformer_layer_cls_to_wrap")
+    return section
 
 
 @strategy("fsdp")

@@ -16,7 +16,9 @@ from moetune.config import RunConfig
 from moetune.config.keys import offload_mode, splits
 from moetune.io import atomic_write_json
 from moetune.model.derive import checkpoint_class, ensure_backbone
+from moetune.model.families.registry import get_family
 from moetune.model.fixes.registry import apply_fixes
+from moetune.model.layers import decoder_layers
 from moetune.recipe.audit import audit_coverage
 from moetune.recipe.targets import build_peft_config, peft_notes
 from moetune.train.callbacks import quiet
@@ -92,7 +94,8 @@ def _ep_rank(cfg: RunConfig) -> tuple[int, int] | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.train.strategy != "ep" or world == 1:
         return None
-    return int(os.environ.get("RANK", "0")), world
+    group = cfg.train.ep_degree or world  # ranks r, r+1, … of one group (ep_mesh.py's layout)
+    return int(os.environ.get("RANK", "0")) % group, group
 
 
 def _load_partitioned(cfg: RunConfig, dtype: torch.dtype, rank: int, ranks: int) -> nn.Module:
@@ -263,7 +266,22 @@ def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
     from moetune.engine.expert_parallel import ep_mesh, shard_experts
 
     device = next(iter(wrapped.parameters())).device.type
+    if cfg.train.ep_degree is not None:  # expert groups, the rest FSDP2-sharded
+        _place_experts_fsdp(wrapped, cfg.train.ep_degree, device, setup.spec)
+        return
     shard_experts(wrapped, ep_mesh(device))
+
+
+def _place_experts_fsdp(wrapped: nn.Module, degree: int, device: str, spec: ModelSpec) -> None:
+    """train.ep_degree: experts split within groups of `degree` ranks on a 2-D mesh, every
+    other weight and all the LoRA FSDP2-sharded over it (train/distributed/ep_mesh.py)."""
+    # lazy: heavy to import (FSDP2, DTensor, transformers)
+    from moetune.engine.expert_parallel import shard_experts
+    from moetune.train.distributed.ep_mesh import ep_fsdp_mesh, shard_rest
+
+    mesh = ep_fsdp_mesh(device, degree)
+    shard_experts(wrapped, mesh["ep"])
+    shard_rest(wrapped, mesh, decoder_layers(wrapped, spec, get_family(spec.model_type)))
 
 
 def replay_routing_in_recompute(wrapped: nn.Module, spec: ModelSpec) -> None:

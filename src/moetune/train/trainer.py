@@ -62,6 +62,7 @@ from moetune.train.callbacks import (
     quiet,
     reset_peak_memory,
 )
+from moetune.train.distributed.ep_balance import balance_experts
 from moetune.train.distributed.nodes import node_loss_stops, world
 from moetune.train.distributed.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.distributed.zero3_load import base_load, gathered_forward
@@ -191,6 +192,7 @@ def _train(
             routing.base = from_main(
                 lambda: routing.measured_base(model, rows, collate, batch, limit)
             )
+        balance_experts(cfg, setup, run, model, routing.base)  # train.ep_placement balanced
         setup.selection = select_experts(cfg, setup, run, model, trainer, console)
         with disk_full_stops(run):
             fit(trainer, setup, console)

@@ -37,6 +37,23 @@ EP_SKEW = (
     "every rank's tokens routed to one rank's experts, that rank's all-to-all buffers and "
     "expert activations grow N-fold"
 )
+# the skew each train.ep_placement assumes, stated in the plan (EP_SKEW: contiguous groups)
+PLACEMENT_SKEW = {
+    "contiguous": EP_SKEW + " (contiguous groups: experts busy side by side skew it; "
+    "train.ep_placement balanced evens it out)",
+    "balanced": "ep places the experts by the base's measured routing (bin-packed, E/N a "
+    "rank), so on the rows measured a rank receives at most the mean plus one expert's "
+    "load; the plan assumes that balance – training can drift from the base's routing "
+    "(routing.jsonl), and at worst every rank's tokens reach one rank's experts, whose "
+    "all-to-all buffers and expert activations grow N-fold",
+}
+
+
+def ep_skew(cfg: RunConfig) -> str:
+    """The token skew the plan assumes for the run's train.ep_placement."""
+    return PLACEMENT_SKEW[cfg.train.ep_placement]
+
+
 # Engines that train MoEs with expert parallelism in full fine-tuning (moetune: LoRA only).
 ENGINES = (
     "Megatron-Core (expert_model_parallel_size), through ms-swift (Megatron-SWIFT) or NVIDIA NeMo",
@@ -56,6 +73,7 @@ class ExpertParallelPlan:
     worst_all_to_all: int = 0  # the all-to-all buffers at the worst skew (all tokens here)
     # LoRA: the peak were the experts' LoRA state 1/EP too (not built: factors whole per rank)
     sharded_lora_peak: int | None = None
+    placement: str = "contiguous"  # train.ep_placement: the skew stated (PLACEMENT_SKEW)
 
     @property
     def peak_bytes(self) -> int:
@@ -70,6 +88,8 @@ class ExpertParallelPlan:
             "engines": list(self.engines),
             "trained_by_moetune": not self.engines,
             "skew_assumed": "balanced",
+            "placement": self.placement,
+            "skew_statement": PLACEMENT_SKEW[self.placement],
             "worst_skew_all_to_all_bytes": self.worst_all_to_all,
             "peak_bytes_if_expert_lora_sharded": self.sharded_lora_peak,
         }
@@ -124,7 +144,8 @@ def plan_expert_parallel(
     worst = out["all_to_all_buffers"] * ep
     lora_share = 0.0 if full else _expert_trainable_share(spec, cfg, est.trainable_params)
     sharded = None if full else _sharded_lora_peak(out, est, lora_share, ep)
-    return ExpertParallelPlan(ep, math.ceil(spec.num_experts / ep), out, engines, worst, sharded)
+    return ExpertParallelPlan(ep, math.ceil(spec.num_experts / ep), out, engines, worst, sharded,
+                              cfg.train.ep_placement)  # fmt: skip
 
 
 def _sharded_lora_peak(out: dict[str, int], est: AnalyticEstimate, share: float, ep: int) -> int:

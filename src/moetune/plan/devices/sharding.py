@@ -56,6 +56,7 @@ from moetune.plan.devices.expert_parallel import (
     EP_SKEW,
     ExpertParallelPlan,
     all_to_all_bytes,
+    ep_skew,
     expert_weight_bytes,
     plan_expert_parallel,
 )
@@ -95,6 +96,7 @@ class Sizes:
     zero3_partitioned: bool = False
     expert_weights: int = 0  # the frozen routed expert stacks as held (ep places them 1/N)
     all_to_all: int = 0  # ep: one layer's dispatch + combine receive buffers, balanced routing
+    ep_degree: int | None = None  # train.ep_degree: ranks a group split the experts over
 
 
 @dataclass(frozen=True)
@@ -198,12 +200,29 @@ register(Strategy("zero3", "DeepSpeed ZeRO-3 (default buckets)", _zero3))
 def _ep(s: Sizes, gpus: int) -> dict[str, int]:
     # moetune's ep: E/N routed experts a rank, the rest replicated; the LoRA factors whole on
     # every rank (DDP averages them), so DDP's gradient buckets as in ddp
+    if s.ep_degree is not None:
+        return _ep_groups(s, gpus, s.ep_degree)
     held = s.single.get("frozen_weights", 0) - s.expert_weights + -(-s.expert_weights // gpus)
     copies = s.single.get("expert_weight_copies")  # peft's W+ΔW of the experts it holds
     return {
         "frozen_weights": held,
         **({} if copies is None else {"expert_weight_copies": -(-copies // gpus)}),
         **_ddp(s, gpus),
+        "all_to_all_buffers": s.all_to_all,
+    }
+
+
+def _ep_groups(s: Sizes, gpus: int, degree: int) -> dict[str, int]:
+    """train.ep_degree (train/distributed/ep_mesh.py): E/degree routed experts a rank, and
+    everything else – the rest of the frozen weights, all the LoRA, its gradients and
+    optimizer state – FSDP2-sharded 1/N, with FSDP2's gathered layer and buffers."""
+    rest = s.single.get("frozen_weights", 0) - s.expert_weights
+    copies = s.single.get("expert_weight_copies")
+    return {
+        "frozen_weights": -(-rest // gpus) + -(-s.expert_weights // degree),
+        **({} if copies is None else {"expert_weight_copies": -(-copies // degree)}),
+        **{k: -(-s.single.get(k, 0) // gpus) for k in SHARDED[1:]},
+        **_fsdp(s, gpus),
         "all_to_all_buffers": s.all_to_all,
     }
 
@@ -240,6 +259,7 @@ def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = No
         zero3_partitioned=zero3_partitioned(spec, cfg),
         expert_weights=expert_weight_bytes(spec, cfg),
         all_to_all=all_to_all_bytes(spec, cfg),
+        ep_degree=cfg.train.ep_degree,
     )
 
 
@@ -331,7 +351,7 @@ def plan_devices(
         components=components,
         fit=card_fit(chosen, peak),
         single_device_bytes=sum(sizes.single.values()),
-        notes=strat.notes,
+        notes=tuple(ep_skew(cfg) if n == EP_SKEW else n for n in strat.notes),  # its placement
     )
 
 

@@ -4,8 +4,9 @@
 What moetune's expert parallelism trains (engine/expert_parallel.py): LoRA through split
 LoRA (lora.engine moetune) on a model with routed experts, E/N contiguous experts per rank,
 experts in bf16 / the checkpoint's float dtype. Not built yet, so refused rather than
-run another way: int8 / NF4 and published (stored) expert stacks, full fine-tuning and
-expert selection under ep.
+run another way: int8 / NF4 and published (stored) expert stacks and full fine-tuning under
+ep. Expert selection runs: every rank scores the same rows (so all agree on the choice) and
+trains the selected experts it holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from moetune.train.errors import TrainError
 
 def check_expert_parallel(cfg: RunConfig) -> None:
     """Refuse an ep launch moetune cannot run exactly; one line, before any rank starts."""
+    asked = cfg.train.ep_degree is not None or cfg.train.ep_placement != "contiguous"
+    if cfg.train.strategy != "ep" and asked and world(cfg.train) > 1:
+        raise TrainError(
+            f"train.ep_degree / ep_placement place experts, and train.strategy is "
+            f"{cfg.train.strategy}",
+            "set train.strategy ep, or leave train.ep_degree and ep_placement at their defaults",
+        )
     if cfg.train.strategy != "ep" or world(cfg.train) == 1:
         return
     # lazy: heavy to import (transformers, through the spec and the engine)
@@ -39,7 +47,31 @@ def check_expert_parallel(cfg: RunConfig) -> None:
             "set lora.engine: moetune (or auto) with experts in lora.targets, "
             "or train.strategy fsdp",
         )
-    check_divides(spec.num_experts, world(cfg.train))
+    if cfg.train.ep_degree is not None:  # groups of ep_degree ranks, the rest FSDP2
+        # lazy: heavy to import (torch.distributed)
+        from moetune.train.distributed.ep_mesh import check_ep_degree
+
+        check_ep_degree(cfg.train.ep_degree, world(cfg.train), spec.num_experts)
+    check_divides(spec.num_experts, cfg.train.ep_degree or world(cfg.train))
+    if cfg.train.ep_placement == "balanced":
+        _check_balanced(cfg)
+
+
+def _check_balanced(cfg: RunConfig) -> None:
+    """What train.ep_placement balanced needs, and what it does not combine with yet."""
+    asks = {
+        "train.routing_every 0 (the base's routing it places by is not measured)":
+            cfg.train.routing_every == 0,
+        "train.ep_degree (FSDP2 shards the factors it reorders)": cfg.train.ep_degree is not None,
+        "lora.expert_selection (its masks are in the base's expert order)":
+            cfg.lora.expert_selection != "all",
+    }  # fmt: skip
+    for what, asked in asks.items():
+        if asked:
+            raise TrainError(
+                f"train.ep_placement balanced does not run with {what}",
+                "set train.ep_placement: contiguous, or drop that setting",
+            )
 
 
 def _check_supported(cfg: RunConfig, stored: bool) -> None:
@@ -48,7 +80,6 @@ def _check_supported(cfg: RunConfig, stored: bool) -> None:
         f"experts_dtype {cfg.model.experts_dtype}": cfg.model.experts_dtype != "bf16",
         "a base stored quantised (FP8 / FP4 / INT4)": stored,
         "train.tuning full": cfg.train.tuning == "full",
-        f"lora.expert_selection {cfg.lora.expert_selection}": cfg.lora.expert_selection != "all",
     }
     for what, asked in asks.items():
         if asked:
