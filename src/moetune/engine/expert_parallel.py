@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from transformers.integrations.moe import ExpertsInterface
 
+from moetune.engine.quant.stacks import stacks_of
 from moetune.engine.experts_lora import (
     PROJECTIONS,
     Combine,
@@ -216,7 +217,9 @@ def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
     register()
     base.set_experts_implementation(IMPLEMENTATION)
     ids = {id(p) for m in sharded for p in m.parameters(recurse=False)}
+    ids |= {id(b) for m in sharded for s in stacks_of(m).values() for b in s.buffers()}
     names = [name for name, p in model.named_parameters() if id(p) in ids]
+    names += [name for name, b in model.named_buffers() if id(b) in ids]  # quantised stacks
     model.__dict__[_IGNORE] = sorted({*model.__dict__.get(_IGNORE, []), *names})
     return names
 
@@ -225,7 +228,10 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
     """Replace each expert stack (and bias) by this rank's rows of it – read so by
     ep_load.load_partitioned, or cut here from the whole, which is freed."""
     loaded = experts.__dict__.pop(PART, {})
+    quantized = _slice_quantized(experts, shard, loaded)
     for name in (*PROJECTIONS, *(f"{p}_bias" for p in PROJECTIONS)):
+        if name in quantized:
+            continue
         whole = getattr(experts, name, None)
         if not isinstance(whole, nn.Parameter):
             continue
@@ -239,6 +245,26 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
                 "load the base with the world that trains it (train.nproc)",
             )
         setattr(experts, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+
+
+def _slice_quantized(experts: nn.Module, shard: ExpertShard, loaded: dict[str, Any]) -> set[str]:
+    """Each quantised / stored stack (engine/quant, engine/stored) down to this rank's experts:
+    loaded so (ep_load.py: its buffers hold them already) or cut here from the whole, every
+    buffer by its leading expert dim. Returns the stacks' names."""
+    stacks = stacks_of(experts)
+    for name, stack in stacks.items():
+        held = {n: b.shape[0] for n, b in stack.stored().items()}
+        if loaded.get(name) is not stack:  # loaded whole: this rank's rows, the rest freed
+            for buf, tensor in list(stack.named_buffers(recurse=False)):
+                stack.register_buffer(buf, tensor[shard.part].clone())
+        elif set(held.values()) != {shard.local}:
+            raise EngineError(
+                f"{name} was loaded with {sorted(set(held.values()))} experts a rank, and "
+                f"{shard.ranks} ranks hold {shard.local} each",
+                "load the base with the world that trains it (train.nproc)",
+            )
+        stack.shape = (shard.local, stack.shape[1], stack.shape[2])
+    return set(stacks)
 
 
 def check_divides(experts: int, ranks: int) -> None:

@@ -3,9 +3,10 @@
 
 What moetune's expert parallelism trains (engine/expert_parallel.py): LoRA through split
 LoRA (lora.engine moetune) on a model with routed experts, E/N contiguous experts per rank,
-experts in bf16 / the checkpoint's float dtype. Not built yet, so refused rather than
-run another way: int8 / NF4 and published (stored) expert stacks, full fine-tuning and
-expert selection under ep.
+in every experts dtype – bf16 / the checkpoint's float dtype, int8 / NF4 quantised per rank,
+and a base published quantised (FP8 / MXFP4 / NVFP4 / INT4 / GPTQ / AWQ) kept as stored –
+each rank reading only its own experts' bytes (engine/ep_load.py). Not built yet, so
+refused rather than run another way: full fine-tuning and expert selection under ep.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def check_expert_parallel(cfg: RunConfig) -> None:
         return
     # lazy: heavy to import (transformers, through the spec and the engine)
     from moetune.engine.expert_parallel import check_divides
-    from moetune.engine.resolve import resolve_engine, stored_experts
+    from moetune.engine.resolve import resolve_engine
 
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     if not spec.is_moe or not spec.num_experts:
@@ -30,7 +31,7 @@ def check_expert_parallel(cfg: RunConfig) -> None:
             f"train.strategy ep places routed experts, and {spec.name} has none",
             "use train.strategy ddp or fsdp for a dense model",
         )
-    _check_supported(cfg, stored_experts(spec, cfg.model.quantized_base) is not None)
+    _check_supported(cfg)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
     if engine != "moetune":
         raise TrainError(
@@ -42,11 +43,9 @@ def check_expert_parallel(cfg: RunConfig) -> None:
     check_divides(spec.num_experts, world(cfg.train))
 
 
-def _check_supported(cfg: RunConfig, stored: bool) -> None:
+def _check_supported(cfg: RunConfig) -> None:
     """What ep does not build yet: refused, never trained another way."""
     asks = {
-        f"experts_dtype {cfg.model.experts_dtype}": cfg.model.experts_dtype != "bf16",
-        "a base stored quantised (FP8 / FP4 / INT4)": stored,
         "train.tuning full": cfg.train.tuning == "full",
         f"lora.expert_selection {cfg.lora.expert_selection}": cfg.lora.expert_selection != "all",
     }
@@ -54,5 +53,5 @@ def _check_supported(cfg: RunConfig, stored: bool) -> None:
         if asked:
             raise TrainError(
                 f"train.strategy ep does not train with {what} yet",
-                "use train.strategy fsdp (every experts dtype), or ep with bf16 LoRA experts",
+                "use train.strategy fsdp, or ep with LoRA on every expert",
             )

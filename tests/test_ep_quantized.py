@@ -1,0 +1,208 @@
+"""`train.strategy ep` in every experts dtype (engine/ep_load.py): a base DeepSeek publishes in
+block FP8 (the fixture of test_stored_fp8_deepseek.py, sharded with an index as DeepSeek ships
+it) and a float base quantised NF4 on each rank. Each rank reads exactly 1/N of the experts'
+stored bytes – weights and scales – its stacks equal the slice of a one-process load, and 2 / 4
+forked gloo ranks' logits and summed LoRA gradients equal one process's (fp32, 1e-5). Slow:
+`moetune train --nproc 2 --strategy ep` over the FP8 base against one process."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from moetune.engine import ep_load
+from moetune.engine.expert_parallel import PART, READ
+from moetune.engine.quant.stacks import stacks_of
+from moetune.engine.stored import load as stored_load
+from test_ep_partitioned_load import _qwen3
+from test_stored_fp8_deepseek import deepseek  # noqa: F401  (the module-scoped fixture)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+EXPERTS = 4  # both bases' routed experts
+
+
+def _sharded(src: Path, out: Path) -> Path:
+    """`src` (one model.safetensors) in two shards and an index, as publishers ship a base:
+    the layers' tensors split between the files."""
+    tensors = load_file(str(src / "model.safetensors"))
+    files: dict[str, dict[str, torch.Tensor]] = {"model-00001-of-00002.safetensors": {},
+                                                 "model-00002-of-00002.safetensors": {}}  # fmt: skip
+    names = list(files)
+    for i, key in enumerate(sorted(tensors)):
+        files[names[i % 2]][key] = tensors[key]
+    out.mkdir()
+    for name, part in files.items():
+        save_file(part, str(out / name), metadata={"format": "pt"})
+    weight_map = {k: n for n, part in files.items() for k in part}
+    total = sum(t.nbytes for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    for extra in src.glob("*.json"):
+        if extra.name != "model.safetensors.index.json":
+            (out / extra.name).write_bytes(extra.read_bytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def bases(deepseek, tmp_path_factory):  # noqa: F811  (the fixture imported above)
+    root = tmp_path_factory.mktemp("ep-quantized")
+    return {"fp8": _sharded(deepseek["fp8"], root / "fp8"), "float": _qwen3(root / "float"),
+            "data": deepseek["data"]}  # fmt: skip
+
+
+def _expert_bytes(model_dir: Path) -> int:
+    """Every routed expert tensor's bytes in the files (weights and their scales)."""
+    index = stored_load.index_dir(model_dir)
+    return sum(s.nbytes for k, s in index.items() if ".mlp.experts." in k)
+
+
+def _stacks(model: Any) -> dict[str, Any]:
+    return {f"{p}.{n}": s for p, m in model.named_modules() for n, s in stacks_of(m).items()}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_rank_reads_only_its_experts_stored_bytes(bases, monkeypatch, ranks):
+    """FP8 weights and their weight_scale_inv, per-expert keys across two shards: a rank asks
+    the files for exactly 1/N of them, and holds the slice of a one-process load, bit for bit."""
+    asked: list[Any] = []
+    real = stored_load.read_once
+    monkeypatch.setattr(stored_load, "read_once", lambda p: asked.extend(x.span for x in p)
+                        or real(p))  # fmt: skip
+    whole = _stacks(stored_load.load_stored(bases["fp8"], "cpu", torch.float32)[0])
+    total, local = _expert_bytes(bases["fp8"]), EXPERTS // ranks
+    assert total == sum(s.nbytes for s in whole.values())  # every byte of the experts is a stack's
+    for rank in range(ranks):
+        asked.clear()
+        model, report = ep_load.load_partitioned_stored(bases["fp8"], "cpu", torch.float32,
+                                                        rank, ranks)  # fmt: skip
+        assert sum(s.nbytes for s in asked) * ranks == total  # scales included, no more
+        assert model.__dict__[READ] == {"expert_bytes_read": total // ranks,
+                                        "expert_stack_bytes": total}  # fmt: skip
+        assert report.stored_bytes * ranks == total
+        for name, stack in _stacks(model).items():
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            assert module.__dict__[PART][name.rsplit(".", 1)[1]] is stack
+            assert stack.shape == whole[name].shape  # the whole stack's, until shard_experts
+            for buf, value in stack.stored().items():
+                want = whole[name].stored()[buf][rank * local : (rank + 1) * local]
+                assert value.dtype == want.dtype and torch.equal(value, want), (name, buf)
+
+
+def test_nf4_quantises_only_its_experts_to_the_one_process_bytes(bases):
+    """NF4 per rank: this rank's float experts read (1/N of the stacks' bytes) and quantised
+    to the very bytes one process's quantisation gives them."""
+    from moetune.engine.quant.load import load_quantized
+
+    whole = _stacks(load_quantized(bases["float"], "nf4", "cpu", torch.float32)[0])
+    for rank in range(2):
+        model, report = ep_load.load_partitioned_quantized(bases["float"], "cpu", torch.float32,
+                                                           rank, 2, "nf4")  # fmt: skip
+        read = model.__dict__[READ]
+        assert 2 * read["expert_bytes_read"] == read["expert_stack_bytes"]
+        assert report.bytes_after * 2 == sum(s.nbytes for s in whole.values())
+        for name, stack in _stacks(model).items():
+            for buf, value in stack.stored().items():
+                assert torch.equal(value, whole[name].stored()[buf][rank * 2 : rank * 2 + 2])
+
+
+# ---------------------------------------------------------------- forked gloo ranks
+
+
+def _wrapped(model: Any, modules: list[str]) -> Any:
+    """Seeded LoRA (B not zero) on `modules` and the fused experts, on split LoRA."""
+    from peft import LoraConfig, get_peft_model
+
+    from moetune.engine import apply_split_lora
+    from moetune.engine.offload.store import peft_targets
+
+    lora = LoraConfig(
+        r=4, target_modules=modules, init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )  # fmt: skip
+    torch.manual_seed(1)
+    with peft_targets(model):
+        wrapped = get_peft_model(model, lora)
+    apply_split_lora(wrapped)
+    return wrapped
+
+
+def _load(kind: str, base: Path, rank: int | None, world: int) -> Any:
+    """One process's base (`rank` None) or this rank's partitioned one."""
+    from moetune.engine.quant.load import load_quantized
+
+    if kind == "fp8":
+        if rank is None:
+            return stored_load.load_stored(base, "cpu", torch.float32)[0]
+        return ep_load.load_partitioned_stored(base, "cpu", torch.float32, rank, world)[0]
+    if rank is None:
+        return load_quantized(base, "nf4", "cpu", torch.float32)[0]
+    return ep_load.load_partitioned_quantized(base, "cpu", torch.float32, rank, world, "nf4")[0]
+
+
+def _grads(model: Any, ids: torch.Tensor, weights: torch.Tensor) -> dict[str, Any]:
+    model.train()
+    logits = model(input_ids=ids).logits
+    (logits * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"logits": logits.detach(), "grads": grads}
+
+
+def _rank(rank: int, world: int, bases: dict[str, str], out: str) -> None:
+    """Per kind: one process on the whole batch, then this rank's experts on its half."""
+    from moetune.engine.expert_parallel import ep_mesh, ep_report, shard_experts
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))  # fmt: skip
+    found: dict[str, Any] = {}
+    modules = {"fp8": ["o_proj"], "nf4": ["q_proj", "v_proj"]}
+    for kind, base in bases.items():
+        torch.manual_seed(3)
+        ids = torch.randint(0, 40, (2 * world, 12))
+        one = _wrapped(_load(kind, Path(base), None, world), modules[kind])
+        weights = torch.randn(2 * world, 12, one.config.vocab_size)
+        want = _grads(one, ids, weights)
+        model = _wrapped(_load(kind, Path(base), rank, world), modules[kind])
+        shard_experts(model, ep_mesh("cpu"))
+        mine = slice(rank * 2, rank * 2 + 2)
+        got = _grads(model, ids[mine], weights[mine])
+        diffs = [_rel(got["logits"], want["logits"][mine])]
+        for name, grad in got["grads"].items():
+            dist.all_reduce(grad)  # each rank's share of every gradient, summed
+            diffs.append(_rel(grad, want["grads"][name]))
+        found[kind] = {"diff": max(diffs), "grads": len(diffs) - 1, "report": ep_report(model),
+                       "stack_experts": sorted({s.shape[0] for s in _stacks(model).values()})}  # fmt: skip
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_ranks_over_fp8_and_nf4_equal_one_process(bases, tmp_path, world):
+    """Stored FP8 (DeepSeek's block scales) and NF4 experts, each rank holding its own:
+    logits and every LoRA gradient summed over the ranks equal one process (fp32, 1e-5)."""
+    paths = {"fp8": str(bases["fp8"]), "nf4": str(bases["float"])}
+    mp.start_processes(_rank, args=(world, paths, str(tmp_path)), nprocs=world,
+                       start_method="fork")  # fmt: skip
+    for rank in range(world):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for kind in paths:
+            assert found[kind]["diff"] < 1e-5, (kind, found[kind])
+            assert found[kind]["grads"] > 8  # attention and every expert stack's A and B
+            assert found[kind]["stack_experts"] == [EXPERTS // world]  # its experts only
+            report = found[kind]["report"]
+            assert report["first_expert"] == rank * EXPERTS // world
+            assert report["rows_sent"] > 0 and report["rows_received"] > 0
+            assert report["expert_bytes_read"] * world == report["expert_stack_bytes"]
