@@ -66,7 +66,13 @@ def _expert_bytes(model_dir: Path) -> int:
 
 
 def _stacks(model: Any) -> dict[str, Any]:
-    return {f"{p}.{n}": s for p, m in model.named_modules() for n, s in stacks_of(m).items()}
+    """Every quantised stack by name: installed, or a rank's part waiting for shard_experts."""
+    out = {}
+    for path, module in model.named_modules():
+        waiting = module.__dict__.get(PART, {})
+        for name, stack in {**stacks_of(module), **waiting}.items():
+            out[f"{path}.{name}"] = stack
+    return out
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -89,9 +95,10 @@ def test_a_rank_reads_only_its_experts_stored_bytes(bases, monkeypatch, ranks):
                                         "expert_stack_bytes": total}  # fmt: skip
         assert report.stored_bytes * ranks == total
         for name, stack in _stacks(model).items():
-            module = model.get_submodule(name.rsplit(".", 1)[0])
-            assert module.__dict__[PART][name.rsplit(".", 1)[1]] is stack
-            assert stack.shape == whole[name].shape  # the whole stack's, until shard_experts
+            path, stack_name = name.rsplit(".", 1)
+            stand_in = model.get_submodule(path)._parameters[stack_name]  # what peft sizes
+            assert stand_in.shape == whole[name].shape and stand_in.untyped_storage().nbytes() <= 4
+            assert stack.shape == (local, *whole[name].shape[1:])
             for buf, value in stack.stored().items():
                 want = whole[name].stored()[buf][rank * local : (rank + 1) * local]
                 assert value.dtype == want.dtype and torch.equal(value, want), (name, buf)
@@ -200,7 +207,7 @@ def test_ep_ranks_over_fp8_and_nf4_equal_one_process(bases, tmp_path, world):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for kind in paths:
             assert found[kind]["diff"] < 1e-5, (kind, found[kind])
-            assert found[kind]["grads"] > 8  # attention and every expert stack's A and B
+            assert found[kind]["grads"] >= 8  # attention and every expert stack's A and B
             assert found[kind]["stack_experts"] == [EXPERTS // world]  # its experts only
             report = found[kind]["report"]
             assert report["first_expert"] == rank * EXPERTS // world

@@ -18,11 +18,10 @@ Every experts dtype loads so:
   AWQ): each stored buffer of a stack – weights, scales, zeros, g_idx – cut to this rank's
   experts (stored/load.py's StackFiles, every buffer expert-major) and read as stored.
 
-Until `shard_experts` places them the stacks keep their full shape, so peft's
-`target_parameters` size every expert's LoRA factors from it (the adapter stays whole): a
-float stack is a zero-storage stand-in, this rank's part waiting beside it (`PART`); a
-quantised stack holds this rank's experts' buffers under the whole stack's `shape`, and is
-named in `PART` too. `shard_experts` swaps the parts in.
+Until `shard_experts` places them, each stack is a zero-storage stand-in of its full shape
+(peft's `target_parameters` size every expert's LoRA factors from it: the adapter stays
+whole), and this rank's part – a float tensor, or a QuantizedStack of its experts – waits
+beside it (`PART`); `shard_experts` swaps it in.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from moetune.engine.offload.load import _Quant, empty_model
 from moetune.engine.quant.load import _finish, _stream
 from moetune.engine.quant.stacks import (
     QUANTIZED,
+    QuantizedStack,
     QuantReport,
     _install,
     _mark_quantized,
@@ -119,18 +119,24 @@ def _hold(module: nn.Module, name: str, mine: torch.Tensor, whole: tuple[int, ..
 
 
 def _quantise(module: nn.Module, name: str, mine: torch.Tensor, plan: Any) -> None:
-    """This rank's experts quantised into `module.quantized[name]`, its shape the whole
-    stack's until shard_experts (peft sizes the LoRA from it)."""
+    """This rank's experts quantised (quant/stacks.py), held for shard_experts."""
     whole = _shape(module, name)
     _mark_quantized(module)
     _install(module, name, mine, plan)
-    _keep_whole_shape(module, name, whole)
+    _hold_stack(module, name, whole)
 
 
-def _keep_whole_shape(module: nn.Module, name: str, whole: tuple[int, ...]) -> None:
-    stack = stacks_of(module)[name]
-    stack.shape = (whole[0], whole[1], whole[2])
+def _hold_stack(module: nn.Module, name: str, whole: tuple[int, ...]) -> None:
+    """The quantised stack just installed – this rank's experts – set aside (`PART`) behind a
+    full-shape stand-in, as a float part is: peft sizes every expert's LoRA from it (reading
+    the installed stack would dequantise this rank's experts only)."""
+    stack = module.get_submodule(QUANTIZED)._modules.pop(name)
+    assert isinstance(stack, QuantizedStack)
+    local = next(iter(stack.stored().values())).shape[0]
+    stack.shape = (local, whole[1], whole[2])
     module.__dict__.setdefault(PART, {})[name] = stack
+    stand_in = torch.zeros((), dtype=stack.dtype, device=stack.device).expand(whole)
+    module._parameters[name] = nn.Parameter(stand_in, requires_grad=False)
 
 
 def load_partitioned_stored(
@@ -154,7 +160,7 @@ def load_partitioned_stored(
             del module.get_submodule(QUANTIZED)._modules[name]
             _hold(module, name, stack.dequantize(dtype), whole)
         else:
-            _keep_whole_shape(module, name, whole)
+            _hold_stack(module, name, whole)
     report.float_bytes //= ranks  # install_stack counted every expert in float
     _finish(model, device)
     model.__dict__[READ] = {"expert_bytes_read": read[0], "expert_stack_bytes": read[1]}

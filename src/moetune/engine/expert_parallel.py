@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from transformers.integrations.moe import ExpertsInterface
 
-from moetune.engine.quant.stacks import stacks_of
+from moetune.engine.quant.stacks import QUANTIZED, QuantizedStack, stacks_of
 from moetune.engine.experts_lora import (
     PROJECTIONS,
     Combine,
@@ -249,22 +249,24 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
 
 def _slice_quantized(experts: nn.Module, shard: ExpertShard, loaded: dict[str, Any]) -> set[str]:
     """Each quantised / stored stack (engine/quant, engine/stored) down to this rank's experts:
-    loaded so (ep_load.py: its buffers hold them already) or cut here from the whole, every
-    buffer by its leading expert dim. Returns the stacks' names."""
-    stacks = stacks_of(experts)
-    for name, stack in stacks.items():
-        held = {n: b.shape[0] for n, b in stack.stored().items()}
-        if loaded.get(name) is not stack:  # loaded whole: this rank's rows, the rest freed
-            for buf, tensor in list(stack.named_buffers(recurse=False)):
-                stack.register_buffer(buf, tensor[shard.part].clone())
-        elif set(held.values()) != {shard.local}:
+    read so by ep_load.py (installed here in place of its stand-in) or cut here from the
+    whole, every buffer by its leading expert dim. Returns the stacks' names."""
+    parts = {n: s for n, s in loaded.items() if isinstance(s, QuantizedStack)}
+    for name, stack in parts.items():
+        if stack.shape[0] != shard.local:
             raise EngineError(
-                f"{name} was loaded with {sorted(set(held.values()))} experts a rank, and "
-                f"{shard.ranks} ranks hold {shard.local} each",
+                f"{name} was loaded with {stack.shape[0]} experts a rank, and {shard.ranks} "
+                f"ranks hold {shard.local} each",
                 "load the base with the world that trains it (train.nproc)",
             )
-        stack.shape = (shard.local, stack.shape[1], stack.shape[2])
-    return set(stacks)
+        experts._parameters.pop(name, None)  # its full-shape stand-in
+        experts.get_submodule(QUANTIZED).add_module(name, stack)
+    for name, stack in stacks_of(experts).items():
+        if name not in parts:  # loaded whole: this rank's rows, the rest freed
+            for buf, tensor in list(stack.named_buffers(recurse=False)):
+                stack.register_buffer(buf, tensor[shard.part].clone())
+            stack.shape = (shard.local, stack.shape[1], stack.shape[2])
+    return set(stacks_of(experts))
 
 
 def check_divides(experts: int, ranks: int) -> None:
