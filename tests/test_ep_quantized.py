@@ -33,9 +33,8 @@ def _sharded(src: Path, out: Path) -> Path:
     """`src` (one model.safetensors) in two shards and an index, as publishers ship a base:
     the layers' tensors split between the files."""
     tensors = load_file(str(src / "model.safetensors"))
-    files: dict[str, dict[str, torch.Tensor]] = {"model-00001-of-00002.safetensors": {},
-                                                 "model-00002-of-00002.safetensors": {}}  # fmt: skip
-    names = list(files)
+    names = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    files: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
     for i, key in enumerate(sorted(tensors)):
         files[names[i % 2]][key] = tensors[key]
     out.mkdir()
@@ -186,8 +185,9 @@ def _rank(rank: int, world: int, bases: dict[str, str], out: str) -> None:
         for name, grad in got["grads"].items():
             dist.all_reduce(grad)  # each rank's share of every gradient, summed
             diffs.append(_rel(grad, want["grads"][name]))
+        held = sorted({s.shape[0] for s in _stacks(model).values()})
         found[kind] = {"diff": max(diffs), "grads": len(diffs) - 1, "report": ep_report(model),
-                       "stack_experts": sorted({s.shape[0] for s in _stacks(model).values()})}  # fmt: skip
+                       "stack_experts": held}  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
@@ -213,3 +213,79 @@ def test_ep_ranks_over_fp8_and_nf4_equal_one_process(bases, tmp_path, world):
             assert report["first_expert"] == rank * EXPERTS // world
             assert report["rows_sent"] > 0 and report["rows_received"] > 0
             assert report["expert_bytes_read"] * world == report["expert_stack_bytes"]
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_plan_counts_each_ranks_experts_at_their_quantised_bytes():
+    """`plan --gpus 2 --strategy ep` with NF4 experts: a rank holds half the stacks at the
+    bytes NF4 stores (quant/stacks.py's own quantiser, built on meta), in device memory and in
+    host RAM at load alike; a stored FP8 base's experts are planned as stored, 1/N a rank."""
+    from moetune.config import parse_config
+    from moetune.engine.quant.stacks import stack_nbytes
+    from moetune.model import load_spec, spec_from_config
+    from moetune.model.census import shrunk_config
+    from moetune.plan.devices.expert_parallel import plan_expert_parallel
+    from moetune.plan.devices.host_ram import RUNTIME_HOST_BYTES
+    from moetune.plan.devices.sharding import device_report
+    from moetune.plan.fit import analytic
+
+    spec = spec_from_config(shrunk_config("qwen3_moe"), "qwen3_moe")  # 4 layers, 4 experts
+    cfg = parse_config({"model": {"experts_dtype": "nf4"}, "train": {"seq_len": 64},
+                        "lora": {"rank": 4, "targets": ["attention", "experts"]}})  # fmt: skip
+    h, i = spec.hidden_size, spec.expert_intermediate_size
+    nf4 = 4 * (stack_nbytes((4, 2 * i, h), "nf4") + stack_nbytes((4, h, i), "nf4"))
+    assert nf4 == 55_296  # 98,304 expert parameters at 4.5 bits
+    single = analytic(spec, cfg).components
+    report = device_report(spec, cfg, ["H100-80GB"], 2, "ep")
+    held = report.plans["H100-80GB"].components["frozen_weights"]
+    assert held == single["frozen_weights"] - nf4 // 2  # the other rank's half is not here
+    whole = single["frozen_weights"] + single["trainable_weights"]
+    assert report.host is not None
+    assert report.host.main_rank_bytes == RUNTIME_HOST_BYTES + whole - nf4 // 2
+    assert report.host.per_node_bytes == 2 * report.host.main_rank_bytes
+
+    fp8 = load_spec("RedHatAI/Qwen3-30B-A3B-FP8-dynamic")  # 128 experts, per-channel FP8
+    run = parse_config({"model": {"id": "RedHatAI/Qwen3-30B-A3B-FP8-dynamic"},
+                        "lora": {"rank": 16}})  # fmt: skip
+    ep = plan_expert_parallel(fp8, run, 8)
+    assert ep is not None and ep.experts_per_device == 16
+    stored = ep.components["expert_weights"] * 8
+    routed = fp8.components.routed_experts
+    assert routed < stored < 1.01 * routed  # one byte a weight and a scale per row, 1/8 a rank
+
+
+# ---------------------------------------------------------------- the CLI (slow)
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+def test_cli_ep_over_a_stored_fp8_base_trains_as_one_process(bases, tmp_path):
+    """`moetune train --nproc 2 --strategy ep` over DeepSeek's block-FP8 release (kept as
+    stored, sharded): every step's loss and the saved adapter equal one process (batch 4
+    against 2 × 2, fp32, 1e-5), and each rank read half the experts' stored bytes."""
+    from moetune.config import dump_config
+    from test_train_distributed import _rel_diff, _train
+    from test_train_helpers import run_config
+
+    def write(name: str, **over: Any) -> Path:
+        cfg = run_config(bases["fp8"], bases["data"], tmp_path / name, max_steps=2,
+                         save_steps=2, lora__targets=["attention", "experts"], **over)  # fmt: skip
+        (tmp_path / f"{name}.yaml").write_text(dump_config(cfg))
+        return tmp_path / f"{name}.yaml"
+
+    _train(write("two", batch_size=2, nproc=2, strategy="ep"), log=tmp_path / "two.log")
+    _train(write("one", batch_size=4), log=tmp_path / "one.log")
+    got, want = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert len(got) == len(want) == 2
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+    assert _rel_diff(tmp_path / "two", tmp_path / "one") < 1e-5
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    ran = summary["distributed"]["expert_parallel"]
+    total = _expert_bytes(bases["fp8"])
+    assert [r["expert_bytes_read"] * 2 for r in ran] == [total, total]  # scales included

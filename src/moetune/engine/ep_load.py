@@ -42,7 +42,6 @@ from moetune.engine.quant.stacks import (
     QuantReport,
     _install,
     _mark_quantized,
-    stacks_of,
 )
 from moetune.engine.stack_files import Segment, expert_part, keys_of, read_into, stack_segments
 from moetune.engine.stored.load import StackFiles, StoredReport, install_stack

@@ -43,7 +43,6 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from transformers.integrations.moe import ExpertsInterface
 
-from moetune.engine.quant.stacks import QUANTIZED, QuantizedStack, stacks_of
 from moetune.engine.experts_lora import (
     PROJECTIONS,
     Combine,
@@ -54,6 +53,8 @@ from moetune.engine.experts_lora import (
     is_fused_experts,
     route_pairs,
 )
+from moetune.engine.quant.stacks import QUANTIZED, QuantizedStack, stacks_of
+from moetune.engine.stored.linear import StoredLinear
 
 IMPLEMENTATION = "moetune_ep"
 MESH_DIM = "ep"
@@ -217,10 +218,23 @@ def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
     register()
     base.set_experts_implementation(IMPLEMENTATION)
     ids = {id(p) for m in sharded for p in m.parameters(recurse=False)}
-    ids |= {id(b) for m in sharded for s in stacks_of(m).values() for b in s.buffers()}
     names = [name for name, p in model.named_parameters() if id(p) in ids]
-    names += [name for name, b in model.named_buffers() if id(b) in ids]  # quantised stacks
+    names += _stored_tensors(model)
     model.__dict__[_IGNORE] = sorted({*model.__dict__.get(_IGNORE, []), *names})
+    return names
+
+
+def _stored_tensors(model: nn.Module) -> list[str]:
+    """Every quantised stack's buffers (this rank's experts, or a stored Linear's bytes that
+    every rank read alike) and a stored Linear's zero-storage stand-in weight: frozen, so
+    DDP's broadcast of rank 0's tensors would only overwrite a rank's experts (or fail on a
+    stand-in, whose elements share one location)."""
+    names = []
+    for path, module in model.named_modules():
+        if isinstance(module, QuantizedStack):
+            names += [f"{path}.{n}" for n, _ in module.named_buffers(recurse=False)]
+        elif isinstance(module, StoredLinear):
+            names.append(f"{path}.weight")
     return names
 
 

@@ -102,8 +102,7 @@ def _load_partitioned(
     quantised to model.experts_dtype, or as stored – on the host as from_pretrained leaves
     it; shard_experts swaps them in after the LoRA wrap."""
     # lazy: heavy to import (moetune's engine pulls transformers)
-    from moetune.engine import IMPLEMENTATION, register
-    from moetune.engine import ep_load
+    from moetune.engine import IMPLEMENTATION, ep_load, register
     from moetune.engine.quant.stacks import require_split_engine
 
     m, where = cfg.model, (_model_dir(cfg.model.id), "cpu", dtype, rank, ranks)
