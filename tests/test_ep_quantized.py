@@ -289,9 +289,10 @@ def test_cli_ep_over_a_stored_fp8_base_trains_as_one_process(bases, tmp_path):
                      for r in ("two", "one"))  # fmt: skip
     rel = {k: float((got_a[k] - v).norm() / v.norm()) for k, v in want_a.items()}
     assert max(v for k, v in rel.items() if ".experts." not in k) < 1e-5
-    # measured 5.8e-5 on the experts' down_proj B: a few of its gradient elements are ~4e-9,
-    # at AdamW's eps (1e-8), where fp32 rounding of the regrouped rows (1e-7 relative, the
-    # forked test above) moves g/(|g| + eps) visibly; every other element agrees to 1e-6
+    # measured: 6.3e-6 at most elsewhere; the experts' down_proj factors 5.8e-5 (B) and
+    # 2.2e-5 (A). A few of B's first-step gradient elements are ~4e-9, at AdamW's eps
+    # (1e-8), where fp32 rounding of the regrouped rows (1e-7 relative, the forked test
+    # above) moves the update g/(|g| + eps) by a few percent (one element: 0.00302 / 0.00297)
     assert max(rel.values()) < 1e-4
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     ran = summary["distributed"]["expert_parallel"]
