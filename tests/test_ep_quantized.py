@@ -103,6 +103,40 @@ def test_a_rank_reads_only_its_experts_stored_bytes(bases, monkeypatch, ranks):
                 assert value.dtype == want.dtype and torch.equal(value, want), (name, buf)
 
 
+def test_int4_with_zero_points_and_g_idx_reads_its_experts(tmp_path, monkeypatch):
+    """compressed-tensors INT4 (its own compressor: packed weights, scales, zero points and
+    an act-order g_idx per expert): 2 ranks each ask for half the stacks' stored bytes and
+    hold the slice of a one-process load in every buffer."""
+    from test_train_helpers import save_tiny_model
+    from test_train_stored_int import write_published
+
+    src = save_tiny_model(tmp_path / "bf16", hidden_size=64, moe_intermediate_size=32,
+                          intermediate_size=64, head_dim=16, dtype="bfloat16")  # fmt: skip
+    write_published(src, tmp_path / "int4", tmp_path / "copy", "int4-zp-gidx")
+    asked: list[Any] = []
+    real = stored_load.read_once
+    monkeypatch.setattr(stored_load, "read_once", lambda p: asked.extend(x.span for x in p)
+                        or real(p))  # fmt: skip
+    whole = _stacks(stored_load.load_stored(tmp_path / "int4", "cpu", torch.float32)[0])
+    assert {"g_idx", "zero"} <= {b for s in whole.values() for b in s.stored()}
+    total = sum(s.nbytes for s in whole.values())
+    for rank in range(2):
+        asked.clear()
+        model, _ = ep_load.load_partitioned_stored(tmp_path / "int4", "cpu", torch.float32,
+                                                   rank, 2)  # fmt: skip
+        assert 2 * sum(s.nbytes for s in asked) == total
+        for name, stack in _stacks(model).items():
+            for buf, value in stack.stored().items():
+                assert torch.equal(value, whole[name].stored()[buf][rank * 2 : rank * 2 + 2])
+    # model.quantized_base: dequantize – this rank's experts inflated, as one process's are
+    model, _ = ep_load.load_partitioned_stored(tmp_path / "int4", "cpu", torch.float32, 1, 2,
+                                               dequantize=True)  # fmt: skip
+    for name, stack in whole.items():
+        path, stack_name = name.rsplit(".", 1)
+        part = model.get_submodule(path).__dict__[PART][stack_name]
+        assert torch.equal(part, stack.dequantize(torch.float32)[2:4])
+
+
 def test_nf4_quantises_only_its_experts_to_the_one_process_bytes(bases):
     """NF4 per rank: this rank's float experts read (1/N of the stacks' bytes) and quantised
     to the very bytes one process's quantisation gives them."""
