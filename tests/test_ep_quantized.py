@@ -53,9 +53,15 @@ def _sharded(src: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def bases(deepseek, tmp_path_factory):  # noqa: F811  (the fixture imported above)
+    from test_train_helpers import save_tiny_model
+    from test_train_stored_int import write_published
+
     root = tmp_path_factory.mktemp("ep-quantized")
+    src = save_tiny_model(root / "bf16", hidden_size=64, moe_intermediate_size=32,
+                          intermediate_size=64, head_dim=16, dtype="bfloat16")  # fmt: skip
+    write_published(src, root / "int4", root / "copy", "int4-zp-gidx")
     return {"fp8": _sharded(deepseek["fp8"], root / "fp8"), "float": _qwen3(root / "float"),
-            "data": deepseek["data"]}  # fmt: skip
+            "int4": root / "int4", "data": deepseek["data"]}  # fmt: skip
 
 
 def _expert_bytes(model_dir: Path) -> int:
@@ -103,33 +109,27 @@ def test_a_rank_reads_only_its_experts_stored_bytes(bases, monkeypatch, ranks):
                 assert value.dtype == want.dtype and torch.equal(value, want), (name, buf)
 
 
-def test_int4_with_zero_points_and_g_idx_reads_its_experts(tmp_path, monkeypatch):
+def test_int4_with_zero_points_and_g_idx_reads_its_experts(bases, monkeypatch):
     """compressed-tensors INT4 (its own compressor: packed weights, scales, zero points and
     an act-order g_idx per expert): 2 ranks each ask for half the stacks' stored bytes and
     hold the slice of a one-process load in every buffer."""
-    from test_train_helpers import save_tiny_model
-    from test_train_stored_int import write_published
-
-    src = save_tiny_model(tmp_path / "bf16", hidden_size=64, moe_intermediate_size=32,
-                          intermediate_size=64, head_dim=16, dtype="bfloat16")  # fmt: skip
-    write_published(src, tmp_path / "int4", tmp_path / "copy", "int4-zp-gidx")
     asked: list[Any] = []
     real = stored_load.read_once
     monkeypatch.setattr(stored_load, "read_once", lambda p: asked.extend(x.span for x in p)
                         or real(p))  # fmt: skip
-    whole = _stacks(stored_load.load_stored(tmp_path / "int4", "cpu", torch.float32)[0])
+    whole = _stacks(stored_load.load_stored(bases["int4"], "cpu", torch.float32)[0])
     assert {"g_idx", "zero"} <= {b for s in whole.values() for b in s.stored()}
     total = sum(s.nbytes for s in whole.values())
     for rank in range(2):
         asked.clear()
-        model, _ = ep_load.load_partitioned_stored(tmp_path / "int4", "cpu", torch.float32,
+        model, _ = ep_load.load_partitioned_stored(bases["int4"], "cpu", torch.float32,
                                                    rank, 2)  # fmt: skip
         assert 2 * sum(s.nbytes for s in asked) == total
         for name, stack in _stacks(model).items():
             for buf, value in stack.stored().items():
                 assert torch.equal(value, whole[name].stored()[buf][rank * 2 : rank * 2 + 2])
     # model.quantized_base: dequantize – this rank's experts inflated, as one process's are
-    model, _ = ep_load.load_partitioned_stored(tmp_path / "int4", "cpu", torch.float32, 1, 2,
+    model, _ = ep_load.load_partitioned_stored(bases["int4"], "cpu", torch.float32, 1, 2,
                                                dequantize=True)  # fmt: skip
     for name, stack in whole.items():
         path, stack_name = name.rsplit(".", 1)
@@ -179,7 +179,7 @@ def _load(kind: str, base: Path, rank: int | None, world: int) -> Any:
     """One process's base (`rank` None) or this rank's partitioned one."""
     from moetune.engine.quant.load import load_quantized
 
-    if kind == "fp8":
+    if kind in ("fp8", "int4"):  # published quantised: read as stored
         if rank is None:
             return stored_load.load_stored(base, "cpu", torch.float32)[0]
         return ep_load.load_partitioned_stored(base, "cpu", torch.float32, rank, world)[0]
@@ -204,7 +204,7 @@ def _rank(rank: int, world: int, bases: dict[str, str], out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))  # fmt: skip
     found: dict[str, Any] = {}
-    modules = {"fp8": ["o_proj"], "nf4": ["q_proj", "v_proj"]}
+    modules = {"fp8": ["o_proj"], "nf4": ["q_proj", "v_proj"], "int4": ["q_proj", "v_proj"]}
     for kind, base in bases.items():
         torch.manual_seed(3)
         ids = torch.randint(0, 40, (2 * world, 12))
@@ -232,9 +232,12 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_ranks_over_fp8_and_nf4_equal_one_process(bases, tmp_path, world):
-    """Stored FP8 (DeepSeek's block scales) and NF4 experts, each rank holding its own:
-    logits and every LoRA gradient summed over the ranks equal one process (fp32, 1e-5)."""
+    """Stored FP8 (DeepSeek's block scales) and NF4 experts – and on 2 ranks compressed-
+    tensors INT4 with zero points and g_idx – each rank holding its own: logits and every
+    LoRA gradient summed over the ranks equal one process (fp32, 1e-5)."""
     paths = {"fp8": str(bases["fp8"]), "nf4": str(bases["float"])}
+    if world == 2:
+        paths["int4"] = str(bases["int4"])
     mp.start_processes(_rank, args=(world, paths, str(tmp_path)), nprocs=world,
                        start_method="fork")  # fmt: skip
     for rank in range(world):
