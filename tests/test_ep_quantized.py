@@ -2,8 +2,9 @@
 block FP8 (the fixture of test_stored_fp8_deepseek.py, sharded with an index as DeepSeek ships
 it) and a float base quantised NF4 on each rank. Each rank reads exactly 1/N of the experts'
 stored bytes – weights and scales – its stacks equal the slice of a one-process load, and 2 / 4
-forked gloo ranks' logits and summed LoRA gradients equal one process's (fp32, 1e-5). Slow:
-`moetune train --nproc 2 --strategy ep` over the FP8 base against one process."""
+forked gloo ranks' logits and summed LoRA gradients equal one process's (fp32, 1e-5); the
+plan counts a rank's experts at their stored bytes / N. Slow: `moetune train --nproc 2
+--strategy ep` over the FP8 base, and with NF4 experts, against one process."""
 
 from __future__ import annotations
 
@@ -335,3 +336,32 @@ def test_cli_ep_over_a_stored_fp8_base_trains_as_one_process(bases, tmp_path):
     ran = summary["distributed"]["expert_parallel"]
     total = _expert_bytes(bases["fp8"])
     assert [r["expert_bytes_read"] * 2 for r in ran] == [total, total]  # scales included
+
+
+@pytest.mark.slow
+def test_cli_ep_with_nf4_experts_trains_as_one_process(bases, tmp_path):
+    """`moetune train --nproc 2 --strategy ep` with model.experts_dtype nf4 (each rank
+    quantises its own experts): 3 steps' loss and the adapter equal one process (batch 4
+    against 2 × 2, fp32, 1e-5); each rank read half the float stacks."""
+    from moetune.config import dump_config
+    from test_train_distributed import _rel_diff, _train
+    from test_train_helpers import run_config, save_tiny_model
+
+    base = save_tiny_model(tmp_path / "base")
+
+    def write(name: str, **over: Any) -> Path:
+        cfg = run_config(base, bases["data"], tmp_path / name, max_steps=3, save_steps=3,
+                         lora__targets=["attention", "experts"], **over)  # fmt: skip
+        cfg.model.experts_dtype = "nf4"
+        (tmp_path / f"{name}.yaml").write_text(dump_config(cfg))
+        return tmp_path / f"{name}.yaml"
+
+    _train(write("two", batch_size=2, nproc=2, strategy="ep"), log=tmp_path / "two.log")
+    _train(write("one", batch_size=4), log=tmp_path / "one.log")
+    got, want = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+    assert _rel_diff(tmp_path / "two", tmp_path / "one") < 1e-5
+    ran = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert all(2 * r["expert_bytes_read"] == r["expert_stack_bytes"]
+               for r in ran["distributed"]["expert_parallel"])  # fmt: skip
