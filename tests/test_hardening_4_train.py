@@ -65,7 +65,8 @@ def test_a_stored_base_with_nproc_2_is_refused_in_the_launcher(tmp_path):
     got = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml"), "--nproc", "2"])
     assert got.exit_code == 2, got.output
     lines = got.stderr.strip().splitlines()
-    assert len(lines) == 1 and "kept as stored (fp8) trains in one process" in lines[0]
+    assert len(lines) == 1 and "kept as stored (fp8) trains on several processes" in lines[0]
+    assert "--strategy ep" in lines[0]  # what runs it there (engine/ep_load.py)
     assert "--resume" not in lines[0] and "Traceback" not in got.output
     assert not (tmp_path / "run").exists()  # no rank started, nothing written
 

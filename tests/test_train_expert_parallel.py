@@ -233,7 +233,7 @@ def _dense(root: Path) -> Path:
     [({"nproc": 3}, "do not split evenly over 3 ranks"),
      ({"nproc": 8}, "8 expert-parallel ranks for 4 routed experts"),
      ({"nproc": 2, "lora__engine": "peft"}, "resolves lora.engine to peft"),
-     ({"nproc": 2, "experts_dtype": "nf4"}, "experts_dtype nf4"),
+     ({"nproc": 2, "tuning": "full"}, "train.tuning full"),
      ({"nproc": 2, "dense": True}, "has none")],
 )  # fmt: skip
 def test_ep_is_refused_before_any_rank_starts(tiny, tmp_path, monkeypatch, over, says):

@@ -71,11 +71,12 @@ def reverse_rows(n: int = 24) -> list[dict[str, str]]:
 
 
 def run_config(model: Path, data: Path, out: Path, **train: Any) -> RunConfig:
-    """A short CPU fp32 run; `train` overrides train.* fields, `lora__x` lora.x."""
-    lora = {k.removeprefix("lora__"): train.pop(k) for k in list(train) if k.startswith("lora__")}
-    data_over = {
-        k.removeprefix("data__"): train.pop(k) for k in list(train) if k.startswith("data__")
-    }
+    """A short CPU fp32 run; `train` overrides train.* fields, `lora__x` lora.x (data__,
+    model__ alike)."""
+    lora, data_over, model_over = (
+        {k.removeprefix(p): train.pop(k) for k in list(train) if k.startswith(p)}
+        for p in ("lora__", "data__", "model__")
+    )
     section = {
         "max_steps": 6,
         "batch_size": 2,
@@ -88,7 +89,7 @@ def run_config(model: Path, data: Path, out: Path, **train: Any) -> RunConfig:
     }
     return parse_config(
         {
-            "model": {"id": str(model)},
+            "model": {"id": str(model), **model_over},
             "lora": {"rank": 4, **lora},
             "data": {"train_file": str(data), **data_over},
             "output": {"dir": str(out), "ledger": str(out.parent / "ledger.jsonl")},

@@ -53,6 +53,8 @@ from moetune.engine.experts_lora import (
     is_fused_experts,
     route_pairs,
 )
+from moetune.engine.quant.stacks import QUANTIZED, QuantizedStack, stacks_of
+from moetune.engine.stored.linear import StoredLinear
 
 IMPLEMENTATION = "moetune_ep"
 MESH_DIM = "ep"
@@ -230,6 +232,7 @@ def shard_experts(model: nn.Module, mesh: Any) -> list[str]:
     base.set_experts_implementation(IMPLEMENTATION)
     ids = {id(p) for m in sharded for p in m.parameters(recurse=False)}
     names = [name for name, p in model.named_parameters() if id(p) in ids]
+    names += _stored_tensors(model)
     model.__dict__[_IGNORE] = sorted({*model.__dict__.get(_IGNORE, []), *names})
     return names
 
@@ -240,11 +243,28 @@ def placed_stacks(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if _SHARD in m.__dict__ for p in m.parameters(False)]
 
 
+def _stored_tensors(model: nn.Module) -> list[str]:
+    """Every quantised stack's buffers (this rank's experts, or a stored Linear's bytes that
+    every rank read alike) and a stored Linear's zero-storage stand-in weight: frozen, so
+    DDP's broadcast of rank 0's tensors would only overwrite a rank's experts (or fail on a
+    stand-in, whose elements share one location)."""
+    names = []
+    for path, module in model.named_modules():
+        if isinstance(module, QuantizedStack):
+            names += [f"{path}.{n}" for n, _ in module.named_buffers(recurse=False)]
+        elif isinstance(module, StoredLinear):
+            names.append(f"{path}.weight")
+    return names
+
+
 def _slice(experts: nn.Module, shard: ExpertShard) -> None:
     """Replace each expert stack (and bias) by this rank's rows of it – read so by
     ep_load.load_partitioned, or cut here from the whole, which is freed."""
     loaded = experts.__dict__.pop(PART, {})
+    quantized = _slice_quantized(experts, shard, loaded)
     for name in (*PROJECTIONS, *(f"{p}_bias" for p in PROJECTIONS)):
+        if name in quantized:
+            continue
         whole = getattr(experts, name, None)
         if not isinstance(whole, nn.Parameter):
             continue
@@ -258,6 +278,28 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
                 "load the base with the world that trains it (train.nproc)",
             )
         setattr(experts, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+
+
+def _slice_quantized(experts: nn.Module, shard: ExpertShard, loaded: dict[str, Any]) -> set[str]:
+    """Each quantised / stored stack (engine/quant, engine/stored) down to this rank's experts:
+    read so by ep_load.py (installed here in place of its stand-in) or cut here from the
+    whole, every buffer by its leading expert dim. Returns the stacks' names."""
+    parts = {n: s for n, s in loaded.items() if isinstance(s, QuantizedStack)}
+    for name, stack in parts.items():
+        if stack.shape[0] != shard.local:
+            raise EngineError(
+                f"{name} was loaded with {stack.shape[0]} experts a rank, and {shard.ranks} "
+                f"ranks hold {shard.local} each",
+                "load the base with the world that trains it (train.nproc)",
+            )
+        experts._parameters.pop(name, None)  # its full-shape stand-in
+        experts.get_submodule(QUANTIZED).add_module(name, stack)
+    for name, stack in stacks_of(experts).items():
+        if name not in parts:  # loaded whole: this rank's rows, the rest freed
+            for buf, tensor in list(stack.named_buffers(recurse=False)):
+                stack.register_buffer(buf, tensor[shard.part].clone())
+            stack.shape = (shard.local, stack.shape[1], stack.shape[2])
+    return set(stacks_of(experts))
 
 
 def check_divides(experts: int, ranks: int) -> None:

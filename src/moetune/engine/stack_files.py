@@ -14,6 +14,7 @@ the built model to the file segments that fill it, expert by expert, in row-majo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,8 +177,9 @@ def stack_segments(index: dict[str, Segment], prefix: str, name: str,
 def expert_part(segments: list[Segment], shape: tuple[int, ...], part: slice) -> list[Segment]:
     """The bytes of experts `part` of a stack of `shape` that `segments` fill expert-major
     (every layout does: a fused tensor, or one tensor per expert and projection), cut where
-    the part begins and ends – what expert parallelism reads for one rank, and no more."""
-    per_expert = shape[1] * shape[2]
+    the part begins and ends – what expert parallelism reads for one rank, and no more.
+    Any stacked buffer with a leading expert dim: a weight, or a stored format's scales."""
+    per_expert = math.prod(shape[1:])
     begin, end = part.start * per_expert, part.stop * per_expert  # elements of the stack
     out, pos = [], 0
     for seg in segments:

@@ -57,13 +57,13 @@ def load_model(
         return load_offloaded_model(
             cfg, place, dtype, _model_dir(cfg.model.id), scratch, stored is not None
         )
+    ep = _ep_rank(cfg)
+    if ep is not None:  # expert parallelism: this rank's experts' bytes only, any dtype
+        return _load_partitioned(cfg, dtype, engine, stored is not None, *ep)
     if stored is not None:  # published FP8 / FP4: read as stored
         return load_stored_model(cfg, place, dtype, engine)
     if cfg.model.experts_dtype != "bf16":
         return load_quantized_model(cfg, place, dtype, engine)
-    ep = _ep_rank(cfg)
-    if ep is not None:  # expert parallelism: this rank's experts' bytes only
-        return _load_partitioned(cfg, dtype, *ep)
     if not sharded_load.loads_weights():  # its shard comes from rank 0 in prepare()
         return sharded_load.note_loaded(sharded_load.meta_base(cfg.model.id, dtype))
     try:
@@ -98,15 +98,34 @@ def _ep_rank(cfg: RunConfig) -> tuple[int, int] | None:
     return int(os.environ.get("RANK", "0")) % group, group
 
 
-def _load_partitioned(cfg: RunConfig, dtype: torch.dtype, rank: int, ranks: int) -> nn.Module:
-    """The base with only this rank's routed experts read (engine/ep_load.py), on the host
-    as from_pretrained leaves it; shard_experts swaps them in after the LoRA wrap."""
+def _load_partitioned(
+    cfg: RunConfig, dtype: torch.dtype, engine: str, stored: bool, rank: int, ranks: int
+) -> nn.Module:
+    """The base with only this rank's routed experts read (engine/ep_load.py) – float,
+    quantised to model.experts_dtype, or as stored – on the host as from_pretrained leaves
+    it; shard_experts swaps them in after the LoRA wrap."""
     # lazy: heavy to import (moetune's engine pulls transformers)
-    from moetune.engine.ep_load import load_partitioned
+    from moetune.engine import IMPLEMENTATION, ep_load, register
+    from moetune.engine.quant.stacks import require_split_engine
 
+    m, where = cfg.model, (_model_dir(cfg.model.id), "cpu", dtype, rank, ranks)
+    report: Any = None
     with quiet():
-        model = load_partitioned(_model_dir(cfg.model.id), "cpu", dtype, rank, ranks)
+        if stored:
+            keep, inflate = m.quantized_base == "as_stored", m.quantized_base == "dequantize"
+            model, report = ep_load.load_partitioned_stored(*where, keep, inflate)
+        elif m.experts_dtype != "bf16":
+            require_split_engine(engine, m.experts_dtype)  # also under --allow-errors
+            model, report = ep_load.load_partitioned_quantized(
+                *where, m.experts_dtype, m.experts_double_quant
+            )
+        else:
+            model = ep_load.load_partitioned(*where)
     apply_fixes(model)
+    if report is not None and not (stored and m.quantized_base == "dequantize"):
+        register()  # every quantised stack, LoRA or not, goes one expert at a time
+        model.set_experts_implementation(IMPLEMENTATION)
+        model.__dict__[_QUANT_REPORT] = report
     return sharded_load.note_loaded(cast("nn.Module", model))
 
 

@@ -56,10 +56,13 @@ def check_stored(cfg: RunConfig, spec: ModelSpec, engine: str) -> str | None:
             "stacks (it re-materialises every float stack)",
             f"set lora.engine: auto or moetune (lora.targets with experts), {fix}",
         )
-    if as_stored and (cfg.train.nproc > 1 or cfg.train.nnodes > 1):
-        raise TrainError(f"a base kept as stored ({fmt}) trains in one process for now",
-                         f"set train.nproc: 1 and train.nnodes: 1 (train.offload reaches far "
-                         f"larger bases), {fix}")  # fmt: skip
+    several = cfg.train.nproc > 1 or cfg.train.nnodes > 1
+    if as_stored and several and cfg.train.strategy != "ep":
+        raise TrainError(f"a base kept as stored ({fmt}) trains on several processes with "
+                         f"expert parallelism only (train.strategy {cfg.train.strategy})",
+                         "set train.strategy: ep (--strategy ep: each rank holds its own "
+                         "experts as stored), or train.nproc: 1 and train.nnodes: 1, "
+                         f"{fix}")  # fmt: skip
     if not as_stored and offload_mode(cfg.train.offload).streams:
         raise TrainError("train.offload streams the stored bytes of a quantised base",
                          "set model.quantized_base: as_stored, or train.offload: none")  # fmt: skip

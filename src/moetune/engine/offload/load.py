@@ -64,20 +64,9 @@ def load_offloaded(
 ) -> tuple[PreTrainedModel, ExpertStore, QuantReport | StoredReport | None]:  # fmt: skip
     """A causal LM from a local checkpoint whose expert stacks live in an ExpertStore;
     `stored`: a published quantised base, its stacks kept (and read) as the files store them."""
-    # lazy: heavy to import (accelerate, transformers)
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig
-
     if stored:
         return _load_stored(model_dir, mode, device, dtype)
-    config = AutoConfig.from_pretrained(model_dir)
-    with init_empty_weights(include_buffers=False):
-        model = ensure_backbone(causal_lm_class(config)._from_config(config, dtype=dtype))
-    index = index_dir(model_dir)
-    experts = list(experts_modules(model))
-    if not experts:
-        raise OffloadError(f"{config.model_type} has no fused expert stacks to offload",
-                           "set train.offload: none")  # fmt: skip
+    model, index, experts = empty_model(model_dir, dtype, "offload", "set train.offload: none")
     plans = {path: {n: stack_segments(index, path, n, tuple(m._parameters[n].shape))  # type: ignore[union-attr]
                     for n in names} for path, m, names in experts}  # type: ignore[union-attr]  # fmt: skip
     skip = keys_of(
@@ -94,6 +83,26 @@ def load_offloaded(
     _finish(model, device)
     attach(model, store)
     return model, store, quant.report if quant else None
+
+
+def empty_model(
+    model_dir: str | Path, dtype: torch.dtype, what: str, fix: str
+) -> tuple[Any, dict[str, Segment], list[tuple[str, nn.Module, list[str]]]]:
+    """The causal LM of a local checkpoint built with meta Parameters, its files' index and
+    its fused expert modules (path, module, stack names); none: refused, `what` the loader
+    would have done to them."""
+    # lazy: heavy to import (accelerate, transformers)
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):
+        model = ensure_backbone(causal_lm_class(config)._from_config(config, dtype=dtype))
+    index = index_dir(model_dir)
+    experts = list(experts_modules(model))
+    if not experts:
+        raise OffloadError(f"{config.model_type} has no fused expert stacks to {what}", fix)
+    return model, index, experts
 
 
 class _Quant:

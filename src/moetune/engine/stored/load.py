@@ -87,6 +87,11 @@ class StackFiles:
     def nbytes(self) -> int:
         return sum(s.nbytes for segs, _, _ in self.buffers.values() for s in segs)
 
+    @property
+    def experts(self) -> int:
+        """The stack's experts (every buffer's leading dim)."""
+        return next(iter(self.buffers.values()))[1][0]
+
     def prepare(
         self,
         device: torch.device | str = "cpu",

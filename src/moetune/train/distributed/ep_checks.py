@@ -3,10 +3,11 @@
 
 What moetune's expert parallelism trains (engine/expert_parallel.py): LoRA through split
 LoRA (lora.engine moetune) on a model with routed experts, E/N contiguous experts per rank,
-experts in bf16 / the checkpoint's float dtype. Not built yet, so refused rather than
-run another way: int8 / NF4 and published (stored) expert stacks and full fine-tuning under
-ep. Expert selection runs: every rank scores the same rows (so all agree on the choice) and
-trains the selected experts it holds.
+in every experts dtype – bf16 / the checkpoint's float dtype, int8 / NF4 quantised per rank,
+and a base published quantised (FP8 / MXFP4 / NVFP4 / INT4 / GPTQ / AWQ) kept as stored –
+each rank reading only its own experts' bytes (engine/ep_load.py). Expert selection runs:
+every rank scores the same rows (so all agree on the choice) and trains the selected experts
+it holds. Not built yet, so refused rather than run another way: full fine-tuning under ep.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def check_expert_parallel(cfg: RunConfig) -> None:
             f"train.strategy ep places routed experts, and {spec.name} has none",
             "use train.strategy ddp or fsdp for a dense model",
         )
-    _check_supported(cfg, stored_experts(spec, cfg.model.quantized_base) is not None)
+    _check_supported(cfg)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
     if engine != "moetune":
         raise TrainError(
@@ -48,6 +49,7 @@ def check_expert_parallel(cfg: RunConfig) -> None:
             "or train.strategy fsdp",
         )
     if cfg.train.ep_degree is not None:  # groups of ep_degree ranks, the rest FSDP2
+        _check_groups(cfg, stored_experts(spec, cfg.model.quantized_base) is not None)
         # lazy: heavy to import (torch.distributed)
         from moetune.train.distributed.ep_mesh import check_ep_degree
 
@@ -55,6 +57,17 @@ def check_expert_parallel(cfg: RunConfig) -> None:
     check_divides(spec.num_experts, cfg.train.ep_degree or world(cfg.train))
     if cfg.train.ep_placement == "balanced":
         _check_balanced(cfg)
+
+
+def _check_groups(cfg: RunConfig, stored: bool) -> None:
+    """Expert groups with the rest under FSDP2 are built and proved for float experts only:
+    FSDP2 would meet the quantised stacks' buffers and a stored Linear's stand-in weight."""
+    if cfg.model.experts_dtype != "bf16" or stored:
+        what = "a base kept as stored" if stored else f"experts_dtype {cfg.model.experts_dtype}"
+        raise TrainError(
+            f"train.ep_degree (expert groups, the rest FSDP2) does not run with {what} yet",
+            "leave train.ep_degree unset (ep over every rank, the rest replicated)",
+        )
 
 
 def _check_balanced(cfg: RunConfig) -> None:
@@ -74,16 +87,14 @@ def _check_balanced(cfg: RunConfig) -> None:
             )
 
 
-def _check_supported(cfg: RunConfig, stored: bool) -> None:
+def _check_supported(cfg: RunConfig) -> None:
     """What ep does not build yet: refused, never trained another way."""
     asks = {
-        f"experts_dtype {cfg.model.experts_dtype}": cfg.model.experts_dtype != "bf16",
-        "a base stored quantised (FP8 / FP4 / INT4)": stored,
         "train.tuning full": cfg.train.tuning == "full",
     }
     for what, asked in asks.items():
         if asked:
             raise TrainError(
                 f"train.strategy ep does not train with {what} yet",
-                "use train.strategy fsdp (every experts dtype), or ep with bf16 LoRA experts",
+                "use train.strategy fsdp, or ep with LoRA on every expert",
             )
