@@ -145,6 +145,7 @@ def test_ep_degree_trains_the_loss_curve_and_adapter_of_one_process(tiny, degree
      ({"nproc": 2, "strategy": "ddp", "ep_degree": 2}, "train.strategy is ddp"),
      ({"nproc": 2, "ep_degree": 2, "ep_placement": "balanced"}, "FSDP2 shards the factors"),
      ({"nproc": 2, "ep_degree": 2, "model__experts_dtype": "nf4"}, "with experts_dtype nf4 yet"),
+     ({"nproc": 2, "ep_placement": "balanced", "model__experts_dtype": "int8"}, "quantised"),
      ({"nproc": 2, "ep_placement": "balanced", "routing_every": 0}, "routing_every 0"),
      ({"nproc": 2, "ep_placement": "balanced", "lora__expert_selection": "gate"},
       "lora.expert_selection")],

@@ -48,15 +48,16 @@ def check_expert_parallel(cfg: RunConfig) -> None:
             "set lora.engine: moetune (or auto) with experts in lora.targets, "
             "or train.strategy fsdp",
         )
+    stored = stored_experts(spec, cfg.model.quantized_base) is not None
     if cfg.train.ep_degree is not None:  # groups of ep_degree ranks, the rest FSDP2
-        _check_groups(cfg, stored_experts(spec, cfg.model.quantized_base) is not None)
+        _check_groups(cfg, stored)
         # lazy: heavy to import (torch.distributed)
         from moetune.train.distributed.ep_mesh import check_ep_degree
 
         check_ep_degree(cfg.train.ep_degree, world(cfg.train), spec.num_experts)
     check_divides(spec.num_experts, cfg.train.ep_degree or world(cfg.train))
     if cfg.train.ep_placement == "balanced":
-        _check_balanced(cfg)
+        _check_balanced(cfg, stored)
 
 
 def _check_groups(cfg: RunConfig, stored: bool) -> None:
@@ -70,9 +71,11 @@ def _check_groups(cfg: RunConfig, stored: bool) -> None:
         )
 
 
-def _check_balanced(cfg: RunConfig) -> None:
-    """What train.ep_placement balanced needs, and what it does not combine with yet."""
+def _check_balanced(cfg: RunConfig, stored: bool) -> None:
+    """What train.ep_placement balanced needs, and what it does not combine with yet (it
+    exchanges float stacks only: a quantised stack's buffers would stay where they were)."""
     asks = {
+        "quantised or stored experts": cfg.model.experts_dtype != "bf16" or stored,
         "train.routing_every 0 (the base's routing it places by is not measured)":
             cfg.train.routing_every == 0,
         "train.ep_degree (FSDP2 shards the factors it reorders)": cfg.train.ep_degree is not None,
