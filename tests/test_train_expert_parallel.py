@@ -62,13 +62,15 @@ def _grads(
     logits = model(input_ids=ids).logits
     loss = (logits * weights).sum()
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return {"logits": logits.detach(), "grads": grads}
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = {n: p.grad.clone() for n, p in trained}
+    return {"logits": logits.detach(), "grads": grads, "params": {n: p for n, p in trained}}
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
     """One spawned gloo rank: one process's reference on the whole batch, then ep on its
     half – without and with gradient checkpointing – and the largest relative differences."""
+    from moetune.engine.ep_lora import grad_norm, piece_of, shard_lora, whole
     from moetune.engine.expert_parallel import ep_mesh, ep_report, shard_experts
 
     torch.set_num_threads(1)  # a forked child: one thread, as DataLoader workers (OpenMP)
@@ -82,21 +84,49 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     torch.manual_seed(3)
     ids = torch.randint(0, 64, (2 * world, 12))  # the same batch on every rank
     weights = torch.randn(2 * world, 12, 64, dtype=torch.float64)
-    want = _grads(_tiny_model(0), ids, weights)
+    reference = _tiny_model(0)
+    want = _grads(reference, ids, weights)
     mine = slice(rank * 2, rank * 2 + 2)
     found: dict[str, Any] = {}
     for checkpointing in (False, True):
         model = _tiny_model(0)
         shard_experts(model, ep_mesh("cpu"))
+        sliced = shard_lora(model)
+        params = dict(model.named_parameters())
+        found["start"] = max(_rel(whole(params[n], piece_of(params[n])), want["params"][n])
+                             for n in sliced)  # fmt: skip
         got = _grads(model, ids[mine], weights[mine], checkpointing)
         diffs = [_rel(got["logits"], want["logits"][mine])]
         for name, grad in got["grads"].items():
-            dist.all_reduce(grad)  # each rank's share of every gradient, summed
+            piece = piece_of(params[name])
+            if piece is None:  # replicated: the ranks' shares of the summed loss add up
+                dist.all_reduce(grad)
+                params[name].grad = grad / world  # as DDP leaves it: their average
+            else:  # its experts' only, every rank's tokens in it, scaled by 1/N
+                grad = whole(grad, piece) * world
             diffs.append(_rel(grad, want["grads"][name]))
         found[f"checkpointing={checkpointing}"] = max(diffs)
+        want_norm = torch.stack([g.norm() for g in want["grads"].values()]).norm() / world
+        found["norm"] = _rel(grad_norm(model.parameters(), dist.group.WORLD), want_norm)
         found["report"] = ep_report(model)
+        found["held"] = _held(model, reference, sliced)
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
+
+
+def _held(model: Any, reference: Any, sliced: list[str]) -> dict[str, int]:
+    """Expert-LoRA elements this rank holds and AdamW keeps state for (one step), and
+    the whole's on one process."""
+    whole = dict(reference.named_parameters())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    optimizer.step()
+    params = dict(model.named_parameters())
+    state = [optimizer.state[params[n]] for n in sliced]
+    return {
+        "factors": sum(params[n].numel() for n in sliced),
+        "whole": sum(whole[n].numel() for n in sliced),
+        "moments": sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in state),
+    }
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -116,6 +146,12 @@ def test_ep_ranks_gradients_sum_to_one_process(tmp_path, world):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert found["checkpointing=False"] < 1e-12
         assert found["checkpointing=True"] < 1e-12
+        assert found["start"] == 0  # its slices gather into the factors one process starts with
+        assert found["norm"] < 1e-12  # the whole gradient's norm: every rank clips alike
+        held = found["held"]  # a layer: gate_up's A and B and down's in-side 16×(r·E = 16), out 8
+        assert held["whole"] == 2 * (3 * 16 * 16 + 16 * 8)
+        assert world * held["factors"] == held["whole"]  # 1/N of every expert's LoRA
+        assert world * held["moments"] == 2 * held["whole"]  # and of AdamW's two moments
         report = found["report"]
         assert (report["experts_per_rank"], report["first_expert"]) == (local, local * rank)
         assert report["rows_sent"] > 0 and report["rows_received"] > 0  # tokens did travel

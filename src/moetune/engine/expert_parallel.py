@@ -21,11 +21,12 @@ expert's factors on its owner sums every rank's tokens. A recompute (gradient
 checkpointing) reruns the same exchanges with the top-k it is given: train.strategy ep
 replays the forward's there (train/distributed/ep_replay.py).
 
-LoRA factors stay whole on every rank, in peft's own parameters: a rank computes with its
-experts' slices only, so another rank's slice gets a zero gradient there, and the
-data-parallel gradient average (DDP, as for the attention LoRA) leaves every rank with
-(1/N)·Σ_ranks of each gradient – what one process computes on the global batch. Every rank
-holds the same adapter after every step, and rank 0 saves it whole in peft's layout.
+Under train.strategy ep a rank holds only its own experts' LoRA factors too (ep_lora.py:
+their gradients and optimizer state are 1/N, scaled so the update is one process's on
+the global batch), and rank 0 saves the adapter whole, gathered, in peft's layout. Called
+alone, shard_experts leaves the factors whole: a rank computes with its experts' slices
+only, another rank's slice gets a zero gradient there, and a data-parallel average of
+whole factors gives what one process computes.
 
 The frozen expert weights are read for the rank's experts only (ep_load.py) – or, loaded
 whole, sliced to them (`shard_experts`) – and DDP is told to leave them alone (its start-up
