@@ -34,9 +34,9 @@ most the transient. NCCL's own buffers live outside the PyTorch allocator and ar
 counted. ddp / fsdp / zero3 shard experts like any weight.
 
 - ``ep`` – moetune's expert parallelism (engine/expert_parallel.py): the frozen routed
-  expert stacks 1/N (E/N experts a rank), everything else replicated, the LoRA factors
-  whole on every rank with DDP's gradient buckets, plus one layer's all-to-all receive
-  buffers at balanced routing (`plan.devices.expert_parallel.EP_SKEW` states the skew).
+  expert stacks 1/N (E/N experts a rank) and their LoRA weights, gradients and optimizer
+  state 1/N, everything else replicated with DDP's gradient buckets, plus one layer's
+  all-to-all receive buffers at balanced routing (`plan.devices.expert_parallel.EP_SKEW` states the skew).
   `DeviceReport.expert_parallel` gives the same figure, split by component, beside any
   strategy.
 """
@@ -56,8 +56,11 @@ from moetune.plan.devices.expert_parallel import (
     EP_SKEW,
     ExpertParallelPlan,
     all_to_all_bytes,
+    ddp_bucket_bytes,
+    expert_trainable_share,
     expert_weight_bytes,
     plan_expert_parallel,
+    split_trainable,
 )
 from moetune.plan.devices.host_ram import HostRam, host_ram, load_notes
 from moetune.plan.fit import CardFit, analytic, card_fit
@@ -95,6 +98,7 @@ class Sizes:
     zero3_partitioned: bool = False
     expert_weights: int = 0  # the frozen routed expert stacks as held (ep places them 1/N)
     all_to_all: int = 0  # ep: one layer's dispatch + combine receive buffers, balanced routing
+    expert_share: float = 0.0  # the trainable parameters' share on the routed experts (ep: 1/N)
 
 
 @dataclass(frozen=True)
@@ -196,14 +200,17 @@ register(Strategy("zero3", "DeepSpeed ZeRO-3 (default buckets)", _zero3))
 
 
 def _ep(s: Sizes, gpus: int) -> dict[str, int]:
-    # moetune's ep: E/N routed experts a rank, the rest replicated; the LoRA factors whole on
-    # every rank (DDP averages them), so DDP's gradient buckets as in ddp
+    # moetune's ep: E/N routed experts a rank and their LoRA state only, the rest
+    # replicated (DDP's gradient buckets: the replicated LoRA)
     held = s.single.get("frozen_weights", 0) - s.expert_weights + -(-s.expert_weights // gpus)
     copies = s.single.get("expert_weight_copies")  # peft's W+ΔW of the experts it holds
+    buckets = ddp_bucket_bytes(s.trainable_params, s.expert_share, s.grad_bytes)
     return {
         "frozen_weights": held,
         **({} if copies is None else {"expert_weight_copies": -(-copies // gpus)}),
-        **_ddp(s, gpus),
+        **split_trainable(s.single, s.expert_share, gpus),
+        "gathered_transient": 0,
+        "communication_buffers": buckets,
         "all_to_all_buffers": s.all_to_all,
     }
 
@@ -240,6 +247,7 @@ def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = No
         zero3_partitioned=zero3_partitioned(spec, cfg),
         expert_weights=expert_weight_bytes(spec, cfg),
         all_to_all=all_to_all_bytes(spec, cfg),
+        expert_share=expert_trainable_share(spec, cfg, est.trainable_params),
     )
 
 

@@ -102,13 +102,14 @@ def whole_optimizer_state(optimizer: Any) -> dict[str, Any]:
     # lazy: heavy to import (moetune's engine)
     from moetune.engine.ep_lora import piece_of, whole
 
-    state = optimizer.state_dict()
+    state = optimizer.state_dict()  # its per-parameter dicts are the live ones: not edited
     for index, param in enumerate(_optimized(optimizer)):
-        piece, held = piece_of(param), state["state"].get(index, {})
-        if piece is not None:
-            for key, value in held.items():
-                if torch.is_tensor(value) and value.shape == param.shape:
-                    held[key] = whole(value, piece).cpu()
+        piece, held = piece_of(param), state["state"].get(index)
+        if piece is not None and held is not None:
+            state["state"][index] = {
+                key: whole(v, piece).cpu() if torch.is_tensor(v) and v.shape == param.shape else v
+                for key, v in held.items()
+            }
     return state
 
 
@@ -116,16 +117,27 @@ def cut_state(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
     """A whole optimizer state dict with each sliced factor's moments cut to this rank's
     slice; a moment of another shape is refused, not loaded into the wrong experts."""
     # lazy: heavy to import (moetune's engine)
-    from moetune.engine.ep_lora import part_of, piece_of
+    from moetune.engine.ep_lora import piece_of
 
     for index, param in enumerate(_optimized(optimizer)):
-        piece = piece_of(param)
-        for key, value in state["state"].get(index, {}).items():
-            if piece is None or not torch.is_tensor(value) or value.dim() == 0:
-                continue
-            _require_whole(value.shape, piece.whole_shape(param.shape), f"optimizer {key}")
-            state["state"][index][key] = part_of(value, piece)
+        piece, held = piece_of(param), state["state"].get(index)
+        if piece is not None and held is not None:
+            state["state"][index] = {
+                key: _cut_moment(v, piece, param, key) for key, v in held.items()
+            }
     return state
+
+
+def _cut_moment(value: Any, piece: Any, param: torch.Tensor, key: str) -> Any:
+    """One state entry of a sliced factor: a moment cut to this rank's slice (the step
+    count as it is)."""
+    # lazy: heavy to import (moetune's engine)
+    from moetune.engine.ep_lora import part_of
+
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    _require_whole(value.shape, piece.whole_shape(param.shape), f"optimizer {key}")
+    return part_of(value, piece)
 
 
 def _require_whole(got: torch.Size, want: tuple[int, ...], what: str) -> None:
