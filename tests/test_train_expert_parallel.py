@@ -21,7 +21,14 @@ from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.config import dump_config
-from test_train_distributed import _rel_diff, _train, _write
+from test_train_distributed import (
+    _kill_9_after_step_2,
+    _moetune,
+    _rel_diff,
+    _train,
+    _wait_released,
+    _write,
+)
 from test_train_helpers import tiny_cfg, tiny_run
 
 EXPERTS = 4  # the tiny Qwen3-MoE of test_train_helpers and of _tiny_model below
@@ -114,18 +121,31 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _held(model: Any, reference: Any, sliced: list[str]) -> dict[str, int]:
-    """Expert-LoRA elements this rank holds and AdamW keeps state for (one step), and
-    the whole's on one process."""
+def _held(model: Any, reference: Any, sliced: list[str]) -> dict[str, Any]:
+    """Expert-LoRA elements this rank holds and AdamW keeps state for (one step), the
+    whole's on one process, and the checkpoint's optimizer state: gathered whole, then cut
+    back to this rank's slice (what --resume loads)."""
+    from moetune.train.distributed.ep_state import cut_state, whole_optimizer_state
+
     whole = dict(reference.named_parameters())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     optimizer.step()
+    saved = whole_optimizer_state(optimizer)  # a collective, as a checkpoint's save
     params = dict(model.named_parameters())
     state = [optimizer.state[params[n]] for n in sliced]
+    order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    indices = [order[id(params[n])] for n in sliced]
+    back = cut_state(optimizer, saved)["state"]
     return {
         "factors": sum(params[n].numel() for n in sliced),
         "whole": sum(whole[n].numel() for n in sliced),
         "moments": sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in state),
+        "saved": sum(saved["state"][i]["exp_avg"].numel() for i in indices),
+        "cut_back": max(
+            float((back[i][k] - s[k]).abs().max())
+            for i, s in zip(indices, state, strict=True)
+            for k in ("exp_avg", "exp_avg_sq")
+        ),
     }
 
 
@@ -152,6 +172,7 @@ def test_ep_ranks_gradients_sum_to_one_process(tmp_path, world):
         assert held["whole"] == 2 * (3 * 16 * 16 + 16 * 8)
         assert world * held["factors"] == held["whole"]  # 1/N of every expert's LoRA
         assert world * held["moments"] == 2 * held["whole"]  # and of AdamW's two moments
+        assert held["saved"] == held["whole"] and held["cut_back"] == 0  # a checkpoint's: whole
         report = found["report"]
         assert (report["experts_per_rank"], report["first_expert"]) == (local, local * rank)
         assert report["rows_sent"] > 0 and report["rows_received"] > 0  # tokens did travel
@@ -344,6 +365,32 @@ def test_ep_dpo_trains_the_loss_curve_and_adapter_of_one_process(tiny):
     assert len(got) == len(want) == 3
     assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
     assert _rel_diff(two, one) < 1e-5
+
+
+@pytest.mark.slow
+def test_ep_resume_after_kill_9_gives_the_uninterrupted_adapter(tiny):
+    """2 ep ranks, kill -9 of the launcher after the first checkpoint (step 2), then
+    `--resume`: the adapter equals the uninterrupted 2-rank run's (1e-5), and so does
+    every loss after the resume. The checkpoint holds the adapter and AdamW's moments
+    whole – one process's files – and each rank cuts its own experts' back out."""
+    import torch
+
+    over = {"max_steps": 6, "save_steps": 2, "batch_size": 2, "nproc": 2, "strategy": "ep"}
+    whole = tiny.root / "ep-uninterrupted"
+    _train(_write(tiny, whole.name, **over), log=tiny.root / "ep-uninterrupted.log")
+    config = _write(tiny, "ep-killed", **over)
+    out, log = tiny.root / "ep-killed", tiny.root / "ep-killed.log"
+    _kill_9_after_step_2(_moetune("train", str(config), log=log), out, log)
+    _wait_released(out)  # the ranks die with the launcher and free the run dir
+    step = out / "checkpoints" / "step-2"
+    adapter = load_file(str(step / "adapter_model.safetensors"))
+    moments = torch.load(step / "optimizer.pt", weights_only=True)["state"].values()
+    assert sum(m["exp_avg"].numel() for m in moments) == sum(t.numel() for t in adapter.values())
+    result = _train(config, "--resume", log=tiny.root / "ep-resumed.log")
+    assert result["resumed_from_step"] == 2 and result["steps"] == 6
+    assert _rel_diff(out, whole) < 1e-5
+    got, want = _losses(out)[-4:], _losses(whole)[-4:]  # steps 3-6, after the resume
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
 
 
 def _assert_loads_in_peft(model_dir: Path, adapter: Path) -> None:

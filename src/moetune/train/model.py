@@ -251,8 +251,9 @@ def finish_lora(
 def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
     """train.strategy ep on several ranks: this rank keeps its own routed experts and their
     LoRA only (engine/ep_lora.py), and the experts exchange tokens (expert_parallel.py).
-    Checkpointed, the recompute replays each forward's routing (train/distributed/ep_replay.py) – on one
-    process too, so a one-process ep run is the same computation as N ranks."""
+    Checkpointed, the recompute replays each forward's routing (train/distributed/
+    ep_replay.py) – on one process too, so a one-process ep run is the same computation as
+    N ranks."""
     if cfg.train.strategy != "ep":
         return
     if cfg.train.gradient_checkpointing:

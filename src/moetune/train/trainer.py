@@ -62,8 +62,8 @@ from moetune.train.callbacks import (
     quiet,
     reset_peak_memory,
 )
-from moetune.train.distributed.nodes import node_loss_stops, world
 from moetune.train.distributed.ep_state import ep_trainer
+from moetune.train.distributed.nodes import node_loss_stops, world
 from moetune.train.distributed.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.distributed.zero3_load import base_load, gathered_forward
 from moetune.train.errors import TrainError

@@ -36,7 +36,8 @@ counted. ddp / fsdp / zero3 shard experts like any weight.
 - ``ep`` – moetune's expert parallelism (engine/expert_parallel.py): the frozen routed
   expert stacks 1/N (E/N experts a rank) and their LoRA weights, gradients and optimizer
   state 1/N, everything else replicated with DDP's gradient buckets, plus one layer's
-  all-to-all receive buffers at balanced routing (`plan.devices.expert_parallel.EP_SKEW` states the skew).
+  all-to-all receive buffers at balanced routing (`plan.devices.expert_parallel.EP_SKEW`
+  states the skew).
   `DeviceReport.expert_parallel` gives the same figure, split by component, beside any
   strategy.
 """

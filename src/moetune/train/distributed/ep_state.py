@@ -119,13 +119,12 @@ def cut_state(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
     # lazy: heavy to import (moetune's engine)
     from moetune.engine.ep_lora import piece_of
 
+    kept = dict(state["state"])  # the given dict is left as it was
     for index, param in enumerate(_optimized(optimizer)):
-        piece, held = piece_of(param), state["state"].get(index)
+        piece, held = piece_of(param), kept.get(index)
         if piece is not None and held is not None:
-            state["state"][index] = {
-                key: _cut_moment(v, piece, param, key) for key, v in held.items()
-            }
-    return state
+            kept[index] = {key: _cut_moment(v, piece, param, key) for key, v in held.items()}
+    return {**state, "state": kept}
 
 
 def _cut_moment(value: Any, piece: Any, param: torch.Tensor, key: str) -> Any:
@@ -162,8 +161,10 @@ def load_adapter(model: nn.Module, checkpoint: str) -> None:
     for name, param, piece in _pieces(model):
         key = name.replace(f".{adapter}.", ".")  # peft saves without the adapter's name
         if key not in saved:
-            raise TrainError(f"the checkpoint {checkpoint} holds no {key}",
-                             "resume with the config that saved it (same model and targets)")  # fmt: skip
+            raise TrainError(
+                f"the checkpoint {checkpoint} holds no {key}",
+                "resume with the config that saved it (same model and targets)",
+            )
         if piece is not None:
             _require_whole(saved[key].shape, piece.whole_shape(param.shape), key)
             saved[key] = part_of(saved[key], piece)
