@@ -17,6 +17,7 @@ from moetune.plan.devices.expert_parallel import plan_expert_parallel
 from moetune.plan.devices.sharding import device_report
 from moetune.plan.fit import analytic
 from moetune.plan.layout import adapter_layout
+from moetune.units import human_bytes
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +99,21 @@ def test_fewest_gpus_for_ep_divide_the_experts() -> None:
     spec = load_spec("Qwen/Qwen3-30B-A3B")  # 128 experts
     n = fewest_gpus(spec, cfg(), "RTX-4090", "ep")
     assert n is not None and spec.num_experts % n == 0 and n > 1
+
+
+@pytest.mark.parametrize(("seq", "fsdp_less"), [(2048, True), (64, False)])
+def test_the_plan_says_where_fsdp2_holds_less_per_device(tiny: ModelSpec, seq, fsdp_less) -> None:
+    """`plan --gpus N --strategy ep` names FSDP2 where it holds less per device than ep
+    (the tiny model at seq 2048, as Qwen3-235B on 8 GPUs), with both figures, and says
+    nothing where ep holds less (seq 64)."""
+    from moetune.plan.devices.sharding import get_strategy, run_sizes
+
+    run = cfg(seq_len=seq)
+    report = device_report(tiny, run, ["H100-80GB"], 2, "ep")
+    fsdp = sum(get_strategy("fsdp").components(run_sizes(tiny, run), 2).values())
+    assert report.expert_parallel is not None
+    assert (fsdp < report.expert_parallel.peak_bytes) is fsdp_less
+    said = [n for n in report.notes if n.startswith("FSDP2 holds less per device")]
+    assert len(said) == int(fsdp_less)
+    if fsdp_less:
+        assert human_bytes(fsdp) in said[0] and "--strategy fsdp" in said[0]

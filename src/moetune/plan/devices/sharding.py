@@ -447,9 +447,23 @@ def device_report(
     notes = _report_notes(spec) + load_notes(host)
     notes += _node_notes(sizes, nodes, gpus, host)
     ep = plan_expert_parallel(spec, cfg, ranks)
-    notes += (ep.describe(),) if ep else ()
+    notes += (ep.describe(), *_ep_or_fsdp(ep, sizes, ranks)) if ep else ()
     name = get_strategy(strategy).name
     return DeviceReport(name, ranks, plans, fewest, notes, nodes, ep, host)
+
+
+def _ep_or_fsdp(ep: ExpertParallelPlan, sizes: Sizes, ranks: int) -> tuple[str, ...]:
+    """Which of ep and FSDP2 holds less per device, said where FSDP2 does (moetune trains
+    both; ep moves only the routed tokens, FSDP2 all-gathers every layer's whole stacks)."""
+    fsdp = sum(get_strategy("fsdp").components(sizes, ranks).values())
+    if ep.engines or fsdp >= ep.peak_bytes:
+        return ()
+    return (
+        f"FSDP2 holds less per device here: {human_bytes(fsdp)} against ep's "
+        f"{human_bytes(ep.peak_bytes)} on {ranks} ranks (it shards the replicated rest too); "
+        "use --strategy fsdp where ep does not fit, ep where both do (it moves only the "
+        "routed tokens, FSDP2 gathers every layer's whole expert stacks)",
+    )
 
 
 def node_host_ram(sizes: Sizes, gpus: int, host: HostRam | None = None) -> int:
