@@ -171,6 +171,7 @@ def test_ep_ranks_gradients_sum_to_one_process(tmp_path, world):
         held = found["held"]  # a layer: gate_up's A and B and down's in-side 16×(r·E = 16), out 8
         assert held["whole"] == 2 * (3 * 16 * 16 + 16 * 8)
         assert world * held["factors"] == held["whole"]  # 1/N of every expert's LoRA
+        assert report["held_expert_lora_params"] == held["factors"]  # as summary.json says
         assert world * held["moments"] == 2 * held["whole"]  # and of AdamW's two moments
         assert held["saved"] == held["whole"] and held["cut_back"] == 0  # a checkpoint's: whole
         report = found["report"]
@@ -342,6 +343,8 @@ def test_ep_trains_the_loss_curve_and_adapter_of_one_process(tiny, checkpointing
     assert [r["first_expert"] for r in ran] == [0, 2] and all(r["rows_sent"] for r in ran)
     assert all(2 * r["expert_bytes_read"] == r["expert_stack_bytes"] for r in ran)  # its half
     adapter = load_file(str(two / "adapter" / "adapter_model.safetensors"))
+    expert_lora = sum(v.numel() for k, v in adapter.items() if "experts" in k)
+    assert all(2 * r["held_expert_lora_params"] == expert_lora for r in ran)  # its experts' only
     a = next(v for k, v in adapter.items() if "experts" in k and "lora_A" in k)
     assert a.shape[0] == 4 * EXPERTS  # [r·E, in]: every expert's factors, not one rank's
     _assert_loads_in_peft(tiny.model, two / "adapter")

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from transformers.integrations.moe import ExpertsInterface
@@ -138,10 +139,19 @@ def ep_report(model: nn.Module) -> dict[str, Any] | None:
         "first_expert": shard.part.start,
         "layers": len(sharded),
         "held_expert_params": sum(p.numel() for m in sharded for p in m.parameters(False)),
+        "held_expert_lora_params": _held_lora(model, sharded),  # E/N experts' (ep_lora.py)
         "rows_sent": sum(m[0] for m in moved),
         "rows_received": sum(m[1] for m in moved),
         **_base(model).__dict__.get(READ, {}),  # loaded partitioned: the bytes it read
     }
+
+
+def _held_lora(model: nn.Module, sharded: list[Any]) -> int:
+    """Elements of the LoRA factors on the sharded experts this rank holds."""
+    mine = {id(m) for m in sharded}
+    wrappers = [w for w in model.modules() if isinstance(w, ParamWrapper)]
+    held = [w for w in wrappers if id(w.get_base_layer()) in mine]
+    return sum(p.numel() for w in held for p in (*w.lora_A.parameters(), *w.lora_B.parameters()))
 
 
 def _base(model: nn.Module) -> Any:
