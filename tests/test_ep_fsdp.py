@@ -188,4 +188,23 @@ def test_the_plan_holds_a_group_of_experts_and_a_shard_of_the_rest():
     assert got["frozen_weights"] == -(-rest // 4) + sizes.expert_weights // 2
     assert flat["frozen_weights"] == rest + sizes.expert_weights // 4
     for name in ("trainable_weights", "optimizer_state"):  # (gradients: 0 in this estimate)
-        assert got[name] == -(-sizes.single[name] // 4) < flat[name] == sizes.single[name]
+        # ep alone: the experts' share of the LoRA state 1/4 (engine/ep_lora.py), the rest whole
+        split = sizes.single[name] - round(sizes.single[name] * sizes.expert_share * 3 / 4)
+        assert got[name] == -(-sizes.single[name] // 4) < flat[name] == split
+
+
+def test_a_balanced_placement_plans_the_lora_state_whole():
+    """Balanced placement reorders whole LoRA factors (engine/ep_placement.py), so its plan
+    holds them whole on every rank; contiguous ep holds the experts' share 1/N."""
+    from moetune.model import spec_from_config
+    from moetune.model.census import shrunk_config
+    from moetune.plan.devices.sharding import per_rank_bytes, run_sizes
+    from test_plan_expert_parallel import cfg
+
+    spec = spec_from_config(shrunk_config("qwen3_moe"), "qwen3_moe")
+    sizes = run_sizes(spec, cfg(ep_placement="balanced"))
+    balanced = per_rank_bytes(spec, cfg(ep_placement="balanced"), 4, "ep")
+    contiguous = per_rank_bytes(spec, cfg(), 4, "ep")
+    assert sizes.expert_share == 0.0
+    assert balanced["trainable_weights"] == sizes.single["trainable_weights"]
+    assert contiguous["trainable_weights"] < balanced["trainable_weights"]

@@ -21,7 +21,14 @@ from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.config import dump_config
-from test_train_distributed import _rel_diff, _train, _write
+from test_train_distributed import (
+    _kill_9_after_step_2,
+    _moetune,
+    _rel_diff,
+    _train,
+    _wait_released,
+    _write,
+)
 from test_train_helpers import tiny_cfg, tiny_run
 
 EXPERTS = 4  # the tiny Qwen3-MoE of test_train_helpers and of _tiny_model below
@@ -62,13 +69,15 @@ def _grads(
     logits = model(input_ids=ids).logits
     loss = (logits * weights).sum()
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return {"logits": logits.detach(), "grads": grads}
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = {n: p.grad.clone() for n, p in trained}
+    return {"logits": logits.detach(), "grads": grads, "params": {n: p for n, p in trained}}
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
     """One spawned gloo rank: one process's reference on the whole batch, then ep on its
     half – without and with gradient checkpointing – and the largest relative differences."""
+    from moetune.engine.ep_lora import grad_norm, piece_of, shard_lora, whole
     from moetune.engine.expert_parallel import ep_mesh, ep_report, shard_experts
 
     torch.set_num_threads(1)  # a forked child: one thread, as DataLoader workers (OpenMP)
@@ -82,21 +91,62 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     torch.manual_seed(3)
     ids = torch.randint(0, 64, (2 * world, 12))  # the same batch on every rank
     weights = torch.randn(2 * world, 12, 64, dtype=torch.float64)
-    want = _grads(_tiny_model(0), ids, weights)
+    reference = _tiny_model(0)
+    want = _grads(reference, ids, weights)
     mine = slice(rank * 2, rank * 2 + 2)
     found: dict[str, Any] = {}
     for checkpointing in (False, True):
         model = _tiny_model(0)
         shard_experts(model, ep_mesh("cpu"))
+        sliced = shard_lora(model)
+        params = dict(model.named_parameters())
+        found["start"] = max(_rel(whole(params[n], piece_of(params[n])), want["params"][n])
+                             for n in sliced)  # fmt: skip
         got = _grads(model, ids[mine], weights[mine], checkpointing)
         diffs = [_rel(got["logits"], want["logits"][mine])]
         for name, grad in got["grads"].items():
-            dist.all_reduce(grad)  # each rank's share of every gradient, summed
+            piece = piece_of(params[name])
+            if piece is None:  # replicated: the ranks' shares of the summed loss add up
+                dist.all_reduce(grad)
+                params[name].grad = grad / world  # as DDP leaves it: their average
+            else:  # its experts' only, every rank's tokens in it, scaled by 1/N
+                grad = whole(grad, piece) * world
             diffs.append(_rel(grad, want["grads"][name]))
         found[f"checkpointing={checkpointing}"] = max(diffs)
+        want_norm = torch.stack([g.norm() for g in want["grads"].values()]).norm() / world
+        found["norm"] = _rel(grad_norm(model.parameters(), dist.group.WORLD), want_norm)
         found["report"] = ep_report(model)
+        found["held"] = _held(model, reference, sliced)
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
+
+
+def _held(model: Any, reference: Any, sliced: list[str]) -> dict[str, Any]:
+    """Expert-LoRA elements this rank holds and AdamW keeps state for (one step), the
+    whole's on one process, and the checkpoint's optimizer state: gathered whole, then cut
+    back to this rank's slice (what --resume loads)."""
+    from moetune.train.distributed.ep_state import cut_state, whole_optimizer_state
+
+    whole = dict(reference.named_parameters())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    optimizer.step()
+    saved = whole_optimizer_state(optimizer)  # a collective, as a checkpoint's save
+    params = dict(model.named_parameters())
+    state = [optimizer.state[params[n]] for n in sliced]
+    order = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    indices = [order[id(params[n])] for n in sliced]
+    back = cut_state(optimizer, saved)["state"]
+    return {
+        "factors": sum(params[n].numel() for n in sliced),
+        "whole": sum(whole[n].numel() for n in sliced),
+        "moments": sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in state),
+        "saved": sum(saved["state"][i]["exp_avg"].numel() for i in indices),
+        "cut_back": max(
+            float((back[i][k] - s[k]).abs().max())
+            for i, s in zip(indices, state, strict=True)
+            for k in ("exp_avg", "exp_avg_sq")
+        ),
+    }
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -116,11 +166,19 @@ def test_ep_ranks_gradients_sum_to_one_process(tmp_path, world):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert found["checkpointing=False"] < 1e-12
         assert found["checkpointing=True"] < 1e-12
+        assert found["start"] == 0  # its slices gather into the factors one process starts with
+        assert found["norm"] < 1e-12  # the whole gradient's norm: every rank clips alike
+        held = found["held"]  # a layer: gate_up's A and B and down's in-side 16×(r·E = 16), out 8
+        assert held["whole"] == 2 * (3 * 16 * 16 + 16 * 8)
+        assert world * held["factors"] == held["whole"]  # 1/N of every expert's LoRA
+        assert world * held["moments"] == 2 * held["whole"]  # and of AdamW's two moments
+        assert held["saved"] == held["whole"] and held["cut_back"] == 0  # a checkpoint's: whole
         report = found["report"]
         assert (report["experts_per_rank"], report["first_expert"]) == (local, local * rank)
         assert report["rows_sent"] > 0 and report["rows_received"] > 0  # tokens did travel
         # its experts' stacks only, in each of 2 layers: gate_up [16, 16], down [16, 8] each
         assert report["held_expert_params"] == 2 * local * (16 * 16 + 16 * 8)
+        assert report["held_expert_lora_params"] == held["factors"]  # as summary.json says
 
 
 def _noisy_router(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -285,6 +343,8 @@ def test_ep_trains_the_loss_curve_and_adapter_of_one_process(tiny, checkpointing
     assert [r["first_expert"] for r in ran] == [0, 2] and all(r["rows_sent"] for r in ran)
     assert all(2 * r["expert_bytes_read"] == r["expert_stack_bytes"] for r in ran)  # its half
     adapter = load_file(str(two / "adapter" / "adapter_model.safetensors"))
+    expert_lora = sum(v.numel() for k, v in adapter.items() if "experts" in k)
+    assert all(2 * r["held_expert_lora_params"] == expert_lora for r in ran)  # its experts' only
     a = next(v for k, v in adapter.items() if "experts" in k and "lora_A" in k)
     assert a.shape[0] == 4 * EXPERTS  # [r·E, in]: every expert's factors, not one rank's
     _assert_loads_in_peft(tiny.model, two / "adapter")
@@ -308,6 +368,32 @@ def test_ep_dpo_trains_the_loss_curve_and_adapter_of_one_process(tiny):
     assert len(got) == len(want) == 3
     assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
     assert _rel_diff(two, one) < 1e-5
+
+
+@pytest.mark.slow
+def test_ep_resume_after_kill_9_gives_the_uninterrupted_adapter(tiny):
+    """2 ep ranks, kill -9 of the launcher after the first checkpoint (step 2), then
+    `--resume`: the adapter equals the uninterrupted 2-rank run's (1e-5), and so does
+    every loss after the resume. The checkpoint holds the adapter and AdamW's moments
+    whole – one process's files – and each rank cuts its own experts' back out."""
+    import torch
+
+    over = {"max_steps": 6, "save_steps": 2, "batch_size": 2, "nproc": 2, "strategy": "ep"}
+    whole = tiny.root / "ep-uninterrupted"
+    _train(_write(tiny, whole.name, **over), log=tiny.root / "ep-uninterrupted.log")
+    config = _write(tiny, "ep-killed", **over)
+    out, log = tiny.root / "ep-killed", tiny.root / "ep-killed.log"
+    _kill_9_after_step_2(_moetune("train", str(config), log=log), out, log)
+    _wait_released(out)  # the ranks die with the launcher and free the run dir
+    step = out / "checkpoints" / "step-2"
+    adapter = load_file(str(step / "adapter_model.safetensors"))
+    moments = torch.load(step / "optimizer.pt", weights_only=True)["state"].values()
+    assert sum(m["exp_avg"].numel() for m in moments) == sum(t.numel() for t in adapter.values())
+    result = _train(config, "--resume", log=tiny.root / "ep-resumed.log")
+    assert result["resumed_from_step"] == 2 and result["steps"] == 6
+    assert _rel_diff(out, whole) < 1e-5
+    got, want = _losses(out)[-4:], _losses(whole)[-4:]  # steps 3-6, after the resume
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
 
 
 def _assert_loads_in_peft(model_dir: Path, adapter: Path) -> None:

@@ -21,11 +21,12 @@ expert's factors on its owner sums every rank's tokens. A recompute (gradient
 checkpointing) reruns the same exchanges with the top-k it is given: train.strategy ep
 replays the forward's there (train/distributed/ep_replay.py).
 
-LoRA factors stay whole on every rank, in peft's own parameters: a rank computes with its
-experts' slices only, so another rank's slice gets a zero gradient there, and the
-data-parallel gradient average (DDP, as for the attention LoRA) leaves every rank with
-(1/N)·Σ_ranks of each gradient – what one process computes on the global batch. Every rank
-holds the same adapter after every step, and rank 0 saves it whole in peft's layout.
+Under train.strategy ep a rank holds only its own experts' LoRA factors too (ep_lora.py:
+their gradients and optimizer state are 1/N, scaled so the update is one process's on
+the global batch), and rank 0 saves the adapter whole, gathered, in peft's layout. Called
+alone, shard_experts leaves the factors whole: a rank computes with its experts' slices
+only, another rank's slice gets a zero gradient there, and a data-parallel average of
+whole factors gives what one process computes.
 
 The frozen expert weights are read for the rank's experts only (ep_load.py) – or, loaded
 whole, sliced to them (`shard_experts`) – and DDP is told to leave them alone (its start-up
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from transformers.integrations.moe import ExpertsInterface
@@ -152,10 +154,19 @@ def ep_report(model: nn.Module) -> dict[str, Any] | None:
         "placement": "contiguous" if shard.order is None else "balanced",
         "layers": len(sharded),
         "held_expert_params": sum(p.numel() for m in sharded for p in m.parameters(False)),
+        "held_expert_lora_params": _held_lora(model, sharded),  # E/N experts' (ep_lora.py)
         "rows_sent": sum(m[0] for m in moved),
         "rows_received": sum(m[1] for m in moved),
         **_base(model).__dict__.get(READ, {}),  # loaded partitioned: the bytes it read
     }
+
+
+def _held_lora(model: nn.Module, sharded: list[Any]) -> int:
+    """Elements of the LoRA factors on the sharded experts this rank holds."""
+    mine = {id(m) for m in sharded}
+    wrappers = [w for w in model.modules() if isinstance(w, ParamWrapper)]
+    held = [w for w in wrappers if id(w.get_base_layer()) in mine]
+    return sum(p.numel() for w in held for p in (*w.lora_A.parameters(), *w.lora_B.parameters()))
 
 
 def _base(model: nn.Module) -> Any:

@@ -217,11 +217,13 @@ def _active_factors(
 
 def _factors(wrapper: Any, adapter: str, dtype: torch.dtype, part: slice) -> _Factors:
     """Read peft's factors as grouped-matmul operands (layout in the module docstring)."""
-    experts = wrapper.num_experts
     a = wrapper.lora_A[adapter].weight  # [r·E, in]
     b = wrapper.lora_B[adapter].weight  # [out, r·E]
-    a = a.view(experts, -1, a.shape[-1]).transpose(1, 2)[part].to(dtype)
-    b = b.view(b.shape[0], -1, experts).permute(2, 1, 0)[part].to(dtype)
+    # expert parallelism may hold only `part`'s factors (engine/ep_lora.py): then they are all
+    held = a.shape[0] // wrapper.r[adapter]
+    mine = part if held == wrapper.num_experts else slice(None)
+    a = a.view(held, -1, a.shape[-1]).transpose(1, 2)[mine].to(dtype)
+    b = b.view(b.shape[0], -1, held).permute(2, 1, 0)[mine].to(dtype)
     # B is small ([out, r·E]); grouped kernels need it row-major, hence the copy
     b = (b * wrapper.scaling[adapter]).contiguous()
     return _Factors(*pad_rank(a, b), wrapper.lora_dropout[adapter])

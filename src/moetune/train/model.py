@@ -271,10 +271,11 @@ def finish_lora(
 
 
 def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
-    """train.strategy ep on several ranks: this rank keeps its own routed experts and the
-    experts exchange tokens (engine/expert_parallel.py); the adapter stays whole. Checkpointed,
-    the recompute replays each forward's routing (train/distributed/ep_replay.py) – on one
-    process too, so a one-process ep run is the same computation as N ranks."""
+    """train.strategy ep on several ranks: this rank keeps its own routed experts and their
+    LoRA only (engine/ep_lora.py), and the experts exchange tokens (expert_parallel.py).
+    Checkpointed, the recompute replays each forward's routing (train/distributed/
+    ep_replay.py) – on one process too, so a one-process ep run is the same computation as
+    N ranks."""
     if cfg.train.strategy != "ep":
         return
     if cfg.train.gradient_checkpointing:
@@ -282,6 +283,7 @@ def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
     if setup.args.world_size == 1:
         return
     # lazy: heavy to import (torch.distributed's DeviceMesh)
+    from moetune.engine.ep_lora import shard_lora
     from moetune.engine.expert_parallel import ep_mesh, shard_experts
 
     device = next(iter(wrapped.parameters())).device.type
@@ -289,6 +291,8 @@ def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
         _place_experts_fsdp(wrapped, cfg.train.ep_degree, device, setup.spec)
         return
     shard_experts(wrapped, ep_mesh(device))
+    if cfg.train.ep_placement == "contiguous":  # balanced reorders whole factors (ep_placement)
+        shard_lora(wrapped)  # only its experts' LoRA factors: grads and AdamW state 1/N
 
 
 def _place_experts_fsdp(wrapped: nn.Module, degree: int, device: str, spec: ModelSpec) -> None:

@@ -63,6 +63,7 @@ from moetune.train.callbacks import (
     reset_peak_memory,
 )
 from moetune.train.distributed.ep_balance import balance_experts
+from moetune.train.distributed.ep_state import ep_trainer
 from moetune.train.distributed.nodes import node_loss_stops, world
 from moetune.train.distributed.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.distributed.zero3_load import base_load, gathered_forward
@@ -290,6 +291,7 @@ def build_trainer(
         trainer = method.build(method.classes()[0], kwargs)
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the bar for log printing
     adapter_only_saves(trainer)  # FSDP: a save gathers the LoRA, not the whole base
+    ep_trainer(trainer)  # ep: sliced expert LoRA saved, loaded and clipped whole
     feed = tracker_feed(cfg, setup, trainer, lambda: routing.base)
     routing = RoutingCallback(
         RoutingRecorder(model, setup.spec),

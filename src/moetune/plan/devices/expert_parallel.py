@@ -5,9 +5,9 @@ torchtitan would for full fine-tuning (moetune's ep trains LoRA only).
 
 From the single-device analytic peak: the routed expert stacks (as stored) are 1/EP per
 device – ⌈E/EP⌉ experts each; attention, routers, shared experts, embeddings and their
-adapters are replicated. moetune keeps every expert's LoRA factors whole on every rank (the
-data-parallel average keeps them equal; they are small), so trainable weights, gradients
-and optimizer state are those of one device, plus DDP's gradient buckets; full fine-tuning
+adapters are replicated. moetune holds each expert's LoRA factors on its owner only
+(engine/ep_lora.py), so their weights, gradients and optimizer state are 1/EP per device as
+well, and DDP's gradient buckets hold the replicated LoRA only; full fine-tuning
 (other engines) shards the experts' own trainable state 1/EP too. Every device runs its own
 micro-batch and receives its experts' share of every device's tokens. Token skew, stated:
 the figures assume balanced routing (a device receives as many token copies as it sends),
@@ -71,8 +71,6 @@ class ExpertParallelPlan:
     components: dict[str, int]
     engines: tuple[str, ...] = ()  # other engines, where moetune does not train it (full)
     worst_all_to_all: int = 0  # the all-to-all buffers at the worst skew (all tokens here)
-    # LoRA: the peak were the experts' LoRA state 1/EP too (not built: factors whole per rank)
-    sharded_lora_peak: int | None = None
     placement: str = "contiguous"  # train.ep_placement: the skew stated (PLACEMENT_SKEW)
 
     @property
@@ -91,7 +89,6 @@ class ExpertParallelPlan:
             "placement": self.placement,
             "skew_statement": PLACEMENT_SKEW[self.placement],
             "worst_skew_all_to_all_bytes": self.worst_all_to_all,
-            "peak_bytes_if_expert_lora_sharded": self.sharded_lora_peak,
         }
 
     def describe(self) -> str:
@@ -104,13 +101,8 @@ class ExpertParallelPlan:
         if self.engines:
             others = "; ".join(self.engines)
             return f"{held}; moetune trains ep with LoRA only, full fine-tuning: {others}"
-        whole = ""
-        if self.sharded_lora_peak is not None and self.sharded_lora_peak < self.peak_bytes:
-            whole = (
-                f"; every expert's LoRA state is whole on each device (sharded 1/EP, not built "
-                f"yet, it would be {self.sharded_lora_peak / 1024**3:.1f} GiB)"
-            )
-        return f"{held}{whole}; moetune trains it: train.strategy ep (--strategy ep)"
+        mine = "each expert's LoRA state on its own device only"
+        return f"{held}, {mine}; moetune trains it: train.strategy ep (--strategy ep)"
 
 
 def plan_expert_parallel(
@@ -126,35 +118,35 @@ def plan_expert_parallel(
     parts = dict(est.components)
     experts = expert_weight_bytes(spec, cfg)
     full = cfg.train.tuning == "full"
-    # moetune's LoRA: the factors whole on every rank (share 0) and DDP's buckets
-    share = _expert_trainable_share(spec, cfg, est.trainable_params) if full else 0.0
+    share = held_expert_share(spec, cfg, est.trainable_params)  # held 1/EP
     out = {
         "frozen_weights": parts.pop("frozen_weights", 0) - experts,  # replicated
         "expert_weights": -(-experts // ep),
+        **split_trainable(parts, share, ep),
     }
     for name in TRAINABLE:
-        whole = parts.pop(name, 0)
-        out[name] = round(whole * (1 - share) + whole * share / ep)
+        parts.pop(name, None)
     out["expert_weight_copies"] = -(-parts.pop("expert_weight_copies", 0) // ep)
     out.update(parts)  # activations and logits: each device's own micro-batch
     out["all_to_all_buffers"] = all_to_all_bytes(spec, cfg)
-    if not full:
-        out["communication_buffers"] = est.trainable_params * ADAPTER_BYTES
+    if not full:  # DDP's gradient buckets: the replicated LoRA only
+        out["communication_buffers"] = ddp_bucket_bytes(est.trainable_params, share)
     engines = ENGINES if full else ()
     worst = out["all_to_all_buffers"] * ep
-    lora_share = 0.0 if full else _expert_trainable_share(spec, cfg, est.trainable_params)
-    sharded = None if full else _sharded_lora_peak(out, est, lora_share, ep)
-    return ExpertParallelPlan(ep, math.ceil(spec.num_experts / ep), out, engines, worst, sharded,
+    return ExpertParallelPlan(ep, math.ceil(spec.num_experts / ep), out, engines, worst,
                               cfg.train.ep_placement)  # fmt: skip
 
 
-def _sharded_lora_peak(out: dict[str, int], est: AnalyticEstimate, share: float, ep: int) -> int:
-    """The peak with the experts' LoRA weights, gradients, optimizer state and DDP buckets
-    1/EP (how Megatron-Core and torchtitan hold an expert's trainable state)."""
-    whole = {n: est.components.get(n, 0) for n in TRAINABLE}
-    whole["communication_buffers"] = out.get("communication_buffers", 0)
-    saved = sum(round(v * share * (1 - 1 / ep)) for v in whole.values())
-    return sum(out.values()) - saved
+def split_trainable(single: dict[str, int], share: float, ep: int) -> dict[str, int]:
+    """Trainable weights, gradients and optimizer state per device: the experts' `share`
+    of each 1/EP (each device holds its own experts' only), the rest whole."""
+    return {n: single[n] - round(single[n] * share * (ep - 1) / ep) for n in TRAINABLE
+            if n in single}  # fmt: skip
+
+
+def ddp_bucket_bytes(trainable_params: int, share: float, grad_bytes: int = ADAPTER_BYTES) -> int:
+    """DDP's gradient buckets: the replicated trainable parameters' (not the experts')."""
+    return round(trainable_params * (1 - share)) * grad_bytes
 
 
 def expert_weight_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
@@ -167,7 +159,16 @@ def expert_weight_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
         return 0
 
 
-def _expert_trainable_share(spec: ModelSpec, cfg: RunConfig, trainable: int) -> float:
+def held_expert_share(spec: ModelSpec, cfg: RunConfig, trainable: int) -> float:
+    """The trainable share each rank holds 1/EP: the experts' (engine/ep_lora.py slices their
+    LoRA, full fine-tuning their weights). A balanced placement keeps the LoRA factors whole
+    on every rank (it reorders whole factors; the exchange of slices is not built): 0."""
+    if cfg.train.ep_placement == "balanced" and cfg.train.tuning != "full":
+        return 0.0
+    return expert_trainable_share(spec, cfg, trainable)
+
+
+def expert_trainable_share(spec: ModelSpec, cfg: RunConfig, trainable: int) -> float:
     """The fraction of trainable parameters that live with the experts."""
     if not trainable:
         return 0.0

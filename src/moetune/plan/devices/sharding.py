@@ -34,9 +34,10 @@ most the transient. NCCL's own buffers live outside the PyTorch allocator and ar
 counted. ddp / fsdp / zero3 shard experts like any weight.
 
 - ``ep`` – moetune's expert parallelism (engine/expert_parallel.py): the frozen routed
-  expert stacks 1/N (E/N experts a rank), everything else replicated, the LoRA factors
-  whole on every rank with DDP's gradient buckets, plus one layer's all-to-all receive
-  buffers at balanced routing (`plan.devices.expert_parallel.EP_SKEW` states the skew).
+  expert stacks 1/N (E/N experts a rank) and their LoRA weights, gradients and optimizer
+  state 1/N, everything else replicated with DDP's gradient buckets, plus one layer's
+  all-to-all receive buffers at balanced routing (`plan.devices.expert_parallel.EP_SKEW`
+  states the skew).
   `DeviceReport.expert_parallel` gives the same figure, split by component, beside any
   strategy.
 """
@@ -56,9 +57,12 @@ from moetune.plan.devices.expert_parallel import (
     EP_SKEW,
     ExpertParallelPlan,
     all_to_all_bytes,
+    ddp_bucket_bytes,
     ep_skew,
     expert_weight_bytes,
+    held_expert_share,
     plan_expert_parallel,
+    split_trainable,
 )
 from moetune.plan.devices.host_ram import HostRam, host_ram, load_notes
 from moetune.plan.fit import CardFit, analytic, card_fit
@@ -97,6 +101,7 @@ class Sizes:
     expert_weights: int = 0  # the frozen routed expert stacks as held (ep places them 1/N)
     all_to_all: int = 0  # ep: one layer's dispatch + combine receive buffers, balanced routing
     ep_degree: int | None = None  # train.ep_degree: ranks a group split the experts over
+    expert_share: float = 0.0  # the trainable parameters' share on the routed experts (ep: 1/N)
 
 
 @dataclass(frozen=True)
@@ -198,16 +203,19 @@ register(Strategy("zero3", "DeepSpeed ZeRO-3 (default buckets)", _zero3))
 
 
 def _ep(s: Sizes, gpus: int) -> dict[str, int]:
-    # moetune's ep: E/N routed experts a rank, the rest replicated; the LoRA factors whole on
-    # every rank (DDP averages them), so DDP's gradient buckets as in ddp
+    # moetune's ep: E/N routed experts a rank and their LoRA state only, the rest
+    # replicated (DDP's gradient buckets: the replicated LoRA)
     if s.ep_degree is not None:
         return _ep_groups(s, gpus, s.ep_degree)
     held = s.single.get("frozen_weights", 0) - s.expert_weights + -(-s.expert_weights // gpus)
     copies = s.single.get("expert_weight_copies")  # peft's W+ΔW of the experts it holds
+    buckets = ddp_bucket_bytes(s.trainable_params, s.expert_share, s.grad_bytes)
     return {
         "frozen_weights": held,
         **({} if copies is None else {"expert_weight_copies": -(-copies // gpus)}),
-        **_ddp(s, gpus),
+        **split_trainable(s.single, s.expert_share, gpus),
+        "gathered_transient": 0,
+        "communication_buffers": buckets,
         "all_to_all_buffers": s.all_to_all,
     }
 
@@ -260,6 +268,7 @@ def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = No
         expert_weights=expert_weight_bytes(spec, cfg),
         all_to_all=all_to_all_bytes(spec, cfg),
         ep_degree=cfg.train.ep_degree,
+        expert_share=held_expert_share(spec, cfg, est.trainable_params),
     )
 
 
@@ -458,9 +467,23 @@ def device_report(
     notes = _report_notes(spec) + load_notes(host)
     notes += _node_notes(sizes, nodes, gpus, host)
     ep = plan_expert_parallel(spec, cfg, ranks)
-    notes += (ep.describe(),) if ep else ()
+    notes += (ep.describe(), *_ep_or_fsdp(ep, sizes, ranks)) if ep else ()
     name = get_strategy(strategy).name
     return DeviceReport(name, ranks, plans, fewest, notes, nodes, ep, host)
+
+
+def _ep_or_fsdp(ep: ExpertParallelPlan, sizes: Sizes, ranks: int) -> tuple[str, ...]:
+    """Which of ep and FSDP2 holds less per device, said where FSDP2 does (moetune trains
+    both; ep moves only the routed tokens, FSDP2 all-gathers every layer's whole stacks)."""
+    fsdp = sum(get_strategy("fsdp").components(sizes, ranks).values())
+    if ep.engines or fsdp >= ep.peak_bytes:
+        return ()
+    return (
+        f"FSDP2 holds less per device here: {human_bytes(fsdp)} against ep's "
+        f"{human_bytes(ep.peak_bytes)} on {ranks} ranks (it shards the replicated rest too); "
+        "use --strategy fsdp where ep does not fit, ep where both do (it moves only the "
+        "routed tokens, FSDP2 gathers every layer's whole expert stacks)",
+    )
 
 
 def node_host_ram(sizes: Sizes, gpus: int, host: HostRam | None = None) -> int:
