@@ -21,6 +21,7 @@ from moetune.recipe.audit import audit_coverage
 from moetune.recipe.targets import build_peft_config, peft_notes
 from moetune.train.callbacks import quiet
 from moetune.train.distributed import sharded_load
+from moetune.train.distributed.ep_generate import sync_generation
 from moetune.train.errors import TrainError
 from moetune.train.rundir.checkpoint import RunDir
 from moetune.train.setup import Placement, Setup
@@ -264,6 +265,7 @@ def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
 
     device = next(iter(wrapped.parameters())).device.type
     shard_experts(wrapped, ep_mesh(device))
+    sync_generation(wrapped)  # GRPO's rollouts: every rank runs every decoding step
 
 
 def replay_routing_in_recompute(wrapped: nn.Module, spec: ModelSpec) -> None:
