@@ -62,6 +62,7 @@ from moetune.train.callbacks import (
     quiet,
     reset_peak_memory,
 )
+from moetune.train.distributed.ep_memory import against_plan
 from moetune.train.distributed.nodes import node_loss_stops, world
 from moetune.train.distributed.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.distributed.zero3_load import base_load, gathered_forward
@@ -228,6 +229,7 @@ def _train(
         **throughput(cfg, setup, trainer),
     )
     ran = sharding(trainer)  # on every rank: ep gathers each rank's placement
+    ran = against_plan(ran, setup.run_plan.peak_bytes if setup.run_plan else None)
     if setup.args.should_save:
         checks = {"router": router, "routing_drift": routing.drift(), "dist": ran}
         write_summary(run, result, checks | ({"shift": shift.summary()} if shift else {}), setup)
