@@ -31,8 +31,10 @@ def _forwards(model: Any) -> list[int]:
 def _generate(model: Any, ids: torch.Tensor, new_tokens: int) -> list[list[int]]:
     model.eval()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
     return out.tolist()
 
 
