@@ -85,6 +85,16 @@ def small(tmp_path_factory) -> Any:
     return config, run, load_spec(str(model))
 
 
+def test_every_cards_links_are_finite(qwen: ModelSpec) -> None:
+    """A unified-memory machine (one device) exchanges over the network: no card's step
+    is infinite or unknown where its tensor peak is known."""
+    from moetune.plan.hardware import all_cards
+
+    for card in all_cards():
+        step = ep_step_time(qwen, cfg(), card, 2, nodes=2)
+        assert 0 < step.all_to_all_s < 60 and json.dumps(step.to_json(), allow_nan=False)
+
+
 def test_host_ram_per_node_reads_1_over_every_ranks_experts(small: Any) -> None:
     """A node of 8 ranks out of 16 reads 1/16 of the experts per rank, not 1/8: the
     second node takes half of each rank's expert bytes off the first."""

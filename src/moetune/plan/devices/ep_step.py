@@ -104,12 +104,13 @@ def ep_step_time(
     n = exchanges_per_step(spec, cfg)
     tokens = micro * t.grad_accum
     peak = card.tensor_tflops * 1e12 * MFU
+    network = node_link(card, gpus_per_node) if nodes > 1 else None
     flops = tokens * flops_per_token(spec.active_params, t.gradient_checkpointing)
     return EpStepTime(
         card=card.id, nodes=nodes, gpus_per_node=gpus_per_node, tokens=tokens, exchanges=n,
         copy_bytes=copy,
         intra_node_bytes=n * copy * (gpus_per_node - 1) // ranks,
         inter_node_bytes=n * copy * (ranks - gpus_per_node) // ranks,
-        gpu_link=gpu_link(card), node_link=node_link(card, gpus_per_node) if nodes > 1 else None,
+        gpu_link=gpu_link(card, gpus_per_node), node_link=network,
         compute_s=flops / peak if peak else None,
     )  # fmt: skip

@@ -53,15 +53,16 @@ class Link:
         return {"name": self.name, "gb_per_s": self.gb_per_s}
 
 
-def gpu_link(card: Card) -> Link:
+def gpu_link(card: Card, gpus_per_node: int) -> Link:
     """GPU to GPU inside a node: NVLink where the card has it among 8, else its host link
-    (peer-to-peer over PCIe)."""
+    (peer-to-peer over PCIe). A unified-memory machine is one device: several of them are
+    several machines, on the network."""
     if card.id in NVLINK:
         name, rate = NVLINK[card.id]
         return Link(name, rate)
     if card.host_link is not None:
         return Link(card.host_link.name, card.host_link.gb_per_s)
-    return Link("unified memory (one device a node)", float("inf"))
+    return node_link(card, gpus_per_node)
 
 
 def node_link(card: Card, gpus_per_node: int) -> Link:
