@@ -9,7 +9,8 @@
   them stepping together). Sampling draws from each process's own random stream, so one
   process cannot draw the 2 ranks' completions; the reference is 2 DDP ranks – the same
   prompts, seeds and draws, the experts replicated – and the loss per step and adapter
-  equal it to 1e-5.
+  equal it to 1e-5. Default tier: GRPO's SFT term (a second training forward before the
+  backward) under checkpointed ep is refused by the launcher, before any rank starts.
 """
 
 from __future__ import annotations
@@ -50,6 +51,29 @@ def _nodes(tiny, name: str, nproc: int, **over) -> None:
     for k, proc in zip((1, 0), procs, strict=True):
         code = proc.wait(timeout=900)
         assert code == 0, (tiny.root / f"{name}-node{k}.err").read_text()[-3000:]
+
+
+def test_grpos_sft_term_under_checkpointed_ep_is_refused_before_any_rank_starts(
+    tiny, tmp_path, monkeypatch
+):
+    """The SFT term's second training forward would meet the recompute replay's one-forward
+    rule in every rank, after the load: the launcher says so in one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    started: list = []
+    monkeypatch.setattr(D, "_run_ranks", lambda *a: started.append(a) or 1)
+    grpo = {"num_generations": 4, "sft_weight": 1.0}
+    cfg = tiny_cfg(tiny, tmp_path / "run", nproc=2, method="grpo", grpo=grpo)
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(cfg))
+    got = CliRunner().invoke(app, ["train", str(config), "--strategy", "ep"])
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert "train.grpo.sft_weight adds a second training forward" in line
+    assert "fix: set train.gradient_checkpointing: false, or train.grpo.sft_weight: 0" in line
+    assert started == [] and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

@@ -40,6 +40,20 @@ def check_expert_parallel(cfg: RunConfig) -> None:
             "or train.strategy fsdp",
         )
     check_divides(spec.num_experts, world(cfg.train))
+    _check_one_forward(cfg)
+
+
+def _check_one_forward(cfg: RunConfig) -> None:
+    """Checkpointed, ep replays each forward's routing in its recompute, one forward per
+    backward (ep_replay.py); GRPO's SFT term runs a second training forward before it."""
+    t = cfg.train
+    if t.method == "grpo" and t.grpo.sft_weight and t.gradient_checkpointing:
+        raise TrainError(
+            "train.strategy ep with gradient checkpointing replays each forward's routing in "
+            "its recompute, and train.grpo.sft_weight adds a second training forward (the SFT "
+            "term) before the backward",
+            "set train.gradient_checkpointing: false, or train.grpo.sft_weight: 0",
+        )
 
 
 def _check_supported(cfg: RunConfig, stored: bool) -> None:
