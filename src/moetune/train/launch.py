@@ -320,10 +320,12 @@ def _expert_parallel(model: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     from moetune.engine.expert_parallel import ep_report
+    from moetune.train.distributed.ep_memory import rank_peak
 
     mine = ep_report(model)
     if mine is None:
         return {}
+    mine |= rank_peak()  # every rank's own peak, not only the main rank's
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     return {"expert_parallel": ranks}

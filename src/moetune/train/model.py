@@ -23,6 +23,7 @@ from moetune.recipe.audit import audit_coverage
 from moetune.recipe.targets import build_peft_config, peft_notes
 from moetune.train.callbacks import quiet
 from moetune.train.distributed import sharded_load
+from moetune.train.distributed.ep_generate import sync_generation
 from moetune.train.errors import TrainError
 from moetune.train.rundir.checkpoint import RunDir
 from moetune.train.setup import Placement, Setup
@@ -287,6 +288,7 @@ def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
     from moetune.engine.expert_parallel import ep_mesh, shard_experts
 
     device = next(iter(wrapped.parameters())).device.type
+    sync_generation(wrapped)  # GRPO's rollouts: every rank runs every decoding step
     if cfg.train.ep_degree is not None:  # expert groups, the rest FSDP2-sharded
         _place_experts_fsdp(wrapped, cfg.train.ep_degree, device, setup.spec)
         return

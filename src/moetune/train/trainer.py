@@ -63,6 +63,7 @@ from moetune.train.callbacks import (
     reset_peak_memory,
 )
 from moetune.train.distributed.ep_balance import balance_experts
+from moetune.train.distributed.ep_memory import against_plan
 from moetune.train.distributed.ep_state import ep_trainer
 from moetune.train.distributed.nodes import node_loss_stops, world
 from moetune.train.distributed.sharded_load import adapter_only_saves, from_main, install
@@ -231,6 +232,7 @@ def _train(
         **throughput(cfg, setup, trainer),
     )
     ran = sharding(trainer)  # on every rank: ep gathers each rank's placement
+    ran = against_plan(ran, setup.run_plan.peak_bytes if setup.run_plan else None)
     if setup.args.should_save:
         checks = {"router": router, "routing_drift": routing.drift(), "dist": ran}
         write_summary(run, result, checks | ({"shift": shift.summary()} if shift else {}), setup)

@@ -46,10 +46,11 @@ class HostRam:
         return dataclasses.asdict(self)
 
 
-def host_ram(sizes: Sizes, gpus: int, strategy: str) -> HostRam:
-    """The load's host RAM on one node of `gpus` ranks. `whole` is the base as the run holds
-    it (quantised stacks at their stored bytes); in flight, the largest module in the
-    weights' dtype: the float stack rank 0 quantises, or the tensor being broadcast."""
+def host_ram(sizes: Sizes, gpus: int, strategy: str, world: int | None = None) -> HostRam:
+    """The load's host RAM on one node of `gpus` ranks, of `world` over every node (default:
+    this node's). `whole` is the base as the run holds it (quantised stacks at their stored
+    bytes); in flight, the largest module in the weights' dtype: the float stack rank 0
+    quantises, or the tensor being broadcast. ep splits the experts over the whole world."""
     whole = sizes.single.get("frozen_weights", 0) + sizes.single.get("trainable_weights", 0)
     run = RUNTIME_HOST_BYTES
     if strategy == "fsdp":
@@ -64,7 +65,7 @@ def host_ram(sizes: Sizes, gpus: int, strategy: str) -> HostRam:
         return HostRam(strategy, gpus, each, each, gpus * each, how, True)
     if strategy == "ep" and sizes.expert_weights:
         # engine/ep_load.py: each rank reads its E/N experts' bytes, every other weight whole
-        each = run + whole - sizes.expert_weights + -(-sizes.expert_weights // gpus)
+        each = run + whole - sizes.expert_weights + -(-sizes.expert_weights // (world or gpus))
         how = "every rank reads its E/N routed experts' bytes and the rest of the base whole"
         return HostRam(strategy, gpus, each, each, gpus * each, how, False)  # the rest: N×
     how = f"every rank builds the whole base before {strategy} shards it"

@@ -53,6 +53,7 @@ from moetune.config.keys import offload_mode
 from moetune.errors import ConfigError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate, expert_bytes_per_param
+from moetune.plan.devices.ep_step import EpStepTime, ep_step_time
 from moetune.plan.devices.expert_parallel import (
     EP_SKEW,
     ExpertParallelPlan,
@@ -413,6 +414,7 @@ class DeviceReport:
     nodes: int = 1
     expert_parallel: ExpertParallelPlan | None = None  # EP over every rank (as ep trains)
     host: HostRam | None = None  # the load's host RAM per node (sharded strategies)
+    ep_steps: dict[str, EpStepTime] = field(default_factory=dict)  # ep: step time per card
 
     @property
     def placement(self) -> str:
@@ -440,6 +442,7 @@ class DeviceReport:
             "notes": list(self.notes),
             "expert_parallel": self._expert_parallel_json(),
             "host_ram": self.host.to_json() if self.host else None,
+            "ep_step_time": {c: t.to_json() for c, t in self.ep_steps.items()},
         }
 
     def _expert_parallel_json(self) -> dict[str, Any] | None:
@@ -463,13 +466,22 @@ def device_report(
     ranks = nodes * gpus
     plans = {c: plan_devices(spec, cfg, c, ranks, strategy, sizes) for c in cards}
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
-    host = host_ram(sizes, gpus, strategy) if strategy != "ddp" else None
+    host = host_ram(sizes, gpus, strategy, ranks) if strategy != "ddp" else None
     notes = _report_notes(spec) + load_notes(host)
     notes += _node_notes(sizes, nodes, gpus, host)
     ep = plan_expert_parallel(spec, cfg, ranks)
     notes += (ep.describe(), *_ep_or_fsdp(ep, sizes, ranks)) if ep else ()
     name = get_strategy(strategy).name
-    return DeviceReport(name, ranks, plans, fewest, notes, nodes, ep, host)
+    steps = _ep_steps(spec, cfg, cards, gpus, nodes) if name == "ep" and ranks > 1 else {}
+    notes += tuple(t.describe() for t in list(steps.values())[:1])
+    return DeviceReport(name, ranks, plans, fewest, notes, nodes, ep, host, steps)
+
+
+def _ep_steps(
+    spec: ModelSpec, cfg: RunConfig, cards: list[str], gpus: int, nodes: int
+) -> dict[str, EpStepTime]:
+    """Per card: one ep rank's compute and all-to-all seconds on `nodes` × `gpus`."""
+    return {c: ep_step_time(spec, cfg, get_card(c), gpus, nodes) for c in cards}
 
 
 def _ep_or_fsdp(ep: ExpertParallelPlan, sizes: Sizes, ranks: int) -> tuple[str, ...]:

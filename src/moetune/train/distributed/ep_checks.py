@@ -58,6 +58,20 @@ def check_expert_parallel(cfg: RunConfig) -> None:
     check_divides(spec.num_experts, cfg.train.ep_degree or world(cfg.train))
     if cfg.train.ep_placement == "balanced":
         _check_balanced(cfg, stored)
+    _check_one_forward(cfg)
+
+
+def _check_one_forward(cfg: RunConfig) -> None:
+    """Checkpointed, ep replays each forward's routing in its recompute, one forward per
+    backward (ep_replay.py); GRPO's SFT term runs a second training forward before it."""
+    t = cfg.train
+    if t.method == "grpo" and t.grpo.sft_weight and t.gradient_checkpointing:
+        raise TrainError(
+            "train.strategy ep with gradient checkpointing replays each forward's routing in "
+            "its recompute, and train.grpo.sft_weight adds a second training forward (the SFT "
+            "term) before the backward",
+            "set train.gradient_checkpointing: false, or train.grpo.sft_weight: 0",
+        )
 
 
 def _check_groups(cfg: RunConfig, stored: bool) -> None:

@@ -253,7 +253,7 @@ def check_host_ram(cfg: RunConfig) -> None:
 def node_ram_bytes(cfg: RunConfig) -> int:
     """Host RAM this node's ranks need at load, from the plan (plan.sharding.host_ram)."""
     sizes = run_sizes(load_spec(cfg.model.id), cfg)
-    return host_ram(sizes, cfg.train.nproc, cfg.train.strategy).per_node_bytes
+    return host_ram(sizes, cfg.train.nproc, cfg.train.strategy, world(cfg.train)).per_node_bytes
 
 
 def available_ram_bytes() -> int:
