@@ -1,0 +1,49 @@
+"""Issue 48 (fifth hardening pass), the CLI: what reaches a command from its shell – a `--set`
+value with a line break in it – is refused in one line (exit 2, one JSON object with --json)
+before anything is built, never folded into a value nobody typed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune.cli import app
+
+runner = CliRunner()
+
+
+def _run_yaml(tmp_path: Path) -> str:
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"model": {"id": "Qwen/Qwen3-30B-A3B"}}), encoding="utf-8")
+    return str(config)
+
+
+@pytest.mark.parametrize(
+    "assignment",
+    [
+        "output.dir=out\nlater",  # YAML folds it to "out later": a dir nobody named
+        "output.dir=out\nmodel: x",  # a second key read from the value
+        "train.seq_len=64\r",
+        "lane.env={TOKEN: hunter2\x1b[2J}",  # a terminal escape, in a secret
+    ],
+)
+def test_a_control_character_in_a_set_value_is_refused_in_one_line(tmp_path, assignment):
+    config = _run_yaml(tmp_path)
+    result = runner.invoke(app, ["plan", config, "--set", assignment])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and "control character" in line and "Traceback" not in line
+    assert "hunter2" not in result.output  # the value may be a secret: never shown
+    error = json.loads(runner.invoke(app, ["plan", config, "--set", assignment, "--json"]).stdout)
+    assert error["error"]["exit_code"] == 2 and "control character" in error["error"]["cause"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_same_value_on_one_line_plans(tmp_path):
+    assert (
+        runner.invoke(app, ["plan", _run_yaml(tmp_path), "--set", "train.seq_len=64"]).exit_code
+        == 0
+    )
