@@ -43,6 +43,20 @@ def test_a_control_character_in_a_set_value_is_refused_in_one_line(tmp_path, ass
     assert not (tmp_path / "out").exists()
 
 
-
 def test_the_same_value_on_one_line_is_read(tmp_path):
     assert load_config(_run_yaml(tmp_path), ["train.seq_len=64"]).train.seq_len == 64
+
+
+@pytest.mark.parametrize("command", ["lint", "plan", "data", "train", "eval", "quickstart"])
+def test_a_deleted_working_directory_is_named_not_not_found(tmp_path, monkeypatch, command):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()  # `cd d && rmdir ../d`: the shell still stands in it
+    args = [command] if command == "quickstart" else [command, "run.yaml"]
+    result = runner.invoke(app, [*args, "--json"])
+    error = json.loads(result.stdout)["error"]  # was: "run config run.yaml: not found"
+    assert result.exit_code == error["exit_code"] == 2
+    assert "working directory no longer exists" in error["cause"] and "cd " in error["fix"]
+    assert result.stderr.count("\n") == 1 and "not found" not in result.stderr
+    assert runner.invoke(app, ["version"]).exit_code == 0  # a command with no path still runs
