@@ -19,6 +19,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moetune.data.columns import duplicate_key, refuse_duplicate_columns
 from moetune.data.dirs import BUILDERS, refuse_unread, split_files
 from moetune.data.errors import DataError
 from moetune.data.files import READERS, read_rows, refuse_special
@@ -88,6 +89,8 @@ def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:
         ) from None
     except (DatasetsError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
         why = exc.__cause__ or exc  # DatasetGenerationError says only "an error occurred"
+        if (twice := duplicate_key(label(src), why)) is not None:
+            raise twice from None
         raise DataError(
             f"source {label(src)}: cannot be read ({_first_line(why)})",
             "check the files are valid json / parquet / csv / arrow, and the name and split",
@@ -127,6 +130,7 @@ def _file(src: SourceArgs, path: Path, streaming: bool) -> Any:
             f"source {path}: unknown data file type {path.suffix!r}",
             f"use one of {', '.join(BUILDERS)}, a directory of them, or a hub dataset id",
         )
+    refuse_duplicate_columns(path)
     kw = {"data_files": str(path)}
     return _load_dataset(src.model_copy(update={"split": "train"}), streaming, builder, **kw)
 
@@ -138,6 +142,8 @@ def _folder(src: SourceArgs, path: Path, streaming: bool) -> list[tuple[str, Any
         return [("", _load_dataset(src, streaming, str(path), src.name))]
     got = split_files(path, src.split, lambda load: _guarded(src, load))
     refuse_unread(label(src), path, got)  # a dir of .txt alone too: datasets reads it as lines
+    for name in (f for files in got.by_builder.values() for f in files):
+        refuse_duplicate_columns(Path(name))
     if not got.mixed:  # one kind (or none: datasets says what is missing)
         return [("", _load_dataset(src, streaming, str(path), src.name))]
     one = src.model_copy(update={"split": "train"})  # data_files given: all in datasets' train
@@ -182,5 +188,8 @@ def read_source(src: SourceArgs) -> list[Located]:
 
 
 def stream_source(src: SourceArgs) -> Iterator[Located]:
-    """The source's rows read lazily (data.streaming), its first max_rows."""
-    return islice(_numbered(_parts(src, streaming=True)), src.max_rows)
+    """The source's rows read lazily (data.streaming), its first max_rows; datasets reads
+    a file as it streams, so its errors (a key twice in a row …) come here, one line each."""
+    rows = islice(_numbered(_parts(src, streaming=True)), src.max_rows)
+    while (row := _guarded(src, lambda: next(rows, None))) is not None:
+        yield row
