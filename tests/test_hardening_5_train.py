@@ -4,13 +4,16 @@ stand-in completion, as TRL calls it – not after the weights load and a rollou
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from moetune.config import RewardArgs
 from moetune.errors import MoetuneError
 from moetune.train import train
 from moetune.train.grpo.rewards import GuardedReward, build_reward
-from test_train_helpers import run_config, save_tiny_model, write_jsonl
+from test_train_helpers import reverse_rows, run_config, save_tiny_model, write_jsonl
 
 
 def dict_reward(prompts, completions, **columns):
@@ -73,3 +76,49 @@ def test_a_reward_that_cannot_score_the_stand_in_is_left_to_its_first_call():
     dry_call([reward], {"prompt": "rev:ab>", "answer": "ba"}, 4)  # raises inside: not judged
     got = reward(["rev:ab>"] * 2, ["ba", "x"], answer=["ba", "ba"], trainer_state=None)
     assert got == [1.0, 0.0]
+
+
+def _rewrite_in_place(path: Path) -> None:
+    """Same size, other bytes: the tensor data after the header, inverted, written in place."""
+    header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    with path.open("r+b") as f:
+        f.seek(header)
+        data = f.read(4096)
+        f.seek(header)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.mark.parametrize(
+    ("during", "when"),
+    [("before", "before the step-1 checkpoint"), ("after", "before the final adapter was saved")],
+)
+def test_a_base_file_rewritten_during_the_run_stops_it_naming_the_file(
+    files, tmp_path, monkeypatch, during, when
+):
+    import moetune.train.trainer as trainer_module
+
+    _, model, _ = files
+    base = tmp_path / "base"
+    shutil.copytree(model, base)
+    size = (base / "model.safetensors").stat().st_size
+    fit = trainer_module.fit
+
+    def rewritten_around_fit(*args, **kwargs):  # the weights are loaded: now the file changes
+        if during == "before":
+            _rewrite_in_place(base / "model.safetensors")
+        fit(*args, **kwargs)
+        if during == "after":  # after the last checkpoint, before the adapter is saved
+            _rewrite_in_place(base / "model.safetensors")
+
+    monkeypatch.setattr(trainer_module, "fit", rewritten_around_fit)
+    rows = write_jsonl(tmp_path / "rows.jsonl", reverse_rows(8))
+    cfg = run_config(base, rows, tmp_path / "run", max_steps=1, save_steps=1)
+    with pytest.raises(MoetuneError) as info:
+        train(cfg, progress=False)  # was: trained on and saved without a word
+    assert (base / "model.safetensors").stat().st_size == size
+    cause = info.value.cause
+    assert "base weight file model.safetensors was rewritten" in cause and when in cause
+    assert not (tmp_path / "run" / "adapter").exists()
+    saved = sorted(p.name for p in (tmp_path / "run").rglob("*") if "checkpoint-" in p.name
+                   or p.parent.name == "checkpoints")  # fmt: skip
+    assert saved == (["step-1"] if during == "after" else [])  # written before the change
