@@ -5,6 +5,7 @@ read by `datasets`, and data.streaming – never renamed, dropped or left as exi
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -76,3 +77,40 @@ def test_distinct_columns_still_read(tmp_path):
         csv.writer(f).writerows([["prompt", "completion"], ["rev:ab>", "ba"]])
     (part,), _ = check_sources(DataArgs(sources=[{"path": str(path)}]), SFT)
     assert [row for _, row in part.rows] == [{"prompt": "rev:ab>", "completion": "ba"}]
+
+
+def _unwritable_cache(tmp_path: Path) -> Path:
+    """A cache path under HOME read-only: chmod 555, or (root passes permission bits) sysfs."""
+    from moetune.io import unwritable
+
+    if os.geteuid() != 0:
+        home = tmp_path / "home"
+        home.mkdir(mode=0o555)
+        return home / ".cache" / "huggingface" / "datasets"
+    if unwritable(Path("/sys/kernel")) is None:
+        pytest.skip("no dir here refuses root's writes")
+    return Path("/sys/kernel/.cache/huggingface/datasets")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_read_only_datasets_cache_falls_back_for_local_files(tmp_path, monkeypatch, streaming):
+    from datasets import config
+
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", _unwritable_cache(tmp_path))
+    path = tmp_path / "rows.csv"
+    with path.open("w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([["prompt", "completion"], ["rev:ab>", "ba"]])
+    data = DataArgs(sources=[{"path": str(path)}], streaming=streaming)
+    (part,), _ = check_sources(data, SFT)  # was: "cannot be read ([Errno 1] … '.cache')"
+    assert [row for _, row in part.rows] == [{"prompt": "rev:ab>", "completion": "ba"}]
+
+
+def test_a_hub_dataset_with_a_read_only_cache_names_the_cache(tmp_path, monkeypatch):
+    from datasets import config
+
+    cache = _unwritable_cache(tmp_path)
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", cache)
+    with pytest.raises(DataError) as info:
+        check_sources(DataArgs(sources=[{"path": "someone/rows"}]), SFT)
+    assert f"the datasets cache {cache} cannot be written" in info.value.cause
+    assert "HF_DATASETS_CACHE" in info.value.fix

@@ -14,6 +14,10 @@ Every failure is a DataError naming the source. With data.streaming the rows are
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
@@ -23,6 +27,7 @@ from moetune.data.columns import duplicate_key, refuse_duplicate_columns
 from moetune.data.dirs import BUILDERS, refuse_unread, split_files
 from moetune.data.errors import DataError
 from moetune.data.files import READERS, read_rows, refuse_special
+from moetune.io import unwritable
 
 if TYPE_CHECKING:
     from moetune.config import SourceArgs
@@ -101,7 +106,35 @@ def _load_dataset(src: SourceArgs, streaming: bool, *args: Any, **kw: Any) -> An
     # lazy: heavy to import (datasets)
     from datasets import load_dataset
 
+    kw = {**kw, **_cache_dir(src, hub=args[0] == src.path and not Path(src.path).exists())}
     return _guarded(src, lambda: load_dataset(*args, split=src.split, streaming=streaming, **kw))
+
+
+def _cache_dir(src: SourceArgs, hub: bool) -> dict[str, str]:
+    """datasets' cache where it can be written (HOME read-only, HF_DATASETS_CACHE on a
+    read-only mount): a local file's arrow copy goes to a temp dir removed at exit, so the
+    run goes on; a hub dataset lives in that cache, so its source is refused in one line."""
+    # lazy: heavy to import (datasets)
+    from datasets import config
+
+    cache = Path(config.HF_DATASETS_CACHE)
+    why = unwritable(cache)
+    if why is None:
+        return {}
+    if hub:
+        raise DataError(
+            f"source {label(src)}: the datasets cache {cache} cannot be written ({why})",
+            "set HF_DATASETS_CACHE (or HF_HOME) to a writable dir",
+        )
+    return {"cache_dir": _temp_cache()}
+
+
+@functools.cache
+def _temp_cache() -> str:
+    """One temp datasets cache a process, removed when it exits."""
+    path = tempfile.mkdtemp(prefix="moetune-datasets-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def _saved(src: SourceArgs, path: Path, streaming: bool) -> Any:

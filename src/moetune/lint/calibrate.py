@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from moetune.errors import ConfigError, os_problem
+from moetune.io import unwritable
 from moetune.ledger import sigterm_interrupts
 from moetune.lint.doctor import hf_cache_dir
 from moetune.plan.host import HostProfile, cpu_name, host_file, ram, save_host
@@ -88,7 +89,7 @@ def check_host_target(path: Path) -> None:
         cause = f"{path} is not a host file moetune wrote{' (it is empty)' if empty else ''}; "
         cause += "--calibrate does not overwrite it"
         raise ConfigError(cause, f"remove it (it holds nothing) or {fix}" if empty else fix)
-    if (why := unwritable(_existing_dir(path.parent))) is not None:
+    if (why := unwritable(path.parent)) is not None:
         raise ConfigError(f"host file {path} cannot be written ({why}); nothing measured", fix)
 
 
@@ -108,26 +109,6 @@ def check_probe(where: Path, file: Path | None) -> None:
             f"--path {where}: the disk probe cannot write its file there ({why})",
             "pass --path on a writable dir of that disk, or --file with a large file on it",
         )
-
-
-def _existing_dir(path: Path) -> Path:
-    """`path`, or its nearest ancestor that exists (save_host makes the rest)."""
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
-def unwritable(where: Path) -> str | None:
-    """Why no file can be made in the dir `where` (read-only, no permission), or None. A
-    real try, removed at once: permission bits do not tell (root passes them, a read-only
-    mount does not)."""
-    try:
-        fd, name = tempfile.mkstemp(prefix=".moetune-write-", dir=where)
-    except OSError as exc:
-        return os_problem(exc)
-    os.close(fd)
-    os.unlink(name)
-    return None
 
 
 RAM_FILE_SYSTEMS = {"tmpfs", "ramfs", "devtmpfs"}
