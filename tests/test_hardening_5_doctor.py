@@ -117,3 +117,12 @@ def test_a_probe_write_that_fails_midway_is_one_line_and_leaves_no_file(
     _, _, error = _calibrate("--path", str(disk))
     assert "writing the disk probe failed (No space left on device)" in error["cause"]
     assert list(disk.iterdir()) == [] and not host_file.exists()
+
+
+def test_doctor_names_a_hugging_face_cache_it_cannot_write(tmp_path, monkeypatch):
+    cache = _unwritable(tmp_path) / ".cache" / "huggingface"
+    monkeypatch.setenv("HF_HOME", str(cache))
+    result = runner.invoke(app, ["doctor", "--json"])
+    problems = json.loads(result.stdout)["problems"]
+    said = [p for p in problems if f"cache {cache} cannot be written" in p["message"]]
+    assert said and "HF_HOME" in said[0]["fix"]  # was: "free disk … 0.0 GiB", nothing more
