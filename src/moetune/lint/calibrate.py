@@ -121,7 +121,8 @@ def file_system(path: Path) -> str | None:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError:
         return None
-    target, best = str(path.resolve()), (-1, None)
+    target = str(path.resolve())
+    best: tuple[int, str | None] = (-1, None)
     for line in lines:
         fields, _, rest = line.partition(" - ")
         point = fields.split(" ")[4].replace("\\040", " ") if fields.count(" ") >= 4 else ""

@@ -255,8 +255,10 @@ def dry_call(funcs: list[RewardFunc], row: dict[str, Any], group: int) -> None:
     prompt = row.get("prompt")
     stand_in: Any = [{"role": "assistant", "content": ""}] if isinstance(prompt, list) else ""
     columns = {k: [v] * group for k, v in row.items() if k not in ("prompt", "completion")}
-    kwargs = {**columns, "completion_ids": [[] for _ in range(group)], "trainer_state": None,
-              "log_extra": lambda *_, **__: None, "log_metric": lambda *_, **__: None}  # fmt: skip
+    kwargs: dict[str, Any] = {
+        **columns, "completion_ids": [[] for _ in range(group)], "trainer_state": None,
+        "log_extra": lambda *_, **__: None, "log_metric": lambda *_, **__: None,
+    }  # fmt: skip
     for func in funcs:
         if not isinstance(func, GuardedReward):
             continue
