@@ -60,3 +60,42 @@ def test_a_deleted_working_directory_is_named_not_not_found(tmp_path, monkeypatc
     assert "working directory no longer exists" in error["cause"] and "cd " in error["fix"]
     assert result.stderr.count("\n") == 1 and "not found" not in result.stderr
     assert runner.invoke(app, ["version"]).exit_code == 0  # a command with no path still runs
+
+
+@pytest.mark.slow
+def test_every_command_on_the_demo_base_runs_with_home_read_only(tmp_path):
+    """HOME read-only (and with it the XDG / Hugging Face caches under it): lint, plan, data
+    and a two-step train on the demo base, a csv source included (datasets' cache falls back),
+    each as its own process, as a user runs them."""
+    import os
+    import subprocess
+    import sys
+
+    from moetune.demo.base import SHIPPED_DIR
+    from moetune.io import unwritable
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o555)
+    if unwritable(home) is None:  # root passes permission bits: sysfs refuses root's writes
+        home = Path("/sys/kernel")
+        if unwritable(home) is None:
+            pytest.skip("no dir here refuses this user's writes")
+    rows = tmp_path / "rows.csv"
+    rows.write_text("prompt,completion\n" + "rev:ab>,ba\nrev:cd>,dc\n" * 4, encoding="utf-8")
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "model": {"id": str(SHIPPED_DIR)}, "data": {"sources": [{"path": str(rows)}]},
+        "train": {"max_steps": 2, "batch_size": 2, "seq_len": 32, "device": "cpu"},
+        "output": {"dir": str(tmp_path / "out"), "ledger": str(tmp_path / "ledger.jsonl")},
+    }), encoding="utf-8")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "HF_HOME"))}
+    env |= {"HOME": str(home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
+    env.pop("HF_DATASETS_CACHE", None)
+    for command in ("lint", "plan", "data", "train"):
+        done = subprocess.run(
+            [sys.executable, "-m", "moetune", command, str(config)],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
