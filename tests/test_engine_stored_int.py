@@ -6,6 +6,8 @@ documented layout and compared with the reference kernels' formula in float64, r
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -134,13 +136,21 @@ def _ct_cfg(**weights: object) -> dict[str, object]:
     }
 
 
+def _reader(qcfg: dict[str, object]) -> type:
+    """The registered format that reads `qcfg` (stored_format holds it to its num_bits)."""
+    found: Any = stored_format(qcfg)
+    said = qcfg["config_groups"]["group_0"]["weights"]["num_bits"]  # type: ignore[index]
+    assert found is not None and found.bits == said
+    return next(c for c in found.__mro__ if "bits" not in vars(c) or c.bits is None)
+
+
 def test_compressed_tensors_schemes_pick_their_format_or_are_refused() -> None:
-    assert stored_format(_ct_cfg()) is Int4Packed
-    assert stored_format(_ct_cfg(num_bits=8, strategy="channel", group_size=None)) is Int4Packed
-    assert stored_format(_ct_cfg(symmetric=False)) is Int4PackedZeroPoint
-    assert stored_format(_ct_cfg(actorder="group")) is Int4PackedGIdx
-    assert stored_format(_ct_cfg(actorder="weight")) is Int4Packed  # no g_idx in the file
-    assert stored_format(_ct_cfg(symmetric=False, actorder="group")) is Int4PackedZeroPointGIdx
+    assert _reader(_ct_cfg()) is Int4Packed
+    assert _reader(_ct_cfg(num_bits=8, strategy="channel", group_size=None)) is Int4Packed
+    assert _reader(_ct_cfg(symmetric=False)) is Int4PackedZeroPoint
+    assert _reader(_ct_cfg(actorder="group")) is Int4PackedGIdx
+    assert _reader(_ct_cfg(actorder="weight")) is Int4Packed  # no g_idx in the file
+    assert _reader(_ct_cfg(symmetric=False, actorder="group")) is Int4PackedZeroPointGIdx
     for bad, said in [
         ({"strategy": "tensor"}, "strategy tensor"),
         ({"num_bits": 2}, "2-bit"),
@@ -375,7 +385,7 @@ def test_a_model_compressed_as_llm_compressor_saves(weights: dict[str, object], 
     (out / "config.json").write_text("{}")
     mc.update_config(str(out))
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert stored_format(qcfg) is fmt
+    assert _reader(qcfg) is fmt
     sd = {k.removeprefix("proj."): v for k, v in model.state_dict().items() if "proj." in k}
     bufs = _bufs(sd)
     fmt.check(bufs, (24, 64), "proj")

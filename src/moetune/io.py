@@ -17,13 +17,14 @@ import json
 import os
 import re
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from moetune.errors import MoetuneError, clip
+from moetune.errors import MoetuneError, clip, os_problem
 
 PROMOTED = "PROMOTED"  # marker `moetune gate --promote` writes into an adapter dir (train and
 # eval both honour it: --overwrite never removes it, the adapter digest leaves it out)
@@ -145,6 +146,20 @@ def _existing_problem(path: Path, folder: bool) -> str | None:
         return "is not a regular file (a device, a pipe or a broken link)"
     if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
         return "is not writable"
+    return None
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why no file can be made in `folder` (or, where it is not there yet, in its nearest
+    existing parent, as mkdir -p would), in words, or None. A real try, removed at once:
+    permission bits do not tell (root passes them; sysfs or a read-only mount do not)."""
+    where = next((p for p in (folder, *folder.parents) if p.exists()), folder)
+    try:
+        fd, name = tempfile.mkstemp(prefix=".moetune-write-", dir=where)
+    except OSError as exc:
+        return os_problem(exc)
+    os.close(fd)
+    os.unlink(name)
     return None
 
 

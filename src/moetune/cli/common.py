@@ -205,6 +205,21 @@ def report_interrupt(err: KeyboardInterrupt, command: str | None = None) -> int:
     return TERMINATED if isinstance(err, Terminated) else INTERRUPTED
 
 
+PATHLESS = {"version"}  # commands that resolve no path, so need no working directory
+
+
+def check_working_dir() -> None:
+    """A working directory deleted under the shell (`cd d && rmdir ../d`): every relative
+    path would read as "not found" and a relative output dir could not be made, so say so."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise ConfigError(
+            "the working directory no longer exists (deleted or moved after the shell entered it)",
+            "cd to an existing directory (e.g. cd ~) and run the command again",
+        ) from None
+
+
 class GuardedGroup(TyperGroup):
     """The one guard between a command and the user: a MoetuneError prints as one line
     (exit 2), any other exception as one line naming its type (exit 3) – its traceback
@@ -213,6 +228,8 @@ class GuardedGroup(TyperGroup):
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, cmd, rest = super().resolve_command(ctx, args)
         JSON_WANTED.set(JSON_WANTED.get() or wants_json(rest))
+        if name not in PATHLESS:
+            check_working_dir()
         return name, cmd, rest
 
     def invoke(self, ctx: Any) -> Any:

@@ -88,6 +88,7 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
     key, sep, raw = assignment.partition("=")
     if not sep or not key:
         raise ConfigError(f"bad override {assignment!r}", "write --set section.field=value")
+    _refuse_control_characters(key, raw)
     node = data
     *parents, leaf = key.strip().split(".")
     for part in parents:
@@ -102,6 +103,20 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
             f"--set {clip(key, 60)}: the value {clip(raw, 60)!r} is not valid YAML ({problem})",
             "close brackets and quotes, e.g. --set lora.targets=[attention,experts]",
         ) from None
+
+
+def _refuse_control_characters(key: str, raw: str) -> None:
+    """A newline (or another control character) in a --set value is a paste gone wrong:
+    YAML would fold it into a space or read a second key from it, so the run would get a
+    value nobody typed. The value itself is not shown: it may be a secret (lane.env)."""
+    bad = next((c for c in key + raw if (ord(c) < 32 and c != "\t") or ord(c) == 127), None)
+    if bad is not None:
+        name = clip(key.strip(), 60)
+        raise ConfigError(
+            f"--set {repr(name) if bad in key else name}: the value holds a control character "
+            f"({bad!r}: a line break pasted in?)",
+            "pass the value on one line, e.g. --set section.field=value",
+        )
 
 
 def _value(path: str, raw: str) -> Any:

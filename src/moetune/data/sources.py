@@ -14,14 +14,20 @@ Every failure is a DataError naming the source. With data.streaming the rows are
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moetune.data.columns import duplicate_key, refuse_duplicate_columns
 from moetune.data.dirs import BUILDERS, refuse_unread, split_files
 from moetune.data.errors import DataError
 from moetune.data.files import READERS, read_rows, refuse_special
+from moetune.io import unwritable
 
 if TYPE_CHECKING:
     from moetune.config import SourceArgs
@@ -88,6 +94,8 @@ def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:
         ) from None
     except (DatasetsError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
         why = exc.__cause__ or exc  # DatasetGenerationError says only "an error occurred"
+        if (twice := duplicate_key(label(src), why)) is not None:
+            raise twice from None
         raise DataError(
             f"source {label(src)}: cannot be read ({_first_line(why)})",
             "check the files are valid json / parquet / csv / arrow, and the name and split",
@@ -98,7 +106,35 @@ def _load_dataset(src: SourceArgs, streaming: bool, *args: Any, **kw: Any) -> An
     # lazy: heavy to import (datasets)
     from datasets import load_dataset
 
+    kw = {**kw, **_cache_dir(src, hub=args[0] == src.path and not Path(src.path).exists())}
     return _guarded(src, lambda: load_dataset(*args, split=src.split, streaming=streaming, **kw))
+
+
+def _cache_dir(src: SourceArgs, hub: bool) -> dict[str, str]:
+    """datasets' cache where it can be written (HOME read-only, HF_DATASETS_CACHE on a
+    read-only mount): a local file's arrow copy goes to a temp dir removed at exit, so the
+    run goes on; a hub dataset lives in that cache, so its source is refused in one line."""
+    # lazy: heavy to import (datasets)
+    from datasets import config
+
+    cache = Path(config.HF_DATASETS_CACHE)
+    why = unwritable(cache)
+    if why is None:
+        return {}
+    if hub:
+        raise DataError(
+            f"source {label(src)}: the datasets cache {cache} cannot be written ({why})",
+            "set HF_DATASETS_CACHE (or HF_HOME) to a writable dir",
+        )
+    return {"cache_dir": _temp_cache()}
+
+
+@functools.cache
+def _temp_cache() -> str:
+    """One temp datasets cache a process, removed when it exits."""
+    path = tempfile.mkdtemp(prefix="moetune-datasets-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def _saved(src: SourceArgs, path: Path, streaming: bool) -> Any:
@@ -127,6 +163,7 @@ def _file(src: SourceArgs, path: Path, streaming: bool) -> Any:
             f"source {path}: unknown data file type {path.suffix!r}",
             f"use one of {', '.join(BUILDERS)}, a directory of them, or a hub dataset id",
         )
+    refuse_duplicate_columns(path)
     kw = {"data_files": str(path)}
     return _load_dataset(src.model_copy(update={"split": "train"}), streaming, builder, **kw)
 
@@ -138,6 +175,8 @@ def _folder(src: SourceArgs, path: Path, streaming: bool) -> list[tuple[str, Any
         return [("", _load_dataset(src, streaming, str(path), src.name))]
     got = split_files(path, src.split, lambda load: _guarded(src, load))
     refuse_unread(label(src), path, got)  # a dir of .txt alone too: datasets reads it as lines
+    for name in (f for files in got.by_builder.values() for f in files):
+        refuse_duplicate_columns(Path(name))
     if not got.mixed:  # one kind (or none: datasets says what is missing)
         return [("", _load_dataset(src, streaming, str(path), src.name))]
     one = src.model_copy(update={"split": "train"})  # data_files given: all in datasets' train
@@ -182,5 +221,8 @@ def read_source(src: SourceArgs) -> list[Located]:
 
 
 def stream_source(src: SourceArgs) -> Iterator[Located]:
-    """The source's rows read lazily (data.streaming), its first max_rows."""
-    return islice(_numbered(_parts(src, streaming=True)), src.max_rows)
+    """The source's rows read lazily (data.streaming), its first max_rows; datasets reads
+    a file as it streams, so its errors (a key twice in a row …) come here, one line each."""
+    rows = islice(_numbered(_parts(src, streaming=True)), src.max_rows)
+    while (row := _guarded(src, lambda: next(rows, None))) is not None:
+        yield row

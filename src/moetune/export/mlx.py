@@ -387,12 +387,41 @@ def export_format(source: Any, out: Path, opts: Any) -> Any:
     `mlx_lm.generate --model OUT/model --adapter-path OUT/adapters`; the served == trained
     check runs through the mlx-lm consumer below on the run's eval items."""
     dtype = mlx_dtype(None if opts.dtype == "auto" else opts.dtype)  # float32 on mlx's CPU
-    model = hf_to_mlx(source.base, out / "model", dtype=dtype)
+    plain, stored = float_base(source, out / ".float-base")
+    try:
+        model = hf_to_mlx(plain, out / "model", dtype=dtype)
+    finally:
+        if stored:
+            shutil.rmtree(plain, ignore_errors=True)
     adapters = peft_to_mlx(source.adapter_dir, out / "adapters", source.base)
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     use = f"mlx_lm.generate --model {model.name} --adapter-path {adapters.name}"
     notes = [f"serve: {use} (paths inside --out)"]
-    return ExportResult("mlx", out, files, notes, details={"dtype": dtype or "bfloat16"})
+    details = {"dtype": dtype or "bfloat16"}
+    if stored:  # mlx-lm reads floats: the published FP8 / FP4 stacks, dequantised by moetune
+        details["stored_base"] = stored
+        notes.append(f"the base is stored as {stored}: the mlx model holds it dequantised")
+    return ExportResult("mlx", out, files, notes, details=details)
+
+
+def float_base(source: Any, stage: Path) -> tuple[str, str | None]:
+    """The base as mlx-lm can convert it: itself, or – a base published quantised (block FP8,
+    MXFP4, NVFP4 …), whose scales mlx-lm would refuse as unknown parameters – a float copy
+    in `stage`, dequantised by moetune's own reader (what training read), with its tokenizer
+    and config; (the dir, the stored format's name or None)."""
+    # lazy: heavy to import (torch, transformers)
+    import torch
+
+    from moetune.export.merged import copy_code, copy_tokenizer, load_base
+    from moetune.export.stored_base import stored_of
+
+    found = stored_of(source.base)
+    if found is None:
+        return source.base, None
+    load_base(source.base, torch.float32).save_pretrained(str(stage))
+    copy_tokenizer(source, stage)
+    copy_code(source.base, stage)
+    return str(stage), found[0].name
 
 
 def mlx_consumer(

@@ -30,7 +30,8 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from moetune.errors import ConfigError
+from moetune.errors import ConfigError, os_problem
+from moetune.io import unwritable
 from moetune.ledger import sigterm_interrupts
 from moetune.lint.doctor import hf_cache_dir
 from moetune.plan.host import HostProfile, cpu_name, host_file, ram, save_host
@@ -66,6 +67,7 @@ def calibrate_and_save(
 ) -> tuple[HostProfile, Path]:
     target = host_file()
     check_host_target(target)  # before a minute of measuring, not after
+    check_probe(path or default_dir(), file)  # and before torch loads
     try:
         with sigterm_interrupts():  # SIGTERM unwinds through the probe file's cleanup
             profile = calibrate(path, file, probe_bytes)
@@ -83,8 +85,64 @@ def check_host_target(path: Path) -> None:
     if path.is_dir() or (path.exists() and not path.is_file()):
         raise ConfigError(f"host file {path} is not a regular file; it is not overwritten", fix)
     if path.exists() and not _is_host_file(path):
-        cause = f"{path} is not a host file moetune wrote; --calibrate does not overwrite it"
-        raise ConfigError(cause, fix)
+        empty = path.stat().st_size == 0
+        cause = f"{path} is not a host file moetune wrote{' (it is empty)' if empty else ''}; "
+        cause += "--calibrate does not overwrite it"
+        raise ConfigError(cause, f"remove it (it holds nothing) or {fix}" if empty else fix)
+    if (why := unwritable(path.parent)) is not None:
+        raise ConfigError(f"host file {path} cannot be written ({why}); nothing measured", fix)
+
+
+def check_probe(where: Path, file: Path | None) -> None:
+    """ConfigError unless the disk probe can run: `file` a regular file, or `where` a dir
+    it can write its probe file in; neither on a RAM file system."""
+    if file is not None:
+        if not file.is_file():
+            raise ConfigError(f"--file {file} is not a file", "name a large file on the disk")
+        refuse_ram(file, "--file")
+        return
+    if not where.is_dir():
+        raise ConfigError(f"--path {where} is not a directory", "name the checkpoint's dir")
+    refuse_ram(where, "--path")
+    if (why := unwritable(where)) is not None:
+        raise ConfigError(
+            f"--path {where}: the disk probe cannot write its file there ({why})",
+            "pass --path on a writable dir of that disk, or --file with a large file on it",
+        )
+
+
+RAM_FILE_SYSTEMS = {"tmpfs", "ramfs", "devtmpfs"}
+
+
+def file_system(path: Path) -> str | None:
+    """The type of the file system `path` is on (Linux /proc/self/mountinfo: the longest
+    mount point above it), or None where that cannot be read."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    target = str(path.resolve())
+    best: tuple[int, str | None] = (-1, None)
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        point = fields.split(" ")[4].replace("\\040", " ") if fields.count(" ") >= 4 else ""
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best[0] and rest:
+            best = (len(point), rest.split(" ")[0])
+    return best[1]
+
+
+def refuse_ram(where: Path, flag: str) -> None:
+    """A disk probe on a RAM file system measures RAM: the plan would stream offloaded
+    experts at memcpy speed. Refused, naming the file system."""
+    kind = file_system(where)
+    if kind in RAM_FILE_SYSTEMS:
+        raise ConfigError(
+            f"{flag} {where} is on {kind}, which lives in RAM: a disk-read probe there "
+            "measures memory, not the disk the checkpoints stream from",
+            "pass --path on the disk that holds your checkpoints (or --file with a large "
+            "file on it)",
+        )
 
 
 def _is_host_file(path: Path) -> bool:
@@ -134,8 +192,6 @@ def disk_read_gb_per_s(where: Path, file: Path | None, probe_bytes: int) -> tupl
     from moetune.engine.direct_io import read_rate  # lazy: heavy to import (torch)
 
     if file is not None:
-        if not file.is_file():
-            raise ConfigError(f"--file {file} is not a file", "name a large file on the disk")
         got = read_rate([file], budget=probe_bytes)
         return got.bytes_per_s / 1e9, got.direct
     with _probe_file(where, probe_bytes) as probe:
@@ -146,8 +202,6 @@ def disk_read_gb_per_s(where: Path, file: Path | None, probe_bytes: int) -> tupl
 @contextmanager
 def _probe_file(where: Path, nbytes: int) -> Iterator[Path]:
     """A file of `nbytes` in `where`, on the disk (fsynced), removed on the way out."""
-    if not where.is_dir():
-        raise ConfigError(f"--path {where} is not a directory", "name the checkpoint's dir")
     free = shutil.disk_usage(where).free
     if free < 2 * nbytes:
         raise ConfigError(
@@ -157,7 +211,13 @@ def _probe_file(where: Path, nbytes: int) -> Iterator[Path]:
         )
     fd, name = tempfile.mkstemp(prefix=".moetune-calibrate-", dir=where)
     try:
-        _fill(fd, nbytes)
+        try:
+            _fill(fd, nbytes)
+        except OSError as exc:  # the disk filled or failed mid-way: one line, file removed
+            raise ConfigError(
+                f"--path {where}: writing the disk probe failed ({os_problem(exc)})",
+                "pass --path on a disk with room, or --file with a large file to read",
+            ) from None
         yield Path(name)
     finally:
         os.close(fd)

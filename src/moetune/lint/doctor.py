@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moetune.config import RunConfig
+from moetune.io import unwritable
 from moetune.lint.mlx_env import backend_fix, mlx_backend, pin_problems, version_tuple
 from moetune.lint.registry import installed_versions
 from moetune.plan.hardware import card_for_device, get_card
@@ -160,6 +161,10 @@ def run_doctor(cfg: RunConfig | None = None, remote: bool = False) -> DoctorRepo
     versions = installed_versions()
     problems = known_bad(versions)
     cache = hf_cache_dir()
+    if (why := unwritable(cache)) is not None:  # HOME read-only: hub downloads would fail
+        problems.append({"message": f"the Hugging Face cache {cache} cannot be written ({why})",
+                         "fix": "set HF_HOME to a writable dir (local bases and data files "
+                                "need none)"})  # fmt: skip
     probe = cache if cache.exists() else Path.home()
     return DoctorReport(
         versions=versions,

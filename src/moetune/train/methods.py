@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetune.registry import Registry
 from moetune.train.errors import DataError, TrainError
-from moetune.train.grpo.rewards import ANSWER_SCORES, build_rewards, reward_columns
+from moetune.train.grpo.rewards import ANSWER_SCORES, build_rewards, dry_call, reward_columns
 from moetune.train.routing.rows import BASE_ROWS, sampled
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
             "lora.expert_selection scores experts on tokenised rows; grpo rows are prompts",
             "set lora.expert_selection: all for train.method grpo",
         )
-    build_rewards(g)  # a bad reward fails here, before anything is written
+    funcs, _ = build_rewards(g)  # a bad reward fails here, before anything is written
     columns = set(data.columns())
     if g.sft_weight:
         check_sft_rows(data)
@@ -201,6 +201,8 @@ def _grpo_check(cfg: RunConfig, data: TrainData) -> None:
                 f"(columns: {', '.join(sorted(columns))})",
                 f"add {name!r} to every row, or set column: in the reward entry",
             )
+    if data.head(1):  # its shape on one row, before the model is built
+        dry_call(funcs, data.head(1)[0], g.num_generations)
 
 
 METHODS: Registry[Method] = Registry("training method")

@@ -54,6 +54,7 @@ from moetune.lint.preflight import check_ledger
 from moetune.model.saved_names import write_checkpoint_named
 from moetune.plan.cost.estimate import step_signature
 from moetune.plan.hardware import card_for_device
+from moetune.train.base_files import BaseFilesCallback, base_identity, check_unchanged
 from moetune.train.callbacks import (
     ZERO_LOSS_STEPS,
     MetricsCallback,
@@ -177,6 +178,7 @@ def _train(
     run = inspect_run(cfg, resume, *replace)
     console = Console(stderr=True, quiet=not progress)
     setup = prepare(cfg, run, resume, allow_errors)
+    files = base_identity(cfg.model.id)  # compared before each save
     with base_load(setup.args, cfg, setup.spec) as loaded:  # ZeRO-3: partitioned as it loads
         base = loaded(load_model(cfg, setup.place, setup.engine, setup.stored, setup.load_dtype))
         model, setup.coverage = wrap_lora(base, cfg, run, setup)
@@ -185,6 +187,7 @@ def _train(
     router_before = from_main(lambda: router_weights(model, setup.spec))
     with tracking(cfg.output.report_to, run.root):  # their files under the run dir
         trainer, routing = build_trainer(cfg, setup, run, model, console)
+        trainer.add_callback(BaseFilesCallback(files))
         shift = callback_of(trainer, ShiftCallback)
         rows, collate = method_of(cfg).routing_rows(trainer, setup.tokenizer)
         batch, limit = base_sample(
@@ -201,6 +204,7 @@ def _train(
             routing.recorder.remove()
             if shift:
                 shift.recorder.remove()
+            check_unchanged(files, "before the final adapter was saved")
             setup.notes += save_adapter(trainer, run)
             if setup.args.should_save:
                 write_offload_json(run, model)  # train.offload: what the expert store measured

@@ -97,6 +97,7 @@ class Int4Packed(StoredFormat):
     scales = ("scale",)
     zero_points: ClassVar[bool] = False
     g_idx: ClassVar[bool] = False
+    bits: ClassVar[int | None] = None  # the config's num_bits (None: as the packed width says)
 
     @classmethod
     def reads(cls, qcfg: dict[str, Any]) -> bool:
@@ -120,6 +121,10 @@ class Int4Packed(StoredFormat):
         return {"group": 128 if group is None else group, "bits": w.get("num_bits", 4)}
 
     @classmethod
+    def configured(cls, bits: int | None = None, **_: Any) -> type[Int4Packed]:
+        return cls if bits is None or bits == cls.bits else _with_bits(cls, bits)
+
+    @classmethod
     def config(cls, group: int = 32, bits: int = 4, **options: Any) -> dict[str, Any]:
         weights = {"num_bits": bits, "type": "int", "symmetric": not cls.zero_points,
                    "strategy": "group" if group else "channel", "group_size": group or None,
@@ -132,7 +137,7 @@ class Int4Packed(StoredFormat):
     def shapes(cls, buffers: Buffers, out_in: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         out, inp = out_in
         groups = buffers["scale"].shape[-1]
-        bits = bits_of(buffers["packed"].shape[-1], inp, f"{cls.name} packed weight")
+        bits = cls.packed_bits(buffers["packed"].shape[-1], inp)
         found: dict[str, tuple[int, ...]] = {"packed": (out, math.ceil(inp * bits / 32))}
         found["scale"] = (out, groups)
         if not cls.g_idx:
@@ -146,7 +151,22 @@ class Int4Packed(StoredFormat):
         return found
 
     @classmethod
+    def packed_bits(cls, words: int, values: int, where: str = "") -> int:
+        """The code width of the packed words, which must be the config's num_bits: a
+        config saying 8 over 4-bit words (or the reverse) is a mismatched download, and
+        compressed-tensors would unpack it at the config's width – refuse, never pick one."""
+        bits = bits_of(words, values, f"{where or cls.name} packed weight")
+        if cls.bits is not None and bits != cls.bits:
+            raise QuantError(
+                f"{where or cls.name} packed weight: {words} int32 words for {values} values hold "
+                f"{bits}-bit codes, but quantization_config says num_bits {cls.bits}",
+                "use the config.json published with these weights (or re-download them)",
+            )
+        return bits
+
+    @classmethod
     def check(cls, buffers: Buffers, out_in: tuple[int, int], where: str) -> None:
+        cls.packed_bits(buffers["packed"].shape[-1], out_in[1], where)  # named by tensor
         super().check(buffers, out_in, where)
         if cls.g_idx:
             check_groups(buffers["g_idx"], buffers["scale"].shape[-1], where)
@@ -156,7 +176,7 @@ class Int4Packed(StoredFormat):
                    dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         packed, scale = buffers["packed"], buffers["scale"]
         out, inp = out_in
-        bits = bits_of(packed.shape[-1], inp, f"{cls.name} packed weight")
+        bits = cls.packed_bits(packed.shape[-1], inp)
         offset = 1 << (bits - 1)
         codes = unpack_words(packed, bits)[..., :inp] - offset
         idx = _group_index(buffers.get("g_idx"), out_in, scale.shape[-1])
@@ -188,6 +208,19 @@ class Int4Packed(StoredFormat):
         if cls.g_idx:
             bufs["g_idx"] = (torch.arange(inp) // group).to(torch.int32).expand(e, inp).clone()
         return bufs
+
+
+_VARIANTS: dict[tuple[type[Int4Packed], int], type[Int4Packed]] = {}
+
+
+def _with_bits(fmt: type[Int4Packed], bits: int) -> type[Int4Packed]:
+    """`fmt` held to the config's num_bits: one class a width, found by name (pickle,
+    deepcopy), as fp8's block variants are."""
+    if (fmt, bits) not in _VARIANTS:
+        name = f"{fmt.__name__}_{bits}bit"
+        variant = type(name, (fmt,), {"bits": bits, "__module__": __name__})
+        globals()[name] = _VARIANTS[fmt, bits] = variant
+    return _VARIANTS[fmt, bits]
 
 
 def _group_index(g_idx: torch.Tensor | None, out_in: tuple[int, int], groups: int) -> torch.Tensor:

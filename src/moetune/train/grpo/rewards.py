@@ -246,6 +246,33 @@ def build_rewards(grpo: GrpoArgs) -> tuple[list[RewardFunc], list[float]]:
     return funcs, [r.weight for r in grpo.rewards]
 
 
+def dry_call(funcs: list[RewardFunc], row: dict[str, Any], group: int) -> None:
+    """Each guarded reward called once, before any weight loads, as TRL calls it: `row`'s
+    prompt `group` times with a stand-in (empty) completion and its other columns. A dict,
+    None or a wrong count is refused now, not after the model is built and a rollout ran;
+    a reward that raises on the stand-in is left to its first real call (an empty
+    completion may be what it cannot score), so only the shape is judged here."""
+    prompt = row.get("prompt")
+    stand_in: Any = [{"role": "assistant", "content": ""}] if isinstance(prompt, list) else ""
+    columns = {k: [v] * group for k, v in row.items() if k not in ("prompt", "completion")}
+    kwargs: dict[str, Any] = {
+        **columns, "completion_ids": [[] for _ in range(group)], "trainer_state": None,
+        "log_extra": lambda *_, **__: None, "log_metric": lambda *_, **__: None,
+    }  # fmt: skip
+    for func in funcs:
+        if not isinstance(func, GuardedReward):
+            continue
+        try:
+            got = func.func(prompts=[prompt] * group, completions=[stand_in] * group, **kwargs)
+        except RewardError as exc:
+            if exc.__cause__ is None:  # moetune's own refusal (a missing column …)
+                raise
+            continue
+        except Exception:
+            continue
+        func._checked(got, group)
+
+
 def reward_warnings(trainer: Any) -> list[str]:
     """One warning per guarded reward of `trainer` (a GRPO trainer) whose values failed."""
     guarded = [f for f in getattr(trainer, "reward_funcs", []) if isinstance(f, GuardedReward)]
