@@ -73,7 +73,7 @@ CardMemory = Annotated[
     _rule(
         lambda v: CARD_MEMORY_GB[0] <= v <= CARD_MEMORY_GB[1],
         f"must be a card's memory in GB ({CARD_MEMORY_GB[0]:g} to {CARD_MEMORY_GB[1]:,.0f})",
-    ),  # fmt: skip
+    ),
 ]
 # An adapter on no part trains nothing (`--targets ,` was planned as if it were a run).
 Targets = Annotated[

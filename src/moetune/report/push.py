@@ -49,8 +49,10 @@ def push(run_dir: Path | str, opts: PushOptions) -> dict[str, Any]:
     """Upload and return what went up: repo, url, commit, files, the card (a `push` ledger
     row either way: a refusal is a failed row with its cause)."""
     if opts.results_dir is not None and not Path(opts.results_dir).is_dir():
-        raise PushError(f"--results {clip(opts.results_dir, 100)} is not a directory",
-                        "pass the results dir `moetune eval` wrote (default RUN_DIR/eval)")  # fmt: skip
+        raise PushError(
+            f"--results {clip(opts.results_dir, 100)} is not a directory",
+            "pass the results dir `moetune eval` wrote (default RUN_DIR/eval)",
+        )
     inp = load_inputs(Path(run_dir), opts.results_dir)
     ledger = opts.ledger or Path(str(lookup(inp.config, "output.ledger") or DEFAULT_PATH))
     with attempt(ledger, "push", run_id=inp.run_dir.resolve().name) as row:
