@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+import typer
+from click.testing import CliRunner
 from compressed_tensors.quantization import (
     QuantizationArgs,
     QuantizationConfig,
     QuantizationScheme,
 )
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
 from moetune.cli import app
 from moetune.demo.base import SHIPPED_DIR
@@ -40,6 +41,9 @@ from moetune.engine.stored.mxfp4 import MXFP4
 from moetune.engine.stored.nvfp4 import NVFP4
 from moetune.errors import MoetuneError
 from test_hardening_4_stored import _w
+
+# typer builds the click command anew on every invoke (~0.2 s); the sweep builds it once
+CLI = typer.main.get_command(app)
 
 
 def ct(fmt: str = "pack-quantized", **weights: Any) -> dict[str, Any]:
@@ -142,7 +146,7 @@ def test_what_was_exit_3_is_one_line_on_the_command_line(tmp_path: Path, qcfg, c
     config = json.loads((SHIPPED_DIR / "config.json").read_text())
     (base / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg}))
     shutil.copy(SHIPPED_DIR / "tokenizer.json", base)
-    result = CliRunner().invoke(app, [command, str(base)])
+    result = CliRunner().invoke(CLI, [command, str(base)])
     assert result.exit_code == 2, result.output  # was: exit 3, "unexpected TypeError" …
     line = result.stderr.strip().splitlines()[-1]
     assert says in line and " fix: " in line
