@@ -14,7 +14,9 @@ Every failure is a DataError naming the source. With data.streaming the rows are
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,8 +45,9 @@ def _first_line(exc: BaseException) -> str:
 
 def _numbered(parts: Sequence[tuple[str, Iterable[Any]]]) -> Iterator[Located]:
     """Rows numbered within each part ("row 3", or "(json files) row 3" in a mixed dir)."""
-    for tag, rows in parts:
-        yield from ((f"{tag}row {n}", row) for n, row in enumerate(rows, 1))
+    with quiet_json_reader():  # a streamed source is read here, past _guarded
+        for tag, rows in parts:
+            yield from ((f"{tag}row {n}", row) for n, row in enumerate(rows, 1))
 
 
 def _split_of(found: Any, src: SourceArgs) -> Any:
@@ -65,13 +68,30 @@ def _split_of(found: Any, src: SourceArgs) -> Any:
     return found[src.split]
 
 
+# datasets' json reader logs each unparsable file at ERROR before it raises: on stderr, a
+# line with no fix beside (or, after lint's report, instead of) the DataError naming it
+JSON_LOGGER = "datasets.packaged_modules.json.json"
+
+
+@contextmanager
+def quiet_json_reader() -> Iterator[None]:
+    log = logging.getLogger(JSON_LOGGER)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:
     """datasets' loading errors, as one line naming the source."""
     # lazy: heavy to import (datasets)
     from datasets.exceptions import DatasetNotFoundError, DatasetsError
 
     try:
-        return load()
+        with quiet_json_reader():
+            return load()
     except DataError:
         raise
     except DatasetNotFoundError:
@@ -85,6 +105,11 @@ def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:
             f"source {src.path!r} not found: no such local path, the hub is unreachable "
             "(offline?) and the local dataset cache has no copy",
             "check data.sources[].path, or load it once online (it is cached for offline runs)",
+        ) from None
+    except StopIteration:  # datasets' streamed json reader peeks a first table: none there
+        raise DataError(
+            f"source {label(src)}: holds no rows datasets can read (empty, or no JSON rows)",
+            "check the file: one JSON object a line (or a json / parquet / csv / arrow file)",
         ) from None
     except (DatasetsError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
         why = exc.__cause__ or exc  # DatasetGenerationError says only "an error occurred"
