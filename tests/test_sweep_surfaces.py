@@ -19,7 +19,10 @@ from huggingface_hub import constants
 import moetune.train.launch as launch_mod
 from fake_hub import FakeHub
 from moetune.cli import app
+from moetune.config import SourceArgs
+from moetune.data.sources import stream_source
 from moetune.demo.base import SHIPPED_DIR
+from moetune.errors import MoetuneError
 from moetune.lint.torch_index import Machine, choose
 
 # typer builds the click command anew on every invoke (~0.2 s); the sweep builds it once
@@ -219,3 +222,24 @@ def test_moetune_torch_of_a_real_build_is_taken(value: str, build: str) -> None:
 def test_the_surfaces_sweep_has_its_cases() -> None:
     names = [c[0] for c in CASES]
     assert len(names) == len(set(names)) >= 55
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "holds no rows datasets can read"),  # was: exit 3, "unexpected StopIteration"
+        ("hello\n", "cannot be read"),
+        ('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "compl', "cannot be read"),
+    ],
+)
+def test_a_streamed_source_that_is_not_json_rows_is_one_data_error(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], text: str, says: str
+) -> None:
+    """What lint's tokenizer rule and data.streaming read: a DataError naming the source,
+    and not datasets' own ERROR line on stderr (it repeats the cause with no fix, and after
+    lint's report it was the one line a user saw – the developers' sweep, data/lint/*)."""
+    (tmp_path / "train.jsonl").write_text(text)
+    with pytest.raises(MoetuneError) as info:
+        list(stream_source(SourceArgs(path=str(tmp_path / "train.jsonl"))))
+    assert says in info.value.cause and "train.jsonl" in info.value.cause
+    assert "Failed to load JSON" not in capfd.readouterr().err

@@ -112,11 +112,32 @@ def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:
             "check the file: one JSON object a line (or a json / parquet / csv / arrow file)",
         ) from None
     except (DatasetsError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
-        why = exc.__cause__ or exc  # DatasetGenerationError says only "an error occurred"
-        raise DataError(
-            f"source {label(src)}: cannot be read ({_first_line(why)})",
-            "check the files are valid json / parquet / csv / arrow, and the name and split",
-        ) from None
+        raise unreadable(src, exc) from None
+
+
+def unreadable(src: SourceArgs, exc: BaseException) -> DataError:
+    why = exc.__cause__ or exc  # DatasetGenerationError says only "an error occurred"
+    return DataError(
+        f"source {label(src)}: cannot be read ({_first_line(why)})",
+        "check the files are valid json / parquet / csv / arrow, and the name and split",
+    )
+
+
+def _streamed(src: SourceArgs) -> Iterator[Located]:
+    """The streamed rows; a file datasets fails to parse while they are read (a streamed
+    json file is parsed here, past _guarded: ArrowInvalid, a ValueError) named as _guarded
+    names it."""
+    rows = _numbered(_parts(src, streaming=True))
+    while True:
+        try:
+            item = next(rows)
+        except StopIteration:
+            return
+        except DataError:
+            raise
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+            raise unreadable(src, exc) from None
+        yield item
 
 
 def _load_dataset(src: SourceArgs, streaming: bool, *args: Any, **kw: Any) -> Any:
@@ -208,4 +229,4 @@ def read_source(src: SourceArgs) -> list[Located]:
 
 def stream_source(src: SourceArgs) -> Iterator[Located]:
     """The source's rows read lazily (data.streaming), its first max_rows."""
-    return islice(_numbered(_parts(src, streaming=True)), src.max_rows)
+    return islice(_streamed(src), src.max_rows)
