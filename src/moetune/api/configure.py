@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
 from moetune.config import RunConfig, parse_config
-from moetune.errors import ConfigError
+from moetune.errors import ConfigError, clip
 from moetune.lint.preflight import resolve_run
 
 ConfigLike = RunConfig | Mapping[str, Any] | str | Path | None
@@ -25,6 +26,8 @@ def run_config(config: ConfigLike = None, /, **sections: Any) -> RunConfig:
         return parse_config(config.model_dump(), sets) if sets else config
     if isinstance(config, Mapping):
         return parse_config(dict(config), sets)
+    if config is not None:
+        config = path_arg(config, "config", "a run.yaml path, a dict or a RunConfig")
     if config is None:
         if "model.id" not in {key for key, _ in leaves}:
             raise ConfigError(
@@ -40,7 +43,7 @@ def _sections(sections: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in sections.items():
         if name == "model" and isinstance(value, str | Path):
-            value = {"id": str(value)}
+            value = {"id": str(path_arg(value, "model", "a model dir or hub id"))}
         if not isinstance(value, Mapping):
             raise ConfigError(
                 f"{name}={value!r} is not a section of run.yaml (a dict of its fields)",
@@ -48,6 +51,15 @@ def _sections(sections: dict[str, Any]) -> dict[str, Any]:
             )
         out[name] = dict(value)
     return out
+
+
+def path_arg(value: Any, name: str, what: str) -> Path:
+    """`value` as a Path, refused (a ConfigError, not a TypeError deep inside) where it is
+    not a non-empty str or path: a number or bytes would otherwise be read as a model id."""
+    if isinstance(value, str | PathLike) and str(value).strip():
+        return Path(value)
+    shown = repr(value) if isinstance(value, str) else f"a {type(value).__name__}"
+    raise ConfigError(f"{name}={clip(shown, 80)} is not {what}", f"pass {name} as {what}")
 
 
 def _leaves(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

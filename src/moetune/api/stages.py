@@ -5,11 +5,12 @@ packages (a function named like one would be replaced by the package once it loa
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from moetune.api.configure import ConfigLike, run_config
-from moetune.errors import ConfigError
+from moetune.api.configure import ConfigLike, path_arg, run_config
+from moetune.errors import ConfigError, clip
 from moetune.evaluate import gate_results as decide
 from moetune.evaluate import promote as promote_adapter
 from moetune.evaluate import run_eval
@@ -39,6 +40,11 @@ def plan_run(
 ) -> MemoryPlan:
     """`moetune plan`: peak memory by component, the fit per card (`cards`, default the
     catalog's) and per card the best change that fits."""
+    if cards is not None and (isinstance(cards, str) or not all(isinstance(c, str) for c in cards)):
+        raise ConfigError(  # a str would be planned letter by letter ("unknown card 'H'")
+            f"cards={clip(repr(cards), 80)} is not a list of card ids",
+            'pass cards=["H100-80GB"] (`moetune cards` lists them)',
+        )
     cfg = run_config(config, **sections)
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
     return make_plan(spec, cfg, cards=cards, estimator=estimator)
@@ -80,8 +86,10 @@ def eval_run(
 ) -> dict[str, Any]:
     """`moetune eval`: base and adapter (default <output.dir>/adapter) on the same items of
     every eval rung, then the gate; the verdict document `moetune gate` prints."""
+    count(limit, "limit", optional=True)
+    chosen = path_arg(adapter, "adapter", "an adapter dir") if adapter is not None else None
     cfg = run_config(config, **sections)
-    return run_eval(cfg, adapter, limit=limit, overwrite=overwrite, progress=progress)
+    return run_eval(cfg, chosen, limit=limit, overwrite=overwrite, progress=progress)
 
 
 def gate_results(
@@ -89,7 +97,7 @@ def gate_results(
 ) -> dict[str, Any]:
     """`moetune gate`: GO / NO-GO / INCONCLUSIVE from a results dir `evaluate` wrote;
     `promote`: on GO, mark the adapter promoted (`promoted` names the marker, else None)."""
-    doc = decide(results, alpha)
+    doc = decide(path_arg(results, "results", "a results dir of `moetune eval`"), alpha)
     marker = promote_adapter(results) if promote and doc["verdict"] == "GO" else None
     return {**doc, "promoted": str(marker) if marker else None}
 
@@ -111,16 +119,37 @@ def export_run(
     eval items (`items_file`: a JSONL of {"prompt": …} or {"text": …} rows; default the
     run's eval items; `check=False`: marked unchecked). `options`: the format's own
     (vllm_layout, requantize, survival_floor)."""
-    if items < 1:
-        raise ConfigError(f"items={items} is not a positive number", "pass items >= 1")
+    count(items, "items")
     opts = export_options(dtype=dtype, extra=options)
-    chosen = Path(items_file) if items_file is not None else None
+    chosen = path_arg(items_file, "items_file", "a JSONL file") if items_file is not None else None
     checking = CheckOptions(items=items, items_file=chosen) if check else None
-    return export(Path(source), format, Path(out), opts, checking, base)
+    source_dir = path_arg(source, "source", "a run dir or a peft adapter dir")
+    return export(source_dir, format, path_arg(out, "out", "a new folder"), opts, checking, base)
 
 
 def push_run(run_dir: str | Path, repo: str, **options: Any) -> dict[str, Any]:
     """`moetune push`: the adapter (or `export=` one of its exports) uploaded to `repo` with
     its model card; private unless `private=False`, refused unless promoted (`unpromoted=True`
     pushes it anyway, and the card says so). Options are PushOptions' fields."""
-    return push(run_dir, PushOptions(repo=repo, **options))
+    unknown = sorted(set(options) - {f.name for f in fields(PushOptions)})
+    if unknown:
+        raise ConfigError(f"push_run has no option {', '.join(unknown)}",
+                          "use the options PushOptions lists (export, private, unpromoted, "
+                          "base_model, license, results_dir, ledger)")  # fmt: skip
+    if not isinstance(repo, str):
+        raise ConfigError(f"repo={clip(repr(repo), 80)} is not a Hub repo id", 'pass "user/name"')
+    for name in ("results_dir", "ledger"):
+        if options.get(name) is not None:
+            options[name] = path_arg(options[name], name, "a path")
+    run = path_arg(run_dir, "run_dir", "the output.dir of a run")
+    return push(run, PushOptions(repo=repo, **options))
+
+
+def count(value: Any, name: str, *, optional: bool = False) -> None:
+    """A count argument: a positive int (None where `optional`), never a str or bool that
+    would fail later as a TypeError in a comparison."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={clip(repr(value), 40)} is not a positive number",
+                          f"pass {name} >= 1")  # fmt: skip

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from moetune.cli.common import JsonOpt, app, console, emit_json, friendly
-from moetune.errors import ConfigError
+from moetune.errors import ConfigError, clip
 from moetune.units import gib
 
 
@@ -58,6 +58,11 @@ def doctor(
     from moetune.lint.doctor import run_doctor
     from moetune.lint.preflight import resolve_run
 
+    if target and Path(target).is_dir() and not (Path(target) / "config.json").is_file():
+        raise ConfigError(  # else read as a model id and reported as if no run was named
+            f"{clip(target, 100)} is a directory, neither a run.yaml nor a model (no config.json)",
+            "pass a run.yaml (a run dir's is RUN/config.yaml)",
+        )
     cfg = resolve_run(target) if target else None
     report = run_doctor(cfg, cfg is not None and site_of(cfg.lane.provider).remote)
     if as_json:

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
 Target = Literal["attention", "experts", "dense", "shared", "router"]
 DEFAULT_TARGETS: tuple[Target, ...] = ("attention", "experts", "dense", "shared")
@@ -25,6 +25,17 @@ def _rule(ok: Callable[[Any], bool], rule: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+def _not_bool(v: Any) -> Any:
+    """pydantic reads true / false as 1 / 0 in a number field: `--set train.learning_rate=true`
+    would train at a rate of 1.0, so a boolean is no number here."""
+    if isinstance(v, bool):
+        raise ValueError("must be a number, not true / false")
+    return v
+
+
+_NUMBER = BeforeValidator(_not_bool)
+
+
 def _finite(v: float) -> bool:
     return math.isfinite(v)
 
@@ -32,28 +43,43 @@ def _finite(v: float) -> bool:
 # Numbers a run config can hold; a value outside them cannot describe a real run.
 # Counts past 64 bits overflow in torch and numpy (an "unexpected" error deep inside a build).
 _INT64 = _rule(lambda v: v < 2**63, "must be below 2**63 (a 64-bit integer)")
-PositiveInt = Annotated[int, _rule(lambda v: v > 0, "must be a positive integer (> 0)"), _INT64]
-NonNegativeInt = Annotated[int, _rule(lambda v: v >= 0, "must be an integer >= 0"), _INT64]
+PositiveInt = Annotated[
+    int, _NUMBER, _rule(lambda v: v > 0, "must be a positive integer (> 0)"), _INT64
+]
+NonNegativeInt = Annotated[int, _NUMBER, _rule(lambda v: v >= 0, "must be an integer >= 0"), _INT64]
 # A LoRA rank above any model's width builds nothing a run could use (and 10**30 overflows).
 LoraRank = Annotated[PositiveInt, _rule(lambda v: v <= 2**16, "must be at most 65536")]
 PositiveFloat = Annotated[
-    float, _rule(lambda v: _finite(v) and v > 0, "must be a finite number > 0")
+    float, _NUMBER, _rule(lambda v: _finite(v) and v > 0, "must be a finite number > 0")
 ]
 NonNegativeFloat = Annotated[
-    float, _rule(lambda v: _finite(v) and v >= 0, "must be a finite number >= 0")
+    float, _NUMBER, _rule(lambda v: _finite(v) and v >= 0, "must be a finite number >= 0")
 ]
-FiniteFloat = Annotated[float, _rule(_finite, "must be a finite number")]
+FiniteFloat = Annotated[float, _NUMBER, _rule(_finite, "must be a finite number")]
 Fraction = Annotated[  # a share of the steps: 1.0 would be read by HF as "1 step"
-    float, _rule(lambda v: _finite(v) and 0 <= v < 1, "must be a fraction in [0, 1)")
+    float, _NUMBER, _rule(lambda v: _finite(v) and 0 <= v < 1, "must be a fraction in [0, 1)")
 ]
 Percent = Annotated[
-    float, _rule(lambda v: _finite(v) and 0 <= v <= 100, "must be a percentage in [0, 100]")
+    float,
+    _NUMBER,
+    _rule(lambda v: _finite(v) and 0 <= v <= 100, "must be a percentage in [0, 100]"),
+]
+# An unlisted card's memory: below 1 GB or past 10 TB it is a typo (1e9 for 1e9 bytes …),
+# and its name (`f"{gb:g}GB"`, "1e+09GB") would no longer read back as a memory.
+CARD_MEMORY_GB = (1.0, 10_000.0)
+CardMemory = Annotated[
+    float,
+    _NUMBER,
+    _rule(
+        lambda v: CARD_MEMORY_GB[0] <= v <= CARD_MEMORY_GB[1],
+        f"must be a card's memory in GB ({CARD_MEMORY_GB[0]:g} to {CARD_MEMORY_GB[1]:,.0f})",
+    ),
 ]
 # An adapter on no part trains nothing (`--targets ,` was planned as if it were a run).
 Targets = Annotated[
     list[Target], _rule(lambda v: len(v) > 0, "must name at least one part to train")
 ]
-Port = Annotated[int, _rule(lambda v: 0 < v < 65536, "must be a TCP port (1-65535)")]
+Port = Annotated[int, _NUMBER, _rule(lambda v: 0 < v < 65536, "must be a TCP port (1-65535)")]
 
 
 class _Section(BaseModel):

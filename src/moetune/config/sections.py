@@ -15,6 +15,7 @@ from pydantic import (
 
 from moetune.config.base import (
     DEFAULT_TARGETS,
+    CardMemory,
     FiniteFloat,
     Fraction,
     LoraRank,
@@ -443,7 +444,7 @@ class HardwareArgs(_Section):
         description="Card id from `moetune plan` (e.g. H100-80GB), or an unlisted card by its "
         "memory (e.g. 24GB: planned by memory alone, no time or cost estimate).",
     )
-    card_memory_gb: PositiveFloat | None = Field(
+    card_memory_gb: CardMemory | None = Field(
         None,
         description="An unlisted card by its memory in GB (as marketed): the same as "
         "hardware.card: <N>GB, which it sets.",

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,8 +51,9 @@ def _first_line(exc: BaseException) -> str:
 
 def _numbered(parts: Sequence[tuple[str, Iterable[Any]]]) -> Iterator[Located]:
     """Rows numbered within each part ("row 3", or "(json files) row 3" in a mixed dir)."""
-    for tag, rows in parts:
-        yield from ((f"{tag}row {n}", row) for n, row in enumerate(rows, 1))
+    with quiet_json_reader():  # a streamed source is read here, past _guarded
+        for tag, rows in parts:
+            yield from ((f"{tag}row {n}", row) for n, row in enumerate(rows, 1))
 
 
 def _split_of(found: Any, src: SourceArgs) -> Any:
@@ -71,13 +74,30 @@ def _split_of(found: Any, src: SourceArgs) -> Any:
     return found[src.split]
 
 
+# datasets' json reader logs each unparsable file at ERROR before it raises: on stderr, a
+# line with no fix beside (or, after lint's report, instead of) the DataError naming it
+JSON_LOGGER = "datasets.packaged_modules.json.json"
+
+
+@contextmanager
+def quiet_json_reader() -> Iterator[None]:
+    log = logging.getLogger(JSON_LOGGER)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:
     """datasets' loading errors, as one line naming the source."""
     # lazy: heavy to import (datasets)
     from datasets.exceptions import DatasetNotFoundError, DatasetsError
 
     try:
-        return load()
+        with quiet_json_reader():
+            return load()
     except DataError:
         raise
     except DatasetNotFoundError:
@@ -92,14 +112,41 @@ def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:
             "(offline?) and the local dataset cache has no copy",
             "check data.sources[].path, or load it once online (it is cached for offline runs)",
         ) from None
-    except (DatasetsError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
-        why = exc.__cause__ or exc  # DatasetGenerationError says only "an error occurred"
-        if (twice := duplicate_key(label(src), why)) is not None:
-            raise twice from None
+    except StopIteration:  # datasets' streamed json reader peeks a first table: none there
         raise DataError(
-            f"source {label(src)}: cannot be read ({_first_line(why)})",
-            "check the files are valid json / parquet / csv / arrow, and the name and split",
+            f"source {label(src)}: holds no rows datasets can read (empty, or no JSON rows)",
+            "check the file: one JSON object a line (or a json / parquet / csv / arrow file)",
         ) from None
+    except (DatasetsError, OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise unreadable(src, exc) from None
+
+
+def unreadable(src: SourceArgs, exc: BaseException) -> DataError:
+    """What datasets could not read, in one line: a key twice in a row named as such."""
+    why = exc.__cause__ or exc  # DatasetGenerationError says only "an error occurred"
+    if (twice := duplicate_key(label(src), why)) is not None:
+        return twice
+    return DataError(
+        f"source {label(src)}: cannot be read ({_first_line(why)})",
+        "check the files are valid json / parquet / csv / arrow, and the name and split",
+    )
+
+
+def _streamed(src: SourceArgs) -> Iterator[Located]:
+    """The streamed rows; a file datasets fails to parse while they are read (a streamed
+    json file is parsed here, past _guarded: ArrowInvalid, a ValueError) named as _guarded
+    names it."""
+    rows = _numbered(_parts(src, streaming=True))
+    while True:
+        try:
+            item = next(rows)
+        except StopIteration:
+            return
+        except DataError:
+            raise
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+            raise unreadable(src, exc) from None
+        yield item
 
 
 def _load_dataset(src: SourceArgs, streaming: bool, *args: Any, **kw: Any) -> Any:
@@ -221,8 +268,5 @@ def read_source(src: SourceArgs) -> list[Located]:
 
 
 def stream_source(src: SourceArgs) -> Iterator[Located]:
-    """The source's rows read lazily (data.streaming), its first max_rows; datasets reads
-    a file as it streams, so its errors (a key twice in a row …) come here, one line each."""
-    rows = islice(_numbered(_parts(src, streaming=True)), src.max_rows)
-    while (row := _guarded(src, lambda: next(rows, None))) is not None:
-        yield row
+    """The source's rows read lazily (data.streaming), its first max_rows."""
+    return islice(_streamed(src), src.max_rows)

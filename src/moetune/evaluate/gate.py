@@ -29,6 +29,10 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
+from moetune.config import GateArgs
+from moetune.errors import clip
 from moetune.evaluate.errors import GateError
 from moetune.evaluate.results import (
     RungDoc,
@@ -214,8 +218,9 @@ def gate_results(
 ) -> dict[str, Any]:
     """Decide from a results dir; writes verdict.json there and a `gate` ledger row."""
     results = Path(results)
+    given = checked_alpha(alpha)
     ladder, checked = read_ladder(results)
-    alpha = alpha if alpha is not None else checked.gate.alpha
+    alpha = given if given is not None else checked.gate.alpha
     rungs = checked.rungs
     doc = decide([rule_of(r) for r in rungs], [read_pairs(results, r) for r in rungs], alpha)
     doc = with_examples(results, rungs, doc)
@@ -225,6 +230,19 @@ def gate_results(
     metrics = {"verdict": doc["verdict"], "hash": doc["hash"], "results": str(results)}
     record(ladder, ledger, "gate", metrics, doc["reason"], GATE_STATUS[doc["verdict"]])
     return doc
+
+
+def checked_alpha(alpha: Any) -> float | None:
+    """--alpha as gate.alpha takes it (a rate in (0, 0.5)): an alpha of 1 or NaN would
+    decide a verdict on bounds no rung can fail – a GO nobody asked for."""
+    if alpha is None:
+        return None
+    try:
+        return GateArgs(alpha=alpha).alpha
+    except ValidationError:
+        raise GateError(f"--alpha {clip(repr(alpha), 40)} is not a family-wise error rate "
+                        "in (0, 0.5)", "pass --alpha 0.05 (or leave it out: the ladder's)"
+                        ) from None  # fmt: skip
 
 
 # the gate row's ledger status: a NO-GO is the gate working, but never an `ok` adapter

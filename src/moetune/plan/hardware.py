@@ -20,6 +20,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
+from moetune.config.base import CARD_MEMORY_GB
 from moetune.errors import UnknownCardError
 
 GiB = 1024**3
@@ -203,7 +204,7 @@ def get_card(card_id: str) -> Card:
     if key in _HOST_CARDS:
         return _HOST_CARDS[key]()
     if (gib_ := _memory_of(key)) is not None:
-        return card_by_memory(gib_)
+        return card_by_memory(check_card_memory(gib_, f"card {card_id!r}"))
     by_lower = {k.lower(): v for k, v in _catalog().items()}
     if (card := by_lower.get(key) or by_lower.get(re.sub(r"[\s_]+", "-", key))) is not None:
         return card
@@ -222,7 +223,18 @@ _MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*gi?b$")
 def _memory_of(key: str) -> float | None:
     """24 from "24gb" / "24 gib"; None for anything else."""
     match = _MEMORY.match(key)
-    return float(match.group(1)) if match and float(match.group(1)) > 0 else None
+    return float(match.group(1)) if match else None
+
+
+def check_card_memory(gb: float, what: str) -> float:
+    """`gb`, refused where no card has that much memory (CARD_MEMORY_GB)."""
+    low, high = CARD_MEMORY_GB
+    if not low <= gb <= high:
+        raise UnknownCardError(
+            f"{what} gives a card memory of {gb:g} GB, outside {low:g} to {high:,.0f} GB",
+            "give the card's memory in GB as marketed (e.g. --card 24GB), or a catalog card",
+        )
+    return gb
 
 
 BY_MEMORY_LIKE = "RTX-4090"  # an unlisted card's driver reserve is taken as this one's share

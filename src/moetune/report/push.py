@@ -11,6 +11,7 @@ then `create_commit`); its token is whatever huggingface_hub finds (HF_TOKEN, or
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,11 @@ class PushOptions:
 def push(run_dir: Path | str, opts: PushOptions) -> dict[str, Any]:
     """Upload and return what went up: repo, url, commit, files, the card (a `push` ledger
     row either way: a refusal is a failed row with its cause)."""
+    if opts.results_dir is not None and not Path(opts.results_dir).is_dir():
+        raise PushError(
+            f"--results {clip(opts.results_dir, 100)} is not a directory",
+            "pass the results dir `moetune eval` wrote (default RUN_DIR/eval)",
+        )
     inp = load_inputs(Path(run_dir), opts.results_dir)
     ledger = opts.ledger or Path(str(lookup(inp.config, "output.ledger") or DEFAULT_PATH))
     with attempt(ledger, "push", run_id=inp.run_dir.resolve().name) as row:
@@ -57,9 +63,7 @@ def push(run_dir: Path | str, opts: PushOptions) -> dict[str, Any]:
 
 
 def _push(inp: Inputs, opts: PushOptions) -> dict[str, Any]:
-    if not HUB_ID.match(opts.repo):
-        raise PushError(f"--repo {clip(opts.repo, 80)} is not a Hub repo id",
-                        "pass it as user/name (or org/name)")  # fmt: skip
+    check_ids(opts)
     folder, what = source(inp, opts.export)
     refusal = vouch(inp, folder, opts.export)
     if refusal and not opts.unpromoted:
@@ -74,6 +78,38 @@ def _push(inp: Inputs, opts: PushOptions) -> dict[str, Any]:
             "bytes": sum((folder / f).stat().st_size for f in files) + len(card.encode()),
             "vouched": refusal is None, "refusal": refusal, "base_model": base,
             "card": card}  # fmt: skip
+
+
+# the Hub's license ids: lower case, digits, '.', '-', '+' (apache-2.0, cc-by-nc-4.0, openrail++)
+LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.+-]{0,63}$")
+
+
+def check_ids(opts: PushOptions) -> None:
+    """The names that go into the upload and its card, checked before anything is sent: a
+    repo id or a base the Hub refuses after `create_repo` leaves an empty repo behind."""
+    for flag, repo in (("--repo", opts.repo), ("--base-model", opts.base_model)):
+        if repo is not None and (why := _not_repo_id(repo, flag == "--repo")):
+            raise PushError(f"{flag} {clip(masked(repo), 80)} is not a Hub repo id ({why})",
+                            "pass it as user/name (or org/name)")  # fmt: skip
+    if opts.license is not None and not LICENSE_ID.match(opts.license):
+        raise PushError(f"--license {clip(masked(opts.license), 60)} is not a Hub license id",
+                        "pass one such as apache-2.0, mit or other (lower case)")  # fmt: skip
+
+
+def _not_repo_id(repo: str, namespaced: bool) -> str | None:
+    """Why `repo` is no Hub id (None: it is one), by huggingface_hub's own rule; a repo to
+    create needs its user/ (a base may be a legacy id without one, as gpt2)."""
+    # lazy: heavy to import (huggingface_hub)
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if namespaced and not HUB_ID.match(repo):
+        return "not user/name"
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        return "letters, digits, '-', '_', '.', no '--' or '..', at most 96 characters"
+    return None
 
 
 def source(inp: Inputs, export: str | None) -> tuple[Path, str]:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from moetune.engine.quant.stacks import QuantError, register
-from moetune.engine.stored.formats import Buffers, StoredFormat, divides
+from moetune.engine.stored.formats import Buffers, StoredFormat, divides, group_size
 from moetune.engine.stored.words import pack_words, parts_of, unpack_words
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a word holds column ORDER[k]
@@ -48,7 +48,7 @@ class AWQ(StoredFormat):
             return False
         version, bits = str(qcfg.get("version", "gemm")).lower(), qcfg.get("bits", 4)
         if version != "gemm" or bits != 4 or qcfg.get("zero_point", True) is False:
-            raise QuantError(f"AWQ {version} with {bits}-bit codes (zero_point "
+            raise QuantError(f"AWQ {version} with {bits!r}-bit codes (zero_point "
                              f"{qcfg.get('zero_point', True)}) is not read",
                              "use a 4-bit AWQ GEMM checkpoint, or its bf16 release")  # fmt: skip
         return True
@@ -59,7 +59,7 @@ class AWQ(StoredFormat):
 
     @classmethod
     def options(cls, qcfg: dict[str, Any]) -> dict[str, Any]:
-        return {"group": qcfg.get("group_size", 128)}
+        return {"group": group_size(qcfg.get("group_size", 128), "AWQ")}
 
     @classmethod
     def config(cls, group: int = 32, **options: Any) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from moetune.model.hf_config import quant_config_of
 from moetune.model.sources import resolve_config
 
 Buffers = dict[str, torch.Tensor]
+# no stored format keeps its codes in these (its scales, yes)
+WIDE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (FP8 scales, NVFP4's second level)
 
 
@@ -85,6 +87,13 @@ class StoredFormat(Quantizer):
                     f"for a [{out_in[0]}, {out_in[1]}] weight",
                     "use the config.json published with these weights (or re-download them)",
                 )
+        for name, buf in buffers.items():  # codes are integers or fp8: a float is another file
+            if name not in cls.scales and buf.dtype in WIDE_FLOATS:
+                raise QuantError(f"{where}: {cls.name} tensor {name!r} is "
+                                 f"{str(buf.dtype).removeprefix('torch.')}, where the format "
+                                 "stores codes (integers or fp8), so its values would be "
+                                 "misread", "use the checkpoint as published (a float file "
+                                 "with these keys belongs to another release)")  # fmt: skip
         for name in cls.scales:
             if not cls.scale_dtype_ok(buffers[name]):  # an int read as a float is silently wrong
                 raise QuantError(f"{where}: {cls.name} scales {name!r} are "
@@ -167,6 +176,7 @@ _FORMATS: dict[str, type[StoredFormat] | QuantError | None] = {}
 
 def decide_format(qcfg: dict[str, Any]) -> type[StoredFormat] | None:
     """The decision itself (stored_format keeps it for the process)."""
+    check_config_groups(qcfg)
     for fmt in stored_formats():
         if fmt.reads(qcfg):  # configured: its block size is the config's, never the grid's
             return fmt.configured(**fmt.options(qcfg))  # type: ignore[return-value]
@@ -217,6 +227,35 @@ def missing_library(qcfg: dict[str, Any]) -> str | None:
     except Exception:  # not a missing library: the loader's own error, on the loading machine
         return None
     return None
+
+
+FROM_PUBLISHER = "use the config.json published with these weights"
+
+
+def check_config_groups(qcfg: dict[str, Any]) -> None:
+    """compressed-tensors' config_groups: a mapping of groups, each a mapping (every reader
+    asks `.values()` and `.get` of them: a list or a scheme's name would fail as an
+    AttributeError)."""
+    if qcfg.get("quant_method") != "compressed-tensors":
+        return
+    groups = qcfg.get("config_groups") or {}
+    bad = [type(groups).__name__] if not isinstance(groups, dict) else [
+        f"{name!r} is a {type(g).__name__}" for name, g in groups.items() if not isinstance(g, dict)
+    ]  # fmt: skip
+    if bad:
+        raise QuantError(f"compressed-tensors config_groups of the wrong shape ({bad[0]}, not a "
+                         "mapping of groups)", FROM_PUBLISHER)  # fmt: skip
+
+
+def group_size(value: Any, fmt: str, channel: tuple[Any, ...] = ()) -> int:
+    """A config's group_size: a positive int, 0 for a value in `channel` (the format's "one
+    group a row"). A str, bool, float, 0 or negative size is refused: read as it was, it
+    planned negative bytes, divided by zero or failed as a TypeError."""
+    if any(value is c or (type(value) is int and value == c) for c in channel):
+        return 0
+    if type(value) is int and value > 0:
+        return value
+    raise QuantError(f"{fmt} group_size {value!r} is not a positive integer", FROM_PUBLISHER)
 
 
 def describe(qcfg: dict[str, Any]) -> str:

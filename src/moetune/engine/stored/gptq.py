@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from moetune.engine.quant.stacks import QuantError, register
-from moetune.engine.stored.formats import Buffers, StoredFormat, divides
+from moetune.engine.stored.formats import Buffers, StoredFormat, divides, group_size
 from moetune.engine.stored.words import (
     bits_of,
     check_groups,
@@ -33,7 +33,7 @@ _FIX = "use a 4- or 8-bit GPTQ checkpoint, or its bf16 release"
 def gptq_bits(qcfg: dict[str, Any]) -> int:
     bits = qcfg.get("bits", 4)
     if bits not in (4, 8):
-        raise QuantError(f"GPTQ with {bits}-bit codes is not read", _FIX)
+        raise QuantError(f"GPTQ with {bits!r}-bit codes is not read", _FIX)
     return int(bits)
 
 
@@ -68,8 +68,8 @@ class GPTQ(StoredFormat):
 
     @classmethod
     def options(cls, qcfg: dict[str, Any]) -> dict[str, Any]:
-        group = qcfg.get("group_size", 128)
-        return {"group": 0 if group in (None, -1) else group, "bits": gptq_bits(qcfg)}
+        group = group_size(qcfg.get("group_size", 128), "GPTQ", channel=(None, -1))
+        return {"group": group, "bits": gptq_bits(qcfg)}
 
     @classmethod
     def config(cls, group: int = 32, bits: int = 4, **options: Any) -> dict[str, Any]:

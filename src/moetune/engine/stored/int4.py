@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from moetune.engine.quant.stacks import QuantError, register
-from moetune.engine.stored.formats import Buffers, StoredFormat, divides
+from moetune.engine.stored.formats import Buffers, StoredFormat, divides, group_size
 from moetune.engine.stored.words import (
     bits_of,
     check_groups,
@@ -118,7 +118,8 @@ class Int4Packed(StoredFormat):
             iter(g.get("weights") or {} for g in (qcfg.get("config_groups") or {}).values()), {}
         )
         group = w.get("group_size") if w.get("strategy") in (None, "group") else 0
-        return {"group": 128 if group is None else group, "bits": w.get("num_bits", 4)}
+        size = 128 if group is None else group_size(group, "compressed-tensors", channel=(0,))
+        return {"group": size, "bits": w.get("num_bits", 4)}
 
     @classmethod
     def configured(cls, bits: int | None = None, **_: Any) -> type[Int4Packed]:
