@@ -32,7 +32,6 @@ EXPECT: dict[str, tuple[list[str], str]] = {
     "census_tiers.py": ([], r'"passed": \{"count": 3, "recipe": 3, "plan": 3\}'),
     "experts_lora.py": ([], r"speed.*\d"),
     "gemma4_terms.py": ([], r"\| census shape .*\| 128 \| \d+\.\d / \d+\.\d \|"),
-    "gpu_validate.py": (["--cases", "30b-peft-2k", "--no-tracker"], r"30b-peft-2k"),
     "grpo_routing.py": ([], r"\| deepseek_v3 tiny \| bfloat16 \| \d+ \| \d+\.\d+% \|.*\| 100% \|"),
     "kt_kernel.py": ([], r"CPU .*; flags: "),  # without kt-kernel (its own venv): flags + why
     # each path's output and LoRA grads agree with peft's (≤ 1e-4) or the script exits 1
@@ -47,8 +46,12 @@ EXPECT: dict[str, tuple[list[str], str]] = {
 }
 
 
-# Scripts whose --smoke a test of their own already runs in a subprocess (not run twice).
-COVERED = {"offload_disk.py": ("test_train_offload.py", "test_disk_benchmark_smoke")}
+# Scripts whose --smoke a test of their own already runs (not run twice): offload_disk in a
+# subprocess; gpu_validate through its main() with three cases, the one here among them.
+COVERED = {
+    "offload_disk.py": ("test_train_offload.py", "test_disk_benchmark_smoke"),
+    "gpu_validate.py": ("test_gpu_validate.py", "test_smoke_measures_every_case_byte_exact"),
+}
 
 
 def _digest() -> str:
