@@ -236,6 +236,7 @@ def test_disk_full_while_copying_leaves_no_partial_adapter(
     assert any(r.metrics.get("signature") == "No space left on device" for r in rows)
 
 
+@pytest.mark.slow  # a whole launch (train, kill, resume): ~50 s quiet
 def test_controller_killed_then_resumed_finishes_the_run(
     tmp_path: Path, data: dict[str, Path]
 ) -> None:
@@ -278,6 +279,9 @@ def test_resume_of_an_unknown_run_names_the_known_ones(
         launch(cfg, tmp_path / "run.yaml", resume="nope", show=False)
 
 
+# a whole launch over the real sshd, ~50 s quiet (the default tier drives that sshd through
+# test_lane_ssh and test_lane_nodes)
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(), reason="OpenSSH server not installed")
 def test_launch_over_ssh_to_a_real_sshd(
     tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
@@ -367,6 +371,7 @@ def test_pod_dies_during_eval_after_the_adapter_was_banked(
     assert [k for k, _ in kinds(tmp_path)].count("train") == 1
 
 
+@pytest.mark.slow  # a whole launch (train, kill, resume): ~50 s quiet
 def test_pod_dies_during_train_and_resume_continues_on_a_new_pod(
     tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
