@@ -56,17 +56,23 @@ def _factors(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
 
 
-def _rank(rank: int, store: str, out: str) -> None:
-    """One forked gloo rank: one process on the whole batch; ep on its half, balanced."""
-    from moetune.engine.ep_placement import _permuted
-
+def _joined(rank: int, store: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """This forked rank in a 2-rank gloo group; the batch and the one-process model every
+    rank builds alike (same seeds)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))  # fmt: skip
     torch.manual_seed(3)
     ids = torch.randint(0, 64, (4, 12))
     weights = torch.randn(4, 12, 64, dtype=torch.float64)
-    one = _tiny_model(0)
+    return ids, weights, _tiny_model(0)
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    """One forked gloo rank: one process on the whole batch; ep on its half, balanced."""
+    from moetune.engine.ep_placement import _permuted
+
+    ids, weights, one = _joined(rank, store)
     saved = _factors(one)
     want = _grads(one, ids, weights)
     model, mine = _tiny_model(0), slice(rank * 2, rank * 2 + 2)
@@ -194,13 +200,7 @@ def _select_rank(rank: int, store: str, out: str) -> None:
     """One forked gloo rank: selected experts under ep against one process, same selection."""
     from moetune.engine.expert_parallel import ep_mesh, shard_experts
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))  # fmt: skip
-    torch.manual_seed(3)
-    ids = torch.randint(0, 64, (4, 12))
-    weights = torch.randn(4, 12, 64, dtype=torch.float64)
-    one = _tiny_model(0)
+    ids, weights, one = _joined(rank, store)
     _kept(one)
     want = _grads(one, ids, weights)
     model, mine = _tiny_model(0), slice(rank * 2, rank * 2 + 2)

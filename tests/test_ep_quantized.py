@@ -302,19 +302,16 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.slow
-def test_cli_ep_over_a_stored_fp8_base_trains_as_one_process(bases, tmp_path):
-    """`moetune train --nproc 2 --strategy ep` over DeepSeek's block-FP8 release (kept as
-    stored, sharded): every step's loss equals one process (batch 4 against 2 × 2, fp32,
-    1e-5), and so does every adapter tensor but the experts' (1e-4: see below); each rank
-    read half the experts' stored bytes."""
+def _two_ranks_and_one(base: Path, data: Path, tmp_path: Path, **over: Any) -> None:
+    """`moetune train --nproc 2 --strategy ep` (batch 2 a rank) into tmp_path/two and one
+    process (batch 4) into tmp_path/one, 3 steps each: every step's loss equal (1e-5)."""
     from moetune.config import dump_config
     from test_train_distributed import _train
     from test_train_helpers import run_config
 
-    def write(name: str, **over: Any) -> Path:
-        cfg = run_config(bases["fp8"], bases["data"], tmp_path / name, max_steps=3,
-                         save_steps=3, lora__targets=["attention", "experts"], **over)  # fmt: skip
+    def write(name: str, **more: Any) -> Path:
+        cfg = run_config(base, data, tmp_path / name, max_steps=3, save_steps=3,
+                         lora__targets=["attention", "experts"], **over, **more)  # fmt: skip
         (tmp_path / f"{name}.yaml").write_text(dump_config(cfg))
         return tmp_path / f"{name}.yaml"
 
@@ -323,6 +320,15 @@ def test_cli_ep_over_a_stored_fp8_base_trains_as_one_process(bases, tmp_path):
     got, want = _losses(tmp_path / "two"), _losses(tmp_path / "one")
     assert len(got) == len(want) == 3
     assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+
+
+@pytest.mark.slow
+def test_cli_ep_over_a_stored_fp8_base_trains_as_one_process(bases, tmp_path):
+    """`moetune train --nproc 2 --strategy ep` over DeepSeek's block-FP8 release (kept as
+    stored, sharded): every step's loss equals one process (batch 4 against 2 × 2, fp32,
+    1e-5), and so does every adapter tensor but the experts' (1e-4: see below); each rank
+    read half the experts' stored bytes."""
+    _two_ranks_and_one(bases["fp8"], bases["data"], tmp_path)
     got_a, want_a = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors"))
                      for r in ("two", "one"))  # fmt: skip
     rel = {k: float((got_a[k] - v).norm() / v.norm()) for k, v in want_a.items()}
@@ -343,24 +349,11 @@ def test_cli_ep_with_nf4_experts_trains_as_one_process(bases, tmp_path):
     """`moetune train --nproc 2 --strategy ep` with model.experts_dtype nf4 (each rank
     quantises its own experts): 3 steps' loss and the adapter equal one process (batch 4
     against 2 × 2, fp32, 1e-5); each rank read half the float stacks."""
-    from moetune.config import dump_config
-    from test_train_distributed import _rel_diff, _train
-    from test_train_helpers import run_config, save_tiny_model
+    from test_train_distributed import _rel_diff
+    from test_train_helpers import save_tiny_model
 
     base = save_tiny_model(tmp_path / "base")
-
-    def write(name: str, **over: Any) -> Path:
-        cfg = run_config(base, bases["data"], tmp_path / name, max_steps=3, save_steps=3,
-                         lora__targets=["attention", "experts"], **over)  # fmt: skip
-        cfg.model.experts_dtype = "nf4"
-        (tmp_path / f"{name}.yaml").write_text(dump_config(cfg))
-        return tmp_path / f"{name}.yaml"
-
-    _train(write("two", batch_size=2, nproc=2, strategy="ep"), log=tmp_path / "two.log")
-    _train(write("one", batch_size=4), log=tmp_path / "one.log")
-    got, want = _losses(tmp_path / "two"), _losses(tmp_path / "one")
-    assert len(got) == len(want) == 3
-    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+    _two_ranks_and_one(base, bases["data"], tmp_path, model__experts_dtype="nf4")
     assert _rel_diff(tmp_path / "two", tmp_path / "one") < 1e-5
     ran = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert all(2 * r["expert_bytes_read"] == r["expert_stack_bytes"]

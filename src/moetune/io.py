@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -348,3 +349,16 @@ def output_problem(path: Path, marks: tuple[bytes, ...], what: str) -> str | Non
     if any(mark in head for mark in marks):
         return None
     return f"exists and is not {what} moetune wrote; it is never overwritten"
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str, level: int = logging.ERROR) -> Iterator[None]:
+    """Raise the logger `name` to `level` for the block: its lines below that are noise
+    where moetune says the same thing once, with a fix."""
+    log = logging.getLogger(name)
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)

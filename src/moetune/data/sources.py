@@ -20,7 +20,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +29,7 @@ from moetune.data.columns import duplicate_key, refuse_duplicate_columns
 from moetune.data.dirs import BUILDERS, refuse_unread, split_files
 from moetune.data.errors import DataError
 from moetune.data.files import READERS, read_rows, refuse_special
-from moetune.io import unwritable
+from moetune.io import quiet_logger, unwritable
 
 if TYPE_CHECKING:
     from moetune.config import SourceArgs
@@ -79,15 +79,8 @@ def _split_of(found: Any, src: SourceArgs) -> Any:
 JSON_LOGGER = "datasets.packaged_modules.json.json"
 
 
-@contextmanager
-def quiet_json_reader() -> Iterator[None]:
-    log = logging.getLogger(JSON_LOGGER)
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
+def quiet_json_reader() -> AbstractContextManager[None]:
+    return quiet_logger(JSON_LOGGER, logging.CRITICAL)
 
 
 def _guarded(src: SourceArgs, load: Callable[[], Any]) -> Any:

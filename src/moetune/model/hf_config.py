@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 from moetune.errors import ConfigError, ModelSourceError
+from moetune.io import quiet_logger
 
 # Keys moetune adds to catalog files, and checkpoint-only settings that must not reach a
 # bf16 build (from_config would try to set up the quantizer).
@@ -51,16 +50,9 @@ def plain_floats(value: Any) -> Any:
     return value
 
 
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> AbstractContextManager[None]:
     """Config-sanity warnings (e.g. eos id outside a tiny vocab) are noise when planning."""
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return quiet_logger("transformers")
 
 
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's export, beside config.json
