@@ -129,7 +129,6 @@ HEAVY_NUMBERS = ("neg", "huge", "inf", "nan", "empty")
 # where a flag's "bad" values are legal (a seed may be any integer >= 0 …)
 NUMERIC_OK = {
     ("--seed", "huge"): "any",
-    ("--host-ram", "huge"): "any",
     ("--ctx", "huge"): "any",
     ("--limit", "huge"): "any",
 }  # a limit above the items takes them all

@@ -121,3 +121,20 @@ def test_verdict_hash_covers_content() -> None:
 def test_gate_needs_a_rung() -> None:
     with pytest.raises(ValueError):
         decide([], [])
+
+
+def test_a_verdict_short_of_go_says_what_to_do_next_inside_its_hash() -> None:
+    """INCONCLUSIVE names the items that would decide (never a lower bar); NO-GO says not to
+    promote; GO carries no fix. The fix is part of what the hash (and PROMOTED) vouches for."""
+    open_ = decide([protected("kept")], [paired([1.0] * 5, [1.0] * 5)])
+    needed = open_["rungs"][0]["n_needed"]
+    assert f"kept about {needed} (has 5)" in open_["fix"] and "--limit" in open_["fix"]
+    assert open_["hash"] == verdict_hash(open_)
+    assert verdict_hash({**open_, "fix": "lower the margin"}) != open_["hash"]
+    on_threshold = decide(
+        [target("new", 0.0)], [paired([0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0])]
+    )
+    assert on_threshold["verdict"] == "INCONCLUSIVE" and "new more than 4" in on_threshold["fix"]
+    failed = decide([protected("copy")], [paired([1.0] * 100, [1.0] * 60 + [0.0] * 40)])
+    assert failed["fix"].startswith("do not promote") and "copy" in failed["fix"]
+    assert "fix" not in decide([protected()], [paired([1.0] * 100, [1.0] * 100)])

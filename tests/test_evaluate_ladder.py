@@ -126,6 +126,7 @@ def test_broken_adapter_is_no_go_and_never_promoted(
     out = invoke("eval", str(config), "--adapter", str(adapters["broken"]))
     assert out.exit_code == 1, out.output  # as `gate`: `eval && export` stops at a NO-GO
     assert "NO-GO" in out.stdout and "failing rungs, worst items" in out.stdout
+    assert out.stderr.strip().splitlines()[-1].startswith("fix: do not promote")  # after warnings
     gated = invoke("gate", str(tmp_path / "run" / "eval"), "--promote", "--json")
     assert gated.exit_code == 1
     doc = json.loads(gated.stdout)
@@ -154,7 +155,11 @@ def test_limit_gives_inconclusive_never_go(
     doc = json.loads(out.stdout)
     assert doc["verdict"] == "INCONCLUSIVE" and out.exit_code == 1  # never GO: exit 1
     assert all(r["n"] == 4 and r["n_needed"] > 4 for r in doc["rungs"])
-    assert invoke("gate", str(tmp_path / "run" / "eval")).exit_code == 1
+    # what to do next, in the --json object (stderr stays empty) and after the table
+    first = doc["rungs"][0]
+    assert f"{first['name']} about {first['n_needed']} (has 4)" in doc["fix"] and not out.stderr
+    gated = invoke("gate", str(tmp_path / "run" / "eval"))
+    assert gated.exit_code == 1 and gated.stderr.strip().startswith("fix: score more items")
     # a caller that gates the results itself (the lane, on a pod) asks for exit 0
     again = ("eval", str(config), "--adapter", str(adapters["identity"]), "--limit", "4")
     assert invoke(*again, "--overwrite", "--no-gate-exit").exit_code == 0

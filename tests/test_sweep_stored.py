@@ -224,6 +224,13 @@ FILES: list[tuple[str, str, Edit, str]] = [
     # scales or zeros missing, of an integer dtype, transposed; one expert missing or short
     ("fp8-block", "scales-missing", _drop("scale_inv"), "has no 'weight_scale_inv' tensors"),
     ("fp8-block", "scales-int", _as("scale_inv", torch.int32), "are int32, not the format's"),
+    # every integer dtype safetensors stores is named (was: int16 / uint16 … "has no" tensors)
+    ("fp8-block", "scales-int16", _as("scale_inv", torch.int16), "are int16, not the format's"),
+    ("awq", "scales-int16", _as("scales", torch.int16), "'scales' are int16"),
+    ("nvfp4", "global-scale-uint16", _as("scale_2", torch.uint16), "'scale_2' are uint16"),
+    ("ct-int4", "scales-uint32", _as("scale", torch.uint32), "'scale' are uint32"),
+    ("gptq", "scales-uint64", _as("scales", torch.uint64), "'scales' are uint64"),
+    ("fp8-channel", "scales-bool", _as("scale", torch.bool), "'scale' are bool"),
     ("fp8-block", "scales-transposed", _transposed("scale_inv"), "scale grid [4, 2] is not"),
     ("fp8-channel", "scales-missing", _drop("scale"), "has no 'weight_scale' tensors"),
     ("mxfp4", "scales-missing", _drop("scales"), "has no 'weight_scales' tensors"),

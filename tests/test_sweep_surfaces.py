@@ -156,6 +156,22 @@ CASES: list[tuple[str, list[str], str]] = [
      "must be a number, not true / false"),  # was: planned a 1 GB card
     ("memory/and-card", ["plan", "{d}/run.yaml", "--set", "hardware.card=H100-80GB", "--set",
                          "hardware.card_memory_gb=24"], "both name the card"),
+    # the other sizes in GB are held like the card's (was: host_ram_gb=1e300 planned a fit)
+    ("host-ram/1e300", ["plan", "{d}/run.yaml", "--host-ram", "1e300"],
+     "hardware.host_ram_gb must be a node's RAM in GB (1 to 100,000)"),
+    ("host-ram/inf", ["plan", "{d}/run.yaml", "--set", "hardware.host_ram_gb=inf"], "(got inf)"),
+    ("host-ram/nan", ["plan", "{d}/run.yaml", "--set", "hardware.host_ram_gb=nan"], "(got nan)"),
+    ("host-ram/0", ["plan", "{d}/run.yaml", "--set", "hardware.host_ram_gb=0"], "node's RAM"),
+    ("host-ram/negative", ["plan", "{d}/run.yaml", "--set", "hardware.host_ram_gb=-64"],
+     "node's RAM"),
+    ("host-ram/true", ["plan", "{d}/run.yaml", "--set", "hardware.host_ram_gb=true"],
+     "not true / false"),
+    ("disk/1e300", ["plan", "{d}/run.yaml", "--set", "hardware.disk_gb=1e300"],
+     "hardware.disk_gb: must be a disk's size in GB (1 to 1,000,000)"),
+    ("disk/volume-absurd", ["plan", "{d}/run.yaml", "--set", "lane.volume_gb=1000000000"],
+     "lane.volume_gb: must be a disk's size"),
+    ("disk/container-absurd", ["plan", "{d}/run.yaml", "--set",
+                               "lane.runpod.container_disk_gb=1000000000"], "disk's size"),
 ]  # fmt: skip
 
 

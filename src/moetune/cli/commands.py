@@ -396,6 +396,8 @@ def _print_verdict(doc: dict[str, Any], results: Path) -> None:
     if shown := examples_table(doc):
         console.print(shown)
     console.print(f"results: {escape(str(results))}")
+    if doc.get("fix"):  # a verdict short of GO says what to do next (exit 1 follows)
+        err_console.print(f"fix: {escape(doc['fix'])}", soft_wrap=True)
 
 
 @app.command(name="eval")

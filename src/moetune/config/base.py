@@ -64,17 +64,26 @@ Percent = Annotated[
     _NUMBER,
     _rule(lambda v: _finite(v) and 0 <= v <= 100, "must be a percentage in [0, 100]"),
 ]
+
+
+def _gb_within(bounds: tuple[float, float], what: str) -> AfterValidator:
+    """A size in GB held to `bounds`: past them it is a typo (bytes given as GB, 1e300), and
+    a plan on it would fit anything (or, at inf / nan, nothing) without a word."""
+    low, high = bounds
+    return _rule(lambda v: low <= v <= high, f"must be {what} in GB ({low:g} to {high:,.0f})")
+
+
 # An unlisted card's memory: below 1 GB or past 10 TB it is a typo (1e9 for 1e9 bytes …),
 # and its name (`f"{gb:g}GB"`, "1e+09GB") would no longer read back as a memory.
 CARD_MEMORY_GB = (1.0, 10_000.0)
-CardMemory = Annotated[
-    float,
-    _NUMBER,
-    _rule(
-        lambda v: CARD_MEMORY_GB[0] <= v <= CARD_MEMORY_GB[1],
-        f"must be a card's memory in GB ({CARD_MEMORY_GB[0]:g} to {CARD_MEMORY_GB[1]:,.0f})",
-    ),
-]
+CardMemory = Annotated[float, _NUMBER, _gb_within(CARD_MEMORY_GB, "a card's memory")]
+# A node's RAM: the largest servers hold tens of TB; 100 TB per node is past any of them.
+HOST_RAM_GB = (1.0, 100_000.0)
+HostRam = Annotated[float, _NUMBER, _gb_within(HOST_RAM_GB, "a node's RAM")]
+# A disk (free space, a pod's volume): 1 PB per node is past any one node's disks.
+DISK_GB = (1.0, 1_000_000.0)
+DiskSize = Annotated[float, _NUMBER, _gb_within(DISK_GB, "a disk's size")]
+DiskSizeInt = Annotated[int, _NUMBER, _gb_within(DISK_GB, "a disk's size")]
 # An adapter on no part trains nothing (`--targets ,` was planned as if it were a run).
 Targets = Annotated[
     list[Target], _rule(lambda v: len(v) > 0, "must name at least one part to train")

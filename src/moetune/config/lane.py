@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from moetune.config.base import (
+    DiskSizeInt,
     NonNegativeInt,
     Percent,
     Port,
@@ -45,7 +46,7 @@ class RunpodArgs(_Section):
         description="Container image of the pod.",
     )
     cloud_type: Literal["ALL", "SECURE", "COMMUNITY"] = Field("ALL", description="Cloud.")
-    container_disk_gb: PositiveInt = Field(
+    container_disk_gb: DiskSizeInt = Field(
         30, description="Container disk (the volume is separate)."
     )
     gpu_count: PositiveInt | None = Field(
@@ -94,7 +95,7 @@ class LaneArgs(_Section):
     provider: Literal["local", "ssh", "runpod", "skypilot"] = Field(
         "local", description="Where to run."
     )
-    volume_gb: PositiveInt | None = Field(
+    volume_gb: DiskSizeInt | None = Field(
         None, description="Pod volume size in GB (default: sized from the model)."
     )
     watchdog_s: PositiveInt | None = Field(

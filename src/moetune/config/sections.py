@@ -16,8 +16,10 @@ from pydantic import (
 from moetune.config.base import (
     DEFAULT_TARGETS,
     CardMemory,
+    DiskSize,
     FiniteFloat,
     Fraction,
+    HostRam,
     LoraRank,
     NonNegativeFloat,
     NonNegativeInt,
@@ -449,12 +451,12 @@ class HardwareArgs(_Section):
         description="An unlisted card by its memory in GB (as marketed): the same as "
         "hardware.card: <N>GB, which it sets.",
     )
-    host_ram_gb: PositiveFloat | None = Field(
+    host_ram_gb: HostRam | None = Field(
         None,
         description="Host RAM per node in GB, for the offload and sharded-load plans "
         "(default: this machine's when planning locally, the card's typical host otherwise).",
     )
-    disk_gb: PositiveFloat | None = Field(
+    disk_gb: DiskSize | None = Field(
         None, description="Free disk per node in GB for train.offload: disk (default: measured)."
     )
 

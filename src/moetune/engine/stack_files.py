@@ -30,6 +30,10 @@ from moetune.registry import Registry
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
     "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
+    # kept though no weight is stored so: a scale saved as one must be named by its dtype,
+    # not go missing from the index ("has no 'scales' tensors")
+    "I16": torch.int16, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "BOOL": torch.bool, "C64": torch.complex64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,  # published FP8 / FP4 checkpoints (engine/stored/formats.py)
 }  # fmt: skip

@@ -172,6 +172,21 @@ def verdict_of(decisions: list[RungDecision]) -> tuple[Verdict, str]:
     return verdict, f"{len(which)} of {len(decisions)} rungs {status}: {names}"
 
 
+def next_step(decisions: list[RungDecision]) -> str:
+    """What to do after a verdict that is not GO: fix a failing candidate; score more items
+    where bounds straddle (never lower the bar to get a verdict)."""
+    failed = [d.name for d in decisions if d.status == "fail"]
+    if failed:
+        worse = ", ".join(failed)
+        return (f"do not promote: the candidate confidently misses the bar on {worse}; see its "
+                "worst items, change the data or training, retrain and eval again")  # fmt: skip
+    open_ = [d for d in decisions if d.status == "inconclusive"]
+    sizes = ", ".join(f"{d.name} about {d.n_needed} (has {d.n})" if d.n_needed else
+                      f"{d.name} more than {d.n}" for d in open_)  # fmt: skip
+    return (f"score more items to decide ({sizes}): add items to the rung's data, or raise "
+            "--limit / eval.limit if it cut them, then eval again")  # fmt: skip
+
+
 def decide(rules: list[RungRule], stats: list[Paired], alpha: float = 0.05) -> dict[str, Any]:
     """The verdict document: verdict, reason, alpha, per-rung decisions and its own hash."""
     if not rules:
@@ -188,6 +203,8 @@ def decide(rules: list[RungRule], stats: list[Paired], alpha: float = 0.05) -> d
         "alpha": alpha,
         "rungs": [asdict(d) for d in decisions],
     }
+    if verdict != "GO":  # what to do next; derived from the decisions, so inside the hash
+        doc["fix"] = next_step(decisions)
     doc["hash"] = verdict_hash(doc)
     return doc
 
