@@ -1,6 +1,6 @@
 """Every script in benchmarks/ runs: its --smoke mode, in its own process, as a user would
 start it – so a renamed config field or API breaks the suite, not the next measurement (the
-four heaviest in the slow tier: SLOW_SMOKE).
+heaviest in the slow tier: SLOW_SMOKE).
 
 The scripts are found on disk (a new one is covered by itself); each must pin its threads
 through bench_env before torch loads, take --smoke, and leave the results pages
@@ -78,11 +78,12 @@ def test_every_script_is_known_and_pins_its_threads() -> None:
 
 
 # The smoke runs that start several processes each (1- and 2-rank trains, a calibrated
-# host, a 27-layer stored shape's small twin, a census shape): the slow tier (make test-slow)
-# runs them, so the default tier stays in its time budget; their paths have default-tier
-# tests of their own (test_train_sharded_load, test_train_run's CPU plan ratio,
-# test_train_stored / test_train_offload, test_census).
-SLOW_SMOKE = {"sharded_load.py", "cpu_plan.py", "stored_offload.py", "gemma4_terms.py"}
+# host, a 27-layer stored shape's small twin, a census shape, timed traces): the slow tier
+# (make test-slow) runs them, so the default tier stays in its time budget; their paths
+# have default-tier tests of their own (test_train_sharded_load, test_train_run's CPU plan
+# ratio, test_train_stored / test_train_offload, test_census, test_trace).
+SLOW_SMOKE = {"sharded_load.py", "cpu_plan.py", "stored_offload.py", "gemma4_terms.py",
+              "trace_speed.py"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -310,6 +310,9 @@ def test_launch_over_ssh_to_a_real_sshd(
         server.stop()
 
 
+# a whole launch through the fake RunPod API and the real sshd, ~50 s quiet (the API's
+# calls, costs and teardown have default-tier tests in test_lane_runpod)
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(), reason="OpenSSH server not installed")
 def test_launch_on_runpod_api_then_ssh_and_ledger_costs(
     tmp_path: Path, data: dict[str, Path], monkeypatch: pytest.MonkeyPatch
