@@ -73,7 +73,8 @@ def describe() -> str:
 def write_results(results: Path, body: str) -> None:
     """A results page replaced by `body`, written to a temp file and renamed: an interrupted
     record leaves the page as it was. Every benchmark writes its page through this (or
-    append_results) and only when asked with `--record` (tests/test_benchmarks.py)."""
+    append_results / append_to_section) and only when asked with `--record`
+    (tests/test_benchmarks.py)."""
     tmp = results.with_name(results.name + ".tmp")
     tmp.write_text(body, encoding="utf-8")
     os.replace(tmp, results)
@@ -84,6 +85,21 @@ def append_results(results: Path, head: str, text: str) -> None:
     body = results.read_text(encoding="utf-8") if results.exists() else ""
     body = body.rstrip("\n") + "\n\n" + (head + "\n\n" if head not in body else "") + text + "\n"
     write_results(results, body)
+
+
+RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
+
+
+def append_to_section(results: Path, section: str, about: str, block: str) -> None:
+    """`block` at the end of `section` of a results page, before the next `## ` heading (the
+    page and the section, with its `about` paragraph, made where missing)."""
+    text = results.read_text(encoding="utf-8") if results.exists() else RESULTS_HEADER
+    if section not in text:
+        text = text.rstrip("\n") + f"\n\n{section}\n\n{about}\n"
+    head, _, tail = text.partition(section)
+    body, sep, rest = tail.partition("\n## ")
+    after = f"\n## {rest}" if sep else ""
+    write_results(results, f"{head}{section}{body.rstrip()}\n\n{block}{after}")
 
 
 def drop_cache(path: Path) -> None:

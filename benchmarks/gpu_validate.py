@@ -77,7 +77,6 @@ GOAL = 0.03  # |predicted / measured − 1|
 LAYER = "moe-layer"  # moe_layer.py's table, not a planner case
 LAYER_EXPECT_S = 60.0  # H100 guess: build (~5 s), 2 token counts × 4 paths × 6 steps, warm-ups
 RESULTS = bench_env.results_page("trace-and-planner")
-RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 SECTION = "## GPU validation: planner vs real CUDA memory (`benchmarks/gpu_validate.py`)"
 ABOUT = (
     "`python benchmarks/gpu_validate.py`: the planner's trace (steady state, 2 steps, fused "
@@ -321,13 +320,7 @@ def markdown(data: dict[str, Any]) -> str:
 
 def record(path: Path, data: dict[str, Any]) -> None:
     """Append the run's block at the end of this benchmark's section (made if missing)."""
-    text = path.read_text() if path.exists() else RESULTS_HEADER
-    if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n"
-    head, _, tail = text.partition(SECTION)
-    body, sep, rest = tail.partition("\n## ")
-    after = f"\n## {rest}" if sep else ""
-    bench_env.write_results(path, f"{head}{SECTION}{body.rstrip()}\n\n{markdown(data)}{after}")
+    bench_env.append_to_section(path, SECTION, ABOUT, markdown(data))
 
 
 # ---------------------------------------------------------------- entry

@@ -62,7 +62,6 @@ from experts_lora import dtype_name, machine, peak_extra, rel_diff, timed
 from moetune.engine import IMPLEMENTATION, is_split, register
 
 RESULTS = bench_env.results_page("engine")
-RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 SECTION = "## One Qwen3-30B-A3B MoE layer: split LoRA, peft, grouped_mm (`benchmarks/moe_layer.py`)"
 ABOUT = (
     "`python benchmarks/moe_layer.py`: transformers' `Qwen3MoeSparseMoeBlock` (router + fused "
@@ -294,15 +293,9 @@ def heading(rows: list[dict], where: str) -> str:
 
 def record(rows: list[dict], absent: dict[str, str], where: str, path: Path = RESULTS) -> None:
     """Append a dated block (heading line and table) at the end of this benchmark's section."""
-    text = path.read_text() if path.exists() else RESULTS_HEADER
-    if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n"
-    head, _, tail = text.partition(SECTION)
-    body, sep, rest = tail.partition("\n## ")
-    after = f"\n## {rest}" if sep else ""
     today = datetime.date.today().isoformat()
     block = f"- {today} · {heading(rows, where)}\n\n{table(rows, absent)}"
-    bench_env.write_results(path, f"{head}{SECTION}{body.rstrip()}\n\n{block}{after}")
+    bench_env.append_to_section(path, SECTION, ABOUT, block)
 
 
 def where_label(device: torch.device) -> str:

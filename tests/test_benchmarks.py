@@ -103,7 +103,8 @@ def test_smoke_run(name: str, tmp_path: Path) -> None:
     assert _digest() == before, f"{name} --smoke wrote to a results page"
 
 
-WRITERS = {"write_results", "append_results"}  # bench_env's: the only ways to a results page
+WRITERS = {"write_results", "append_results", "append_to_section"}  # bench_env's: the only
+# ways to a results page
 WRITE_ATTRS = {"write_text", "write_bytes", "open", "replace", "rename", "with_suffix"}
 
 

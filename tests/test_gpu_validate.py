@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_env
 import gpu_cases
 import gpu_validate as gv
 import moe_layer
@@ -74,7 +75,7 @@ def test_summary_and_results_section(smoke: dict[str, Any]):
     assert summary["worst_error"] == 0.0 and summary["mean_abs_error"] == 0.0
     assert smoke["data"]["machine"]["device"] == "cpu" and smoke["data"]["smoke"]
     text = (smoke["root"] / "RESULTS.md").read_text()
-    assert text.startswith(gv.RESULTS_HEADER)
+    assert text.startswith(bench_env.RESULTS_HEADER)
     assert text.count(gv.SECTION) == 1
     assert "· --smoke (tiny models) · 3/3 cases ran" in text
     assert all(f"| {name} |" in text for name in SMOKE_CASES)
@@ -88,7 +89,8 @@ def test_smoke_leaves_torch_threads_as_they_were(smoke: dict[str, Any]):
 
 def test_record_from_appends_under_the_same_section(smoke: dict[str, Any], tmp_path: Path):
     results = tmp_path / "RESULTS.md"
-    results.write_text(gv.RESULTS_HEADER + f"\n{gv.SECTION}\n\nold line\n\n## Later section\n\nx\n")
+    later = "\n\n## Later section\n\nx\n"
+    results.write_text(bench_env.RESULTS_HEADER + f"\n{gv.SECTION}\n\nold line{later}")
     json_path = smoke["root"] / "out" / "gpu_validate.json"
     for _ in range(2):
         assert gv.main(["--record-from", str(json_path), "--results", str(results)]) == 0
