@@ -264,9 +264,8 @@ def test_plan_counts_each_ranks_experts_at_their_quantised_bytes():
     from moetune.engine.quant.stacks import stack_nbytes
     from moetune.model import load_spec, spec_from_config
     from moetune.model.census import shrunk_config
-    from moetune.plan.devices.expert_parallel import plan_expert_parallel
     from moetune.plan.devices.host_ram import RUNTIME_HOST_BYTES
-    from moetune.plan.devices.sharding import device_report
+    from moetune.plan.devices.sharding import device_report, plan_expert_parallel
     from moetune.plan.fit import analytic
 
     spec = spec_from_config(shrunk_config("qwen3_moe"), "qwen3_moe")  # 4 layers, 4 experts

@@ -13,8 +13,7 @@ from moetune.config import RunConfig, parse_config
 from moetune.model import spec_from_config
 from moetune.model.census import shrunk_config
 from moetune.model.spec import ModelSpec
-from moetune.plan.devices.expert_parallel import plan_expert_parallel
-from moetune.plan.devices.sharding import device_report
+from moetune.plan.devices.sharding import device_report, plan_expert_parallel
 from moetune.plan.fit import analytic
 from moetune.plan.layout import adapter_layout
 from moetune.units import human_bytes
@@ -117,3 +116,65 @@ def test_the_plan_says_where_fsdp2_holds_less_per_device(tiny: ModelSpec, seq, f
     assert len(said) == int(fsdp_less)
     if fsdp_less:
         assert human_bytes(fsdp) in said[0] and "--strategy fsdp" in said[0]
+
+
+@pytest.mark.parametrize(("gpus", "degree"), [(2, 2), (4, 2), (4, 4), (8, 2), (8, 4)])
+def test_the_ep_figure_reads_ep_degree_as_the_per_rank_plan(tiny: ModelSpec, gpus, degree) -> None:
+    """train.ep_degree: the ep figure beside any strategy holds E/ep_degree experts a rank and
+    1/N of the rest (FSDP2 over every rank) – byte for byte `--strategy ep`'s per-rank plan."""
+    from moetune.plan.devices.sharding import per_rank_bytes, run_sizes
+
+    run = cfg(ep_degree=degree)
+    sizes = run_sizes(tiny, run)
+    ep = plan_expert_parallel(tiny, run, gpus, sizes)
+    assert ep is not None and (ep.ep, ep.experts_per_device) == (degree, 4 // degree)
+    assert ep.peak_bytes == sum(per_rank_bytes(tiny, run, gpus, "ep").values())
+    assert ep.components["expert_weights"] == sizes.expert_weights // degree
+    rest = sizes.single["frozen_weights"] - sizes.expert_weights
+    assert ep.components["frozen_weights"] == -(-rest // gpus)
+    assert ep.to_json()["rest_sharded_over"] == gpus
+    assert f"in groups of {degree} ranks, the rest FSDP2-sharded over {gpus}" in ep.describe()
+
+
+@pytest.mark.parametrize(("degree", "fewest"), [(None, 4), (8, 8), (16, 16)])
+def test_fewest_gpus_keep_to_whole_expert_groups(degree, fewest) -> None:
+    """The fewest GPUs ep offers are counts it runs on: a multiple of train.ep_degree (whole
+    groups), each group dividing the 128 experts – and each fits while fewer do not."""
+    from moetune.model import load_spec
+    from moetune.plan.devices.sharding import fewest_gpus, plan_devices
+
+    spec = load_spec("Qwen/Qwen3-30B-A3B")
+    run = cfg(ep_degree=degree, seq_len=2048)
+    n = fewest_gpus(spec, run, "RTX-4090", "ep")
+    assert n == fewest and n % (degree or 1) == 0 and spec.num_experts % (degree or n) == 0
+    assert plan_devices(spec, run, "RTX-4090", n, "ep").fits
+    if degree is None:  # 2 GPUs (the divisor below) do not fit
+        assert not plan_devices(spec, run, "RTX-4090", 2, "ep").fits
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "says"),
+    [("Qwen/Qwen3-30B-A3B", ["--gpus", "3"], "128 routed experts do not split evenly over 3"),
+     ("Qwen/Qwen3-30B-A3B", ["--gpus", "256"], "do not split evenly over 256 ranks"),
+     ("Qwen/Qwen3-30B-A3B", ["--gpus", "4", "--set", "train.ep_degree=3"],
+      "train.ep_degree 3 does not divide the 4 ranks"),
+     ("Qwen/Qwen3-30B-A3B", ["--gpus", "6", "--set", "train.ep_degree=3"],
+      "128 routed experts do not split evenly over 3 ranks (train.ep_degree"),
+     ("meta-llama/Llama-3.1-8B", ["--gpus", "2", "--targets", "attention"],
+      "--strategy ep places routed experts, and meta-llama/Llama-3.1-8B has none")],
+)  # fmt: skip
+def test_plan_refuses_an_ep_split_that_cannot_run(model, extra, says) -> None:
+    """What the launcher refuses, `plan --strategy ep` refuses too: one line and exit 2 (and
+    one JSON object with --json), never a per-rank figure of a run that cannot start."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    args = ["plan", model, "--strategy", "ep", "--card", "H100-80GB", *extra]
+    got = CliRunner().invoke(app, args)
+    assert got.exit_code == 2 and says in got.stderr and "fix:" in got.stderr, got.output
+    assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.output
+    doc = CliRunner().invoke(app, [*args, "--json"])
+    assert doc.exit_code == 2 and says in json.loads(doc.stdout)["error"]["cause"]

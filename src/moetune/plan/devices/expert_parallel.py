@@ -15,19 +15,22 @@ so its expert activations are those of one device, plus the all-to-all dispatch 
 receive buffers of one layer (top-k copies of each token's hidden state, in and out); at
 worst – every device's tokens routed to one device's experts – that device's buffers and
 expert activations grow EP-fold (the note gives the buffers' worst case).
+
+With `train.ep_degree` the experts are split within groups of ep_degree ranks (EP =
+ep_degree) and the rest – frozen weights and all the LoRA state – is FSDP2-sharded over
+every rank (train/distributed/ep_mesh.py). The figure itself is the `ep` strategy's per-rank
+plan (`plan.devices.sharding.plan_expert_parallel`), so the two always agree; this module
+holds the bytes both read and the checks `--strategy ep` makes (`check_ep_split`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from moetune.config import RunConfig
-from moetune.errors import MoetuneError
+from moetune.errors import ConfigError, MoetuneError
 from moetune.model.spec import ModelSpec
-from moetune.plan.analytic import AnalyticEstimate
-from moetune.plan.fit import analytic
 from moetune.plan.layout import adapter_layout
 from moetune.plan.offload.memory import layer_expert_bytes
 from moetune.plan.step import ADAPTER_BYTES, DTYPE_BYTES
@@ -72,6 +75,7 @@ class ExpertParallelPlan:
     engines: tuple[str, ...] = ()  # other engines, where moetune does not train it (full)
     worst_all_to_all: int = 0  # the all-to-all buffers at the worst skew (all tokens here)
     placement: str = "contiguous"  # train.ep_placement: the skew stated (PLACEMENT_SKEW)
+    sharded_over: int | None = None  # train.ep_degree: the ranks FSDP2 shards the rest over
 
     @property
     def peak_bytes(self) -> int:
@@ -89,12 +93,16 @@ class ExpertParallelPlan:
             "placement": self.placement,
             "skew_statement": PLACEMENT_SKEW[self.placement],
             "worst_skew_all_to_all_bytes": self.worst_all_to_all,
+            "rest_sharded_over": self.sharded_over,
         }
 
     def describe(self) -> str:
+        rest = "the rest replicated"
+        if self.sharded_over:  # train.ep_degree: groups of EP ranks, the rest FSDP2
+            rest = f"in groups of {self.ep} ranks, the rest FSDP2-sharded over {self.sharded_over}"
         held = (
             f"expert parallelism (EP = {self.ep}, {self.experts_per_device} experts per "
-            f"device, the rest replicated) holds {self.peak_bytes / 1024**3:.1f} GiB of live "
+            f"device, {rest}) holds {self.peak_bytes / 1024**3:.1f} GiB of live "
             f"tensors per device at balanced routing (at worst skew the all-to-all buffers "
             f"reach {self.worst_all_to_all / 1024**3:.2f} GiB)"
         )
@@ -105,36 +113,31 @@ class ExpertParallelPlan:
         return f"{held}, {mine}; moetune trains it: train.strategy ep (--strategy ep)"
 
 
-def plan_expert_parallel(
-    spec: ModelSpec, cfg: RunConfig, gpus: int, est: AnalyticEstimate | None = None
-) -> ExpertParallelPlan | None:
-    """Per-device bytes with the routed experts split over `gpus` (at most one expert per
-    device: EP ≤ E); None for a dense model or a single device. LoRA: as moetune's
-    `train.strategy ep` holds them (the same figure as `--strategy ep`'s per-rank plan)."""
-    if gpus < 2 or not spec.is_moe:
-        return None
-    ep = min(gpus, spec.num_experts)
-    est = est or analytic(spec, cfg)
-    parts = dict(est.components)
-    experts = expert_weight_bytes(spec, cfg)
-    full = cfg.train.tuning == "full"
-    share = held_expert_share(spec, cfg, est.trainable_params)  # held 1/EP
-    out = {
-        "frozen_weights": parts.pop("frozen_weights", 0) - experts,  # replicated
-        "expert_weights": -(-experts // ep),
-        **split_trainable(parts, share, ep),
-    }
-    for name in TRAINABLE:
-        parts.pop(name, None)
-    out["expert_weight_copies"] = -(-parts.pop("expert_weight_copies", 0) // ep)
-    out.update(parts)  # activations and logits: each device's own micro-batch
-    out["all_to_all_buffers"] = all_to_all_bytes(spec, cfg)
-    if not full:  # DDP's gradient buckets: the replicated LoRA only
-        out["communication_buffers"] = ddp_bucket_bytes(est.trainable_params, share)
-    engines = ENGINES if full else ()
-    worst = out["all_to_all_buffers"] * ep
-    return ExpertParallelPlan(ep, math.ceil(spec.num_experts / ep), out, engines, worst,
-                              cfg.train.ep_placement)  # fmt: skip
+def check_ep_split(spec: ModelSpec, ranks: int, ep_degree: int | None) -> None:
+    """`--strategy ep` on `ranks` devices: what the launcher refuses (train/distributed/
+    ep_checks.py), refused in the plan too – one line, never a figure of a run that cannot
+    start: a model with no routed experts, ep_degree not dividing the ranks, and a group
+    size that does not split the experts evenly (or leaves a rank none)."""
+    if not spec.is_moe or not spec.num_experts:
+        raise ConfigError(
+            f"--strategy ep places routed experts, and {spec.name} has none",
+            "plan a dense model with --strategy ddp or fsdp",
+        )
+    if ep_degree is not None and ranks % ep_degree:
+        raise ConfigError(
+            f"train.ep_degree {ep_degree} does not divide the {ranks} ranks into expert groups",
+            f"plan --gpus a multiple of {ep_degree}, or leave train.ep_degree unset",
+        )
+    group, experts = ep_degree or ranks, spec.num_experts
+    if group > experts or experts % group:
+        whole = ranks if ep_degree else experts  # a group size must divide the ranks too
+        fits = [n for n in range(1, group + 1) if experts % n == 0 and whole % n == 0]
+        what = "train.ep_degree" if ep_degree else "--gpus × --nodes"
+        raise ConfigError(
+            f"{experts} routed experts do not split evenly over {group} ranks ({what}; ep "
+            "places E/N contiguous experts a rank, an uneven split is not built)",
+            f"use a {what} of {fits[-1]}, a divisor of {experts}",
+        )
 
 
 def split_trainable(single: dict[str, int], share: float, ep: int) -> dict[str, int]:

@@ -55,14 +55,15 @@ from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate, expert_bytes_per_param
 from moetune.plan.devices.ep_step import EpStepTime, ep_step_time
 from moetune.plan.devices.expert_parallel import (
+    ENGINES,
     EP_SKEW,
     ExpertParallelPlan,
     all_to_all_bytes,
+    check_ep_split,
     ddp_bucket_bytes,
     ep_skew,
     expert_weight_bytes,
     held_expert_share,
-    plan_expert_parallel,
     split_trainable,
 )
 from moetune.plan.devices.host_ram import HostRam, host_ram, load_notes
@@ -240,6 +241,29 @@ register(Strategy("ep", "expert parallelism: E/N routed experts a rank, all-to-a
                   (EP_SKEW,), places_experts=True))  # fmt: skip
 
 
+def plan_expert_parallel(
+    spec: ModelSpec, cfg: RunConfig, gpus: int, sizes: Sizes | None = None
+) -> ExpertParallelPlan | None:
+    """The ep figure beside any strategy: one rank's bytes as `--strategy ep` plans them on
+    `gpus` ranks (the same components, the experts' held stacks split out) – E/N experts a
+    rank (EP ≤ E: a wider count is planned at EP = E), or with train.ep_degree E/ep_degree a
+    rank and the rest FSDP2-sharded over all `gpus`. None for a dense model or one device."""
+    if gpus < 2 or not spec.is_moe or not spec.num_experts:
+        return None
+    sizes = sizes or run_sizes(spec, cfg)
+    degree = cfg.train.ep_degree or min(gpus, spec.num_experts)
+    ranks = gpus if cfg.train.ep_degree else degree
+    parts = get_strategy("ep").components(sizes, ranks)
+    experts = -(-sizes.expert_weights // degree)
+    parts = {"frozen_weights": parts.pop("frozen_weights") - experts,
+             "expert_weights": experts, **parts}  # fmt: skip
+    engines = ENGINES if cfg.train.tuning == "full" else ()
+    worst = parts["all_to_all_buffers"] * degree  # a group's tokens all routed to one rank
+    over = ranks if cfg.train.ep_degree else None
+    return ExpertParallelPlan(degree, -(-spec.num_experts // degree), parts, engines, worst,
+                              cfg.train.ep_placement, over)  # fmt: skip
+
+
 # ---------------------------------------------------------------- sizes of the run
 
 
@@ -351,6 +375,8 @@ def plan_devices(
     (live peak + the card's overhead ≤ usable). `sizes` reuses one `run_sizes`."""
     _check_gpus(gpus)
     chosen, strat = _card(card), get_strategy(strategy)
+    if strat.places_experts:
+        check_ep_split(spec, gpus, cfg.train.ep_degree)
     sizes = sizes or run_sizes(spec, cfg)
     components = strat.components(sizes, gpus)
     peak = sum(components.values())
@@ -394,11 +420,19 @@ def fewest_gpus(
     strat = get_strategy(strategy)
     sizes = sizes or run_sizes(spec, cfg)
     for n in range(1, max_gpus + 1):
-        if strat.places_experts and spec.num_experts % n:
-            continue  # ep runs E/N experts a rank only (the launcher refuses the rest)
+        if strat.places_experts and not _ep_count(spec, n, cfg.train.ep_degree):
+            continue  # counts the launcher refuses under ep
         if plan_devices(spec, cfg, card, n, strategy, sizes).fits:
             return n
     return None
+
+
+def _ep_count(spec: ModelSpec, n: int, ep_degree: int | None) -> bool:
+    """Whether ep runs on `n` ranks: whole groups of ep_degree (n a multiple of it), each
+    group's size dividing the routed experts (E/N or E/ep_degree experts a rank)."""
+    if ep_degree is not None:
+        return n % ep_degree == 0 and spec.num_experts % ep_degree == 0
+    return spec.num_experts % n == 0
 
 
 @dataclass(frozen=True)
@@ -469,7 +503,7 @@ def device_report(
     host = host_ram(sizes, gpus, strategy, ranks) if strategy != "ddp" else None
     notes = _report_notes(spec) + load_notes(host)
     notes += _node_notes(sizes, nodes, gpus, host)
-    ep = plan_expert_parallel(spec, cfg, ranks)
+    ep = plan_expert_parallel(spec, cfg, ranks, sizes)
     notes += (ep.describe(), *_ep_or_fsdp(ep, sizes, ranks)) if ep else ()
     name = get_strategy(strategy).name
     steps = _ep_steps(spec, cfg, cards, gpus, nodes) if name == "ep" and ranks > 1 else {}
