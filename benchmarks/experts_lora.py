@@ -68,7 +68,6 @@ from moetune.plan.trace.bytes import FROZEN, ByteTracker
 from moetune.plan.trace.fake_step import prepare_for_training
 
 RESULTS = bench_env.results_page("engine")
-RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 SECTION = "## Split LoRA on fused experts (`engine/experts_lora.py`)"
 ABOUT = (
     "`python benchmarks/experts_lora.py`: peft 0.21 ParamWrapper (`target_parameters`) vs "
@@ -434,16 +433,10 @@ def _measured(row: dict, what: str, checked: str) -> str:
 
 def record(rows: list[dict], device: torch.device, dtype: torch.dtype, quick: bool) -> None:
     """Append one dated line per row under this benchmark's section of its results page."""
-    text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
-    if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n\n"
     today = datetime.date.today().isoformat()
     tag = f"{machine(device)}, {dtype_name(dtype)}" + (", --quick" if quick else "")
     lines = "".join(f"- {today} · {tag} · {describe(r)}\n" for r in rows)
-    head, _, tail = text.partition(SECTION)
-    body, sep, rest = tail.partition("\n## ")  # the lines go at the end of this section
-    after = f"\n## {rest}" if sep else ""
-    bench_env.write_results(RESULTS, f"{head}{SECTION}{body.rstrip()}\n{lines}{after}")
+    bench_env.append_to_section(RESULTS, SECTION, ABOUT, lines)
 
 
 def choices(text: str, allowed: tuple[str, ...] | list[str], what: str) -> list[str]:

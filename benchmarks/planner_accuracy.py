@@ -38,7 +38,6 @@ from moetune.plan.profiles.registry import uncalibrated
 from moetune.plan.trace.cache import cached_trace
 
 RESULTS = bench_env.results_page("trace-and-planner")
-RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 SECTION = "## Planner accuracy: analytic vs trace"
 ABOUT = (
     "`python benchmarks/planner_accuracy.py`: relative error of `plan.analytic` against "
@@ -193,10 +192,7 @@ def per_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def record(s: dict[str, Any]) -> None:
     """Add one dated line at the end of this benchmark's section (temp file + rename)."""
-    text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
-    if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{ABOUT}\n"
-    bench_env.write_results(RESULTS, insert_in_section(text, SECTION, result_line(s)))
+    bench_env.append_to_section(RESULTS, SECTION, ABOUT, result_line(s) + "\n")
 
 
 def result_line(s: dict[str, Any]) -> str:
@@ -212,15 +208,6 @@ def result_line(s: dict[str, Any]) -> str:
             _model_text(m, v) for m, v in s["per_model"].items()
         )
     return line
-
-
-def insert_in_section(text: str, section: str, line: str) -> str:
-    """`text` with `line` after the last line of `section` (before the next `## ` header)."""
-    start = text.index(section) + len(section)
-    end = text.find("\n## ", start)
-    end = len(text) if end < 0 else end
-    body, rest = text[:end].rstrip("\n"), text[end:].lstrip("\n")
-    return f"{body}\n\n{line}\n" + (f"\n{rest}" if rest else "")
 
 
 def _model_text(model: str, v: dict[str, Any]) -> str:

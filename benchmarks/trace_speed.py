@@ -25,7 +25,6 @@ from typing import Any
 import bench_env
 
 RESULTS = bench_env.results_page("trace-and-planner")
-RESULTS_HEADER = "# Benchmark results (every figure with its machine and date)\n"
 
 # The bundled catalog's config.json (moetune.model) is the one source of these models.
 MODELS: dict[str, str] = {"30b": "Qwen/Qwen3-30B-A3B", "235b": "Qwen/Qwen3-235B-A22B"}
@@ -86,7 +85,7 @@ def record(rows: list[dict[str, Any]]) -> None:
         f"{r['peak_op']} ({r['peak_phase']}), max RSS {r['max_rss_gib']} GiB [{machine()}]\n"
         for r in rows
     ]
-    text = RESULTS.read_text() if RESULTS.exists() else RESULTS_HEADER
+    text = RESULTS.read_text() if RESULTS.exists() else bench_env.RESULTS_HEADER
     bench_env.write_results(RESULTS, text + "".join(lines))
 
 
