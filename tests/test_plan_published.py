@@ -18,6 +18,7 @@ from moetune.engine.stored.formats import stored_format
 from moetune.model import catalog_meta, load_spec
 from moetune.model.sources import resolve_config
 from moetune.plan.analytic import frozen_bytes
+from moetune.plan.devices.expert_parallel import expert_weight_bytes
 from moetune.plan.step import Step
 from moetune.units import GiB
 
@@ -40,7 +41,8 @@ PUBLISHED = {
     "nvidia/Qwen3-235B-A22B-NVFP4": (134_000_000_000, 0.01),
 }
 FP8_DYNAMIC = "RedHatAI/Qwen3-30B-A3B-FP8-dynamic"  # no published size found: see the last test
-BUNDLED = {*PUBLISHED, FP8_DYNAMIC}
+QWEN_FP8 = "Qwen/Qwen3-235B-A22B-FP8"  # Qwen's own block FP8: see its test below
+BUNDLED = {*PUBLISHED, FP8_DYNAMIC, QWEN_FP8}
 
 
 def _frozen(model_id: str) -> float:
@@ -99,3 +101,16 @@ def test_compressed_tensors_fp8_is_planned_at_a_byte() -> None:
     planned = _frozen(spec.name)
     assert planned < 0.55 * spec.total_params * 2  # well under the bf16 size
     assert _table()[FP8_DYNAMIC] == f"{planned / GiB:.1f}"
+
+
+def test_qwens_block_fp8_release_plans_its_experts_as_stored() -> None:
+    """Qwen3-235B-A22B-FP8 (Qwen's block FP8, 128 × 128) is the bf16 release's architecture
+    with the experts read as stored: a byte a weight plus a float32 scale per 128 × 128 block
+    – gate / up [1536, 4096] and down [4096, 1536] are 12 × 32 blocks each."""
+    fp8, bf16 = load_spec(QWEN_FP8), load_spec("Qwen/Qwen3-235B-A22B")
+    assert fp8.total_params == bf16.total_params and fp8.num_experts == 128
+    assert stored_format(fp8.quant_config) is not None  # read, not refused
+    run = parse_config({"model": {"id": QWEN_FP8}})
+    per_expert = 3 * 1536 * 4096 + 3 * (12 * 32) * 4  # fp8 weights + fp32 block scales
+    assert expert_weight_bytes(fp8, run) == 94 * 128 * per_expert
+    assert _frozen(QWEN_FP8) < 0.51 * _frozen(bf16.name)
