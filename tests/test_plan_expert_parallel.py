@@ -178,3 +178,19 @@ def test_plan_refuses_an_ep_split_that_cannot_run(model, extra, says) -> None:
     assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.output
     doc = CliRunner().invoke(app, [*args, "--json"])
     assert doc.exit_code == 2 and says in json.loads(doc.stdout)["error"]["cause"]
+
+
+def test_fsdp2_is_not_named_for_a_base_kept_as_stored() -> None:
+    """Qwen3-235B-A22B-FP8 on 4 × H100-80GB: ep fits with the experts as stored, and though
+    FSDP2's figure is no larger, the plan does not name it – on several processes FSDP2
+    refuses a base kept as stored (train/stored.py). (A float base is told: above.)"""
+    from moetune.model import load_spec
+    from moetune.plan.devices.sharding import get_strategy, run_sizes
+
+    spec = load_spec("Qwen/Qwen3-235B-A22B-FP8")
+    run = parse_config({"model": {"id": spec.name}})
+    report = device_report(spec, run, ["H100-80GB"], 4, "ep")
+    fsdp = sum(get_strategy("fsdp").components(run_sizes(spec, run), 4).values())
+    assert report.expert_parallel is not None and fsdp <= report.expert_parallel.peak_bytes
+    assert report.plans["H100-80GB"].fits and report.fewest["H100-80GB"] == 4
+    assert not any(n.startswith("FSDP2 holds less") for n in report.notes)

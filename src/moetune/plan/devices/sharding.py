@@ -504,7 +504,8 @@ def device_report(
     notes = _report_notes(spec) + load_notes(host)
     notes += _node_notes(sizes, nodes, gpus, host)
     ep = plan_expert_parallel(spec, cfg, ranks, sizes)
-    notes += (ep.describe(), *_ep_or_fsdp(ep, sizes, ranks)) if ep else ()
+    stored = bool(Step.from_config(cfg, spec).stored_bytes)  # FSDP2 refuses it on several
+    notes += (ep.describe(), *_ep_or_fsdp(ep, sizes, ranks, stored)) if ep else ()
     name = get_strategy(strategy).name
     steps = _ep_steps(spec, cfg, cards, gpus, nodes) if name == "ep" and ranks > 1 else {}
     notes += tuple(t.describe() for t in list(steps.values())[:1])
@@ -518,11 +519,12 @@ def _ep_steps(
     return {c: ep_step_time(spec, cfg, get_card(c), gpus, nodes) for c in cards}
 
 
-def _ep_or_fsdp(ep: ExpertParallelPlan, sizes: Sizes, ranks: int) -> tuple[str, ...]:
+def _ep_or_fsdp(ep: ExpertParallelPlan, sizes: Sizes, ranks: int, stored: bool) -> tuple[str, ...]:
     """Which of ep and FSDP2 holds less per device, said where FSDP2 does (moetune trains
-    both; ep moves only the routed tokens, FSDP2 all-gathers every layer's whole stacks)."""
+    both; ep moves only the routed tokens, FSDP2 all-gathers every layer's whole stacks).
+    Never for a base kept as stored: on several processes only ep trains it."""
     fsdp = sum(get_strategy("fsdp").components(sizes, ranks).values())
-    if ep.engines or fsdp >= ep.peak_bytes:
+    if ep.engines or stored or fsdp >= ep.peak_bytes:
         return ()
     return (
         f"FSDP2 holds less per device here: {human_bytes(fsdp)} against ep's "
