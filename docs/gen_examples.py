@@ -1,4 +1,5 @@
-"""Rewrite the CLI examples in README.md and docs/ with the CLI's real output.
+"""Rewrite the CLI examples in README.md, docs/ and the results pages that quote the planner
+(`RESULT_PAGES`) with the CLI's real output.
 
 A block kept true is a fenced `text` block right after a marker comment, e.g.
 `<!-- example: moetune inspect Qwen/Qwen3-30B-A3B -->`; the marker may end in `| head N`
@@ -61,6 +62,17 @@ def pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
+# Results pages that quote the planner beside measured or published figures: their marked
+# blocks are kept true like the docs' (they are not docs pages: no other docs check runs
+# over them).
+RESULT_PAGES = (ROOT / "benchmarks" / "results" / "distributed.md",)
+
+
+def marked_pages() -> list[Path]:
+    """Every page whose marked blocks this script keeps true."""
+    return [*pages(), *RESULT_PAGES]
+
+
 def _example(path: Path, m: re.Match[str]) -> Example:
     return Example(path, m["cmd"].strip(), m["cut"], int(m["n"] or 0), m["body"])
 
@@ -68,7 +80,9 @@ def _example(path: Path, m: re.Match[str]) -> Example:
 def examples(paths: list[Path] | None = None) -> list[Example]:
     """Every marked block of the given pages (default: all of them)."""
     return [
-        _example(path, m) for path in paths or pages() for m in MARKER.finditer(path.read_text())
+        _example(path, m)
+        for path in paths or marked_pages()
+        for m in MARKER.finditer(path.read_text())
     ]
 
 
@@ -160,7 +174,7 @@ def main(argv: list[str]) -> int:
     """Rewrite the pages (and the config reference), or with --check only list the
     out-of-date blocks."""
     if "--check" not in argv:
-        for path in pages():
+        for path in marked_pages():
             if rewrite(path):
                 print(f"rewrote {path.relative_to(ROOT)}")
         if CONFIG_PAGE.read_text(encoding="utf-8") != config_page():
