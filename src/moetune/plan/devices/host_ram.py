@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from moetune.units import human_bytes
 
 if TYPE_CHECKING:
-    from moetune.plan.devices.sharding import Sizes
+    from moetune.plan.devices.sizes import Sizes
 
 # one rank's host RAM besides the model: python, torch, transformers, peft, trl, the data
 # and gloo – measured 0.51–0.53 GiB peak RSS per rank of a 2-process FSDP run of a 31 KB
