@@ -38,8 +38,9 @@ counted. ddp / fsdp / zero3 shard experts like any weight.
   state 1/N, everything else replicated with DDP's gradient buckets, plus one layer's
   all-to-all receive buffers at balanced routing (`plan.devices.expert_parallel.EP_SKEW`
   states the skew).
-  `DeviceReport.expert_parallel` gives the same figure, split by component, beside any
-  strategy.
+  With train.ep_degree: E/ep_degree experts a rank, the rest FSDP2-sharded 1/N.
+  `plan_expert_parallel` (`DeviceReport.expert_parallel`) gives the same figure, the held
+  expert stacks split out, beside any strategy; `fewest_gpus` offers only counts ep runs on.
 """
 
 from __future__ import annotations
