@@ -62,6 +62,21 @@ def test_a_second_node_moves_half_the_copies_over_the_network(qwen: ModelSpec) -
     assert two.step_s is not None and one.step_s is not None and two.step_s > one.step_s
 
 
+def test_expert_groups_exchange_within_their_group(qwen: ModelSpec) -> None:
+    """train.ep_degree 8 on 2 nodes × 8 H100: each all-to-all spans one group of 8 ranks on
+    one node – 7/8 of the copies over NVLink, none over the network (one node's figure);
+    groups of 16 span both nodes as ep over every rank does."""
+    h100 = get_card("H100-80GB")
+    n = 6 * 48 * COPY
+    grouped = ep_step_time(qwen, cfg(ep_degree=8), h100, 8, nodes=2)
+    assert (grouped.intra_node_bytes, grouped.inter_node_bytes) == (n * 7 // 8, 0)
+    assert grouped.node_link is None and grouped.group == 8
+    assert grouped.all_to_all_s == ep_step_time(qwen, cfg(), h100, 8).all_to_all_s
+    assert "groups of 8" in grouped.describe()
+    wide = ep_step_time(qwen, cfg(ep_degree=16), h100, 8, nodes=2)
+    assert (wide.intra_node_bytes, wide.inter_node_bytes) == (n * 7 // 16, n * 8 // 16)
+
+
 def test_a_pcie_card_exchanges_over_its_host_link(qwen: ModelSpec) -> None:
     """L40S (no NVLink): PCIe 4.0 at 25 GB/s inside the node; between nodes one 100 GbE
     port shared by the node's 4 GPUs."""

@@ -15,6 +15,11 @@ own share stays put), so (G-1)/N of them cross the node's GPU link and (N-G)/N t
 inter-node network, at the same time. moetune waits for each exchange before computing on it
 (no overlap), so the step is compute + exchanges. The links' figures are their peak rates
 per direction (plan/devices/interconnect.py): the exchange times are a floor.
+
+With train.ep_degree the exchanges stay within a group of ep_degree consecutive ranks
+(train/distributed/ep_mesh.py): a rank sends 1/ep_degree of its copies to each group peer,
+so a group inside one node crosses no network at all. FSDP2's all-gathers and
+reduce-scatters of the rest (over every rank) are not counted here.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class EpStepTime:
     gpu_link: Link
     node_link: Link | None  # None on one node
     compute_s: float | None  # None: the card has no tensor peak in the catalog
+    group: int = 0  # ranks one all-to-all spans (train.ep_degree; 0: every rank)
 
     @property
     def ranks(self) -> int:
@@ -77,8 +83,10 @@ class EpStepTime:
         moved = self.intra_node_bytes + self.inter_node_bytes
         where = f"{self.gpu_link.name}" + (f" and {self.node_link.name}" if self.node_link else "")
         compute = "unknown" if self.compute_s is None else f"{self.compute_s * 1e3:.0f} ms"
+        where_ran = f"{self.nodes} node(s) × {self.gpus_per_node}"
+        where_ran += f", groups of {self.group}" if self.group else ""
         return (
-            f"ep step on {self.card} ({self.nodes} node(s) × {self.gpus_per_node}): compute "
+            f"ep step on {self.card} ({where_ran}): compute "
             f"{compute} + all-to-all {self.all_to_all_s * 1e3:.0f} ms – {moved / 1e9:.2f} GB "
             f"per rank per step over {where} ({self.inter_node_bytes / 1e9:.2f} GB of it "
             "between nodes; balanced routing, peak link rates, no overlap)"
@@ -96,21 +104,23 @@ def exchanges_per_step(spec: ModelSpec, cfg: RunConfig) -> int:
 def ep_step_time(
     spec: ModelSpec, cfg: RunConfig, card: Card, gpus_per_node: int, nodes: int = 1
 ) -> EpStepTime:
-    """One rank's step with the routed experts over `nodes` × `gpus_per_node` cards."""
+    """One rank's step with the routed experts over `nodes` × `gpus_per_node` cards (each
+    all-to-all within a group of train.ep_degree consecutive ranks, where set)."""
     t = cfg.train
-    ranks = nodes * gpus_per_node
+    ranks = min(nodes * gpus_per_node, t.ep_degree or nodes * gpus_per_node)  # one exchange's
+    local = min(ranks, gpus_per_node)  # of them on this rank's node
     micro = t.seq_len * t.batch_size
     copy = micro * spec.top_k * spec.hidden_size * DTYPE_BYTES[cfg.model.dtype]
     n = exchanges_per_step(spec, cfg)
     tokens = micro * t.grad_accum
     peak = card.tensor_tflops * 1e12 * MFU
-    network = node_link(card, gpus_per_node) if nodes > 1 else None
+    network = node_link(card, gpus_per_node) if ranks > local else None
     flops = tokens * flops_per_token(spec.active_params, t.gradient_checkpointing)
     return EpStepTime(
         card=card.id, nodes=nodes, gpus_per_node=gpus_per_node, tokens=tokens, exchanges=n,
         copy_bytes=copy,
-        intra_node_bytes=n * copy * (gpus_per_node - 1) // ranks,
-        inter_node_bytes=n * copy * (ranks - gpus_per_node) // ranks,
+        intra_node_bytes=n * copy * (local - 1) // ranks,
+        inter_node_bytes=n * copy * (ranks - local) // ranks,
         gpu_link=gpu_link(card, gpus_per_node), node_link=network,
-        compute_s=flops / peak if peak else None,
+        compute_s=flops / peak if peak else None, group=t.ep_degree or 0,
     )  # fmt: skip
