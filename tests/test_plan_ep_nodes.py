@@ -4,6 +4,7 @@ host RAM per node with the experts split over every node's ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -121,6 +122,9 @@ def test_host_ram_per_node_reads_1_over_every_ranks_experts(small: Any) -> None:
     assert two.per_node_bytes == 8 * (RUNTIME_HOST_BYTES + rest + -(-sizes.expert_weights // 16))
     saved = one.per_node_bytes - two.per_node_bytes
     assert saved == pytest.approx(8 * sizes.expert_weights / 16, abs=16)
+    # train.ep_degree 4: a rank reads its group's share, E/4, whatever the world
+    grouped = host_ram(dataclasses.replace(sizes, ep_degree=4), 8, "ep", world=16)
+    assert grouped.per_node_bytes == 8 * (RUNTIME_HOST_BYTES + rest + -(-sizes.expert_weights // 4))
 
 
 def test_plan_json_gives_each_cards_ep_step(small: Any) -> None:

@@ -64,8 +64,10 @@ def host_ram(sizes: Sizes, gpus: int, strategy: str, world: int | None = None) -
         how = "every rank builds its partition under zero.Init, rank 0 reading the checkpoint"
         return HostRam(strategy, gpus, each, each, gpus * each, how, True)
     if strategy == "ep" and sizes.expert_weights:
-        # engine/ep_load.py: each rank reads its E/N experts' bytes, every other weight whole
-        each = run + whole - sizes.expert_weights + -(-sizes.expert_weights // (world or gpus))
+        # engine/ep_load.py: each rank reads its E/N experts' bytes (E/ep_degree in groups:
+        # train/model.py's _ep_rank), every other weight whole
+        group = sizes.ep_degree or world or gpus
+        each = run + whole - sizes.expert_weights + -(-sizes.expert_weights // group)
         how = "every rank reads its E/N routed experts' bytes and the rest of the base whole"
         return HostRam(strategy, gpus, each, each, gpus * each, how, False)  # the rest: N×
     how = f"every rank builds the whole base before {strategy} shards it"
