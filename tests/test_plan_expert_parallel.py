@@ -133,7 +133,9 @@ def test_the_ep_figure_reads_ep_degree_as_the_per_rank_plan(tiny: ModelSpec, gpu
     rest = sizes.single["frozen_weights"] - sizes.expert_weights
     assert ep.components["frozen_weights"] == -(-rest // gpus)
     assert ep.to_json()["rest_sharded_over"] == gpus
-    assert f"in groups of {degree} ranks, the rest FSDP2-sharded over {gpus}" in ep.describe()
+    said = ep.describe()
+    assert f"in groups of {degree} ranks, the rest FSDP2-sharded over {gpus}" in said
+    assert f"all the LoRA state 1/{gpus} (FSDP2)" in said and "own device only" not in said
 
 
 @pytest.mark.parametrize(("degree", "fewest"), [(None, 4), (8, 8), (16, 16)])

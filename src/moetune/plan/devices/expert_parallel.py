@@ -110,6 +110,8 @@ class ExpertParallelPlan:
             others = "; ".join(self.engines)
             return f"{held}; moetune trains ep with LoRA only, full fine-tuning: {others}"
         mine = "each expert's LoRA state on its own device only"
+        if self.sharded_over:  # FSDP2 shards all the LoRA state over every rank
+            mine = f"all the LoRA state 1/{self.sharded_over} (FSDP2)"
         return f"{held}, {mine}; moetune trains it: train.strategy ep (--strategy ep)"
 
 

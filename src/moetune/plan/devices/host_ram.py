@@ -68,7 +68,8 @@ def host_ram(sizes: Sizes, gpus: int, strategy: str, world: int | None = None) -
         # train/model.py's _ep_rank), every other weight whole
         group = sizes.ep_degree or world or gpus
         each = run + whole - sizes.expert_weights + -(-sizes.expert_weights // group)
-        how = "every rank reads its E/N routed experts' bytes and the rest of the base whole"
+        share = f"E/{sizes.ep_degree} (its group's share)" if sizes.ep_degree else "E/N"
+        how = f"every rank reads its {share} routed experts' bytes and the rest of the base whole"
         return HostRam(strategy, gpus, each, each, gpus * each, how, False)  # the rest: N×
     how = f"every rank builds the whole base before {strategy} shards it"
     return HostRam(strategy, gpus, run + whole, run + whole, gpus * (run + whole), how, False)

@@ -415,9 +415,12 @@ def _ep_or_fsdp(ep: ExpertParallelPlan, sizes: Sizes, ranks: int, stored: bool) 
     fsdp = sum(get_strategy("fsdp").components(sizes, ranks).values())
     if ep.engines or stored or fsdp >= ep.peak_bytes:
         return ()
+    why = "it shards the replicated rest too"
+    if ep.sharded_over:  # train.ep_degree: the rest is sharded; the experts over a group only
+        why = f"it shards the experts over all {ranks} ranks, ep over groups of {ep.ep}"
     return (
         f"FSDP2 holds less per device here: {human_bytes(fsdp)} against ep's "
-        f"{human_bytes(ep.peak_bytes)} on {ranks} ranks (it shards the replicated rest too); "
+        f"{human_bytes(ep.peak_bytes)} on {ranks} ranks ({why}); "
         "use --strategy fsdp where ep does not fit, ep where both do (it moves only the "
         "routed tokens, FSDP2 gathers every layer's whole expert stacks)",
     )
