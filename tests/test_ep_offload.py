@@ -1,0 +1,110 @@
+"""`train.offload` under `train.strategy ep` (engine/offload/load.py's `part`): each rank's
+ExpertStore holds only its own experts – read from the safetensors as partitioned (every
+stored buffer cut by StackFiles.part, float stacks by stack_files.expert_part), NF4
+quantised for its experts only – and streams them layer by layer. Forked 2 gloo ranks, for
+offload cpu and disk over a float base, NF4 experts and DeepSeek's block-FP8 release: logits
+and every LoRA gradient summed over the ranks equal one process without offload (fp32,
+1e-5); each rank's store holds exactly half the one-process store's bytes; disk scratch
+stays in the rank's own directory. Slow: `moetune train --nproc 2 --strategy ep` with
+train.offload disk against one process with offload."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moetune.engine.offload.load import load_offloaded
+from moetune.engine.offload.store import offloaded_of
+from test_ep_quantized import _grads, _load, _rel, _wrapped, bases  # noqa: F401  (fixture)
+from test_stored_fp8_deepseek import deepseek  # noqa: F401  (the fixture bases reads)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+WORLD, EXPERTS = 2, 4
+MODULES = {"float": ["q_proj", "v_proj"], "nf4": ["q_proj", "v_proj"], "fp8": ["o_proj"]}
+
+
+def _reference(kind: str, base: Path) -> Any:
+    """One process, nothing offloaded: the whole base as moetune loads it without offload."""
+    from transformers import AutoModelForCausalLM
+
+    if kind == "float":
+        return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return _load(kind, base, None, WORLD)
+
+
+def _offloaded(kind: str, base: Path, mode: str, rank: int | None, scratch: Path) -> Any:
+    """The base with its experts in a store: this rank's (`rank`) or all of them."""
+    part = None if rank is None else (rank, WORLD)
+    model, store, _ = load_offloaded(
+        base, mode, "cpu", torch.float32, experts_dtype="nf4" if kind == "nf4" else "bf16",
+        scratch_dir=scratch, stored=kind == "fp8", part=part,
+    )  # fmt: skip
+    return model, store
+
+
+def _rank(rank: int, bases: dict[str, str], out: str) -> None:
+    """Per kind and mode: this rank's offloaded experts on its half of the batch."""
+    from moetune.engine.expert_parallel import ep_mesh, shard_experts
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=120))  # fmt: skip
+    found: dict[str, Any] = {}
+    for kind, base in bases.items():
+        torch.manual_seed(3)
+        ids = torch.randint(0, 40, (2 * WORLD, 12))
+        one = _wrapped(_reference(kind, Path(base)), MODULES[kind])
+        weights = torch.randn(2 * WORLD, 12, one.config.vocab_size)
+        want = _grads(one, ids, weights)
+        for mode in ("cpu", "disk"):
+            scratch = Path(out, f"scratch-{kind}-{mode}", f"rank{rank}")
+            scratch.mkdir(parents=True)
+            whole = _offloaded(kind, Path(base), mode, None, Path(out))[1].stats.stored_bytes
+            model, store = _offloaded(kind, Path(base), mode, rank, scratch)
+            model = _wrapped(model, MODULES[kind])
+            shard_experts(model, ep_mesh("cpu"))
+            mine = slice(rank * 2, rank * 2 + 2)
+            got = _grads(model, ids[mine], weights[mine])
+            diffs = [_rel(got["logits"], want["logits"][mine])]
+            for name, grad in got["grads"].items():
+                dist.all_reduce(grad)  # each rank's share of every gradient, summed
+                diffs.append(_rel(grad, want["grads"][name]))
+            refs = [r for m in model.modules() for r in offloaded_of(m).values()]
+            found[f"{kind}-{mode}"] = {
+                "diff": max(diffs), "grads": len(diffs) - 1,
+                "held": sorted({r.held for r in refs}), "shapes": sorted({r.shape[0] for r in refs}),
+                "fetched": sorted({r.fetch().shape[0] for r in refs}),
+                "stored_bytes": store.stats.stored_bytes, "whole_bytes": whole,
+                "backward_bytes": store.stats.bytes_moved["backward"], "layers": store.stats.layers,
+                "scratch": sorted(p.name for p in scratch.iterdir()),
+            }  # fmt: skip
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def test_ep_ranks_with_offloaded_experts_equal_one_process(bases, tmp_path):  # noqa: F811
+    """Offload cpu and disk over a float base, NF4 experts and a stored block-FP8 base, on 2
+    ranks: logits and summed LoRA gradients equal one process without offload (fp32, 1e-5);
+    each rank's store holds 2 of the 4 experts – half the one-process store's bytes – and
+    peft still sees all 4 (the adapter stays whole); NF4 on disk spills to the rank's own dir."""
+    paths = {"float": str(bases["float"]), "nf4": str(bases["float"]), "fp8": str(bases["fp8"])}
+    mp.start_processes(_rank, args=(paths, str(tmp_path)), nprocs=WORLD, start_method="fork")
+    for rank in range(WORLD):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for case, got in found.items():
+            assert got["diff"] < 1e-5, (case, got)
+            assert got["grads"] >= 8, case  # attention and every expert stack's A and B
+            assert got["held"] == got["fetched"] == [EXPERTS // WORLD], case
+            assert got["shapes"] == [EXPERTS], case  # what peft sizes the LoRA from
+            assert got["stored_bytes"] * WORLD == got["whole_bytes"], case
+            # streamed again for the input gradient (one MoE layer stays on the device)
+            assert got["backward_bytes"] > 0 or got["layers"] == 1, case
+            spilled = case == "nf4-disk"  # float and stored stacks stay in the base's files
+            assert len(got["scratch"]) == int(spilled), case
