@@ -108,3 +108,78 @@ def test_ep_ranks_with_offloaded_experts_equal_one_process(bases, tmp_path):  # 
             assert got["backward_bytes"] > 0 or got["layers"] == 1, case
             spilled = case == "nf4-disk"  # float and stored stacks stay in the base's files
             assert len(got["scratch"]) == int(spilled), case
+
+
+# ---------------------------------------------------------------- the launcher
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from test_train_helpers import tiny_run
+
+    return tiny_run(tmp_path_factory.mktemp("ep-offload"))
+
+
+@pytest.mark.parametrize(
+    ("over", "says"),
+    [({"ep_degree": 2}, "train.ep_degree"), ({"ep_placement": "balanced"}, "train.ep_placement")],
+)
+def test_offload_that_cannot_reach_the_stores_is_refused_before_any_rank(
+    tiny, tmp_path, monkeypatch, over, says
+):
+    """Offload under ep with FSDP2 expert groups, or with the balanced placement (which
+    exchanges stacks after the load): exit 2, one line, no rank started, nothing written."""
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+    from moetune.config import dump_config
+    from moetune.train import launch
+    from test_train_helpers import tiny_cfg
+
+    started: list[Any] = []
+    monkeypatch.setattr(launch, "_run_ranks", lambda *a: started.append(a) or 1)
+    out = tmp_path / "never"
+    cfg = tiny_cfg(tiny, out, offload="disk", strategy="ep", nproc=4, **over)
+    (tmp_path / "run.yaml").write_text(dump_config(cfg))
+    got = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml")])
+    line = " ".join(got.output.split())
+    assert got.exit_code == 2 and "Traceback" not in got.output, got.output
+    assert f"train.offload=disk with {says}" in line and "train.offload: none" in line, line
+    assert started == [] and not out.exists()
+
+
+# ---------------------------------------------------------------- the CLI (slow)
+
+
+@pytest.mark.slow
+def test_cli_ep_with_disk_offload_trains_as_one_process_with_offload(tmp_path):
+    """`moetune train --nproc 2 --strategy ep` with train.offload disk (each rank streaming
+    its 2 of the 4 experts from the base's files) against one process with train.offload
+    disk, batch 2 × 2 against 4: every step's loss and the adapter equal (fp32, 1e-5);
+    offload.json holds both ranks' stores, each half the experts' bytes."""
+    from moetune.config import dump_config
+    from test_ep_quantized import _losses
+    from test_train_distributed import _rel_diff, _train
+    from test_train_helpers import reverse_rows, run_config, save_tiny_model, write_jsonl
+
+    base = save_tiny_model(tmp_path / "base")
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(24))
+
+    def write(name: str, **more: Any) -> Path:
+        cfg = run_config(base, data, tmp_path / name, max_steps=3, save_steps=3, offload="disk",
+                         lora__targets=["attention", "experts"], lora__engine="moetune",
+                         **more)  # fmt: skip
+        (tmp_path / f"{name}.yaml").write_text(dump_config(cfg))
+        return tmp_path / f"{name}.yaml"
+
+    _train(write("two", batch_size=2, nproc=2, strategy="ep"), log=tmp_path / "two.log")
+    _train(write("one", batch_size=4), log=tmp_path / "one.log")
+    got, want = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+    assert _rel_diff(tmp_path / "two", tmp_path / "one") < 1e-5
+    two = json.loads((tmp_path / "two" / "offload.json").read_text())
+    one = json.loads((tmp_path / "one" / "offload.json").read_text())
+    assert [r["stored_bytes"] * 2 for r in two["ranks"]] == [one["stored_bytes"]] * 2
+    assert two["stored_bytes"] == two["ranks"][0]["stored_bytes"]  # the top level: rank 0's
+    assert not (tmp_path / "two" / ".staging").exists()  # every rank's scratch cleared
