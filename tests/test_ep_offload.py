@@ -22,7 +22,13 @@ import torch.multiprocessing as mp
 
 from moetune.engine.offload.load import load_offloaded
 from moetune.engine.offload.store import offloaded_of
-from test_ep_quantized import _grads, _load, _rel, _wrapped, bases  # noqa: F401  (fixture)
+from test_ep_quantized import (
+    _grads,
+    _load,
+    _rel,
+    _wrapped,
+    bases,  # noqa: F401  (the module-scoped fixture)
+)
 from test_stored_fp8_deepseek import deepseek  # noqa: F401  (the fixture bases reads)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -49,7 +55,7 @@ def _offloaded(kind: str, base: Path, mode: str, rank: int | None, scratch: Path
     return model, store
 
 
-def _rank(rank: int, bases: dict[str, str], out: str) -> None:
+def _rank(rank: int, paths: dict[str, str], out: str) -> None:
     """Per kind and mode: this rank's offloaded experts on its half of the batch."""
     from moetune.engine.expert_parallel import ep_mesh, shard_experts
 
@@ -57,7 +63,7 @@ def _rank(rank: int, bases: dict[str, str], out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=120))  # fmt: skip
     found: dict[str, Any] = {}
-    for kind, base in bases.items():
+    for kind, base in paths.items():
         torch.manual_seed(3)
         ids = torch.randint(0, 40, (2 * WORLD, 12))
         one = _wrapped(_reference(kind, Path(base)), MODULES[kind])
@@ -79,7 +85,8 @@ def _rank(rank: int, bases: dict[str, str], out: str) -> None:
             refs = [r for m in model.modules() for r in offloaded_of(m).values()]
             found[f"{kind}-{mode}"] = {
                 "diff": max(diffs), "grads": len(diffs) - 1,
-                "held": sorted({r.held for r in refs}), "shapes": sorted({r.shape[0] for r in refs}),
+                "held": sorted({r.held for r in refs}),
+                "shapes": sorted({r.shape[0] for r in refs}),
                 "fetched": sorted({r.fetch().shape[0] for r in refs}),
                 "stored_bytes": store.stats.stored_bytes, "whole_bytes": whole,
                 "backward_bytes": store.stats.bytes_moved["backward"], "layers": store.stats.layers,
@@ -148,6 +155,40 @@ def test_offload_that_cannot_reach_the_stores_is_refused_before_any_rank(
     assert started == [] and not out.exists()
 
 
+# ---------------------------------------------------------------- the plan
+
+
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+def test_plan_counts_each_ranks_store_as_the_store_holds_it(tiny, mode):
+    """The per-rank offload plan under ep against the store a rank really builds (the tiny
+    fp32 base, 2 ranks): its offloaded bytes and one layer's are the rank's store's, half one
+    process's; the device holds the rest and two layers of its slice; host RAM per node is
+    both ranks' processes; on disk each rank reads half the stacks' file bytes per pass."""
+    from moetune.config import parse_config
+    from moetune.model import load_spec
+    from moetune.plan.devices.ep_offload import plan_ep_offload
+    from moetune.plan.offload.memory import plan_offload
+
+    cfg = parse_config({"model": {"id": str(tiny.model)}, "lora": {"rank": 4},
+                        "train": {"offload": mode, "strategy": "ep", "nproc": 2,
+                                  "device": "cpu", "seq_len": 32}})  # fmt: skip
+    spec = load_spec(str(tiny.model))
+    plan = plan_ep_offload(spec, cfg, None, 2, 2)
+    one = plan_offload(spec, cfg, None)
+    _, store, _ = load_offloaded(tiny.model, mode, "cpu", torch.float32, part=(1, 2))
+    assert plan.offloaded_bytes == store.stats.stored_bytes == one.offloaded_bytes // 2
+    assert plan.layer_expert_bytes == store.stats.layer_bytes
+    assert plan.device_components["streamed_experts"] == 2 * store.stats.layer_bytes
+    assert plan.host_ram_bytes == 2 * plan.device_peak_bytes  # the node's 2 ranks
+    rest = one.device_components["resident_weights"]  # the rest, replicated: as one process
+    if mode == "disk":
+        assert plan.disk_bytes == store.stats.stored_bytes == one.disk_bytes // 2
+        assert plan.device_components["resident_weights"] == rest
+    else:  # host RAM is the device: the rank's store lives there too
+        assert plan.device_components["resident_weights"] == rest - one.offloaded_bytes // 2
+    assert sum(plan.bytes_moved_per_step.values()) * 2 == sum(one.bytes_moved_per_step.values())
+
+
 # ---------------------------------------------------------------- the CLI (slow)
 
 
@@ -183,3 +224,6 @@ def test_cli_ep_with_disk_offload_trains_as_one_process_with_offload(tmp_path):
     assert [r["stored_bytes"] * 2 for r in two["ranks"]] == [one["stored_bytes"]] * 2
     assert two["stored_bytes"] == two["ranks"][0]["stored_bytes"]  # the top level: rank 0's
     assert not (tmp_path / "two" / ".staging").exists()  # every rank's scratch cleared
+    ran = json.loads((tmp_path / "two" / "summary.json").read_text())["distributed"]
+    for rank in ran["expert_parallel"]:  # each rank's peak RSS against the per-rank plan
+        assert 0.9 < rank["measured_over_planned"] < 1.1, rank

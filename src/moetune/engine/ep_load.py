@@ -164,4 +164,3 @@ def load_partitioned_stored(
     _finish(model, device)
     model.__dict__[READ] = {"expert_bytes_read": read[0], "expert_stack_bytes": read[1]}
     return model, report
-

@@ -32,6 +32,7 @@ import torch
 from moetune.config import RunConfig
 from moetune.config.keys import offload_mode
 from moetune.model.spec import ModelSpec
+from moetune.plan.devices.ep_offload import plan_ep_offload
 from moetune.plan.devices.sharding import per_rank_bytes
 from moetune.plan.hardware import Card, all_cards, card_for_device, get_card
 from moetune.plan.offload.memory import plan_offload
@@ -61,10 +62,12 @@ def _offload(spec: ModelSpec, cfg: RunConfig, device: str, memory: Any) -> RunPl
     if not offload_mode(cfg.train.offload).streams:
         return None
     card = offload_card(cfg, device)
-    plan = plan_offload(spec, cfg, card)
+    ranks = cfg.train.nproc * cfg.train.nnodes  # several: train.strategy ep, a store a rank
+    plan = (plan_offload(spec, cfg, card) if ranks == 1
+            else plan_ep_offload(spec, cfg, card, ranks, cfg.train.nproc))  # fmt: skip
     if card is None:  # one memory: the process is the device
         return RunPlan(
-            "offload", f"offload {plan.offload}, host RAM as device", plan.host_ram_bytes,
+            "offload", f"offload {plan.offload}, host RAM as device", plan.device_peak_bytes,
             None, "the process's planned peak RSS (device = host RAM: resident weights, two "
             "streamed layers, the step's tensors, the process baseline) vs its measured peak "
             "RSS", dict(plan.device_components), plan.to_json(),

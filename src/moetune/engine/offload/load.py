@@ -166,8 +166,8 @@ def _source(
     weight = torch.empty(shape, dtype=segments[0].dtype)
     read_into(segments, weight)
     if quant is None:  # cpu: host RAM, narrowed to the compute dtype where that is smaller
-        held = weight if weight.element_size() <= dtype.itemsize else weight.to(dtype)
-        return host_source(held, store.pin), dtype
+        kept = weight if weight.element_size() <= dtype.itemsize else weight.to(dtype)
+        return host_source(kept, store.pin), dtype
     _mark_quantized(module)  # quantise on the CPU, the error measured as quant/load.py does
     _install(module, name, weight.to(dtype), replace(quant.plan, layer=path))
     stack = stacks_of(module)[name]
@@ -216,8 +216,10 @@ class FileStored:
         return stack, pieces
 
 
-def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
-                 dtype: torch.dtype, part: tuple[int, int] | None) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
+def _load_stored(
+    model_dir: str | Path, mode: Mode, device: str | torch.device, dtype: torch.dtype,
+    part: tuple[int, int] | None,
+) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
     """Stored stacks into the store: `disk` leaves them in the base's files, `cpu` reads each
     once into host RAM – either way in the stored bytes, dequantised on the device per expert;
     `part`: one expert-parallel rank's experts of every buffer only (StackFiles.part)."""
