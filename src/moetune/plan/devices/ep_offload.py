@@ -31,6 +31,15 @@ from moetune.plan.offload.memory import (
 from moetune.plan.overhead import CPU_PROCESS_BASELINE, card_overhead
 
 
+def plan_offload_of_run(spec: ModelSpec, cfg: RunConfig, card: Card | str | None) -> OffloadPlan:
+    """The offload plan of the run as launched: one process's, or – several ranks, which the
+    launcher allows under train.strategy ep only – one rank's (`plan_ep_offload`)."""
+    ranks = cfg.train.nproc * cfg.train.nnodes
+    if ranks == 1:
+        return plan_offload(spec, cfg, card)
+    return plan_ep_offload(spec, cfg, card, ranks, cfg.train.nproc)
+
+
 def plan_ep_offload(
     spec: ModelSpec, cfg: RunConfig, card: Card | str | None, ranks: int, per_node: int
 ) -> OffloadPlan:
