@@ -155,6 +155,26 @@ def test_offload_that_cannot_reach_the_stores_is_refused_before_any_rank(
     assert started == [] and not out.exists()
 
 
+def test_each_ranks_disk_scratch_is_a_directory_of_its_own(tiny, tmp_path, monkeypatch):
+    """train's load under ep with offload disk and NF4 experts: each global rank spills its
+    own quantised experts into .staging/offload/rank<R>/, so two ranks never share a file."""
+    from moetune.train.offload import load_offloaded_model
+    from moetune.train.setup import Placement
+    from test_train_helpers import tiny_cfg
+
+    cfg = tiny_cfg(tiny, tmp_path / "run", offload="disk", strategy="ep", nproc=2,
+                   lora__engine="moetune", model__experts_dtype="nf4")  # fmt: skip
+    scratch, models = tmp_path / "run" / ".staging" / "offload", []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        models.append(load_offloaded_model(cfg, Placement("cpu", "fp32"), torch.float32,
+                                           str(tiny.model), scratch, False, (rank, 2)))  # fmt: skip
+    assert sorted(p.name for p in scratch.iterdir()) == ["rank0", "rank1"]
+    assert [len(list((scratch / f"rank{r}").iterdir())) for r in (0, 1)] == [1, 1]
+    held = {r.held for m in models for mod in m.modules() for r in offloaded_of(mod).values()}
+    assert held == {EXPERTS // WORLD}
+
+
 # ---------------------------------------------------------------- the plan
 
 
