@@ -158,7 +158,7 @@ def test_offload_that_cannot_reach_the_stores_is_refused_before_any_rank(
 def test_each_ranks_disk_scratch_is_a_directory_of_its_own(tiny, tmp_path, monkeypatch):
     """train's load under ep with offload disk and NF4 experts: each global rank spills its
     own quantised experts into .staging/offload/rank<R>/, so two ranks never share a file."""
-    from moetune.train.offload import load_offloaded_model
+    from moetune.train.offload import load_offloaded_model, rank_device
     from moetune.train.setup import Placement
     from test_train_helpers import tiny_cfg
 
@@ -173,6 +173,8 @@ def test_each_ranks_disk_scratch_is_a_directory_of_its_own(tiny, tmp_path, monke
     assert [len(list((scratch / f"rank{r}").iterdir())) for r in (0, 1)] == [1, 1]
     held = {r.held for m in models for mod in m.modules() for r in offloaded_of(mod).values()}
     assert held == {EXPERTS // WORLD}
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a rank's store streams to the rank's own GPU
+    assert (rank_device("cuda"), rank_device("cpu")) == ("cuda:1", "cpu")
 
 
 # ---------------------------------------------------------------- the plan

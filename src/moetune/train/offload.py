@@ -99,11 +99,13 @@ def load_offloaded_model(
     from moetune.engine.offload.load import load_offloaded
 
     _check_files(cfg, Path(model_dir))
+    device = place.device
     if part is not None:  # ranks of every node may share output.dir: nothing collides
         scratch = scratch / f"rank{os.environ.get('RANK', part[0])}"
+        device = rank_device(device)
     scratch.mkdir(parents=True, exist_ok=True)
     model, _, report = load_offloaded(
-        model_dir, cast("Mode", cfg.train.offload), place.device, dtype,
+        model_dir, cast("Mode", cfg.train.offload), device, dtype,
         experts_dtype=cfg.model.experts_dtype, double_quant=cfg.model.experts_double_quant,
         scratch_dir=scratch, stored=stored, part=part,
     )  # fmt: skip
@@ -113,6 +115,14 @@ def load_offloaded_model(
     if report is not None:
         model.__dict__["_moetune_quant_report"] = report  # train/model.py writes quant.json
     return model
+
+
+def rank_device(device: str) -> str:
+    """The device a rank's store streams to: its own GPU (the launcher's LOCAL_RANK, the one
+    accelerate gives the rank), never whichever one is current when the store is made."""
+    if device != "cuda":
+        return device
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
 
 
 def write_offload_json(run: RunDir, model: nn.Module, save: bool = True) -> dict[str, Any] | None:
