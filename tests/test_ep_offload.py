@@ -211,6 +211,32 @@ def test_plan_counts_each_ranks_store_as_the_store_holds_it(tiny, mode):
     assert sum(plan.bytes_moved_per_step.values()) * 2 == sum(one.bytes_moved_per_step.values())
 
 
+def test_plan_command_plans_offload_per_rank_under_ep(tiny):
+    """`moetune plan --gpus 2 --strategy ep --offload cpu`: the offload plan is one rank's
+    (half the one-process store, its note says so); without --gpus it is one process's."""
+    from typer.testing import CliRunner
+
+    from moetune.cli import app
+
+    def offload(*flags: str) -> dict[str, Any]:
+        got = CliRunner().invoke(app, ["plan", str(tiny.model), "--offload", "cpu", "--json",
+                                       "--set", "train.device=cpu", *flags])  # fmt: skip
+        assert got.exit_code == 0, got.output
+        return json.loads(got.output)["offload"]["cpu"]
+
+    one, rank = offload(), offload("--gpus", "2", "--strategy", "ep")
+    assert rank["offloaded_bytes"] * 2 == one["offloaded_bytes"] > 0
+    assert rank["pinned_host_bytes"] * 2 == one["pinned_host_bytes"]
+    assert any("per rank of 2 under train.strategy ep" in n for n in rank["notes"])
+
+
+def test_a_part_that_does_not_divide_the_experts_is_refused(tiny):
+    from moetune.engine.stack_files import OffloadError
+
+    with pytest.raises(OffloadError, match="4 routed experts do not split evenly over 3"):
+        load_offloaded(tiny.model, "cpu", "cpu", torch.float32, part=(0, 3))
+
+
 # ---------------------------------------------------------------- the CLI (slow)
 
 
@@ -246,6 +272,8 @@ def test_cli_ep_with_disk_offload_trains_as_one_process_with_offload(tmp_path):
     assert [r["stored_bytes"] * 2 for r in two["ranks"]] == [one["stored_bytes"]] * 2
     assert two["stored_bytes"] == two["ranks"][0]["stored_bytes"]  # the top level: rank 0's
     assert not (tmp_path / "two" / ".staging").exists()  # every rank's scratch cleared
-    ran = json.loads((tmp_path / "two" / "summary.json").read_text())["distributed"]
-    for rank in ran["expert_parallel"]:  # each rank's peak RSS against the per-rank plan
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    planned = summary["memory"]["planned_components"]  # the per-rank plan (ep_offload.py)
+    assert [planned["streamed_experts"]] * 2 == [2 * r["layer_bytes"] for r in two["ranks"]]
+    for rank in summary["distributed"]["expert_parallel"]:  # peak RSS against that plan
         assert 0.9 < rank["measured_over_planned"] < 1.1, rank

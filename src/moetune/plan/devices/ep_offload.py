@@ -26,6 +26,7 @@ from moetune.plan.offload.memory import (
     CUDA_HOST_BASELINE,
     STREAMED_LAYERS,
     OffloadPlan,
+    offload_plans,
     plan_offload,
 )
 from moetune.plan.overhead import CPU_PROCESS_BASELINE, card_overhead
@@ -38,6 +39,18 @@ def plan_offload_of_run(spec: ModelSpec, cfg: RunConfig, card: Card | str | None
     if ranks == 1:
         return plan_offload(spec, cfg, card)
     return plan_ep_offload(spec, cfg, card, ranks, cfg.train.nproc)
+
+
+def offload_plans_of_run(
+    spec: ModelSpec, cfg: RunConfig, cards: list[str] | None
+) -> dict[str, OffloadPlan]:
+    """`plan --offload` per card (offload_plans' cards), per rank where the run has several."""
+    plans = offload_plans(spec, cfg, cards)
+    ranks = cfg.train.nproc * cfg.train.nnodes
+    if ranks == 1:
+        return plans
+    return {k: plan_ep_offload(spec, cfg, None if k == CPU_CARD else k, ranks, cfg.train.nproc)
+            for k in plans}  # fmt: skip
 
 
 def plan_ep_offload(
