@@ -277,3 +277,49 @@ def test_cli_ep_with_disk_offload_trains_as_one_process_with_offload(tmp_path):
     assert [planned["streamed_experts"]] * 2 == [2 * r["layer_bytes"] for r in two["ranks"]]
     for rank in summary["distributed"]["expert_parallel"]:  # peak RSS against that plan
         assert 0.9 < rank["measured_over_planned"] < 1.1, rank
+
+
+@pytest.mark.slow
+def test_cli_ep_with_cpu_offload_over_a_stored_fp8_base(bases, tmp_path):  # noqa: F811
+    """`moetune train --nproc 2 --strategy ep` with train.offload cpu over DeepSeek's
+    block-FP8 release (each rank's store: its experts' stored bytes, scales included):
+    loss and adapter equal the same 2 ranks without offload (1e-6), and every step's loss
+    one process with offload (fp32, 1e-5); the adapter against one process as the ep run
+    without offload has it (test_ep_quantized: the experts' factors within 1e-4)."""
+    from moetune.config import dump_config
+    from test_ep_quantized import _losses
+    from test_train_distributed import _train
+    from test_train_helpers import run_config
+
+    def write(name: str, **more: Any) -> Path:
+        cfg = run_config(bases["fp8"], bases["data"], tmp_path / name, max_steps=3,
+                         save_steps=3, lora__targets=["attention", "experts"], **more)  # fmt: skip
+        (tmp_path / f"{name}.yaml").write_text(dump_config(cfg))
+        return tmp_path / f"{name}.yaml"
+
+    two = {"batch_size": 2, "nproc": 2, "strategy": "ep"}
+    _train(write("two", offload="cpu", **two), log=tmp_path / "two.log")
+    _train(write("resident", **two), log=tmp_path / "resident.log")
+    _train(write("one", offload="cpu", batch_size=4), log=tmp_path / "one.log")
+    got, want = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+    assert max(abs(g - w) / abs(w) for g, w in
+               zip(got, _losses(tmp_path / "resident"), strict=True)) < 1e-6  # fmt: skip
+    assert _adapter_rel(tmp_path / "two", tmp_path / "resident", "") < 1e-6  # offload adds 0
+    assert _adapter_rel(tmp_path / "two", tmp_path / "one", "non-experts") < 1e-5
+    assert _adapter_rel(tmp_path / "two", tmp_path / "one", "") < 1e-4  # measured 5.8e-5
+    ran = json.loads((tmp_path / "two" / "offload.json").read_text())
+    one = json.loads((tmp_path / "one" / "offload.json").read_text())
+    assert [r["stored_bytes"] * 2 for r in ran["ranks"]] == [one["stored_bytes"]] * 2
+
+
+def _adapter_rel(run: Path, reference: Path, only: str) -> float:
+    """The largest relative difference of the adapters' tensors (`only` "non-experts": the
+    tensors outside the routed experts)."""
+    from safetensors.torch import load_file
+
+    got, want = (load_file(str(r / "adapter" / "adapter_model.safetensors"))
+                 for r in (run, reference))  # fmt: skip
+    keys = [k for k in want if not only or ".experts." not in k]
+    return max(float((got[k] - want[k]).norm() / want[k].norm()) for k in keys)
