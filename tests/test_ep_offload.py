@@ -230,6 +230,28 @@ def test_plan_command_plans_offload_per_rank_under_ep(tiny):
     assert any("per rank of 2 under train.strategy ep" in n for n in rank["notes"])
 
 
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+def test_a_cuda_nodes_host_ram_is_the_sum_of_its_ranks_stores(mode):
+    """On H100-80GB, Qwen3-30B-A3B on 2 nodes × 4 ranks (ep 8): each rank pins its 1/8 of
+    the experts (cpu) or two layers of its slice (disk), a node holds its 4 ranks' pins and
+    host sides; the device holds two layers of the rank's slice, 1/8 of one process's."""
+    from moetune.config import parse_config
+    from moetune.model import load_spec
+    from moetune.plan.devices.ep_offload import plan_offload_of_run
+    from moetune.plan.offload.memory import CUDA_HOST_BASELINE, plan_offload
+
+    spec = load_spec("Qwen/Qwen3-30B-A3B")
+    cfg = parse_config({"train": {"offload": mode, "strategy": "ep", "nproc": 4, "nnodes": 2}})
+    one = plan_offload(spec, cfg, "H100-80GB")
+    rank = plan_offload_of_run(spec, cfg, "H100-80GB")
+    assert rank.layer_expert_bytes == -(-one.layer_expert_bytes // 8)
+    assert rank.device_components["streamed_experts"] == 2 * rank.layer_expert_bytes
+    pinned = rank.offloaded_bytes if mode == "cpu" else 2 * rank.layer_expert_bytes
+    assert rank.pinned_host_bytes == pinned
+    assert rank.host_ram_bytes == 4 * (pinned + CUDA_HOST_BASELINE)
+    assert rank.disk_bytes == (-(-one.disk_bytes // 8) if mode == "disk" else 0)
+
+
 def test_a_part_that_does_not_divide_the_experts_is_refused(tiny):
     from moetune.engine.stack_files import OffloadError
 
