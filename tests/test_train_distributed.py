@@ -208,7 +208,8 @@ def test_offload_on_several_ranks_is_refused_by_the_launcher(tiny, tmp_path, mon
         got = CliRunner().invoke(app, ["train", str(config), *flags])
         line = " ".join(got.output.split())
         assert got.exit_code == 2 and "Traceback" not in got.output, got.output
-        assert "train.offload=cpu trains in one process" in line, line
+        assert "train.offload=cpu streams one process's expert stacks under" in line, line
+        assert "set train.strategy: ep" in line  # where each rank streams its own experts
         assert "--nproc 1 --nnodes 1, or set train.offload: none" in line
     assert started == [] and not out.exists()  # no rank ever started, nothing written
 

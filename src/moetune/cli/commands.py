@@ -121,7 +121,8 @@ def plan(
     result = make_plan(spec, cfg, cards=planned, estimator=estimator)
     findings = lint(lint_context(cfg, spec, result, site_of(cfg.lane.provider)))
     devices = _devices(spec, cfg, list(result.fits), gpus, strategy, nodes)
-    offloads = _offloads(spec, cfg, card or ([cfg.hardware.card] if cfg.hardware.card else None))
+    offloads = _offloads(spec, _ep_ranks(cfg, gpus, strategy, nodes),
+                         card or ([cfg.hardware.card] if cfg.hardware.card else None))  # fmt: skip
     named = planned[0] if planned and not card else None  # hardware.card or this GPU
     why = "hardware.card" if cfg.hardware.card else "this machine's GPU"
     if as_json:
@@ -169,13 +170,22 @@ def _planned_cards(cards: list[str] | None, cfg: Any) -> list[str] | None:
 
 def _offloads(spec: Any, cfg: Any, cards: list[str] | None) -> dict[str, Any]:
     """The offload plan per card when train.offload is cpu or disk (--offload or the YAML):
-    the --card cards, else the catalog's, else (no CUDA here) this host's "cpu" card."""
+    the --card cards, else the catalog's, else (no CUDA here) this host's "cpu" card; per
+    rank under train.strategy ep on several ranks (a store a rank)."""
     if not offload_mode(cfg.train.offload).streams:
         return {}
     # lazy: the stage loads only when its command runs
-    from moetune.plan.offload.memory import offload_plans
+    from moetune.plan.devices.ep_offload import offload_plans_of_run
 
-    return offload_plans(spec, cfg, cards)
+    return offload_plans_of_run(spec, cfg, cards)
+
+
+def _ep_ranks(cfg: Any, gpus: int | None, strategy: str | None, nodes: int | None) -> Any:
+    """`--gpus N --strategy ep [--nodes M]`: the run on those ranks (offload plans per rank)."""
+    if not gpus or strategy != "ep":
+        return cfg
+    train = cfg.train.model_copy(update={"nproc": gpus, "nnodes": nodes or 1, "strategy": "ep"})
+    return cfg.model_copy(update={"train": train})
 
 
 def _devices(

@@ -44,7 +44,7 @@ from moetune.engine.quant.stacks import (
     _mark_quantized,
 )
 from moetune.engine.stack_files import Segment, expert_part, keys_of, read_into, stack_segments
-from moetune.engine.stored.load import StackFiles, StoredReport, install_stack
+from moetune.engine.stored.load import StoredReport, install_stack
 from moetune.engine.stored.load import stream_all_but_stacks as _stream_stored
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def load_partitioned_stored(
     for (path, name), files in stacks.items():
         module = model.get_submodule(path)
         whole = _shape(module, name)
-        mine = part_files(files, rank, ranks)
+        mine = files.part(rank, ranks)
         read[0], read[1] = read[0] + mine.nbytes, read[1] + files.nbytes
         stack = install_stack(module, name, mine.read(), dtype, report, device)
         if dequantize:  # a float part, as a float base's: no stored stack is kept
@@ -164,13 +164,3 @@ def load_partitioned_stored(
     _finish(model, device)
     model.__dict__[READ] = {"expert_bytes_read": read[0], "expert_stack_bytes": read[1]}
     return model, report
-
-
-def part_files(files: StackFiles, rank: int, ranks: int) -> StackFiles:
-    """Where this rank's experts of a stored stack lie: each buffer cut to its rows."""
-    out = {}
-    for buf, (segs, shape, dtype) in files.buffers.items():
-        local = shape[0] // ranks
-        part = slice(rank * local, (rank + 1) * local)
-        out[buf] = (expert_part(segs, shape, part), (local, *shape[1:]), dtype)
-    return StackFiles(out)

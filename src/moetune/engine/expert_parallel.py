@@ -55,6 +55,7 @@ from moetune.engine.experts_lora import (
     is_fused_experts,
     route_pairs,
 )
+from moetune.engine.offload.store import offloaded_of
 from moetune.engine.quant.stacks import QUANTIZED, QuantizedStack, stacks_of
 from moetune.engine.stored.linear import StoredLinear
 
@@ -273,8 +274,11 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
     ep_load.load_partitioned, or cut here from the whole, which is freed."""
     loaded = experts.__dict__.pop(PART, {})
     quantized = _slice_quantized(experts, shard, loaded)
+    streamed = offloaded_of(experts)  # train.offload: the store holds the rank's experts
+    for name, ref in streamed.items():
+        _check_held(name, ref.held, shard)
     for name in (*PROJECTIONS, *(f"{p}_bias" for p in PROJECTIONS)):
-        if name in quantized:
+        if name in quantized or name in streamed:  # (reading a streamed one would fetch it)
             continue
         whole = getattr(experts, name, None)
         if not isinstance(whole, nn.Parameter):
@@ -282,13 +286,18 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
         kept = loaded.get(name)
         if kept is None:
             kept = whole.data[shard.part].clone()  # own storage: the whole stack can go
-        elif kept.shape[0] != shard.local:
-            raise EngineError(
-                f"{name} was loaded with {kept.shape[0]} experts a rank, and {shard.ranks} "
-                f"ranks hold {shard.local} each",
-                "load the base with the world that trains it (train.nproc)",
-            )
+        _check_held(name, kept.shape[0], shard)
         setattr(experts, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+
+
+def _check_held(name: str, held: int, shard: ExpertShard) -> None:
+    """A stack loaded for another world (its part of another size) is refused."""
+    if held != shard.local:
+        raise EngineError(
+            f"{name} was loaded with {held} experts a rank, and {shard.ranks} "
+            f"ranks hold {shard.local} each",
+            "load the base with the world that trains it (train.nproc)",
+        )
 
 
 def _slice_quantized(experts: nn.Module, shard: ExpertShard, loaded: dict[str, Any]) -> set[str]:
@@ -297,12 +306,7 @@ def _slice_quantized(experts: nn.Module, shard: ExpertShard, loaded: dict[str, A
     whole, every buffer by its leading expert dim. Returns the stacks' names."""
     parts = {n: s for n, s in loaded.items() if isinstance(s, QuantizedStack)}
     for name, stack in parts.items():
-        if stack.shape[0] != shard.local:
-            raise EngineError(
-                f"{name} was loaded with {stack.shape[0]} experts a rank, and {shard.ranks} "
-                f"ranks hold {shard.local} each",
-                "load the base with the world that trains it (train.nproc)",
-            )
+        _check_held(name, stack.shape[0], shard)
         experts._parameters.pop(name, None)  # its full-shape stand-in
         experts.get_submodule(QUANTIZED).add_module(name, stack)
     for name, stack in stacks_of(experts).items():

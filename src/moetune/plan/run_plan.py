@@ -5,8 +5,9 @@ streams its frozen experts (train.offload) or splits the model over ranks (train
 holds something else, so summary.json, preflight.json, the closing line, the ledger row and
 the report take their planned figure from here. Kinds, first that applies:
 
-- ``offload`` – `plan.offload.plan_offload` for the run's card. On a CUDA card the figure
-  is the device's live tensors (its overhead apart), met by `torch.cuda.max_memory_allocated`;
+- ``offload`` – `plan.offload.plan_offload` for the run's card (under ep, one rank's:
+  `plan.devices.ep_offload`). On a CUDA card the figure is the device's live tensors (its
+  overhead apart), met by `torch.cuda.max_memory_allocated`;
   elsewhere the device is host RAM and the figure is all the process needs (device + host:
   resident weights, two streamed layers, the step, the process baseline), met by its peak RSS.
 - ``per_rank`` – `plan.devices.sharding.per_rank_bytes`: one rank's share with train.strategy,
@@ -32,9 +33,9 @@ import torch
 from moetune.config import RunConfig
 from moetune.config.keys import offload_mode
 from moetune.model.spec import ModelSpec
+from moetune.plan.devices.ep_offload import plan_offload_of_run
 from moetune.plan.devices.sharding import per_rank_bytes
 from moetune.plan.hardware import Card, all_cards, card_for_device, get_card
-from moetune.plan.offload.memory import plan_offload
 from moetune.plan.overhead import CPU_PROCESS_BASELINE, overhead_for
 
 
@@ -61,10 +62,10 @@ def _offload(spec: ModelSpec, cfg: RunConfig, device: str, memory: Any) -> RunPl
     if not offload_mode(cfg.train.offload).streams:
         return None
     card = offload_card(cfg, device)
-    plan = plan_offload(spec, cfg, card)
+    plan = plan_offload_of_run(spec, cfg, card)  # several ranks (ep): one rank's store
     if card is None:  # one memory: the process is the device
         return RunPlan(
-            "offload", f"offload {plan.offload}, host RAM as device", plan.host_ram_bytes,
+            "offload", f"offload {plan.offload}, host RAM as device", plan.device_peak_bytes,
             None, "the process's planned peak RSS (device = host RAM: resident weights, two "
             "streamed layers, the step's tensors, the process baseline) vs its measured peak "
             "RSS", dict(plan.device_components), plan.to_json(),

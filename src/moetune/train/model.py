@@ -56,7 +56,7 @@ def load_model(
 
         scratch = Path(cfg.output.dir) / ".staging" / "offload"  # cleared with the staging dir
         return load_offloaded_model(
-            cfg, place, dtype, _model_dir(cfg.model.id), scratch, stored is not None
+            cfg, place, dtype, _model_dir(cfg.model.id), scratch, stored is not None, _ep_rank(cfg)
         )
     ep = _ep_rank(cfg)
     if ep is not None:  # expert parallelism: this rank's experts' bytes only, any dtype

@@ -22,6 +22,7 @@ from moetune.config.keys import offload_mode, splits
 from moetune.io import atomic_write_json
 from moetune.model.fixes.registry import apply_fixes
 from moetune.model.weight_files import checkpoint_files
+from moetune.train.distributed.nodes import check_one_process
 from moetune.train.errors import TrainError
 from moetune.units import human_bytes
 
@@ -52,9 +53,7 @@ def check_offload(cfg: RunConfig, engine: str, model_dir: str | None) -> None:
             f"but this run resolves to lora.engine {engine}",
             f"set lora.engine: moetune (lora.targets with experts, a family it serves), or {fix}",
         )
-    if cfg.train.nproc > 1 or cfg.train.nnodes > 1:
-        raise TrainError(f"train.offload={mode} runs in one process (one device)",
-                         f"set train.nproc: 1 and train.nnodes: 1, or {fix}")  # fmt: skip
+    check_one_process(cfg)  # several ranks: under train.strategy ep only
     if model_dir is not None:
         _check_files(cfg, Path(model_dir))
 
@@ -88,20 +87,27 @@ def local_dir(model_id: str) -> str | None:
     return model_id if os.path.isdir(model_id) else None
 
 
-def load_offloaded_model(cfg: RunConfig, place: Placement, dtype: torch.dtype,
-                         model_dir: str, scratch: Path, stored: bool) -> nn.Module:  # fmt: skip
+def load_offloaded_model(
+    cfg: RunConfig, place: Placement, dtype: torch.dtype, model_dir: str, scratch: Path,
+    stored: bool, part: tuple[int, int] | None = None,
+) -> nn.Module:  # fmt: skip
     """The base with its expert stacks in host RAM or left in its files (`stored`: in the
-    bytes of a base published quantised)."""
+    bytes of a base published quantised); `part`: (rank, ranks) of train.strategy ep – the
+    store holds that rank's experts only, and its scratch is a directory of its own."""
     # lazy: heavy to import (moetune)
     from moetune.engine import IMPLEMENTATION, register
     from moetune.engine.offload.load import load_offloaded
 
     _check_files(cfg, Path(model_dir))
+    device = place.device
+    if part is not None:  # ranks of every node may share output.dir: nothing collides
+        scratch = scratch / f"rank{os.environ.get('RANK', part[0])}"
+        device = rank_device(device)
     scratch.mkdir(parents=True, exist_ok=True)
     model, _, report = load_offloaded(
-        model_dir, cast("Mode", cfg.train.offload), place.device, dtype,
+        model_dir, cast("Mode", cfg.train.offload), device, dtype,
         experts_dtype=cfg.model.experts_dtype, double_quant=cfg.model.experts_double_quant,
-        scratch_dir=scratch, stored=stored,
+        scratch_dir=scratch, stored=stored, part=part,
     )  # fmt: skip
     apply_fixes(model)
     register()  # offloaded stacks only stream through moetune's experts forward
@@ -111,9 +117,19 @@ def load_offloaded_model(cfg: RunConfig, place: Placement, dtype: torch.dtype,
     return model
 
 
-def write_offload_json(run: RunDir, model: nn.Module) -> dict[str, Any] | None:
+def rank_device(device: str) -> str:
+    """The device a rank's store streams to: its own GPU (the launcher's LOCAL_RANK, the one
+    accelerate gives the rank), never whichever one is current when the store is made."""
+    if device != "cuda":
+        return device
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+
+
+def write_offload_json(run: RunDir, model: nn.Module, save: bool = True) -> dict[str, Any] | None:
     """offload.json: the store's measurements over the run (peak device bytes of experts,
-    bytes moved and read by phase)."""
+    bytes moved and read by phase), written where `save` (rank 0). Under train.strategy ep
+    every rank calls it: its top level is rank 0's store, as one process's, and `ranks` holds
+    every rank's (each streams its own experts), gathered on rank 0."""
     # lazy: heavy to import (moetune)
     from moetune.engine.offload.store import store_of
 
@@ -121,7 +137,12 @@ def write_offload_json(run: RunDir, model: nn.Module) -> dict[str, Any] | None:
     if store is None:
         return None
     stats = store.stats.to_json()
-    atomic_write_json(run.root / FILE, stats)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        ranks: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, stats)
+        stats["ranks"] = ranks
+    if save:
+        atomic_write_json(run.root / FILE, stats)
     return stats
 
 

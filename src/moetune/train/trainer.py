@@ -206,8 +206,8 @@ def _train(
                 shift.recorder.remove()
             check_unchanged(files, "before the final adapter was saved")
             setup.notes += save_adapter(trainer, run)
-            if setup.args.should_save:
-                write_offload_json(run, model)  # train.offload: what the expert store measured
+            # train.offload: what the expert store measured (under ep: every rank's, on rank 0)
+            write_offload_json(run, model, setup.args.should_save)
     if routing.every:
         console.print(escape(routing.drift()["line"]), highlight=False)
     router = compare_router(router_before, router_weights(model, setup.spec), cfg.lora.train_router)

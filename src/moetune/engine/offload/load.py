@@ -38,6 +38,7 @@ from moetune.engine.quant.stacks import (
 from moetune.engine.stack_files import (
     OffloadError,
     Segment,
+    expert_part,
     index_dir,
     keys_of,
     read_into,
@@ -61,11 +62,15 @@ def load_offloaded(
     model_dir: str | Path, mode: Mode, device: str | torch.device,
     dtype: torch.dtype = torch.bfloat16, *, experts_dtype: str = "bf16",
     double_quant: bool = False, scratch_dir: str | Path | None = None, stored: bool = False,
+    part: tuple[int, int] | None = None,
 ) -> tuple[PreTrainedModel, ExpertStore, QuantReport | StoredReport | None]:  # fmt: skip
     """A causal LM from a local checkpoint whose expert stacks live in an ExpertStore;
-    `stored`: a published quantised base, its stacks kept (and read) as the files store them."""
+    `stored`: a published quantised base, its stacks kept (and read) as the files store them;
+    `part`: (rank, ranks) of train.strategy ep – the store holds experts rank·E/N …
+    (rank+1)·E/N − 1 only, cut where the files hold them (stack_files.expert_part, as
+    ep_load.py reads them) and never read, quantised or spilled for the other ranks."""
     if stored:
-        return _load_stored(model_dir, mode, device, dtype)
+        return _load_stored(model_dir, mode, device, dtype, part)
     model, index, experts = empty_model(model_dir, dtype, "offload", "set train.offload: none")
     plans = {path: {n: stack_segments(index, path, n, tuple(m._parameters[n].shape))  # type: ignore[union-attr]
                     for n in names} for path, m, names in experts}  # type: ignore[union-attr]  # fmt: skip
@@ -77,12 +82,52 @@ def load_offloaded(
     quant = _Quant(experts_dtype, double_quant) if experts_dtype != "bf16" else None
     scratch = _scratch(scratch_dir, store) if mode == "disk" and quant is not None else None
     for path, module, names in experts:
-        sources = {n: _source(module, path, n, plans[path][n], dtype, store, quant, scratch)
-                   for n in names}  # fmt: skip
-        install(module, store, sources, names)
+        cut = _Part(_shape(module, names[0])[0], part)
+        sources = {n: _source(module, path, n, cut.segments(plans[path][n], _shape(module, n)),
+                              cut.held, dtype, store, quant, scratch) for n in names}  # fmt: skip
+        install(module, store, sources, names, cut.experts)
     _finish(model, device)
     attach(model, store)
     return model, store, quant.report if quant else None
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The experts of one stack a store holds: all, or one expert-parallel rank's."""
+
+    whole: int  # the stack's experts
+    part: tuple[int, int] | None  # (rank, ranks)
+
+    def __post_init__(self) -> None:
+        # the launcher refuses such a world with the fix (expert_parallel.check_divides);
+        # a direct call must not hold the floor of E/N silently
+        if self.part is not None and (self.whole % self.part[1] or self.part[1] > self.whole):
+            raise OffloadError(f"{self.whole} routed experts do not split evenly over "
+                               f"{self.part[1]} ranks", "use a number of ranks that divides "
+                               "the routed experts")  # fmt: skip
+
+    @property
+    def held(self) -> int:
+        return self.whole if self.part is None else self.whole // self.part[1]
+
+    @property
+    def experts(self) -> tuple[int, int] | None:
+        """(held, whole) for `install`; None: all of them."""
+        return None if self.part is None else (self.held, self.whole)
+
+    def rows(self) -> slice:
+        first = 0 if self.part is None else self.part[0] * self.held
+        return slice(first, first + self.held)
+
+    def segments(self, segments: list[Segment], shape: tuple[int, ...]) -> list[Segment]:
+        return segments if self.part is None else expert_part(segments, shape, self.rows())
+
+    def files(self, files: StackFiles) -> StackFiles:
+        return files if self.part is None else files.part(*self.part)
+
+
+def _shape(module: nn.Module, name: str) -> tuple[int, ...]:
+    return tuple(module._parameters[name].shape)  # type: ignore[union-attr]
 
 
 def empty_model(
@@ -113,18 +158,19 @@ class _Quant:
 
 
 def _source(
-    module: nn.Module, path: str, name: str, segments: list[Segment], dtype: torch.dtype,
+    module: nn.Module, path: str, name: str, segments: list[Segment], held: int, dtype: torch.dtype,
     store: ExpertStore, quant: _Quant | None, scratch: Path | None,
 ) -> tuple[Source, torch.dtype]:  # fmt: skip
-    """Where stack `name` waits, and the dtype it is computed in."""
-    shape = tuple(module._parameters[name].shape)  # type: ignore[union-attr]
+    """Where stack `name` waits – its experts that `segments` hold, `held` of them – and the
+    dtype it is computed in."""
+    shape = (held, *_shape(module, name)[1:])
     if store.mode == "disk" and quant is None:
         return FileFloat(segments, shape), dtype  # type: ignore[return-value]  # a Source
     weight = torch.empty(shape, dtype=segments[0].dtype)
     read_into(segments, weight)
     if quant is None:  # cpu: host RAM, narrowed to the compute dtype where that is smaller
-        held = weight if weight.element_size() <= dtype.itemsize else weight.to(dtype)
-        return host_source(held, store.pin), dtype
+        kept = weight if weight.element_size() <= dtype.itemsize else weight.to(dtype)
+        return host_source(kept, store.pin), dtype
     _mark_quantized(module)  # quantise on the CPU, the error measured as quant/load.py does
     _install(module, name, weight.to(dtype), replace(quant.plan, layer=path))
     stack = stacks_of(module)[name]
@@ -173,17 +219,22 @@ class FileStored:
         return stack, pieces
 
 
-def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
-                 dtype: torch.dtype) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
+def _load_stored(
+    model_dir: str | Path, mode: Mode, device: str | torch.device, dtype: torch.dtype,
+    part: tuple[int, int] | None,
+) -> tuple[Any, ExpertStore, StoredReport]:  # fmt: skip
     """Stored stacks into the store: `disk` leaves them in the base's files, `cpu` reads each
-    once into host RAM – either way in the stored bytes, dequantised on the device per expert."""
+    once into host RAM – either way in the stored bytes, dequantised on the device per expert;
+    `part`: one expert-parallel rank's experts of every buffer only (StackFiles.part)."""
     model, stacks, report = stream_all_but_stacks(model_dir, device, dtype, keep_linears=True)
     store = ExpertStore(mode, device)
     for path, module, names in list(experts_modules(model)):
         sources: dict[str, tuple[Source, torch.dtype]] = {}
+        cut = _Part(stacks[(path, names[0])].experts, part)
         for name in names:
-            files = stacks[(path, name)]
+            files = cut.files(stacks[(path, name)])
             like = install_stack(module, name, files.meta(), dtype, report)
+            like.shape = (files.experts, *like.shape[1:])  # what the store holds of it
             check_scales(like, files)
             if mode == "disk":
                 sources[name] = FileStored(like, files), dtype
@@ -191,7 +242,9 @@ def _load_stored(model_dir: str | Path, mode: Mode, device: str | torch.device,
                 bufs = files.read()
                 held = QuantizedStack(like.shape, like.transposed, dtype, like.backend, bufs)
                 sources[name] = host_source(held, store.pin), dtype
-        install(module, store, sources, names)
+        install(module, store, sources, names, cut.experts)
+    if part is not None:
+        report.float_bytes //= part[1]  # install_stack counted every expert in float
     _finish(model, device)
     attach(model, store)
     return model, store, report

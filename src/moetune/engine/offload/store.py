@@ -269,6 +269,7 @@ class StackRef:
     dtype: torch.dtype
     quantized: bool
     transposed: bool
+    held: int  # experts the store holds: shape[0], or one rank's E/N (train.strategy ep)
 
     def fetch(self, backward: bool = False) -> Weight:
         return self.store.fetch(self.layer, self.name, backward)
@@ -372,17 +373,21 @@ def _quantized_only(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
     return found
 
 
-def install(module: nn.Module, store: ExpertStore,
-            sources: dict[str, tuple[Source, torch.dtype]], order: list[str]) -> None:  # fmt: skip
-    """Register one experts module's stacks as a store layer and hand it the refs."""
+def install(module: nn.Module, store: ExpertStore, sources: dict[str, tuple[Source, torch.dtype]],
+            order: list[str], experts: tuple[int, int] | None = None) -> None:  # fmt: skip
+    """Register one experts module's stacks as a store layer and hand it the refs;
+    `experts`: (held, whole) where the store holds one rank's part of the stacks (the refs
+    keep the whole shape: peft sizes every expert's LoRA from it)."""
     stacks = stacks_of(module)
     layer = store.add_layer(sources)
     refs = {}
     for name, (_, dtype) in sources.items():
         like = stacks.get(name)
-        shape = like.shape if like is not None else tuple(getattr(module, name).shape)
+        whole, *rest = like.shape if like is not None else tuple(getattr(module, name).shape)
+        held, whole = experts or (whole, whole)
+        shape = (whole, *rest)
         refs[name] = StackRef(store, layer, name, shape, dtype, like is not None,  # type: ignore[arg-type]
-                              is_transposed(module))  # fmt: skip
+                              is_transposed(module), held)  # fmt: skip
     mark_offloaded(module, refs, order)
 
 

@@ -35,6 +35,7 @@ from moetune.engine.stack_files import (
     LAYOUTS,
     Segment,
     dtype_name,
+    expert_part,
     index_dir,
     keys_of,
     pieces_of,
@@ -114,6 +115,16 @@ class StackFiles:
     def meta(self) -> dict[str, torch.Tensor]:
         return {n: torch.empty(shape, dtype=d, device="meta")
                 for n, (_, shape, d) in self.buffers.items()}  # fmt: skip
+
+    def part(self, rank: int, ranks: int) -> StackFiles:
+        """Where rank `rank` of `ranks`' experts lie (expert parallelism): each buffer cut to
+        its rows – every buffer is expert-major."""
+        out = {}
+        for buf, (segs, shape, dtype) in self.buffers.items():
+            local = shape[0] // ranks
+            part = slice(rank * local, (rank + 1) * local)
+            out[buf] = (expert_part(segs, shape, part), (local, *shape[1:]), dtype)
+        return StackFiles(out)
 
 
 def checkpoint_format(model_dir: str | Path) -> tuple[type[StoredFormat], dict[str, Any]] | None:

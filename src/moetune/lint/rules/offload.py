@@ -12,7 +12,7 @@ from moetune.config.keys import offload_mode
 from moetune.errors import MoetuneError
 from moetune.lint.probes import model as probes
 from moetune.lint.registry import Hit, LintContext, register_rule
-from moetune.plan.offload.memory import plan_offload
+from moetune.plan.devices.ep_offload import plan_offload_of_run
 from moetune.units import gib
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def _offload_plan(ctx: LintContext) -> OffloadPlan | None:
     if cfg.hardware.card is None and cfg.train.device != "cpu":
         return None
     try:
-        return plan_offload(ctx.spec, cfg, cfg.hardware.card)
+        return plan_offload_of_run(ctx.spec, cfg, cfg.hardware.card)  # ep: per rank
     except MoetuneError:
         return None
 

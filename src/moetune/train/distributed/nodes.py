@@ -186,14 +186,33 @@ def _answers(host: str, port: int, within_s: float) -> bool:
 
 
 def check_one_process(cfg: RunConfig) -> None:
-    """Refuse, in the launcher, train.offload on several ranks (it streams one process's
-    stacks to one device) – never let each rank refuse it inside, after its own trace."""
+    """Refuse, in the launcher, train.offload on several ranks – never let each rank refuse
+    it inside, after its own trace – but under train.strategy ep, where each rank streams its
+    own experts (engine/offload/load.py's `part`); there, what cannot reach the stores."""
     t = cfg.train
-    if offload_mode(t.offload).streams:
+    if not offload_mode(t.offload).streams or world(t) == 1:
+        return
+    fix = "set train.offload: none"
+    if t.strategy != "ep":
         raise TrainError(
-            f"train.offload={t.offload} trains in one process (one device), and this launch "
-            f"asks for {world(t)} ({t.nproc} per node × {t.nnodes} node(s))",
-            "pass --nproc 1 --nnodes 1, or set train.offload: none",
+            f"train.offload={t.offload} streams one process's expert stacks under "
+            f"train.strategy {t.strategy}, and this launch asks for {world(t)} "
+            f"({t.nproc} per node × {t.nnodes} node(s))",
+            f"set train.strategy: ep (each rank streams its own experts), pass --nproc 1 "
+            f"--nnodes 1, or {fix}",
+        )
+    if t.ep_degree is not None:
+        raise TrainError(
+            f"train.offload={t.offload} with train.ep_degree {t.ep_degree}: FSDP2 shards the "
+            "rest over expert groups, and the offloaded stacks are no parameters it can hold",
+            f"drop train.ep_degree (one expert group over every rank), or {fix}",
+        )
+    if t.ep_placement == "balanced":
+        raise TrainError(
+            f"train.offload={t.offload} with train.ep_placement balanced: the placement "
+            "exchanges expert stacks after the load, and an offloaded stack stays where its "
+            "rank's store read it",
+            f"set train.ep_placement: contiguous, or {fix}",
         )
 
 
