@@ -12,6 +12,7 @@ do not depend on how the prompts are split over ranks.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,22 +46,14 @@ def _prompts(rows: range) -> tuple[torch.Tensor, torch.Tensor]:
 def _sample(model: Any, rows: range, per_row: bool = True, **how: Any) -> list[list[int]]:
     """The NEW tokens sampled for `rows` (global rows), per row streams or the process's."""
     ids, mask = _prompts(rows)
+    how = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, **how}
     model.eval()
     sampler = RowSampler(SEED, STEP, rows.start, len(rows))
     torch.manual_seed(SEED)  # the per-process stream, as TRL's set_seed leaves it
-    with torch.no_grad(), (sampling_rows(model, sampler) if per_row else _nothing()):
+    with torch.no_grad(), sampling_rows(model, sampler) if per_row else nullcontext():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW,
-                             min_new_tokens=NEW, pad_token_id=0,
-                             **{"do_sample": True, "temperature": 0.7, "top_p": 0.9, **how})  # fmt: skip
+                             min_new_tokens=NEW, pad_token_id=0, **how)  # fmt: skip
     return out[:, ids.shape[1] :].tolist()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
@@ -100,6 +93,7 @@ def test_the_sampler_draws_from_the_warped_distribution():
 
 def test_a_generate_call_that_bypasses_the_sampler_is_refused():
     model = _tiny_model(0)
-    with pytest.raises(TrainError, match="without moetune's per-row sampler"):
-        with sampling_rows(model, RowSampler(SEED, STEP, 0, 4)):
-            pass  # nothing sampled: as if generate built its chain elsewhere
+    sampler = RowSampler(SEED, STEP, 0, 4)
+    refused = pytest.raises(TrainError, match="without moetune's per-row sampler")
+    with refused, sampling_rows(model, sampler):
+        pass  # nothing sampled: as if generate built its chain elsewhere
