@@ -11,8 +11,10 @@ relative, and one element of B's gradient that happens to sit near zero (4.2e-9,
 rest are ~1e-4) differs by 2.4 %. Adam's first step takes g / (|g| + eps): ±1 for every
 other element, but for that one, below eps = 1e-8, the update follows g – and that single
 element moved the whole factor by 8.7e-5 (relative norm). Padded to one width (the maximum,
-one all-reduce of one integer per micro-batch), the ranks compute one process's values:
-1e-7 at most over the adapter.
+one all-reduce of one integer per micro-batch), and with the routing sorted stably (each
+expert's rows in token order: experts_lora.route_pairs), the ranks compute one process's
+values: 1.8e-7 at most over the adapter after that step (padded, sorted unstably: 3.1e-6;
+2 steps more: the experts' 4.5e-7).
 
 Only the right-padded token batches of SFT (input_ids, labels, attention_mask) are
 widened (TRL's collator, not padding-free); another collator's batch (packing, images, DPO,
