@@ -50,9 +50,9 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
 
 
 def test_each_ranks_micro_batch_is_its_rows_of_one_processs_batch(tmp_path):
+    one = _collator()(_rows(range(4)))  # one process: all four rows, one width (trl imported)
     mp.start_processes(_rank, args=(2, str(tmp_path / "store"), str(tmp_path)),
                        nprocs=2, start_method="fork")  # fmt: skip
-    one = _collator()(_rows(range(4)))  # one process: all four rows, one width
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert set(got[0]) == set(one) == {"input_ids", "labels", "attention_mask"}
     for key, want in one.items():

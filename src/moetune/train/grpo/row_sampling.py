@@ -110,7 +110,8 @@ class RowSampling:
 
     def _generate_single_turn(self, prompt_ids: list[Any], *args: Any, **kwargs: Any) -> Any:
         trainer: Any = self
-        if trainer.use_vllm or getattr(trainer.args, "use_transformers_paged", False):
+        if trainer.use_vllm or getattr(trainer, "use_transformers_continuous_batching", False):
+            # sampled by another engine (train.grpo.use_vllm), not by generate's logits chain
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)  # type: ignore[misc]
         rows, rank = len(prompt_ids), trainer.accelerator.process_index
         sampler = RowSampler(trainer.args.seed, trainer.state.global_step, rank * rows, rows)
