@@ -55,8 +55,9 @@ class RowSampler(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> Any:
         if scores.shape[0] != len(self.keys):
             raise TrainError(
-                f"generate sampled {scores.shape[0]} rows; moetune seeded {len(self.keys)}",
-                "set train.grpo.num_generations to divide train.batch_size (one rollout a row)",
+                f"generate sampled {scores.shape[0]} rows from {len(self.keys)} prompts "
+                "(beams or num_return_sequences), and moetune seeds one stream a prompt row",
+                "sample one completion a row: TRL repeats each prompt num_generations times",
             )
         if not self.generators:
             self.generators = [_generator(key, scores.device) for key in self.keys]
