@@ -301,6 +301,13 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+def _rel_but_one(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative norm of got − want with its largest element set aside (Adam's eps regime)."""
+    diff = (got - want).flatten().double()
+    diff[diff.abs().argmax()] = 0
+    return float(diff.norm() / want.double().norm())
+
+
 def _two_ranks_and_one(base: Path, data: Path, tmp_path: Path, **over: Any) -> None:
     """`moetune train --nproc 2 --strategy ep` (batch 2 a rank) into tmp_path/two and one
     process (batch 4) into tmp_path/one, 3 steps each: every step's loss equal (1e-5)."""
@@ -325,18 +332,23 @@ def _two_ranks_and_one(base: Path, data: Path, tmp_path: Path, **over: Any) -> N
 def test_cli_ep_over_a_stored_fp8_base_trains_as_one_process(bases, tmp_path):
     """`moetune train --nproc 2 --strategy ep` over DeepSeek's block-FP8 release (kept as
     stored, sharded): every step's loss equals one process (batch 4 against 2 × 2, fp32,
-    1e-5), and so does every adapter tensor but the experts' (1e-4: see below); each rank
-    read half the experts' stored bytes."""
+    1e-5), and so does every adapter tensor – all its elements but at most one (see below);
+    each rank read half the experts' stored bytes."""
     _two_ranks_and_one(bases["fp8"], bases["data"], tmp_path)
     got_a, want_a = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors"))
                      for r in ("two", "one"))  # fmt: skip
-    rel = {k: float((got_a[k] - v).norm() / v.norm()) for k, v in want_a.items()}
-    assert max(v for k, v in rel.items() if ".experts." not in k) < 1e-5
-    # measured: 6.3e-6 at most elsewhere; the experts' down_proj factors 5.8e-5 (B) and
-    # 2.2e-5 (A). A few of B's first-step gradient elements are ~4e-9, at AdamW's eps
-    # (1e-8), where fp32 rounding of the regrouped rows (1e-7 relative, the forked test
-    # above) moves the update g/(|g| + eps) by a few percent (one element: 0.00302 / 0.00297)
-    assert max(rel.values()) < 1e-4
+    rel = {k: _rel_but_one(got_a[k], v) for k, v in want_a.items()}
+    assert max(rel.values()) < 1e-5, rel
+    # measured: 4.5e-7 at most over the experts' factors (5.8e-5 before every rank padded its
+    # micro-batch to one width, train/distributed/ep_padding.py), 1.5e-6 over all tensors
+    # with one element set aside. That element is layers.1.self_attn.o_proj.lora_A[3, 222]:
+    # 6.0e-5 apart (every other element ≤ 1.2e-7), 5.1e-5 relative over its tensor. It is a
+    # replicated factor, whose gradient DDP's all-reduce sums in another order than one
+    # process; an element of it is below Adam's eps (1e-8), where the update g / (|g| + eps)
+    # follows g itself, so fp32 rounding moves it by percents (at step 1 on the experts, before
+    # the padding: g = 4.23e-9 against 4.33e-9). 1e-5 over a whole tensor is not fp32's.
+    whole = {k: float((got_a[k] - v).norm() / v.norm()) for k, v in want_a.items()}
+    assert max(whole.values()) < 1e-4
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     ran = summary["distributed"]["expert_parallel"]
     total = _expert_bytes(bases["fp8"])

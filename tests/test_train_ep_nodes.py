@@ -4,13 +4,13 @@
   (the 4-rank run is the CLI's 4-rank test: this host's 2 cores allow 2 ranks a launcher).
   Loss per step and the adapter equal one process to 1e-5; every rank's measured peak RSS
   within 10 % of the plan's per-rank CPU figure (what `plan --strategy ep` promises).
-- GRPO with `--nproc 2 --strategy ep`: the ranks sample their own completions, of their own
-  lengths, and every decoding step is an all-to-all (train/distributed/ep_generate.py keeps
-  them stepping together). Sampling draws from each process's own random stream, so one
-  process cannot draw the 2 ranks' completions; the reference is 2 DDP ranks – the same
-  prompts, seeds and draws, the experts replicated – and the loss per step and adapter
-  equal it to 1e-5. Default tier: GRPO's SFT term (a second training forward before the
-  backward) under checkpointed ep is refused by the launcher, before any rank starts.
+- GRPO with `--nproc 2 --strategy ep` (and ddp): the ranks sample their own completions, of
+  their own lengths, and every decoding step is an all-to-all (train/distributed/
+  ep_generate.py keeps them stepping together). Each completion draws from its own stream
+  (train/grpo/row_sampling.py), so the ranks sample what one process samples: the loss per
+  step and adapter equal one process to 1e-5. Default tier: GRPO's SFT term (a second
+  training forward before the backward) under checkpointed ep is refused by the launcher,
+  before any rank starts.
 """
 
 from __future__ import annotations
@@ -101,22 +101,26 @@ def test_ep_on_two_nodes_trains_one_process_within_the_planned_peak(tiny, nproc)
 
 
 @pytest.mark.slow
-def test_ep_grpo_trains_the_adapter_of_the_same_ranks_under_ddp(tiny):
-    """train.method grpo, 2 ranks, 3 steps, fp32, completions up to 12 tokens (ranks end
-    their rollouts at different lengths): ep against ddp, loss per step and adapter."""
+def test_ep_grpo_trains_the_adapter_of_one_process(tiny):
+    """train.method grpo, 3 steps, fp32, completions up to 12 tokens (ranks end their
+    rollouts at different lengths): 2 ep ranks and 2 ddp ranks (batch 4 each) against one
+    process (batch 8) – the same completions, loss per step and adapter."""
     from test_train_methods import GRPO, prompt_rows
 
     prompts = write_jsonl(tiny.root / "prompts.jsonl", prompt_rows(16))
     grpo = {**GRPO, "max_completion_length": 12,
             "rewards": [{"name": "edit_similarity", "column": "answer"}]}  # fmt: skip
     over = {"max_steps": 3, "method": "grpo", "grpo": grpo, "data__train_file": str(prompts)}
-    for strategy in ("ep", "ddp"):
-        config = _write(tiny, f"grpo-{strategy}", batch_size=4, nproc=2, strategy=strategy, **over)
-        _train(config, log=tiny.root / f"grpo-{strategy}.log")
-    ep, ddp = tiny.root / "grpo-ep", tiny.root / "grpo-ddp"
-    got, want = _losses(ep), _losses(ddp)
-    assert len(got) == len(want) == 3 and any(abs(w) > 1e-3 for w in want)  # it learned
-    assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-5 * max(map(abs, want))
-    assert _rel_diff(ep, ddp) < 1e-5
-    ran = json.loads((ep / "summary.json").read_text())["distributed"]["expert_parallel"]
-    assert all(r["rows_sent"] for r in ran)  # the experts did exchange tokens
+    for name, more in (("grpo-one", {"batch_size": 8}),
+                       *((f"grpo-{s}", {"batch_size": 4, "nproc": 2, "strategy": s})
+                         for s in ("ep", "ddp"))):  # fmt: skip
+        _train(_write(tiny, name, **over, **more), log=tiny.root / f"{name}.log")
+    one = tiny.root / "grpo-one"
+    want = _losses(one)
+    assert len(want) == 3 and any(abs(w) > 1e-3 for w in want)  # it learned
+    for run in (tiny.root / "grpo-ep", tiny.root / "grpo-ddp"):
+        got = _losses(run)
+        assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-5 * max(map(abs, want))
+        assert _rel_diff(run, one) < 1e-5
+    ran = json.loads((tiny.root / "grpo-ep" / "summary.json").read_text())["distributed"]
+    assert all(r["rows_sent"] for r in ran["expert_parallel"])  # the experts did exchange tokens

@@ -111,7 +111,9 @@ def split_lora_experts_forward(
 def route_pairs(
     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int
 ) -> Routing:
-    ids, perm = torch.sort(top_k_index.reshape(-1))
+    # stable: an expert's rows in token order, the order expert parallelism receives them in
+    # (rank after rank), so both sum an expert's gradient alike (train/distributed/ep_padding.py)
+    ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
     # histc, not bincount: a fixed output shape, so fake-tensor traces work too
     counts_of = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()
     counts = torch.histc(counts_of, bins=num_experts, min=0, max=num_experts - 1)

@@ -59,12 +59,14 @@ def _dpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
 def _grpo_build(trainer: type, kwargs: dict[str, Any]) -> Any:
     """GRPO adds the "ref" copy only for beta > 0: build with beta 0, then set it back
     (TRL reads trainer.beta each step and, with no ref_model, disables the adapter). With
-    train.grpo.sft_weight the trainer gains the SFT term on rows' completions (grpo_sft)."""
+    train.grpo.sft_weight the trainer gains the SFT term on rows' completions (grpo_sft). Its
+    rollouts sample each completion from a stream of its own (row_sampling.py)."""
     # lazy: heavy to import (moetune)
+    from moetune.train.grpo.row_sampling import with_row_sampling
     from moetune.train.grpo.sft import with_sft_term
 
     kwargs = dict(kwargs)
-    trainer = with_sft_term(trainer, kwargs.pop("sft_weight", 0.0))
+    trainer = with_row_sampling(with_sft_term(trainer, kwargs.pop("sft_weight", 0.0)))
     args, beta = kwargs["args"], kwargs["args"].beta
     args.beta = 0.0
     try:

@@ -65,6 +65,7 @@ from moetune.train.callbacks import (
 )
 from moetune.train.distributed.ep_balance import balance_experts
 from moetune.train.distributed.ep_memory import against_plan
+from moetune.train.distributed.ep_padding import pad_alike
 from moetune.train.distributed.ep_state import ep_trainer
 from moetune.train.distributed.nodes import node_loss_stops, world
 from moetune.train.distributed.sharded_load import adapter_only_saves, from_main, install
@@ -298,6 +299,7 @@ def build_trainer(
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the bar for log printing
     adapter_only_saves(trainer)  # FSDP: a save gathers the LoRA, not the whole base
     ep_trainer(trainer)  # ep: sliced expert LoRA saved, loaded and clipped whole
+    pad_alike(trainer)  # ep: every rank's micro-batch as wide as one process's batch
     feed = tracker_feed(cfg, setup, trainer, lambda: routing.base)
     routing = RoutingCallback(
         RoutingRecorder(model, setup.spec),

@@ -1,0 +1,84 @@
+"""Under `train.strategy ep`, every rank pads its micro-batch to the widest of all ranks'
+micro-batches – the width one process gives the same rows.
+
+A collator pads its rows to their own longest, so rank r's micro-batch is narrower than one
+process's batch of every rank's rows whenever the longest row is elsewhere. The extra pad
+columns change no real token's value, but they change its rounding: attention reduces over
+another key length, and the pad tokens are routed too, so an expert's grouped matmul runs
+over another number of rows. Measured on the DeepSeek block-FP8 fixture (2 ranks of 2 rows
+against one process of 4, fp32, one step): the experts' down_proj gradients differ by 1e-7
+relative, and one element of B's gradient that happens to sit near zero (4.2e-9, where the
+rest are ~1e-4) differs by 2.4 %. Adam's first step takes g / (|g| + eps): ±1 for every
+other element, but for that one, below eps = 1e-8, the update follows g – and that single
+element moved the whole factor by 8.7e-5 (relative norm). Padded to one width (the maximum,
+one all-reduce of one integer per micro-batch), and with the routing sorted stably (each
+expert's rows in token order: experts_lora.route_pairs), the ranks compute one process's
+values: 1.8e-7 at most over the adapter after that step (padded, sorted unstably: 3.1e-6;
+2 steps more: the experts' 4.5e-7).
+
+Only the right-padded token batches of SFT (input_ids, labels, attention_mask) are
+widened (TRL's collator, not padding-free); another collator's batch (packing, images, DPO,
+GRPO) is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetune.train.errors import TrainError
+
+FILL = {"labels": -100, "attention_mask": 0, "position_ids": 0}  # input_ids: the pad id
+
+
+def pad_alike(trainer: Any) -> Any:
+    """On a trainer whose model's experts are placed over ranks, pad every training
+    micro-batch to the widest across ranks (a no-op otherwise). Returns the trainer."""
+    # lazy: heavy to import (moetune's engine pulls transformers and peft; trl)
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from moetune.engine.expert_parallel import ep_report
+
+    collate, plain = trainer.data_collator, trainer.get_train_dataloader
+    sft = isinstance(collate, DataCollatorForLanguageModeling) and not collate.padding_free
+    if not sft or ep_report(trainer.model) is None:  # no experts placed over ranks
+        return trainer
+    pad_id = collate.pad_token_id
+
+    def get_train_dataloader() -> Any:
+        trainer.data_collator = widest(collate, pad_id)
+        try:
+            return plain()
+        finally:
+            trainer.data_collator = collate
+
+    trainer.get_train_dataloader = get_train_dataloader
+    return trainer
+
+
+def widest(collate: Callable[[list[Any]], Any], pad_id: int) -> Callable[[list[Any]], Any]:
+    """`collate`, its batch then right-padded to the widest batch of every rank (a collective:
+    every rank collates its training micro-batches in the same order)."""
+    fill = {"input_ids": pad_id, **FILL}
+
+    def collated(rows: list[Any]) -> Any:
+        batch = collate(rows)
+        unknown = sorted(set(batch) - set(fill))
+        if unknown:
+            raise TrainError(
+                f"ep pads every rank's micro-batch alike, and the collator made {unknown}",
+                "report it: this collator's batches are not padded across ranks yet",
+            )
+        width = torch.tensor([batch["input_ids"].shape[1]])
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        return {k: _right_pad(v, int(width), fill[k]) for k, v in batch.items()}
+
+    return collated
+
+
+def _right_pad(values: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    extra = width - values.shape[1]
+    return torch.nn.functional.pad(values, (0, extra), value=fill) if extra else values
