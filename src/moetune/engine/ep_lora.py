@@ -62,17 +62,35 @@ def piece_of(param: torch.Tensor) -> Piece | None:
     return param.__dict__.get(_PIECE)
 
 
-def _cut(whole: torch.Tensor, piece: Piece, part: slice) -> torch.Tensor:
-    """`part`'s experts of a whole factor (or moment), in peft's layout."""
-    if piece.kind == "A":
-        return whole[part.start * piece.r : part.stop * piece.r]
-    out, experts = whole.shape[0], piece.shard.experts
-    return whole.view(out, piece.r, experts)[:, :, part].reshape(out, -1)
+def experts_axis(w: torch.Tensor, kind: str, experts: int) -> torch.Tensor:
+    """A view of a factor (or a moment shaped like it) with its experts first, in peft's
+    layout (module docstring): A [r·E, in] -> [E, r, in], B [out, r·E] -> [E, out, r].
+    Writing into the view writes into `w`."""
+    if kind == "A":  # expert-major rows
+        return w.view(experts, -1, w.shape[-1])
+    return w.view(w.shape[0], -1, experts).permute(2, 0, 1)  # expert-fastest columns
+
+
+def from_experts_axis(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """`experts_axis` undone: peft's layout again, contiguous."""
+    if kind == "A":
+        return t.reshape(-1, t.shape[-1])
+    return t.permute(1, 2, 0).reshape(t.shape[1], -1)
+
+
+def held_experts(shard: ExpertShard, rank: int) -> slice | torch.Tensor:
+    """The base experts `rank` holds, in its stacks' order: its contiguous part, or under a
+    balanced placement (ep_placement.py) the base ids at those positions."""
+    part = replace(shard, rank=rank).part
+    return part if shard.order is None else torch.tensor(shard.order[part])
 
 
 def part_of(whole: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """This rank's slice of a whole factor (or of a moment shaped like it), own storage."""
-    return _cut(whole, piece, piece.shard.part).clone()
+    """This rank's slice of a whole factor (or of a moment shaped like it; the base's
+    expert order), in the order this rank holds its experts; own storage."""
+    mine = held_experts(piece.shard, piece.shard.rank)
+    return from_experts_axis(experts_axis(whole, piece.kind, piece.shard.experts)[mine],
+                             piece.kind).clone()  # fmt: skip
 
 
 def whole(held: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -82,13 +100,9 @@ def whole(held: torch.Tensor, piece: Piece) -> torch.Tensor:
     pieces = [torch.empty_like(held) for _ in range(shard.ranks)]
     dist.all_gather(pieces, held.detach().contiguous(), group=shard.group)
     out = held.new_empty(piece.whole_shape(held.shape))
+    into = experts_axis(out, piece.kind, shard.experts)  # writes land in `out`
     for rank, got in enumerate(pieces):
-        part = replace(shard, rank=rank).part  # where that rank's experts sit
-        if piece.kind == "A":
-            out[part.start * piece.r : part.stop * piece.r] = got
-        else:  # expert-fastest columns: strided in the whole
-            rows = out.shape[0]
-            out.view(rows, piece.r, shard.experts)[:, :, part] = got.view(rows, piece.r, -1)
+        into[held_experts(shard, rank)] = experts_axis(got, piece.kind, shard.local)
     return out
 
 

@@ -272,6 +272,7 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
     """Replace each expert stack (and bias) by this rank's rows of it – read so by
     ep_load.load_partitioned, or cut here from the whole, which is freed."""
     loaded = experts.__dict__.pop(PART, {})
+    _check_loaded(loaded, shard)
     quantized = _slice_quantized(experts, shard, loaded)
     for name in (*PROJECTIONS, *(f"{p}_bias" for p in PROJECTIONS)):
         if name in quantized:
@@ -282,13 +283,18 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
         kept = loaded.get(name)
         if kept is None:
             kept = whole.data[shard.part].clone()  # own storage: the whole stack can go
-        elif kept.shape[0] != shard.local:
+        setattr(experts, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+
+
+def _check_loaded(loaded: dict[str, Any], shard: ExpertShard) -> None:
+    """Every stack ep_load.py read (float or quantised) holds this rank's E/N experts."""
+    for name, kept in loaded.items():
+        if kept.shape[0] != shard.local:
             raise EngineError(
                 f"{name} was loaded with {kept.shape[0]} experts a rank, and {shard.ranks} "
                 f"ranks hold {shard.local} each",
                 "load the base with the world that trains it (train.nproc)",
             )
-        setattr(experts, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
 
 
 def _slice_quantized(experts: nn.Module, shard: ExpertShard, loaded: dict[str, Any]) -> set[str]:
@@ -297,12 +303,6 @@ def _slice_quantized(experts: nn.Module, shard: ExpertShard, loaded: dict[str, A
     whole, every buffer by its leading expert dim. Returns the stacks' names."""
     parts = {n: s for n, s in loaded.items() if isinstance(s, QuantizedStack)}
     for name, stack in parts.items():
-        if stack.shape[0] != shard.local:
-            raise EngineError(
-                f"{name} was loaded with {stack.shape[0]} experts a rank, and {shard.ranks} "
-                f"ranks hold {shard.local} each",
-                "load the base with the world that trains it (train.nproc)",
-            )
         experts._parameters.pop(name, None)  # its full-shape stand-in
         experts.get_submodule(QUANTIZED).add_module(name, stack)
     for name, stack in stacks_of(experts).items():
