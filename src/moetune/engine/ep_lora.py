@@ -17,6 +17,15 @@ average, and its start-up broadcast would overwrite each rank's slice with rank 
 hook scales their gradient by 1/N: the update is one process's on the global batch.
 Gradient clipping needs the norm of the whole: `grad_norm` adds every rank's sliced part.
 
+**A slice no token reached.** On one process a factor gets a gradient when any of its
+experts does (zero for the others), so AdamW steps every expert's slice: its moments, its
+weight decay, its step count. A rank whose experts got no rows in a step (or whose experts
+expert selection leaves out) has no gradient on its slice, and AdamW would skip it – its
+state then lags one process's, and at the first checkpoint it has none to gather while the
+other ranks wait for it. `fill_missing_grads` (before every optimizer step) asks the group
+which slices got a gradient anywhere and gives those that got none here a zero one: every
+rank steps each factor exactly when one process would.
+
 **Whole again.** `whole` gathers a sliced tensor from every rank (`all_gather` over the ep
 group) into peft's layout – for the saved adapter and the optimizer state's moments,
 which are shaped like their parameter – and `part_of` cuts a whole one back to this
@@ -153,6 +162,31 @@ def grad_norm(params: Iterable[torch.Tensor], group: Any) -> torch.Tensor:
     sliced_sum = squares[1:].clone()
     dist.all_reduce(sliced_sum, group=group)
     return (squares[0] + sliced_sum[0]).sqrt()
+
+
+def fill_missing_grads(params: Iterable[torch.Tensor], group: Any) -> None:
+    """A zero gradient on each sliced factor that got none here while another rank's slice
+    of it got one (module docstring). A collective: every rank of the ep group calls it
+    before every optimizer step, with the same parameters."""
+    sliced = [p for p in params if p.requires_grad and piece_of(p) is not None]
+    if not sliced:
+        return
+    got = torch.tensor(
+        [p.grad is not None for p in sliced], dtype=torch.int32, device=sliced[0].device
+    )  # NCCL reduces device tensors only
+    dist.all_reduce(got, group=group)  # how many ranks got a gradient, per factor
+    for param, ranks in zip(sliced, got.tolist(), strict=True):
+        if ranks and param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
+def fill_before_step(optimizer: torch.optim.Optimizer, group: Any) -> None:
+    """`fill_missing_grads` before each of `optimizer`'s steps (a step pre-hook)."""
+
+    def hook(opt: torch.optim.Optimizer, *_args: Any) -> None:
+        fill_missing_grads([p for g in opt.param_groups for p in g["params"]], group)
+
+    optimizer.register_step_pre_hook(hook)
 
 
 def ep_group(model: nn.Module) -> Any:

@@ -191,6 +191,8 @@ def _a2a(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group:
 
 def _local_experts(experts: Any, rows: torch.Tensor, got: torch.Tensor, part: slice) -> Any:
     """Received rows (by source rank, then by my expert) through my experts, in that order."""
+    if rows.shape[0] == 0:  # none came: still an output of `rows`, so backward runs both
+        return rows * 0  # exchanges here too, as every other rank's backward does
     local = got.shape[1]
     ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(got.shape[0]),
                                   got.reshape(-1))  # fmt: skip

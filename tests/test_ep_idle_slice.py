@@ -1,0 +1,131 @@
+"""A rank whose experts no token reaches (engine/ep_lora.py `fill_missing_grads`): 2 forked
+gloo ranks, float64, a router that sends every token to experts 0 and 1 (rank 0's) in the
+first step, so rank 1's expert-LoRA slices get no gradient there. On one process the whole
+factor gets one (zero on rank 1's experts) and AdamW steps it: weight decay, moments, step
+count. With the zero gradient filled in, each rank's slices step as one process's do; without
+it the checkpoint's gather of the whole optimizer state is refused, not left waiting. A rank
+that receives no rows still runs the backward's exchanges (expert_parallel._local_experts)."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from test_ep_placement import _expert_factors, _joined
+from test_train_expert_parallel import _rel, _tiny_model
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _to_rank_0(_module: Any, _args: Any, output: Any) -> Any:
+    """The router's top-2 replaced by experts 0 and 1 for every token (its weights kept)."""
+    logits, scores, indices = output
+    return logits, scores, torch.arange(indices.shape[-1]).expand_as(indices)
+
+
+def _starved(*models: Any) -> list[Any]:
+    """Every MoE router of `models` routes to rank 0's experts; the hooks' handles."""
+    gates = [m.mlp.gate for model in models for m in model.base_model.model.model.layers]
+    return [gate.register_forward_hook(_to_rank_0) for gate in gates]
+
+
+def _adamw(params: dict[str, Any]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(list(params.values()), lr=0.05, weight_decay=0.1)
+
+
+def _backward(one: Any, model: Any, ids: torch.Tensor, weights: torch.Tensor, rank: int) -> None:
+    """One process on the whole batch (its gradient halved: the mean of the 2 ranks' losses,
+    what ep's 1/N scaling trains), ep on this rank's half."""
+    mine = slice(rank * 2, rank * 2 + 2)
+    for net, rows, scale in ((one, slice(None), 0.5), (model, mine, 1.0)):
+        net.zero_grad(set_to_none=True)
+        net.train()
+        (net(input_ids=ids[rows]).logits * weights[rows]).sum().mul(scale).backward()
+
+
+def _refused_without_fill(held: dict[str, Any]) -> str:
+    """AdamW stepped without the fill (rank 1 skips its slices), then a checkpoint's gather:
+    its error line, the factors restored."""
+    from moetune.train.distributed.ep_state import whole_optimizer_state
+    from moetune.train.errors import TrainError
+
+    kept = {n: p.detach().clone() for n, p in held.items()}
+    raw = _adamw(held)
+    raw.step()
+    try:
+        whole_optimizer_state(raw)
+        said = ""
+    except TrainError as err:
+        said = str(err)
+    with torch.no_grad():
+        for name, p in held.items():
+            p.copy_(kept[name])
+    return said
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    from moetune.engine.ep_lora import fill_before_step, piece_of, shard_lora, whole
+    from moetune.engine.expert_parallel import ep_mesh, shard_experts
+    from moetune.train.distributed.ep_state import cut_state, whole_optimizer_state
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a hung exchange fails the test
+    ids, weights, one = _joined(rank, store)
+    model = _tiny_model(0)
+    shard_experts(model, ep_mesh("cpu"))
+    shard_lora(model)
+    held, ones = _expert_factors(model), _expert_factors(one)
+    want_opt, opt = _adamw(ones), _adamw(held)
+    fill_before_step(opt, dist.group.WORLD)
+    found: dict[str, Any] = {}
+    for step, starve in enumerate((True, False)):
+        hooks = _starved(one, model) if starve else []
+        _backward(one, model, ids, weights, rank)
+        for hook in hooks:
+            hook.remove()
+        found[f"no_grad_{step}"] = sum(p.grad is None for p in held.values())
+        if step == 0:
+            found["refused"] = _refused_without_fill(held)
+        want_opt.step()
+        opt.step()
+        saved = whole_optimizer_state(opt)  # what each checkpoint holds
+        want = want_opt.state_dict()["state"]
+        pairs = [(saved["state"][i][k], want[i][k]) for i in want for k in MOMENTS]
+        found[f"moments_{step}"] = max(_rel(got, ref) for got, ref in pairs)
+        found[f"steps_{step}"] = sorted({float(s["step"]) for s in saved["state"].values()})
+        found[f"factors_{step}"] = max(_rel(whole(p, piece_of(p)), ones[n].detach())
+                                       for n, p in held.items())  # fmt: skip
+    back = cut_state(opt, whole_optimizer_state(opt))["state"]  # what --resume loads
+    found["cut_back"] = max(float((back[i][k] - s[k]).abs().max())
+                            for i, s in opt.state_dict()["state"].items()
+                            for k in MOMENTS)  # fmt: skip
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_rank_no_token_reached_steps_as_one_process_and_checkpoints(tmp_path):
+    """Step 1: every token to rank 0's experts. Rank 1 receives no rows, and its backward
+    still runs both exchanges (before, rank 0 waited in the backward's all_to_all for
+    ever); its 8 expert-LoRA slices get no gradient; without the fill its AdamW skips them
+    and the checkpoint's gather is refused in one line. With it: after each step the
+    gathered moments and factors equal one process's (1e-12; weight decay 0.1, so a
+    skipped step would show), both steps counted on every slice, and the saved state cuts
+    back to each rank's live moments exactly."""
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="fork")  # fmt: skip
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["no_grad_0"] == (8 if rank == 1 else 0), found  # 2 layers × 2 stacks × A, B
+        assert found["no_grad_1"] == 0
+        assert "some ranks hold optimizer state" in found["refused"], found
+        for step in (0, 1):
+            assert found[f"moments_{step}"] < 1e-12, found
+            assert found[f"factors_{step}"] < 1e-12, found
+            assert found[f"steps_{step}"] == [step + 1.0]
+        assert found["cut_back"] == 0.0
