@@ -1,6 +1,7 @@
 """A rank whose experts no token reaches (engine/ep_lora.py `fill_missing_grads`): 2 forked
 gloo ranks, float64, a router that sends every token to experts 0 and 1 (rank 0's) in the
-first step, so rank 1's expert-LoRA slices get no gradient there. On one process the whole
+first step, and an expert selection of those two in the third, so rank 1's expert-LoRA
+slices get no gradient there. On one process the whole
 factor gets one (zero on rank 1's experts) and AdamW steps it: weight decay, moments, step
 count. With the zero gradient filled in, each rank's slices step as one process's do; without
 it the checkpoint's gather of the whole optimizer state is refused, not left waiting. A rank
@@ -21,6 +22,7 @@ from test_ep_placement import _expert_factors, _joined
 from test_train_expert_parallel import _rel, _tiny_model
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+KEEP = torch.tensor([True, True, False, False])  # expert selection: rank 0's experts only
 
 
 def _to_rank_0(_module: Any, _args: Any, output: Any) -> Any:
@@ -33,6 +35,15 @@ def _starved(*models: Any) -> list[Any]:
     """Every MoE router of `models` routes to rank 0's experts; the hooks' handles."""
     gates = [m.mlp.gate for model in models for m in model.base_model.model.model.layers]
     return [gate.register_forward_hook(_to_rank_0) for gate in gates]
+
+
+def _select(one: Any, model: Any, keep: torch.Tensor | None) -> None:
+    """Split LoRA runs only the `keep` experts' LoRA (expert selection's restriction)."""
+    from moetune.engine.experts_lora import train_only
+
+    for net in (one, model):
+        for experts in (m for m in net.modules() if hasattr(m, "has_gate")):
+            train_only(experts, keep)
 
 
 def _adamw(params: dict[str, Any]) -> torch.optim.Optimizer:
@@ -83,8 +94,9 @@ def _rank(rank: int, store: str, out: str) -> None:
     want_opt, opt = _adamw(ones), _adamw(held)
     fill_before_step(opt, dist.group.WORLD)
     found: dict[str, Any] = {}
-    for step, starve in enumerate((True, False)):
-        hooks = _starved(one, model) if starve else []
+    for step, how in enumerate(("starved", "routed", "selected")):
+        hooks = _starved(one, model) if how == "starved" else []
+        _select(one, model, KEEP if how == "selected" else None)
         _backward(one, model, ids, weights, rank)
         for hook in hooks:
             hook.remove()
@@ -113,18 +125,19 @@ def test_a_rank_no_token_reached_steps_as_one_process_and_checkpoints(tmp_path):
     """Step 1: every token to rank 0's experts. Rank 1 receives no rows, and its backward
     still runs both exchanges (before, rank 0 waited in the backward's all_to_all for
     ever); its 8 expert-LoRA slices get no gradient; without the fill its AdamW skips them
-    and the checkpoint's gather is refused in one line. With it: after each step the
-    gathered moments and factors equal one process's (1e-12; weight decay 0.1, so a
-    skipped step would show), both steps counted on every slice, and the saved state cuts
-    back to each rank's live moments exactly."""
+    and the checkpoint's gather is refused in one line. Step 3: expert selection keeps
+    rank 0's experts only – rank 1 runs none of its LoRA (before, split LoRA raised on an
+    empty selection). With the fill, after each step the gathered moments and factors equal
+    one process's (1e-12; weight decay 0.1, so a skipped step would show), every step
+    counted on every slice, and the saved state cuts back to each rank's moments exactly."""
     mp.start_processes(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
                        start_method="fork")  # fmt: skip
     for rank in range(2):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert found["no_grad_0"] == (8 if rank == 1 else 0), found  # 2 layers × 2 stacks × A, B
-        assert found["no_grad_1"] == 0
+        for step, idle in enumerate((8, 0, 8)):  # rank 1: 2 layers × 2 stacks × A, B
+            assert found[f"no_grad_{step}"] == (idle if rank == 1 else 0), found
         assert "some ranks hold optimizer state" in found["refused"], found
-        for step in (0, 1):
+        for step in (0, 1, 2):
             assert found[f"moments_{step}"] < 1e-12, found
             assert found[f"factors_{step}"] < 1e-12, found
             assert found[f"steps_{step}"] == [step + 1.0]
