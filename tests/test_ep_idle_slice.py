@@ -142,3 +142,42 @@ def test_a_rank_no_token_reached_steps_as_one_process_and_checkpoints(tmp_path):
             assert found[f"factors_{step}"] < 1e-12, found
             assert found[f"steps_{step}"] == [step + 1.0]
         assert found["cut_back"] == 0.0
+
+
+def _groups_rank(rank: int, store: str, out: str) -> None:
+    """train.ep_degree 2 on 2 ranks (FSDP2 over both), every token to rank 0's experts."""
+    from torch.distributed.tensor import DTensor
+
+    from moetune.engine.expert_parallel import shard_experts
+    from moetune.train.distributed.ep_mesh import ep_fsdp_mesh, shard_rest
+    from test_train_expert_parallel import _grads
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a mismatched reduce-scatter fails
+    ids, weights, one = _joined(rank, store)
+    hooks = _starved(one)
+    want = _grads(one, ids, weights)
+    model = _tiny_model(0)
+    mesh = ep_fsdp_mesh("cpu", 2)
+    shard_experts(model, mesh["ep"])
+    shard_rest(model, mesh, model.base_model.model.model.layers)
+    hooks += _starved(model)
+    got = _grads(model, ids[rank * 2 : rank * 2 + 2], weights[rank * 2 : rank * 2 + 2])
+    for hook in hooks:
+        hook.remove()
+    diffs = [_rel(g.full_tensor() if isinstance(g, DTensor) else g, want["grads"][n] / 2)
+             for n, g in got["grads"].items()]  # fmt: skip
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"diff": max(diffs)}))
+    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_expert_groups_reduce_a_gradient_no_token_reached(tmp_path):
+    """Under train.ep_degree the expert LoRA is FSDP2's: rank 1's experts get no rows, so
+    its backward leaves their factors without a gradient, and FSDP2 reduce-scatters a zero
+    for them (set_reduce_scatter_unused_params) – every LoRA gradient equals one process's
+    mean to 1e-12 (float64); without it the ranks' reduce-scatters do not match."""
+    mp.start_processes(_groups_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="fork")  # fmt: skip
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["diff"] < 1e-12, found
