@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -181,3 +182,17 @@ def test_expert_groups_reduce_a_gradient_no_token_reached(tmp_path):
     for rank in range(2):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert found["diff"] < 1e-12, found
+
+
+def test_expert_groups_need_fsdp2_to_reduce_unused_gradients(monkeypatch):
+    """A torch whose FSDP2 cannot reduce-scatter zeros for unused parameters: train.ep_degree
+    refused in one line (the launcher calls this check before any rank starts)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from moetune.train.distributed.ep_mesh import UNUSED, check_ep_degree
+    from moetune.train.errors import TrainError
+
+    check_ep_degree(2, 4, 4)  # this torch has it
+    monkeypatch.delattr(FSDPModule, UNUSED)
+    with pytest.raises(TrainError, match="ep_degree needs FSDP2's"):
+        check_ep_degree(2, 4, 4)
