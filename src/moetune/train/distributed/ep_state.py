@@ -129,13 +129,13 @@ def _require_state_everywhere(optimizer: Any, state: dict[int, Any]) -> None:
     # lazy: heavy to import (moetune's engine)
     from moetune.engine.ep_lora import piece_of
 
-    sliced = [(i, piece_of(p)) for i, p in enumerate(_optimized(optimizer))]
-    sliced = [(i, piece) for i, piece in sliced if piece is not None]
+    params = _optimized(optimizer)
+    sliced = [i for i, p in enumerate(params) if piece_of(p) is not None]
     if not sliced:
         return
-    shard = sliced[0][1].shard
-    has = torch.tensor([i in state for i, _ in sliced], dtype=torch.int32,
-                       device=_optimized(optimizer)[sliced[0][0]].device)  # fmt: skip
+    shard = piece_of(params[sliced[0]]).shard  # type: ignore[union-attr]
+    has = torch.tensor([i in state for i in sliced], dtype=torch.int32,
+                       device=params[sliced[0]].device)  # fmt: skip
     dist.all_reduce(has, group=shard.group)
     if any(0 < n < shard.ranks for n in has.tolist()):
         raise TrainError(
