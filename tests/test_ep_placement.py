@@ -1,9 +1,9 @@
 """`train.ep_placement: balanced` (engine/ep_placement.py): experts bin-packed by the base's
 measured routing, each rank's group laid out contiguously. Default tier: the bin-packing's
-figures; 2 forked gloo ranks with a non-contiguous placement whose logits and LoRA gradients
-equal one process (float64), whose adapter state dict is in the base's order, and which
-loads a saved one back. Slow: `moetune train --nproc 2 --strategy ep` balanced against one
-process."""
+figures; 2 forked gloo ranks with a non-contiguous placement, each holding its experts' LoRA
+slices, whose logits, LoRA gradients and one AdamW step equal one process (float64), whose
+factors and moments gather whole in the base's order and cut back exactly. Slow: `moetune
+train --nproc 2 --strategy ep` balanced against one process."""
 
 from __future__ import annotations
 
@@ -209,9 +209,11 @@ def tiny(tmp_path_factory):
 @pytest.mark.slow
 def test_balanced_placement_trains_the_adapter_of_one_process(tiny):
     """`--nproc 2 --strategy ep` with train.ep_placement balanced (batch 2 a rank) against 1
-    process (batch 4), 3 steps, fp32: every step's loss and the saved adapter to 1e-5, the
-    router unchanged, the adapter in the base's order (it loads in plain peft); the placement
-    evens out the measured rows per rank."""
+    process (batch 4), 3 steps, fp32: every step's loss and the saved adapter to 1e-5, each
+    rank holding half the expert LoRA, the router unchanged, the adapter in the base's order
+    (it loads in plain peft); the placement evens out the measured rows per rank."""
+    from safetensors.torch import load_file
+
     from test_train_distributed import _rel_diff, _train, _write
     from test_train_expert_parallel import _assert_loads_in_peft, _losses
 
@@ -231,6 +233,9 @@ def test_balanced_placement_trains_the_adapter_of_one_process(tiny):
         assert sorted(placed["orders"][layer]) != placed["orders"][layer]  # stacks did move
     ran = json.loads((two / "summary.json").read_text())["distributed"]["expert_parallel"]
     assert {r["placement"] for r in ran} == {"balanced"}
+    adapter = load_file(str(two / "adapter" / "adapter_model.safetensors"))
+    expert_lora = sum(v.numel() for k, v in adapter.items() if "experts" in k)
+    assert all(2 * r["held_expert_lora_params"] == expert_lora for r in ran)  # its experts' only
     _assert_loads_in_peft(tiny.model, two / "adapter")
 
 
