@@ -12,6 +12,7 @@ from __future__ import annotations
 import faulthandler
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -82,9 +83,9 @@ def _refused_without_fill(held: dict[str, Any]) -> str:
 
 
 def _rank(rank: int, store: str, out: str) -> None:
-    from moetune.engine.ep_lora import fill_before_step, piece_of, shard_lora, whole
+    from moetune.engine.ep_lora import piece_of, shard_lora, whole
     from moetune.engine.expert_parallel import ep_mesh, shard_experts
-    from moetune.train.distributed.ep_state import cut_state, whole_optimizer_state
+    from moetune.train.distributed.ep_state import cut_state, ep_trainer, whole_optimizer_state
 
     faulthandler.dump_traceback_later(120, exit=True)  # a hung exchange fails the test
     ids, weights, one = _joined(rank, store)
@@ -92,8 +93,11 @@ def _rank(rank: int, store: str, out: str) -> None:
     shard_experts(model, ep_mesh("cpu"))
     shard_lora(model)
     held, ones = _expert_factors(model), _expert_factors(one)
-    want_opt, opt = _adamw(ones), _adamw(held)
-    fill_before_step(opt, dist.group.WORLD)
+    want_opt = _adamw(ones)
+    trainer = SimpleNamespace(model=model, create_optimizer=lambda: _adamw(held),
+                              _save_optimizer_and_scheduler=None,
+                              _load_optimizer_and_scheduler=None)  # fmt: skip
+    opt = ep_trainer(trainer).create_optimizer()  # as the Trainer makes it: the fill installed
     found: dict[str, Any] = {}
     for step, how in enumerate(("starved", "routed", "selected")):
         hooks = _starved(one, model) if how == "starved" else []
