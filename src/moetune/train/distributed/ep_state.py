@@ -8,6 +8,10 @@ engine/ep_lora.py): what transformers' Trainer does with its parameters, made wh
 - **The optimizer state** in a checkpoint is whole too: the moments of a sliced factor are
   gathered like the factor (optimizer.pt is one process's), and cut back to this rank's
   slice when `--resume` loads it – with the checkpoint's adapter, cut the same way.
+- **Every step** first gives a slice no token reached on this rank a zero gradient where
+  another rank's slice got one (ep_lora.fill_missing_grads, a step pre-hook on the optimizer
+  the Trainer creates), so every rank holds AdamW state for the same factors; a checkpoint
+  where they differ is refused rather than left waiting in the gather.
 """
 
 from __future__ import annotations
