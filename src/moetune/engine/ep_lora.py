@@ -87,17 +87,17 @@ def from_experts_axis(t: torch.Tensor, kind: str) -> torch.Tensor:
     return t.permute(1, 2, 0).reshape(t.shape[1], -1)
 
 
-def held_experts(shard: ExpertShard, rank: int) -> slice | torch.Tensor:
+def held_experts(shard: ExpertShard, rank: int, device: torch.device) -> slice | torch.Tensor:
     """The base experts `rank` holds, in its stacks' order: its contiguous part, or under a
-    balanced placement (ep_placement.py) the base ids at those positions."""
+    balanced placement (ep_placement.py) the base ids at those positions (on `device`)."""
     part = replace(shard, rank=rank).part
-    return part if shard.order is None else torch.tensor(shard.order[part])
+    return part if shard.order is None else torch.tensor(shard.order[part], device=device)
 
 
 def part_of(whole: torch.Tensor, piece: Piece) -> torch.Tensor:
     """This rank's slice of a whole factor (or of a moment shaped like it; the base's
     expert order), in the order this rank holds its experts; own storage."""
-    mine = held_experts(piece.shard, piece.shard.rank)
+    mine = held_experts(piece.shard, piece.shard.rank, whole.device)
     return from_experts_axis(experts_axis(whole, piece.kind, piece.shard.experts)[mine],
                              piece.kind).clone()  # fmt: skip
 
@@ -111,7 +111,7 @@ def whole(held: torch.Tensor, piece: Piece) -> torch.Tensor:
     out = held.new_empty(piece.whole_shape(held.shape))
     into = experts_axis(out, piece.kind, shard.experts)  # writes land in `out`
     for rank, got in enumerate(pieces):
-        into[held_experts(shard, rank)] = experts_axis(got, piece.kind, shard.local)
+        into[held_experts(shard, rank, out.device)] = experts_axis(got, piece.kind, shard.local)
     return out
 
 
