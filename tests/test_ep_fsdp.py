@@ -193,9 +193,10 @@ def test_the_plan_holds_a_group_of_experts_and_a_shard_of_the_rest():
         assert got[name] == -(-sizes.single[name] // 4) < flat[name] == split
 
 
-def test_a_balanced_placement_plans_the_lora_state_whole():
-    """Balanced placement reorders whole LoRA factors (engine/ep_placement.py), so its plan
-    holds them whole on every rank; contiguous ep holds the experts' share 1/N."""
+def test_a_balanced_placement_plans_the_experts_lora_state_1_n():
+    """Balanced placement moves each rank's sliced LoRA factors with its experts
+    (engine/ep_placement.py), so its plan holds the experts' share of the LoRA state 1/N,
+    as contiguous ep does: the same bytes a rank, fewer than the whole."""
     from moetune.model import spec_from_config
     from moetune.model.census import shrunk_config
     from moetune.plan.devices.sharding import per_rank_bytes, run_sizes
@@ -205,6 +206,7 @@ def test_a_balanced_placement_plans_the_lora_state_whole():
     sizes = run_sizes(spec, cfg(ep_placement="balanced"))
     balanced = per_rank_bytes(spec, cfg(ep_placement="balanced"), 4, "ep")
     contiguous = per_rank_bytes(spec, cfg(), 4, "ep")
-    assert sizes.expert_share == 0.0
-    assert balanced["trainable_weights"] == sizes.single["trainable_weights"]
-    assert contiguous["trainable_weights"] < balanced["trainable_weights"]
+    assert 0.0 < sizes.expert_share < 1.0
+    for name in ("trainable_weights", "optimizer_state"):
+        split = sizes.single[name] - round(sizes.single[name] * sizes.expert_share * 3 / 4)
+        assert balanced[name] == contiguous[name] == split < sizes.single[name]

@@ -17,6 +17,15 @@ average, and its start-up broadcast would overwrite each rank's slice with rank 
 hook scales their gradient by 1/N: the update is one process's on the global batch.
 Gradient clipping needs the norm of the whole: `grad_norm` adds every rank's sliced part.
 
+**A slice no token reached.** On one process a factor gets a gradient when any of its
+experts does (zero for the others), so AdamW steps every expert's slice: its moments, its
+weight decay, its step count. A rank whose experts got no rows in a step (or whose experts
+expert selection leaves out) has no gradient on its slice, and AdamW would skip it – its
+state then lags one process's, and at the first checkpoint it has none to gather while the
+other ranks wait for it. `fill_missing_grads` (before every optimizer step) asks the group
+which slices got a gradient anywhere and gives those that got none here a zero one: every
+rank steps each factor exactly when one process would.
+
 **Whole again.** `whole` gathers a sliced tensor from every rank (`all_gather` over the ep
 group) into peft's layout – for the saved adapter and the optimizer state's moments,
 which are shaped like their parameter – and `part_of` cuts a whole one back to this
@@ -62,17 +71,35 @@ def piece_of(param: torch.Tensor) -> Piece | None:
     return param.__dict__.get(_PIECE)
 
 
-def _cut(whole: torch.Tensor, piece: Piece, part: slice) -> torch.Tensor:
-    """`part`'s experts of a whole factor (or moment), in peft's layout."""
-    if piece.kind == "A":
-        return whole[part.start * piece.r : part.stop * piece.r]
-    out, experts = whole.shape[0], piece.shard.experts
-    return whole.view(out, piece.r, experts)[:, :, part].reshape(out, -1)
+def experts_axis(w: torch.Tensor, kind: str, experts: int) -> torch.Tensor:
+    """A view of a factor (or a moment shaped like it) with its experts first, in peft's
+    layout (module docstring): A [r·E, in] -> [E, r, in], B [out, r·E] -> [E, out, r].
+    Writing into the view writes into `w`."""
+    if kind == "A":  # expert-major rows
+        return w.view(experts, -1, w.shape[-1])
+    return w.view(w.shape[0], -1, experts).permute(2, 0, 1)  # expert-fastest columns
+
+
+def from_experts_axis(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """`experts_axis` undone: peft's layout again, contiguous."""
+    if kind == "A":
+        return t.reshape(-1, t.shape[-1])
+    return t.permute(1, 2, 0).reshape(t.shape[1], -1)
+
+
+def held_experts(shard: ExpertShard, rank: int, device: torch.device) -> slice | torch.Tensor:
+    """The base experts `rank` holds, in its stacks' order: its contiguous part, or under a
+    balanced placement (ep_placement.py) the base ids at those positions (on `device`)."""
+    part = replace(shard, rank=rank).part
+    return part if shard.order is None else torch.tensor(shard.order[part], device=device)
 
 
 def part_of(whole: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """This rank's slice of a whole factor (or of a moment shaped like it), own storage."""
-    return _cut(whole, piece, piece.shard.part).clone()
+    """This rank's slice of a whole factor (or of a moment shaped like it; the base's
+    expert order), in the order this rank holds its experts; own storage."""
+    mine = held_experts(piece.shard, piece.shard.rank, whole.device)
+    return from_experts_axis(experts_axis(whole, piece.kind, piece.shard.experts)[mine],
+                             piece.kind).clone()  # fmt: skip
 
 
 def whole(held: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -82,13 +109,9 @@ def whole(held: torch.Tensor, piece: Piece) -> torch.Tensor:
     pieces = [torch.empty_like(held) for _ in range(shard.ranks)]
     dist.all_gather(pieces, held.detach().contiguous(), group=shard.group)
     out = held.new_empty(piece.whole_shape(held.shape))
+    into = experts_axis(out, piece.kind, shard.experts)  # writes land in `out`
     for rank, got in enumerate(pieces):
-        part = replace(shard, rank=rank).part  # where that rank's experts sit
-        if piece.kind == "A":
-            out[part.start * piece.r : part.stop * piece.r] = got
-        else:  # expert-fastest columns: strided in the whole
-            rows = out.shape[0]
-            out.view(rows, piece.r, shard.experts)[:, :, part] = got.view(rows, piece.r, -1)
+        into[held_experts(shard, rank, out.device)] = experts_axis(got, piece.kind, shard.local)
     return out
 
 
@@ -139,6 +162,31 @@ def grad_norm(params: Iterable[torch.Tensor], group: Any) -> torch.Tensor:
     sliced_sum = squares[1:].clone()
     dist.all_reduce(sliced_sum, group=group)
     return (squares[0] + sliced_sum[0]).sqrt()
+
+
+def fill_missing_grads(params: Iterable[torch.Tensor], group: Any) -> None:
+    """A zero gradient on each sliced factor that got none here while another rank's slice
+    of it got one (module docstring). A collective: every rank of the ep group calls it
+    before every optimizer step, with the same parameters."""
+    sliced = [p for p in params if p.requires_grad and piece_of(p) is not None]
+    if not sliced:
+        return
+    got = torch.tensor(
+        [p.grad is not None for p in sliced], dtype=torch.int32, device=sliced[0].device
+    )  # NCCL reduces device tensors only
+    dist.all_reduce(got, group=group)  # how many ranks got a gradient, per factor
+    for param, ranks in zip(sliced, got.tolist(), strict=True):
+        if ranks and param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
+def fill_before_step(optimizer: torch.optim.Optimizer, group: Any) -> None:
+    """`fill_missing_grads` before each of `optimizer`'s steps (a step pre-hook)."""
+
+    def hook(opt: torch.optim.Optimizer, *_args: Any) -> None:
+        fill_missing_grads([p for g in opt.param_groups for p in g["params"]], group)
+
+    optimizer.register_step_pre_hook(hook)
 
 
 def ep_group(model: nn.Module) -> Any:

@@ -19,11 +19,11 @@ all-to-all buffers. Here, per MoE layer:
 4. **the router stays as it is** – frozen, in the base's ids (its saved hash, the routing
    records and the recompute's replay all see base ids); the experts forward maps the ids
    it is given to positions (`ExpertShard.order`).
-5. **the LoRA factors** (whole on every rank) are reordered the same way, and serialised
-   in the base's order: a state-dict hook puts them back for every save (the adapter, a
-   checkpoint), a load pre-hook reorders what a resume loads. The saved adapter equals one
-   process's; the optimizer state follows the live order, so a resume must place the same
-   way (the placement is kept in the run dir).
+5. **the LoRA factors** – each rank holds its experts' slices only (ep_lora.py's
+   `shard_lora`, before placing): the slices travel with their experts, by the same
+   exchange. A factor's Piece then knows the order, so the whole adapter and the optimizer
+   state a checkpoint holds are gathered in the base's expert order (peft's layout, the
+   files one process writes) and a resume cuts each rank's slice back out in its live order.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetune.engine.ep_lora import _PIECE, experts_axis, from_experts_axis, piece_of
 from moetune.engine.expert_parallel import _SHARD, ExpertShard
 from moetune.engine.experts_lora import _STATE, EngineError
 
@@ -64,9 +65,9 @@ def rank_loads(loads: Sequence[int | float], order: Sequence[int], ranks: int) -
 
 
 def place(experts: nn.Module, order: Sequence[int]) -> None:
-    """Lay this rank's share of `experts` (placed contiguously by shard_experts) out in
-    `order`: its stacks exchanged, its LoRA factors reordered. Every rank of the group calls
-    it for the same module, with the same order."""
+    """Lay this rank's share of `experts` (placed contiguously by shard_experts, its LoRA
+    factors sliced by shard_lora) out in `order`: its stacks and factor slices exchanged.
+    Every rank of the group calls it for the same module, with the same order."""
     shard: ExpertShard | None = experts.__dict__.get(_SHARD)
     if shard is None or shard.order is not None:
         raise EngineError(
@@ -76,11 +77,27 @@ def place(experts: nn.Module, order: Sequence[int]) -> None:
     if sorted(order) != list(range(shard.experts)):
         raise EngineError(f"a placement must name each of the {shard.experts} experts once",
                           "build it with balanced_groups")  # fmt: skip
+    factors = [f for w in experts.__dict__.get(_STATE, {}).values() for f in _factors_of(w)]
+    placed = replace(shard, order=tuple(order))
     for stack in experts.parameters(recurse=False):
         stack.data = _regroup(stack.data, shard, order)
-    for wrapper in experts.__dict__.get(_STATE, {}).values():
-        _reorder_factors(wrapper, order)
-    experts.__dict__[_SHARD] = replace(shard, order=tuple(order))
+    for factor in factors:  # the same exchange, experts axis first (ep_lora.experts_axis)
+        piece = piece_of(factor)
+        assert piece is not None  # _factors_of refused whole ones
+        moved = _regroup(experts_axis(factor.data, piece.kind, shard.local), shard, order)
+        factor.data = from_experts_axis(moved, piece.kind)
+        factor.__dict__[_PIECE] = replace(piece, shard=placed)
+    experts.__dict__[_SHARD] = placed
+
+
+def _factors_of(wrapper: Any) -> list[nn.Parameter]:
+    """Every adapter's A and B of one wrapper, each held sliced (refused whole: a whole
+    factor would keep the base's order while its experts move)."""
+    factors = [m.weight for a in wrapper.lora_A for m in (wrapper.lora_A[a], wrapper.lora_B[a])]
+    if any(piece_of(f) is None for f in factors):
+        raise EngineError("a balanced placement moves sliced LoRA factors, and these are whole",
+                          "slice them first (engine/ep_lora.py shard_lora)")  # fmt: skip
+    return factors
 
 
 def _regroup(local: torch.Tensor, shard: ExpertShard, order: Sequence[int]) -> torch.Tensor:
@@ -96,42 +113,3 @@ def _regroup(local: torch.Tensor, shard: ExpertShard, order: Sequence[int]) -> t
     dist.all_to_all_single(got, rows, gets, sends, group=shard.group)
     arrived = sorted(groups[me])  # by source rank, each ascending: ascending overall
     return got[[arrived.index(e) for e in groups[me]]].reshape(local.shape)
-
-
-def _reorder_factors(wrapper: Any, order: Sequence[int]) -> None:
-    """peft's factors of every adapter (A [r·E, in] rows expert-major, B [out, r·E] columns
-    expert-fastest) in `order`; saved and loaded in the base's order (hooks)."""
-    experts, perm = wrapper.num_experts, torch.tensor(order)
-    inverse = torch.argsort(perm)
-    for adapter in wrapper.lora_A:
-        for module, axis in ((wrapper.lora_A[adapter], 0), (wrapper.lora_B[adapter], 1)):
-            with torch.no_grad():
-                module.weight.copy_(_permuted(module.weight, perm, axis, experts))
-            module.register_state_dict_post_hook(_saving(inverse, axis, experts))
-            module.register_load_state_dict_pre_hook(_loading(perm, axis, experts))
-
-
-def _permuted(w: torch.Tensor, perm: torch.Tensor, axis: int, experts: int) -> torch.Tensor:
-    """Experts of a factor reordered: position j gets expert perm[j]."""
-    perm = perm.to(w.device)
-    if axis == 0:  # A: [r·E, in], expert-major
-        return w.view(experts, -1, w.shape[-1])[perm].reshape(w.shape)
-    return w.view(w.shape[0], -1, experts)[:, :, perm].reshape(w.shape)  # B: expert-fastest
-
-
-def _saving(inverse: torch.Tensor, axis: int, experts: int) -> Any:
-    def hook(module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
-        key = prefix + "weight"
-        if key in state:
-            state[key] = _permuted(state[key], inverse, axis, experts)
-
-    return hook
-
-
-def _loading(perm: torch.Tensor, axis: int, experts: int) -> Any:
-    def hook(module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
-        key = prefix + "weight"
-        if key in state:
-            state[key] = _permuted(state[key], perm, axis, experts)
-
-    return hook

@@ -192,6 +192,8 @@ def _a2a(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group:
 
 def _local_experts(experts: Any, rows: torch.Tensor, got: torch.Tensor, part: slice) -> Any:
     """Received rows (by source rank, then by my expert) through my experts, in that order."""
+    if rows.shape[0] == 0:  # none came: still an output of `rows`, so backward runs both
+        return rows * 0  # exchanges here too, as every other rank's backward does
     local = got.shape[1]
     ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(got.shape[0]),
                                   got.reshape(-1))  # fmt: skip
@@ -273,6 +275,7 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
     """Replace each expert stack (and bias) by this rank's rows of it – read so by
     ep_load.load_partitioned, or cut here from the whole, which is freed."""
     loaded = experts.__dict__.pop(PART, {})
+    _check_loaded(loaded, shard)
     quantized = _slice_quantized(experts, shard, loaded)
     streamed = offloaded_of(experts)  # train.offload: the store holds the rank's experts
     for name, ref in streamed.items():
@@ -286,8 +289,13 @@ def _slice(experts: nn.Module, shard: ExpertShard) -> None:
         kept = loaded.get(name)
         if kept is None:
             kept = whole.data[shard.part].clone()  # own storage: the whole stack can go
-        _check_held(name, kept.shape[0], shard)
         setattr(experts, name, nn.Parameter(kept, requires_grad=whole.requires_grad))
+
+
+def _check_loaded(loaded: dict[str, Any], shard: ExpertShard) -> None:
+    """Every stack ep_load.py read (float or quantised) holds this rank's E/N experts."""
+    for name, kept in loaded.items():
+        _check_held(name, kept.shape[0], shard)
 
 
 def _check_held(name: str, held: int, shard: ExpertShard) -> None:
@@ -306,7 +314,6 @@ def _slice_quantized(experts: nn.Module, shard: ExpertShard, loaded: dict[str, A
     whole, every buffer by its leading expert dim. Returns the stacks' names."""
     parts = {n: s for n, s in loaded.items() if isinstance(s, QuantizedStack)}
     for name, stack in parts.items():
-        _check_held(name, stack.shape[0], shard)
         experts._parameters.pop(name, None)  # its full-shape stand-in
         experts.get_submodule(QUANTIZED).add_module(name, stack)
     for name, stack in stacks_of(experts).items():

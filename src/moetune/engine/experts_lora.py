@@ -200,6 +200,8 @@ def _add_kept_lora(
     """The LoRA update of the rows routed to the experts `keep` marks; the others get none
     (exact while their ΔW is zero, which train/routing/select.py asserts and keeps so)."""
     keep = keep.to(x.device)
+    if not bool(keep.any()):  # none of these trains (under ep, a rank may hold none kept)
+        return
     rows = keep[route.ids].nonzero().squeeze(1)  # still grouped by expert: ids are sorted
     counts = torch.diff(route.offsets, prepend=route.offsets.new_zeros(1))
     offsets = torch.cumsum(counts[keep], dim=0, dtype=torch.int32)

@@ -293,8 +293,7 @@ def _place_experts(wrapped: nn.Module, cfg: RunConfig, setup: Setup) -> None:
         _place_experts_fsdp(wrapped, cfg.train.ep_degree, device, setup.spec)
         return
     shard_experts(wrapped, ep_mesh(device))
-    if cfg.train.ep_placement == "contiguous":  # balanced reorders whole factors (ep_placement)
-        shard_lora(wrapped)  # only its experts' LoRA factors: grads and AdamW state 1/N
+    shard_lora(wrapped)  # only its experts' LoRA factors (balanced moves them with the experts)
 
 
 def _place_experts_fsdp(wrapped: nn.Module, degree: int, device: str, spec: ModelSpec) -> None:

@@ -165,16 +165,9 @@ def expert_weight_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
 
 
 def held_expert_share(spec: ModelSpec, cfg: RunConfig, trainable: int) -> float:
-    """The trainable share each rank holds 1/EP: the experts' (engine/ep_lora.py slices their
-    LoRA, full fine-tuning their weights). A balanced placement keeps the LoRA factors whole
-    on every rank (it reorders whole factors; the exchange of slices is not built): 0."""
-    if cfg.train.ep_placement == "balanced" and cfg.train.tuning != "full":
-        return 0.0
-    return expert_trainable_share(spec, cfg, trainable)
-
-
-def expert_trainable_share(spec: ModelSpec, cfg: RunConfig, trainable: int) -> float:
-    """The fraction of trainable parameters that live with the experts."""
+    """The fraction of trainable parameters that live with the experts, which each rank
+    holds 1/EP (engine/ep_lora.py slices their LoRA under either train.ep_placement – a
+    balanced one moves the slices with their experts – and full fine-tuning their weights)."""
     if not trainable:
         return 0.0
     if cfg.train.tuning == "full":

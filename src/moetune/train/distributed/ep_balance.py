@@ -1,8 +1,10 @@
 """`train.ep_placement: balanced` in a run: the experts placed from the base's routing that
 the trainer measures on the training rows before the first step (train/routing/recorder.py,
 `RoutingState.measured_base`; every ep rank runs the same rows, so all agree), through
-engine/ep_placement.py. The placement is kept in the run dir (ep_placement.json): the
-optimizer state a checkpoint holds follows it, so a resume places the experts the same way.
+engine/ep_placement.py. The placement is kept in the run dir (ep_placement.json) and a
+resume places the experts the same way: the checkpoint holds the adapter and the optimizer
+state whole in the base's order, so it does not depend on the placement, but the same
+placement keeps every rank's rows – and so the float rounding – those of the run it resumes.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def balance_experts(
     modules = _placed_modules(model, setup)
     ranks = shard_of(next(iter(modules.values()))).ranks  # type: ignore[union-attr]
     path = run.root / FILE
-    if setup.resume_from and path.is_file():  # the checkpoint's optimizer state follows it
+    if setup.resume_from and path.is_file():  # the same rows per rank as before the stop
         orders = {int(k): v for k, v in json.loads(path.read_text())["orders"].items()}
     else:
         missing = sorted(set(modules) - set(base))

@@ -92,7 +92,8 @@ def _check_balanced(cfg: RunConfig, stored: bool) -> None:
         "quantised or stored experts": cfg.model.experts_dtype != "bf16" or stored,
         "train.routing_every 0 (the base's routing it places by is not measured)":
             cfg.train.routing_every == 0,
-        "train.ep_degree (FSDP2 shards the factors it reorders)": cfg.train.ep_degree is not None,
+        "train.ep_degree (FSDP2 shards the factors whole; a placement moves per-rank slices)":
+            cfg.train.ep_degree is not None,
         "lora.expert_selection (its masks are in the base's expert order)":
             cfg.lora.expert_selection != "all",
     }  # fmt: skip

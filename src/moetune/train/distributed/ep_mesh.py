@@ -33,6 +33,7 @@ from moetune.train.errors import TrainError
 DP_DIM = "dp_shard"  # the mesh dimension that replicates the experts (and shards the rest)
 EP_DIM = "ep"  # = engine.expert_parallel.MESH_DIM, checked in ep_fsdp_mesh
 FLAT_DIM = "dp_shard_ep"  # both flattened: the ranks the rest is sharded over
+UNUSED = "set_reduce_scatter_unused_params"  # FSDP2: zeros for parameters with no gradient
 
 
 def ep_fsdp_mesh(device_type: str, ep_degree: int) -> Any:
@@ -52,7 +53,16 @@ def ep_fsdp_mesh(device_type: str, ep_degree: int) -> Any:
 
 def check_ep_degree(ep_degree: int, world: int, experts: int | None) -> None:
     """ep_degree ranks a group: it must divide the world (whole groups) and E (whole experts
-    a rank); one line each."""
+    a rank), and FSDP2 must reduce-scatter unused gradients (`shard_rest`); one line each."""
+    # lazy: heavy to import (FSDP2 pulls DTensor)
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, UNUSED):
+        raise TrainError(
+            f"train.ep_degree needs FSDP2's {UNUSED}, which this torch lacks (a rank whose "
+            "experts no token reaches would leave the others waiting in the reduce-scatter)",
+            "upgrade torch (pip install -U torch), or leave train.ep_degree unset",
+        )
     if world % ep_degree:
         raise TrainError(
             f"train.ep_degree {ep_degree} does not divide the {world} ranks into expert groups",
@@ -81,4 +91,8 @@ def shard_rest(model: nn.Module, mesh: Any, layers: Iterable[nn.Module]) -> int:
     for layer in layers:
         fully_shard(layer, mesh=flat, ignored_params=ignored)
     fully_shard(model, mesh=flat, ignored_params=ignored)
+    # a rank whose experts no row reached (or expert selection left out) has no gradient on
+    # their LoRA, and every rank must join the same reduce-scatter: FSDP2 puts a zero in
+    # for it – what one process's gradient holds for those experts
+    getattr(model, UNUSED)(True)
     return len(ignored)

@@ -8,6 +8,10 @@ engine/ep_lora.py): what transformers' Trainer does with its parameters, made wh
 - **The optimizer state** in a checkpoint is whole too: the moments of a sliced factor are
   gathered like the factor (optimizer.pt is one process's), and cut back to this rank's
   slice when `--resume` loads it – with the checkpoint's adapter, cut the same way.
+- **Every step** first gives a slice no token reached on this rank a zero gradient where
+  another rank's slice got one (ep_lora.fill_missing_grads, a step pre-hook on the optimizer
+  the Trainer creates), so every rank holds AdamW state for the same factors; a checkpoint
+  where they differ is refused rather than left waiting in the gather.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from moetune.train.errors import TrainError
 
@@ -29,7 +34,7 @@ def ep_trainer(trainer: Any) -> Any:
     """Install the whole-making saves, loads and clipping on a trainer whose model holds
     sliced expert LoRA (a no-op otherwise). Returns the trainer."""
     # lazy: heavy to import (moetune's engine pulls transformers and peft)
-    from moetune.engine.ep_lora import ep_group
+    from moetune.engine.ep_lora import ep_group, fill_before_step
 
     group = ep_group(trainer.model)
     if group is None:
@@ -53,6 +58,13 @@ def ep_trainer(trainer: Any) -> Any:
         with _answering(optimizer, "load_state_dict", lambda sd: load(cut_state(optimizer, sd))):
             load_optimizer(checkpoint)
 
+    def create_optimizer(*args: Any, **kwargs: Any) -> Any:
+        optimizer = create(*args, **kwargs)
+        fill_before_step(optimizer, group)  # a slice no token reached steps as on one process
+        return optimizer
+
+    create = trainer.create_optimizer
+    trainer.create_optimizer = create_optimizer
     trainer.save_model, trainer._save_optimizer_and_scheduler = save_model, save_state
     trainer._load_optimizer_and_scheduler = load_state
     trainer._load_from_checkpoint = lambda path, model=None: load_adapter(trainer.model, path)
@@ -103,6 +115,7 @@ def whole_optimizer_state(optimizer: Any) -> dict[str, Any]:
     from moetune.engine.ep_lora import piece_of, whole
 
     state = optimizer.state_dict()  # its per-parameter dicts are the live ones: not edited
+    _require_state_everywhere(optimizer, state["state"])
     for index, param in enumerate(_optimized(optimizer)):
         piece, held = piece_of(param), state["state"].get(index)
         if piece is not None and held is not None:
@@ -111,6 +124,29 @@ def whole_optimizer_state(optimizer: Any) -> dict[str, Any]:
                 for key, v in held.items()
             }
     return state
+
+
+def _require_state_everywhere(optimizer: Any, state: dict[int, Any]) -> None:
+    """Each sliced factor has optimizer state on every rank of its group or on none (else the
+    gather would wait for a rank that has nothing to send): one all-reduce, then a refusal
+    rather than a hang or a checkpoint with some experts' moments missing."""
+    # lazy: heavy to import (moetune's engine)
+    from moetune.engine.ep_lora import piece_of
+
+    params = _optimized(optimizer)
+    sliced = [i for i, p in enumerate(params) if piece_of(p) is not None]
+    if not sliced:
+        return
+    shard = piece_of(params[sliced[0]]).shard  # type: ignore[union-attr]
+    has = torch.tensor([i in state for i in sliced], dtype=torch.int32,
+                       device=params[sliced[0]].device)  # fmt: skip
+    dist.all_reduce(has, group=shard.group)
+    if any(0 < n < shard.ranks for n in has.tolist()):
+        raise TrainError(
+            "some ranks hold optimizer state for an expert LoRA slice and others none, so the "
+            "checkpoint cannot hold it whole",
+            "step the optimizer with ep_lora.fill_before_step installed (ep_trainer does)",
+        )
 
 
 def cut_state(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
