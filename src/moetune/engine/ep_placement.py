@@ -15,7 +15,10 @@ all-to-all buffers. Here, per MoE layer:
    and everything that slices by `part` (split LoRA, the LoRA factors) is unchanged.
 3. **moving the experts** – each rank sends every other rank the experts of its new group
    it holds, with one `all_to_all_single` per stack (uneven splits); no rank ever holds
-   more than its E/N experts plus the ones in flight.
+   more than its E/N experts plus the ones in flight. Under train.offload the stacks are
+   in the rank's ExpertStore, not parameters: nothing is exchanged, the store reads its
+   placed experts from the base's files instead (offload/load.py's `hold_experts`), the one
+   reader the load used, and drops the ones it held first.
 4. **the router stays as it is** – frozen, in the base's ids (its saved hash, the routing
    records and the recompute's replay all see base ids); the experts forward maps the ids
    it is given to positions (`ExpertShard.order`).
@@ -39,6 +42,8 @@ from torch import nn
 from moetune.engine.ep_lora import _PIECE, experts_axis, from_experts_axis, piece_of
 from moetune.engine.expert_parallel import _SHARD, ExpertShard
 from moetune.engine.experts_lora import _STATE, EngineError
+from moetune.engine.offload.load import hold_experts
+from moetune.engine.offload.store import offloaded_of
 
 
 def shard_of(module: nn.Module) -> ExpertShard | None:
@@ -88,6 +93,8 @@ def place(experts: nn.Module, order: Sequence[int]) -> None:
         factor.data = from_experts_axis(moved, piece.kind)
         factor.__dict__[_PIECE] = replace(piece, shard=placed)
     experts.__dict__[_SHARD] = placed
+    if offloaded_of(experts):  # train.offload: the rank's store reads its placed experts
+        hold_experts(experts, order[shard.part])
 
 
 def _factors_of(wrapper: Any) -> list[nn.Parameter]:

@@ -15,7 +15,7 @@ the built model to the file segments that fill it, expert by expert, in row-majo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +194,21 @@ def expert_part(segments: list[Segment], shape: tuple[int, ...], part: slice) ->
             out.append(Segment(seg.path, seg.offset + skip, n, seg.dtype, (hi - lo,)))
         pos += size
     return out
+
+
+def experts_segments(
+    segments: list[Segment], shape: tuple[int, ...], ids: Sequence[int]
+) -> list[Segment]:
+    """The bytes of experts `ids` (any ids, in that order) of a stack of `shape`: each run of
+    consecutive ids cut as one part (expert_part) – what a rank reads of a balanced
+    placement (engine/ep_placement.py), whose experts need not sit side by side."""
+    runs: list[list[int]] = []
+    for e in ids:
+        if runs and e == runs[-1][-1] + 1:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return [s for run in runs for s in expert_part(segments, shape, slice(run[0], run[-1] + 1))]
 
 
 def keys_of(index: dict[str, Segment], segments: Iterable[Segment]) -> set[str]:

@@ -15,6 +15,7 @@ import contextlib
 import os
 import tempfile
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ import torch
 
 from moetune.engine.direct_io import Piece
 from moetune.engine.offload.sources import Empty, FileFloat, Source, host_source, spill_source
-from moetune.engine.offload.store import ExpertStore, Mode, attach, install
+from moetune.engine.offload.store import ExpertStore, Mode, attach, install, offloaded_of
 from moetune.engine.quant.load import _stream
 from moetune.engine.quant.stacks import (
     QuantizedStack,
@@ -39,6 +40,7 @@ from moetune.engine.stack_files import (
     OffloadError,
     Segment,
     expert_part,
+    experts_segments,
     index_dir,
     keys_of,
     read_into,
@@ -56,6 +58,8 @@ from moetune.model.derive import causal_lm_class, ensure_backbone
 if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedModel
+
+_FILES = "_moetune_offload_files"  # on a float experts module: its stacks' _Files
 
 
 def load_offloaded(
@@ -83,9 +87,12 @@ def load_offloaded(
     scratch = _scratch(scratch_dir, store) if mode == "disk" and quant is not None else None
     for path, module, names in experts:
         cut = _Part(_shape(module, names[0])[0], part)
-        sources = {n: _source(module, path, n, cut.segments(plans[path][n], _shape(module, n)),
+        shapes = {n: _shape(module, n) for n in names}
+        sources = {n: _source(module, path, n, cut.segments(plans[path][n], shapes[n]),
                               cut.held, dtype, store, quant, scratch) for n in names}  # fmt: skip
         install(module, store, sources, names, cut.experts)
+        if quant is None:  # float stacks: a balanced placement re-reads others (hold_experts)
+            module.__dict__[_FILES] = _Files(plans[path], shapes, dtype)
     _finish(model, device)
     attach(model, store)
     return model, store, quant.report if quant else None
@@ -164,18 +171,62 @@ def _source(
     """Where stack `name` waits – its experts that `segments` hold, `held` of them – and the
     dtype it is computed in."""
     shape = (held, *_shape(module, name)[1:])
-    if store.mode == "disk" and quant is None:
-        return FileFloat(segments, shape), dtype  # type: ignore[return-value]  # a Source
+    if quant is None:
+        return _float_source(segments, shape, dtype, store), dtype
     weight = torch.empty(shape, dtype=segments[0].dtype)
     read_into(segments, weight)
-    if quant is None:  # cpu: host RAM, narrowed to the compute dtype where that is smaller
-        kept = weight if weight.element_size() <= dtype.itemsize else weight.to(dtype)
-        return host_source(kept, store.pin), dtype
     _mark_quantized(module)  # quantise on the CPU, the error measured as quant/load.py does
     _install(module, name, weight.to(dtype), replace(quant.plan, layer=path))
     stack = stacks_of(module)[name]
     source = host_source(stack, store.pin) if scratch is None else spill_source(stack, scratch)
     return source, dtype
+
+
+def _float_source(
+    segments: list[Segment], shape: tuple[int, ...], dtype: torch.dtype, store: ExpertStore
+) -> Source:
+    """A float stack's experts that `segments` hold: left in the files (disk), or read once
+    into host RAM (cpu), narrowed to the compute dtype where that is smaller."""
+    if store.mode == "disk":
+        return FileFloat(segments, shape)  # type: ignore[return-value]  # a Source
+    weight = torch.empty(shape, dtype=segments[0].dtype)
+    read_into(segments, weight)
+    kept = weight if weight.element_size() <= dtype.itemsize else weight.to(dtype)
+    return host_source(kept, store.pin)
+
+
+@dataclass(frozen=True)
+class _Files:
+    """Where a float experts module's stacks lie in the base's files, whole (every expert):
+    what a store that is to hold other experts of them reads again (hold_experts)."""
+
+    segments: dict[str, list[Segment]]  # stack name -> its segments, expert-major
+    shapes: dict[str, tuple[int, ...]]  # stack name -> its whole shape
+    dtype: torch.dtype  # computed in
+
+
+def hold_experts(module: nn.Module, ids: Sequence[int]) -> None:
+    """Make the store hold experts `ids` of `module`'s float stacks, in that order, read
+    from the base's files as the load read its part (stack_files.experts_segments) – under
+    train.ep_placement balanced, a rank's placed experts rather than its contiguous E/N
+    (engine/ep_placement.py). The layer's old sources go before the new ones are read, so
+    host RAM (cpu) never holds both; the store's sizes are unchanged (as many experts)."""
+    files, refs = module.__dict__.get(_FILES), offloaded_of(module)
+    held = next(iter(refs.values())).held if refs else None
+    if files is None or held != len(ids):
+        raise OffloadError(
+            f"{type(module).__name__}'s store cannot hold experts {list(ids)}: its stacks are "
+            f"not float stacks loaded from the base's files, {held} experts a rank",
+            "place quantised or stored experts contiguously (train.ep_placement: contiguous)",
+        )
+    ref = next(iter(refs.values()))
+    ref.store.release()  # nothing materialised keeps the experts it held
+    ref.store.layers[ref.layer] = {}
+    ref.store.layers[ref.layer] = {
+        n: (_float_source(experts_segments(segs, files.shapes[n], ids),
+                          (held, *files.shapes[n][1:]), files.dtype, ref.store), files.dtype)
+        for n, segs in files.segments.items()
+    }  # fmt: skip
 
 
 def _scratch(scratch_dir: str | Path | None, store: ExpertStore) -> Path:

@@ -1,0 +1,113 @@
+"""`train.offload` with `train.ep_placement: balanced` (engine/ep_placement.py's `place`,
+engine/offload/load.py's `hold_experts`): each rank's ExpertStore, loaded with its contiguous
+E/N experts, reads its placed experts from the base's files instead (not side by side, cut by
+stack_files.experts_segments), while the LoRA slices move by the all-to-all. Forked 2 gloo
+ranks over a bf16 base sharded into many small files, offload cpu and disk, float64: logits
+and every LoRA gradient equal one process without offload (1e-12); each rank's store holds
+exactly its placed experts' bytes, bit for bit the base's. Slow: `moetune train --nproc 2
+--strategy ep` balanced with offload disk against one process with offload disk."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from test_ep_partitioned_load import _qwen3
+from test_ep_placement import ORDERS
+from test_ep_quantized import _grads, _rel, _wrapped
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+WORLD, MODULES = 2, ["q_proj", "v_proj"]
+
+
+def _rank(rank: int, base: str, out: str) -> None:
+    """Per mode: one process without offload on the whole batch; this rank's store, placed
+    by ORDERS (rank 0 holds experts {0, 3} then {1, 2}), on its half."""
+    from transformers import AutoModelForCausalLM
+
+    from moetune.engine.ep_lora import piece_of, shard_lora, whole
+    from moetune.engine.ep_placement import place
+    from moetune.engine.expert_parallel import _SHARD, ep_mesh, shard_experts
+    from moetune.engine.offload.load import load_offloaded
+    from moetune.engine.offload.store import offloaded_of
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=120))  # fmt: skip
+    torch.manual_seed(3)
+    ids, weights = torch.randint(0, 64, (2 * WORLD, 12)), torch.randn(2 * WORLD, 12, 64)
+    one = _wrapped(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64), MODULES)
+    stacks = {n: p.detach().clone() for n, p in one.named_parameters() if n.endswith("_proj")
+              and p.ndim == 3}  # fmt: skip
+    want, found = _grads(one, ids, weights.double()), {}
+    for mode in ("cpu", "disk"):
+        model, store, _ = load_offloaded(Path(base), mode, "cpu", torch.float64, part=(rank, 2))
+        model = _wrapped(model, MODULES)
+        shard_experts(model, ep_mesh("cpu"))
+        shard_lora(model)
+        layers = [(p, m) for p, m in model.named_modules() if _SHARD in m.__dict__]
+        before = store.stats.stored_bytes
+        for (_, experts), order in zip(layers, ORDERS, strict=True):
+            place(experts, order)
+        mine = [list(order[rank * 2 : rank * 2 + 2]) for order in ORDERS]
+        held = {}  # each stack the store holds: equal to the base's placed experts?
+        for (path, experts), placed in zip(layers, mine, strict=True):
+            for name, ref in offloaded_of(experts).items():
+                want_rows = next(v for k, v in stacks.items() if k.endswith(f"{path}.{name}"))
+                held[f"{path}.{name}"] = bool(torch.equal(ref.fetch(), want_rows[placed]))
+        part = slice(rank * 2, rank * 2 + 2)
+        got = _grads(model, ids[part], weights[part].double())
+        diffs = [_rel(got["logits"], want["logits"][part])]
+        for name, grad in got["grads"].items():
+            piece = piece_of(dict(model.named_parameters())[name])
+            if piece is None:
+                dist.all_reduce(grad)
+            else:  # its experts' only, every rank's tokens, scaled by 1/N (ep_lora.py)
+                grad = whole(grad, piece) * WORLD
+            diffs.append(_rel(grad, want["grads"][name]))
+        layer_bytes = [sum(s.nbytes for s, _ in layer.values()) for layer in store.layers]
+        found[mode] = {"diff": max(diffs), "grads": len(diffs) - 1, "held": held,
+                       "stored_before": before, "layer_bytes": layer_bytes,
+                       "stored_bytes": store.stats.stored_bytes}  # fmt: skip
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def _expert_bytes(base: Path) -> int:
+    """Every routed expert tensor's bytes in the base's files (safetensors' own reader)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in base.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if ".mlp.experts." in key:
+                    t = f.get_tensor(key)
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def test_offloaded_balanced_placement_equals_one_process(tmp_path):
+    """2 ranks, experts {0, 3} / {1, 2} on rank 0 per layer, offload cpu and disk: logits
+    and every LoRA gradient equal one process without offload (float64, 1e-12); each rank's
+    store holds its placed experts bit for bit – half the experts' bytes in the files, as
+    many as before placing."""
+    base = _qwen3(tmp_path / "base")
+    assert len(list(base.glob("*.safetensors"))) > 4  # experts split over many small files
+    mp.start_processes(_rank, args=(str(base), str(tmp_path)), nprocs=WORLD,
+                       start_method="fork")  # fmt: skip
+    experts = _expert_bytes(base)
+    for rank in range(WORLD):
+        for mode, got in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+            assert got["diff"] < 1e-12, (mode, got)
+            assert got["grads"] >= 8, mode  # attention and every expert stack's A and B
+            assert len(got["held"]) == 4 and all(got["held"].values()), (mode, got["held"])
+            # bf16 in the files: cpu widens nothing (it keeps the stored dtype), disk reads it
+            assert sum(got["layer_bytes"]) * WORLD == experts, (mode, got)
+            assert got["stored_bytes"] == got["stored_before"] == sum(got["layer_bytes"])
