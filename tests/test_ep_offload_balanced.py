@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -111,3 +112,57 @@ def test_offloaded_balanced_placement_equals_one_process(tmp_path):
             # bf16 in the files: cpu widens nothing (it keeps the stored dtype), disk reads it
             assert sum(got["layer_bytes"]) * WORLD == experts, (mode, got)
             assert got["stored_bytes"] == got["stored_before"] == sum(got["layer_bytes"])
+
+
+def test_the_launcher_lets_offload_run_with_a_balanced_placement(tmp_path):
+    """train.offload disk under ep with train.ep_placement balanced passes the launcher's
+    check (it was refused); with train.ep_degree it is still refused, one line with a fix."""
+    from moetune.config import parse_config
+    from moetune.train.distributed.nodes import check_one_process
+    from moetune.train.errors import TrainError
+
+    train = {"offload": "disk", "strategy": "ep", "nproc": 2, "ep_placement": "balanced"}
+    check_one_process(parse_config({"model": {"id": "x"}, "train": train}))
+    with pytest.raises(TrainError, match=r"train\.ep_degree 2") as refused:
+        check_one_process(parse_config({"model": {"id": "x"}, "train": {**train,
+                          "ep_placement": "contiguous", "ep_degree": 2, "nproc": 4}}))  # fmt: skip
+    assert "train.offload: none" in refused.value.fix
+
+
+# ---------------------------------------------------------------- the CLI (slow)
+
+
+@pytest.mark.slow
+def test_cli_balanced_ep_with_disk_offload_trains_as_one_process_with_offload(tmp_path):
+    """`moetune train --nproc 2 --strategy ep` with train.ep_placement balanced and
+    train.offload disk (each rank's store re-reading its placed experts) against one process
+    with train.offload disk, batch 2 × 2 against 4, 3 steps: every step's loss and every
+    adapter tensor equal (fp32, 1e-5); the placement moved experts; each rank's store holds
+    half the experts' bytes."""
+    from moetune.config import dump_config
+    from test_ep_quantized import _losses
+    from test_train_distributed import _rel_diff, _train
+    from test_train_helpers import reverse_rows, run_config, save_tiny_model, write_jsonl
+
+    base = save_tiny_model(tmp_path / "base")
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(24))
+
+    def write(name: str, **more: Any) -> Path:
+        cfg = run_config(base, data, tmp_path / name, max_steps=3, save_steps=3,
+                         lora__targets=["attention", "experts"], offload="disk",
+                         lora__engine="moetune", **more)  # fmt: skip
+        (tmp_path / f"{name}.yaml").write_text(dump_config(cfg))
+        return tmp_path / f"{name}.yaml"
+
+    _train(write("two", batch_size=2, nproc=2, strategy="ep", ep_placement="balanced"),
+           log=tmp_path / "two.log")  # fmt: skip
+    _train(write("one", batch_size=4), log=tmp_path / "one.log")
+    got, want = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
+    assert _rel_diff(tmp_path / "two", tmp_path / "one") < 1e-5
+    placed = json.loads((tmp_path / "two" / "ep_placement.json").read_text())
+    assert any(sorted(o) != o for o in placed["orders"].values())  # experts did move
+    two = json.loads((tmp_path / "two" / "offload.json").read_text())
+    one = json.loads((tmp_path / "one" / "offload.json").read_text())
+    assert [r["stored_bytes"] * 2 for r in two["ranks"]] == [one["stored_bytes"]] * 2

@@ -188,7 +188,8 @@ def _answers(host: str, port: int, within_s: float) -> bool:
 def check_one_process(cfg: RunConfig) -> None:
     """Refuse, in the launcher, train.offload on several ranks – never let each rank refuse
     it inside, after its own trace – but under train.strategy ep, where each rank streams its
-    own experts (engine/offload/load.py's `part`); there, what cannot reach the stores."""
+    own experts (engine/offload/load.py's `part`; under train.ep_placement balanced its
+    placed ones, `hold_experts`); there, what cannot reach the stores."""
     t = cfg.train
     if not offload_mode(t.offload).streams or world(t) == 1:
         return
@@ -206,13 +207,6 @@ def check_one_process(cfg: RunConfig) -> None:
             f"train.offload={t.offload} with train.ep_degree {t.ep_degree}: FSDP2 shards the "
             "rest over expert groups, and the offloaded stacks are no parameters it can hold",
             f"drop train.ep_degree (one expert group over every rank), or {fix}",
-        )
-    if t.ep_placement == "balanced":
-        raise TrainError(
-            f"train.offload={t.offload} with train.ep_placement balanced: the placement "
-            "exchanges expert stacks after the load, and an offloaded stack stays where its "
-            "rank's store read it",
-            f"set train.ep_placement: contiguous, or {fix}",
         )
 
 
