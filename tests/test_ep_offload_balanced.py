@@ -166,3 +166,63 @@ def test_cli_balanced_ep_with_disk_offload_trains_as_one_process_with_offload(tm
     two = json.loads((tmp_path / "two" / "offload.json").read_text())
     one = json.loads((tmp_path / "one" / "offload.json").read_text())
     assert [r["stored_bytes"] * 2 for r in two["ranks"]] == [one["stored_bytes"]] * 2
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    from test_train_helpers import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("ep-offload-balanced") / "model")
+
+
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+def test_a_placed_store_is_what_the_plan_counts_under_either_placement(tiny_base, mode):
+    """One rank's store (rank 1 of 2) over the tiny fp32 base, made to hold experts 0 and 3
+    of every layer (hold_experts, no collective): each stack fetched is the base's experts
+    0 and 3 bit for bit, and its stored and per-layer bytes are still the per-rank plan's,
+    which is the same for contiguous and balanced placements."""
+    from moetune.config import parse_config
+    from moetune.engine.offload.load import hold_experts, load_offloaded
+    from moetune.engine.offload.store import offloaded_of
+    from moetune.model import load_spec
+    from moetune.plan.devices.ep_offload import plan_ep_offload
+
+    base = tiny_base
+    whole = load_offloaded(base, mode, "cpu", torch.float32)[0]
+    want = {p: {n: r.fetch().clone() for n, r in offloaded_of(m).items()}
+            for p, m in whole.named_modules() if offloaded_of(m)}  # fmt: skip
+    model, store, _ = load_offloaded(base, mode, "cpu", torch.float32, part=(1, 2))
+    for path, module in model.named_modules():
+        if offloaded_of(module):
+            hold_experts(module, [0, 3])
+            for name, ref in offloaded_of(module).items():
+                assert torch.equal(ref.fetch(), want[path][name][[0, 3]]), (path, name)
+    spec, plans = load_spec(str(base)), []
+    for placement in ("contiguous", "balanced"):
+        cfg = parse_config({"model": {"id": str(base)}, "lora": {"rank": 4},
+                            "train": {"offload": mode, "strategy": "ep", "nproc": 2,
+                                      "ep_placement": placement, "device": "cpu",
+                                      "seq_len": 32}})  # fmt: skip
+        plans.append(plan_ep_offload(spec, cfg, None, 2, 2))
+    assert plans[0].offloaded_bytes == plans[1].offloaded_bytes == store.stats.stored_bytes
+    assert plans[1].layer_expert_bytes == store.stats.layer_bytes
+    assert sum(sum(s.nbytes for s, _ in layer.values()) for layer in store.layers) == (
+        store.stats.stored_bytes
+    )
+
+
+def test_a_store_that_cannot_hold_other_experts_is_refused(tiny_base):
+    """hold_experts on a rank's store of NF4 stacks (quantised at the load: nothing to
+    re-read), or asked for more experts than the rank holds: one line and its fix."""
+    from moetune.engine.offload.load import hold_experts, load_offloaded
+    from moetune.engine.offload.store import offloaded_of
+    from moetune.engine.stack_files import OffloadError
+
+    base = tiny_base
+    for dtype, ids in (("nf4", [0, 3]), ("bf16", [0, 1, 3])):
+        model = load_offloaded(base, "cpu", "cpu", torch.float32, experts_dtype=dtype,
+                               part=(0, 2))[0]  # fmt: skip
+        module = next(m for m in model.modules() if offloaded_of(m))
+        with pytest.raises(OffloadError, match="cannot hold experts") as refused:
+            hold_experts(module, ids)
+        assert "train.ep_placement: contiguous" in refused.value.fix

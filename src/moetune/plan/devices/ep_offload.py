@@ -1,5 +1,8 @@
 """train.offload under train.strategy ep, planned per rank: each rank's ExpertStore holds its
 own E/N experts (engine/offload/load.py's `part`) and streams them a layer at a time.
+Under train.ep_placement balanced the store holds the rank's placed E/N experts instead
+(`hold_experts`): every expert of a layer has the same bytes, so these figures are the same
+under either placement (the busiest rank differs in rows, not in stored bytes).
 
 Per rank, from the ep per-rank plan (plan/devices/sharding.py's "ep": its LoRA state 1/N,
 DDP's buckets, the all-to-all buffers) with the routed stacks taken out of the frozen
