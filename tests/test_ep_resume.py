@@ -1,6 +1,7 @@
 """`--resume` after kill -9 of a 2-rank `train.strategy ep` run placed balanced (its expert
 LoRA sliced and moved with its experts, the checkpoint whole in the base's order) and of one
-with expert groups (`train.ep_degree`, the rest and all the LoRA FSDP2-sharded): the resumed
+with expert groups (`train.ep_degree`, the rest and all the LoRA FSDP2-sharded), and of a
+balanced one with offload disk (each store re-reading its placed experts): the resumed
 run ends with the uninterrupted run's adapter and losses. Slow tier: 3 CLI runs each."""
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placed", [{"ep_placement": "balanced"}, {"ep_degree": 2}],
-                         ids=["balanced", "ep_degree"])  # fmt: skip
+@pytest.mark.parametrize(
+    "placed",
+    [{"ep_placement": "balanced"}, {"ep_degree": 2},
+     # each rank's store re-reads its kept placement's experts (offload/load.py hold_experts)
+     {"offload": "disk", "ep_placement": "balanced", "lora__engine": "moetune"}],
+    ids=["balanced", "ep_degree", "balanced-offload"],
+)  # fmt: skip
 def test_ep_resume_after_kill_9_gives_the_uninterrupted_adapter(tiny, placed):
     """2 ep ranks, 6 steps, a checkpoint every 2; kill -9 of the launcher once step 2 is
     committed, then `--resume`: the adapter equals the uninterrupted run's (1e-5), and so
@@ -48,6 +54,6 @@ def test_ep_resume_after_kill_9_gives_the_uninterrupted_adapter(tiny, placed):
     assert _rel_diff(out, whole) < 1e-5
     got, want = _losses(out)[-4:], _losses(whole)[-4:]  # steps 3-6, after the resume
     assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
-    if name == "ep_placement":  # the placement the run kept, reused by the resume
+    if "ep_placement" in placed:  # the placement the run kept, reused by the resume
         kept = json.loads((out / "ep_placement.json").read_text())["orders"]
         assert kept == json.loads((whole / "ep_placement.json").read_text())["orders"]
