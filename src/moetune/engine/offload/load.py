@@ -6,7 +6,9 @@ device through transformers' loader (quant/load.py's _stream). Each stack's plac
 safetensors files is found from the headers (stack_files.stack_segments): `disk` keeps
 just that, `cpu` reads the stack once into host RAM. Quantised experts (int8 / NF4) are
 read, quantised on the CPU one stack at a time and kept in host RAM (`cpu`) or written to a
-scratch file (`disk`): the files hold float weights only.
+scratch file (`disk`): the files hold float weights only. Under expert parallelism a store
+holds one rank's experts: its contiguous part at the load, and after a balanced placement
+the experts placed on it (`hold_experts`, float stacks), read again from the same files.
 """
 
 from __future__ import annotations
