@@ -157,13 +157,13 @@ def test_fewest_gpus_keep_to_whole_expert_groups(degree, fewest) -> None:
 @pytest.mark.parametrize(
     ("model", "extra", "says"),
     [("Qwen/Qwen3-30B-A3B", ["--gpus", "3"], "128 routed experts do not split evenly over 3"),
-     ("Qwen/Qwen3-30B-A3B", ["--gpus", "256"], "do not split evenly over 256 ranks"),
+     ("Qwen/Qwen3-30B-A3B", ["--gpus", "256"], "256 expert-parallel ranks for 128 routed experts"),
      ("Qwen/Qwen3-30B-A3B", ["--gpus", "4", "--set", "train.ep_degree=3"],
       "train.ep_degree 3 does not divide the 4 ranks"),
      ("Qwen/Qwen3-30B-A3B", ["--gpus", "6", "--set", "train.ep_degree=3"],
       "128 routed experts do not split evenly over 3 ranks (train.ep_degree"),
      ("meta-llama/Llama-3.1-8B", ["--gpus", "2", "--targets", "attention"],
-      "--strategy ep places routed experts, and meta-llama/Llama-3.1-8B has none")],
+      "strategy ep places routed experts, and meta-llama/Llama-3.1-8B has none")],
 )  # fmt: skip
 def test_plan_refuses_an_ep_split_that_cannot_run(model, extra, says) -> None:
     """What the launcher refuses, `plan --strategy ep` refuses too: one line and exit 2 (and

@@ -315,6 +315,25 @@ def test_ep_is_refused_before_any_rank_starts(tiny, tmp_path, monkeypatch, over,
     assert started == [] and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("over", "gpus"), [({"nproc": 3}, 3), ({"nproc": 8}, 8), ({"nproc": 4, "ep_degree": 3}, 4)]
+)
+def test_the_launcher_refuses_an_ep_split_in_the_plans_words(tiny, tmp_path, over, gpus):
+    """One decision (config/ep_split.py): `train --strategy ep` and `plan --strategy ep`
+    give the same cause and fix for the same model and world."""
+    from moetune.errors import ConfigError
+    from moetune.model import load_spec
+    from moetune.plan.devices.sharding import plan_devices
+    from moetune.train.distributed.ep_checks import check_expert_parallel
+
+    cfg = tiny_cfg(tiny, tmp_path / "run", strategy="ep", **over)
+    with pytest.raises(ConfigError) as launcher:
+        check_expert_parallel(cfg)
+    with pytest.raises(ConfigError) as plan:
+        plan_devices(load_spec(cfg.model.id), cfg, "H100-80GB", gpus, "ep")
+    assert (launcher.value.cause, launcher.value.fix) == (plan.value.cause, plan.value.fix)
+
+
 # ---------------------------------------------------------------- 2 gloo ranks (slow)
 
 

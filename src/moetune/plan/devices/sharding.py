@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.config import RunConfig
+from moetune.config.ep_split import check_ep_split
 from moetune.errors import ConfigError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate
@@ -58,7 +59,6 @@ from moetune.plan.devices.expert_parallel import (
     ENGINES,
     EP_SKEW,
     ExpertParallelPlan,
-    check_ep_split,
     ddp_bucket_bytes,
     ep_skew,
     split_trainable,
@@ -265,7 +265,8 @@ def plan_devices(
     _check_gpus(gpus)
     chosen, strat = _card(card), get_strategy(strategy)
     if strat.places_experts:
-        check_ep_split(spec, gpus, cfg.train.ep_degree)
+        experts = spec.num_experts if spec.is_moe else None
+        check_ep_split(spec.name, experts, gpus, cfg.train.ep_degree)  # the launcher's checks
     sizes = sizes or run_sizes(spec, cfg)
     components = strat.components(sizes, gpus)
     peak = sum(components.values())

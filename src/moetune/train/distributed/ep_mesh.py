@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from moetune.config.ep_split import check_divides, check_groups
 from moetune.train.errors import TrainError
 
 DP_DIM = "dp_shard"  # the mesh dimension that replicates the experts (and shards the rest)
@@ -53,7 +54,8 @@ def ep_fsdp_mesh(device_type: str, ep_degree: int) -> Any:
 
 def check_ep_degree(ep_degree: int, world: int, experts: int | None) -> None:
     """ep_degree ranks a group: it must divide the world (whole groups) and E (whole experts
-    a rank), and FSDP2 must reduce-scatter unused gradients (`shard_rest`); one line each."""
+    a rank; config/ep_split.py decides both, as the plan does), and FSDP2 must reduce-scatter
+    unused gradients (`shard_rest`); one line each."""
     # lazy: heavy to import (FSDP2 pulls DTensor)
     from torch.distributed.fsdp import FSDPModule
 
@@ -63,17 +65,9 @@ def check_ep_degree(ep_degree: int, world: int, experts: int | None) -> None:
             "experts no token reaches would leave the others waiting in the reduce-scatter)",
             "upgrade torch (pip install -U torch), or leave train.ep_degree unset",
         )
-    if world % ep_degree:
-        raise TrainError(
-            f"train.ep_degree {ep_degree} does not divide the {world} ranks into expert groups",
-            f"use a divisor of {world} (or leave train.ep_degree unset: one group of all ranks)",
-        )
-    if experts is not None and experts % ep_degree:
-        fits = [n for n in range(1, min(experts, world) + 1) if experts % n == 0 and world % n == 0]
-        raise TrainError(
-            f"train.ep_degree {ep_degree} does not split the {experts} routed experts evenly",
-            f"use train.ep_degree {fits[-1]}, a divisor of both {experts} and {world}",
-        )
+    check_groups(ep_degree, world)
+    if experts is not None:
+        check_divides(experts, ep_degree, world)
 
 
 def shard_rest(model: nn.Module, mesh: Any, layers: Iterable[nn.Module]) -> int:
