@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetune.config.ep_split import check_divides, check_groups
+from moetune.train.distributed.ep_unused import track_reached
 from moetune.train.errors import TrainError
 
 DP_DIM = "dp_shard"  # the mesh dimension that replicates the experts (and shards the rest)
@@ -81,12 +82,12 @@ def shard_rest(model: nn.Module, mesh: Any, layers: Iterable[nn.Module]) -> int:
 
     # torch names no public flatten yet; torchtitan builds its dp_shard_cp mesh the same way
     flat = mesh[(DP_DIM, EP_DIM)]._flatten(FLAT_DIM)
-    ignored = set(placed_stacks(model))
-    for layer in layers:
-        fully_shard(layer, mesh=flat, ignored_params=ignored)
-    fully_shard(model, mesh=flat, ignored_params=ignored)
+    ignored, units = set(placed_stacks(model)), [*layers, model]
+    for unit in units:
+        fully_shard(unit, mesh=flat, ignored_params=ignored)
     # a rank whose experts no row reached (or expert selection left out) has no gradient on
     # their LoRA, and every rank must join the same reduce-scatter: FSDP2 puts a zero in
     # for it – what one process's gradient holds for those experts
     getattr(model, UNUSED)(True)
+    track_reached(model, units)  # and no rank's backward reached: None again (ep_unused.py)
     return len(ignored)
