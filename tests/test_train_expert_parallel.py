@@ -373,7 +373,8 @@ def test_ep_trains_the_loss_curve_and_adapter_of_one_process(tiny, checkpointing
 def test_ep_dpo_trains_the_loss_curve_and_adapter_of_one_process(tiny):
     """train.method dpo under ep (the reference pass – the adapter disabled – exchanges
     tokens too): 2 ranks (batch 2 each) against 1 process (batch 4), 3 steps, fp32 – every
-    step's loss and the saved adapter to 1e-5."""
+    step's loss to 1e-5 and the saved adapter to 2e-6: each rank's preference batch padded
+    as wide as one process's (ep_padding.py; measured 7.3e-7, 3.6e-6 unpadded)."""
     from test_train_helpers import write_jsonl
     from test_train_methods import preference_rows
 
@@ -386,7 +387,7 @@ def test_ep_dpo_trains_the_loss_curve_and_adapter_of_one_process(tiny):
     got, want = _losses(two), _losses(one)
     assert len(got) == len(want) == 3
     assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < 1e-5
-    assert _rel_diff(two, one) < 1e-5
+    assert _rel_diff(two, one) < 2e-6
 
 
 @pytest.mark.slow
