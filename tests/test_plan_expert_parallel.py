@@ -217,6 +217,14 @@ def test_fewest_gpus_of_a_base_kept_as_stored_is_one_or_none_but_under_ep(strate
     note = next(n for n in report.notes if n.startswith("a base kept as stored"))
     assert "--strategy ep" in note and f"refuses {strategy}" in note
     assert device_report(big, run, ["H100-80GB"], 4, "ep").fewest["H100-80GB"] == 4
+    if strategy == "fsdp":  # the fit table says it in words
+        from typer.testing import CliRunner
+
+        from moetune.cli import app
+
+        args = ["plan", big.name, "--strategy", strategy, "--gpus", "4", "--card", "H100-80GB"]
+        got = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
+        assert got.exit_code == 0 and "not on 1; several: ep only" in got.stdout, got.output
     small = load_spec("RedHatAI/Qwen3-30B-A3B-FP8-dynamic")
     one = parse_config({"model": {"id": small.name}})
     assert fewest_gpus(small, one, "H100-80GB", strategy) == 1
