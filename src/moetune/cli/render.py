@@ -248,6 +248,8 @@ def device_fits_table(report: Any) -> Table:
     for card_id, plan in report.plans.items():
         fit = plan.fit
         mark = "[green]yes[/]" if fit.fits else "[red]no[/]"
+        if not report.launches:  # a stored base on several ranks outside ep: the notes say
+            mark = "[red]refused[/]"
         fewest = report.fewest[card_id]
         table.add_row(
             card_id, gib(fit.usable_bytes), gib(fit.required_bytes), gib(fit.headroom_bytes),

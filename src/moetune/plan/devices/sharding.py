@@ -357,6 +357,12 @@ class DeviceReport:
         return f"{self.nodes} nodes × {self.gpus // self.nodes} GPU(s)"
 
     @property
+    def launches(self) -> bool:
+        """Whether the launcher starts this many ranks with this strategy: not several for a
+        base kept as stored outside ep (`fewest_limit` 1; train/stored.py refuses it)."""
+        return self.gpus == 1 or self.fewest_limit > 1
+
+    @property
     def components(self) -> dict[str, int]:
         """Per-rank components (the same on every card: only the fit differs)."""
         return next(iter(self.plans.values())).components if self.plans else {}
@@ -373,6 +379,7 @@ class DeviceReport:
                 c: {**p.to_json(), "fewest_gpus": self.fewest[c]} for c, p in self.plans.items()
             },
             "fewest_gpus_limit": self.fewest_limit,
+            "launches": self.launches,
             "notes": list(self.notes),
             "expert_parallel": self._expert_parallel_json(),
             "host_ram": self.host.to_json() if self.host else None,
