@@ -84,13 +84,16 @@ def test_ep_groups_with_fsdp2_equal_one_process(tmp_path):
 
 @pytest.mark.parametrize(
     ("degree", "world", "experts", "says"),
-    [(3, 4, 4, "does not divide the 4 ranks"), (4, 8, 6, "does not split the 6 routed")],
+    [
+        (3, 4, 4, "does not divide the 4 ranks"),
+        (4, 8, 6, "6 routed experts do not split evenly over 4"),
+    ],
 )
 def test_an_ep_degree_that_does_not_divide_is_refused(degree, world, experts, says):
+    from moetune.errors import ConfigError
     from moetune.train.distributed.ep_mesh import check_ep_degree
-    from moetune.train.errors import TrainError
 
-    with pytest.raises(TrainError, match=says) as info:
+    with pytest.raises(ConfigError, match=says) as info:
         check_ep_degree(degree, world, experts)
     assert info.value.fix  # one line with its fix
 

@@ -200,3 +200,72 @@ def test_expert_groups_need_fsdp2_to_reduce_unused_gradients(monkeypatch):
     monkeypatch.delattr(FSDPModule, UNUSED)
     with pytest.raises(TrainError, match="ep_degree needs FSDP2's"):
         check_ep_degree(2, 4, 4)
+
+
+def _unreached_rank(rank: int, store: str, out: str) -> None:
+    """train.ep_degree 2 on 2 ranks (FSDP2 over both); layer 0's expert selection keeps
+    none of its experts, so no rank runs that layer's expert LoRA; AdamW, weight decay 0.1,
+    installed as the Trainer creates it."""
+    from torch.distributed.tensor import DTensor
+
+    from moetune.engine.expert_parallel import shard_experts
+    from moetune.engine.experts_lora import train_only
+    from moetune.train.distributed.ep_mesh import ep_fsdp_mesh, shard_rest
+    from moetune.train.distributed.ep_unused import unreached_trainer
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a mismatched collective fails
+    ids, weights, one = _joined(rank, store)
+    model = _tiny_model(0)
+    mesh = ep_fsdp_mesh("cpu", 2)
+    shard_experts(model, mesh["ep"])
+    shard_rest(model, mesh, model.base_model.model.model.layers)
+    for net in (one, model):
+        layer = net.base_model.model.model.layers[0]
+        for experts in (m for m in layer.modules() if hasattr(m, "has_gate")):
+            train_only(experts, torch.zeros(4, dtype=torch.bool))
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    ones = {n: p for n, p in one.named_parameters() if p.requires_grad}
+    want_opt = _adamw(ones)
+    trainer = SimpleNamespace(model=model, create_optimizer=lambda: _adamw(trained))
+    opt = unreached_trainer(trainer).create_optimizer()
+    whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    found: dict[str, Any] = {}
+    for step in range(2):
+        _backward(one, model, ids, weights, rank)
+        found[f"no_grad_one_{step}"] = sorted(n for n, p in ones.items() if p.grad is None)
+        want_opt.step()
+        opt.step()
+        found[f"no_grad_{step}"] = sorted(n for n, p in trained.items() if p.grad is None)
+        found[f"factors_{step}"] = max(_rel(whole(p.detach()), ones[n].detach())
+                                       for n, p in trained.items())  # fmt: skip
+        states = {n: opt.state[p] for n, p in trained.items() if opt.state[p]}
+        wants = {n: want_opt.state[p] for n, p in ones.items() if want_opt.state[p]}
+        found[f"stateless_{step}"] = [sorted(set(trained) - set(states)),
+                                      sorted(set(ones) - set(wants))]  # fmt: skip
+        found[f"moments_{step}"] = max(_rel(whole(states[n][k]), wants[n][k])
+                                       for n in wants for k in MOMENTS)  # fmt: skip
+        found[f"steps_{step}"] = sorted({float(s["step"]) for s in states.values()})
+    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_expert_groups_skip_a_factor_no_rank_reached_as_one_process(tmp_path):
+    """Under train.ep_degree FSDP2 reduce-scatters a zero for a factor this rank's backward
+    left without a gradient. Where no rank's backward reached it (layer 0's expert
+    selection keeps none), one process's gradient is None and AdamW skips it; the zero
+    would decay it (weight decay 0.1) and start its moments. ep_unused.py sets it back to
+    None: after 2 steps the factors and AdamW's moments equal one process (float64,
+    1e-12), and the same 4 factors (layer 0's experts: 2 stacks × A, B) hold no state."""
+    mp.start_processes(_unreached_rank, args=(str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=2, start_method="fork")  # fmt: skip
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for step in range(2):
+            skipped = found[f"no_grad_one_{step}"]
+            assert len(skipped) == 4 and all("layers.0.mlp.experts" in n for n in skipped)
+            assert found[f"no_grad_{step}"] == skipped, found
+            assert found[f"stateless_{step}"] == [skipped, skipped], found
+            assert found[f"factors_{step}"] < 1e-12, found
+            assert found[f"moments_{step}"] < 1e-12, found
+            assert found[f"steps_{step}"] == [step + 1.0]

@@ -251,9 +251,9 @@ def test_a_cuda_nodes_host_ram_is_the_sum_of_its_ranks_stores(mode):
 
 
 def test_a_part_that_does_not_divide_the_experts_is_refused(tiny):
-    from moetune.engine.stack_files import OffloadError
+    from moetune.errors import ConfigError
 
-    with pytest.raises(OffloadError, match="4 routed experts do not split evenly over 3"):
+    with pytest.raises(ConfigError, match="4 routed experts do not split evenly over 3"):
         load_offloaded(tiny.model, "cpu", "cpu", torch.float32, part=(0, 3))
 
 

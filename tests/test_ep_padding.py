@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,6 +59,55 @@ def test_each_ranks_micro_batch_is_its_rows_of_one_processs_batch(tmp_path):
     for key, want in one.items():
         assert got[0][key] + got[1][key] == want.tolist(), key
     assert one["input_ids"].shape[1] == max(LENGTHS)  # rank 0's rows alone are 4 wide
+
+
+def _preference(which: range) -> list[dict[str, Any]]:
+    """Preference rows as TRL's DPO tokenizes them: the longest (prompt + rejected) is
+    rank 1's row 3; the reference log-probs DPO precomputes, one a row."""
+    return [{"prompt_ids": [11] * (1 + r), "chosen_ids": [12] * (2 + r % 2),
+             "rejected_ids": [13] * (1 + 2 * r), "ref_chosen_logps": -1.0 - r,
+             "ref_rejected_logps": -2.0 - r} for r in which]  # fmt: skip
+
+
+def _dpo_rank(rank: int, world: int, store: str, out: str) -> None:
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    collate = widest(DataCollatorForPreference(pad_token_id=PAD), PAD)
+    batch = collate(_preference(range(2 * rank, 2 * rank + 2)))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({k: v.tolist() for k, v in batch.items()}))
+    dist.destroy_process_group()
+
+
+def test_each_ranks_dpo_micro_batch_is_its_rows_of_one_processs_batch(tmp_path):
+    """TRL's preference collator stacks each row's prompt + chosen, then prompt + rejected:
+    a rank's micro-batch holds its rows of one process's batch – chosen rows then rejected
+    rows, as wide (11, where rank 0's alone are 5), the same pad id and 0 in both masks – and
+    the reference log-probs pass through as they are."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from moetune.train.distributed.ep_padding import right_padded
+
+    collate = DataCollatorForPreference(pad_token_id=PAD)
+    assert right_padded(collate)
+    one = collate(_preference(range(4)))
+    mp.start_processes(_dpo_rank, args=(2, str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=2, start_method="fork")  # fmt: skip
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert set(got[0]) == set(one) == {"input_ids", "attention_mask", "completion_mask",
+                                       "ref_chosen_logps", "ref_rejected_logps"}  # fmt: skip
+    assert one["input_ids"].shape[1] == 11 and len(got[0]["input_ids"][0]) == 11
+    assert collate(_preference(range(2)))["input_ids"].shape[1] == 5  # rank 0's rows alone
+    for key, want in one.items():
+        rows = want.tolist()
+        if want.dim() == 1:  # a value a row
+            assert got[0][key] + got[1][key] == rows, key
+            continue
+        halves = [rows[:4], rows[4:]]  # chosen, rejected
+        for rank in range(2):
+            mine = [row for half in halves for row in half[2 * rank : 2 * rank + 2]]
+            assert got[rank][key] == mine, (key, rank)
 
 
 def test_a_field_the_padding_does_not_know_is_refused():

@@ -157,13 +157,13 @@ def test_fewest_gpus_keep_to_whole_expert_groups(degree, fewest) -> None:
 @pytest.mark.parametrize(
     ("model", "extra", "says"),
     [("Qwen/Qwen3-30B-A3B", ["--gpus", "3"], "128 routed experts do not split evenly over 3"),
-     ("Qwen/Qwen3-30B-A3B", ["--gpus", "256"], "do not split evenly over 256 ranks"),
+     ("Qwen/Qwen3-30B-A3B", ["--gpus", "256"], "256 expert-parallel ranks for 128 routed experts"),
      ("Qwen/Qwen3-30B-A3B", ["--gpus", "4", "--set", "train.ep_degree=3"],
       "train.ep_degree 3 does not divide the 4 ranks"),
      ("Qwen/Qwen3-30B-A3B", ["--gpus", "6", "--set", "train.ep_degree=3"],
       "128 routed experts do not split evenly over 3 ranks (train.ep_degree"),
      ("meta-llama/Llama-3.1-8B", ["--gpus", "2", "--targets", "attention"],
-      "--strategy ep places routed experts, and meta-llama/Llama-3.1-8B has none")],
+      "strategy ep places routed experts, and meta-llama/Llama-3.1-8B has none")],
 )  # fmt: skip
 def test_plan_refuses_an_ep_split_that_cannot_run(model, extra, says) -> None:
     """What the launcher refuses, `plan --strategy ep` refuses too: one line and exit 2 (and
@@ -196,3 +196,37 @@ def test_fsdp2_is_not_named_for_a_base_kept_as_stored() -> None:
     assert report.expert_parallel is not None and fsdp <= report.expert_parallel.peak_bytes
     assert report.plans["H100-80GB"].fits and report.fewest["H100-80GB"] == 4
     assert not any(n.startswith("FSDP2 holds less") for n in report.notes)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_fewest_gpus_of_a_base_kept_as_stored_is_one_or_none_but_under_ep(strategy) -> None:
+    """The launcher trains a base kept as stored on several processes under ep only
+    (train/stored.py), so another strategy's fewest is 1 where it fits there, else none –
+    never a count it refuses – and the plan says why, pointing at --strategy ep. Bundled
+    configs: Qwen3-235B-A22B-FP8 (no one H100) and Qwen3-30B-A3B-FP8-dynamic (one H100)."""
+    from moetune.model import load_spec
+    from moetune.plan.devices.sharding import fewest_gpus
+
+    big = load_spec("Qwen/Qwen3-235B-A22B-FP8")
+    run = parse_config({"model": {"id": big.name}})
+    inflated = parse_config({"model": {"id": big.name, "quantized_base": "dequantize"}})
+    assert fewest_gpus(big, inflated, "H100-80GB", strategy) > 1  # a float base: several
+    report = device_report(big, run, ["H100-80GB"], 4, strategy)
+    assert report.fewest["H100-80GB"] is None and report.fewest_limit == 1
+    assert report.to_json()["fewest_gpus_limit"] == 1 and not report.to_json()["launches"]
+    note = next(n for n in report.notes if n.startswith("a base kept as stored"))
+    assert "--strategy ep" in note and f"refuses {strategy}" in note
+    ep = device_report(big, run, ["H100-80GB"], 4, "ep")
+    assert ep.fewest["H100-80GB"] == 4 and ep.launches
+    if strategy == "fsdp":  # the fit table says it in words
+        from typer.testing import CliRunner
+
+        from moetune.cli import app
+
+        args = ["plan", big.name, "--strategy", strategy, "--gpus", "4", "--card", "H100-80GB"]
+        got = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
+        assert got.exit_code == 0 and "not on 1; several: ep only" in got.stdout, got.output
+        assert "refused" in got.stdout  # the 4-GPU figure fits, and the launcher refuses it
+    small = load_spec("RedHatAI/Qwen3-30B-A3B-FP8-dynamic")
+    one = parse_config({"model": {"id": small.name}})
+    assert fewest_gpus(small, one, "H100-80GB", strategy) == 1

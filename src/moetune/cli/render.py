@@ -234,6 +234,12 @@ def device_components_table(report: Any) -> Table:
     return table
 
 
+def _no_fewest(limit: int) -> str:
+    """No count fits: none up to the limit tried, or – a stored base, not ep – not on one
+    and not on several processes (the notes say why)."""
+    return f"[red]none ≤ {limit}[/]" if limit > 1 else "[red]not on 1; several: ep only[/]"
+
+
 def device_fits_table(report: Any) -> Table:
     """Per card: the rank's required bytes on N GPUs, its fit, and the fewest GPUs that fit."""
     table = Table(title=f"fit per card on {report.placement}", title_justify="left")
@@ -242,9 +248,11 @@ def device_fits_table(report: Any) -> Table:
     for card_id, plan in report.plans.items():
         fit = plan.fit
         mark = "[green]yes[/]" if fit.fits else "[red]no[/]"
+        if not report.launches:  # a stored base on several ranks outside ep: the notes say
+            mark = "[red]refused[/]"
         fewest = report.fewest[card_id]
         table.add_row(
             card_id, gib(fit.usable_bytes), gib(fit.required_bytes), gib(fit.headroom_bytes),
-            mark, "[red]none ≤ 64[/]" if fewest is None else str(fewest),
+            mark, str(fewest) if fewest else _no_fewest(report.fewest_limit),
         )  # fmt: skip
     return table

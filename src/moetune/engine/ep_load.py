@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from moetune.engine.expert_parallel import PART, READ, check_divides
+from moetune.config.ep_split import check_divides
+from moetune.engine.expert_parallel import PART, READ
 from moetune.engine.offload.load import _Quant, empty_model
 from moetune.engine.quant.load import _finish, _stream
 from moetune.engine.quant.stacks import (

@@ -171,13 +171,18 @@ def fill_missing_grads(params: Iterable[torch.Tensor], group: Any) -> None:
     sliced = [p for p in params if p.requires_grad and piece_of(p) is not None]
     if not sliced:
         return
-    got = torch.tensor(
-        [p.grad is not None for p in sliced], dtype=torch.int32, device=sliced[0].device
-    )  # NCCL reduces device tensors only
-    dist.all_reduce(got, group=group)  # how many ranks got a gradient, per factor
-    for param, ranks in zip(sliced, got.tolist(), strict=True):
+    got = ranks_with([p.grad is not None for p in sliced], group, sliced[0].device)
+    for param, ranks in zip(sliced, got, strict=True):
         if ranks and param.grad is None:
             param.grad = torch.zeros_like(param)
+
+
+def ranks_with(flags: list[bool], group: Any, device: torch.device) -> list[int]:
+    """Per flag, how many ranks of `group` (None: every rank) raised it – which parameters
+    got a gradient where. A collective: every rank calls it with as many flags."""
+    got = torch.tensor(flags, dtype=torch.int32, device=device)  # NCCL: device tensors only
+    dist.all_reduce(got, group=group)
+    return [int(n) for n in got.tolist()]
 
 
 def fill_before_step(optimizer: torch.optim.Optimizer, group: Any) -> None:

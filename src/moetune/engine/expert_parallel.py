@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from transformers.integrations.moe import ExpertsInterface
 
+from moetune.config.ep_split import check_divides
 from moetune.engine.experts_lora import (
     PROJECTIONS,
     Combine,
@@ -322,22 +323,6 @@ def _slice_quantized(experts: nn.Module, shard: ExpertShard, loaded: dict[str, A
                 stack.register_buffer(buf, tensor[shard.part].clone())
             stack.shape = (shard.local, stack.shape[1], stack.shape[2])
     return set(stacks_of(experts))
-
-
-def check_divides(experts: int, ranks: int) -> None:
-    """E/N experts a rank: refuse what does not split evenly (or leaves a rank none)."""
-    if ranks > experts:
-        raise EngineError(
-            f"{ranks} expert-parallel ranks for {experts} routed experts leave a rank none.",
-            f"use at most {experts} processes (train.nproc), or train.strategy fsdp.",
-        )
-    if experts % ranks:
-        fits = [n for n in range(2, experts + 1) if experts % n == 0 and n <= ranks]
-        raise EngineError(
-            f"{experts} routed experts do not split evenly over {ranks} ranks "
-            "(moetune places E/N contiguous experts per rank; an uneven split is not built).",
-            f"use train.nproc {fits[-1] if fits else 1}, a divisor of {experts}.",
-        )
 
 
 register()

@@ -67,6 +67,7 @@ from moetune.train.distributed.ep_balance import balance_experts
 from moetune.train.distributed.ep_memory import against_plan
 from moetune.train.distributed.ep_padding import pad_alike
 from moetune.train.distributed.ep_state import ep_trainer
+from moetune.train.distributed.ep_unused import unreached_trainer
 from moetune.train.distributed.nodes import node_loss_stops, world
 from moetune.train.distributed.sharded_load import adapter_only_saves, from_main, install
 from moetune.train.distributed.zero3_load import base_load, gathered_forward
@@ -299,6 +300,7 @@ def build_trainer(
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the bar for log printing
     adapter_only_saves(trainer)  # FSDP: a save gathers the LoRA, not the whole base
     ep_trainer(trainer)  # ep: sliced expert LoRA saved, loaded and clipped whole
+    unreached_trainer(trainer)  # ep_degree: what no rank's backward reached skips the step
     pad_alike(trainer)  # ep: every rank's micro-batch as wide as one process's batch
     feed = tracker_feed(cfg, setup, trainer, lambda: routing.base)
     routing = RoutingCallback(

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moetune.config.ep_split import check_divides
 from moetune.engine.direct_io import Piece
 from moetune.engine.offload.sources import Empty, FileFloat, Source, host_source, spill_source
 from moetune.engine.offload.store import ExpertStore, Mode, attach, install, offloaded_of
@@ -108,12 +109,10 @@ class _Part:
     part: tuple[int, int] | None  # (rank, ranks)
 
     def __post_init__(self) -> None:
-        # the launcher refuses such a world with the fix (expert_parallel.check_divides);
-        # a direct call must not hold the floor of E/N silently
-        if self.part is not None and (self.whole % self.part[1] or self.part[1] > self.whole):
-            raise OffloadError(f"{self.whole} routed experts do not split evenly over "
-                               f"{self.part[1]} ranks", "use a number of ranks that divides "
-                               "the routed experts")  # fmt: skip
+        # the launcher refuses such a world before; a direct call must not hold the floor
+        # of E/N silently
+        if self.part is not None:
+            check_divides(self.whole, self.part[1])
 
     @property
     def held(self) -> int:

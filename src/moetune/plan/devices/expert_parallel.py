@@ -20,7 +20,8 @@ With `train.ep_degree` the experts are split within groups of ep_degree ranks (E
 ep_degree) and the rest – frozen weights and all the LoRA state – is FSDP2-sharded over
 every rank (train/distributed/ep_mesh.py). The figure itself is the `ep` strategy's per-rank
 plan (`plan.devices.sharding.plan_expert_parallel`), so the two always agree; this module
-holds the bytes both read and the checks `--strategy ep` makes (`check_ep_split`).
+holds the bytes both read; the checks `--strategy ep` makes are config/ep_split.py's, the
+launcher's own.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetune.config import RunConfig
-from moetune.errors import ConfigError, MoetuneError
+from moetune.errors import MoetuneError
 from moetune.model.spec import ModelSpec
 from moetune.plan.layout import adapter_layout
 from moetune.plan.offload.memory import layer_expert_bytes
@@ -113,33 +114,6 @@ class ExpertParallelPlan:
         if self.sharded_over:  # FSDP2 shards all the LoRA state over every rank
             mine = f"all the LoRA state 1/{self.sharded_over} (FSDP2)"
         return f"{held}, {mine}; moetune trains it: train.strategy ep (--strategy ep)"
-
-
-def check_ep_split(spec: ModelSpec, ranks: int, ep_degree: int | None) -> None:
-    """`--strategy ep` on `ranks` devices: what the launcher refuses (train/distributed/
-    ep_checks.py), refused in the plan too – one line, never a figure of a run that cannot
-    start: a model with no routed experts, ep_degree not dividing the ranks, and a group
-    size that does not split the experts evenly (or leaves a rank none)."""
-    if not spec.is_moe or not spec.num_experts:
-        raise ConfigError(
-            f"--strategy ep places routed experts, and {spec.name} has none",
-            "plan a dense model with --strategy ddp or fsdp",
-        )
-    if ep_degree is not None and ranks % ep_degree:
-        raise ConfigError(
-            f"train.ep_degree {ep_degree} does not divide the {ranks} ranks into expert groups",
-            f"plan --gpus a multiple of {ep_degree}, or leave train.ep_degree unset",
-        )
-    group, experts = ep_degree or ranks, spec.num_experts
-    if group > experts or experts % group:
-        whole = ranks if ep_degree else experts  # a group size must divide the ranks too
-        fits = [n for n in range(1, group + 1) if experts % n == 0 and whole % n == 0]
-        what = "train.ep_degree" if ep_degree else "--gpus × --nodes"
-        raise ConfigError(
-            f"{experts} routed experts do not split evenly over {group} ranks ({what}; ep "
-            "places E/N contiguous experts a rank, an uneven split is not built)",
-            f"use a {what} of {fits[-1]}, a divisor of {experts}",
-        )
 
 
 def split_trainable(single: dict[str, int], share: float, ep: int) -> dict[str, int]:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetune.config import RunConfig
+from moetune.config.ep_split import check_ep_split
 from moetune.errors import ConfigError
 from moetune.model.spec import ModelSpec
 from moetune.plan.analytic import AnalyticEstimate
@@ -58,7 +59,6 @@ from moetune.plan.devices.expert_parallel import (
     ENGINES,
     EP_SKEW,
     ExpertParallelPlan,
-    check_ep_split,
     ddp_bucket_bytes,
     ep_skew,
     split_trainable,
@@ -69,7 +69,6 @@ from moetune.plan.devices.sizes import zero3_partitioned as zero3_partitioned  #
 from moetune.plan.fit import CardFit, card_fit
 from moetune.plan.hardware import Card, get_card
 from moetune.plan.profiles.registry import uncalibrated
-from moetune.plan.step import Step
 from moetune.units import human_bytes
 
 SHARDED = ("frozen_weights", "trainable_weights", "gradients", "optimizer_state",
@@ -265,7 +264,8 @@ def plan_devices(
     _check_gpus(gpus)
     chosen, strat = _card(card), get_strategy(strategy)
     if strat.places_experts:
-        check_ep_split(spec, gpus, cfg.train.ep_degree)
+        experts = spec.num_experts if spec.is_moe else None
+        check_ep_split(spec.name, experts, gpus, cfg.train.ep_degree)  # the launcher's checks
     sizes = sizes or run_sizes(spec, cfg)
     components = strat.components(sizes, gpus)
     peak = sum(components.values())
@@ -304,11 +304,13 @@ def fewest_gpus(
     sizes: Sizes | None = None,
 ) -> int | None:
     """The fewest GPUs of `card` on which each rank fits with `strategy`; None when even
-    `max_gpus` do not (DDP replicates everything: it fits on 1 or never)."""
+    `max_gpus` do not (DDP replicates everything: it fits on 1 or never), or – a base kept as
+    stored under any strategy but ep, which the launcher refuses on several processes
+    (train/stored.py) – when one GPU does not (`fewest_limit`)."""
     _check_gpus(max_gpus)
     strat = get_strategy(strategy)
     sizes = sizes or run_sizes(spec, cfg)
-    for n in range(1, max_gpus + 1):
+    for n in range(1, fewest_limit(sizes, strategy, max_gpus) + 1):
         if strat.places_experts and not _ep_count(spec, n, cfg.train.ep_degree):
             continue  # counts the launcher refuses under ep
         if plan_devices(spec, cfg, card, n, strategy, sizes).fits:
@@ -316,12 +318,19 @@ def fewest_gpus(
     return None
 
 
+def fewest_limit(sizes: Sizes, strategy: str, max_gpus: int = MAX_GPUS) -> int:
+    """The most GPUs `fewest_gpus` tries: one for a base kept as stored under a strategy
+    that does not place the experts (on several processes only ep trains it)."""
+    return 1 if sizes.stored and not get_strategy(strategy).places_experts else max_gpus
+
+
 def _ep_count(spec: ModelSpec, n: int, ep_degree: int | None) -> bool:
-    """Whether ep runs on `n` ranks: whole groups of ep_degree (n a multiple of it), each
-    group's size dividing the routed experts (E/N or E/ep_degree experts a rank)."""
-    if ep_degree is not None:
-        return n % ep_degree == 0 and spec.num_experts % ep_degree == 0
-    return spec.num_experts % n == 0
+    """Whether ep runs on `n` ranks: the launcher's checks (config/ep_split.py) pass."""
+    try:
+        check_ep_split(spec.name, spec.num_experts, n, ep_degree)
+    except ConfigError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -338,6 +347,7 @@ class DeviceReport:
     expert_parallel: ExpertParallelPlan | None = None  # EP over every rank (as ep trains)
     host: HostRam | None = None  # the load's host RAM per node (sharded strategies)
     ep_steps: dict[str, EpStepTime] = field(default_factory=dict)  # ep: step time per card
+    fewest_limit: int = MAX_GPUS  # the most GPUs `fewest` tried (1: a stored base, not ep)
 
     @property
     def placement(self) -> str:
@@ -345,6 +355,12 @@ class DeviceReport:
         if self.nodes == 1:
             return f"{self.gpus} GPU(s)"
         return f"{self.nodes} nodes × {self.gpus // self.nodes} GPU(s)"
+
+    @property
+    def launches(self) -> bool:
+        """Whether the launcher starts this many ranks with this strategy: not several for a
+        base kept as stored outside ep (`fewest_limit` 1; train/stored.py refuses it)."""
+        return self.gpus == 1 or self.fewest_limit > 1
 
     @property
     def components(self) -> dict[str, int]:
@@ -362,6 +378,8 @@ class DeviceReport:
             "cards": {
                 c: {**p.to_json(), "fewest_gpus": self.fewest[c]} for c, p in self.plans.items()
             },
+            "fewest_gpus_limit": self.fewest_limit,
+            "launches": self.launches,
             "notes": list(self.notes),
             "expert_parallel": self._expert_parallel_json(),
             "host_ram": self.host.to_json() if self.host else None,
@@ -391,14 +409,26 @@ def device_report(
     fewest = {c: fewest_gpus(spec, cfg, c, strategy, sizes=sizes) for c in cards}
     host = host_ram(sizes, gpus, strategy, ranks) if strategy != "ddp" else None
     notes = _report_notes(spec) + load_notes(host)
-    notes += _node_notes(sizes, nodes, gpus, host)
+    notes += _node_notes(sizes, nodes, gpus, host) + _stored_notes(sizes, strategy)
     ep = plan_expert_parallel(spec, cfg, ranks, sizes)
-    stored = bool(Step.from_config(cfg, spec).stored_bytes)  # FSDP2 refuses it on several
-    notes += (ep.describe(), *_ep_or_fsdp(ep, sizes, ranks, stored)) if ep else ()
+    notes += (ep.describe(), *_ep_or_fsdp(ep, sizes, ranks, sizes.stored)) if ep else ()
     name = get_strategy(strategy).name
     steps = _ep_steps(spec, cfg, cards, gpus, nodes) if name == "ep" and ranks > 1 else {}
     notes += tuple(t.describe() for t in list(steps.values())[:1])
-    return DeviceReport(name, ranks, plans, fewest, notes, nodes, ep, host, steps)
+    limit = fewest_limit(sizes, strategy)
+    return DeviceReport(name, ranks, plans, fewest, notes, nodes, ep, host, steps, limit)
+
+
+def _stored_notes(sizes: Sizes, strategy: str) -> tuple[str, ...]:
+    """Why a stored base's fewest GPUs stop at one under this strategy."""
+    if fewest_limit(sizes, strategy) > 1:
+        return ()
+    return (
+        f"a base kept as stored trains on several processes with --strategy ep only (the "
+        f"launcher refuses {get_strategy(strategy).name} there): the fewest GPUs above is 1 "
+        "or none; plan --strategy ep for several GPUs, or set model.quantized_base: "
+        "dequantize",
+    )
 
 
 def _ep_steps(

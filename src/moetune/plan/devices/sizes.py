@@ -42,6 +42,7 @@ class Sizes:
     all_to_all: int = 0  # ep: one layer's dispatch + combine receive buffers, balanced routing
     ep_degree: int | None = None  # train.ep_degree: ranks a group split the experts over
     expert_share: float = 0.0  # the trainable parameters' share on the routed experts (ep: 1/N)
+    stored: bool = False  # a base kept as stored: on several processes only ep trains it
 
 
 def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = None) -> Sizes:
@@ -71,6 +72,7 @@ def run_sizes(spec: ModelSpec, cfg: RunConfig, est: AnalyticEstimate | None = No
         all_to_all=all_to_all_bytes(spec, cfg),
         ep_degree=cfg.train.ep_degree,
         expert_share=held_expert_share(spec, cfg, est.trainable_params),
+        stored=bool(step.stored_bytes),
     )
 
 

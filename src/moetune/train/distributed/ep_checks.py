@@ -13,6 +13,7 @@ it holds. Not built yet, so refused rather than run another way: full fine-tunin
 from __future__ import annotations
 
 from moetune.config import RunConfig
+from moetune.config.ep_split import check_ep_split, check_routed
 from moetune.model import load_spec
 from moetune.train.distributed.nodes import world
 from moetune.train.errors import TrainError
@@ -29,16 +30,11 @@ def check_expert_parallel(cfg: RunConfig) -> None:
         )
     if cfg.train.strategy != "ep" or world(cfg.train) == 1:
         return
-    # lazy: heavy to import (transformers, through the spec and the engine)
-    from moetune.engine.expert_parallel import check_divides
+    # lazy: heavy to import (transformers, through the engine)
     from moetune.engine.resolve import resolve_engine, stored_experts
 
     spec = load_spec(cfg.model.id, cfg.model.trust_remote_code)
-    if not spec.is_moe or not spec.num_experts:
-        raise TrainError(
-            f"train.strategy ep places routed experts, and {spec.name} has none",
-            "use train.strategy ddp or fsdp for a dense model",
-        )
+    check_routed(spec.name, spec.num_experts if spec.is_moe else None)
     _check_supported(cfg)
     engine = resolve_engine(spec, cfg.lora, cfg.model.experts_dtype, cfg.model.quantized_base)
     if engine != "moetune":
@@ -54,8 +50,9 @@ def check_expert_parallel(cfg: RunConfig) -> None:
         # lazy: heavy to import (torch.distributed)
         from moetune.train.distributed.ep_mesh import check_ep_degree
 
-        check_ep_degree(cfg.train.ep_degree, world(cfg.train), spec.num_experts)
-    check_divides(spec.num_experts, cfg.train.ep_degree or world(cfg.train))
+        check_ep_degree(cfg.train.ep_degree, world(cfg.train), None)  # this torch's FSDP2
+    # the plan's checks (plan --strategy ep), in its words
+    check_ep_split(spec.name, spec.num_experts, world(cfg.train), cfg.train.ep_degree)
     if cfg.train.ep_placement == "balanced":
         _check_balanced(cfg, stored)
     _check_one_forward(cfg)

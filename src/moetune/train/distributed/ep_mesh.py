@@ -28,6 +28,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from moetune.config.ep_split import check_divides, check_groups
+from moetune.train.distributed.ep_unused import track_reached
 from moetune.train.errors import TrainError
 
 DP_DIM = "dp_shard"  # the mesh dimension that replicates the experts (and shards the rest)
@@ -53,7 +55,8 @@ def ep_fsdp_mesh(device_type: str, ep_degree: int) -> Any:
 
 def check_ep_degree(ep_degree: int, world: int, experts: int | None) -> None:
     """ep_degree ranks a group: it must divide the world (whole groups) and E (whole experts
-    a rank), and FSDP2 must reduce-scatter unused gradients (`shard_rest`); one line each."""
+    a rank; config/ep_split.py decides both, as the plan does), and FSDP2 must reduce-scatter
+    unused gradients (`shard_rest`); one line each."""
     # lazy: heavy to import (FSDP2 pulls DTensor)
     from torch.distributed.fsdp import FSDPModule
 
@@ -63,17 +66,9 @@ def check_ep_degree(ep_degree: int, world: int, experts: int | None) -> None:
             "experts no token reaches would leave the others waiting in the reduce-scatter)",
             "upgrade torch (pip install -U torch), or leave train.ep_degree unset",
         )
-    if world % ep_degree:
-        raise TrainError(
-            f"train.ep_degree {ep_degree} does not divide the {world} ranks into expert groups",
-            f"use a divisor of {world} (or leave train.ep_degree unset: one group of all ranks)",
-        )
-    if experts is not None and experts % ep_degree:
-        fits = [n for n in range(1, min(experts, world) + 1) if experts % n == 0 and world % n == 0]
-        raise TrainError(
-            f"train.ep_degree {ep_degree} does not split the {experts} routed experts evenly",
-            f"use train.ep_degree {fits[-1]}, a divisor of both {experts} and {world}",
-        )
+    check_groups(ep_degree, world)
+    if experts is not None:
+        check_divides(experts, ep_degree, world)
 
 
 def shard_rest(model: nn.Module, mesh: Any, layers: Iterable[nn.Module]) -> int:
@@ -87,12 +82,12 @@ def shard_rest(model: nn.Module, mesh: Any, layers: Iterable[nn.Module]) -> int:
 
     # torch names no public flatten yet; torchtitan builds its dp_shard_cp mesh the same way
     flat = mesh[(DP_DIM, EP_DIM)]._flatten(FLAT_DIM)
-    ignored = set(placed_stacks(model))
-    for layer in layers:
-        fully_shard(layer, mesh=flat, ignored_params=ignored)
-    fully_shard(model, mesh=flat, ignored_params=ignored)
+    ignored, units = set(placed_stacks(model)), [*layers, model]
+    for unit in units:
+        fully_shard(unit, mesh=flat, ignored_params=ignored)
     # a rank whose experts no row reached (or expert selection left out) has no gradient on
     # their LoRA, and every rank must join the same reduce-scatter: FSDP2 puts a zero in
     # for it – what one process's gradient holds for those experts
     getattr(model, UNUSED)(True)
+    track_reached(model, units)  # and no rank's backward reached: None again (ep_unused.py)
     return len(ignored)

@@ -16,9 +16,11 @@ expert's rows in token order: experts_lora.route_pairs), the ranks compute one p
 values: 1.8e-7 at most over the adapter after that step (padded, sorted unstably: 3.1e-6;
 2 steps more: the experts' 4.5e-7).
 
-Only the right-padded token batches of SFT (input_ids, labels, attention_mask) are
-widened (TRL's collator, not padding-free); another collator's batch (packing, images, DPO,
-GRPO) is left as it is.
+Only right-padded token batches are widened: SFT's (input_ids, labels, attention_mask;
+TRL's collator, not padding-free) and DPO's (TRL's preference collator: each row's prompt +
+chosen, then prompt + rejected, as input_ids, attention_mask and completion_mask, all
+right-padded; its per-row reference log-probs have no width and pass through). Another
+collator's batch (packing, images, GRPO) is left as it is.
 """
 
 from __future__ import annotations
@@ -31,20 +33,19 @@ import torch.distributed as dist
 
 from moetune.train.errors import TrainError
 
-FILL = {"labels": -100, "attention_mask": 0, "position_ids": 0}  # input_ids: the pad id
+# what a pad column holds per field (input_ids: the collator's pad id)
+FILL = {"labels": -100, "attention_mask": 0, "position_ids": 0, "completion_mask": 0}
+PER_ROW = {"ref_chosen_logps", "ref_rejected_logps"}  # DPO: one value a row, no width
 
 
 def pad_alike(trainer: Any) -> Any:
     """On a trainer whose model's experts are placed over ranks, pad every training
     micro-batch to the widest across ranks (a no-op otherwise). Returns the trainer."""
-    # lazy: heavy to import (moetune's engine pulls transformers and peft; trl)
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
+    # lazy: heavy to import (moetune's engine pulls transformers and peft)
     from moetune.engine.expert_parallel import ep_report
 
     collate, plain = trainer.data_collator, trainer.get_train_dataloader
-    sft = isinstance(collate, DataCollatorForLanguageModeling) and not collate.padding_free
-    if not sft or ep_report(trainer.model) is None:  # no experts placed over ranks
+    if not right_padded(collate) or ep_report(trainer.model) is None:  # no experts placed
         return trainer
     pad_id = collate.pad_token_id
 
@@ -59,6 +60,18 @@ def pad_alike(trainer: Any) -> Any:
     return trainer
 
 
+def right_padded(collate: Any) -> bool:
+    """Whether `collate` is one whose batches `widest` pads: TRL's SFT collator (not
+    padding-free) or its DPO preference collator."""
+    # lazy: heavy to import (trl)
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    if isinstance(collate, DataCollatorForLanguageModeling):
+        return not collate.padding_free
+    return isinstance(collate, DataCollatorForPreference)
+
+
 def widest(collate: Callable[[list[Any]], Any], pad_id: int) -> Callable[[list[Any]], Any]:
     """`collate`, its batch then right-padded to the widest batch of every rank (a collective:
     every rank collates its training micro-batches in the same order)."""
@@ -66,7 +79,7 @@ def widest(collate: Callable[[list[Any]], Any], pad_id: int) -> Callable[[list[A
 
     def collated(rows: list[Any]) -> Any:
         batch = collate(rows)
-        unknown = sorted(set(batch) - set(fill))
+        unknown = sorted(set(batch) - set(fill) - PER_ROW)
         if unknown:
             raise TrainError(
                 f"ep pads every rank's micro-batch alike, and the collator made {unknown}",
@@ -74,7 +87,8 @@ def widest(collate: Callable[[list[Any]], Any], pad_id: int) -> Callable[[list[A
             )
         width = torch.tensor([batch["input_ids"].shape[1]])
         dist.all_reduce(width, op=dist.ReduceOp.MAX)
-        return {k: _right_pad(v, int(width), fill[k]) for k, v in batch.items()}
+        return {k: v if k in PER_ROW else _right_pad(v, int(width), fill[k])
+                for k, v in batch.items()}  # fmt: skip
 
     return collated
 
