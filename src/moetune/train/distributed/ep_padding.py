@@ -50,7 +50,7 @@ def pad_alike(trainer: Any) -> Any:
     pad_id = collate.pad_token_id
 
     def get_train_dataloader() -> Any:
-        trainer.data_collator = widest(collate, pad_id)
+        trainer.data_collator = widest(collate, pad_id, trainer.args.device)
         try:
             return plain()
         finally:
@@ -72,9 +72,12 @@ def right_padded(collate: Any) -> bool:
     return isinstance(collate, DataCollatorForPreference)
 
 
-def widest(collate: Callable[[list[Any]], Any], pad_id: int) -> Callable[[list[Any]], Any]:
+def widest(
+    collate: Callable[[list[Any]], Any], pad_id: int, device: torch.device | str = "cpu"
+) -> Callable[[list[Any]], Any]:
     """`collate`, its batch then right-padded to the widest batch of every rank (a collective:
-    every rank collates its training micro-batches in the same order)."""
+    every rank collates its training micro-batches in the same order). `device`: the rank's
+    own, where its backend reduces (NCCL reduces device tensors only; gloo CPU ones)."""
     fill = {"input_ids": pad_id, **FILL}
 
     def collated(rows: list[Any]) -> Any:
@@ -85,7 +88,7 @@ def widest(collate: Callable[[list[Any]], Any], pad_id: int) -> Callable[[list[A
                 f"ep pads every rank's micro-batch alike, and the collator made {unknown}",
                 "report it: this collator's batches are not padded across ranks yet",
             )
-        width = torch.tensor([batch["input_ids"].shape[1]])
+        width = torch.tensor([batch["input_ids"].shape[1]], device=device)
         dist.all_reduce(width, op=dist.ReduceOp.MAX)
         return {k: v if k in PER_ROW else _right_pad(v, int(width), fill[k])
                 for k, v in batch.items()}  # fmt: skip
