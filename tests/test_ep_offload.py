@@ -25,7 +25,7 @@ from moetune.engine.offload.store import offloaded_of
 from test_ep_quantized import (
     _grads,
     _load,
-    _rel,
+    _rank_diffs,
     _wrapped,
     bases,  # noqa: F401  (the module-scoped fixture)
 )
@@ -76,12 +76,7 @@ def _rank(rank: int, paths: dict[str, str], out: str) -> None:
             model, store = _offloaded(kind, Path(base), mode, rank, scratch)
             model = _wrapped(model, MODULES[kind])
             shard_experts(model, ep_mesh("cpu"))
-            mine = slice(rank * 2, rank * 2 + 2)
-            got = _grads(model, ids[mine], weights[mine])
-            diffs = [_rel(got["logits"], want["logits"][mine])]
-            for name, grad in got["grads"].items():
-                dist.all_reduce(grad)  # each rank's share of every gradient, summed
-                diffs.append(_rel(grad, want["grads"][name]))
+            diffs = _rank_diffs(model, ids, weights, want, slice(rank * 2, rank * 2 + 2), WORLD)
             refs = [r for m in model.modules() for r in offloaded_of(m).values()]
             found[f"{kind}-{mode}"] = {
                 "diff": max(diffs), "grads": len(diffs) - 1,

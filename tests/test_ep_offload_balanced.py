@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from test_ep_partitioned_load import _qwen3
 from test_ep_placement import ORDERS
-from test_ep_quantized import _grads, _rel, _wrapped
+from test_ep_quantized import _grads, _rank_diffs, _wrapped
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 WORLD, MODULES = 2, ["q_proj", "v_proj"]
@@ -32,7 +32,7 @@ def _rank(rank: int, base: str, out: str) -> None:
     by ORDERS (rank 0 holds experts {0, 3} then {1, 2}), on its half."""
     from transformers import AutoModelForCausalLM
 
-    from moetune.engine.ep_lora import piece_of, shard_lora, whole
+    from moetune.engine.ep_lora import shard_lora
     from moetune.engine.ep_placement import place
     from moetune.engine.expert_parallel import _SHARD, ep_mesh, shard_experts
     from moetune.engine.offload.load import load_offloaded
@@ -62,16 +62,9 @@ def _rank(rank: int, base: str, out: str) -> None:
             for name, ref in offloaded_of(experts).items():
                 want_rows = next(v for k, v in stacks.items() if k.endswith(f"{path}.{name}"))
                 held[f"{path}.{name}"] = bool(torch.equal(ref.fetch(), want_rows[placed]))
-        part = slice(rank * 2, rank * 2 + 2)
-        got = _grads(model, ids[part], weights[part].double())
-        diffs = [_rel(got["logits"], want["logits"][part])]
-        for name, grad in got["grads"].items():
-            piece = piece_of(dict(model.named_parameters())[name])
-            if piece is None:
-                dist.all_reduce(grad)
-            else:  # its experts' only, every rank's tokens, scaled by 1/N (ep_lora.py)
-                grad = whole(grad, piece) * WORLD
-            diffs.append(_rel(grad, want["grads"][name]))
+        diffs = _rank_diffs(
+            model, ids, weights.double(), want, slice(rank * 2, rank * 2 + 2), WORLD
+        )
         layer_bytes = [sum(s.nbytes for s, _ in layer.values()) for layer in store.layers]
         found[mode] = {"diff": max(diffs), "grads": len(diffs) - 1, "held": held,
                        "stored_before": before, "layer_bytes": layer_bytes,

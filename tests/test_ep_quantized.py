@@ -197,6 +197,26 @@ def _grads(model: Any, ids: torch.Tensor, weights: torch.Tensor) -> dict[str, An
     return {"logits": logits.detach(), "grads": grads}
 
 
+def _rank_diffs(model: Any, ids: torch.Tensor, weights: torch.Tensor, want: dict[str, Any],
+                part: slice, world: int) -> list[float]:  # fmt: skip
+    """This rank's logits on its `part` of the batch and every LoRA gradient against one
+    process's (`want`, the whole batch): a replicated gradient summed over the ranks, an
+    expert-LoRA slice gathered whole with its 1/N scale undone (ep_lora.py)."""
+    from moetune.engine.ep_lora import piece_of, whole
+
+    got = _grads(model, ids[part], weights[part])
+    diffs = [_rel(got["logits"], want["logits"][part])]
+    params = dict(model.named_parameters())
+    for name, grad in got["grads"].items():
+        piece = piece_of(params[name])
+        if piece is None:
+            dist.all_reduce(grad)  # each rank's share of the gradient, summed
+        else:
+            grad = whole(grad, piece) * world
+        diffs.append(_rel(grad, want["grads"][name]))
+    return diffs
+
+
 def _rank(rank: int, world: int, bases: dict[str, str], out: str) -> None:
     """Per kind: one process on the whole batch, then this rank's experts on its half."""
     from moetune.engine.expert_parallel import ep_mesh, ep_report, shard_experts
@@ -214,12 +234,7 @@ def _rank(rank: int, world: int, bases: dict[str, str], out: str) -> None:
         want = _grads(one, ids, weights)
         model = _wrapped(_load(kind, Path(base), rank, world), modules[kind])
         shard_experts(model, ep_mesh("cpu"))
-        mine = slice(rank * 2, rank * 2 + 2)
-        got = _grads(model, ids[mine], weights[mine])
-        diffs = [_rel(got["logits"], want["logits"][mine])]
-        for name, grad in got["grads"].items():
-            dist.all_reduce(grad)  # each rank's share of every gradient, summed
-            diffs.append(_rel(grad, want["grads"][name]))
+        diffs = _rank_diffs(model, ids, weights, want, slice(rank * 2, rank * 2 + 2), world)
         held = sorted({s.shape[0] for s in _stacks(model).values()})
         found[kind] = {"diff": max(diffs), "grads": len(diffs) - 1, "report": ep_report(model),
                        "stack_experts": held}  # fmt: skip
