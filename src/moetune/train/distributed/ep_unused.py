@@ -10,6 +10,9 @@ while the reduce-scatter's zero would decay it. So each rank records which param
 backward reached (a hook on FSDP2's unsharded parameter, the one autograd accumulates into),
 and before each optimizer step one all-reduce of those flags (ep_lora.ranks_with, as the
 sliced factors' fill uses it) sets the gradient of a parameter no rank reached back to None.
+A step with no forward since the last one is left alone: torch's own optimizer-state load
+(`set_optimizer_state_dict`, how `--resume` restores FSDP2's state) steps once with zero
+gradients and lr 0 to create the state it fills, and every rank makes that step alike.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 REACHED = "_moetune_reached"  # model.__dict__: the names this rank's backward reached
+FORWARD = ""  # in that set: a forward ran since the last step (no parameter has this name)
 
 
 def track_reached(model: nn.Module, units: list[nn.Module]) -> None:
@@ -38,6 +42,7 @@ def track_reached(model: nn.Module, units: list[nn.Module]) -> None:
         return lambda _param: reached.add(name)
 
     def pre_forward(unit: nn.Module, _args: Any) -> None:
+        reached.add(FORWARD)
         prefix = prefixes[id(unit)]
         for name, param in unit.named_parameters(prefix=prefix):
             # FSDP2's own pre-forward hook ran first (prepended): this unit's parameters
@@ -67,6 +72,8 @@ def drop_unreached_before_step(optimizer: torch.optim.Optimizer, model: nn.Modul
     sharded = [(n, p) for n, p in sharded if p.requires_grad]
 
     def hook(_opt: torch.optim.Optimizer, *_args: Any) -> None:
+        if FORWARD not in reached:  # torch's state-creating step at a load, not training's
+            return
         got = ranks_with([n in reached for n, _ in sharded], None, sharded[0][1].device)
         for (_name, param), ranks in zip(sharded, got, strict=True):
             if not ranks:
