@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from moetune.train.errors import TrainError
 
@@ -131,17 +130,15 @@ def _require_state_everywhere(optimizer: Any, state: dict[int, Any]) -> None:
     gather would wait for a rank that has nothing to send): one all-reduce, then a refusal
     rather than a hang or a checkpoint with some experts' moments missing."""
     # lazy: heavy to import (moetune's engine)
-    from moetune.engine.ep_lora import piece_of
+    from moetune.engine.ep_lora import piece_of, ranks_with
 
     params = _optimized(optimizer)
     sliced = [i for i, p in enumerate(params) if piece_of(p) is not None]
     if not sliced:
         return
     shard = piece_of(params[sliced[0]]).shard  # type: ignore[union-attr]
-    has = torch.tensor([i in state for i in sliced], dtype=torch.int32,
-                       device=params[sliced[0]].device)  # fmt: skip
-    dist.all_reduce(has, group=shard.group)
-    if any(0 < n < shard.ranks for n in has.tolist()):
+    has = ranks_with([i in state for i in sliced], shard.group, params[sliced[0]].device)
+    if any(0 < n < shard.ranks for n in has):
         raise TrainError(
             "some ranks hold optimizer state for an expert LoRA slice and others none, so the "
             "checkpoint cannot hold it whole",
